@@ -1,0 +1,204 @@
+//! Job specs: what a user submits (`converge submit job.toml`) and what the allocator reads
+//! from KV `converge-jobs`. Parsing from TOML and every check a spec must pass live here, so
+//! the CLI refuses a bad spec with the same reason the allocator would.
+
+use crate::PROTOCOL_VERSION;
+use crate::ids::JobId;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Largest number of workers a job may ask for.
+pub const MAX_WORKERS: u32 = 4096;
+/// Largest number of GPUs per worker (one worker never spans hosts).
+pub const MAX_GPUS_PER_WORKER: u32 = 16;
+/// Environment variables set by the agent (worker contract) that a spec may not override.
+pub const RESERVED_ENV: [&str; 10] = [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "CONVERGE_JOB_ID",
+    "CONVERGE_GENERATION",
+    "CONVERGE_CHECKPOINT_DIR",
+];
+
+/// How a job's workers synchronize.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum SyncArch {
+    /// Data parallel with ring all-reduce of gradients (the default).
+    #[default]
+    Ring,
+}
+
+fn default_one() -> u32 {
+    1
+}
+fn default_max_restarts() -> u32 {
+    3
+}
+fn default_protocol() -> u32 {
+    PROTOCOL_VERSION
+}
+
+/// A training job.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    #[serde(default = "default_protocol")]
+    pub protocol: u32,
+    /// Unique id: `[A-Za-z0-9][A-Za-z0-9_-]{0,63}`.
+    pub id: JobId,
+    /// Program and arguments run for every rank (found on the agent's PATH if not absolute).
+    pub command: Vec<String>,
+    /// Extra environment for every rank (may not set the worker-contract variables).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// GPUs each worker gets, all on one host (default 1).
+    #[serde(default = "default_one")]
+    pub gpus_per_worker: u32,
+    /// Fewest workers the job can run with (default 1).
+    #[serde(default = "default_one")]
+    pub min_workers: u32,
+    /// Most workers the job can use (default: `min_workers`).
+    #[serde(default)]
+    pub max_workers: Option<u32>,
+    #[serde(default)]
+    pub arch: SyncArch,
+    /// Training loss at which the job counts as converged: the allocator stops it and marks
+    /// it completed.
+    #[serde(default)]
+    pub target_loss: Option<f64>,
+    /// Non-zero exits of a worker tolerated (with capped backoff) before the job fails.
+    #[serde(default = "default_max_restarts")]
+    pub max_restarts: u32,
+    /// Free-form labels shown by the CLI (e.g. `model`, `dataset`).
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Submission time (UNIX seconds); set by `converge submit`.
+    #[serde(default)]
+    pub submitted_at: f64,
+    /// Set by `converge cancel`: the allocator stops the job's workers.
+    #[serde(default)]
+    pub cancelled: bool,
+}
+
+/// Why a job spec was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum JobSpecError {
+    #[error("cannot parse job spec: {0}")]
+    Parse(#[from] toml::de::Error),
+    #[error("`command` is empty: give the program and its arguments, e.g. command = [\"converge-trainer\", \"--dataset\", \"a9a\"]")]
+    EmptyCommand,
+    #[error("`gpus_per_worker` is {0}; it must be between 1 and {MAX_GPUS_PER_WORKER}")]
+    GpusPerWorker(u32),
+    #[error("`min_workers` is {0}; it must be between 1 and {MAX_WORKERS}")]
+    MinWorkers(u32),
+    #[error("`max_workers` ({max}) is below `min_workers` ({min}) or above {MAX_WORKERS}")]
+    MaxWorkers { min: u32, max: u32 },
+    #[error("`target_loss` must be a finite number, got {0}")]
+    TargetLoss(f64),
+    #[error("`env` may not set {0}: the agent sets it (worker contract)")]
+    ReservedEnv(String),
+    #[error("`env` key {0:?} is not a valid environment variable name")]
+    BadEnvName(String),
+    #[error("unsupported protocol version {0}")]
+    Protocol(u32),
+}
+
+impl JobSpec {
+    /// Parses and validates a TOML job spec (the file given to `converge submit`).
+    pub fn from_toml(text: &str) -> Result<Self, JobSpecError> {
+        let spec: JobSpec = toml::from_str(text)?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// The effective maximum number of workers.
+    pub fn max_workers(&self) -> u32 {
+        self.max_workers.unwrap_or(self.min_workers)
+    }
+
+    /// Checks everything the types do not.
+    pub fn validate(&self) -> Result<(), JobSpecError> {
+        if self.protocol != PROTOCOL_VERSION {
+            return Err(JobSpecError::Protocol(self.protocol));
+        }
+        if self.command.is_empty() || self.command[0].trim().is_empty() {
+            return Err(JobSpecError::EmptyCommand);
+        }
+        if !(1..=MAX_GPUS_PER_WORKER).contains(&self.gpus_per_worker) {
+            return Err(JobSpecError::GpusPerWorker(self.gpus_per_worker));
+        }
+        if !(1..=MAX_WORKERS).contains(&self.min_workers) {
+            return Err(JobSpecError::MinWorkers(self.min_workers));
+        }
+        let max = self.max_workers();
+        if max < self.min_workers || max > MAX_WORKERS {
+            return Err(JobSpecError::MaxWorkers {
+                min: self.min_workers,
+                max,
+            });
+        }
+        if let Some(t) = self.target_loss
+            && !t.is_finite()
+        {
+            return Err(JobSpecError::TargetLoss(t));
+        }
+        for key in self.env.keys() {
+            if RESERVED_ENV.contains(&key.as_str()) {
+                return Err(JobSpecError::ReservedEnv(key.clone()));
+            }
+            let valid = !key.is_empty()
+                && !key.starts_with(|c: char| c.is_ascii_digit())
+                && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+            if !valid {
+                return Err(JobSpecError::BadEnvName(key.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(toml_text: &str, expect: &str) {
+        match JobSpec::from_toml(toml_text) {
+            Ok(_) => assert_eq!(expect, "ok", "spec was accepted"),
+            Err(e) => assert!(
+                e.to_string().contains(expect),
+                "error {:?} does not mention {:?}",
+                e.to_string(),
+                expect
+            ),
+        }
+    }
+
+    #[test]
+    fn minimal_spec_gets_defaults() {
+        let s = JobSpec::from_toml("id = \"j1\"\ncommand = [\"true\"]\n").unwrap();
+        assert_eq!((s.gpus_per_worker, s.min_workers, s.max_workers()), (1, 1, 1));
+        assert_eq!(s.arch, SyncArch::Ring);
+        assert_eq!(s.max_restarts, 3);
+    }
+
+    #[test]
+    fn refusals_say_why() {
+        check("id = \"j\"\ncommand = [\"t\"]\nmax_workers = 4\n", "ok");
+        check("id = \"j.x\"\ncommand = [\"t\"]\n", "'.'");
+        check("id = \"j\"\ncommand = []\n", "`command` is empty");
+        check("id = \"j\"\ncommand = [\"t\"]\ngpus_per_worker = 0\n", "gpus_per_worker");
+        check("id = \"j\"\ncommand = [\"t\"]\nmin_workers = 3\nmax_workers = 2\n", "max_workers");
+        check("id = \"j\"\ncommand = [\"t\"]\n[env]\nRANK = \"0\"\n", "may not set RANK");
+        check("id = \"j\"\ncommand = [\"t\"]\n[env]\n\"A-B\" = \"0\"\n", "not a valid");
+        check("id = \"j\"\ncommand = [\"t\"]\ntarget_loss = nan\n", "finite");
+        check("id = \"j\"\ncommand = [\"t\"]\ngpu = 1\n", "unknown field `gpu`");
+        check("id = \"j\"\ncommand = [\"t\"]\narch = \"mesh\"\n", "unknown variant `mesh`");
+        check("command = [\"t\"]\n", "missing field `id`");
+    }
+}

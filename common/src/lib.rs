@@ -1,0 +1,20 @@
+//! Converge's wire protocol, version 1: every message type, subject and KV bucket name, and
+//! the validation every process applies to what it reads from the bus.
+//!
+//! This crate deliberately has no async dependency: it is plain data plus checks, so the
+//! agent, the allocator, the CLI and the simulator share one definition of the protocol.
+
+pub mod ids;
+pub mod jobspec;
+pub mod messages;
+pub mod subjects;
+
+pub use ids::{HostId, IdError, JobId};
+pub use jobspec::{JobSpec, JobSpecError, SyncArch};
+pub use messages::*;
+
+/// Version carried by every message (`"protocol": 1`). A reader refuses any other value.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Largest message any Converge process accepts, in bytes (1 MiB, NATS's default `max_payload`).
+pub const MAX_MESSAGE_BYTES: usize = 1024 * 1024;

@@ -1,0 +1,683 @@
+//! Message types of protocol v1. Every top-level message has a `protocol` field that must
+//! equal [`PROTOCOL_VERSION`]; [`decode`] checks size, JSON shape, version and content.
+//!
+//! Units are in field names or docs: times are UNIX seconds (f64), sizes bytes, rates per
+//! second, power milliwatts, utilization percent (0–100).
+
+use crate::ids::{HostId, JobId};
+use crate::jobspec::JobSpec;
+use crate::{MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// A message of protocol v1: it knows its version and can check its own content.
+pub trait Message: Serialize + DeserializeOwned {
+    /// The `protocol` field.
+    fn protocol(&self) -> u32;
+    /// Content checks beyond what the types enforce (finite numbers, consistent ranks...).
+    fn validate(&self) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Why a received message was refused. Readers count and log these; they are never fatal.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("message of {0} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")]
+    TooLarge(usize),
+    #[error("malformed message: {0}")]
+    Malformed(#[from] serde_json::Error),
+    #[error("unsupported protocol version {found} (this build speaks {PROTOCOL_VERSION})")]
+    WrongVersion { found: u32 },
+    #[error("invalid message: {0}")]
+    Invalid(String),
+}
+
+impl DecodeError {
+    /// A short label for metrics and logs: `too_large`, `malformed`, `wrong_version`, `invalid`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DecodeError::TooLarge(_) => "too_large",
+            DecodeError::Malformed(_) => "malformed",
+            DecodeError::WrongVersion { .. } => "wrong_version",
+            DecodeError::Invalid(_) => "invalid",
+        }
+    }
+}
+
+/// Decodes and checks a message read from the bus.
+pub fn decode<T: Message>(bytes: &[u8]) -> Result<T, DecodeError> {
+    if bytes.len() > MAX_MESSAGE_BYTES {
+        return Err(DecodeError::TooLarge(bytes.len()));
+    }
+    // Check the version before the full shape, so a v2 message says "wrong version".
+    #[derive(Deserialize)]
+    struct Versioned {
+        protocol: Option<u32>,
+    }
+    let v: Versioned = serde_json::from_slice(bytes)?;
+    match v.protocol {
+        Some(PROTOCOL_VERSION) => {}
+        Some(found) => return Err(DecodeError::WrongVersion { found }),
+        None => return Err(DecodeError::Invalid("missing field `protocol`".into())),
+    }
+    let msg: T = serde_json::from_slice(bytes)?;
+    msg.validate().map_err(DecodeError::Invalid)?;
+    Ok(msg)
+}
+
+/// Encodes a message as JSON.
+pub fn encode<T: Message>(msg: &T) -> Vec<u8> {
+    serde_json::to_vec(msg).expect("protocol types always serialize")
+}
+
+fn default_protocol() -> u32 {
+    PROTOCOL_VERSION
+}
+
+fn finite(name: &str, x: f64) -> Result<(), String> {
+    if x.is_finite() {
+        Ok(())
+    } else {
+        Err(format!("{name} must be a finite number, got {x}"))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Telemetry
+// ---------------------------------------------------------------------------------------
+
+/// One GPU as seen by the agent (NVML or the fake source).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuSample {
+    /// NVML index on the host, 0-based; the value used in `CUDA_VISIBLE_DEVICES`.
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub memory_total_bytes: u64,
+    pub memory_used_bytes: u64,
+    /// GPU utilization over the last sample period, percent (DCGM_FI_DEV_GPU_UTIL).
+    pub utilization_pct: f64,
+    /// Board power draw in milliwatts, when the source reports it.
+    pub power_mw: Option<u64>,
+}
+
+/// One network interface.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NicSample {
+    pub name: String,
+    pub rx_bytes_per_s: f64,
+    pub tx_bytes_per_s: f64,
+}
+
+/// Supervision state of one worker process on a host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerPhase {
+    /// Process is running.
+    Running,
+    /// Exited non-zero; waiting out its backoff before a restart.
+    Backoff,
+    /// SIGTERM sent; waiting for it to exit (SIGKILL after the grace period).
+    Stopping,
+    /// Exited 0. Kept until the plan drops it.
+    Succeeded,
+    /// Exited non-zero more often than its restart limit; not restarted again.
+    Failed,
+}
+
+impl WorkerPhase {
+    /// Whether a process may still exist (so its GPUs and the job's checkpoint are in use).
+    pub fn is_alive(self) -> bool {
+        matches!(self, WorkerPhase::Running | WorkerPhase::Stopping)
+    }
+}
+
+/// One worker's state in a telemetry message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerState {
+    pub job: JobId,
+    pub generation: u64,
+    pub rank: u32,
+    pub phase: WorkerPhase,
+    pub pid: Option<u32>,
+    /// Restarts of this worker within its generation.
+    pub restarts: u32,
+    pub last_exit_code: Option<i32>,
+    pub gpus: Vec<u32>,
+}
+
+/// A host's telemetry and heartbeat, published every telemetry interval.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostTelemetry {
+    #[serde(default = "default_protocol")]
+    pub protocol: u32,
+    pub host: HostId,
+    /// Address other hosts reach this host at (used as `MASTER_ADDR` when it holds rank 0).
+    pub addr: String,
+    /// Time of the sample (UNIX seconds, agent's clock).
+    pub time: f64,
+    /// Agent version (crate version).
+    pub agent_version: String,
+    /// `"nvml"` or `"fake"`.
+    pub gpu_source: String,
+    pub gpus: Vec<GpuSample>,
+    pub nics: Vec<NicSample>,
+    /// Host CPU utilization, percent of all cores.
+    pub cpu_pct: f64,
+    pub memory_used_bytes: u64,
+    pub memory_total_bytes: u64,
+    pub workers: Vec<WorkerState>,
+    /// `CONVERGE_PROGRESS` lines this agent could not parse since it started.
+    pub malformed_progress_lines: u64,
+}
+
+impl Message for HostTelemetry {
+    fn protocol(&self) -> u32 {
+        self.protocol
+    }
+    fn validate(&self) -> Result<(), String> {
+        finite("time", self.time)?;
+        finite("cpu_pct", self.cpu_pct)?;
+        for g in &self.gpus {
+            finite("utilization_pct", g.utilization_pct)?;
+        }
+        for n in &self.nics {
+            finite("rx_bytes_per_s", n.rx_bytes_per_s)?;
+            finite("tx_bytes_per_s", n.tx_bytes_per_s)?;
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Progress
+// ---------------------------------------------------------------------------------------
+
+/// The JSON a worker prints after `CONVERGE_PROGRESS ` on stdout (worker contract).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerProgressLine {
+    /// Optimizer steps since the job began (continues across generations).
+    pub step: u64,
+    /// Training samples processed since the job began (continues across generations).
+    pub samples: u64,
+    /// Training loss (mean over the steps since the previous line).
+    pub loss: f64,
+    /// Held-out loss, when the worker evaluated one at this step.
+    #[serde(default)]
+    pub eval_loss: Option<f64>,
+    /// Epochs of data processed (samples / training-set size), when known.
+    #[serde(default)]
+    pub epoch: Option<f64>,
+}
+
+/// Prefix of a progress line on a worker's stdout.
+pub const PROGRESS_LINE_PREFIX: &str = "CONVERGE_PROGRESS ";
+
+impl WorkerProgressLine {
+    /// Parses one stdout line. `Ok(None)` if the line is not a progress line at all.
+    pub fn parse(line: &str) -> Result<Option<Self>, String> {
+        let Some(rest) = line.trim().strip_prefix(PROGRESS_LINE_PREFIX.trim_end()) else {
+            return Ok(None);
+        };
+        if !(rest.is_empty() || rest.starts_with(char::is_whitespace)) {
+            return Ok(None);
+        }
+        let p: WorkerProgressLine =
+            serde_json::from_str(rest.trim()).map_err(|e| format!("bad progress JSON: {e}"))?;
+        finite("loss", p.loss)?;
+        if let Some(e) = p.eval_loss {
+            finite("eval_loss", e)?;
+        }
+        Ok(Some(p))
+    }
+}
+
+/// One progress report on `converge.v1.progress.<job>`: a worker's progress line plus who
+/// and when.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProgressReport {
+    #[serde(default = "default_protocol")]
+    pub protocol: u32,
+    pub job: JobId,
+    pub generation: u64,
+    pub rank: u32,
+    pub host: HostId,
+    pub step: u64,
+    pub samples: u64,
+    pub loss: f64,
+    #[serde(default)]
+    pub eval_loss: Option<f64>,
+    #[serde(default)]
+    pub epoch: Option<f64>,
+    /// When the agent read the line (UNIX seconds).
+    pub time: f64,
+}
+
+impl Message for ProgressReport {
+    fn protocol(&self) -> u32 {
+        self.protocol
+    }
+    fn validate(&self) -> Result<(), String> {
+        finite("loss", self.loss)?;
+        finite("time", self.time)?;
+        if let Some(e) = self.eval_loss {
+            finite("eval_loss", e)?;
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Plans
+// ---------------------------------------------------------------------------------------
+
+/// One worker the allocator wants running on a host.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkerAssignment {
+    pub job: JobId,
+    /// The job's generation: bumped on every allocation change; workers of other
+    /// generations are stopped (fencing).
+    pub generation: u64,
+    pub rank: u32,
+    pub world_size: u32,
+    pub local_rank: u32,
+    pub local_world_size: u32,
+    /// GPU indices on this host, in `CUDA_VISIBLE_DEVICES` order.
+    pub gpus: Vec<u32>,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// Program and arguments.
+    pub command: Vec<String>,
+    /// Extra environment from the job spec.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Non-zero exits tolerated (with backoff) before the worker is marked failed.
+    pub max_restarts: u32,
+}
+
+/// The desired workers of one host (KV `converge-plans`, key = host id). Level-triggered:
+/// the agent reconciles to the latest value.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostPlan {
+    #[serde(default = "default_protocol")]
+    pub protocol: u32,
+    pub host: HostId,
+    pub workers: Vec<WorkerAssignment>,
+}
+
+impl Message for HostPlan {
+    fn protocol(&self) -> u32 {
+        self.protocol
+    }
+    fn validate(&self) -> Result<(), String> {
+        for w in &self.workers {
+            if w.rank >= w.world_size {
+                return Err(format!("rank {} >= world size {}", w.rank, w.world_size));
+            }
+            if w.local_rank >= w.local_world_size {
+                return Err(format!(
+                    "local rank {} >= local world size {}",
+                    w.local_rank, w.local_world_size
+                ));
+            }
+            if w.command.is_empty() {
+                return Err(format!("worker {}/{} has an empty command", w.job, w.rank));
+            }
+        }
+        let mut keys: Vec<_> = self.workers.iter().map(|w| (&w.job, w.rank)).collect();
+        keys.sort();
+        if keys.windows(2).any(|p| p[0] == p[1]) {
+            return Err("a (job, rank) appears twice in the plan".into());
+        }
+        let mut gpus: Vec<u32> = self.workers.iter().flat_map(|w| w.gpus.clone()).collect();
+        gpus.sort_unstable();
+        if gpus.windows(2).any(|p| p[0] == p[1]) {
+            return Err("a GPU is given to two workers".into());
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Jobs
+// ---------------------------------------------------------------------------------------
+
+/// A job spec as stored in KV `converge-jobs` (written by the CLI).
+impl Message for JobSpec {
+    fn protocol(&self) -> u32 {
+        self.protocol
+    }
+    fn validate(&self) -> Result<(), String> {
+        JobSpec::validate(self).map_err(|e| e.to_string())
+    }
+}
+
+/// Lifecycle phase of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JobPhase {
+    /// Admitted, waiting for GPUs.
+    Pending,
+    /// Workers of the current generation are planned.
+    Running,
+    /// Allocation changed: waiting for the previous generation's workers to exit before
+    /// the new generation is planned.
+    Restarting,
+    Completed,
+    Failed,
+    Cancelled,
+}
+
+impl JobPhase {
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            JobPhase::Completed | JobPhase::Failed | JobPhase::Cancelled
+        )
+    }
+}
+
+/// Where one rank of a job runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankPlacement {
+    pub rank: u32,
+    pub host: HostId,
+    pub gpus: Vec<u32>,
+}
+
+/// A fitted loss curve `loss(k)` with `k` = samples processed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FittedCurve {
+    /// `inv_quadratic` = 1/(a·k²+b·k+c)+d, `inv_linear` = 1/(a·k+b)+c, `exp` = e^(−a·k)+b.
+    pub family: String,
+    /// Parameters in the order of the formula, with `k` in samples.
+    pub params: Vec<f64>,
+    /// Weighted root-mean-square error of the fit, in loss units.
+    pub rmse: f64,
+    /// Points the fit used.
+    pub points: usize,
+}
+
+/// A job's status (KV `converge-job-status`, key = job id; written by the allocator only).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobStatus {
+    #[serde(default = "default_protocol")]
+    pub protocol: u32,
+    pub job: JobId,
+    pub phase: JobPhase,
+    /// 0 until the job is first placed; +1 on every allocation change.
+    pub generation: u64,
+    /// Workers of the current generation (0 while pending).
+    pub world_size: u32,
+    pub placement: Vec<RankPlacement>,
+    pub master_port: Option<u16>,
+    pub step: u64,
+    pub samples: u64,
+    pub first_loss: Option<f64>,
+    pub loss: Option<f64>,
+    pub eval_loss: Option<f64>,
+    pub curve: Option<FittedCurve>,
+    /// Loss the fitted curve predicts one horizon ahead at the current allocation.
+    pub predicted_loss: Option<f64>,
+    /// Observed throughput of the current allocation, samples per second.
+    pub samples_per_s: Option<f64>,
+    pub submitted_at: f64,
+    pub started_at: Option<f64>,
+    pub finished_at: Option<f64>,
+    pub updated_at: f64,
+    /// Why the job is in its phase (failure reason, cancellation...), for humans.
+    pub message: Option<String>,
+}
+
+impl Message for JobStatus {
+    fn protocol(&self) -> u32 {
+        self.protocol
+    }
+    fn validate(&self) -> Result<(), String> {
+        if self.placement.len() != self.world_size as usize {
+            return Err(format!(
+                "placement has {} ranks but world size is {}",
+                self.placement.len(),
+                self.world_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Events
+// ---------------------------------------------------------------------------------------
+
+/// What happened. Events are best-effort notifications (core NATS) for `converge watch`
+/// and tests; state lives in KV, never only in an event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum EventKind {
+    WorkerStarted {
+        job: JobId,
+        generation: u64,
+        rank: u32,
+        pid: u32,
+    },
+    WorkerExited {
+        job: JobId,
+        generation: u64,
+        rank: u32,
+        code: Option<i32>,
+        signal: Option<i32>,
+    },
+    WorkerFailed {
+        job: JobId,
+        generation: u64,
+        rank: u32,
+        restarts: u32,
+    },
+    PlanApplied {
+        workers: usize,
+    },
+    JobSubmitted {
+        job: JobId,
+    },
+    AllocationChanged {
+        job: JobId,
+        generation: u64,
+        from_workers: u32,
+        to_workers: u32,
+    },
+    JobFinished {
+        job: JobId,
+        phase: JobPhase,
+    },
+    HostLost {
+        host: HostId,
+    },
+}
+
+/// An event on `converge.v1.events.job.<job>` or `converge.v1.events.host.<host>`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    #[serde(default = "default_protocol")]
+    pub protocol: u32,
+    pub time: f64,
+    /// Process that emitted it: `agent/<host>`, `allocator`, `cli`.
+    pub source: String,
+    #[serde(flatten)]
+    pub kind: EventKind,
+    /// One human sentence.
+    pub message: String,
+}
+
+impl Message for Event {
+    fn protocol(&self) -> u32 {
+        self.protocol
+    }
+}
+
+impl Event {
+    pub fn new(time: f64, source: impl Into<String>, kind: EventKind, message: String) -> Self {
+        Self {
+            protocol: PROTOCOL_VERSION,
+            time,
+            source: source.into(),
+            kind,
+            message,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(s: &str) -> JobId {
+        JobId::new(s).unwrap()
+    }
+    fn host(s: &str) -> HostId {
+        HostId::new(s).unwrap()
+    }
+
+    fn round_trip<T: Message + PartialEq + std::fmt::Debug>(msg: T) {
+        let bytes = encode(&msg);
+        let back: T = decode(&bytes).unwrap();
+        assert_eq!(back, msg);
+    }
+
+    fn sample_plan() -> HostPlan {
+        HostPlan {
+            protocol: PROTOCOL_VERSION,
+            host: host("node-1"),
+            workers: vec![WorkerAssignment {
+                job: job("a9a"),
+                generation: 3,
+                rank: 1,
+                world_size: 2,
+                local_rank: 0,
+                local_world_size: 1,
+                gpus: vec![2],
+                master_addr: "10.0.0.1".into(),
+                master_port: 23456,
+                command: vec!["converge-trainer".into()],
+                env: BTreeMap::new(),
+                max_restarts: 3,
+            }],
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        round_trip(sample_plan());
+        round_trip(ProgressReport {
+            protocol: 1,
+            job: job("a9a"),
+            generation: 2,
+            rank: 0,
+            host: host("h"),
+            step: 10,
+            samples: 640,
+            loss: 0.5,
+            eval_loss: Some(0.6),
+            epoch: Some(0.02),
+            time: 1.7e9,
+        });
+        round_trip(Event::new(
+            1.0,
+            "allocator",
+            EventKind::AllocationChanged {
+                job: job("x"),
+                generation: 2,
+                from_workers: 1,
+                to_workers: 3,
+            },
+            "grew".into(),
+        ));
+        round_trip(HostTelemetry {
+            protocol: 1,
+            host: host("h"),
+            addr: "127.0.0.1".into(),
+            time: 5.0,
+            agent_version: "0.1.0".into(),
+            gpu_source: "fake".into(),
+            gpus: vec![GpuSample {
+                index: 0,
+                uuid: "GPU-fake".into(),
+                name: "Fake".into(),
+                memory_total_bytes: 1 << 34,
+                memory_used_bytes: 0,
+                utilization_pct: 0.0,
+                power_mw: None,
+            }],
+            nics: vec![NicSample {
+                name: "lo".into(),
+                rx_bytes_per_s: 1.0,
+                tx_bytes_per_s: 2.0,
+            }],
+            cpu_pct: 3.0,
+            memory_used_bytes: 1,
+            memory_total_bytes: 2,
+            workers: vec![WorkerState {
+                job: job("a"),
+                generation: 1,
+                rank: 0,
+                phase: WorkerPhase::Backoff,
+                pid: None,
+                restarts: 1,
+                last_exit_code: Some(1),
+                gpus: vec![0],
+            }],
+            malformed_progress_lines: 0,
+        });
+    }
+
+    #[test]
+    fn rejects_wrong_version_oversize_garbage_and_bad_ids() {
+        let mut v: serde_json::Value = serde_json::from_slice(&encode(&sample_plan())).unwrap();
+        v["protocol"] = 2.into();
+        let e = decode::<HostPlan>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), "wrong_version", "{e}");
+
+        v["protocol"] = 1.into();
+        v["host"] = "a.b".into();
+        let e = decode::<HostPlan>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), "malformed", "{e}");
+
+        v.as_object_mut().unwrap().remove("protocol");
+        let e = decode::<HostPlan>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), "invalid", "{e}");
+
+        assert_eq!(decode::<HostPlan>(b"{not json").unwrap_err().kind(), "malformed");
+        let big = vec![b' '; MAX_MESSAGE_BYTES + 1];
+        assert_eq!(decode::<HostPlan>(&big).unwrap_err().kind(), "too_large");
+    }
+
+    #[test]
+    fn rejects_inconsistent_plans() {
+        let mut p = sample_plan();
+        p.workers[0].rank = 2;
+        assert!(p.validate().unwrap_err().contains("world size"));
+        let mut p = sample_plan();
+        let mut w = p.workers[0].clone();
+        w.rank = 0;
+        p.workers.push(w);
+        assert!(p.validate().unwrap_err().contains("GPU"));
+    }
+
+    #[test]
+    fn progress_line_parsing() {
+        let ok = WorkerProgressLine::parse(
+            r#"CONVERGE_PROGRESS {"step":120,"samples":30720,"loss":0.53}"#,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!((ok.step, ok.samples, ok.loss), (120, 30720, 0.53));
+        assert_eq!(WorkerProgressLine::parse("epoch 3 done").unwrap(), None);
+        assert!(WorkerProgressLine::parse("CONVERGE_PROGRESS {\"step\":1}").is_err());
+        assert!(
+            WorkerProgressLine::parse(r#"CONVERGE_PROGRESS {"step":1,"samples":1,"loss":NaN}"#)
+                .is_err()
+        );
+        assert!(WorkerProgressLine::parse("CONVERGE_PROGRESS ").is_err());
+    }
+}
