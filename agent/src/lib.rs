@@ -1,1 +1,384 @@
+//! `converge-agent`: the node daemon. Reports GPU (NVML or fake), NIC and host telemetry,
+//! keeps its latest telemetry in KV as the host's heartbeat, watches its own plan key and
+//! reconciles worker processes to it, and publishes the workers' progress reports.
 
+pub mod gpu;
+pub mod host;
+pub mod reconcile;
+pub mod supervisor;
+
+use anyhow::Context as _;
+use converge_bus::{Bus, NatsArgs, Rejects, humantime_duration, unix_now};
+use converge_common::{
+    Event, EventKind, HostId, HostPlan, HostTelemetry, PROTOCOL_VERSION, WorkerAssignment, subjects,
+};
+use futures::StreamExt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+use supervisor::{ExitNotice, Outgoing, Supervisor, SupervisorConfig};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+/// Default telemetry (and heartbeat) interval.
+pub const DEFAULT_TELEMETRY_INTERVAL: &str = "1s";
+/// Default time between SIGTERM and SIGKILL when stopping a worker.
+pub const DEFAULT_STOP_GRACE: &str = "10s";
+/// How often the supervisor re-checks backoffs and grace periods.
+pub const RECONCILE_TICK: Duration = Duration::from_millis(200);
+/// Telemetry is published at most this often, even when workers change faster.
+pub const MIN_TELEMETRY_SPACING: Duration = Duration::from_millis(200);
+/// How often the plan is re-read even without a watch update (safety net after reconnects).
+pub const PLAN_RESYNC: Duration = Duration::from_secs(15);
+
+/// Command line and environment of `converge-agent`.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "converge-agent",
+    version,
+    about = "Converge node agent: reports GPU, NIC and host telemetry over NATS and runs the \
+             training workers the allocator plans for this host.",
+    long_about = None
+)]
+pub struct AgentConfig {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// This host's id (letters, digits, '_' and '-'); default: the hostname up to its first dot.
+    #[arg(long, env = "CONVERGE_HOST_ID")]
+    pub host_id: Option<String>,
+    /// Address other hosts use to reach this one (MASTER_ADDR of jobs whose rank 0 runs
+    /// here); default: the local address of the route to the NATS server.
+    #[arg(long, env = "CONVERGE_ADVERTISE_ADDR")]
+    pub advertise_addr: Option<String>,
+    /// Pretend this host has N GPUs (machines without GPUs: development, CI, local cluster).
+    /// Without it the agent uses NVML and exits if NVML cannot be loaded.
+    #[arg(long, env = "CONVERGE_FAKE_GPUS")]
+    pub fake_gpus: Option<u32>,
+    /// How often telemetry (the heartbeat) is published, e.g. 1s or 500ms.
+    #[arg(long, env = "CONVERGE_TELEMETRY_INTERVAL", default_value = DEFAULT_TELEMETRY_INTERVAL, value_parser = humantime_duration)]
+    pub telemetry_interval: Duration,
+    /// Directory for worker logs (`<dir>/<job>/gen<g>-rank<r>.log`).
+    #[arg(long, env = "CONVERGE_LOG_DIR", default_value = "converge-work/logs")]
+    pub log_dir: PathBuf,
+    /// Root of job checkpoint directories (`<root>/<job>`); must be shared by all hosts for
+    /// jobs to move between hosts.
+    #[arg(
+        long,
+        env = "CONVERGE_CHECKPOINT_ROOT",
+        default_value = "converge-work/checkpoints"
+    )]
+    pub checkpoint_root: PathBuf,
+    /// Time a worker gets between SIGTERM and SIGKILL to checkpoint and exit.
+    #[arg(long, env = "CONVERGE_STOP_GRACE", default_value = DEFAULT_STOP_GRACE, value_parser = humantime_duration)]
+    pub stop_grace: Duration,
+    /// First restart delay of a crashed worker; doubles per restart.
+    #[arg(long, env = "CONVERGE_BACKOFF_BASE", default_value = "1s", value_parser = humantime_duration)]
+    pub backoff_base: Duration,
+    /// Longest restart delay.
+    #[arg(long, env = "CONVERGE_BACKOFF_CAP", default_value = "30s", value_parser = humantime_duration)]
+    pub backoff_cap: Duration,
+}
+
+/// Runs the agent until `shutdown` is cancelled, then stops its workers (SIGTERM, grace,
+/// SIGKILL) and returns.
+pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let host = match &cfg.host_id {
+        Some(h) => HostId::new(h.clone()).with_context(|| format!("invalid --host-id {h:?}"))?,
+        None => HostId::new(host::default_host_id()).context("cannot derive a host id")?,
+    };
+    let mut gpus =
+        gpu::open_gpu_source(host.as_str(), cfg.fake_gpus).map_err(anyhow::Error::msg)?;
+    let mut host_sampler = host::HostSampler::new().map_err(anyhow::Error::msg)?;
+    let addr = cfg
+        .advertise_addr
+        .clone()
+        .unwrap_or_else(|| route_addr(&cfg.nats.url));
+    tracing::info!(%host, %addr, gpus = gpus.count(), source = gpus.kind(), "agent starting");
+
+    let client = converge_bus::connect(&cfg.nats, &format!("converge-agent/{host}")).await?;
+    let bus = Bus::open(client).await?;
+    let rejects = Arc::new(Rejects::default());
+
+    let (exit_tx, mut exit_rx) = mpsc::channel::<ExitNotice>(1024);
+    let (out_tx, out_rx) = mpsc::channel::<Outgoing>(10_000);
+    let outbox = tokio::spawn(run_outbox(bus.clone(), out_rx));
+
+    let (plan_tx, mut plan_rx) = watch::channel::<Option<Vec<WorkerAssignment>>>(None);
+    let plan_task = tokio::spawn(watch_plan(
+        bus.clone(),
+        host.clone(),
+        plan_tx,
+        rejects.clone(),
+        shutdown.clone(),
+    ));
+
+    let mut sup = Supervisor::new(
+        SupervisorConfig {
+            host: host.clone(),
+            log_dir: cfg.log_dir.clone(),
+            checkpoint_root: cfg.checkpoint_root.clone(),
+            stop_grace: cfg.stop_grace,
+            backoff_base: cfg.backoff_base,
+            backoff_cap: cfg.backoff_cap,
+        },
+        exit_tx,
+        out_tx.clone(),
+    );
+
+    let mut telemetry_tick = tokio::time::interval(cfg.telemetry_interval);
+    telemetry_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut reconcile_tick = tokio::time::interval(RECONCILE_TICK);
+    let mut last_published = tokio::time::Instant::now() - MIN_TELEMETRY_SPACING;
+    let mut dirty = true;
+    let mut stopping_since: Option<tokio::time::Instant> = None;
+
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled(), if stopping_since.is_none() => {
+                tracing::info!("shutting down: stopping all workers");
+                sup.stop_all();
+                stopping_since = Some(tokio::time::Instant::now());
+                dirty = true;
+            }
+            changed = plan_rx.changed(), if stopping_since.is_none() => {
+                if changed.is_err() { break; }
+                let plan = plan_rx.borrow_and_update().clone();
+                if let Some(plan) = plan {
+                    let workers = plan.len();
+                    sup.set_plan(plan);
+                    dirty |= sup.reconcile();
+                    emit(&out_tx, &host, EventKind::PlanApplied { workers }, format!("{host} applied a plan of {workers} workers"));
+                }
+            }
+            Some(notice) = exit_rx.recv() => {
+                sup.on_exit(notice);
+                sup.reconcile();
+                dirty = true;
+            }
+            _ = reconcile_tick.tick() => {
+                dirty |= sup.reconcile();
+            }
+            _ = telemetry_tick.tick() => {
+                dirty = true;
+            }
+        }
+        if stopping_since.is_some() && sup.all_stopped() {
+            break;
+        }
+        if dirty && last_published.elapsed() >= MIN_TELEMETRY_SPACING {
+            let (workers, busy) = sup.snapshot();
+            let h = host_sampler.sample();
+            let telemetry = HostTelemetry {
+                protocol: PROTOCOL_VERSION,
+                host: host.clone(),
+                addr: addr.clone(),
+                time: unix_now(),
+                agent_version: env!("CARGO_PKG_VERSION").to_string(),
+                gpu_source: gpus.kind().to_string(),
+                gpus: gpus.sample(&busy),
+                nics: h.nics,
+                cpu_pct: h.cpu_pct,
+                memory_used_bytes: h.memory_used_bytes,
+                memory_total_bytes: h.memory_total_bytes,
+                workers,
+                malformed_progress_lines: sup.malformed_lines(),
+            };
+            publish_telemetry(&bus, &telemetry).await;
+            last_published = tokio::time::Instant::now();
+            dirty = false;
+        }
+    }
+    plan_task.abort();
+    drop(out_tx);
+    drop(sup);
+    let _ = tokio::time::timeout(Duration::from_secs(5), outbox).await;
+    let _ = bus.client.flush().await;
+    tracing::info!(refused_messages = rejects.total(), "agent stopped");
+    Ok(())
+}
+
+async fn publish_telemetry(bus: &Bus, telemetry: &HostTelemetry) {
+    // The heartbeat in KV must not stall the supervisor for long when NATS is away.
+    let put = bus.put(&bus.hosts, telemetry.host.as_str(), telemetry);
+    match tokio::time::timeout(Duration::from_secs(2), put).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!("heartbeat not stored: {e}"),
+        Err(_) => tracing::warn!("heartbeat not stored: NATS did not answer within 2 s"),
+    }
+    if let Err(e) = bus
+        .publish(subjects::telemetry(&telemetry.host), telemetry)
+        .await
+    {
+        tracing::warn!("telemetry not published: {e}");
+    }
+}
+
+fn emit(out: &mpsc::Sender<Outgoing>, host: &HostId, kind: EventKind, message: String) {
+    let _ = out.try_send(Outgoing::Event(Event::new(
+        unix_now(),
+        format!("agent/{host}"),
+        kind,
+        message,
+    )));
+}
+
+/// Publishes progress reports (JetStream, acknowledged, retried) and events (core NATS).
+async fn run_outbox(bus: Bus, mut rx: mpsc::Receiver<Outgoing>) {
+    while let Some(item) = rx.recv().await {
+        match item {
+            Outgoing::Progress(report) => {
+                let subject = subjects::progress(&report.job);
+                let mut attempt = 0u32;
+                loop {
+                    match bus.publish_acked(subject.clone(), &report).await {
+                        Ok(()) => break,
+                        Err(e) if attempt < 5 => {
+                            attempt += 1;
+                            tracing::warn!("{e}; retry {attempt}/5");
+                            tokio::time::sleep(Duration::from_millis(200 * u64::from(attempt)))
+                                .await;
+                        }
+                        Err(e) => {
+                            tracing::error!("progress report lost after 5 retries: {e}");
+                            break;
+                        }
+                    }
+                }
+            }
+            Outgoing::Event(event) => {
+                let subject = match &event.kind {
+                    EventKind::WorkerStarted { job, .. }
+                    | EventKind::WorkerExited { job, .. }
+                    | EventKind::WorkerFailed { job, .. } => subjects::job_events(job),
+                    _ => {
+                        let host = event.source.trim_start_matches("agent/");
+                        match HostId::new(host) {
+                            Ok(h) => subjects::host_events(&h),
+                            Err(_) => continue,
+                        }
+                    }
+                };
+                if let Err(e) = bus.publish(subject, &event).await {
+                    tracing::debug!("event not published: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Follows this host's plan key: the current value first, then every update. A deleted
+/// key means "no workers". Re-creates the watch if it ends and re-reads the key every
+/// [`PLAN_RESYNC`] (the plan is level-triggered, so reading it twice is harmless).
+async fn watch_plan(
+    bus: Bus,
+    host: HostId,
+    tx: watch::Sender<Option<Vec<WorkerAssignment>>>,
+    rejects: Arc<Rejects>,
+    shutdown: CancellationToken,
+) {
+    let source = format!("kv:{}", subjects::BUCKET_PLANS);
+    let apply = |bytes: Option<&[u8]>| -> Option<Vec<WorkerAssignment>> {
+        let Some(bytes) = bytes else {
+            return Some(Vec::new());
+        };
+        let plan: HostPlan = rejects.decode(&source, host.as_str(), bytes)?;
+        if plan.host != host {
+            tracing::warn!(plan_host = %plan.host, "plan stored under this host names another host; ignored");
+            return None;
+        }
+        Some(plan.workers)
+    };
+    let send = |plan: Vec<WorkerAssignment>| {
+        tx.send_if_modified(|cur| {
+            if cur.as_ref() == Some(&plan) {
+                false
+            } else {
+                *cur = Some(plan);
+                true
+            }
+        });
+    };
+    while !shutdown.is_cancelled() {
+        let mut watch = match bus.plans.watch_with_history(host.as_str()).await {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!("cannot watch plan: {e}; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        // The watch delivers nothing when the key was never written: start with no workers.
+        match bus.plans.entry(host.as_str()).await {
+            Ok(None) => send(Vec::new()),
+            Ok(Some(_)) | Err(_) => {}
+        }
+        let mut resync = tokio::time::interval(PLAN_RESYNC);
+        resync.tick().await;
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                entry = watch.next() => match entry {
+                    Some(Ok(entry)) => {
+                        let value = (entry.operation == async_nats::jetstream::kv::Operation::Put)
+                            .then_some(&entry.value[..]);
+                        if let Some(plan) = apply(value) { send(plan); }
+                    }
+                    Some(Err(e)) => { tracing::warn!("plan watch error: {e}"); break; }
+                    None => { tracing::warn!("plan watch ended; re-creating"); break; }
+                },
+                _ = resync.tick() => {
+                    if let Ok(entry) = bus.plans.entry(host.as_str()).await {
+                        let value = entry.as_ref()
+                            .filter(|e| e.operation == async_nats::jetstream::kv::Operation::Put)
+                            .map(|e| &e.value[..]);
+                        if let Some(plan) = apply(value) { send(plan); }
+                    }
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// The local IP address of the route to the first NATS server in `url` (no packet is
+/// sent); `127.0.0.1` if it cannot be determined.
+pub fn route_addr(url: &str) -> String {
+    let first = url.split(',').next().unwrap_or(url);
+    let hostport = first
+        .split("://")
+        .last()
+        .unwrap_or(first)
+        .rsplit('@')
+        .next()
+        .unwrap_or(first);
+    let hostport = if hostport.contains(':') {
+        hostport.to_string()
+    } else {
+        format!("{hostport}:4222")
+    };
+    use std::net::{ToSocketAddrs, UdpSocket};
+    let target = hostport.to_socket_addrs().ok().and_then(|mut a| a.next());
+    target
+        .and_then(|t| {
+            let sock = UdpSocket::bind("0.0.0.0:0").ok()?;
+            sock.connect(t).ok()?;
+            sock.local_addr().ok()
+        })
+        .map(|a| a.ip().to_string())
+        .unwrap_or_else(|| "127.0.0.1".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn route_to_loopback_nats_is_loopback() {
+        assert_eq!(route_addr("nats://127.0.0.1:4222"), "127.0.0.1");
+        assert_eq!(
+            route_addr("nats://user:pw@127.0.0.1:4222,nats://x:1"),
+            "127.0.0.1"
+        );
+        assert_eq!(route_addr("localhost"), "127.0.0.1");
+    }
+}

@@ -91,7 +91,9 @@ pub struct JobSpec {
 pub enum JobSpecError {
     #[error("cannot parse job spec: {0}")]
     Parse(#[from] toml::de::Error),
-    #[error("`command` is empty: give the program and its arguments, e.g. command = [\"converge-trainer\", \"--dataset\", \"a9a\"]")]
+    #[error(
+        "`command` is empty: give the program and its arguments, e.g. command = [\"converge-trainer\", \"--dataset\", \"a9a\"]"
+    )]
     EmptyCommand,
     #[error("`gpus_per_worker` is {0}; it must be between 1 and {MAX_GPUS_PER_WORKER}")]
     GpusPerWorker(u32),
@@ -182,7 +184,10 @@ mod tests {
     #[test]
     fn minimal_spec_gets_defaults() {
         let s = JobSpec::from_toml("id = \"j1\"\ncommand = [\"true\"]\n").unwrap();
-        assert_eq!((s.gpus_per_worker, s.min_workers, s.max_workers()), (1, 1, 1));
+        assert_eq!(
+            (s.gpus_per_worker, s.min_workers, s.max_workers()),
+            (1, 1, 1)
+        );
         assert_eq!(s.arch, SyncArch::Ring);
         assert_eq!(s.max_restarts, 3);
     }
@@ -192,13 +197,34 @@ mod tests {
         check("id = \"j\"\ncommand = [\"t\"]\nmax_workers = 4\n", "ok");
         check("id = \"j.x\"\ncommand = [\"t\"]\n", "'.'");
         check("id = \"j\"\ncommand = []\n", "`command` is empty");
-        check("id = \"j\"\ncommand = [\"t\"]\ngpus_per_worker = 0\n", "gpus_per_worker");
-        check("id = \"j\"\ncommand = [\"t\"]\nmin_workers = 3\nmax_workers = 2\n", "max_workers");
-        check("id = \"j\"\ncommand = [\"t\"]\n[env]\nRANK = \"0\"\n", "may not set RANK");
-        check("id = \"j\"\ncommand = [\"t\"]\n[env]\n\"A-B\" = \"0\"\n", "not a valid");
-        check("id = \"j\"\ncommand = [\"t\"]\ntarget_loss = nan\n", "finite");
-        check("id = \"j\"\ncommand = [\"t\"]\ngpu = 1\n", "unknown field `gpu`");
-        check("id = \"j\"\ncommand = [\"t\"]\narch = \"mesh\"\n", "unknown variant `mesh`");
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\ngpus_per_worker = 0\n",
+            "gpus_per_worker",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\nmin_workers = 3\nmax_workers = 2\n",
+            "max_workers",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\n[env]\nRANK = \"0\"\n",
+            "may not set RANK",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\n[env]\n\"A-B\" = \"0\"\n",
+            "not a valid",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\ntarget_loss = nan\n",
+            "finite",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\ngpu = 1\n",
+            "unknown field `gpu`",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\narch = \"mesh\"\n",
+            "unknown variant `mesh`",
+        );
         check("command = [\"t\"]\n", "missing field `id`");
     }
 }

@@ -109,6 +109,9 @@ pub struct NicSample {
     pub name: String,
     pub rx_bytes_per_s: f64,
     pub tx_bytes_per_s: f64,
+    /// Negotiated link speed in bits per second, when the driver reports one.
+    #[serde(default)]
+    pub link_speed_bps: Option<u64>,
 }
 
 /// Supervision state of one worker process on a host.
@@ -613,6 +616,7 @@ mod tests {
                 name: "lo".into(),
                 rx_bytes_per_s: 1.0,
                 tx_bytes_per_s: 2.0,
+                link_speed_bps: Some(10_000_000_000),
             }],
             cpu_pct: 3.0,
             memory_used_bytes: 1,
@@ -647,7 +651,10 @@ mod tests {
         let e = decode::<HostPlan>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
         assert_eq!(e.kind(), "invalid", "{e}");
 
-        assert_eq!(decode::<HostPlan>(b"{not json").unwrap_err().kind(), "malformed");
+        assert_eq!(
+            decode::<HostPlan>(b"{not json").unwrap_err().kind(),
+            "malformed"
+        );
         let big = vec![b' '; MAX_MESSAGE_BYTES + 1];
         assert_eq!(decode::<HostPlan>(&big).unwrap_err().kind(), "too_large");
     }

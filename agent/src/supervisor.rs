@@ -1,0 +1,478 @@
+//! Worker supervision: starts worker processes with the worker-contract environment, stops
+//! them (SIGTERM to the process group, grace period, SIGKILL), restarts crashed ones with
+//! capped backoff, writes one log file per worker, and turns `CONVERGE_PROGRESS` lines into
+//! progress reports. Decisions come from [`crate::reconcile::decide`]; this module only
+//! carries them out.
+
+use crate::reconcile::{Action, WorkerKey, WorkerView, decide, restart_delay};
+use converge_bus::unix_now;
+use converge_common::{
+    Event, EventKind, HostId, PROTOCOL_VERSION, ProgressReport, WorkerAssignment, WorkerPhase,
+    WorkerProgressLine, WorkerState,
+};
+use futures::StreamExt;
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::mpsc;
+use tokio_util::codec::{FramedRead, LinesCodec, LinesCodecError};
+
+/// Longest stdout line kept, in bytes; longer lines are counted as malformed and skipped.
+pub const MAX_LINE_BYTES: usize = 64 * 1024;
+
+/// Supervision settings.
+#[derive(Debug, Clone)]
+pub struct SupervisorConfig {
+    pub host: HostId,
+    /// Worker logs go to `<log_dir>/<job>/gen<generation>-rank<rank>.log`.
+    pub log_dir: PathBuf,
+    /// `CONVERGE_CHECKPOINT_DIR` of a worker is `<checkpoint_root>/<job>`.
+    pub checkpoint_root: PathBuf,
+    /// Time between SIGTERM and SIGKILL.
+    pub stop_grace: Duration,
+    /// First restart delay of a crashed worker; doubles per restart up to `backoff_cap`.
+    pub backoff_base: Duration,
+    pub backoff_cap: Duration,
+}
+
+/// Something for the outbox task to publish.
+#[derive(Debug)]
+pub enum Outgoing {
+    Progress(ProgressReport),
+    Event(Event),
+}
+
+/// A worker process ended.
+#[derive(Debug)]
+pub struct ExitNotice {
+    pub key: WorkerKey,
+    /// Which start of the worker this was (restarts bump it), so late notices are ignored.
+    pub incarnation: u64,
+    pub status: std::io::Result<std::process::ExitStatus>,
+}
+
+#[derive(Debug)]
+struct Worker {
+    assignment: WorkerAssignment,
+    phase: WorkerPhase,
+    pid: Option<u32>,
+    restarts: u32,
+    last_exit_code: Option<i32>,
+    restart_at: Option<Instant>,
+    kill_at: Option<Instant>,
+    incarnation: u64,
+}
+
+/// Owns the host's worker processes.
+#[derive(Debug)]
+pub struct Supervisor {
+    cfg: SupervisorConfig,
+    plan: Vec<WorkerAssignment>,
+    workers: BTreeMap<WorkerKey, Worker>,
+    exit_tx: mpsc::Sender<ExitNotice>,
+    outbox: mpsc::Sender<Outgoing>,
+    malformed_lines: Arc<AtomicU64>,
+    dropped_reports: Arc<AtomicU64>,
+    incarnations: u64,
+}
+
+impl Supervisor {
+    pub fn new(
+        cfg: SupervisorConfig,
+        exit_tx: mpsc::Sender<ExitNotice>,
+        outbox: mpsc::Sender<Outgoing>,
+    ) -> Self {
+        Self {
+            cfg,
+            plan: Vec::new(),
+            workers: BTreeMap::new(),
+            exit_tx,
+            outbox,
+            malformed_lines: Arc::new(AtomicU64::new(0)),
+            dropped_reports: Arc::new(AtomicU64::new(0)),
+            incarnations: 0,
+        }
+    }
+
+    /// Malformed `CONVERGE_PROGRESS` lines seen so far.
+    pub fn malformed_lines(&self) -> u64 {
+        self.malformed_lines.load(Ordering::Relaxed)
+    }
+
+    /// Replaces the desired workers (the latest plan).
+    pub fn set_plan(&mut self, plan: Vec<WorkerAssignment>) {
+        self.plan = plan;
+    }
+
+    /// Whether no worker process is alive.
+    pub fn all_stopped(&self) -> bool {
+        self.workers.values().all(|w| !w.phase.is_alive())
+    }
+
+    /// Worker states for telemetry, and the GPUs held by running workers.
+    pub fn snapshot(&self) -> (Vec<WorkerState>, BTreeSet<u32>) {
+        let states = self
+            .workers
+            .iter()
+            .map(|(k, w)| WorkerState {
+                job: k.job.clone(),
+                generation: k.generation,
+                rank: k.rank,
+                phase: w.phase,
+                pid: w.pid,
+                restarts: w.restarts,
+                last_exit_code: w.last_exit_code,
+                gpus: w.assignment.gpus.clone(),
+            })
+            .collect();
+        let busy = self
+            .workers
+            .values()
+            .filter(|w| w.phase == WorkerPhase::Running)
+            .flat_map(|w| w.assignment.gpus.iter().copied())
+            .collect();
+        (states, busy)
+    }
+
+    /// Moves the workers one step towards the plan. Returns whether anything changed.
+    pub fn reconcile(&mut self) -> bool {
+        let now = Instant::now();
+        let views: BTreeMap<WorkerKey, WorkerView> = self
+            .workers
+            .iter()
+            .map(|(k, w)| {
+                (
+                    k.clone(),
+                    WorkerView {
+                        phase: w.phase,
+                        gpus: w.assignment.gpus.clone(),
+                        restart_at: w.restart_at,
+                        kill_at: w.kill_at,
+                    },
+                )
+            })
+            .collect();
+        let actions = decide(&self.plan, &views, now);
+        let changed = !actions.is_empty();
+        for action in actions {
+            match action {
+                Action::Start(key) => self.start(key),
+                Action::Terminate(key) => self.signal(&key, Signal::SIGTERM, now),
+                Action::Kill(key) => self.signal(&key, Signal::SIGKILL, now),
+                Action::Forget(key) => {
+                    self.workers.remove(&key);
+                }
+            }
+        }
+        changed
+    }
+
+    /// Stops every worker (used on agent shutdown): the plan becomes empty.
+    pub fn stop_all(&mut self) {
+        self.plan.clear();
+        self.reconcile();
+    }
+
+    fn start(&mut self, key: WorkerKey) {
+        let Some(assignment) = self.plan.iter().find(|a| WorkerKey::of(a) == key).cloned() else {
+            return;
+        };
+        self.incarnations += 1;
+        let incarnation = self.incarnations;
+        let entry = self.workers.entry(key.clone()).or_insert_with(|| Worker {
+            assignment: assignment.clone(),
+            phase: WorkerPhase::Running,
+            pid: None,
+            restarts: 0,
+            last_exit_code: None,
+            restart_at: None,
+            kill_at: None,
+            incarnation,
+        });
+        entry.assignment = assignment.clone();
+        entry.phase = WorkerPhase::Running;
+        entry.restart_at = None;
+        entry.kill_at = None;
+        entry.incarnation = incarnation;
+        entry.pid = None;
+
+        match spawn_worker(
+            &self.cfg,
+            &assignment,
+            self.outbox.clone(),
+            self.malformed_lines.clone(),
+            self.dropped_reports.clone(),
+        ) {
+            Ok(mut child) => {
+                let pid = child.id().unwrap_or(0);
+                entry.pid = Some(pid);
+                tracing::info!(worker = %key, pid, gpus = ?assignment.gpus, "worker started");
+                self.emit(
+                    EventKind::WorkerStarted {
+                        job: key.job.clone(),
+                        generation: key.generation,
+                        rank: key.rank,
+                        pid,
+                    },
+                    format!("started {key} as pid {pid} on {}", self.cfg.host),
+                );
+                let exit_tx = self.exit_tx.clone();
+                tokio::spawn(async move {
+                    let status = child.wait().await;
+                    let _ = exit_tx
+                        .send(ExitNotice {
+                            key,
+                            incarnation,
+                            status,
+                        })
+                        .await;
+                });
+            }
+            Err(e) => {
+                tracing::error!(worker = %key, command = ?assignment.command, "cannot start worker: {e}");
+                let exit_tx = self.exit_tx.clone();
+                // Treat a failed spawn as an exit with code 127 (command not runnable), so it
+                // goes through the same backoff and failure accounting.
+                tokio::spawn(async move {
+                    let _ = exit_tx
+                        .send(ExitNotice {
+                            key,
+                            incarnation,
+                            status: Ok(std::process::ExitStatus::from_raw(127 << 8)),
+                        })
+                        .await;
+                });
+            }
+        }
+    }
+
+    fn signal(&mut self, key: &WorkerKey, signal: Signal, now: Instant) {
+        let Some(w) = self.workers.get_mut(key) else {
+            return;
+        };
+        if signal == Signal::SIGTERM {
+            w.phase = WorkerPhase::Stopping;
+            w.kill_at = Some(now + self.cfg.stop_grace);
+            tracing::info!(worker = %key, "stopping worker (SIGTERM to its process group)");
+        } else {
+            // Do not send SIGKILL again on every reconcile while the exit is being reaped.
+            w.kill_at = None;
+            tracing::warn!(worker = %key, grace = ?self.cfg.stop_grace, "worker ignored SIGTERM for the grace period; SIGKILL");
+        }
+        if let Some(pid) = w.pid.filter(|&p| p > 0) {
+            if let Err(e) = killpg(Pid::from_raw(pid as i32), signal) {
+                tracing::debug!(worker = %key, pid, "killpg {signal}: {e}");
+            }
+        }
+    }
+
+    /// Records a worker's exit: planned workers that exit 0 succeed; non-zero exits go to
+    /// backoff until the restart limit, then fail; stopped workers are forgotten.
+    pub fn on_exit(&mut self, notice: ExitNotice) {
+        let Some(w) = self.workers.get_mut(&notice.key) else {
+            return;
+        };
+        if w.incarnation != notice.incarnation {
+            return;
+        }
+        let (code, signal) = match &notice.status {
+            Ok(s) => (s.code(), s.signal()),
+            Err(e) => {
+                tracing::error!(worker = %notice.key, "cannot wait for worker: {e}");
+                (None, None)
+            }
+        };
+        let key = notice.key;
+        w.pid = None;
+        w.last_exit_code = code;
+        let exited = EventKind::WorkerExited {
+            job: key.job.clone(),
+            generation: key.generation,
+            rank: key.rank,
+            code,
+            signal,
+        };
+        let how = match (code, signal) {
+            (Some(c), _) => format!("exit code {c}"),
+            (None, Some(s)) => format!("signal {s}"),
+            _ => "unknown status".to_string(),
+        };
+        match w.phase {
+            WorkerPhase::Stopping => {
+                tracing::info!(worker = %key, "worker stopped ({how})");
+                self.workers.remove(&key);
+                self.emit(exited, format!("{key} stopped ({how})"));
+            }
+            _ if code == Some(0) => {
+                w.phase = WorkerPhase::Succeeded;
+                tracing::info!(worker = %key, "worker finished successfully");
+                self.emit(exited, format!("{key} finished (exit code 0)"));
+            }
+            _ if w.restarts < w.assignment.max_restarts => {
+                let delay = restart_delay(w.restarts, self.cfg.backoff_base, self.cfg.backoff_cap);
+                w.restarts += 1;
+                w.phase = WorkerPhase::Backoff;
+                w.restart_at = Some(Instant::now() + delay);
+                let restarts = w.restarts;
+                tracing::warn!(worker = %key, restarts, ?delay, "worker crashed ({how}); restarting after backoff");
+                self.emit(
+                    exited,
+                    format!("{key} crashed ({how}); restart {restarts} in {delay:?}"),
+                );
+            }
+            _ => {
+                w.phase = WorkerPhase::Failed;
+                let restarts = w.restarts;
+                tracing::error!(worker = %key, restarts, "worker crashed ({how}) after its last allowed restart; giving up");
+                self.emit(
+                    EventKind::WorkerFailed {
+                        job: key.job.clone(),
+                        generation: key.generation,
+                        rank: key.rank,
+                        restarts,
+                    },
+                    format!("{key} failed ({how}) after {restarts} restarts"),
+                );
+            }
+        }
+    }
+
+    fn emit(&self, kind: EventKind, message: String) {
+        let event = Event::new(
+            unix_now(),
+            format!("agent/{}", self.cfg.host),
+            kind,
+            message,
+        );
+        if self.outbox.try_send(Outgoing::Event(event)).is_err() {
+            self.dropped_reports.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+fn log_path(cfg: &SupervisorConfig, a: &WorkerAssignment) -> PathBuf {
+    cfg.log_dir
+        .join(a.job.as_str())
+        .join(format!("gen{}-rank{}.log", a.generation, a.rank))
+}
+
+/// Starts one worker process in its own process group, with the worker-contract
+/// environment, stderr appended to its log file and stdout read line by line.
+fn spawn_worker(
+    cfg: &SupervisorConfig,
+    a: &WorkerAssignment,
+    outbox: mpsc::Sender<Outgoing>,
+    malformed: Arc<AtomicU64>,
+    dropped: Arc<AtomicU64>,
+) -> std::io::Result<tokio::process::Child> {
+    let log_file = log_path(cfg, a);
+    std::fs::create_dir_all(log_file.parent().expect("log path has a parent"))?;
+    let checkpoint_dir = cfg.checkpoint_root.join(a.job.as_str());
+    std::fs::create_dir_all(&checkpoint_dir)?;
+    let stderr_log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&log_file)?;
+
+    let gpus: Vec<String> = a.gpus.iter().map(u32::to_string).collect();
+    let mut cmd = tokio::process::Command::new(&a.command[0]);
+    cmd.args(&a.command[1..])
+        .envs(&a.env)
+        .env("RANK", a.rank.to_string())
+        .env("WORLD_SIZE", a.world_size.to_string())
+        .env("LOCAL_RANK", a.local_rank.to_string())
+        .env("LOCAL_WORLD_SIZE", a.local_world_size.to_string())
+        .env("MASTER_ADDR", &a.master_addr)
+        .env("MASTER_PORT", a.master_port.to_string())
+        .env("CUDA_VISIBLE_DEVICES", gpus.join(","))
+        .env("CONVERGE_JOB_ID", a.job.as_str())
+        .env("CONVERGE_GENERATION", a.generation.to_string())
+        .env("CONVERGE_CHECKPOINT_DIR", &checkpoint_dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(stderr_log))
+        .process_group(0)
+        .kill_on_drop(false);
+    let mut child = cmd.spawn()?;
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let report_base = ProgressReport {
+        protocol: PROTOCOL_VERSION,
+        job: a.job.clone(),
+        generation: a.generation,
+        rank: a.rank,
+        host: cfg.host.clone(),
+        step: 0,
+        samples: 0,
+        loss: 0.0,
+        eval_loss: None,
+        epoch: None,
+        time: 0.0,
+    };
+    tokio::spawn(async move {
+        let mut log = match tokio::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_file)
+            .await
+        {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!(path = %log_file.display(), "cannot open worker log: {e}");
+                None
+            }
+        };
+        let mut lines = FramedRead::new(stdout, LinesCodec::new_with_max_length(MAX_LINE_BYTES));
+        while let Some(line) = lines.next().await {
+            let line = match line {
+                Ok(l) => l,
+                Err(LinesCodecError::MaxLineLengthExceeded) => {
+                    malformed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(job = %report_base.job, rank = report_base.rank, "worker printed a line over {MAX_LINE_BYTES} bytes; skipped");
+                    continue;
+                }
+                Err(LinesCodecError::Io(e)) => {
+                    tracing::debug!("worker stdout closed: {e}");
+                    break;
+                }
+            };
+            if let Some(f) = log.as_mut() {
+                let _ = f.write_all(line.as_bytes()).await;
+                let _ = f.write_all(b"\n").await;
+            }
+            match WorkerProgressLine::parse(&line) {
+                Ok(None) => {}
+                Ok(Some(p)) => {
+                    let report = ProgressReport {
+                        step: p.step,
+                        samples: p.samples,
+                        loss: p.loss,
+                        eval_loss: p.eval_loss,
+                        epoch: p.epoch,
+                        time: unix_now(),
+                        ..report_base.clone()
+                    };
+                    if outbox.try_send(Outgoing::Progress(report)).is_err() {
+                        dropped.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(job = %report_base.job, "outbox full; progress report dropped");
+                    }
+                }
+                Err(e) => {
+                    let n = malformed.fetch_add(1, Ordering::Relaxed) + 1;
+                    let shown: String = line.chars().take(200).collect();
+                    tracing::warn!(job = %report_base.job, rank = report_base.rank, malformed_total = n, line = %shown, "malformed progress line: {e}");
+                }
+            }
+        }
+        if let Some(f) = log.as_mut() {
+            let _ = f.flush().await;
+        }
+    });
+    Ok(child)
+}
