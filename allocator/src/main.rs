@@ -1,1 +1,43 @@
-fn main() {}
+//! `converge-allocator` binary: parse configuration, run the service until SIGINT/SIGTERM.
+
+use clap::Parser;
+use converge_allocator::service::{AllocatorConfig, run};
+use tokio_util::sync::CancellationToken;
+
+/// Converge allocator: decides how many GPUs each training job gets and where, from the
+/// jobs' loss curves (SLAQ quality policy), and writes host plans that the agents carry out.
+/// Keeps no local state: everything is rebuilt from NATS on start.
+#[derive(Debug, Parser)]
+#[command(name = "converge-allocator", version)]
+struct Cli {
+    #[command(flatten)]
+    config: AllocatorConfig,
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    let shutdown = CancellationToken::new();
+    let token = shutdown.clone();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        token.cancel();
+    });
+    match run(cli.config, shutdown).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("converge-allocator: {e:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}

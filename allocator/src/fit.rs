@@ -1,0 +1,905 @@
+//! Weighted loss-curve fitting: predicts a job's training loss as a function of samples
+//! processed, following SLAQ's quality-improvement prediction (Zhang, Stafman, Or, Freedman,
+//! "SLAQ: Quality-Driven Scheduling for Distributed Machine Learning", SoCC'17; the authors'
+//! `PoolReweighterLoss.scala`) and the design brief §5.1.
+//!
+//! # What is fitted
+//!
+//! The last [`FitConfig::window`] valid points (default 100) are fitted by weighted least
+//! squares, point `i` of `n` weighing `decay^(n−i)` (default 0.95, so the newest point weighs
+//! most). Three families are fitted, each with bounded parameters (see [`CurveFamily`]):
+//!
+//! | family | loss at `k` samples | parameters (`params`) |
+//! |---|---|---|
+//! | [`CurveFamily::InvQuadratic`] (SLAQ's default) | `1/(a·k² + b·k + c) + d` | `[a, b, c, d]` |
+//! | [`CurveFamily::InvLinear`] (Optimus) | `1/(a·k + b) + c` | `[a, b, c]` |
+//! | [`CurveFamily::Exp`] | `A·exp(−a·k) + b` | `[a, b, A]` |
+//!
+//! All parameters are non-negative; a constant denominator term is strictly positive; the
+//! asymptote lies in `[0, smallest observed loss]`. Every curve is therefore non-increasing in
+//! `k` and never negative. The family with the lowest weighted RMSE is returned; on near-ties
+//! (within 1 %) SLAQ's default `InvQuadratic` is preferred, then `InvLinear`.
+//!
+//! # Deviations from SLAQ
+//!
+//! - **Exponential amplitude.** SLAQ's `exp(−a·k) + b` has a fixed amplitude 1, which only
+//!   suits losses of order 1. It is generalized to `A·exp(−a·k) + b`; the amplitude `A` is the
+//!   *third* parameter so that the first two keep SLAQ's meaning (SLAQ's curve is `A = 1`).
+//! - **Conditioning.** Internally samples are divided by the largest sample count in the
+//!   window and losses by the largest loss, so every fit works on numbers of order 1 whatever
+//!   the job's scales (0.3 or 5000 loss, thousands or billions of samples). The returned
+//!   parameters are converted back: `k` is in samples and the loss in the job's own units.
+//! - **Robustness.** Each family is started from several data-derived points (a linearized
+//!   weighted regression for a few trial asymptotes); the best of the starts and of their
+//!   Levenberg–Marquardt refinements (MPFIT, crate `rmpfit`) is kept, so a failed refinement
+//!   never loses a usable fit. Points with a non-finite or negative sample count or loss are
+//!   ignored. When no candidate gives finite parameters, [`fit_loss_curve`] returns `None`
+//!   (no reliable prediction) rather than a made-up flat curve, which would wrongly tell the
+//!   policy the job has converged.
+
+use converge_common::FittedCurve;
+use rmpfit::{MPConfig, MPFitter, MPPar, MPResult};
+use serde::{Deserialize, Serialize};
+
+/// One observation of a job's training loss.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossPoint {
+    /// Progress when the loss was observed, in samples processed since the job started
+    /// (never steps: a step's worth of samples grows with the number of workers).
+    pub samples: f64,
+    /// Training loss, in the job's own units.
+    pub loss: f64,
+}
+
+/// The shape of a fitted loss curve; see the module documentation for the formulas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CurveFamily {
+    /// `1/(a·k² + b·k + c) + d`: sublinear (SGD-like) convergence; SLAQ's default.
+    InvQuadratic,
+    /// `1/(a·k + b) + c`: Optimus's form.
+    InvLinear,
+    /// `A·exp(−a·k) + b`: linear convergence (e.g. L-BFGS).
+    Exp,
+}
+
+impl CurveFamily {
+    /// Every family, in order of preference on near-ties.
+    pub const ALL: [CurveFamily; 3] = [
+        CurveFamily::InvQuadratic,
+        CurveFamily::InvLinear,
+        CurveFamily::Exp,
+    ];
+
+    /// The name used on the wire ([`FittedCurve::family`]).
+    pub fn wire_name(self) -> &'static str {
+        match self {
+            CurveFamily::InvQuadratic => "inv_quadratic",
+            CurveFamily::InvLinear => "inv_linear",
+            CurveFamily::Exp => "exp",
+        }
+    }
+
+    /// Number of parameters of the family.
+    pub fn parameter_count(self) -> usize {
+        match self {
+            CurveFamily::InvQuadratic => 4,
+            CurveFamily::InvLinear | CurveFamily::Exp => 3,
+        }
+    }
+}
+
+/// A fitted loss curve `loss(k)`, `k` in samples processed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Curve {
+    pub family: CurveFamily,
+    /// Parameters in the order of the module documentation's table, for `k` in samples and
+    /// the loss in the job's units. All finite and non-negative.
+    pub params: Vec<f64>,
+    /// Weighted root-mean-square error of the fit, in loss units.
+    pub rmse: f64,
+    /// Number of points the fit used.
+    pub points: usize,
+}
+
+/// Settings of [`fit_loss_curve`]. The defaults are SLAQ's.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FitConfig {
+    /// Number of most recent points fitted.
+    pub window: usize,
+    /// Weight ratio between consecutive points: point `i` of `n` weighs `decay^(n−i)`.
+    pub decay: f64,
+    /// Fewest points needed before a curve is fitted.
+    pub min_points: usize,
+}
+
+impl Default for FitConfig {
+    fn default() -> Self {
+        Self {
+            window: 100,
+            decay: 0.95,
+            min_points: 5,
+        }
+    }
+}
+
+/// Largest loss [`Curve::predict`] returns, so that differences of predictions stay finite.
+pub const MAX_PREDICTED_LOSS: f64 = 1e300;
+
+impl Curve {
+    /// Predicted loss after `samples` samples processed.
+    ///
+    /// Always finite and in `[0, MAX_PREDICTED_LOSS]`: a negative sample count counts as 0,
+    /// a NaN sample count as 0, `+∞` gives the curve's asymptote, and malformed parameters
+    /// (which [`fit_loss_curve`] never produces) give 0.
+    pub fn predict(&self, samples: f64) -> f64 {
+        let k = if samples.is_nan() {
+            0.0
+        } else {
+            samples.clamp(0.0, f64::MAX)
+        };
+        let loss = evaluate(self.family, &self.params, k);
+        if loss.is_nan() {
+            0.0
+        } else {
+            loss.clamp(0.0, MAX_PREDICTED_LOSS)
+        }
+    }
+
+    /// The curve as published in the job status.
+    pub fn to_wire(&self) -> FittedCurve {
+        FittedCurve {
+            family: self.family.wire_name().to_string(),
+            params: self.params.clone(),
+            rmse: self.rmse,
+            points: self.points,
+        }
+    }
+}
+
+/// Loss drop the curve predicts between `from_samples` and `to_samples`, divided by `scale`
+/// (the job's loss normalization, in loss units): `max(0, predict(from) − predict(to)) / scale`.
+///
+/// When `scale` is not a positive finite number (the job's loss range is unknown), the drop is
+/// taken relative to `predict(from_samples)` instead, and is 0 if that is 0. The result is
+/// finite and non-negative.
+pub fn normalized_gain(curve: &Curve, from_samples: f64, to_samples: f64, scale: f64) -> f64 {
+    let from = curve.predict(from_samples);
+    let drop = (from - curve.predict(to_samples)).max(0.0);
+    let divisor = if scale.is_finite() && scale > 0.0 {
+        scale
+    } else {
+        from
+    };
+    if drop == 0.0 || divisor <= 0.0 {
+        return 0.0;
+    }
+    (drop / divisor).min(f64::MAX)
+}
+
+/// Fits the last `cfg.window` points of a job's loss history (oldest first) and returns the
+/// best curve, or `None` with fewer than `cfg.min_points` valid points (and at least one) or
+/// when no family gives finite parameters. See the module documentation.
+pub fn fit_loss_curve(points: &[LossPoint], cfg: &FitConfig) -> Option<Curve> {
+    let valid: Vec<LossPoint> = points
+        .iter()
+        .copied()
+        .filter(|p| p.samples.is_finite() && p.samples >= 0.0)
+        .filter(|p| p.loss.is_finite() && p.loss >= 0.0)
+        .collect();
+    let window = &valid[valid.len().saturating_sub(cfg.window)..];
+    if window.is_empty() || window.len() < cfg.min_points {
+        return None;
+    }
+    let data = ScaledData::new(window, cfg.decay);
+    let candidates: Vec<(CurveFamily, Vec<f64>, f64)> = CurveFamily::ALL
+        .iter()
+        .filter_map(|&family| {
+            let params = data.fit_family(family)?;
+            let rmse = data.weighted_rmse(family, &params);
+            let params = data.to_sample_units(family, &params)?;
+            rmse.is_finite().then_some((family, params, rmse))
+        })
+        .collect();
+    let best_rmse = candidates
+        .iter()
+        .map(|(_, _, rmse)| *rmse)
+        .min_by(f64::total_cmp)?;
+    let tolerance = best_rmse * NEAR_TIE_RELATIVE + NEAR_TIE_ABSOLUTE;
+    let (family, params, rmse) = candidates
+        .into_iter()
+        .find(|(_, _, rmse)| *rmse <= best_rmse + tolerance)?;
+    Some(Curve {
+        family,
+        params,
+        rmse: rmse * data.loss_scale,
+        points: window.len(),
+    })
+}
+
+/// Relative RMSE difference under which two families count as tied.
+const NEAR_TIE_RELATIVE: f64 = 0.01;
+/// Absolute RMSE difference (in normalized loss units) under which two families are tied,
+/// so that exact fits of flat data do not depend on rounding.
+const NEAR_TIE_ABSOLUTE: f64 = 1e-9;
+/// Smallest constant denominator term (`c` of `InvQuadratic`, `b` of `InvLinear`) in
+/// normalized units: the curve at `k = 0` is at most a million times the largest loss.
+const MIN_DENOMINATOR: f64 = 1e-6;
+/// Upper bound of every parameter in normalized units, so the optimizer cannot run away.
+const MAX_PARAMETER: f64 = 1e9;
+/// Normalized losses below this are treated as 0 when bounding the asymptote.
+const TINY_LOSS: f64 = 1e-12;
+
+/// Evaluates `family` with `params` at `k` (any units, as long as they match the params).
+/// Written so that finite non-negative inputs never produce NaN: `(a·k + b)·k` instead of
+/// `a·k² + b·k` avoids `0·∞`.
+fn evaluate(family: CurveFamily, params: &[f64], k: f64) -> f64 {
+    match (family, params) {
+        (CurveFamily::InvQuadratic, &[a, b, c, d]) => 1.0 / ((a * k + b) * k + c) + d,
+        (CurveFamily::InvLinear, &[a, b, c]) => 1.0 / (a * k + b) + c,
+        (CurveFamily::Exp, &[a, b, amplitude]) => amplitude * (-(a * k)).exp() + b,
+        _ => f64::NAN,
+    }
+}
+
+/// The fitting window, scaled to order 1: `x = samples / sample_scale`,
+/// `y = loss / loss_scale`, with per-point weights.
+struct ScaledData {
+    x: Vec<f64>,
+    y: Vec<f64>,
+    weights: Vec<f64>,
+    sample_scale: f64,
+    loss_scale: f64,
+    /// Smallest normalized loss: the upper bound of the asymptote.
+    min_y: f64,
+}
+
+impl ScaledData {
+    fn new(window: &[LossPoint], decay: f64) -> Self {
+        let positive_or_one = |v: f64| if v > 0.0 { v } else { 1.0 };
+        let sample_scale = positive_or_one(window.iter().map(|p| p.samples).fold(0.0, f64::max));
+        let loss_scale = positive_or_one(window.iter().map(|p| p.loss).fold(0.0, f64::max));
+        let x: Vec<f64> = window.iter().map(|p| p.samples / sample_scale).collect();
+        let y: Vec<f64> = window.iter().map(|p| p.loss / loss_scale).collect();
+        let decay = if decay.is_finite() && decay > 0.0 {
+            decay
+        } else {
+            1.0
+        };
+        let n = window.len();
+        // Weights `decay^(n−i)` for i = 1..=n, computed newest first so no power underflows
+        // to exactly 0 before it has to.
+        let mut weights = vec![0.0; n];
+        let mut w = 1.0;
+        for slot in weights.iter_mut().rev() {
+            *slot = w;
+            w *= decay;
+        }
+        let min_y = y.iter().copied().fold(f64::INFINITY, f64::min);
+        Self {
+            x,
+            y,
+            weights,
+            sample_scale,
+            loss_scale,
+            min_y,
+        }
+    }
+
+    /// Upper bound of the asymptote parameter, or `None` when it must be fixed at 0.
+    fn asymptote_bound(&self) -> Option<f64> {
+        (self.min_y > TINY_LOSS).then_some(self.min_y)
+    }
+
+    /// Parameter bounds of `family` in normalized units.
+    fn bounds(&self, family: CurveFamily) -> Vec<MPPar> {
+        let bounded = |low: f64, high: f64| MPPar {
+            limited_low: true,
+            limited_up: true,
+            limit_low: low,
+            limit_up: high,
+            ..MPPar::new()
+        };
+        let asymptote = match self.asymptote_bound() {
+            Some(high) => bounded(0.0, high),
+            None => MPPar {
+                fixed: true,
+                ..MPPar::new()
+            },
+        };
+        let rate = || bounded(0.0, MAX_PARAMETER);
+        match family {
+            CurveFamily::InvQuadratic => vec![
+                rate(),
+                rate(),
+                bounded(MIN_DENOMINATOR, MAX_PARAMETER),
+                asymptote,
+            ],
+            CurveFamily::InvLinear => {
+                vec![rate(), bounded(MIN_DENOMINATOR, MAX_PARAMETER), asymptote]
+            }
+            CurveFamily::Exp => vec![rate(), asymptote, rate()],
+        }
+    }
+
+    /// Trial asymptotes, as fractions of the smallest loss, from which starts are derived.
+    fn trial_asymptotes(&self) -> Vec<f64> {
+        match self.asymptote_bound() {
+            Some(high) => [0.0, 0.5, 0.9].iter().map(|f| f * high).collect(),
+            None => vec![0.0],
+        }
+    }
+
+    /// Starting parameters of `family` for the asymptote `offset`, from a weighted polynomial
+    /// regression of the linearized curve (`1/(y − offset)` for the inverse families,
+    /// `ln(y − offset)` for the exponential one), clamped into the bounds.
+    fn start(&self, family: CurveFamily, offset: f64) -> Vec<f64> {
+        let gap = |y: f64| (y - offset).max(MIN_DENOMINATOR);
+        let clamp_rate = |v: f64| v.clamp(0.0, MAX_PARAMETER);
+        let clamp_denominator = |v: f64| v.clamp(MIN_DENOMINATOR, MAX_PARAMETER);
+        match family {
+            CurveFamily::InvQuadratic => {
+                let z: Vec<f64> = self.y.iter().map(|&y| 1.0 / gap(y)).collect();
+                let [c, b, a] = weighted_polyfit::<3>(&self.x, &z, &self.weights)
+                    .or_else(|| {
+                        weighted_polyfit::<2>(&self.x, &z, &self.weights).map(|[c, b]| [c, b, 0.0])
+                    })
+                    .unwrap_or([1.0 / gap(self.y[0]), 0.0, 0.0]);
+                vec![clamp_rate(a), clamp_rate(b), clamp_denominator(c), offset]
+            }
+            CurveFamily::InvLinear => {
+                let z: Vec<f64> = self.y.iter().map(|&y| 1.0 / gap(y)).collect();
+                let [b, a] = weighted_polyfit::<2>(&self.x, &z, &self.weights)
+                    .unwrap_or([1.0 / gap(self.y[0]), 0.0]);
+                vec![clamp_rate(a), clamp_denominator(b), offset]
+            }
+            CurveFamily::Exp => {
+                let z: Vec<f64> = self.y.iter().map(|&y| gap(y).ln()).collect();
+                let [intercept, slope] = weighted_polyfit::<2>(&self.x, &z, &self.weights)
+                    .unwrap_or([gap(self.y[0]).ln(), 0.0]);
+                vec![clamp_rate(-slope), offset, clamp_rate(intercept.exp())]
+            }
+        }
+    }
+
+    /// Best normalized parameters of `family` over all starts and their refinements, or
+    /// `None` if none is finite.
+    fn fit_family(&self, family: CurveFamily) -> Option<Vec<f64>> {
+        let bounds = self.bounds(family);
+        let mut best: Option<(f64, Vec<f64>)> = None;
+        for offset in self.trial_asymptotes() {
+            let start = self.start(family, offset);
+            let mut refined = start.clone();
+            let mut problem = Problem {
+                family,
+                data: self,
+                bounds: &bounds,
+                config: MPConfig::new(),
+            };
+            let refined_ok = problem.mpfit(&mut refined).is_ok();
+            let tries = std::iter::once(start).chain(refined_ok.then_some(refined));
+            for params in tries {
+                let sse = self.weighted_sse(family, &params);
+                if sse.is_finite() && best.as_ref().is_none_or(|(b, _)| sse < *b) {
+                    best = Some((sse, params));
+                }
+            }
+        }
+        best.map(|(_, params)| params)
+    }
+
+    /// Weighted sum of squared residuals, in normalized loss units squared.
+    fn weighted_sse(&self, family: CurveFamily, params: &[f64]) -> f64 {
+        self.x
+            .iter()
+            .zip(&self.y)
+            .zip(&self.weights)
+            .map(|((&x, &y), &w)| w * (y - evaluate(family, params, x)).powi(2))
+            .sum()
+    }
+
+    /// `sqrt(Σ wᵢ rᵢ² / Σ wᵢ)`, in normalized loss units.
+    fn weighted_rmse(&self, family: CurveFamily, params: &[f64]) -> f64 {
+        let total_weight: f64 = self.weights.iter().sum();
+        (self.weighted_sse(family, params) / total_weight).sqrt()
+    }
+
+    /// Converts normalized parameters to samples and loss units; `None` if any overflows.
+    fn to_sample_units(&self, family: CurveFamily, p: &[f64]) -> Option<Vec<f64>> {
+        let (x_scale, y_scale) = (self.sample_scale, self.loss_scale);
+        let params = match family {
+            // y·Y = Y/(a x² + b x + c) + Y d with x = k/X.
+            CurveFamily::InvQuadratic => vec![
+                p[0] / y_scale / x_scale / x_scale,
+                p[1] / y_scale / x_scale,
+                p[2] / y_scale,
+                p[3] * y_scale,
+            ],
+            CurveFamily::InvLinear => {
+                vec![p[0] / y_scale / x_scale, p[1] / y_scale, p[2] * y_scale]
+            }
+            CurveFamily::Exp => vec![p[0] / x_scale, p[1] * y_scale, p[2] * y_scale],
+        };
+        params
+            .iter()
+            .all(|v| v.is_finite() && *v >= 0.0)
+            .then_some(params)
+    }
+}
+
+/// A family fitted to [`ScaledData`], as MPFIT sees it: residuals `√wᵢ·(yᵢ − f(xᵢ))`.
+struct Problem<'a> {
+    family: CurveFamily,
+    data: &'a ScaledData,
+    bounds: &'a [MPPar],
+    config: MPConfig,
+}
+
+impl MPFitter for Problem<'_> {
+    fn eval(&mut self, params: &[f64], deviates: &mut [f64]) -> MPResult<()> {
+        let data = self.data;
+        for (((d, &x), &y), &w) in deviates
+            .iter_mut()
+            .zip(&data.x)
+            .zip(&data.y)
+            .zip(&data.weights)
+        {
+            *d = w.sqrt() * (y - evaluate(self.family, params, x));
+        }
+        Ok(())
+    }
+
+    fn number_of_points(&self) -> usize {
+        self.data.x.len()
+    }
+
+    fn config(&self) -> &MPConfig {
+        &self.config
+    }
+
+    fn parameters(&self) -> &[MPPar] {
+        self.bounds
+    }
+}
+
+/// Weighted least-squares polynomial `z ≈ Σ_j coef[j]·x^j` with `N` coefficients (lowest
+/// degree first), by the normal equations; `None` when they are singular.
+fn weighted_polyfit<const N: usize>(x: &[f64], z: &[f64], w: &[f64]) -> Option<[f64; N]> {
+    let mut matrix = [[0.0; N]; N];
+    let mut rhs = [0.0; N];
+    for ((&x, &z), &w) in x.iter().zip(z).zip(w) {
+        let mut powers = [1.0; N];
+        for j in 1..N {
+            powers[j] = powers[j - 1] * x;
+        }
+        for row in 0..N {
+            rhs[row] += w * powers[row] * z;
+            for col in 0..N {
+                matrix[row][col] += w * powers[row] * powers[col];
+            }
+        }
+    }
+    solve_linear(matrix, rhs)
+}
+
+/// Solves `matrix · v = rhs` by Gaussian elimination with partial pivoting; `None` when the
+/// matrix is (numerically) singular or the solution is not finite.
+fn solve_linear<const N: usize>(mut matrix: [[f64; N]; N], mut rhs: [f64; N]) -> Option<[f64; N]> {
+    let scale = matrix.iter().flatten().fold(0.0_f64, |m, v| m.max(v.abs()));
+    for col in 0..N {
+        let pivot =
+            (col..N).max_by(|&i, &j| matrix[i][col].abs().total_cmp(&matrix[j][col].abs()))?;
+        if matrix[pivot][col].abs() <= scale * 1e-12 {
+            return None;
+        }
+        matrix.swap(col, pivot);
+        rhs.swap(col, pivot);
+        for row in col + 1..N {
+            let factor = matrix[row][col] / matrix[col][col];
+            for k in col..N {
+                matrix[row][k] -= factor * matrix[col][k];
+            }
+            rhs[row] -= factor * rhs[col];
+        }
+    }
+    let mut solution = [0.0; N];
+    for row in (0..N).rev() {
+        let tail: f64 = (row + 1..N).map(|k| matrix[row][k] * solution[k]).sum();
+        solution[row] = (rhs[row] - tail) / matrix[row][row];
+    }
+    solution.iter().all(|v| v.is_finite()).then_some(solution)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Deterministic noise in `[-1, 1)`: SplitMix64, so tests need no random-number crate.
+    struct Noise(u64);
+
+    impl Noise {
+        fn next(&mut self) -> f64 {
+            self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            (z >> 11) as f64 / (1u64 << 52) as f64 - 1.0
+        }
+    }
+
+    /// `n` points of `curve` at `step, 2·step, …`, each loss multiplied by
+    /// `1 + relative_noise·u` with `u` uniform in `[-1, 1)`.
+    fn sample(
+        curve: &Curve,
+        n: usize,
+        step: f64,
+        relative_noise: f64,
+        seed: u64,
+    ) -> Vec<LossPoint> {
+        let mut noise = Noise(seed);
+        (1..=n)
+            .map(|i| {
+                let samples = i as f64 * step;
+                let loss = curve.predict(samples) * (1.0 + relative_noise * noise.next());
+                LossPoint { samples, loss }
+            })
+            .collect()
+    }
+
+    fn curve(family: CurveFamily, params: &[f64]) -> Curve {
+        Curve {
+            family,
+            params: params.to_vec(),
+            rmse: 0.0,
+            points: 0,
+        }
+    }
+
+    fn relative_error(got: f64, want: f64) -> f64 {
+        (got - want).abs() / want.abs()
+    }
+
+    /// `curve` in the inv_quadratic form when it is inv_linear (`a = 0`); the families are
+    /// nested, and an exact tie goes to inv_quadratic.
+    fn as_inv_quadratic(curve: &Curve) -> Curve {
+        match (curve.family, curve.params.as_slice()) {
+            (CurveFamily::InvLinear, &[a, b, c]) => {
+                self::curve(CurveFamily::InvQuadratic, &[0.0, a, b, c])
+            }
+            _ => curve.clone(),
+        }
+    }
+
+    fn assert_params_close(got: &Curve, want: &Curve, tolerance: f64) {
+        let want = if got.family == CurveFamily::InvQuadratic {
+            &as_inv_quadratic(want)
+        } else {
+            want
+        };
+        assert_eq!(got.family, want.family, "fitted {got:?}");
+        for (g, w) in got.params.iter().zip(&want.params) {
+            let error = if *w == 0.0 {
+                g.abs()
+            } else {
+                relative_error(*g, *w)
+            };
+            assert!(
+                error <= tolerance,
+                "params {:?}, want {:?}",
+                got.params,
+                want.params
+            );
+        }
+    }
+
+    /// Largest relative prediction error of `got` against `want` over `[from, to]` samples.
+    fn worst_prediction_error(got: &Curve, want: &Curve, from: f64, to: f64) -> f64 {
+        (0..=50)
+            .map(|i| from + (to - from) * f64::from(i) / 50.0)
+            .map(|k| relative_error(got.predict(k), want.predict(k)))
+            .fold(0.0, f64::max)
+    }
+
+    // 0.33 + 0.36/(1 + k/2000), written in the inv_linear form 1/(a·k + b) + c.
+    fn real_looking() -> Curve {
+        curve(
+            CurveFamily::InvLinear,
+            &[1.0 / (0.36 * 2000.0), 1.0 / 0.36, 0.33],
+        )
+    }
+
+    fn inv_quadratic() -> Curve {
+        // Loss 5000 at k = 0 falling towards 40, over millions of samples.
+        curve(CurveFamily::InvQuadratic, &[5e-16, 2e-9, 2e-4, 40.0])
+    }
+
+    fn exponential() -> Curve {
+        curve(CurveFamily::Exp, &[1.0 / 5000.0, 0.05, 2.0])
+    }
+
+    #[test]
+    fn recovers_noiseless_curves_of_each_family() {
+        let cases = [
+            (inv_quadratic(), 60, 50_000.0),
+            (real_looking(), 100, 256.0),
+            (exponential(), 80, 250.0),
+        ];
+        for (truth, n, step) in cases {
+            let fitted = fit_loss_curve(&sample(&truth, n, step, 0.0, 1), &FitConfig::default())
+                .expect("a fit");
+            assert_params_close(&fitted, &truth, 0.02);
+            assert!(fitted.rmse < 1e-6 * truth.predict(0.0), "{fitted:?}");
+            assert_eq!(fitted.points, n);
+        }
+    }
+
+    #[test]
+    fn noisy_curves_predict_within_a_few_percent() {
+        let cases = [
+            (inv_quadratic(), 100, 50_000.0),
+            (real_looking(), 100, 256.0),
+            (exponential(), 100, 200.0),
+        ];
+        for (truth, n, step) in cases {
+            for seed in 1..=5 {
+                let points = sample(&truth, n, step, 0.02, seed);
+                let fitted = fit_loss_curve(&points, &FitConfig::default()).expect("a fit");
+                let last = n as f64 * step;
+                let error = worst_prediction_error(&fitted, &truth, step, 1.25 * last);
+                assert!(
+                    error < 0.03,
+                    "seed {seed}: error {error} of {fitted:?} for {truth:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn noisy_parameters_of_the_two_parameter_families_are_recovered() {
+        for truth in [real_looking(), exponential()] {
+            let points = sample(&truth, 100, 250.0, 0.005, 7);
+            let fitted = fit_loss_curve(&points, &FitConfig::default()).expect("a fit");
+            assert_params_close(&fitted, &truth, 0.15);
+        }
+    }
+
+    #[test]
+    fn real_looking_curve_predicted_25_percent_ahead() {
+        let truth = real_looking();
+        for seed in 1..=10 {
+            let points = sample(&truth, 100, 256.0, 0.03, seed);
+            let fitted = fit_loss_curve(&points, &FitConfig::default()).expect("a fit");
+            let ahead = 1.25 * 100.0 * 256.0;
+            let error = relative_error(fitted.predict(ahead), truth.predict(ahead));
+            assert!(error < 0.03, "seed {seed}: {error} ({fitted:?})");
+        }
+    }
+
+    #[test]
+    fn predictions_do_not_increase_on_decreasing_data() {
+        let points = sample(&real_looking(), 100, 300.0, 0.05, 3);
+        let fitted = fit_loss_curve(&points, &FitConfig::default()).unwrap();
+        let predictions: Vec<f64> = (0..200)
+            .map(|i| fitted.predict(f64::from(i) * 500.0))
+            .collect();
+        assert!(
+            predictions.windows(2).all(|w| w[1] <= w[0]),
+            "{predictions:?}"
+        );
+    }
+
+    #[test]
+    fn too_few_points_give_no_curve() {
+        let points = sample(&real_looking(), 4, 100.0, 0.0, 1);
+        assert_eq!(fit_loss_curve(&points, &FitConfig::default()), None);
+        assert_eq!(
+            fit_loss_curve(
+                &[],
+                &FitConfig {
+                    min_points: 0,
+                    ..FitConfig::default()
+                }
+            ),
+            None
+        );
+        // Invalid points do not count.
+        let mut with_garbage = sample(&real_looking(), 4, 100.0, 0.0, 1);
+        with_garbage.push(LossPoint {
+            samples: 500.0,
+            loss: f64::NAN,
+        });
+        with_garbage.push(LossPoint {
+            samples: -1.0,
+            loss: 0.5,
+        });
+        assert_eq!(fit_loss_curve(&with_garbage, &FitConfig::default()), None);
+    }
+
+    #[test]
+    fn only_the_window_is_fitted() {
+        // An old regime (loss around 100) followed by 100 points of the real-looking curve.
+        let mut points: Vec<LossPoint> = (0..50)
+            .map(|i| LossPoint {
+                samples: f64::from(i),
+                loss: 100.0,
+            })
+            .collect();
+        points.extend(sample(&real_looking(), 100, 256.0, 0.0, 1));
+        let fitted = fit_loss_curve(&points, &FitConfig::default()).unwrap();
+        assert_eq!(fitted.points, 100);
+        assert!(worst_prediction_error(&fitted, &real_looking(), 256.0, 25_600.0) < 1e-3);
+    }
+
+    #[test]
+    fn newest_points_weigh_most() {
+        // The loss steps down halfway; recent points should dominate the prediction.
+        let points: Vec<LossPoint> = (1..=40)
+            .map(|i| LossPoint {
+                samples: f64::from(i) * 100.0,
+                loss: if i <= 20 { 1.0 } else { 0.5 },
+            })
+            .collect();
+        let fitted = fit_loss_curve(&points, &FitConfig::default()).unwrap();
+        let uniform = FitConfig {
+            decay: 1.0,
+            ..FitConfig::default()
+        };
+        let unweighted = fit_loss_curve(&points, &uniform).unwrap();
+        let weighted_error = (fitted.predict(4000.0) - 0.5).abs();
+        let unweighted_error = (unweighted.predict(4000.0) - 0.5).abs();
+        assert!(weighted_error < 0.1, "{fitted:?}");
+        assert!(
+            weighted_error < unweighted_error,
+            "{fitted:?} {unweighted:?}"
+        );
+    }
+
+    #[test]
+    fn degenerate_histories_give_finite_flat_or_decreasing_curves() {
+        let flat: Vec<LossPoint> = (1..=20)
+            .map(|i| LossPoint {
+                samples: f64::from(i) * 10.0,
+                loss: 0.7,
+            })
+            .collect();
+        let increasing: Vec<LossPoint> = (1..=20)
+            .map(|i| LossPoint {
+                samples: f64::from(i) * 10.0,
+                loss: 0.1 * f64::from(i),
+            })
+            .collect();
+        let same_samples: Vec<LossPoint> = (1..=20)
+            .map(|i| LossPoint {
+                samples: 1000.0,
+                loss: 1.0 + 0.01 * f64::from(i % 3),
+            })
+            .collect();
+        let all_zero: Vec<LossPoint> = (0..20)
+            .map(|i| LossPoint {
+                samples: f64::from(i),
+                loss: 0.0,
+            })
+            .collect();
+        let at_zero_samples: Vec<LossPoint> = (0..20)
+            .map(|i| LossPoint {
+                samples: 0.0,
+                loss: f64::from(i),
+            })
+            .collect();
+        for (name, points) in [
+            ("flat", flat),
+            ("increasing", increasing),
+            ("same samples", same_samples),
+            ("all zero", all_zero),
+            ("all at zero samples", at_zero_samples),
+        ] {
+            let fitted = fit_loss_curve(&points, &FitConfig::default())
+                .unwrap_or_else(|| panic!("{name}: no fit"));
+            assert!(fitted.rmse.is_finite(), "{name}: {fitted:?}");
+            let max_loss = points.iter().map(|p| p.loss).fold(0.0, f64::max);
+            for k in [0.0, 10.0, 1e3, 1e9, f64::MAX, f64::INFINITY] {
+                let loss = fitted.predict(k);
+                assert!(
+                    loss.is_finite() && loss >= 0.0,
+                    "{name}: predict({k}) = {loss}"
+                );
+                if k >= 10.0 {
+                    assert!(
+                        loss <= max_loss * 1.01 + 1e-9,
+                        "{name}: predict({k}) = {loss}"
+                    );
+                }
+            }
+        }
+        let flat_fit = fit_loss_curve(
+            &(1..=20)
+                .map(|i| LossPoint {
+                    samples: f64::from(i),
+                    loss: 0.7,
+                })
+                .collect::<Vec<_>>(),
+            &FitConfig::default(),
+        )
+        .unwrap();
+        assert!(
+            normalized_gain(&flat_fit, 20.0, 1e6, 0.7) < 1e-6,
+            "{flat_fit:?}"
+        );
+    }
+
+    #[test]
+    fn predict_handles_out_of_domain_samples() {
+        let c = real_looking();
+        assert_eq!(c.predict(-5.0), c.predict(0.0));
+        assert_eq!(c.predict(f64::NAN), c.predict(0.0));
+        assert!((c.predict(f64::INFINITY) - 0.33).abs() < 1e-12);
+        let malformed = curve(CurveFamily::InvQuadratic, &[1.0]);
+        assert_eq!(malformed.predict(1.0), 0.0);
+    }
+
+    #[test]
+    fn normalized_gain_is_the_scaled_predicted_drop() {
+        let c = real_looking();
+        let drop = c.predict(1000.0) - c.predict(3000.0);
+        assert!((normalized_gain(&c, 1000.0, 3000.0, 0.36) - drop / 0.36).abs() < 1e-12);
+        // Backwards is no gain; an unknown scale falls back to the loss at `from`.
+        assert_eq!(normalized_gain(&c, 3000.0, 1000.0, 0.36), 0.0);
+        let relative = drop / c.predict(1000.0);
+        for bad_scale in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert!((normalized_gain(&c, 1000.0, 3000.0, bad_scale) - relative).abs() < 1e-12);
+        }
+        assert!(normalized_gain(&c, 0.0, 1e9, 1e-300).is_finite());
+    }
+
+    #[test]
+    fn wire_form_names_the_family() {
+        let wire = exponential().to_wire();
+        assert_eq!(wire.family, "exp");
+        assert_eq!(wire.params, vec![1.0 / 5000.0, 0.05, 2.0]);
+        assert_eq!(inv_quadratic().to_wire().family, "inv_quadratic");
+        assert_eq!(real_looking().to_wire().family, "inv_linear");
+    }
+
+    fn arbitrary_history() -> impl Strategy<Value = Vec<LossPoint>> {
+        (-6i32..13, -6i32..7).prop_flat_map(|(sample_exponent, loss_exponent)| {
+            let sample_scale = 10f64.powi(sample_exponent);
+            let loss_scale = 10f64.powi(loss_exponent);
+            prop::collection::vec((0.0..1.0f64, 1e-3..1.0f64), 5..200).prop_map(move |raw| {
+                raw.into_iter()
+                    .map(|(s, l)| LossPoint {
+                        samples: s * sample_scale,
+                        loss: l * loss_scale,
+                    })
+                    .collect()
+            })
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(200))]
+
+        #[test]
+        fn any_history_gives_a_sane_curve(points in arbitrary_history()) {
+            let fitted = fit_loss_curve(&points, &FitConfig::default());
+            prop_assert!(fitted.is_some());
+            let fitted = fitted.unwrap();
+            prop_assert_eq!(fitted.params.len(), fitted.family.parameter_count());
+            prop_assert!(fitted.params.iter().all(|p| p.is_finite() && *p >= 0.0), "{:?}", fitted);
+            prop_assert!(fitted.rmse.is_finite() && fitted.rmse >= 0.0);
+            let max_samples = points.iter().map(|p| p.samples).fold(0.0, f64::max);
+            let mut previous = f64::INFINITY;
+            for i in 0..=40 {
+                let k = max_samples * f64::from(i) / 20.0;
+                let loss = fitted.predict(k);
+                prop_assert!(loss.is_finite() && loss >= 0.0, "predict({}) = {}", k, loss);
+                prop_assert!(loss <= previous, "not monotone at {}", k);
+                previous = loss;
+            }
+            let wire = serde_json::to_string(&fitted.to_wire()).unwrap();
+            prop_assert!(serde_json::from_str::<FittedCurve>(&wire).is_ok());
+        }
+    }
+}

@@ -1,0 +1,184 @@
+//! Per-job progress history rebuilt from the progress stream: the loss curve the fit sees
+//! (rank 0's reports, progress in samples) and the throughput of each generation.
+//! Pure data structure: no I/O, no clock.
+
+use crate::fit::LossPoint;
+use converge_common::ProgressReport;
+
+/// Points kept per job; the fit uses only the most recent `FitConfig::window` of them.
+pub const MAX_POINTS: usize = 2_000;
+
+/// One progress report of rank 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProgressPoint {
+    pub generation: u64,
+    pub step: u64,
+    pub samples: u64,
+    pub loss: f64,
+    pub eval_loss: Option<f64>,
+    /// UNIX seconds.
+    pub time: f64,
+}
+
+/// A job's progress history.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobHistory {
+    points: Vec<ProgressPoint>,
+    first_loss: Option<f64>,
+    latest_generation: u64,
+    last_eval_loss: Option<f64>,
+    /// Reports dropped because they came from a generation older than one already seen.
+    pub stale_reports: u64,
+}
+
+impl JobHistory {
+    /// Adds a report. Only rank 0's reports form the curve (ranks of a data-parallel job
+    /// report the same global loss). Reports of a generation older than the newest seen are
+    /// stale (a fenced worker) and dropped. A report whose samples fall below the last
+    /// point's (the job resumed from an earlier checkpoint) drops the points beyond it: that
+    /// work was lost and will be redone.
+    pub fn add(&mut self, r: &ProgressReport) {
+        if r.rank != 0 {
+            return;
+        }
+        if r.generation < self.latest_generation {
+            self.stale_reports += 1;
+            return;
+        }
+        self.latest_generation = r.generation;
+        if self.first_loss.is_none() {
+            self.first_loss = Some(r.loss);
+        }
+        if r.eval_loss.is_some() {
+            self.last_eval_loss = r.eval_loss;
+        }
+        while self.points.last().is_some_and(|p| p.samples > r.samples) {
+            self.points.pop();
+        }
+        self.points.push(ProgressPoint {
+            generation: r.generation,
+            step: r.step,
+            samples: r.samples,
+            loss: r.loss,
+            eval_loss: r.eval_loss,
+            time: r.time,
+        });
+        if self.points.len() > MAX_POINTS {
+            let excess = self.points.len() - MAX_POINTS;
+            self.points.drain(..excess);
+        }
+    }
+
+    pub fn points(&self) -> &[ProgressPoint] {
+        &self.points
+    }
+    pub fn latest(&self) -> Option<&ProgressPoint> {
+        self.points.last()
+    }
+    pub fn first_loss(&self) -> Option<f64> {
+        self.first_loss
+    }
+    pub fn last_eval_loss(&self) -> Option<f64> {
+        self.last_eval_loss
+    }
+
+    /// The curve the fit sees: (samples, loss) of every kept point.
+    pub fn loss_points(&self) -> Vec<LossPoint> {
+        self.points
+            .iter()
+            .map(|p| LossPoint {
+                samples: p.samples as f64,
+                loss: p.loss,
+            })
+            .collect()
+    }
+
+    /// Observed loss range (max − min) of the kept points: the per-job scale that turns a
+    /// predicted loss drop into a normalized gain (SLAQ normalizes per job so jobs with
+    /// different loss scales compare). 0 with fewer than two points.
+    pub fn loss_scale(&self) -> f64 {
+        let (lo, hi) = self
+            .points
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| {
+                (lo.min(p.loss), hi.max(p.loss))
+            });
+        if hi > lo { hi - lo } else { 0.0 }
+    }
+
+    /// Throughput of `generation` in samples per second, from its first and last report;
+    /// `None` with fewer than two reports or no elapsed time.
+    pub fn samples_per_s(&self, generation: u64) -> Option<f64> {
+        let mut it = self.points.iter().filter(|p| p.generation == generation);
+        let first = it.next()?;
+        let last = it.last()?;
+        let dt = last.time - first.time;
+        (dt > 0.0 && last.samples > first.samples)
+            .then(|| (last.samples - first.samples) as f64 / dt)
+    }
+
+    /// The generation of the most recent point that has a measurable throughput, and that
+    /// throughput.
+    pub fn latest_rate(&self) -> Option<(u64, f64)> {
+        let mut gens: Vec<u64> = self.points.iter().map(|p| p.generation).collect();
+        gens.dedup();
+        gens.iter()
+            .rev()
+            .find_map(|&g| self.samples_per_s(g).map(|r| (g, r)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_common::{HostId, JobId};
+
+    fn report(generation: u64, rank: u32, samples: u64, loss: f64, time: f64) -> ProgressReport {
+        ProgressReport {
+            protocol: 1,
+            job: JobId::new("j").unwrap(),
+            generation,
+            rank,
+            host: HostId::new("h").unwrap(),
+            step: samples / 10,
+            samples,
+            loss,
+            eval_loss: None,
+            epoch: None,
+            time,
+        }
+    }
+
+    #[test]
+    fn keeps_rank0_drops_stale_and_truncates_redone_work() {
+        let mut h = JobHistory::default();
+        h.add(&report(1, 0, 100, 1.0, 10.0));
+        h.add(&report(1, 1, 100, 1.0, 10.0));
+        h.add(&report(1, 0, 200, 0.8, 11.0));
+        h.add(&report(1, 0, 300, 0.7, 12.0));
+        assert_eq!(h.points().len(), 3);
+        assert_eq!(h.samples_per_s(1), Some(100.0));
+        // Generation 2 resumed from the checkpoint at 200 samples: the point at 300 is gone.
+        h.add(&report(2, 0, 220, 0.78, 20.0));
+        let samples: Vec<u64> = h.points().iter().map(|p| p.samples).collect();
+        assert_eq!(samples, vec![100, 200, 220]);
+        // A late report of generation 1 is stale.
+        h.add(&report(1, 0, 400, 0.6, 21.0));
+        assert_eq!(h.stale_reports, 1);
+        assert_eq!(h.first_loss(), Some(1.0));
+        assert!((h.loss_scale() - 0.22).abs() < 1e-12);
+        assert_eq!(h.latest_rate(), Some((1, 100.0)));
+        h.add(&report(2, 0, 620, 0.7, 22.0));
+        assert_eq!(h.latest_rate(), Some((2, 200.0)));
+    }
+
+    #[test]
+    fn bounded() {
+        let mut h = JobHistory::default();
+        for i in 0..(MAX_POINTS as u64 + 50) {
+            h.add(&report(1, 0, i, 1.0, i as f64));
+        }
+        assert_eq!(h.points().len(), MAX_POINTS);
+        assert_eq!(h.first_loss(), Some(1.0));
+    }
+}

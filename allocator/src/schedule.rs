@@ -1,0 +1,544 @@
+//! One scheduling step as a pure function: from job specs, job statuses, host telemetry and
+//! progress histories at time `now`, compute the next job statuses, host plans and events.
+//! The service calls it on every trigger and writes what changed; tests and the simulator
+//! call it directly. No I/O, no clock (`now` is an argument).
+//!
+//! Lifecycle of a job: `pending` → (placed) → `restarting` → (no worker of an older
+//! generation alive on any live host) → `running` → `completed` / `failed` / `cancelled`.
+//! An allocation change bumps the job's generation and goes through `restarting` again, so
+//! the old generation checkpoints and exits before the new one starts (generation fencing).
+
+use crate::fit::{FitConfig, fit_loss_curve};
+use crate::history::JobHistory;
+use crate::placement::{HostFree, PlacementRequest, master_port, place};
+use crate::policy::{PolicyJob, PolicyParams, quality_allocate};
+use converge_common::{
+    Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobPhase, JobSpec, JobStatus,
+    PROTOCOL_VERSION, RankPlacement, WorkerAssignment, WorkerPhase,
+};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Knobs of a scheduling step.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// A host whose latest telemetry is older than this (seconds) is lost: its GPUs leave
+    /// the pool and its jobs are placed elsewhere.
+    pub host_timeout_s: f64,
+    pub policy: PolicyParams,
+    pub fit: FitConfig,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            host_timeout_s: 15.0,
+            policy: PolicyParams::default(),
+            fit: FitConfig::default(),
+        }
+    }
+}
+
+/// Everything a step reads.
+#[derive(Debug, Clone, Copy)]
+pub struct Inputs<'a> {
+    pub now: f64,
+    pub specs: &'a BTreeMap<JobId, JobSpec>,
+    /// Specs that were refused, with the reason (the job fails with it).
+    pub refused_specs: &'a BTreeMap<JobId, String>,
+    pub statuses: &'a BTreeMap<JobId, JobStatus>,
+    pub hosts: &'a BTreeMap<HostId, HostTelemetry>,
+    pub histories: &'a BTreeMap<JobId, JobHistory>,
+}
+
+/// What a step decided.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// The status of every known job.
+    pub statuses: BTreeMap<JobId, JobStatus>,
+    /// The plan of every known host (lost hosts get an empty plan, which fences their
+    /// workers when they return).
+    pub plans: BTreeMap<HostId, HostPlan>,
+    pub events: Vec<Event>,
+}
+
+const SOURCE: &str = "allocator";
+
+fn event(now: f64, kind: EventKind, message: String) -> Event {
+    Event::new(now, SOURCE, kind, message)
+}
+
+/// Runs one step. With `run_policy` false only the lifecycle advances (completions,
+/// failures, restarts finishing, progress); allocations change only when it is true (every
+/// scheduling epoch, on job submission and when hosts come or go).
+pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
+    let now = inp.now;
+    let mut out = Outcome::default();
+    let live: BTreeMap<&HostId, &HostTelemetry> = inp
+        .hosts
+        .iter()
+        .filter(|(_, t)| now - t.time <= settings.host_timeout_s)
+        .collect();
+
+    // Worker states reported by live hosts, by job.
+    let mut reported: BTreeMap<&JobId, Vec<(&HostId, &converge_common::WorkerState)>> =
+        BTreeMap::new();
+    for (host, t) in &live {
+        for w in &t.workers {
+            reported.entry(&w.job).or_default().push((host, w));
+        }
+    }
+
+    // 1. Statuses for new and refused jobs; lifecycle of the known ones.
+    for (id, spec) in inp.specs {
+        let mut status = inp
+            .statuses
+            .get(id)
+            .cloned()
+            .unwrap_or_else(|| new_status(id, spec.submitted_at, now));
+        if !inp.statuses.contains_key(id) {
+            out.events.push(event(
+                now,
+                EventKind::JobSubmitted { job: id.clone() },
+                format!(
+                    "job {id} admitted: {} to {} workers of {} GPU(s)",
+                    spec.min_workers,
+                    spec.max_workers(),
+                    spec.gpus_per_worker
+                ),
+            ));
+        }
+        let history = inp.histories.get(id);
+        if !status.phase.is_terminal() {
+            advance(
+                &mut status,
+                spec,
+                history,
+                reported.get(id),
+                &live,
+                now,
+                &mut out.events,
+            );
+        }
+        update_progress(
+            &mut status,
+            history,
+            &settings.fit,
+            settings.policy.horizon_s,
+        );
+        out.statuses.insert(id.clone(), status);
+    }
+    for (id, reason) in inp.refused_specs {
+        if inp.specs.contains_key(id) {
+            continue;
+        }
+        let mut status = inp
+            .statuses
+            .get(id)
+            .cloned()
+            .unwrap_or_else(|| new_status(id, now, now));
+        if !status.phase.is_terminal() {
+            finish(
+                &mut status,
+                JobPhase::Failed,
+                format!("job spec refused: {reason}"),
+                now,
+                &mut out.events,
+            );
+        }
+        out.statuses.insert(id.clone(), status);
+    }
+    // Statuses whose spec vanished (deleted from KV) are kept as they are.
+    for (id, s) in inp.statuses {
+        out.statuses.entry(id.clone()).or_insert_with(|| s.clone());
+    }
+
+    // 2. The policy: how many workers each active job gets, and where.
+    if run_policy {
+        allocate(inp, settings, &live, &mut out);
+    }
+
+    // 3. Restarting jobs whose previous generation has exited everywhere start.
+    for status in out.statuses.values_mut() {
+        if status.phase == JobPhase::Restarting
+            && !older_generation_alive(status, reported.get(&status.job))
+        {
+            status.phase = JobPhase::Running;
+            status.started_at.get_or_insert(now);
+        }
+    }
+
+    // 4. Plans follow from the statuses.
+    out.plans = plans(inp, &out.statuses, &live);
+    out
+}
+
+fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
+    JobStatus {
+        protocol: PROTOCOL_VERSION,
+        job: id.clone(),
+        phase: JobPhase::Pending,
+        generation: 0,
+        world_size: 0,
+        placement: Vec::new(),
+        master_port: None,
+        step: 0,
+        samples: 0,
+        first_loss: None,
+        loss: None,
+        eval_loss: None,
+        curve: None,
+        predicted_loss: None,
+        samples_per_s: None,
+        submitted_at,
+        started_at: None,
+        finished_at: None,
+        updated_at: now,
+        message: None,
+    }
+}
+
+fn finish(
+    status: &mut JobStatus,
+    phase: JobPhase,
+    message: String,
+    now: f64,
+    events: &mut Vec<Event>,
+) {
+    status.phase = phase;
+    status.finished_at = Some(now);
+    status.world_size = 0;
+    status.placement.clear();
+    status.master_port = None;
+    events.push(event(
+        now,
+        EventKind::JobFinished {
+            job: status.job.clone(),
+            phase,
+        },
+        format!("job {} {}: {message}", status.job, phase_name(phase)),
+    ));
+    status.message = Some(message);
+}
+
+fn phase_name(p: JobPhase) -> &'static str {
+    match p {
+        JobPhase::Pending => "pending",
+        JobPhase::Running => "running",
+        JobPhase::Restarting => "restarting",
+        JobPhase::Completed => "completed",
+        JobPhase::Failed => "failed",
+        JobPhase::Cancelled => "cancelled",
+    }
+}
+
+/// Completion, failure, cancellation and host loss of one active job.
+fn advance(
+    status: &mut JobStatus,
+    spec: &JobSpec,
+    history: Option<&JobHistory>,
+    reported: Option<&Vec<(&HostId, &converge_common::WorkerState)>>,
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+    now: f64,
+    events: &mut Vec<Event>,
+) {
+    if spec.cancelled {
+        finish(
+            status,
+            JobPhase::Cancelled,
+            "cancelled by the user".into(),
+            now,
+            events,
+        );
+        return;
+    }
+    if status.phase != JobPhase::Running {
+        return;
+    }
+    let current: Vec<&(&HostId, &converge_common::WorkerState)> = reported
+        .map(|v| {
+            v.iter()
+                .filter(|(_, w)| w.generation == status.generation)
+                .collect()
+        })
+        .unwrap_or_default();
+    if current
+        .iter()
+        .any(|(_, w)| w.rank == 0 && w.phase == WorkerPhase::Succeeded)
+    {
+        finish(
+            status,
+            JobPhase::Completed,
+            "rank 0 exited with code 0".into(),
+            now,
+            events,
+        );
+        return;
+    }
+    if let Some((host, w)) = current.iter().find(|(_, w)| w.phase == WorkerPhase::Failed) {
+        let code = w
+            .last_exit_code
+            .map_or("a signal".to_string(), |c| format!("exit code {c}"));
+        finish(
+            status,
+            JobPhase::Failed,
+            format!(
+                "rank {} on {host} failed ({code}) after {} restarts; see its log on that host",
+                w.rank, w.restarts
+            ),
+            now,
+            events,
+        );
+        return;
+    }
+    if let (Some(target), Some(latest)) = (spec.target_loss, history.and_then(JobHistory::latest))
+        && latest.loss <= target
+    {
+        finish(
+            status,
+            JobPhase::Completed,
+            format!("reached target loss {target} (loss {:.4})", latest.loss),
+            now,
+            events,
+        );
+        return;
+    }
+    if let Some(lost) = status
+        .placement
+        .iter()
+        .find(|p| !live.contains_key(&p.host))
+    {
+        let host = lost.host.clone();
+        events.push(event(
+            now,
+            EventKind::HostLost { host: host.clone() },
+            format!(
+                "job {} lost host {host}; it will be placed again from its checkpoint",
+                status.job
+            ),
+        ));
+        status.phase = JobPhase::Pending;
+        status.world_size = 0;
+        status.placement.clear();
+        status.master_port = None;
+        status.message = Some(format!("host {host} stopped reporting"));
+    }
+}
+
+fn older_generation_alive(
+    status: &JobStatus,
+    reported: Option<&Vec<(&HostId, &converge_common::WorkerState)>>,
+) -> bool {
+    reported.is_some_and(|v| {
+        v.iter()
+            .any(|(_, w)| w.generation < status.generation && w.phase.is_alive())
+    })
+}
+
+/// Copies progress, the fitted curve and the prediction into the status.
+fn update_progress(
+    status: &mut JobStatus,
+    history: Option<&JobHistory>,
+    fit: &FitConfig,
+    horizon_s: f64,
+) {
+    let Some(h) = history else { return };
+    if let Some(p) = h.latest() {
+        status.step = p.step;
+        status.samples = p.samples;
+        status.loss = Some(p.loss);
+    }
+    status.first_loss = h.first_loss();
+    status.eval_loss = h.last_eval_loss();
+    status.samples_per_s = h.samples_per_s(status.generation);
+    let curve = fit_loss_curve(&h.loss_points(), fit);
+    status.predicted_loss = curve.as_ref().map(|c| {
+        let rate = status.samples_per_s.unwrap_or(0.0);
+        c.predict(status.samples as f64 + rate * horizon_s)
+    });
+    status.curve = curve.map(|c| c.to_wire());
+}
+
+fn allocate(
+    inp: Inputs<'_>,
+    settings: &Settings,
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+    out: &mut Outcome,
+) {
+    let now = inp.now;
+    let total_gpus: u32 = live.values().map(|t| t.gpus.len() as u32).sum();
+    let mut active: Vec<(JobStatus, &JobSpec)> = out
+        .statuses
+        .values()
+        .filter(|s| !s.phase.is_terminal())
+        .filter_map(|s| inp.specs.get(&s.job).map(|spec| (s.clone(), spec)))
+        .collect();
+    // Priority order: running jobs first, then pending ones, each by arrival.
+    active.sort_by(|(a, _), (b, _)| {
+        (a.world_size == 0)
+            .cmp(&(b.world_size == 0))
+            .then(a.submitted_at.total_cmp(&b.submitted_at))
+            .then(a.job.cmp(&b.job))
+    });
+    let policy_jobs: Vec<PolicyJob> = active
+        .iter()
+        .map(|(s, spec)| {
+            let h = inp.histories.get(&s.job);
+            let per_worker = h.and_then(|h| {
+                let (g, rate) = h.latest_rate()?;
+                let workers = if g == s.generation { s.world_size } else { 0 };
+                // Throughput of an older generation is per worker of that generation; its
+                // size is not kept, so fall back to the current size when unknown.
+                let w = if workers > 0 {
+                    workers
+                } else {
+                    s.world_size.max(1)
+                };
+                Some(rate / f64::from(w))
+            });
+            PolicyJob {
+                id: s.job.clone(),
+                gpus_per_worker: spec.gpus_per_worker,
+                min_workers: spec.min_workers,
+                max_workers: spec.max_workers(),
+                current_workers: s.world_size,
+                submitted_at: s.submitted_at,
+                curve: h.and_then(|h| fit_loss_curve(&h.loss_points(), &settings.fit)),
+                samples: s.samples as f64,
+                loss_scale: h.map_or(0.0, JobHistory::loss_scale),
+                samples_per_s_per_worker: per_worker,
+            }
+        })
+        .collect();
+    let decision = quality_allocate(total_gpus, &policy_jobs, &settings.policy);
+
+    let hosts: Vec<HostFree> = live
+        .iter()
+        .map(|(h, t)| HostFree {
+            host: (*h).clone(),
+            gpus: t.gpus.iter().map(|g| g.index).collect(),
+        })
+        .collect();
+    let requests: Vec<PlacementRequest> = active
+        .iter()
+        .map(|(s, spec)| PlacementRequest {
+            job: s.job.clone(),
+            workers: decision.workers.get(&s.job).copied().unwrap_or(0),
+            gpus_per_worker: spec.gpus_per_worker,
+            min_workers: spec.min_workers,
+            current: s.placement.clone(),
+        })
+        .collect();
+    let placed = place(&hosts, &requests);
+
+    let mut taken_ports: BTreeSet<u16> = out
+        .statuses
+        .values()
+        .filter(|s| !s.phase.is_terminal())
+        .filter_map(|s| s.master_port)
+        .collect();
+    for (s, _) in &active {
+        let new_placement = placed.get(&s.job).cloned().unwrap_or_default();
+        if new_placement == s.placement {
+            continue;
+        }
+        let status = out
+            .statuses
+            .get_mut(&s.job)
+            .expect("active jobs have statuses");
+        let from = status.world_size;
+        if let Some(p) = status.master_port {
+            taken_ports.remove(&p);
+        }
+        status.generation += 1;
+        status.world_size = new_placement.len() as u32;
+        status.placement = new_placement;
+        if status.world_size == 0 {
+            status.phase = JobPhase::Pending;
+            status.master_port = None;
+            status.message = Some("preempted: waiting for GPUs".into());
+        } else {
+            let port = master_port(&status.job, status.generation, &taken_ports);
+            taken_ports.insert(port);
+            status.master_port = Some(port);
+            status.phase = JobPhase::Restarting;
+            status.message = None;
+        }
+        out.events.push(event(
+            now,
+            EventKind::AllocationChanged {
+                job: status.job.clone(),
+                generation: status.generation,
+                from_workers: from,
+                to_workers: status.world_size,
+            },
+            format!(
+                "job {}: {from} -> {} workers (generation {})",
+                status.job, status.world_size, status.generation
+            ),
+        ));
+    }
+}
+
+/// Host plans from job statuses: every `running` job's ranks on their hosts.
+fn plans(
+    inp: Inputs<'_>,
+    statuses: &BTreeMap<JobId, JobStatus>,
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+) -> BTreeMap<HostId, HostPlan> {
+    let mut plans: BTreeMap<HostId, HostPlan> = inp
+        .hosts
+        .keys()
+        .map(|h| {
+            (
+                h.clone(),
+                HostPlan {
+                    protocol: PROTOCOL_VERSION,
+                    host: h.clone(),
+                    workers: Vec::new(),
+                },
+            )
+        })
+        .collect();
+    for status in statuses.values() {
+        if status.phase != JobPhase::Running {
+            continue;
+        }
+        let (Some(spec), Some(port)) = (inp.specs.get(&status.job), status.master_port) else {
+            continue;
+        };
+        let Some(rank0) = status.placement.iter().find(|p| p.rank == 0) else {
+            continue;
+        };
+        let Some(master_addr) = live.get(&rank0.host).map(|t| t.addr.clone()) else {
+            continue;
+        };
+        let mut by_host: BTreeMap<&HostId, Vec<&RankPlacement>> = BTreeMap::new();
+        for p in &status.placement {
+            by_host.entry(&p.host).or_default().push(p);
+        }
+        for (host, ranks) in by_host {
+            let plan = plans.entry(host.clone()).or_insert_with(|| HostPlan {
+                protocol: PROTOCOL_VERSION,
+                host: host.clone(),
+                workers: Vec::new(),
+            });
+            for (local_rank, p) in ranks.iter().enumerate() {
+                plan.workers.push(WorkerAssignment {
+                    job: status.job.clone(),
+                    generation: status.generation,
+                    rank: p.rank,
+                    world_size: status.world_size,
+                    local_rank: local_rank as u32,
+                    local_world_size: ranks.len() as u32,
+                    gpus: p.gpus.clone(),
+                    master_addr: master_addr.clone(),
+                    master_port: port,
+                    command: spec.command.clone(),
+                    env: spec.env.clone(),
+                    max_restarts: spec.max_restarts,
+                });
+            }
+        }
+    }
+    plans
+}

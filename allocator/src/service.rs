@@ -1,0 +1,411 @@
+//! The allocator service: the I/O shell around [`crate::schedule::step`]. It rebuilds its
+//! view (job specs and statuses, host telemetry, progress histories) from NATS on start,
+//! follows updates, runs a step on every trigger and writes only the statuses and plans
+//! that changed. It keeps no local state: kill it at any time and start it anywhere.
+
+use crate::history::JobHistory;
+use crate::policy::PolicyParams;
+use crate::schedule::{Inputs, Settings, step};
+use async_nats::jetstream::{self, kv};
+use converge_bus::{Bus, NatsArgs, Rejects, humantime_duration, unix_now};
+use converge_common::{
+    Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobSpec, JobStatus, ProgressReport,
+    messages::decode, subjects,
+};
+use futures::StreamExt;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// Command line and environment of `converge-allocator`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AllocatorConfig {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    /// Scheduling epoch: how often the policy re-decides allocations (it also runs when a
+    /// job is submitted or finishes and when hosts come or go). SLAQ uses 10 s.
+    #[arg(long, env = "CONVERGE_EPOCH", default_value = "10s", value_parser = humantime_duration)]
+    pub epoch: Duration,
+    /// How far ahead the policy predicts each job's loss reduction.
+    #[arg(long, env = "CONVERGE_HORIZON", default_value = "60s", value_parser = humantime_duration)]
+    pub horizon: Duration,
+    /// Time a job loses when its allocation changes (checkpoint, restart, rendezvous). A
+    /// running job is resized only if the predicted gain over the horizon, with this much
+    /// less time to make it, beats keeping its allocation. 0 disables the hysteresis.
+    #[arg(long, env = "CONVERGE_RESTART_COST", default_value = "30s", value_parser = humantime_duration)]
+    pub restart_cost: Duration,
+    /// A host whose heartbeat is older than this is lost; its jobs are placed elsewhere.
+    #[arg(long, env = "CONVERGE_HOST_TIMEOUT", default_value = "15s", value_parser = humantime_duration)]
+    pub host_timeout: Duration,
+}
+
+impl AllocatorConfig {
+    /// The pure step's settings from the command line.
+    pub fn settings(&self) -> Settings {
+        Settings {
+            host_timeout_s: self.host_timeout.as_secs_f64(),
+            policy: PolicyParams {
+                horizon_s: self.horizon.as_secs_f64(),
+                restart_cost_s: self.restart_cost.as_secs_f64(),
+                ..PolicyParams::default()
+            },
+            ..Settings::default()
+        }
+    }
+}
+
+/// Shortest time between two steps: bursts of updates are folded into one step.
+pub const STEP_SPACING: Duration = Duration::from_millis(200);
+/// How often the lifecycle (completions, restarts, host timeouts) is checked without updates.
+pub const LIFECYCLE_TICK: Duration = Duration::from_secs(1);
+
+enum Input {
+    Spec(JobId, Result<JobSpec, String>),
+    SpecDeleted(JobId),
+    Host(HostTelemetry),
+    HostDeleted(HostId),
+    Progress(ProgressReport),
+    ProgressCaughtUp,
+}
+
+/// The allocator's view, rebuilt from NATS.
+#[derive(Debug, Default)]
+struct View {
+    specs: BTreeMap<JobId, JobSpec>,
+    refused: BTreeMap<JobId, String>,
+    statuses: BTreeMap<JobId, JobStatus>,
+    hosts: BTreeMap<HostId, HostTelemetry>,
+    histories: BTreeMap<JobId, JobHistory>,
+    /// The plans as stored in KV (to write only what changes).
+    plans: BTreeMap<HostId, HostPlan>,
+}
+
+/// Runs the allocator until `shutdown` is cancelled.
+pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let client = converge_bus::connect(&cfg.nats, "converge-allocator").await?;
+    let bus = Bus::open(client).await?;
+    let rejects = Arc::new(Rejects::default());
+    let settings = cfg.settings();
+
+    // Rebuild the view from NATS.
+    let mut view = View::default();
+    for (key, (status, _)) in bus.load_all::<JobStatus>(&bus.status, &rejects).await? {
+        if let Ok(id) = JobId::new(key) {
+            view.statuses.insert(id, status);
+        }
+    }
+    for (key, (plan, _)) in bus.load_all::<HostPlan>(&bus.plans, &rejects).await? {
+        if let Ok(id) = HostId::new(key) {
+            view.plans.insert(id, plan);
+        }
+    }
+    let (tx, mut rx) = mpsc::channel::<Input>(65_536);
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(watch_jobs(bus.jobs.clone(), tx.clone(), rejects.clone()));
+    tasks.spawn(watch_hosts(bus.hosts.clone(), tx.clone(), rejects.clone()));
+    tasks.spawn(follow_progress(bus.js.clone(), tx.clone(), rejects.clone()));
+    drop(tx);
+    tracing::info!(
+        statuses = view.statuses.len(),
+        plans = view.plans.len(),
+        epoch = ?cfg.epoch,
+        restart_cost = ?cfg.restart_cost,
+        horizon = ?cfg.horizon,
+        "allocator started; reading specs, hosts and progress history"
+    );
+
+    let mut epoch = tokio::time::interval(cfg.epoch);
+    epoch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick = tokio::time::interval(LIFECYCLE_TICK);
+    let mut caught_up = false;
+    let mut policy_due = true;
+    let mut lifecycle_due = true;
+    let mut last_live: BTreeSet<(HostId, usize)> = BTreeSet::new();
+    let mut last_step = Instant::now() - STEP_SPACING;
+
+    loop {
+        let spacing = STEP_SPACING.saturating_sub(last_step.elapsed());
+        tokio::select! {
+            _ = shutdown.cancelled() => break,
+            input = rx.recv() => {
+                let Some(input) = input else { break };
+                match input {
+                    Input::Spec(id, Ok(spec)) => {
+                        if view.specs.get(&id) != Some(&spec) { policy_due = true; }
+                        view.refused.remove(&id);
+                        view.specs.insert(id, spec);
+                    }
+                    Input::Spec(id, Err(reason)) => {
+                        view.specs.remove(&id);
+                        view.refused.insert(id, reason);
+                        lifecycle_due = true;
+                    }
+                    Input::SpecDeleted(id) => { view.specs.remove(&id); view.refused.remove(&id); policy_due = true; }
+                    Input::Host(t) => { view.hosts.insert(t.host.clone(), t); lifecycle_due = true; }
+                    Input::HostDeleted(h) => { view.hosts.remove(&h); policy_due = true; }
+                    Input::Progress(r) => { view.histories.entry(r.job.clone()).or_default().add(&r); lifecycle_due = true; }
+                    Input::ProgressCaughtUp => {
+                        caught_up = true;
+                        tracing::info!(jobs = view.histories.len(), "progress history rebuilt");
+                    }
+                }
+            }
+            _ = epoch.tick() => policy_due = true,
+            _ = tick.tick() => lifecycle_due = true,
+            _ = tokio::time::sleep(spacing), if (policy_due || lifecycle_due) && !spacing.is_zero() => {}
+        }
+        if !caught_up || !(policy_due || lifecycle_due) || last_step.elapsed() < STEP_SPACING {
+            continue;
+        }
+        let now = unix_now();
+        let live: BTreeSet<(HostId, usize)> = view
+            .hosts
+            .values()
+            .filter(|t| now - t.time <= settings.host_timeout_s)
+            .map(|t| (t.host.clone(), t.gpus.len()))
+            .collect();
+        if live != last_live {
+            tracing::info!(
+                hosts = live.len(),
+                gpus = live.iter().map(|(_, n)| n).sum::<usize>(),
+                "cluster changed"
+            );
+            last_live = live;
+            policy_due = true;
+        }
+        let run_policy = policy_due;
+        let started = Instant::now();
+        let outcome = step(
+            Inputs {
+                now,
+                specs: &view.specs,
+                refused_specs: &view.refused,
+                statuses: &view.statuses,
+                hosts: &view.hosts,
+                histories: &view.histories,
+            },
+            &settings,
+            run_policy,
+        );
+        let decision_time = started.elapsed();
+        last_step = Instant::now();
+        policy_due = false;
+        lifecycle_due = false;
+        if run_policy {
+            tracing::debug!(?decision_time, jobs = outcome.statuses.len(), "policy step");
+        }
+        for e in &outcome.events {
+            tracing::info!(event = %e.message, "event");
+            if matches!(e.kind, EventKind::JobFinished { .. }) {
+                // Freed GPUs go to the others now, not at the next epoch.
+                policy_due = true;
+            }
+            publish_event(&bus, e).await;
+        }
+        write_changes(&bus, &mut view, outcome.statuses, outcome.plans, now).await;
+    }
+    tasks.abort_all();
+    let _ = bus.client.flush().await;
+    tracing::info!(refused_messages = rejects.total(), "allocator stopped");
+    Ok(())
+}
+
+/// A status without its write time, to tell real changes from re-computations.
+fn same_status(a: &JobStatus, b: &JobStatus) -> bool {
+    let mut b = b.clone();
+    b.updated_at = a.updated_at;
+    *a == b
+}
+
+async fn write_changes(
+    bus: &Bus,
+    view: &mut View,
+    statuses: BTreeMap<JobId, JobStatus>,
+    plans: BTreeMap<HostId, HostPlan>,
+    now: f64,
+) {
+    // Plans first for jobs that stop (so agents act), statuses after; both are level-
+    // triggered, so a failed write is retried by the next step.
+    for (host, plan) in plans {
+        if view.plans.get(&host) == Some(&plan) {
+            continue;
+        }
+        match bus.put(&bus.plans, host.as_str(), &plan).await {
+            Ok(rev) => {
+                tracing::info!(%host, workers = plan.workers.len(), revision = rev, "plan written");
+                view.plans.insert(host, plan);
+            }
+            Err(e) => tracing::warn!(%host, "plan not written: {e}"),
+        }
+    }
+    for (id, mut status) in statuses {
+        if view
+            .statuses
+            .get(&id)
+            .is_some_and(|old| same_status(old, &status))
+        {
+            continue;
+        }
+        status.updated_at = now;
+        match bus.put(&bus.status, id.as_str(), &status).await {
+            Ok(_) => {
+                view.statuses.insert(id, status);
+            }
+            Err(e) => tracing::warn!(job = %id, "status not written: {e}"),
+        }
+    }
+}
+
+async fn publish_event(bus: &Bus, e: &Event) {
+    let subject = match &e.kind {
+        EventKind::JobSubmitted { job }
+        | EventKind::AllocationChanged { job, .. }
+        | EventKind::JobFinished { job, .. }
+        | EventKind::WorkerStarted { job, .. }
+        | EventKind::WorkerExited { job, .. }
+        | EventKind::WorkerFailed { job, .. } => subjects::job_events(job),
+        EventKind::HostLost { host } => subjects::host_events(host),
+        EventKind::PlanApplied { .. } => return,
+    };
+    if let Err(err) = bus.publish(subject, e).await {
+        tracing::debug!("event not published: {err}");
+    }
+}
+
+/// Follows KV `converge-jobs`: current values first, then updates.
+async fn watch_jobs(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
+    let source = format!("kv:{}", subjects::BUCKET_JOBS);
+    follow_kv(
+        store,
+        |entry| {
+            let Ok(id) = JobId::new(entry.key.clone()) else {
+                tracing::warn!(key = %entry.key, "job key is not a valid job id; ignored");
+                return None;
+            };
+            if entry.operation != kv::Operation::Put {
+                return Some(Input::SpecDeleted(id));
+            }
+            let spec = match decode::<JobSpec>(&entry.value) {
+                Ok(spec) if spec.id == id => Ok(spec),
+                Ok(spec) => Err(format!("spec id {} differs from its key {id}", spec.id)),
+                Err(e) => {
+                    rejects.record(&source, id.as_str(), &e);
+                    Err(e.to_string())
+                }
+            };
+            Some(Input::Spec(id, spec))
+        },
+        tx,
+    )
+    .await
+}
+
+/// Follows KV `converge-hosts` (heartbeats).
+async fn watch_hosts(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
+    let source = format!("kv:{}", subjects::BUCKET_HOSTS);
+    follow_kv(
+        store,
+        |entry| {
+            let id = HostId::new(entry.key.clone()).ok()?;
+            if entry.operation != kv::Operation::Put {
+                return Some(Input::HostDeleted(id));
+            }
+            let t: HostTelemetry = rejects.decode(&source, id.as_str(), &entry.value)?;
+            (t.host == id).then_some(Input::Host(t))
+        },
+        tx,
+    )
+    .await
+}
+
+async fn follow_kv(
+    store: kv::Store,
+    mut on_entry: impl FnMut(kv::Entry) -> Option<Input>,
+    tx: mpsc::Sender<Input>,
+) {
+    loop {
+        match store.watch_with_history(">").await {
+            Ok(mut watch) => {
+                while let Some(entry) = watch.next().await {
+                    match entry {
+                        Ok(entry) => {
+                            if let Some(input) = on_entry(entry)
+                                && tx.send(input).await.is_err()
+                            {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(bucket = %store.name, "watch error: {e}");
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(bucket = %store.name, "cannot watch: {e}"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Reads the progress stream from its start (the histories), signals when it has caught up
+/// with what was there at start, then follows new reports.
+async fn follow_progress(js: jetstream::Context, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
+    loop {
+        if let Err(e) = follow_progress_once(&js, &tx, &rejects).await {
+            tracing::warn!("progress stream: {e}; re-reading");
+        }
+        if tx.is_closed() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+async fn follow_progress_once(
+    js: &jetstream::Context,
+    tx: &mpsc::Sender<Input>,
+    rejects: &Rejects,
+) -> anyhow::Result<()> {
+    let mut stream = js.get_stream(subjects::PROGRESS_STREAM).await?;
+    let last_at_start = stream.info().await?.state.last_sequence;
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            filter_subject: subjects::PROGRESS_ALL.to_string(),
+            deliver_policy: jetstream::consumer::DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?;
+    let mut caught_up = false;
+    if last_at_start == 0 {
+        tx.send(Input::ProgressCaughtUp).await?;
+        caught_up = true;
+    }
+    while let Some(msg) = messages.next().await {
+        let msg = match msg {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!("progress consumer: {e}");
+                continue;
+            }
+        };
+        let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+        if let Some(report) =
+            rejects.decode::<ProgressReport>(msg.subject.as_str(), "", &msg.payload)
+        {
+            if msg.subject.as_str() == subjects::progress(&report.job) {
+                tx.send(Input::Progress(report)).await?;
+            } else {
+                tracing::warn!(subject = %msg.subject, job = %report.job, "progress report on another job's subject; ignored");
+            }
+        }
+        if !caught_up && seq >= last_at_start {
+            tx.send(Input::ProgressCaughtUp).await?;
+            caught_up = true;
+        }
+    }
+    Ok(())
+}

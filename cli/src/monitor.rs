@@ -1,0 +1,190 @@
+//! `converge monitor`: a live jobs view refreshed every interval, which also records each
+//! job's GPUs over time and writes a JSON summary of the run when it stops (after
+//! `--duration`, once every job has finished with `--until-done`, or on Ctrl-C).
+
+use crate::{load_jobs, tables};
+use converge_bus::{Bus, unix_now};
+use converge_common::{JobPhase, JobSpec, JobStatus};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+#[derive(Debug)]
+pub struct Options {
+    pub interval: Duration,
+    pub duration: Option<Duration>,
+    pub until_done: Option<usize>,
+    pub summary: Option<PathBuf>,
+    pub clear: bool,
+    pub json: bool,
+}
+
+/// GPUs a job held from time `t` (seconds since the monitor started) on.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GpuSample {
+    pub t: f64,
+    pub gpus: u32,
+}
+
+/// One job in the summary.
+#[derive(Debug, Serialize)]
+pub struct JobSummary {
+    pub id: String,
+    pub model: Option<String>,
+    pub dataset: Option<String>,
+    pub phase: String,
+    /// UNIX seconds.
+    pub submitted_at: f64,
+    pub finished_at: Option<f64>,
+    pub first_loss: Option<f64>,
+    pub last_loss: Option<f64>,
+    pub last_eval_loss: Option<f64>,
+    pub final_step: u64,
+    pub final_samples: u64,
+    /// Allocations the job ran with (its generation counter: one per allocation change).
+    pub generations: u64,
+    pub max_gpus: u32,
+    /// Changes of the job's GPU count, seconds since the run started.
+    pub gpus_over_time: Vec<GpuSample>,
+}
+
+/// The run summary.
+#[derive(Debug, Serialize)]
+pub struct RunSummary {
+    pub started_at: f64,
+    pub ended_at: f64,
+    pub duration_s: f64,
+    /// `all_jobs_finished`, `duration`, or `interrupted`.
+    pub ended_because: String,
+    pub jobs: Vec<JobSummary>,
+}
+
+fn gpus_held(spec: &JobSpec, status: Option<&JobStatus>) -> u32 {
+    match status {
+        Some(s) if s.phase == JobPhase::Running => s.world_size * spec.gpus_per_worker,
+        _ => 0,
+    }
+}
+
+pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
+    let started = Instant::now();
+    let started_at = unix_now();
+    let mut history: BTreeMap<String, Vec<GpuSample>> = BTreeMap::new();
+    let mut last: (Vec<JobSpec>, Vec<JobStatus>) = (Vec::new(), Vec::new());
+    let mut tick = tokio::time::interval(opts.interval);
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    let ended_because = loop {
+        tokio::select! {
+            _ = &mut ctrl_c => break "interrupted",
+            _ = tick.tick() => {}
+        }
+        let (specs, statuses) = match load_jobs(bus).await {
+            Ok(x) => x,
+            Err(e) => {
+                eprintln!("converge monitor: {e:#}");
+                continue;
+            }
+        };
+        let t = started.elapsed().as_secs_f64();
+        for spec in &specs {
+            let st = statuses.iter().find(|s| s.job == spec.id);
+            let gpus = gpus_held(spec, st);
+            let h = history.entry(spec.id.to_string()).or_default();
+            if h.last().is_none_or(|s| s.gpus != gpus) {
+                h.push(GpuSample {
+                    t: (t * 10.0).round() / 10.0,
+                    gpus,
+                });
+            }
+        }
+        let rows: Vec<(&JobSpec, Option<&JobStatus>)> = specs
+            .iter()
+            .map(|s| (s, statuses.iter().find(|st| st.job == s.id)))
+            .collect();
+        if opts.json {
+            let out: Vec<_> = rows
+                .iter()
+                .map(|(spec, st)| serde_json::json!({"t": t, "spec": spec.id, "status": st}))
+                .collect();
+            println!("{}", serde_json::to_string(&out)?);
+        } else {
+            if opts.clear {
+                print!("\x1b[2J\x1b[H");
+            }
+            let done = rows
+                .iter()
+                .filter(|(_, st)| st.is_some_and(|s| s.phase.is_terminal()))
+                .count();
+            println!(
+                "converge monitor: {} jobs ({done} finished), {} elapsed{}",
+                rows.len(),
+                tables::age(t),
+                opts.duration.map_or(String::new(), |d| format!(
+                    " of {}",
+                    tables::age(d.as_secs_f64())
+                ))
+            );
+            println!("{}", tables::jobs(&rows, unix_now()));
+        }
+        let all_done = !statuses.is_empty()
+            && specs.iter().all(|spec| {
+                statuses
+                    .iter()
+                    .any(|s| s.job == spec.id && s.phase.is_terminal())
+            });
+        last = (specs, statuses);
+        if let Some(n) = opts.until_done
+            && all_done
+            && last.0.len() >= n
+        {
+            break "all_jobs_finished";
+        }
+        if opts.duration.is_some_and(|d| started.elapsed() >= d) {
+            break "duration";
+        }
+    };
+    if let Some(path) = &opts.summary {
+        let (specs, statuses) = last;
+        let jobs = specs
+            .iter()
+            .map(|spec| {
+                let st = statuses.iter().find(|s| s.job == spec.id);
+                let gpus_over_time = history.remove(spec.id.as_str()).unwrap_or_default();
+                JobSummary {
+                    id: spec.id.to_string(),
+                    model: spec.labels.get("model").cloned(),
+                    dataset: spec.labels.get("dataset").cloned(),
+                    phase: st.map_or("submitted".into(), |s| {
+                        serde_json::to_value(s.phase)
+                            .ok()
+                            .and_then(|v| v.as_str().map(String::from))
+                            .unwrap_or_default()
+                    }),
+                    submitted_at: spec.submitted_at,
+                    finished_at: st.and_then(|s| s.finished_at),
+                    first_loss: st.and_then(|s| s.first_loss),
+                    last_loss: st.and_then(|s| s.loss),
+                    last_eval_loss: st.and_then(|s| s.eval_loss),
+                    final_step: st.map_or(0, |s| s.step),
+                    final_samples: st.map_or(0, |s| s.samples),
+                    generations: st.map_or(0, |s| s.generation),
+                    max_gpus: gpus_over_time.iter().map(|g| g.gpus).max().unwrap_or(0),
+                    gpus_over_time,
+                }
+            })
+            .collect();
+        let ended_at = unix_now();
+        let summary = RunSummary {
+            started_at,
+            ended_at,
+            duration_s: ended_at - started_at,
+            ended_because: ended_because.to_string(),
+            jobs,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&summary)?)?;
+        eprintln!("summary written to {}", path.display());
+    }
+    Ok(())
+}

@@ -1,0 +1,142 @@
+//! Human tables for `converge jobs`, `converge hosts` and the monitor (comfy-table).
+
+use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
+use converge_common::{HostTelemetry, JobPhase, JobSpec, JobStatus, WorkerPhase};
+
+fn phase(p: JobPhase) -> &'static str {
+    match p {
+        JobPhase::Pending => "pending",
+        JobPhase::Running => "running",
+        JobPhase::Restarting => "restarting",
+        JobPhase::Completed => "completed",
+        JobPhase::Failed => "failed",
+        JobPhase::Cancelled => "cancelled",
+    }
+}
+
+fn loss(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{v:.4}"))
+}
+
+/// Seconds as `1h02m`, `3m05s` or `42s`.
+pub fn age(seconds: f64) -> String {
+    let s = seconds.max(0.0) as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
+        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
+    }
+}
+
+/// UNIX seconds as local-time-free `HH:MM:SS` (UTC).
+pub fn clock(t: f64) -> String {
+    let s = t.max(0.0) as u64 % 86_400;
+    format!("{:02}:{:02}:{:02}", s / 3600, s % 3600 / 60, s % 60)
+}
+
+/// The jobs table.
+pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
+    let mut t = Table::new();
+    t.load_preset(UTF8_BORDERS_ONLY).set_header(vec![
+        "JOB",
+        "MODEL/DATA",
+        "PHASE",
+        "WORKERS",
+        "GEN",
+        "STEP",
+        "SAMPLES",
+        "SAMPLES/S",
+        "LOSS (first→now)",
+        "PREDICTED",
+        "AGE",
+    ]);
+    for (spec, st) in rows {
+        let label = format!(
+            "{}/{}",
+            spec.labels.get("model").map_or("-", String::as_str),
+            spec.labels.get("dataset").map_or("-", String::as_str)
+        );
+        let range = format!("{}-{}", spec.min_workers, spec.max_workers());
+        match st {
+            Some(s) => t.add_row(vec![
+                spec.id.to_string(),
+                label,
+                phase(s.phase).to_string(),
+                format!("{} ({range})", s.world_size),
+                s.generation.to_string(),
+                s.step.to_string(),
+                s.samples.to_string(),
+                s.samples_per_s.map_or("-".into(), |r| format!("{r:.0}")),
+                format!("{} → {}", loss(s.first_loss), loss(s.loss)),
+                loss(s.predicted_loss),
+                age(s.finished_at.unwrap_or(now) - s.submitted_at),
+            ]),
+            None => t.add_row(vec![
+                spec.id.to_string(),
+                label,
+                "submitted".into(),
+                format!("0 ({range})"),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                "-".into(),
+                age(now - spec.submitted_at),
+            ]),
+        };
+    }
+    t
+}
+
+/// The hosts table.
+pub fn hosts(hosts: &[HostTelemetry], now: f64) -> Table {
+    let mut t = Table::new();
+    t.load_preset(UTF8_BORDERS_ONLY).set_header(vec![
+        "HOST",
+        "ADDR",
+        "GPUS (busy/all)",
+        "GPU UTIL",
+        "CPU",
+        "MEMORY",
+        "NET RX/TX MiB/s",
+        "WORKERS",
+        "SEEN",
+    ]);
+    for h in hosts {
+        let busy = h.gpus.iter().filter(|g| g.utilization_pct > 0.0).count();
+        let util = if h.gpus.is_empty() {
+            0.0
+        } else {
+            h.gpus.iter().map(|g| g.utilization_pct).sum::<f64>() / h.gpus.len() as f64
+        };
+        let (rx, tx) = h.nics.iter().fold((0.0, 0.0), |(r, t), n| {
+            (r + n.rx_bytes_per_s, t + n.tx_bytes_per_s)
+        });
+        let running = h
+            .workers
+            .iter()
+            .filter(|w| w.phase == WorkerPhase::Running)
+            .count();
+        t.add_row(vec![
+            h.host.to_string(),
+            h.addr.clone(),
+            format!("{busy}/{} ({})", h.gpus.len(), h.gpu_source),
+            format!("{util:.0}%"),
+            format!("{:.0}%", h.cpu_pct),
+            format!(
+                "{:.1}/{:.1} GiB",
+                h.memory_used_bytes as f64 / (1u64 << 30) as f64,
+                h.memory_total_bytes as f64 / (1u64 << 30) as f64
+            ),
+            format!(
+                "{:.2}/{:.2}",
+                rx / (1u64 << 20) as f64,
+                tx / (1u64 << 20) as f64
+            ),
+            format!("{running} running / {}", h.workers.len()),
+            format!("{} ago", age(now - h.time)),
+        ]);
+    }
+    t
+}

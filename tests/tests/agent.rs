@@ -1,0 +1,266 @@
+//! Agent against a real nats-server: starts, resizes and stops real trainer processes from
+//! plans written to KV; counts malformed progress lines; restarts crashed workers with
+//! backoff and gives up after the limit.
+
+use converge_common::{
+    HostId, HostPlan, HostTelemetry, JobId, PROTOCOL_VERSION, ProgressReport, WorkerAssignment,
+    WorkerPhase, messages::decode, subjects,
+};
+use converge_tests::*;
+use futures::StreamExt;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+fn worker(
+    job: &str,
+    generation: u64,
+    rank: u32,
+    world_size: u32,
+    gpu: u32,
+    command: Vec<String>,
+) -> WorkerAssignment {
+    WorkerAssignment {
+        job: JobId::new(job).unwrap(),
+        generation,
+        rank,
+        world_size,
+        local_rank: rank,
+        local_world_size: world_size,
+        gpus: vec![gpu],
+        master_addr: "127.0.0.1".into(),
+        master_port: 21000 + generation as u16 * 10,
+        command,
+        env: BTreeMap::new(),
+        max_restarts: 2,
+    }
+}
+
+fn trainer_command() -> Vec<String> {
+    vec![
+        bin_path("converge-trainer").display().to_string(),
+        "--dataset".into(),
+        "optdigits".into(),
+        "--data-dir".into(),
+        repo_root().join("data").display().to_string(),
+        "--epochs".into(),
+        "1000".into(),
+        "--step-delay-ms".into(),
+        "10".into(),
+        "--log-every".into(),
+        "5".into(),
+        "--checkpoint-every".into(),
+        "1".into(),
+    ]
+}
+
+fn plan(host: &str, workers: Vec<WorkerAssignment>) -> HostPlan {
+    HostPlan {
+        protocol: PROTOCOL_VERSION,
+        host: HostId::new(host).unwrap(),
+        workers,
+    }
+}
+
+async fn telemetry(bus: &converge_bus::Bus, host: &str) -> Option<HostTelemetry> {
+    bus.get::<HostTelemetry>(&bus.hosts, host)
+        .await
+        .ok()
+        .flatten()
+        .map(|(t, _)| t)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_starts_resizes_and_stops_real_workers() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
+    let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
+
+    // Generation 1: two ranks on this host.
+    let cmd = trainer_command();
+    bus.put(
+        &bus.plans,
+        "n1",
+        &plan(
+            "n1",
+            vec![
+                worker("opt", 1, 0, 2, 0, cmd.clone()),
+                worker("opt", 1, 1, 2, 1, cmd.clone()),
+            ],
+        ),
+    )
+    .await
+    .unwrap();
+    let gen1_pids: Vec<u32> = wait_for(
+        Duration::from_secs(30),
+        "two running workers in telemetry",
+        || async {
+            let t = telemetry(&bus, "n1").await?;
+            let pids: Vec<u32> = t
+                .workers
+                .iter()
+                .filter(|w| w.phase == WorkerPhase::Running && w.generation == 1)
+                .filter_map(|w| w.pid)
+                .collect();
+            (pids.len() == 2 && t.gpus.iter().filter(|g| g.utilization_pct > 0.0).count() == 2)
+                .then_some(pids)
+        },
+    )
+    .await;
+    assert!(gen1_pids.iter().all(|&p| pid_alive(p)));
+
+    // Progress flows; wait until a checkpoint has surely been written (1 s interval).
+    let mut last_gen1 = None;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while tokio::time::Instant::now() < deadline {
+        let msg = tokio::time::timeout(Duration::from_secs(30), progress.next())
+            .await
+            .expect("progress within 30 s")
+            .unwrap();
+        let r: ProgressReport = decode(&msg.payload).unwrap();
+        assert_eq!((r.job.as_str(), r.generation), ("opt", 1));
+        if r.step >= 60 {
+            last_gen1 = Some(r);
+            break;
+        }
+    }
+    let last_gen1 = last_gen1.expect("generation 1 reached step 60");
+
+    // Generation 2: one rank. The old generation is stopped first, then the new one resumes.
+    bus.put(
+        &bus.plans,
+        "n1",
+        &plan("n1", vec![worker("opt", 2, 0, 1, 0, cmd.clone())]),
+    )
+    .await
+    .unwrap();
+    let first_gen2 = loop {
+        let msg = tokio::time::timeout(Duration::from_secs(30), progress.next())
+            .await
+            .expect("progress within 30 s")
+            .unwrap();
+        let r: ProgressReport = decode(&msg.payload).unwrap();
+        if r.generation == 2 {
+            break r;
+        }
+    };
+    assert!(
+        gen1_pids.iter().all(|&p| !pid_alive(p)),
+        "generation 1 processes still alive"
+    );
+    assert!(
+        first_gen2.step > 0,
+        "generation 2 started at step 0 instead of the checkpoint"
+    );
+    assert!(
+        first_gen2.step + 40 >= last_gen1.step,
+        "resumed too far back: {} vs {}",
+        first_gen2.step,
+        last_gen1.step
+    );
+    let log = work.path().join("logs/opt/gen2-rank0.log");
+    assert!(
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .contains("CONVERGE_PROGRESS"),
+        "worker log {log:?}"
+    );
+
+    // Empty plan: everything stops.
+    let gen2_pid = wait_for(Duration::from_secs(10), "generation 2 pid", || async {
+        telemetry(&bus, "n1")
+            .await?
+            .workers
+            .iter()
+            .find(|w| w.generation == 2 && w.phase == WorkerPhase::Running)
+            .and_then(|w| w.pid)
+    })
+    .await;
+    bus.put(&bus.plans, "n1", &plan("n1", vec![]))
+        .await
+        .unwrap();
+    wait_for(Duration::from_secs(20), "no workers left", || async {
+        let t = telemetry(&bus, "n1").await?;
+        (t.workers.is_empty() && !pid_alive(gen2_pid)).then_some(())
+    })
+    .await;
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
+    let agent = start_agent(agent_config(&nats, "n2", 2, work.path()));
+
+    let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
+    bus.put(&bus.plans, "n2", &plan("n2", vec![
+        worker("chatty", 1, 0, 1, 0, sh("echo 'CONVERGE_PROGRESS {bad json'; echo 'CONVERGE_PROGRESS {\"step\":1,\"samples\":8,\"loss\":NaN}'; echo 'CONVERGE_PROGRESS {\"step\":2,\"samples\":16,\"loss\":0.5}'; echo hello; exec sleep 60")),
+        worker("crashy", 1, 0, 1, 1, sh("echo dying >&2; exit 3")),
+    ])).await.unwrap();
+
+    let msg = tokio::time::timeout(Duration::from_secs(20), progress.next())
+        .await
+        .expect("a valid report")
+        .unwrap();
+    let r: ProgressReport = decode(&msg.payload).unwrap();
+    assert_eq!(
+        (r.job.as_str(), r.step, r.samples, r.loss),
+        ("chatty", 2, 16, 0.5)
+    );
+
+    let t = wait_for(
+        Duration::from_secs(20),
+        "crashy failed after 2 restarts",
+        || async {
+            let t = telemetry(&bus, "n2").await?;
+            t.workers
+                .iter()
+                .any(|w| w.job.as_str() == "crashy" && w.phase == WorkerPhase::Failed)
+                .then_some(t)
+        },
+    )
+    .await;
+    assert_eq!(
+        t.malformed_progress_lines, 2,
+        "bad JSON and NaN loss are both malformed"
+    );
+    let crashy = t
+        .workers
+        .iter()
+        .find(|w| w.job.as_str() == "crashy")
+        .unwrap();
+    assert_eq!((crashy.restarts, crashy.last_exit_code), (2, Some(3)));
+    let chatty = t
+        .workers
+        .iter()
+        .find(|w| w.job.as_str() == "chatty")
+        .unwrap();
+    assert_eq!(
+        chatty.phase,
+        WorkerPhase::Running,
+        "the agent kept serving the other worker"
+    );
+    let log = std::fs::read_to_string(work.path().join("logs/crashy/gen1-rank0.log")).unwrap();
+    assert_eq!(
+        log.matches("dying").count(),
+        3,
+        "one start and two restarts, all logged"
+    );
+
+    // Garbage in the plan key is refused, and the agent keeps its workers.
+    bus.plans.put("n2", "{not a plan".into()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let t = telemetry(&bus, "n2").await.unwrap();
+    assert!(
+        t.workers
+            .iter()
+            .any(|w| w.job.as_str() == "chatty" && w.phase == WorkerPhase::Running)
+    );
+    agent.stop().await;
+}
