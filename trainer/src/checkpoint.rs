@@ -1,0 +1,222 @@
+//! Checkpoints: the training state in `checkpoint.json`, written atomically.
+//!
+//! Rank 0 writes a temporary file in the checkpoint directory, flushes it to disk, renames
+//! it over `checkpoint.json` and syncs the directory, so a reader sees either the old or
+//! the new checkpoint, never a torn one. Every rank reads the same file on start, so all
+//! ranks begin with identical parameters at any world size.
+
+use std::fs::{self, File};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail, ensure};
+use serde::{Deserialize, Serialize};
+
+use crate::data::DatasetName;
+use crate::model::{Model, ModelKind};
+
+/// The checkpoint file name inside `CONVERGE_CHECKPOINT_DIR`.
+pub const FILE_NAME: &str = "checkpoint.json";
+/// Version of the checkpoint format written by this trainer.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Everything needed to continue a job exactly where it stopped.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Checkpoint {
+    /// Format version ([`FORMAT_VERSION`]).
+    pub format_version: u32,
+    /// Dataset trained on.
+    pub dataset: DatasetName,
+    /// Model trained.
+    pub model: ModelKind,
+    /// Hidden units (0 for models without a hidden layer).
+    pub hidden: usize,
+    /// Optimizer steps completed since the job began.
+    pub step: u64,
+    /// Training samples consumed since the job began.
+    pub samples: u64,
+    /// The most recently reported training loss, if any.
+    #[serde(default)]
+    pub last_loss: Option<f64>,
+    /// The seed the data order and initialization came from.
+    pub seed: u64,
+    /// World size of the generation that wrote this checkpoint (informational).
+    pub world_size: usize,
+    /// Generation that wrote this checkpoint (informational).
+    pub generation: u64,
+    /// The flat parameter vector.
+    pub params: Vec<f64>,
+    /// The SGD momentum buffer, same length as `params`.
+    pub momentum: Vec<f64>,
+}
+
+/// The checkpoint's path inside `dir`.
+pub fn path_in(dir: &Path) -> PathBuf {
+    dir.join(FILE_NAME)
+}
+
+impl Checkpoint {
+    /// Refuses a checkpoint written for another dataset, model or parameter shape.
+    pub fn check_compatible(&self, dataset: DatasetName, model: &Model) -> Result<()> {
+        ensure!(
+            self.format_version == FORMAT_VERSION,
+            "checkpoint format version {} is not the supported version {FORMAT_VERSION}",
+            self.format_version
+        );
+        if self.dataset != dataset || self.model != model.kind || self.hidden != model.hidden {
+            bail!(
+                "the checkpoint is for --dataset {} --model {} (hidden {}), but this run is --dataset {dataset} --model {} (hidden {})",
+                self.dataset,
+                self.model,
+                self.hidden,
+                model.kind,
+                model.hidden
+            );
+        }
+        let n = model.num_params();
+        ensure!(
+            self.params.len() == n && self.momentum.len() == n,
+            "the checkpoint holds {} parameters and {} momentum values, but the model has {n} parameters",
+            self.params.len(),
+            self.momentum.len()
+        );
+        ensure!(
+            self.params
+                .iter()
+                .chain(&self.momentum)
+                .all(|v| v.is_finite()),
+            "the checkpoint holds non-finite values"
+        );
+        Ok(())
+    }
+
+    /// Writes `dir/checkpoint.json` atomically, creating `dir` if needed.
+    pub fn write_atomic(&self, dir: &Path) -> Result<()> {
+        fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
+        let target = path_in(dir);
+        let tmp = dir.join(format!(".{FILE_NAME}.tmp.{}", std::process::id()));
+        let result = (|| -> Result<()> {
+            let mut f = File::create(&tmp)?;
+            serde_json::to_writer(&mut f, self)?;
+            f.write_all(b"\n")?;
+            f.sync_all()?;
+            drop(f);
+            fs::rename(&tmp, &target)?;
+            // Make the rename itself durable.
+            File::open(dir)?.sync_all()?;
+            Ok(())
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        result.with_context(|| format!("cannot write checkpoint {}", target.display()))
+    }
+
+    /// Reads `dir/checkpoint.json`; `Ok(None)` if there is none.
+    pub fn read(dir: &Path) -> Result<Option<Checkpoint>> {
+        let path = path_in(dir);
+        let text = match fs::read_to_string(&path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+        };
+        let ckpt = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not a valid checkpoint", path.display()))?;
+        Ok(Some(ckpt))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(model: &Model) -> Checkpoint {
+        let n = model.num_params();
+        Checkpoint {
+            format_version: FORMAT_VERSION,
+            dataset: DatasetName::Optdigits,
+            model: model.kind,
+            hidden: model.hidden,
+            step: 120,
+            samples: 3840,
+            last_loss: Some(0.53),
+            seed: 1,
+            world_size: 2,
+            generation: 3,
+            // Values with long binary expansions must survive the text round trip.
+            params: (0..n)
+                .map(|i| (i as f64 + 0.1).sqrt() / 3.0 - 1e-300)
+                .collect(),
+            momentum: (0..n).map(|i| -(i as f64) * 1e-7 / 7.0).collect(),
+        }
+    }
+
+    #[test]
+    fn round_trip_is_exact_and_leaves_no_temporary_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("job/ckpt");
+        assert_eq!(Checkpoint::read(&sub).unwrap(), None);
+        let model = Model::new(ModelKind::Mlp, 64, 5, 10);
+        let ckpt = sample(&model);
+        ckpt.write_atomic(&sub).unwrap();
+        let back = Checkpoint::read(&sub).unwrap().unwrap();
+        assert_eq!(back, ckpt);
+        let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&back.params), bits(&ckpt.params));
+        back.check_compatible(DatasetName::Optdigits, &model)
+            .unwrap();
+
+        // Overwriting replaces the file; only checkpoint.json remains in the directory.
+        let mut later = ckpt.clone();
+        later.step = 240;
+        later.write_atomic(&sub).unwrap();
+        assert_eq!(Checkpoint::read(&sub).unwrap().unwrap().step, 240);
+        let names: Vec<String> = fs::read_dir(&sub)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(names, vec![FILE_NAME.to_string()]);
+    }
+
+    #[test]
+    fn mismatched_checkpoints_are_refused() {
+        let model = Model::new(ModelKind::Mlp, 64, 5, 10);
+        let ckpt = sample(&model);
+        let err = ckpt
+            .check_compatible(DatasetName::Mnist, &model)
+            .unwrap_err();
+        assert!(err.to_string().contains("--dataset optdigits"), "{err}");
+        let softmax = Model::new(ModelKind::Softmax, 64, 0, 10);
+        assert!(
+            ckpt.check_compatible(DatasetName::Optdigits, &softmax)
+                .is_err()
+        );
+        let wider = Model::new(ModelKind::Mlp, 64, 6, 10);
+        assert!(
+            ckpt.check_compatible(DatasetName::Optdigits, &wider)
+                .is_err()
+        );
+        let mut short = ckpt.clone();
+        short.momentum.pop();
+        assert!(
+            short
+                .check_compatible(DatasetName::Optdigits, &model)
+                .is_err()
+        );
+        let mut future = ckpt;
+        future.format_version = 99;
+        assert!(
+            future
+                .check_compatible(DatasetName::Optdigits, &model)
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn a_corrupt_checkpoint_is_an_error_not_a_fresh_start() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(path_in(dir.path()), "{\"format_version\":1,").unwrap();
+        assert!(Checkpoint::read(dir.path()).is_err());
+    }
+}

@@ -1,0 +1,794 @@
+//! Rendezvous through the master and ring all-reduce over TCP.
+//!
+//! Rendezvous: rank 0 listens on `MASTER_ADDR:MASTER_PORT`. Every rank, rank 0 included,
+//! binds a ring listener on an ephemeral port. Every other rank connects to the master and
+//! sends one JSON line with its rank, world size, generation and ring port. The master
+//! records the address it observes for each peer (so ranks on other hosts are reached on
+//! the interface they actually used), checks that everybody agrees on the world size and
+//! generation, and answers each rank with the full list of ring addresses. Rank 0's own
+//! entry in that list is the local address of the master's connection with that peer,
+//! which is by construction an address the peer can reach.
+//!
+//! Ring: each rank connects to rank `(r + 1) % W` and accepts from `(r - 1) % W`. An
+//! all-reduce is a reduce-scatter followed by an all-gather over `W` chunks. Each chunk's
+//! sum is computed by exactly one rank and then copied, so every rank ends with
+//! bit-identical results. In every exchange, sending runs on a scoped thread while the
+//! calling thread receives, so large vectors cannot deadlock on full socket buffers.
+
+use std::fmt;
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, anyhow, bail, ensure};
+use serde::{Deserialize, Serialize};
+
+/// How long a blocking socket call waits before the loops around it look at deadlines
+/// and the termination flag again.
+const POLL: Duration = Duration::from_millis(200);
+/// After a termination request, how long an exchange may go without progress before it
+/// gives up instead of waiting the full I/O timeout.
+const TERMINATION_GRACE: Duration = Duration::from_secs(5);
+/// Magic bytes that open a ring connection.
+const RING_MAGIC: &[u8; 4] = b"CVRG";
+
+/// Who this rank is and how to reach the master.
+#[derive(Clone, Debug)]
+pub struct RingConfig {
+    /// This worker's rank, `0..world_size`.
+    pub rank: usize,
+    /// Number of ranks in the ring.
+    pub world_size: usize,
+    /// The job generation; all ranks must agree on it.
+    pub generation: u64,
+    /// Host name or IP address of rank 0.
+    pub master_addr: String,
+    /// Port rank 0 listens on for the rendezvous.
+    pub master_port: u16,
+    /// How long the rendezvous (master connection and ring connections) may take.
+    pub rendezvous_timeout: Duration,
+    /// How long an all-reduce exchange may go without progress before the peer is
+    /// declared failed.
+    pub io_timeout: Duration,
+}
+
+/// The operation stopped because the termination flag was set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Interrupted;
+
+impl fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("interrupted by a termination signal")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Hello {
+    rank: usize,
+    world_size: usize,
+    generation: u64,
+    ring_port: u16,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Reply {
+    ok: bool,
+    #[serde(default)]
+    error: Option<String>,
+    #[serde(default)]
+    addresses: Vec<String>,
+}
+
+/// A connected ring of `world_size` ranks.
+#[derive(Debug)]
+pub struct Ring {
+    rank: usize,
+    world_size: usize,
+    /// Connection to rank `(rank + 1) % world_size`; this rank sends on it.
+    next: TcpStream,
+    /// Connection from rank `(rank - 1) % world_size`; this rank receives on it.
+    prev: TcpStream,
+    io_timeout: Duration,
+    cancel: Arc<AtomicBool>,
+    /// Number of exchanges so far, sent along to detect ranks that fell out of step.
+    seq: u64,
+}
+
+impl Ring {
+    /// Performs the rendezvous and connects the ring. Rank 0 binds the master port
+    /// itself. Returns an [`Interrupted`] error if `cancel` is set meanwhile.
+    pub fn connect(cfg: &RingConfig, cancel: Arc<AtomicBool>) -> Result<Ring> {
+        Ring::connect_with_listener(cfg, None, cancel)
+    }
+
+    /// Like [`Ring::connect`], but rank 0 may be handed an already bound master listener
+    /// (tests use this to get an ephemeral port without races).
+    pub fn connect_with_listener(
+        cfg: &RingConfig,
+        master: Option<TcpListener>,
+        cancel: Arc<AtomicBool>,
+    ) -> Result<Ring> {
+        ensure!(cfg.world_size >= 2, "a ring needs at least two ranks");
+        ensure!(
+            cfg.rank < cfg.world_size,
+            "rank {} is not below world size {}",
+            cfg.rank,
+            cfg.world_size
+        );
+        let deadline = Instant::now() + cfg.rendezvous_timeout;
+        let ring_listener =
+            TcpListener::bind(("0.0.0.0", 0)).context("cannot bind the ring listener")?;
+        let ring_port = ring_listener.local_addr()?.port();
+        let addresses = if cfg.rank == 0 {
+            let master = match master {
+                Some(l) => l,
+                None => bind_with_retry(cfg.master_port, deadline, &cancel)?,
+            };
+            serve_rendezvous(cfg, master, ring_port, deadline, &cancel)?
+        } else {
+            join_rendezvous(cfg, ring_port, deadline, &cancel)?
+        };
+        let w = cfg.world_size;
+        let next_rank = (cfg.rank + 1) % w;
+        let prev_rank = (cfg.rank + w - 1) % w;
+        let next_addr: SocketAddr = addresses[next_rank]
+            .parse()
+            .with_context(|| format!("bad ring address {:?}", addresses[next_rank]))?;
+        let mut next = connect_with_retry(next_addr, deadline, &cancel)
+            .with_context(|| format!("cannot connect to rank {next_rank} at {next_addr}"))?;
+        let mut hs = Vec::with_capacity(16);
+        hs.extend_from_slice(RING_MAGIC);
+        hs.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
+        hs.extend_from_slice(&cfg.generation.to_le_bytes());
+        next.write_all(&hs)?;
+        let prev = accept_prev(&ring_listener, prev_rank, cfg.generation, deadline, &cancel)?;
+        for s in [&next, &prev] {
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(POLL))?;
+            s.set_write_timeout(Some(POLL))?;
+        }
+        eprintln!(
+            "rank {}/{w}: ring connected (sending to rank {next_rank} at {next_addr}, receiving from rank {prev_rank})",
+            cfg.rank
+        );
+        Ok(Ring {
+            rank: cfg.rank,
+            world_size: w,
+            next,
+            prev,
+            io_timeout: cfg.io_timeout,
+            cancel,
+            seq: 0,
+        })
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Replaces `data` on every rank with the element-wise sum over all ranks. All ranks
+    /// must call this with vectors of the same length; the results are bit-identical.
+    pub fn all_reduce_sum(&mut self, data: &mut [f64]) -> Result<()> {
+        let (w, r, n) = (self.world_size, self.rank, data.len());
+        let chunk = |c: usize| (c * n / w)..((c + 1) * n / w);
+        // Reduce-scatter: after W-1 exchanges, rank r holds the full sum of chunk r+1.
+        for s in 0..w - 1 {
+            let send = chunk((r + w - s) % w);
+            let recv = chunk((r + 2 * w - s - 1) % w);
+            let got = self.exchange(&data[send], recv.len())?;
+            for (d, v) in data[recv].iter_mut().zip(got) {
+                *d += v;
+            }
+        }
+        // All-gather: the finished chunks travel around the ring.
+        for s in 0..w - 1 {
+            let send = chunk((r + 1 + w - s) % w);
+            let recv = chunk((r + w - s) % w);
+            let got = self.exchange(&data[send], recv.len())?;
+            data[recv].copy_from_slice(&got);
+        }
+        Ok(())
+    }
+
+    /// Sends `send` to the next rank while receiving `recv_len` values from the previous.
+    fn exchange(&mut self, send: &[f64], recv_len: usize) -> Result<Vec<f64>> {
+        self.seq += 1;
+        let seq = self.seq;
+        let mut out = Vec::with_capacity(16 + send.len() * 8);
+        out.extend_from_slice(&seq.to_le_bytes());
+        out.extend_from_slice(&(send.len() as u64).to_le_bytes());
+        for v in send {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        let mut inbuf = vec![0u8; 16 + recv_len * 8];
+        // This records which direction failed first (1 receiving, 2 sending), so that the
+        // error reported is the cause rather than the other direction giving up.
+        let failed = AtomicU8::new(0);
+        let w = self.world_size;
+        let next_rank = (self.rank + 1) % w;
+        let prev_rank = (self.rank + w - 1) % w;
+        let (sent, received) = thread::scope(|scope| {
+            let writer = scope.spawn(|| {
+                let r = io_loop(
+                    &self.next,
+                    &mut IoBuf::Write(&out),
+                    self.io_timeout,
+                    &self.cancel,
+                    &failed,
+                );
+                if r.is_err() {
+                    let _ = failed.compare_exchange(0, 2, Ordering::SeqCst, Ordering::SeqCst);
+                    let _ = self.prev.shutdown(Shutdown::Read);
+                }
+                r
+            });
+            let received = io_loop(
+                &self.prev,
+                &mut IoBuf::Read(&mut inbuf),
+                self.io_timeout,
+                &self.cancel,
+                &failed,
+            );
+            if received.is_err() {
+                let _ = failed.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst);
+                let _ = self.next.shutdown(Shutdown::Write);
+            }
+            let sent = writer
+                .join()
+                .unwrap_or_else(|_| Err(anyhow!("the sending thread panicked")));
+            (sent, received)
+        });
+        let received = received.with_context(|| format!("receiving from rank {prev_rank} failed"));
+        let sent = sent.with_context(|| format!("sending to rank {next_rank} failed"));
+        if failed.load(Ordering::SeqCst) == 2 {
+            sent?;
+            received?;
+        } else {
+            received?;
+            sent?;
+        }
+        let their_seq = u64::from_le_bytes(inbuf[0..8].try_into()?);
+        let their_len = u64::from_le_bytes(inbuf[8..16].try_into()?);
+        ensure!(
+            their_seq == seq && their_len == recv_len as u64,
+            "rank {prev_rank} is out of step (exchange {their_seq} of {their_len} values, expected exchange {seq} of {recv_len})"
+        );
+        Ok(inbuf[16..]
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect())
+    }
+}
+
+enum IoBuf<'a> {
+    Read(&'a mut [u8]),
+    Write(&'a [u8]),
+}
+
+/// Reads or writes the whole buffer, tolerating socket timeouts as long as progress is
+/// made within `timeout`, giving up early when the other direction `failed` or when a
+/// termination was requested and the peer has been silent for a grace period.
+fn io_loop(
+    mut stream: &TcpStream,
+    buf: &mut IoBuf<'_>,
+    timeout: Duration,
+    cancel: &AtomicBool,
+    failed: &AtomicU8,
+) -> Result<()> {
+    let total = match buf {
+        IoBuf::Read(b) => b.len(),
+        IoBuf::Write(b) => b.len(),
+    };
+    let mut done = 0;
+    let mut last_progress = Instant::now();
+    while done < total {
+        let r = match buf {
+            IoBuf::Read(b) => stream.read(&mut b[done..]),
+            IoBuf::Write(b) => stream.write(&b[done..]),
+        };
+        match r {
+            Ok(0) if failed.load(Ordering::SeqCst) != 0 => {
+                bail!("the other direction of the exchange failed")
+            }
+            Ok(0) => bail!("the peer closed the connection"),
+            Ok(k) => {
+                done += k;
+                last_progress = Instant::now();
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                let silent = last_progress.elapsed();
+                if failed.load(Ordering::SeqCst) != 0 {
+                    bail!("the other direction of the exchange failed");
+                }
+                if silent >= timeout {
+                    bail!("no progress for {} s (timeout)", timeout.as_secs_f64());
+                }
+                if cancel.load(Ordering::SeqCst) && silent >= TERMINATION_GRACE {
+                    return Err(Interrupted.into());
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+fn check_cancel(cancel: &AtomicBool) -> Result<()> {
+    if cancel.load(Ordering::SeqCst) {
+        return Err(Interrupted.into());
+    }
+    Ok(())
+}
+
+fn bind_with_retry(port: u16, deadline: Instant, cancel: &AtomicBool) -> Result<TcpListener> {
+    loop {
+        match TcpListener::bind(("0.0.0.0", port)) {
+            Ok(l) => return Ok(l),
+            Err(e) => {
+                check_cancel(cancel)?;
+                if Instant::now() >= deadline {
+                    return Err(e)
+                        .with_context(|| format!("cannot bind the master port 0.0.0.0:{port}"));
+                }
+                eprintln!("rank 0: cannot bind master port {port} yet ({e}); retrying");
+                thread::sleep(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
+fn connect_with_retry(
+    addr: SocketAddr,
+    deadline: Instant,
+    cancel: &AtomicBool,
+) -> Result<TcpStream> {
+    loop {
+        check_cancel(cancel)?;
+        match TcpStream::connect_timeout(&addr, Duration::from_secs(2)) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(e).context("rendezvous timeout reached");
+            }
+            Err(_) => thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// Reads one newline-terminated line, waiting at most until `deadline`.
+fn read_line(mut stream: &TcpStream, deadline: Instant, cancel: &AtomicBool) -> Result<String> {
+    stream.set_read_timeout(Some(POLL))?;
+    let mut line = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        match stream.read(&mut buf) {
+            Ok(0) => bail!("connection closed before a full line arrived"),
+            Ok(k) => {
+                line.extend_from_slice(&buf[..k]);
+                if let Some(end) = line.iter().position(|&b| b == b'\n') {
+                    line.truncate(end);
+                    return String::from_utf8(line).context("line is not UTF-8");
+                }
+                ensure!(line.len() < 1 << 20, "line longer than 1 MiB");
+            }
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) =>
+            {
+                check_cancel(cancel)?;
+                ensure!(
+                    Instant::now() < deadline,
+                    "rendezvous timeout reached while waiting for a reply"
+                );
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn send_line(mut stream: &TcpStream, value: &impl Serialize) -> Result<()> {
+    let mut line = serde_json::to_vec(value)?;
+    line.push(b'\n');
+    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+    stream.write_all(&line)?;
+    Ok(())
+}
+
+/// Rank 0: waits for every other rank, checks them, and sends out the address list.
+fn serve_rendezvous(
+    cfg: &RingConfig,
+    listener: TcpListener,
+    ring_port: u16,
+    deadline: Instant,
+    cancel: &AtomicBool,
+) -> Result<Vec<String>> {
+    let w = cfg.world_size;
+    eprintln!(
+        "rank 0/{w}: rendezvous on port {} for generation {}, waiting for {} peer(s)",
+        listener.local_addr()?.port(),
+        cfg.generation,
+        w - 1
+    );
+    listener.set_nonblocking(true)?;
+    // Each joined rank has its connection to the master and its ring address here.
+    let mut peers: Vec<Option<(TcpStream, SocketAddr)>> = (0..w).map(|_| None).collect();
+    let mut joined = 0;
+    let mut refused: Vec<String> = Vec::new();
+    while joined < w - 1 {
+        check_cancel(cancel)?;
+        if Instant::now() >= deadline {
+            let missing: Vec<String> = (1..w)
+                .filter(|&k| peers[k].is_none())
+                .map(|k| k.to_string())
+                .collect();
+            let mut msg = format!(
+                "rendezvous timed out after {} s: rank(s) {} never joined",
+                cfg.rendezvous_timeout.as_secs_f64(),
+                missing.join(", ")
+            );
+            if !refused.is_empty() {
+                msg.push_str(&format!("; refused: {}", refused.join("; ")));
+            }
+            bail!(msg);
+        }
+        let (stream, peer) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                thread::sleep(Duration::from_millis(20));
+                continue;
+            }
+            Err(e) => return Err(e).context("accepting a rendezvous connection"),
+        };
+        stream.set_nonblocking(false)?;
+        let hello_deadline = deadline.min(Instant::now() + Duration::from_secs(10));
+        let hello: Hello = match read_line(&stream, hello_deadline, cancel)
+            .and_then(|l| serde_json::from_str(&l).context("malformed hello"))
+        {
+            Ok(h) => h,
+            Err(e) => {
+                if e.is::<Interrupted>() {
+                    return Err(e);
+                }
+                eprintln!("rank 0/{w}: ignoring a bad rendezvous connection from {peer}: {e:#}");
+                continue;
+            }
+        };
+        let problem = if hello.world_size != w {
+            Some(format!(
+                "rank {} says the world size is {} but rank 0 has {w}",
+                hello.rank, hello.world_size
+            ))
+        } else if hello.generation != cfg.generation {
+            Some(format!(
+                "rank {} is in generation {} but rank 0 is in generation {}",
+                hello.rank, hello.generation, cfg.generation
+            ))
+        } else if hello.rank == 0 || hello.rank >= w {
+            Some(format!(
+                "rank {} is not a valid peer rank for world size {w}",
+                hello.rank
+            ))
+        } else if peers[hello.rank].is_some() {
+            Some(format!("rank {} joined twice", hello.rank))
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            eprintln!("rank 0/{w}: refusing {peer}: {problem}");
+            let _ = send_line(
+                &stream,
+                &Reply {
+                    ok: false,
+                    error: Some(format!("rendezvous refused: {problem}")),
+                    addresses: Vec::new(),
+                },
+            );
+            refused.push(format!("{peer}: {problem}"));
+            continue;
+        }
+        let ring_addr = SocketAddr::new(peer.ip(), hello.ring_port);
+        eprintln!(
+            "rank 0/{w}: rank {} joined from {peer} (ring address {ring_addr})",
+            hello.rank
+        );
+        peers[hello.rank] = Some((stream, ring_addr));
+        joined += 1;
+    }
+    // Every peer has joined, so only rank 0's own slot is empty.
+    let joined: Vec<(TcpStream, SocketAddr)> = peers.into_iter().flatten().collect();
+    // Rank 0 never connects to its own entry; peers get the local address of their own
+    // master connection instead, which they can reach by construction.
+    let mut addresses =
+        vec![SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), ring_port).to_string()];
+    addresses.extend(joined.iter().map(|(_, a)| a.to_string()));
+    for (k, (stream, _)) in joined.iter().enumerate().map(|(i, p)| (i + 1, p)) {
+        let mut theirs = addresses.clone();
+        theirs[0] = SocketAddr::new(stream.local_addr()?.ip(), ring_port).to_string();
+        send_line(
+            stream,
+            &Reply {
+                ok: true,
+                error: None,
+                addresses: theirs,
+            },
+        )
+        .with_context(|| format!("cannot send the address list to rank {k}"))?;
+    }
+    let own = addresses;
+    Ok(own)
+}
+
+/// Ranks other than 0: joins the master and receives the address list.
+fn join_rendezvous(
+    cfg: &RingConfig,
+    ring_port: u16,
+    deadline: Instant,
+    cancel: &AtomicBool,
+) -> Result<Vec<String>> {
+    let w = cfg.world_size;
+    let target = format!("{}:{}", cfg.master_addr, cfg.master_port);
+    eprintln!("rank {}/{w}: joining the rendezvous at {target}", cfg.rank);
+    let mut last_err = String::new();
+    let stream = loop {
+        check_cancel(cancel)?;
+        if Instant::now() >= deadline {
+            bail!(
+                "rendezvous timed out after {} s: cannot reach the master at {target} ({last_err})",
+                cfg.rendezvous_timeout.as_secs_f64()
+            );
+        }
+        let addrs = match (cfg.master_addr.as_str(), cfg.master_port).to_socket_addrs() {
+            Ok(a) => a.collect::<Vec<_>>(),
+            Err(e) => {
+                last_err = format!("cannot resolve {}: {e}", cfg.master_addr);
+                thread::sleep(Duration::from_millis(500));
+                continue;
+            }
+        };
+        let mut connected = None;
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
+                Ok(s) => {
+                    connected = Some(s);
+                    break;
+                }
+                Err(e) => last_err = format!("{a}: {e}"),
+            }
+        }
+        match connected {
+            Some(s) => break s,
+            None => thread::sleep(Duration::from_millis(200)),
+        }
+    };
+    send_line(
+        &stream,
+        &Hello {
+            rank: cfg.rank,
+            world_size: w,
+            generation: cfg.generation,
+            ring_port,
+        },
+    )?;
+    let line = read_line(&stream, deadline, cancel)
+        .with_context(|| format!("no answer from the master at {target}"))?;
+    let reply: Reply = serde_json::from_str(&line).context("malformed reply from the master")?;
+    if !reply.ok {
+        bail!(
+            "{}",
+            reply
+                .error
+                .unwrap_or_else(|| "the master refused this rank".to_string())
+        );
+    }
+    ensure!(
+        reply.addresses.len() == w,
+        "the master sent {} addresses for world size {w}",
+        reply.addresses.len()
+    );
+    Ok(reply.addresses)
+}
+
+/// Accepts the connection from the previous rank, dropping anything else.
+fn accept_prev(
+    listener: &TcpListener,
+    prev_rank: usize,
+    generation: u64,
+    deadline: Instant,
+    cancel: &AtomicBool,
+) -> Result<TcpStream> {
+    listener.set_nonblocking(true)?;
+    loop {
+        check_cancel(cancel)?;
+        if Instant::now() >= deadline {
+            bail!("rendezvous timed out waiting for rank {prev_rank} to connect to the ring");
+        }
+        let (mut stream, peer) = match listener.accept() {
+            Ok(x) => x,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(e) => return Err(e).context("accepting a ring connection"),
+        };
+        stream.set_nonblocking(false)?;
+        stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+        let mut hs = [0u8; 16];
+        if let Err(e) = stream.read_exact(&mut hs) {
+            eprintln!("ignoring a ring connection from {peer}: {e}");
+            continue;
+        }
+        let rank = u32::from_le_bytes(hs[4..8].try_into()?) as usize;
+        let gen_ = u64::from_le_bytes(hs[8..16].try_into()?);
+        if &hs[..4] != RING_MAGIC || rank != prev_rank || gen_ != generation {
+            eprintln!(
+                "ignoring a ring connection from {peer}: not rank {prev_rank} of generation {generation}"
+            );
+            continue;
+        }
+        return Ok(stream);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(rank: usize, world_size: usize, port: u16, generation: u64) -> RingConfig {
+        RingConfig {
+            rank,
+            world_size,
+            generation,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            rendezvous_timeout: Duration::from_secs(20),
+            io_timeout: Duration::from_secs(20),
+        }
+    }
+
+    /// Runs `world` ranks in threads; each contributes `input(rank)` and all results are
+    /// returned in rank order.
+    fn run_ring(world: usize, input: impl Fn(usize) -> Vec<f64> + Sync) -> Vec<Vec<f64>> {
+        let master = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = master.local_addr().unwrap().port();
+        let mut master = Some(master);
+        let input = &input;
+        thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|r| {
+                    let listener = if r == 0 { master.take() } else { None };
+                    s.spawn(move || {
+                        let cancel = Arc::new(AtomicBool::new(false));
+                        let mut ring = Ring::connect_with_listener(
+                            &config(r, world, port, 4),
+                            listener,
+                            cancel,
+                        )
+                        .unwrap();
+                        let mut data = input(r);
+                        // Two all-reduces in a row exercise the sequence numbers.
+                        ring.all_reduce_sum(&mut data).unwrap();
+                        let mut again = input(r);
+                        ring.all_reduce_sum(&mut again).unwrap();
+                        assert_eq!(again, data);
+                        data
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    fn check_exact_sum(world: usize, len: usize) {
+        let input = |r: usize| -> Vec<f64> {
+            (0..len)
+                .map(|i| ((r + 1) * 1000 + i) as f64 * 0.5)
+                .collect()
+        };
+        let expected: Vec<f64> = (0..len)
+            .map(|i| (0..world).map(|r| ((r + 1) * 1000 + i) as f64 * 0.5).sum())
+            .collect();
+        let results = run_ring(world, input);
+        assert_eq!(results.len(), world);
+        for (r, got) in results.iter().enumerate() {
+            assert_eq!(got, &expected, "rank {r} of {world}, length {len}");
+        }
+    }
+
+    #[test]
+    fn three_ranks_get_the_exact_sum() {
+        check_exact_sum(3, 1000);
+    }
+
+    #[test]
+    fn four_ranks_get_the_exact_sum_of_a_large_vector() {
+        // The vector is larger than socket buffers, so a blocking send-then-receive would
+        // deadlock.
+        check_exact_sum(4, 300_000);
+    }
+
+    #[test]
+    fn two_ranks_with_lengths_not_divisible_or_below_world_size() {
+        check_exact_sum(2, 7);
+        check_exact_sum(2, 1);
+        check_exact_sum(3, 2);
+    }
+
+    #[test]
+    fn results_are_bit_identical_on_every_rank() {
+        // These values have sums that depend on the order of addition.
+        let input = |r: usize| -> Vec<f64> {
+            (0..101)
+                .map(|i| 0.1 * (i as f64 + 1.0) / (r as f64 + 3.0))
+                .collect()
+        };
+        let results = run_ring(4, input);
+        for got in &results[1..] {
+            let a: Vec<u64> = got.iter().map(|v| v.to_bits()).collect();
+            let b: Vec<u64> = results[0].iter().map(|v| v.to_bits()).collect();
+            assert_eq!(a, b);
+        }
+    }
+
+    #[test]
+    fn a_rank_of_another_generation_is_refused() {
+        let master = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = master.local_addr().unwrap().port();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let stale = {
+            let cancel = cancel.clone();
+            thread::spawn(move || Ring::connect(&config(1, 2, port, 6), cancel))
+        };
+        let mut rank0 = config(0, 2, port, 7);
+        rank0.rendezvous_timeout = Duration::from_secs(2);
+        let err = Ring::connect_with_listener(&rank0, Some(master), cancel).unwrap_err();
+        assert!(format!("{err:#}").contains("never joined"), "{err:#}");
+        let err = stale.join().unwrap().unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(
+            msg.contains("generation 6") && msg.contains("generation 7"),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_peer_that_disappears_is_reported() {
+        let master = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = master.local_addr().unwrap().port();
+        let peer = thread::spawn(move || {
+            let cancel = Arc::new(AtomicBool::new(false));
+            let ring = Ring::connect(&config(1, 2, port, 1), cancel).unwrap();
+            drop(ring);
+        });
+        let cancel = Arc::new(AtomicBool::new(false));
+        let mut ring =
+            Ring::connect_with_listener(&config(0, 2, port, 1), Some(master), cancel).unwrap();
+        peer.join().unwrap();
+        let mut data = vec![1.0; 10];
+        assert!(ring.all_reduce_sum(&mut data).is_err());
+    }
+
+    #[test]
+    fn termination_during_rendezvous_interrupts() {
+        let cancel = Arc::new(AtomicBool::new(true));
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let err = Ring::connect(&config(1, 2, port, 1), cancel).unwrap_err();
+        assert!(err.is::<Interrupted>());
+    }
+}

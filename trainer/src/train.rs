@@ -1,0 +1,581 @@
+//! The training loop: data-parallel SGD with momentum, progress lines, checkpoints and
+//! the exit codes of the worker contract.
+
+use std::fmt;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+
+use crate::checkpoint::{self, Checkpoint};
+use crate::cli::{Args, WorkerEnv};
+use crate::data::{self, Dataset, Split, Task};
+use crate::model::Model;
+use crate::order::DataOrder;
+use crate::ring::{Interrupted, Ring, RingConfig};
+
+/// Exit code after finishing.
+pub const EXIT_OK: i32 = 0;
+/// Exit code after a failure, for example a failed peer.
+pub const EXIT_FAILED: i32 = 1;
+/// Exit code for refused options, environment, data or checkpoint.
+pub const EXIT_REFUSED: i32 = 2;
+/// Exit code after a termination signal (128 + SIGTERM).
+pub const EXIT_TERMINATED: i32 = 143;
+
+/// Held-out rows evaluated at most, to keep evaluation cheap.
+pub const EVAL_CAP: usize = 2_000;
+/// How long an all-reduce may go without progress before the peer counts as failed.
+pub const RING_IO_TIMEOUT: Duration = Duration::from_secs(60);
+/// The prefix of progress lines on stdout.
+pub const PROGRESS_PREFIX: &str = "CONVERGE_PROGRESS ";
+
+/// A problem with the options, environment, data or checkpoint: the run is refused with
+/// exit code 2 rather than failed.
+#[derive(Debug)]
+pub struct Refused(pub String);
+
+impl fmt::Display for Refused {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+fn refuse(e: anyhow::Error) -> anyhow::Error {
+    Refused(format!("{e:#}")).into()
+}
+
+/// How a run ended without error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The epoch or step limit was reached.
+    Completed,
+    /// A termination signal stopped the run at a step boundary.
+    Terminated,
+}
+
+/// One `CONVERGE_PROGRESS` line.
+#[derive(Debug, Clone, Serialize)]
+pub struct Progress {
+    /// Steps since the job began.
+    pub step: u64,
+    /// Samples since the job began.
+    pub samples: u64,
+    /// Mean training loss over the steps since the previous line.
+    pub loss: f64,
+    /// Samples divided by the training-set size.
+    pub epoch: f64,
+    /// Held-out loss, when evaluated at this line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+}
+
+impl Progress {
+    /// The line as printed, without the newline.
+    pub fn line(&self) -> String {
+        let json = serde_json::to_string(self).expect("progress serializes");
+        format!("{PROGRESS_PREFIX}{json}")
+    }
+}
+
+fn round_to(x: f64, decimals: i32) -> f64 {
+    let scale = 10f64.powi(decimals);
+    (x * scale).round() / scale
+}
+
+/// Registers SIGTERM and SIGINT, reads the environment, trains, and returns the exit code.
+pub fn main_with_args(args: Args) -> i32 {
+    let stop = Arc::new(AtomicBool::new(false));
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        if let Err(e) = signal_hook::flag::register(sig, stop.clone()) {
+            eprintln!("converge-trainer: cannot install the handler for signal {sig}: {e}");
+            return EXIT_FAILED;
+        }
+    }
+    let env = match WorkerEnv::from_process() {
+        Ok(env) => env,
+        Err(e) => {
+            eprintln!("converge-trainer: refused: bad worker environment: {e:#}");
+            return EXIT_REFUSED;
+        }
+    };
+    run(&args, &env, stop)
+}
+
+/// Trains with the given options and environment until done, terminated or failed, and
+/// returns the exit code. `stop` is the termination flag.
+pub fn run(args: &Args, env: &WorkerEnv, stop: Arc<AtomicBool>) -> i32 {
+    let who = format!("rank {}/{}", env.rank, env.world_size);
+    match Trainer::new(args, env, stop).and_then(|t| t.train()) {
+        Ok(Outcome::Completed) => {
+            eprintln!("{who}: finished");
+            EXIT_OK
+        }
+        Ok(Outcome::Terminated) => {
+            eprintln!("{who}: terminated by signal; exiting with {EXIT_TERMINATED}");
+            EXIT_TERMINATED
+        }
+        Err(e) if e.is::<Interrupted>() => {
+            eprintln!("{who}: terminated by signal ({e:#}); exiting with {EXIT_TERMINATED}");
+            EXIT_TERMINATED
+        }
+        Err(e) if e.is::<Refused>() => {
+            eprintln!("{who}: refused: {e:#}");
+            EXIT_REFUSED
+        }
+        Err(e) => {
+            eprintln!("{who}: error: {e:#}");
+            EXIT_FAILED
+        }
+    }
+}
+
+/// The optimizer state that checkpoints carry.
+#[derive(Debug, Clone)]
+struct State {
+    step: u64,
+    samples: u64,
+    seed: u64,
+    last_loss: Option<f64>,
+    params: Vec<f64>,
+    momentum: Vec<f64>,
+}
+
+struct Trainer<'a> {
+    args: &'a Args,
+    env: &'a WorkerEnv,
+    stop: Arc<AtomicBool>,
+    who: String,
+    data: Dataset,
+    model: Model,
+    lr: f64,
+    eval_idx: Vec<usize>,
+    ckpt_dir: Option<PathBuf>,
+}
+
+impl<'a> Trainer<'a> {
+    fn new(args: &'a Args, env: &'a WorkerEnv, stop: Arc<AtomicBool>) -> Result<Trainer<'a>> {
+        let who = format!("rank {}/{}", env.rank, env.world_size);
+        args.validate().map_err(refuse)?;
+        let kind = args.model_kind();
+        let lr = args.learning_rate();
+        eprintln!(
+            "{who} generation {}: job {}, dataset {}, model {kind}, batch size {} per worker ({} global), lr {lr}, momentum {}, seed {}, local rank {}, CUDA_VISIBLE_DEVICES {}",
+            env.generation,
+            env.job_id.as_deref().unwrap_or("(unset)"),
+            args.dataset,
+            args.batch_size,
+            args.batch_size * env.world_size,
+            args.momentum,
+            args.seed,
+            env.local_rank.as_deref().unwrap_or("(unset)"),
+            env.cuda_visible_devices.as_deref().unwrap_or("(unset)"),
+        );
+        let started = Instant::now();
+        let data = data::load(args.dataset, &args.data_dir).map_err(refuse)?;
+        eprintln!(
+            "{who}: loaded {} from {} in {:.2} s: {} training and {} held-out rows, {} features",
+            args.dataset,
+            args.data_dir.display(),
+            started.elapsed().as_secs_f64(),
+            data.train.rows,
+            data.test.rows,
+            data.features()
+        );
+        if let Task::Regression { mean, std } = data.task {
+            eprintln!(
+                "{who}: linreg target is the release year standardized by the training mean {mean:.3} and std {std:.3}; the loss is the MSE in those units (held-out: every tenth row)"
+            );
+        }
+        let model =
+            Model::for_task(kind, data.task, data.features(), args.hidden).map_err(refuse)?;
+        let eval_idx = strided(data.test.rows, EVAL_CAP);
+        let ckpt_dir = env.checkpoint_dir.clone();
+        if ckpt_dir.is_none() {
+            eprintln!("{who}: CONVERGE_CHECKPOINT_DIR is not set: checkpointing is disabled");
+        }
+        Ok(Trainer {
+            args,
+            env,
+            stop,
+            who,
+            data,
+            model,
+            lr,
+            eval_idx,
+            ckpt_dir,
+        })
+    }
+
+    /// Loads the checkpoint, if any, or initializes fresh state.
+    fn initial_state(&self) -> Result<State> {
+        let loaded = match &self.ckpt_dir {
+            Some(dir) => Checkpoint::read(dir).map_err(refuse)?,
+            None => None,
+        };
+        let Some(ck) = loaded else {
+            return Ok(State {
+                step: 0,
+                samples: 0,
+                seed: self.args.seed,
+                last_loss: None,
+                params: self.model.init(self.args.seed),
+                momentum: vec![0.0; self.model.num_params()],
+            });
+        };
+        ck.check_compatible(self.args.dataset, &self.model)
+            .map_err(|e| refuse(e.context("incompatible checkpoint")))?;
+        if ck.seed != self.args.seed {
+            eprintln!(
+                "{}: the checkpoint was written with --seed {}; keeping that seed so the data order continues",
+                self.who, ck.seed
+            );
+        }
+        Ok(State {
+            step: ck.step,
+            samples: ck.samples,
+            seed: ck.seed,
+            last_loss: ck.last_loss,
+            params: ck.params,
+            momentum: ck.momentum,
+        })
+    }
+
+    fn train(self) -> Result<Outcome> {
+        let env = self.env;
+        let mut state = self.initial_state()?;
+        let mut ring = None;
+        if env.world_size > 1 {
+            let cfg = RingConfig {
+                rank: env.rank,
+                world_size: env.world_size,
+                generation: env.generation,
+                master_addr: env.master_addr.clone(),
+                master_port: env.master_port,
+                rendezvous_timeout: Duration::from_secs_f64(self.args.rendezvous_timeout),
+                io_timeout: RING_IO_TIMEOUT,
+            };
+            let mut r = Ring::connect(&cfg, self.stop.clone()).context("rendezvous failed")?;
+            // Every rank starts from rank 0's state, so ranks whose checkpoint directory
+            // is not shared with rank 0 still resume consistently.
+            broadcast_state(&mut r, &mut state, &self.who)
+                .context("broadcasting the initial state failed")?;
+            ring = Some(r);
+        }
+        if state.step > 0 {
+            eprintln!(
+                "{} generation {} resumed from checkpoint at step {} (samples {})",
+                self.who, env.generation, state.step, state.samples
+            );
+        } else {
+            eprintln!(
+                "{} generation {}: starting at step 0",
+                self.who, env.generation
+            );
+        }
+        self.train_loop(state, ring)
+    }
+
+    fn train_loop(&self, mut state: State, mut ring: Option<Ring>) -> Result<Outcome> {
+        let (args, env) = (self.args, self.env);
+        let rank0 = env.rank == 0;
+        let n_train = self.data.train.rows;
+        let global_batch = (env.world_size * args.batch_size) as u64;
+        let target_samples = (args.epochs * n_train as f64).ceil() as u64;
+        let done =
+            |s: &State| s.samples >= target_samples || args.max_steps.is_some_and(|m| s.step >= m);
+        let p = self.model.num_params();
+        // The buffer holds the gradient sum, then the loss sum, the example count and the
+        // stop votes, so one all-reduce carries them all.
+        let mut buf = vec![0.0; p + 3];
+        let mut order = DataOrder::new(state.seed, n_train);
+        let mut window_loss = 0.0;
+        let mut window_steps = 0u64;
+        let mut steps_run = 0u64;
+        let mut last_ckpt = Instant::now();
+        let delay = Duration::from_millis(args.step_delay_ms);
+        let checkpoint_every = Duration::from_secs_f64(args.checkpoint_every);
+
+        if done(&state) {
+            eprintln!(
+                "{}: the job is already complete at step {} (samples {})",
+                self.who, state.step, state.samples
+            );
+        }
+        while !done(&state) {
+            let stopping = self.stop.load(Ordering::SeqCst);
+            if stopping && ring.is_none() {
+                return self.terminate(&state, rank0);
+            }
+            buf.fill(0.0);
+            if !stopping {
+                let idx = order.rank_slice(state.samples, env.rank, args.batch_size);
+                let loss =
+                    self.model
+                        .loss_and_grad(&state.params, &self.data.train, &idx, &mut buf[..p]);
+                buf[p] = loss;
+                buf[p + 1] = idx.len() as f64;
+                if !delay.is_zero() {
+                    std::thread::sleep(delay);
+                }
+            } else {
+                buf[p + 2] = 1.0;
+            }
+            if let Some(r) = ring.as_mut()
+                && let Err(e) = r.all_reduce_sum(&mut buf)
+            {
+                return self.ring_failed(&state, e);
+            }
+            if buf[p + 2] > 0.0 {
+                // Some rank was asked to stop: the step is abandoned on every rank.
+                if rank0 {
+                    eprintln!(
+                        "{}: a rank received a termination signal; stopping at step {}",
+                        self.who, state.step
+                    );
+                }
+                return self.terminate(&state, rank0);
+            }
+            let count = buf[p + 1];
+            let mean_loss = buf[p] / count;
+            if !mean_loss.is_finite() || buf[..p].iter().any(|g| !g.is_finite()) {
+                bail!(
+                    "training diverged at step {} (non-finite loss or gradient); try a smaller --lr",
+                    state.step + 1
+                );
+            }
+            let mu = args.momentum;
+            for ((w, m), g) in state
+                .params
+                .iter_mut()
+                .zip(&mut state.momentum)
+                .zip(&buf[..p])
+            {
+                *m = mu * *m + g / count;
+                *w -= self.lr * *m;
+            }
+            state.step += 1;
+            state.samples += global_batch;
+            window_loss += mean_loss;
+            window_steps += 1;
+            steps_run += 1;
+
+            if !rank0 {
+                continue;
+            }
+            let finished = done(&state);
+            if finished || state.step.is_multiple_of(args.log_every) {
+                let evaluate =
+                    finished || (args.eval_every > 0 && state.step.is_multiple_of(args.eval_every));
+                let loss = window_loss / window_steps as f64;
+                state.last_loss = Some(loss);
+                self.report(&state, loss, evaluate);
+                window_loss = 0.0;
+                window_steps = 0;
+            }
+            if !finished && last_ckpt.elapsed() >= checkpoint_every {
+                if let Err(e) = self.save(&state) {
+                    eprintln!("{}: warning: periodic checkpoint failed: {e:#}", self.who);
+                }
+                last_ckpt = Instant::now();
+            }
+        }
+        if rank0 {
+            if steps_run == 0 {
+                // Nothing was trained in this process (the job was already complete):
+                // report the state as it stands.
+                let loss = match state.last_loss {
+                    Some(l) => l,
+                    None => {
+                        self.mean_loss(&state.params, &self.data.train, &strided(n_train, EVAL_CAP))
+                    }
+                };
+                self.report(&state, loss, true);
+            }
+            self.save(&state).context("final checkpoint failed")?;
+        }
+        Ok(Outcome::Completed)
+    }
+
+    fn mean_loss(&self, params: &[f64], split: &Split, idx: &[usize]) -> f64 {
+        self.model.loss(params, split, idx) / idx.len() as f64
+    }
+
+    fn report(&self, state: &State, loss: f64, evaluate: bool) {
+        let eval_loss = evaluate.then(|| {
+            round_to(
+                self.mean_loss(&state.params, &self.data.test, &self.eval_idx),
+                6,
+            )
+        });
+        let line = Progress {
+            step: state.step,
+            samples: state.samples,
+            loss: round_to(loss, 6),
+            epoch: round_to(state.samples as f64 / self.data.train.rows as f64, 4),
+            eval_loss,
+        }
+        .line();
+        let mut out = std::io::stdout().lock();
+        // A closed stdout must not stop training; the checkpoint still records progress.
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    }
+
+    fn save(&self, state: &State) -> Result<()> {
+        let Some(dir) = &self.ckpt_dir else {
+            return Ok(());
+        };
+        Checkpoint {
+            format_version: checkpoint::FORMAT_VERSION,
+            dataset: self.args.dataset,
+            model: self.model.kind,
+            hidden: self.model.hidden,
+            step: state.step,
+            samples: state.samples,
+            last_loss: state.last_loss,
+            seed: state.seed,
+            world_size: self.env.world_size,
+            generation: self.env.generation,
+            params: state.params.clone(),
+            momentum: state.momentum.clone(),
+        }
+        .write_atomic(dir)
+    }
+
+    /// Stops at a step boundary: rank 0 checkpoints the last completed step.
+    fn terminate(&self, state: &State, rank0: bool) -> Result<Outcome> {
+        if rank0 {
+            match self.save(state) {
+                Ok(()) if self.ckpt_dir.is_some() => {
+                    eprintln!(
+                        "{}: checkpointed step {} (samples {})",
+                        self.who, state.step, state.samples
+                    )
+                }
+                Ok(()) => {}
+                Err(e) => eprintln!(
+                    "{}: error: checkpoint on termination failed: {e:#}",
+                    self.who
+                ),
+            }
+        }
+        Ok(Outcome::Terminated)
+    }
+
+    /// The ring broke mid-step: rank 0 checkpoints the last completed step (the failed
+    /// step never touched the parameters), then the run ends as terminated or failed.
+    fn ring_failed(&self, state: &State, err: anyhow::Error) -> Result<Outcome> {
+        let terminating = self.stop.load(Ordering::SeqCst) || err.is::<Interrupted>();
+        eprintln!(
+            "{}: all-reduce of step {} failed: {err:#}",
+            self.who,
+            state.step + 1
+        );
+        if self.env.rank == 0 {
+            match self.save(state) {
+                Ok(()) if self.ckpt_dir.is_some() => eprintln!(
+                    "{}: checkpointed the last completed step {} (samples {})",
+                    self.who, state.step, state.samples
+                ),
+                Ok(()) => {}
+                Err(e) => eprintln!(
+                    "{}: error: checkpoint after the failure failed: {e:#}",
+                    self.who
+                ),
+            }
+        }
+        if terminating {
+            return Ok(Outcome::Terminated);
+        }
+        Err(err.context(format!(
+            "a peer failed during step {}; the ring is broken",
+            state.step + 1
+        )))
+    }
+}
+
+/// Replaces `state` on every rank with rank 0's, through one all-reduce in which the other
+/// ranks contribute zeros (x + 0 is exact, so the copy is bit-identical).
+fn broadcast_state(ring: &mut Ring, state: &mut State, who: &str) -> Result<()> {
+    let p = state.params.len();
+    let mut buf = vec![0.0; 6 + 2 * p];
+    if ring.rank() == 0 {
+        buf[0] = state.step as f64;
+        buf[1] = state.samples as f64;
+        buf[2] = (state.seed >> 32) as f64;
+        buf[3] = (state.seed & 0xffff_ffff) as f64;
+        buf[4] = if state.last_loss.is_some() { 1.0 } else { 0.0 };
+        buf[5] = state.last_loss.unwrap_or(0.0);
+        buf[6..6 + p].copy_from_slice(&state.params);
+        buf[6 + p..].copy_from_slice(&state.momentum);
+    }
+    ring.all_reduce_sum(&mut buf)?;
+    let theirs = State {
+        step: buf[0] as u64,
+        samples: buf[1] as u64,
+        seed: ((buf[2] as u64) << 32) | buf[3] as u64,
+        last_loss: (buf[4] > 0.0).then_some(buf[5]),
+        params: buf[6..6 + p].to_vec(),
+        momentum: buf[6 + p..].to_vec(),
+    };
+    if ring.rank() != 0 && (theirs.step != state.step || theirs.samples != state.samples) {
+        eprintln!(
+            "{who}: using rank 0's state at step {} (samples {}) instead of the local one at step {} (samples {})",
+            theirs.step, theirs.samples, state.step, state.samples
+        );
+    }
+    *state = theirs;
+    Ok(())
+}
+
+/// At most `cap` indices spread evenly over `0..n`.
+fn strided(n: usize, cap: usize) -> Vec<usize> {
+    if n <= cap {
+        return (0..n).collect();
+    }
+    (0..cap).map(|i| i * n / cap).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_line_has_the_contract_format() {
+        let p = Progress {
+            step: 120,
+            samples: 3840,
+            loss: 0.53,
+            epoch: 0.118,
+            eval_loss: Some(0.55),
+        };
+        assert_eq!(
+            p.line(),
+            r#"CONVERGE_PROGRESS {"step":120,"samples":3840,"loss":0.53,"epoch":0.118,"eval_loss":0.55}"#
+        );
+        let p = Progress {
+            eval_loss: None,
+            ..p
+        };
+        assert_eq!(
+            p.line(),
+            r#"CONVERGE_PROGRESS {"step":120,"samples":3840,"loss":0.53,"epoch":0.118}"#
+        );
+    }
+
+    #[test]
+    fn strided_eval_indices_are_capped_and_spread() {
+        assert_eq!(strided(5, 10), vec![0, 1, 2, 3, 4]);
+        let s = strided(16_281, EVAL_CAP);
+        assert_eq!(s.len(), EVAL_CAP);
+        assert!(s.windows(2).all(|w| w[0] < w[1]));
+        assert!(*s.last().unwrap() > 16_000);
+    }
+}

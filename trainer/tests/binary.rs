@@ -1,0 +1,262 @@
+//! End-to-end tests of the `converge-trainer` binary: two ranks on loopback, resume at
+//! another world size, SIGTERM handling and refusal of a mismatched checkpoint.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const CONTRACT_VARS: &[&str] = &[
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES",
+    "CONVERGE_JOB_ID",
+    "CONVERGE_GENERATION",
+    "CONVERGE_CHECKPOINT_DIR",
+    "CONVERGE_DATA_DIR",
+];
+
+fn data_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data")
+}
+
+/// A trainer command with a clean worker environment and the repository's data.
+fn trainer(ckpt: &Path, args: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_converge-trainer"));
+    for v in CONTRACT_VARS {
+        cmd.env_remove(v);
+    }
+    cmd.env("CONVERGE_CHECKPOINT_DIR", ckpt)
+        .env("CONVERGE_JOB_ID", "test-job")
+        .arg("--data-dir")
+        .arg(data_dir())
+        .args(args);
+    cmd
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The JSON of every `CONVERGE_PROGRESS` line.
+fn progress(stdout: &[u8]) -> Vec<Value> {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .filter_map(|l| l.strip_prefix("CONVERGE_PROGRESS "))
+        .map(|j| serde_json::from_str(j).expect("progress JSON"))
+        .collect()
+}
+
+fn checkpoint_step(dir: &Path) -> u64 {
+    let text = std::fs::read_to_string(dir.join("checkpoint.json")).expect("checkpoint exists");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["step"].as_u64().unwrap()
+}
+
+fn wait_with_timeout(mut child: Child, limit: Duration) -> Output {
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("the trainer did not exit within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn show(what: &str, out: &Output) {
+    eprintln!(
+        "--- {what}: {:?}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn two_ranks_train_then_one_rank_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let port = free_port().to_string();
+    let common = [
+        "--dataset",
+        "optdigits",
+        "--max-steps",
+        "100",
+        "--log-every",
+        "10",
+        "--eval-every",
+        "50",
+    ];
+    let spawn = |rank: &str| {
+        trainer(&ckpt, &common)
+            .env("RANK", rank)
+            .env("LOCAL_RANK", rank)
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("CONVERGE_GENERATION", "1")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let rank1 = spawn("1");
+    let rank0 = spawn("0");
+    let out0 = wait_with_timeout(rank0, Duration::from_secs(120));
+    let out1 = wait_with_timeout(rank1, Duration::from_secs(120));
+    show("rank 0", &out0);
+    show("rank 1", &out1);
+    assert_eq!(out0.status.code(), Some(0));
+    assert_eq!(out1.status.code(), Some(0));
+    assert!(
+        progress(&out1.stdout).is_empty(),
+        "only rank 0 reports progress"
+    );
+
+    let lines = progress(&out0.stdout);
+    assert_eq!(lines.len(), 10, "one line every 10 steps");
+    let (first, last) = (&lines[0], &lines[lines.len() - 1]);
+    assert_eq!(first["step"], 10);
+    assert_eq!(first["samples"], 10 * 2 * 32);
+    assert_eq!(last["step"], 100);
+    assert_eq!(last["samples"], 100 * 2 * 32);
+    let (l0, l1) = (
+        first["loss"].as_f64().unwrap(),
+        last["loss"].as_f64().unwrap(),
+    );
+    assert!(l1 < 0.6 * l0, "loss fell from {l0} to only {l1}");
+    assert!(last["eval_loss"].as_f64().unwrap() < 1.0);
+    assert!(lines[2].get("eval_loss").is_none());
+    assert!(lines[4]["eval_loss"].is_number());
+    assert_eq!(checkpoint_step(&ckpt), 100);
+
+    // World size 1 resumes where world size 2 stopped.
+    let out = trainer(&ckpt, &["--dataset", "optdigits", "--max-steps", "130"])
+        .output()
+        .unwrap();
+    show("resumed", &out);
+    assert_eq!(out.status.code(), Some(0));
+    let lines = progress(&out.stdout);
+    let first = lines[0]["step"].as_u64().unwrap();
+    assert!(
+        first > 100,
+        "resumed run started at step {first}, not after 100"
+    );
+    assert_eq!(lines[0]["samples"], 100 * 2 * 32 + 10 * 32);
+    assert_eq!(lines.last().unwrap()["step"], 130);
+    assert!(lines.last().unwrap()["eval_loss"].is_number());
+    assert!(lines[0]["loss"].as_f64().unwrap() < 0.8 * l0);
+    assert_eq!(checkpoint_step(&ckpt), 130);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("resumed from checkpoint at step 100"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn sigterm_checkpoints_and_exits_143() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let mut child = trainer(
+        &ckpt,
+        &[
+            "--dataset",
+            "optdigits",
+            "--epochs",
+            "1000",
+            "--step-delay-ms",
+            "5",
+            "--log-every",
+            "5",
+            "--checkpoint-every",
+            "3600",
+        ],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    // A progress line shows that training is under way.
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let line = line.unwrap();
+            if line.starts_with("CONVERGE_PROGRESS ") {
+                let _ = tx.send(line);
+            }
+        }
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("a progress line");
+    assert!(line.contains("\"step\":5"), "{line}");
+    assert!(!ckpt.join("checkpoint.json").exists(), "no checkpoint yet");
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let out = wait_with_timeout(child, Duration::from_secs(30));
+    show("terminated", &out);
+    assert_eq!(out.status.code(), Some(143));
+    assert!(checkpoint_step(&ckpt) >= 5);
+}
+
+#[test]
+fn a_checkpoint_for_another_model_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let out = trainer(&ckpt, &["--dataset", "optdigits", "--max-steps", "3"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let lines = progress(&out.stdout);
+    assert_eq!(lines.len(), 1, "only the final line at step 3");
+    assert_eq!(lines[0]["step"], 3);
+    assert!(lines[0]["eval_loss"].is_number());
+    let out = trainer(
+        &ckpt,
+        &[
+            "--dataset",
+            "optdigits",
+            "--model",
+            "mlp",
+            "--max-steps",
+            "5",
+        ],
+    )
+    .output()
+    .unwrap();
+    show("mismatch", &out);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("incompatible checkpoint"), "{stderr}");
+    assert!(progress(&out.stdout).is_empty());
+    assert_eq!(checkpoint_step(&ckpt), 3, "the checkpoint is left alone");
+}
+
+#[test]
+fn nonsensical_model_and_dataset_pairs_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = trainer(dir.path(), &["--dataset", "a9a", "--model", "softmax"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("does not fit --dataset a9a"), "{stderr}");
+}
