@@ -1,0 +1,296 @@
+//! End to end on loopback: a real nats-server, in-process agents and allocator, the
+//! `converge` CLI and real `converge-trainer` processes.
+
+use converge_common::{
+    HostTelemetry, JobPhase, JobStatus, ProgressReport, WorkerPhase, messages::decode, subjects,
+};
+use converge_tests::*;
+use futures::StreamExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+fn write_spec(dir: &Path, id: &str, min: u32, max: u32) -> std::path::PathBuf {
+    let trainer = bin_path("converge-trainer");
+    let data = repo_root().join("data");
+    let text = format!(
+        r#"id = "{id}"
+command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "1000",
+           "--step-delay-ms", "10", "--log-every", "5", "--checkpoint-every", "1"]
+min_workers = {min}
+max_workers = {max}
+[labels]
+model = "softmax"
+dataset = "optdigits"
+"#,
+        trainer.display(),
+        data.display()
+    );
+    let path = dir.join(format!("{id}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn converge(nats: &NatsServer, args: &[&str]) -> std::process::Output {
+    Command::new(bin_path("converge"))
+        .arg("--nats-url")
+        .arg(&nats.url)
+        .args(args)
+        .output()
+        .expect("run converge")
+}
+
+async fn status(bus: &converge_bus::Bus, job: &str) -> Option<JobStatus> {
+    bus.get::<JobStatus>(&bus.status, job)
+        .await
+        .ok()
+        .flatten()
+        .map(|(s, _)| s)
+}
+
+async fn next_report(sub: &mut async_nats::Subscriber) -> ProgressReport {
+    let msg = tokio::time::timeout(Duration::from_secs(30), sub.next())
+        .await
+        .expect("a progress report within 30 s")
+        .expect("subscription open");
+    decode(&msg.payload).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut progress = bus
+        .client
+        .subscribe(subjects::progress(&"opt".parse().unwrap()))
+        .await
+        .unwrap();
+    let a1 = start_agent(agent_config(&nats, "n1", 1, work.path()));
+    let a2 = start_agent(agent_config(&nats, "n2", 1, work.path()));
+    let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
+
+    let spec = write_spec(work.path(), "opt", 2, 3);
+    let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Placed over both single-GPU hosts.
+    let s = wait_for(
+        Duration::from_secs(30),
+        "job running on n1 and n2",
+        || async {
+            let s = status(&bus, "opt").await?;
+            (s.phase == JobPhase::Running && s.world_size == 2).then_some(s)
+        },
+    )
+    .await;
+    let mut hosts: Vec<&str> = s.placement.iter().map(|p| p.host.as_str()).collect();
+    hosts.sort();
+    assert_eq!(hosts, ["n1", "n2"]);
+
+    // The loss falls.
+    let first = next_report(&mut progress).await;
+    let mut last = first.clone();
+    while last.step < first.step + 150 {
+        last = next_report(&mut progress).await;
+        assert_eq!(
+            last.generation, s.generation,
+            "no resize while only two GPUs exist"
+        );
+    }
+    assert!(
+        last.loss < 0.6 * first.loss,
+        "loss did not fall: {} -> {}",
+        first.loss,
+        last.loss
+    );
+
+    // A third host joins: the job grows to three workers and resumes from its checkpoint.
+    let a3 = start_agent(agent_config(&nats, "n3", 1, work.path()));
+    let grown = loop {
+        let r = next_report(&mut progress).await;
+        if r.generation > s.generation {
+            break r;
+        }
+        last = r;
+    };
+    let s2 = status(&bus, "opt").await.unwrap();
+    assert_eq!(s2.world_size, 3, "{s2:?}");
+    assert!(grown.step > 0, "the new generation restarted at step 0");
+    assert!(
+        grown.step + 30 >= last.step && grown.step <= last.step + 30,
+        "resumed at step {} but the previous generation reached {}",
+        grown.step,
+        last.step
+    );
+
+    // Cancel through the CLI: the job ends and every worker stops.
+    let out = converge(&nats, &["cancel", "opt"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for(
+        Duration::from_secs(30),
+        "cancelled and no workers left",
+        || async {
+            let s = status(&bus, "opt").await?;
+            let mut alive = 0;
+            for h in ["n1", "n2", "n3"] {
+                let (t, _) = bus.get::<HostTelemetry>(&bus.hosts, h).await.ok()??;
+                alive += t
+                    .workers
+                    .iter()
+                    .filter(|w| w.phase == WorkerPhase::Running || w.phase == WorkerPhase::Stopping)
+                    .count();
+            }
+            (s.phase == JobPhase::Cancelled && alive == 0).then_some(())
+        },
+    )
+    .await;
+    let out = converge(&nats, &["--json", "jobs", "--all"]);
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed[0]["status"]["phase"], "cancelled");
+
+    for a in [a1, a2, a3] {
+        a.stop().await;
+    }
+    allocator.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allocator_restart_rebuilds_state_and_rewrites_no_plan() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
+    let first = start_allocator(allocator_config(&nats, Duration::from_secs(600)));
+    let spec = write_spec(work.path(), "steady", 1, 2);
+    let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let before = wait_for(
+        Duration::from_secs(60),
+        "job running with a fitted curve",
+        || async {
+            let s = status(&bus, "steady").await?;
+            (s.phase == JobPhase::Running && s.curve.is_some()).then_some(s)
+        },
+    )
+    .await;
+    let plan_rev = bus.plans.entry("n1").await.unwrap().unwrap().revision;
+    let pids = |t: HostTelemetry| -> Vec<u32> { t.workers.iter().filter_map(|w| w.pid).collect() };
+    let pids_before = pids(
+        bus.get::<HostTelemetry>(&bus.hosts, "n1")
+            .await
+            .unwrap()
+            .unwrap()
+            .0,
+    );
+
+    // Like kill -9: no shutdown path runs.
+    first.abort();
+    let restarted_at = converge_bus::unix_now();
+    let second = start_allocator(allocator_config(&nats, Duration::from_secs(600)));
+    let after = wait_for(
+        Duration::from_secs(30),
+        "status rewritten by the new allocator",
+        || async {
+            let s = status(&bus, "steady").await?;
+            (s.updated_at > restarted_at + 0.5).then_some(s)
+        },
+    )
+    .await;
+    assert_eq!(after.phase, JobPhase::Running);
+    assert_eq!(
+        after.generation, before.generation,
+        "the job was restarted needlessly"
+    );
+    assert_eq!(after.placement, before.placement);
+    assert_eq!(
+        after.first_loss, before.first_loss,
+        "loss history not rebuilt from the stream"
+    );
+    assert!(after.curve.is_some() && after.step >= before.step);
+
+    // Three more epochs: still the same plan revision and the same worker processes.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let plan_rev_after = bus.plans.entry("n1").await.unwrap().unwrap().revision;
+    assert_eq!(
+        plan_rev_after, plan_rev,
+        "the restarted allocator rewrote an unchanged plan"
+    );
+    let pids_after = pids(
+        bus.get::<HostTelemetry>(&bus.hosts, "n1")
+            .await
+            .unwrap()
+            .unwrap()
+            .0,
+    );
+    assert_eq!(pids_after, pids_before);
+
+    second.stop().await;
+    agent.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_refuses_bad_specs_with_the_reason_and_writes_nothing() {
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let cases = [
+        ("id = \"a.b\"\ncommand = [\"x\"]\n", "'.'"),
+        (
+            "id = \"ok\"\ncommand = [\"x\"]\nmin_workers = 4\nmax_workers = 2\n",
+            "max_workers",
+        ),
+        (
+            "id = \"ok\"\ncommand = [\"x\"]\n[env]\nWORLD_SIZE = \"9\"\n",
+            "WORLD_SIZE",
+        ),
+        (
+            "id = \"ok\"\ncommand = [\"x\"]\ngpus = 2\n",
+            "unknown field",
+        ),
+    ];
+    for (text, reason) in cases {
+        let path = work.path().join("bad.toml");
+        std::fs::write(&path, text).unwrap();
+        let out = converge(&nats, &["submit", path.to_str().unwrap()]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(reason),
+            "{text:?}: {stderr}"
+        );
+    }
+    let out = converge(&nats, &["submit", "/nonexistent.toml"]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read job spec"));
+    let (specs, _) = (
+        bus.load_all::<converge_common::JobSpec>(&bus.jobs, &Default::default())
+            .await
+            .unwrap(),
+        (),
+    );
+    assert!(specs.is_empty(), "a refused spec was written");
+
+    // A duplicate id is refused too.
+    let good = write_spec(work.path(), "dup", 1, 1);
+    assert!(
+        converge(&nats, &["submit", good.to_str().unwrap()])
+            .status
+            .success()
+    );
+    let out = converge(&nats, &["submit", good.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already exists"));
+}
