@@ -308,9 +308,8 @@ async fn watch_plan(
             }
         };
         // The watch delivers nothing when the key was never written: start with no workers.
-        match bus.plans.entry(host.as_str()).await {
-            Ok(None) => send(Vec::new()),
-            Ok(Some(_)) | Err(_) => {}
+        if let Ok(None) = bus.plans.entry(host.as_str()).await {
+            send(Vec::new());
         }
         let mut resync = tokio::time::interval(PLAN_RESYNC);
         resync.tick().await;

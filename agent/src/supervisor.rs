@@ -266,10 +266,10 @@ impl Supervisor {
             w.kill_at = None;
             tracing::warn!(worker = %key, grace = ?self.cfg.stop_grace, "worker ignored SIGTERM for the grace period; SIGKILL");
         }
-        if let Some(pid) = w.pid.filter(|&p| p > 0) {
-            if let Err(e) = killpg(Pid::from_raw(pid as i32), signal) {
-                tracing::debug!(worker = %key, pid, "killpg {signal}: {e}");
-            }
+        if let Some(pid) = w.pid.filter(|&p| p > 0)
+            && let Err(e) = killpg(Pid::from_raw(pid as i32), signal)
+        {
+            tracing::debug!(worker = %key, pid, "killpg {signal}: {e}");
         }
     }
 

@@ -38,7 +38,7 @@
 //!   policy the job has converged.
 
 use converge_common::FittedCurve;
-use rmpfit::{MPConfig, MPFitter, MPPar, MPResult};
+use rmpfit::{MPFitter, MPPar, MPResult, MPSide};
 use serde::{Deserialize, Serialize};
 
 /// One observation of a job's training loss.
@@ -79,14 +79,6 @@ impl CurveFamily {
             CurveFamily::Exp => "exp",
         }
     }
-
-    /// Number of parameters of the family.
-    pub fn parameter_count(self) -> usize {
-        match self {
-            CurveFamily::InvQuadratic => 4,
-            CurveFamily::InvLinear | CurveFamily::Exp => 3,
-        }
-    }
 }
 
 /// A fitted loss curve `loss(k)`, `k` in samples processed.
@@ -108,7 +100,8 @@ pub struct Curve {
 pub struct FitConfig {
     /// Number of most recent points fitted.
     pub window: usize,
-    /// Weight ratio between consecutive points: point `i` of `n` weighs `decay^(n−i)`.
+    /// Weight ratio between consecutive points: point `i` of `n` weighs `decay^(n−i)`. A value
+    /// that is not a positive finite number counts as 1 (equal weights).
     pub decay: f64,
     /// Fewest points needed before a curve is fitted.
     pub min_points: usize,
@@ -178,9 +171,9 @@ pub fn normalized_gain(curve: &Curve, from_samples: f64, to_samples: f64, scale:
     (drop / divisor).min(f64::MAX)
 }
 
-/// Fits the last `cfg.window` points of a job's loss history (oldest first) and returns the
-/// best curve, or `None` with fewer than `cfg.min_points` valid points (and at least one) or
-/// when no family gives finite parameters. See the module documentation.
+/// Fits the last `cfg.window` valid points of a job's loss history (oldest first) and returns
+/// the best curve; `None` when the window holds fewer than `max(cfg.min_points, 1)` valid
+/// points or no family gives finite parameters. See the module documentation.
 pub fn fit_loss_curve(points: &[LossPoint], cfg: &FitConfig) -> Option<Curve> {
     let valid: Vec<LossPoint> = points
         .iter()
@@ -243,6 +236,40 @@ fn evaluate(family: CurveFamily, params: &[f64], k: f64) -> f64 {
     }
 }
 
+/// Partial derivative of [`evaluate`] with respect to parameter `index`, at `k`.
+fn model_derivative(family: CurveFamily, params: &[f64], k: f64, index: usize) -> f64 {
+    match (family, params) {
+        (CurveFamily::InvQuadratic, &[a, b, c, _]) => {
+            let denominator = (a * k + b) * k + c;
+            let outer = -1.0 / (denominator * denominator);
+            match index {
+                0 => outer * k * k,
+                1 => outer * k,
+                2 => outer,
+                _ => 1.0,
+            }
+        }
+        (CurveFamily::InvLinear, &[a, b, _]) => {
+            let denominator = a * k + b;
+            let outer = -1.0 / (denominator * denominator);
+            match index {
+                0 => outer * k,
+                1 => outer,
+                _ => 1.0,
+            }
+        }
+        (CurveFamily::Exp, &[a, _, amplitude]) => {
+            let decay = (-(a * k)).exp();
+            match index {
+                0 => -amplitude * k * decay,
+                1 => 1.0,
+                _ => decay,
+            }
+        }
+        _ => f64::NAN,
+    }
+}
+
 /// The fitting window, scaled to order 1: `x = samples / sample_scale`,
 /// `y = loss / loss_scale`, with per-point weights.
 struct ScaledData {
@@ -299,6 +326,7 @@ impl ScaledData {
             limited_up: true,
             limit_low: low,
             limit_up: high,
+            side: MPSide::User,
             ..MPPar::new()
         };
         let asymptote = match self.asymptote_bound() {
@@ -375,7 +403,6 @@ impl ScaledData {
                 family,
                 data: self,
                 bounds: &bounds,
-                config: MPConfig::new(),
             };
             let refined_ok = problem.mpfit(&mut refined).is_ok();
             let tries = std::iter::once(start).chain(refined_ok.then_some(refined));
@@ -433,7 +460,6 @@ struct Problem<'a> {
     family: CurveFamily,
     data: &'a ScaledData,
     bounds: &'a [MPPar],
-    config: MPConfig,
 }
 
 impl MPFitter for Problem<'_> {
@@ -454,8 +480,22 @@ impl MPFitter for Problem<'_> {
         self.data.x.len()
     }
 
-    fn config(&self) -> &MPConfig {
-        &self.config
+    fn jacobian(
+        &mut self,
+        params: &[f64],
+        deviates: &mut [f64],
+        derivs: &mut [Option<Vec<f64>>],
+    ) -> MPResult<()> {
+        self.eval(params, deviates)?;
+        for (index, column) in derivs.iter_mut().enumerate() {
+            if let Some(column) = column {
+                for ((slot, &x), &w) in column.iter_mut().zip(&self.data.x).zip(&self.data.weights)
+                {
+                    *slot = -w.sqrt() * model_derivative(self.family, params, x, index);
+                }
+            }
+        }
+        Ok(())
     }
 
     fn parameters(&self) -> &[MPPar] {
@@ -495,12 +535,13 @@ fn solve_linear<const N: usize>(mut matrix: [[f64; N]; N], mut rhs: [f64; N]) ->
         }
         matrix.swap(col, pivot);
         rhs.swap(col, pivot);
-        for row in col + 1..N {
-            let factor = matrix[row][col] / matrix[col][col];
-            for k in col..N {
-                matrix[row][k] -= factor * matrix[col][k];
+        let (pivot_row, pivot_rhs) = (matrix[col], rhs[col]);
+        for (row, row_rhs) in matrix.iter_mut().zip(rhs.iter_mut()).skip(col + 1) {
+            let factor = row[col] / pivot_row[col];
+            for (entry, pivot_entry) in row.iter_mut().zip(&pivot_row).skip(col) {
+                *entry -= factor * pivot_entry;
             }
-            rhs[row] -= factor * rhs[col];
+            *row_rhs -= factor * pivot_rhs;
         }
     }
     let mut solution = [0.0; N];
@@ -886,7 +927,8 @@ mod tests {
             let fitted = fit_loss_curve(&points, &FitConfig::default());
             prop_assert!(fitted.is_some());
             let fitted = fitted.unwrap();
-            prop_assert_eq!(fitted.params.len(), fitted.family.parameter_count());
+            let parameter_count = if fitted.family == CurveFamily::InvQuadratic { 4 } else { 3 };
+            prop_assert_eq!(fitted.params.len(), parameter_count);
             prop_assert!(fitted.params.iter().all(|p| p.is_finite() && *p >= 0.0), "{:?}", fitted);
             prop_assert!(fitted.rmse.is_finite() && fitted.rmse >= 0.0);
             let max_samples = points.iter().map(|p| p.samples).fold(0.0, f64::max);

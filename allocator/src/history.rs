@@ -111,7 +111,7 @@ impl JobHistory {
     pub fn samples_per_s(&self, generation: u64) -> Option<f64> {
         let mut it = self.points.iter().filter(|p| p.generation == generation);
         let first = it.next()?;
-        let last = it.last()?;
+        let last = it.next_back()?;
         let dt = last.time - first.time;
         (dt > 0.0 && last.samples > first.samples)
             .then(|| (last.samples - first.samples) as f64 / dt)

@@ -40,6 +40,9 @@ pub struct PlacementRequest {
 ///    first. If not all workers fit, as many as fit are placed when that is at least
 ///    `min_workers`, otherwise none.
 ///
+/// So every job gets no ranks or between `min_workers` and `workers` of them (a request for
+/// fewer workers than its minimum gets none).
+///
 /// No GPU is ever given twice. Hosts listed twice count once with the union of their GPUs;
 /// a job requested twice is placed for its first request only.
 pub fn place(
@@ -56,7 +59,9 @@ pub fn place(
 
     let mut placed = BTreeMap::new();
     for request in &requests {
-        if request.workers as usize == request.current.len() && keep_current(request, &mut free) {
+        let wanted = request.workers as usize;
+        let keepable = wanted == request.current.len() && request.workers >= request.min_workers;
+        if keepable && keep_current(request, &mut free) {
             placed.insert(request.job.clone(), request.current.clone());
         }
     }
@@ -124,7 +129,7 @@ fn first_fit(
             });
         }
     }
-    if ranks.len() < request.workers as usize && ranks.len() < request.min_workers as usize {
+    if ranks.len() < request.min_workers as usize {
         return Vec::new();
     }
     for rank in &ranks {
@@ -162,4 +167,306 @@ pub fn master_port(job: &JobId, generation: u64, taken: &BTreeSet<u16>) -> u16 {
         .map(|offset| MASTER_PORT_RANGE.start + (start + offset) % span)
         .find(|port| !taken.contains(port))
         .unwrap_or(MASTER_PORT_RANGE.start + start)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn host(name: &str, gpus: &[u32]) -> HostFree {
+        HostFree {
+            host: HostId::new(name).unwrap(),
+            gpus: gpus.to_vec(),
+        }
+    }
+
+    fn job_id(name: &str) -> JobId {
+        JobId::new(name).unwrap()
+    }
+
+    fn rank(rank: u32, host: &str, gpus: &[u32]) -> RankPlacement {
+        RankPlacement {
+            rank,
+            host: HostId::new(host).unwrap(),
+            gpus: gpus.to_vec(),
+        }
+    }
+
+    fn request(
+        name: &str,
+        workers: u32,
+        gpus_per_worker: u32,
+        min_workers: u32,
+    ) -> PlacementRequest {
+        PlacementRequest {
+            job: job_id(name),
+            workers,
+            gpus_per_worker,
+            min_workers,
+            current: Vec::new(),
+        }
+    }
+
+    fn currently(mut request: PlacementRequest, current: Vec<RankPlacement>) -> PlacementRequest {
+        request.current = current;
+        request
+    }
+
+    #[test]
+    fn first_fit_fills_hosts_in_id_order_without_splitting_workers() {
+        let hosts = [host("b", &[0, 1, 2]), host("a", &[3, 1, 0])];
+        let placed = place(&hosts, &[request("j", 3, 2, 1)]);
+        // Host a (sorted GPUs 0, 1, 3) holds one 2-GPU worker, host b another; GPU 3 of a and
+        // GPU 2 of b stay free because a worker never spans hosts.
+        assert_eq!(
+            placed[&job_id("j")],
+            vec![rank(0, "a", &[0, 1]), rank(1, "b", &[0, 1])]
+        );
+    }
+
+    #[test]
+    fn partial_placement_needs_the_minimum() {
+        let hosts = [host("a", &[0, 1, 2, 3])];
+        let placed = place(&hosts, &[request("big", 6, 1, 2), request("none", 3, 1, 1)]);
+        assert_eq!(placed[&job_id("big")].len(), 4);
+        assert!(placed[&job_id("none")].is_empty());
+        let placed = place(&hosts, &[request("big", 6, 1, 5), request("fits", 3, 1, 1)]);
+        assert!(placed[&job_id("big")].is_empty());
+        assert_eq!(placed[&job_id("fits")].len(), 3);
+    }
+
+    #[test]
+    fn unchanged_jobs_keep_their_placement_even_when_later_in_priority() {
+        let hosts = [host("a", &[0, 1, 2, 3]), host("b", &[0, 1])];
+        let kept_ranks = vec![rank(0, "b", &[1]), rank(1, "a", &[2])];
+        let placed = place(
+            &hosts,
+            &[
+                request("new", 4, 1, 1),
+                currently(request("kept", 2, 1, 1), kept_ranks.clone()),
+            ],
+        );
+        assert_eq!(placed[&job_id("kept")], kept_ranks);
+        assert_eq!(
+            placed[&job_id("new")],
+            vec![
+                rank(0, "a", &[0]),
+                rank(1, "a", &[1]),
+                rank(2, "a", &[3]),
+                rank(3, "b", &[0])
+            ]
+        );
+    }
+
+    #[test]
+    fn invalid_current_placements_are_replaced() {
+        let hosts = [host("a", &[0, 1]), host("b", &[0, 1])];
+        let cases = [
+            ("host gone", vec![rank(0, "gone", &[0])]),
+            ("gpu gone", vec![rank(0, "a", &[7])]),
+            ("wrong gpu count", vec![rank(0, "a", &[0, 1])]),
+            ("ranks out of order", vec![rank(1, "a", &[0])]),
+        ];
+        for (why, current) in cases {
+            let placed = place(&hosts, &[currently(request("j", 1, 1, 1), current)]);
+            assert_eq!(placed[&job_id("j")], vec![rank(0, "a", &[0])], "{why}");
+        }
+        // The same GPU twice within a job, or already kept by an earlier job.
+        let twice = vec![rank(0, "b", &[1]), rank(1, "b", &[1])];
+        let placed = place(&hosts, &[currently(request("j", 2, 1, 1), twice)]);
+        assert_eq!(
+            placed[&job_id("j")],
+            vec![rank(0, "b", &[0]), rank(1, "b", &[1])]
+        );
+        let placed = place(
+            &hosts,
+            &[
+                currently(request("first", 1, 1, 1), vec![rank(0, "a", &[1])]),
+                currently(request("second", 1, 1, 1), vec![rank(0, "a", &[1])]),
+            ],
+        );
+        assert_eq!(placed[&job_id("first")], vec![rank(0, "a", &[1])]);
+        assert_eq!(placed[&job_id("second")], vec![rank(0, "a", &[0])]);
+    }
+
+    #[test]
+    fn resized_jobs_prefer_the_hosts_they_use() {
+        let hosts = [host("a", &[0, 1]), host("b", &[0, 1, 2, 3])];
+        let current = vec![rank(0, "b", &[2]), rank(1, "b", &[3])];
+        let placed = place(&hosts, &[currently(request("grow", 5, 1, 1), current)]);
+        assert_eq!(
+            placed[&job_id("grow")],
+            vec![
+                rank(0, "b", &[0]),
+                rank(1, "b", &[1]),
+                rank(2, "b", &[2]),
+                rank(3, "b", &[3]),
+                rank(4, "a", &[0]),
+            ]
+        );
+    }
+
+    #[test]
+    fn zero_workers_or_zero_gpus_place_nothing() {
+        let hosts = [host("a", &[0, 1])];
+        let placed = place(
+            &hosts,
+            &[
+                currently(request("stopped", 0, 1, 1), vec![rank(0, "a", &[0])]),
+                request("cpu-only", 2, 0, 0),
+            ],
+        );
+        assert!(placed[&job_id("stopped")].is_empty());
+        assert!(placed[&job_id("cpu-only")].is_empty());
+    }
+
+    #[test]
+    fn master_port_is_stable_and_skips_taken_ports() {
+        let job = job_id("mnist-mlp");
+        let none = BTreeSet::new();
+        let port = master_port(&job, 3, &none);
+        // Pinned: the hash must not change between versions, or a restarted allocator would
+        // move running jobs' ports.
+        assert_eq!(port, 28_022);
+        let taken: BTreeSet<u16> = [port, port + 1].into();
+        assert_eq!(master_port(&job, 3, &taken), port + 2);
+        let all: BTreeSet<u16> = MASTER_PORT_RANGE.collect();
+        assert_eq!(master_port(&job, 3, &all), port);
+        let near_end: BTreeSet<u16> = (port..MASTER_PORT_RANGE.end).collect();
+        assert_eq!(master_port(&job, 3, &near_end), MASTER_PORT_RANGE.start);
+    }
+
+    fn arbitrary_hosts() -> impl Strategy<Value = Vec<HostFree>> {
+        prop::collection::vec(prop::collection::btree_set(0u32..8, 0..8), 0..6).prop_flat_map(
+            |sets| {
+                let hosts: Vec<_> = sets
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, gpus)| {
+                        Just(gpus.into_iter().collect::<Vec<u32>>())
+                            .prop_shuffle()
+                            .prop_map(move |gpus| host(&format!("host-{i}"), &gpus))
+                    })
+                    .collect();
+                hosts
+            },
+        )
+    }
+
+    /// Requests whose current placements are arbitrary (often invalid or overlapping).
+    fn arbitrary_requests() -> impl Strategy<Value = Vec<PlacementRequest>> {
+        let one = (
+            0u32..6,
+            1u32..=4,
+            0u32..=6,
+            prop::collection::vec((0usize..7, prop::collection::vec(0u32..10, 0..4)), 0..4),
+        );
+        prop::collection::vec(one, 0..8).prop_map(|raw| {
+            raw.into_iter()
+                .enumerate()
+                .map(
+                    |(i, (workers, gpus_per_worker, min, current))| PlacementRequest {
+                        job: job_id(&format!("job-{i}")),
+                        workers,
+                        gpus_per_worker,
+                        min_workers: min.min(workers),
+                        current: current
+                            .into_iter()
+                            .enumerate()
+                            .map(|(r, (h, gpus))| rank(r as u32, &format!("host-{h}"), &gpus))
+                            .collect(),
+                    },
+                )
+                .collect()
+        })
+    }
+
+    fn check_valid(
+        hosts: &[HostFree],
+        requests: &[PlacementRequest],
+        placed: &BTreeMap<JobId, Vec<RankPlacement>>,
+    ) -> Result<(), TestCaseError> {
+        prop_assert_eq!(placed.len(), requests.len());
+        let mut used = BTreeSet::new();
+        for request in requests {
+            let ranks = &placed[&request.job];
+            let count = ranks.len() as u32;
+            prop_assert!(count <= request.workers);
+            prop_assert!(count == 0 || count >= request.min_workers);
+            for (index, rank) in ranks.iter().enumerate() {
+                prop_assert_eq!(rank.rank as usize, index);
+                prop_assert_eq!(rank.gpus.len(), request.gpus_per_worker as usize);
+                let host = hosts.iter().find(|h| h.host == rank.host);
+                prop_assert!(host.is_some(), "unknown host {}", rank.host);
+                for gpu in &rank.gpus {
+                    prop_assert!(
+                        host.unwrap().gpus.contains(gpu),
+                        "no GPU {} on {}",
+                        gpu,
+                        rank.host
+                    );
+                    prop_assert!(
+                        used.insert((rank.host.clone(), *gpu)),
+                        "GPU {} of {} given twice",
+                        gpu,
+                        rank.host
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(500))]
+
+        #[test]
+        fn placements_are_valid(hosts in arbitrary_hosts(), requests in arbitrary_requests()) {
+            let placed = place(&hosts, &requests);
+            check_valid(&hosts, &requests, &placed)?;
+        }
+
+        #[test]
+        fn unchanged_jobs_keep_their_placement(
+            hosts in arbitrary_hosts(),
+            requests in arbitrary_requests(),
+            lost_host in 0usize..7,
+            resized in prop::collection::vec(any::<bool>(), 8),
+        ) {
+            let first = place(&hosts, &requests);
+            // Next round: one host is gone and some jobs ask for one worker more.
+            let survivors: Vec<HostFree> = hosts.iter().filter(|h| h.host.as_str() != format!("host-{lost_host}")).cloned().collect();
+            let next: Vec<PlacementRequest> = requests
+                .iter()
+                .zip(&resized)
+                .map(|(r, &resize)| PlacementRequest {
+                    workers: first[&r.job].len() as u32 + u32::from(resize),
+                    current: first[&r.job].clone(),
+                    ..r.clone()
+                })
+                .collect();
+            let second = place(&survivors, &next);
+            check_valid(&survivors, &next, &second)?;
+            for (request, &resize) in next.iter().zip(&resized) {
+                let on_survivors = request.current.iter().all(|r| survivors.iter().any(|h| h.host == r.host));
+                if !resize && on_survivors {
+                    prop_assert_eq!(&second[&request.job], &request.current);
+                }
+            }
+        }
+
+        #[test]
+        fn master_ports_are_in_range_deterministic_and_free(
+            name in "[a-z0-9][a-z0-9_-]{0,20}",
+            generation in any::<u64>(),
+            taken in prop::collection::btree_set(20_000u16..30_000, 0..500),
+        ) {
+            let job = job_id(&name);
+            let port = master_port(&job, generation, &taken);
+            prop_assert!(MASTER_PORT_RANGE.contains(&port));
+            prop_assert!(!taken.contains(&port));
+            prop_assert_eq!(port, master_port(&job, generation, &taken));
+        }
+    }
 }

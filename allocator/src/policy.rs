@@ -24,7 +24,10 @@
 //!    the largest marginal value per GPU. Because the bump makes `V` non-concave, each job's
 //!    step looks ahead: from `w` workers it is the `k ≥ 1` (`w + k ≤ max_workers`, `k` workers'
 //!    GPUs free) maximizing `(V(w+k) − V(w)) / (k·gpus_per_worker)`, smallest `k` on ties.
-//!    Hand-out stops when the best marginal is at most `min_gain` or nothing fits. Heap entries
+//!    Steps of jobs with a fitted curve come first; a job without one (fewer reports than
+//!    the fit needs) gets GPUs beyond its minimum only when no fitted job can use them.
+//!    Steps gaining at most `min_gain` per GPU are never taken; hand-out ends when no step
+//!    is left or nothing fits. Heap entries
 //!    are re-evaluated lazily: an entry whose step no longer fits the free GPUs is recomputed
 //!    when popped (while it fits, it is still the job's best step, since fewer free GPUs only
 //!    remove larger steps). Ties go to the earlier-submitted job, then the smaller id.
@@ -41,8 +44,12 @@
 //!   horizon, the restart term in the value, the look-ahead and step 4.
 //! - SLAQ normalizes a job's loss drop by the largest single drop it has shown; here the caller
 //!   chooses the scale (`loss_scale`, e.g. the observed loss range).
-//! - Jobs without a fitted curve are valued by the optimistic, concave `new_job_gain` shape,
-//!   so new jobs get GPUs before converged ones, as in SLAQ.
+//! - Jobs without a fitted curve are valued by the optimistic, concave `new_job_gain` shape
+//!   but served after every job with a curve: SLAQ hands new jobs many resources at once,
+//!   which here would resize every running job twice within seconds (once for the arrival,
+//!   once when its curve appears), each resize paying a restart. A new job starts at its
+//!   minimum, takes idle GPUs (work conservation), and competes on predicted gain as soon as
+//!   its curve is fitted (a few seconds of reports).
 //! - Admission is gang-style (a job runs with at least `min_workers` or not at all) and
 //!   favours running jobs, so arrivals do not preempt running work.
 //! - Throughput is assumed linear in workers (`w·r`) until a throughput model replaces it.
@@ -177,12 +184,13 @@ pub fn quality_allocate(total_gpus: u32, jobs: &[PolicyJob], params: &PolicyPara
         }
     }
 
-    // 3. Max-heap hand-out, with lazy re-evaluation of steps that no longer fit.
+    // 3. Max-heap hand-out of the values of step 2 (`job_value`), re-evaluating lazily the
+    //    steps that no longer fit.
     let threshold = params.min_gain.max(0.0);
     let mut heap: BinaryHeap<Step<'_>> = order
         .iter()
         .filter(|&&i| workers[i] > 0)
-        .filter_map(|&i| best_step(jobs, i, workers[i], free_gpus, params))
+        .filter_map(|&i| best_step(jobs, i, workers[i], free_gpus, params, threshold))
         .collect();
     while let Some(step) = heap.pop() {
         let job = &jobs[step.job];
@@ -194,11 +202,9 @@ pub fn quality_allocate(total_gpus: u32, jobs: &[PolicyJob], params: &PolicyPara
                 workers[step.job],
                 free_gpus,
                 params,
+                threshold,
             ));
             continue;
-        }
-        if step.gain_per_gpu <= threshold {
-            break;
         }
         workers[step.job] += step.workers_added;
         free_gpus -= need;
@@ -208,6 +214,7 @@ pub fn quality_allocate(total_gpus: u32, jobs: &[PolicyJob], params: &PolicyPara
             workers[step.job],
             free_gpus,
             params,
+            threshold,
         ));
     }
 
@@ -225,7 +232,8 @@ pub fn quality_allocate(total_gpus: u32, jobs: &[PolicyJob], params: &PolicyPara
                 && job_value(job, workers[i], params) <= job_value(job, current, params)
         })
         .collect();
-    // Stable: shrinking jobs (which free GPUs) first, each group in admission order.
+    // Returns that free GPUs (current below the result) first, then those that need GPUs;
+    // the sort is stable, so each group stays in admission order.
     keep.sort_by_key(|&i| jobs[i].current_workers > workers[i]);
     for i in keep {
         let job = &jobs[i];
@@ -268,6 +276,9 @@ fn gpus(job: &PolicyJob, workers: u32) -> u64 {
 /// A candidate hand-out: give job `job` (index into the jobs) `workers_added` more workers.
 #[derive(Debug)]
 struct Step<'a> {
+    /// Whether the job has a fitted curve: such steps come before any step of a job that
+    /// has none, whatever the gains.
+    fitted: bool,
     gain_per_gpu: f64,
     workers_added: u32,
     job: usize,
@@ -276,10 +287,12 @@ struct Step<'a> {
 }
 
 impl Ord for Step<'_> {
-    /// Larger gain per GPU first, then earlier arrival, then smaller id.
+    /// Jobs with a fitted curve first, then larger gain per GPU, then earlier arrival, then
+    /// smaller id.
     fn cmp(&self, other: &Self) -> Ordering {
-        self.gain_per_gpu
-            .total_cmp(&other.gain_per_gpu)
+        self.fitted
+            .cmp(&other.fitted)
+            .then(self.gain_per_gpu.total_cmp(&other.gain_per_gpu))
             .then(other.submitted_at.total_cmp(&self.submitted_at))
             .then_with(|| other.id.cmp(self.id))
     }
@@ -300,13 +313,14 @@ impl PartialEq for Step<'_> {
 impl Eq for Step<'_> {}
 
 /// The job's best look-ahead step from `current` workers with `free_gpus` GPUs free, or
-/// `None` if no step fits.
+/// `None` if no step fits or none gains more than `threshold` per GPU.
 fn best_step<'a>(
     jobs: &'a [PolicyJob],
     index: usize,
     current: u32,
     free_gpus: u64,
     params: &PolicyParams,
+    threshold: f64,
 ) -> Option<Step<'a>> {
     let job = &jobs[index];
     let by_gpus = free_gpus / u64::from(job.gpus_per_worker.max(1));
@@ -321,13 +335,15 @@ fn best_step<'a>(
             best = Some((per_gpu, added));
         }
     }
-    best.map(|(gain_per_gpu, workers_added)| Step {
-        gain_per_gpu,
-        workers_added,
-        job: index,
-        submitted_at: job.submitted_at,
-        id: &job.id,
-    })
+    best.filter(|&(per_gpu, _)| per_gpu > threshold)
+        .map(|(gain_per_gpu, workers_added)| Step {
+            fitted: job.curve.is_some(),
+            gain_per_gpu,
+            workers_added,
+            job: index,
+            submitted_at: job.submitted_at,
+            id: &job.id,
+        })
 }
 
 #[cfg(test)]
@@ -446,6 +462,22 @@ mod tests {
     }
 
     #[test]
+    fn jobs_without_a_curve_get_only_what_fitted_jobs_leave() {
+        let steep = running(with_curve(job("steep", 6), steep_curve()), 4);
+        let new = job("new", 8);
+        let free_restarts = PolicyParams {
+            restart_cost_s: 0.0,
+            ..PolicyParams::default()
+        };
+        let decision = quality_allocate(8, &[steep.clone(), new.clone()], &free_restarts);
+        assert_eq!(workers_of(&decision, "new"), 2, "{decision:?}");
+        assert_eq!(workers_of(&decision, "steep"), 6);
+        // Alone, the new job takes every idle GPU (work conservation).
+        let decision = quality_allocate(8, &[new], &PolicyParams::default());
+        assert_eq!(workers_of(&decision, "new"), 8);
+    }
+
+    #[test]
     fn converged_job_keeps_its_gpus_when_nobody_needs_them() {
         let converged = running(with_curve(job("converged", 8), flat_curve()), 4);
         let decision = quality_allocate(8, &[converged], &PolicyParams::default());
@@ -458,7 +490,10 @@ mod tests {
         let steady = running(with_curve(job("steady", 3), steep_curve()), 2);
         let params = PolicyParams::default();
         assert_eq!(
-            workers_of(&quality_allocate(8, &[steady.clone()], &params), "steady"),
+            workers_of(
+                &quality_allocate(8, std::slice::from_ref(&steady), &params),
+                "steady"
+            ),
             2
         );
         // Without a restart cost the extra worker is taken.
@@ -468,7 +503,7 @@ mod tests {
         };
         assert_eq!(
             workers_of(
-                &quality_allocate(8, &[steady.clone()], &free_restarts),
+                &quality_allocate(8, std::slice::from_ref(&steady), &free_restarts),
                 "steady"
             ),
             3

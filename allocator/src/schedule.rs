@@ -8,7 +8,7 @@
 //! An allocation change bumps the job's generation and goes through `restarting` again, so
 //! the old generation checkpoints and exits before the new one starts (generation fencing).
 
-use crate::fit::{FitConfig, fit_loss_curve};
+use crate::fit::{Curve, FitConfig, fit_loss_curve};
 use crate::history::JobHistory;
 use crate::placement::{HostFree, PlacementRequest, master_port, place};
 use crate::policy::{PolicyJob, PolicyParams, quality_allocate};
@@ -89,6 +89,7 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
     }
 
     // 1. Statuses for new and refused jobs; lifecycle of the known ones.
+    let mut curves: BTreeMap<JobId, Curve> = BTreeMap::new();
     for (id, spec) in inp.specs {
         let mut status = inp
             .statuses
@@ -108,6 +109,7 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
             ));
         }
         let history = inp.histories.get(id);
+        // Finished jobs keep the status they finished with; each job is fitted once a step.
         if !status.phase.is_terminal() {
             advance(
                 &mut status,
@@ -118,13 +120,17 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
                 now,
                 &mut out.events,
             );
+            let curve = history.and_then(|h| fit_loss_curve(&h.loss_points(), &settings.fit));
+            update_progress(
+                &mut status,
+                history,
+                curve.as_ref(),
+                settings.policy.horizon_s,
+            );
+            if let Some(c) = curve {
+                curves.insert(id.clone(), c);
+            }
         }
-        update_progress(
-            &mut status,
-            history,
-            &settings.fit,
-            settings.policy.horizon_s,
-        );
         out.statuses.insert(id.clone(), status);
     }
     for (id, reason) in inp.refused_specs {
@@ -154,7 +160,7 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
 
     // 2. The policy: how many workers each active job gets, and where.
     if run_policy {
-        allocate(inp, settings, &live, &mut out);
+        allocate(inp, settings, &live, &curves, &mut out);
     }
 
     // 3. Restarting jobs whose previous generation has exited everywhere start.
@@ -338,7 +344,7 @@ fn older_generation_alive(
 fn update_progress(
     status: &mut JobStatus,
     history: Option<&JobHistory>,
-    fit: &FitConfig,
+    curve: Option<&Curve>,
     horizon_s: f64,
 ) {
     let Some(h) = history else { return };
@@ -350,8 +356,7 @@ fn update_progress(
     status.first_loss = h.first_loss();
     status.eval_loss = h.last_eval_loss();
     status.samples_per_s = h.samples_per_s(status.generation);
-    let curve = fit_loss_curve(&h.loss_points(), fit);
-    status.predicted_loss = curve.as_ref().map(|c| {
+    status.predicted_loss = curve.map(|c| {
         let rate = status.samples_per_s.unwrap_or(0.0);
         c.predict(status.samples as f64 + rate * horizon_s)
     });
@@ -362,6 +367,7 @@ fn allocate(
     inp: Inputs<'_>,
     settings: &Settings,
     live: &BTreeMap<&HostId, &HostTelemetry>,
+    curves: &BTreeMap<JobId, Curve>,
     out: &mut Outcome,
 ) {
     let now = inp.now;
@@ -402,7 +408,7 @@ fn allocate(
                 max_workers: spec.max_workers(),
                 current_workers: s.world_size,
                 submitted_at: s.submitted_at,
-                curve: h.and_then(|h| fit_loss_curve(&h.loss_points(), &settings.fit)),
+                curve: curves.get(&s.job).cloned(),
                 samples: s.samples as f64,
                 loss_scale: h.map_or(0.0, JobHistory::loss_scale),
                 samples_per_s_per_worker: per_worker,

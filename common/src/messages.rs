@@ -393,9 +393,10 @@ pub struct RankPlacement {
 /// A fitted loss curve `loss(k)` with `k` = samples processed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct FittedCurve {
-    /// `inv_quadratic` = 1/(a·k²+b·k+c)+d, `inv_linear` = 1/(a·k+b)+c, `exp` = e^(−a·k)+b.
+    /// `inv_quadratic` = 1/(a·k²+b·k+c)+d, `inv_linear` = 1/(a·k+b)+c,
+    /// `exp` = A·e^(−a·k)+b (SLAQ's e^(−a·k)+b with an amplitude, for any loss scale).
     pub family: String,
-    /// Parameters in the order of the formula, with `k` in samples.
+    /// Parameters with `k` in samples: `[a, b, c, d]`, `[a, b, c]`, or `[a, b, A]` for `exp`.
     pub params: Vec<f64>,
     /// Weighted root-mean-square error of the fit, in loss units.
     pub rmse: f64,

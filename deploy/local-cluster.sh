@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Runs a whole Converge cluster on this machine: NATS with JetStream, the allocator, three
+# agents with 4 fake GPUs each, and five real training jobs (four datasets) submitted over
+# time; shows a live view of the jobs and stops everything cleanly on Ctrl-C, once every
+# job has finished, or after --duration seconds.
+#
+#   ./deploy/local-cluster.sh [--duration SECONDS] [--summary FILE] [--keep] [--debug]
+#
+# Needs: Rust (cargo) and python3 with pip (to fetch the pinned nats-server). Builds in
+# release mode first. Logs and checkpoints live in a temporary directory, removed at the
+# end unless --keep.
+set -euo pipefail
+
+usage() {
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    cat <<'HELP'
+Options:
+  --duration SECONDS   stop after this long even if jobs are still running (default 300)
+  --summary FILE       write a JSON summary of the run (per job: loss, steps, generations,
+                       GPUs over time)
+  --epoch DURATION     allocator scheduling epoch (default 5s)
+  --restart-cost DUR   allocator restart cost knob (default 10s)
+  --keep               keep the working directory (logs, checkpoints) and print its path
+  --debug              build and run debug binaries instead of release
+  -h, --help           this text
+HELP
+}
+
+duration=300
+summary=""
+epoch=5s
+restart_cost=10s
+keep=0
+profile=release
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --duration) duration="$2"; shift 2 ;;
+        --summary) summary="$2"; shift 2 ;;
+        --epoch) epoch="$2"; shift 2 ;;
+        --restart-cost) restart_cost="$2"; shift 2 ;;
+        --keep) keep=1; shift ;;
+        --debug) profile=debug; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "local-cluster.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+[[ "$duration" =~ ^[0-9]+$ ]] || { echo "local-cluster.sh: --duration takes whole seconds" >&2; exit 2; }
+if [[ -n "$summary" ]]; then
+    summary=$(realpath -m "$summary")
+fi
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+echo "==> building ($profile)"
+if [[ "$profile" == release ]]; then
+    cargo build --release --workspace --bins
+else
+    cargo build --workspace --bins
+fi
+bin="$root/target/$profile"
+export PATH="$bin:$PATH"
+nats_server=$("$root/deploy/get-nats-server.sh")
+
+work=$(mktemp -d -t converge-local.XXXXXX)
+pids=()
+submitter=""
+
+cleanup() {
+    trap - EXIT INT TERM
+    echo
+    echo "==> stopping"
+    [[ -n "$submitter" ]] && kill "$submitter" 2>/dev/null || true
+    # Agents first: they stop their workers (SIGTERM, checkpoint, exit).
+    for pid in "${agent_pids[@]:-}"; do [[ -n "$pid" ]] && kill -TERM "$pid" 2>/dev/null || true; done
+    for pid in "${agent_pids[@]:-}"; do [[ -n "$pid" ]] && wait "$pid" 2>/dev/null || true; done
+    [[ -n "${allocator_pid:-}" ]] && { kill -TERM "$allocator_pid" 2>/dev/null || true; wait "$allocator_pid" 2>/dev/null || true; }
+    [[ -n "${nats_pid:-}" ]] && { kill -TERM "$nats_pid" 2>/dev/null || true; wait "$nats_pid" 2>/dev/null || true; }
+    if [[ "$keep" == 1 ]]; then
+        echo "logs and checkpoints kept in $work"
+    else
+        rm -rf "$work"
+    fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+echo "==> starting NATS (JetStream in $work/nats)"
+mkdir -p "$work/nats/ports"
+setsid "$nats_server" -a 127.0.0.1 -p -1 -js -sd "$work/nats/js" --ports_file_dir "$work/nats/ports" \
+    >"$work/nats.log" 2>&1 &
+nats_pid=$!
+for _ in $(seq 100); do
+    ports=$(ls "$work"/nats/ports/*.ports 2>/dev/null | head -n1 || true)
+    [[ -n "$ports" ]] && break
+    sleep 0.1
+done
+[[ -n "$ports" ]] || { echo "nats-server did not start; see $work/nats.log" >&2; exit 1; }
+CONVERGE_NATS_URL=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["nats"][0])' "$ports")
+export CONVERGE_NATS_URL
+echo "    $CONVERGE_NATS_URL"
+
+echo "==> starting the allocator (epoch $epoch, restart cost $restart_cost)"
+setsid converge-allocator --epoch "$epoch" --restart-cost "$restart_cost" --horizon 60s \
+    >"$work/allocator.log" 2>&1 &
+allocator_pid=$!
+
+agent_pids=()
+for i in 1 2 3; do
+    setsid converge-agent --host-id "node-$i" --fake-gpus 4 --advertise-addr 127.0.0.1 \
+        --log-dir "$work/logs" --checkpoint-root "$work/checkpoints" --stop-grace 10s \
+        >"$work/agent-$i.log" 2>&1 &
+    agent_pids+=("$!")
+done
+echo "==> 3 agents x 4 fake GPUs; worker logs in $work/logs"
+
+# Jobs arrive over time: (seconds after the previous submission, spec).
+jobs=(
+    "0 examples/jobs/a9a-logreg.toml"
+    "15 examples/jobs/optdigits-softmax.toml"
+    "15 examples/jobs/millionsong-linreg.toml"
+    "15 examples/jobs/mnist-mlp.toml"
+    "15 examples/jobs/optdigits-mlp.toml"
+)
+(
+    for entry in "${jobs[@]}"; do
+        read -r delay spec <<<"$entry"
+        sleep "$delay"
+        converge submit "$spec" >>"$work/submit.log" 2>&1 || echo "submit $spec failed" >>"$work/submit.log"
+    done
+) &
+submitter=$!
+
+monitor_args=(monitor --interval 2s --duration "${duration}s" --until-done "${#jobs[@]}")
+[[ -n "$summary" ]] && monitor_args+=(--summary "$summary")
+[[ -t 1 ]] || monitor_args+=(--no-clear)
+converge "${monitor_args[@]}" || true
