@@ -77,6 +77,10 @@ pub struct AgentConfig {
     /// Longest restart delay.
     #[arg(long, env = "CONVERGE_BACKOFF_CAP", default_value = "30s", value_parser = humantime_duration)]
     pub backoff_cap: Duration,
+    /// Print one telemetry sample (GPUs, NICs over one second, CPU, memory) as JSON and
+    /// exit, without connecting to NATS: checks the GPU source on a new node.
+    #[arg(long)]
+    pub probe: bool,
 }
 
 /// Runs the agent until `shutdown` is cancelled, then stops its workers (SIGTERM, grace,
@@ -93,6 +97,27 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
         .advertise_addr
         .clone()
         .unwrap_or_else(|| route_addr(&cfg.nats.url));
+    if cfg.probe {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let h = host_sampler.sample();
+        let sample = HostTelemetry {
+            protocol: PROTOCOL_VERSION,
+            host,
+            addr,
+            time: unix_now(),
+            agent_version: env!("CARGO_PKG_VERSION").to_string(),
+            gpu_source: gpus.kind().to_string(),
+            gpus: gpus.sample(&Default::default()),
+            nics: h.nics,
+            cpu_pct: h.cpu_pct,
+            memory_used_bytes: h.memory_used_bytes,
+            memory_total_bytes: h.memory_total_bytes,
+            workers: Vec::new(),
+            malformed_progress_lines: 0,
+        };
+        println!("{}", serde_json::to_string_pretty(&sample)?);
+        return Ok(());
+    }
     tracing::info!(%host, %addr, gpus = gpus.count(), source = gpus.kind(), "agent starting");
 
     let client = converge_bus::connect(&cfg.nats, &format!("converge-agent/{host}")).await?;

@@ -192,6 +192,7 @@ pub fn agent_config(
         stop_grace: Duration::from_secs(10),
         backoff_base: Duration::from_millis(200),
         backoff_cap: Duration::from_secs(2),
+        probe: false,
     }
 }
 
