@@ -548,3 +548,285 @@ fn plans(
     }
     plans
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_common::{GpuSample, WorkerState};
+
+    fn job(id: &str, min: u32, max: u32, submitted_at: f64) -> JobSpec {
+        let mut spec = JobSpec::from_toml(&format!(
+            "id = \"{id}\"\ncommand = [\"train\"]\nmin_workers = {min}\nmax_workers = {max}\n"
+        ))
+        .unwrap();
+        spec.submitted_at = submitted_at;
+        spec
+    }
+
+    fn host(id: &str, gpus: u32, time: f64, workers: Vec<WorkerState>) -> HostTelemetry {
+        HostTelemetry {
+            protocol: PROTOCOL_VERSION,
+            host: HostId::new(id).unwrap(),
+            addr: format!("10.0.0.{}", id.len()),
+            time,
+            agent_version: "test".into(),
+            gpu_source: "fake".into(),
+            gpus: (0..gpus)
+                .map(|index| GpuSample {
+                    index,
+                    uuid: format!("GPU-{id}-{index}"),
+                    name: "fake".into(),
+                    memory_total_bytes: 1,
+                    memory_used_bytes: 0,
+                    utilization_pct: 0.0,
+                    power_mw: None,
+                })
+                .collect(),
+            nics: vec![],
+            cpu_pct: 0.0,
+            memory_used_bytes: 0,
+            memory_total_bytes: 0,
+            workers,
+            malformed_progress_lines: 0,
+        }
+    }
+
+    fn worker(job: &str, generation: u64, rank: u32, phase: WorkerPhase) -> WorkerState {
+        WorkerState {
+            job: JobId::new(job).unwrap(),
+            generation,
+            rank,
+            phase,
+            pid: Some(100 + rank),
+            restarts: 0,
+            last_exit_code: None,
+            gpus: vec![rank],
+        }
+    }
+
+    /// The cluster state a test drives through steps.
+    #[derive(Default)]
+    struct World {
+        specs: BTreeMap<JobId, JobSpec>,
+        refused: BTreeMap<JobId, String>,
+        statuses: BTreeMap<JobId, JobStatus>,
+        hosts: BTreeMap<HostId, HostTelemetry>,
+        histories: BTreeMap<JobId, JobHistory>,
+        settings: Settings,
+    }
+
+    impl World {
+        fn add_host(&mut self, t: HostTelemetry) {
+            self.hosts.insert(t.host.clone(), t);
+        }
+        fn step(&mut self, now: f64, run_policy: bool) -> Outcome {
+            let out = step(
+                Inputs {
+                    now,
+                    specs: &self.specs,
+                    refused_specs: &self.refused,
+                    statuses: &self.statuses,
+                    hosts: &self.hosts,
+                    histories: &self.histories,
+                },
+                &self.settings,
+                run_policy,
+            );
+            self.statuses = out.statuses.clone();
+            out
+        }
+        fn status(&self, id: &str) -> &JobStatus {
+            &self.statuses[&JobId::new(id).unwrap()]
+        }
+    }
+
+    #[test]
+    fn a_job_is_placed_runs_and_completes() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 2, 2, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.add_host(host("h2", 1, 10.0, vec![]));
+        let out = w.step(10.0, true);
+        let s = w.status("a");
+        // Nothing of an older generation runs, so the job starts in the same step.
+        assert_eq!(
+            (s.phase, s.generation, s.world_size),
+            (JobPhase::Running, 1, 2)
+        );
+        let plan1 = &out.plans[&HostId::new("h1").unwrap()];
+        let plan2 = &out.plans[&HostId::new("h2").unwrap()];
+        assert_eq!((plan1.workers.len(), plan2.workers.len()), (1, 1));
+        let rank0_host = &s.placement[0].host;
+        let master = &out.plans[rank0_host].workers[0].master_addr;
+        assert!(
+            out.plans
+                .values()
+                .all(|p| &p.workers[0].master_addr == master)
+        );
+        assert_eq!(plan1.workers[0].master_port, s.master_port.unwrap());
+
+        // Rank 0 exits 0: the job completes and leaves every plan.
+        let h = rank0_host.clone();
+        w.add_host(host(
+            h.as_str(),
+            1,
+            11.0,
+            vec![worker("a", 1, 0, WorkerPhase::Succeeded)],
+        ));
+        let other = if h.as_str() == "h1" { "h2" } else { "h1" };
+        w.add_host(host(
+            other,
+            1,
+            11.0,
+            vec![worker("a", 1, 1, WorkerPhase::Running)],
+        ));
+        let out = w.step(11.0, false);
+        assert_eq!(w.status("a").phase, JobPhase::Completed);
+        assert!(out.plans.values().all(|p| p.workers.is_empty()));
+        assert!(out.events.iter().any(|e| matches!(
+            e.kind,
+            EventKind::JobFinished {
+                phase: JobPhase::Completed,
+                ..
+            }
+        )));
+    }
+
+    #[test]
+    fn a_resize_waits_for_the_old_generation_to_exit() {
+        let mut w = World::default();
+        // Free restarts, so that growing from 1 to 2 workers pays off.
+        w.settings.policy.restart_cost_s = 0.0;
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 2, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        assert_eq!(w.status("a").world_size, 1);
+        // A second host joins while generation 1 runs on h1.
+        w.add_host(host(
+            "h1",
+            1,
+            20.0,
+            vec![worker("a", 1, 0, WorkerPhase::Running)],
+        ));
+        w.add_host(host("h2", 1, 20.0, vec![]));
+        let out = w.step(20.0, true);
+        let s = w.status("a");
+        assert_eq!(
+            (s.phase, s.generation, s.world_size),
+            (JobPhase::Restarting, 2, 2)
+        );
+        assert!(
+            out.plans.values().all(|p| p.workers.is_empty()),
+            "old generation must stop first"
+        );
+        // Still stopping: no change.
+        w.add_host(host(
+            "h1",
+            1,
+            21.0,
+            vec![worker("a", 1, 0, WorkerPhase::Stopping)],
+        ));
+        w.step(21.0, false);
+        assert_eq!(w.status("a").phase, JobPhase::Restarting);
+        // Gone: the new generation is planned on both hosts.
+        w.add_host(host("h1", 1, 22.0, vec![]));
+        let out = w.step(22.0, false);
+        assert_eq!(w.status("a").phase, JobPhase::Running);
+        let planned: usize = out.plans.values().map(|p| p.workers.len()).sum();
+        assert_eq!(planned, 2);
+        assert!(
+            out.plans
+                .values()
+                .flat_map(|p| &p.workers)
+                .all(|x| x.generation == 2)
+        );
+    }
+
+    #[test]
+    fn failures_lost_hosts_cancellations_and_refused_specs() {
+        let mut w = World::default();
+        for id in ["crash", "lost", "gone"] {
+            w.specs.insert(JobId::new(id).unwrap(), job(id, 1, 1, 1.0));
+        }
+        w.refused
+            .insert(JobId::new("bad").unwrap(), "`command` is empty".into());
+        w.add_host(host("h1", 2, 10.0, vec![]));
+        w.add_host(host("h2", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        assert_eq!(w.status("bad").phase, JobPhase::Failed);
+        assert!(
+            w.status("bad")
+                .message
+                .as_ref()
+                .unwrap()
+                .contains("command")
+        );
+        let on = |id: &str, w: &World| w.status(id).placement[0].host.to_string();
+        let crash_host = on("crash", &w);
+        let lost_host = on("lost", &w);
+
+        // The crashing job's worker failed for good; the other job's host stops reporting.
+        let mut failed = worker("crash", 1, 0, WorkerPhase::Failed);
+        failed.last_exit_code = Some(3);
+        failed.restarts = 3;
+        for h in ["h1", "h2"] {
+            let t = if h == lost_host { 10.0 } else { 40.0 };
+            let ws = if h == crash_host {
+                vec![failed.clone()]
+            } else {
+                vec![]
+            };
+            w.add_host(host(h, if h == "h1" { 2 } else { 1 }, t, ws));
+        }
+        let mut spec = job("gone", 1, 1, 1.0);
+        spec.cancelled = true;
+        w.specs.insert(JobId::new("gone").unwrap(), spec);
+        w.step(40.0, true);
+        let crash = w.status("crash");
+        assert_eq!(crash.phase, JobPhase::Failed);
+        assert!(
+            crash.message.as_ref().unwrap().contains("exit code 3"),
+            "{crash:?}"
+        );
+        assert_eq!(w.status("gone").phase, JobPhase::Cancelled);
+        let lost = w.status("lost");
+        // First-fit put "crash" and "gone" on h1 and "lost" on h2; "lost" is placed again on
+        // the live host, in a new generation.
+        assert_ne!(lost_host, crash_host);
+        assert!(
+            lost.placement.iter().all(|p| p.host.as_str() != lost_host),
+            "{lost:?}"
+        );
+        assert_eq!((lost.generation, lost.world_size), (2, 1));
+        // Finished jobs keep their status on later steps.
+        let before = w.statuses.clone();
+        w.step(41.0, true);
+        for id in ["crash", "gone", "bad"] {
+            assert_eq!(w.status(id), &before[&JobId::new(id).unwrap()]);
+        }
+    }
+
+    #[test]
+    fn stepping_twice_without_news_changes_nothing() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 4, 1.0));
+        w.specs
+            .insert(JobId::new("b").unwrap(), job("b", 1, 4, 2.0));
+        w.add_host(host("h1", 4, 10.0, vec![]));
+        let first = w.step(10.0, true);
+        let statuses = w.statuses.clone();
+        let second = w.step(10.5, true);
+        assert_eq!(w.statuses, statuses);
+        assert_eq!(first.plans, second.plans);
+        let used: usize = second
+            .plans
+            .values()
+            .flat_map(|p| &p.workers)
+            .map(|x| x.gpus.len())
+            .sum();
+        assert!(used <= 4);
+    }
+}
