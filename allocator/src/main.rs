@@ -16,21 +16,12 @@ struct Cli {
 
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    converge_bus::init_tracing("info");
     let cli = Cli::parse();
     let shutdown = CancellationToken::new();
     let token = shutdown.clone();
     tokio::spawn(async move {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
+        converge_bus::shutdown_signal().await;
         token.cancel();
     });
     match run(cli.config, shutdown).await {

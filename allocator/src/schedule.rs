@@ -221,20 +221,9 @@ fn finish(
             job: status.job.clone(),
             phase,
         },
-        format!("job {} {}: {message}", status.job, phase_name(phase)),
+        format!("job {} {}: {message}", status.job, phase.as_str()),
     ));
     status.message = Some(message);
-}
-
-fn phase_name(p: JobPhase) -> &'static str {
-    match p {
-        JobPhase::Pending => "pending",
-        JobPhase::Running => "running",
-        JobPhase::Restarting => "restarting",
-        JobPhase::Completed => "completed",
-        JobPhase::Failed => "failed",
-        JobPhase::Cancelled => "cancelled",
-    }
 }
 
 /// Completion, failure, cancellation and host loss of one active job.

@@ -347,6 +347,27 @@ impl Rejects {
     }
 }
 
+/// Logs to stderr, filtered by `RUST_LOG` (default `default_filter`, e.g. `info`).
+pub fn init_tracing(default_filter: &str) {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default_filter.into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Resolves on the next SIGINT (Ctrl-C) or SIGTERM.
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
 /// Current time as UNIX seconds.
 pub fn unix_now() -> f64 {
     std::time::SystemTime::now()

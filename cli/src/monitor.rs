@@ -156,12 +156,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                     id: spec.id.to_string(),
                     model: spec.labels.get("model").cloned(),
                     dataset: spec.labels.get("dataset").cloned(),
-                    phase: st.map_or("submitted".into(), |s| {
-                        serde_json::to_value(s.phase)
-                            .ok()
-                            .and_then(|v| v.as_str().map(String::from))
-                            .unwrap_or_default()
-                    }),
+                    phase: st.map_or("submitted", |s| s.phase.as_str()).to_string(),
                     submitted_at: spec.submitted_at,
                     finished_at: st.and_then(|s| s.finished_at),
                     first_loss: st.and_then(|s| s.first_loss),

@@ -1,18 +1,7 @@
 //! Human tables for `converge jobs`, `converge hosts` and the monitor (comfy-table).
 
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
-use converge_common::{HostTelemetry, JobPhase, JobSpec, JobStatus, WorkerPhase};
-
-fn phase(p: JobPhase) -> &'static str {
-    match p {
-        JobPhase::Pending => "pending",
-        JobPhase::Running => "running",
-        JobPhase::Restarting => "restarting",
-        JobPhase::Completed => "completed",
-        JobPhase::Failed => "failed",
-        JobPhase::Cancelled => "cancelled",
-    }
-}
+use converge_common::{HostTelemetry, JobSpec, JobStatus, WorkerPhase};
 
 fn loss(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{v:.4}"))
@@ -61,7 +50,7 @@ pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
             Some(s) => t.add_row(vec![
                 spec.id.to_string(),
                 label,
-                phase(s.phase).to_string(),
+                s.phase.as_str().to_string(),
                 format!("{} ({range})", s.world_size),
                 s.generation.to_string(),
                 s.step.to_string(),

@@ -374,6 +374,18 @@ pub enum JobPhase {
 }
 
 impl JobPhase {
+    /// The phase as written on the wire (`pending`, `running`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobPhase::Pending => "pending",
+            JobPhase::Running => "running",
+            JobPhase::Restarting => "restarting",
+            JobPhase::Completed => "completed",
+            JobPhase::Failed => "failed",
+            JobPhase::Cancelled => "cancelled",
+        }
+    }
+
     pub fn is_terminal(self) -> bool {
         matches!(
             self,
@@ -670,6 +682,20 @@ mod tests {
         w.rank = 0;
         p.workers.push(w);
         assert!(p.validate().unwrap_err().contains("GPU"));
+    }
+
+    #[test]
+    fn phase_names_match_the_wire() {
+        for p in [
+            JobPhase::Pending,
+            JobPhase::Running,
+            JobPhase::Restarting,
+            JobPhase::Completed,
+            JobPhase::Failed,
+            JobPhase::Cancelled,
+        ] {
+            assert_eq!(serde_json::to_value(p).unwrap(), p.as_str());
+        }
     }
 
     #[test]
