@@ -798,6 +798,46 @@ mod tests {
     }
 
     #[test]
+    fn reaching_the_target_loss_completes_the_job() {
+        let mut w = World::default();
+        let mut spec = job("t", 1, 1, 1.0);
+        spec.target_loss = Some(0.4);
+        let id = JobId::new("t").unwrap();
+        w.specs.insert(id.clone(), spec);
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        let report = |samples: u64, loss: f64| converge_common::ProgressReport {
+            protocol: PROTOCOL_VERSION,
+            job: id.clone(),
+            generation: 1,
+            rank: 0,
+            host: HostId::new("h1").unwrap(),
+            step: samples / 32,
+            samples,
+            loss,
+            eval_loss: None,
+            epoch: None,
+            time: 10.0 + samples as f64 / 1000.0,
+        };
+        let history = w.histories.entry(id.clone()).or_default();
+        history.add(&report(320, 0.7));
+        history.add(&report(640, 0.5));
+        w.step(11.0, false);
+        assert_eq!(w.status("t").phase, JobPhase::Running);
+        assert_eq!(w.status("t").first_loss, Some(0.7));
+        w.histories.get_mut(&id).unwrap().add(&report(960, 0.39));
+        let out = w.step(12.0, false);
+        let s = w.status("t");
+        assert_eq!(s.phase, JobPhase::Completed);
+        assert!(
+            s.message.as_ref().unwrap().contains("target loss 0.4"),
+            "{s:?}"
+        );
+        assert_eq!((s.samples, s.loss), (960, Some(0.39)));
+        assert!(out.plans.values().all(|p| p.workers.is_empty()));
+    }
+
+    #[test]
     fn stepping_twice_without_news_changes_nothing() {
         let mut w = World::default();
         w.specs
