@@ -86,6 +86,15 @@ pub struct PolicyJob {
     pub loss_scale: f64,
     /// Measured throughput per worker, in samples per second; `None` before any measurement.
     pub samples_per_s_per_worker: Option<f64>,
+    /// Workers the user asked for (FIFO and Tiresias run a job at exactly this size).
+    pub requested_workers: u32,
+    /// Service received so far, in GPU-seconds (Tiresias's attained service).
+    pub attained_gpu_seconds: f64,
+    /// Throughput with `w` workers at index `w − 1`, in progress units per second, when a
+    /// model (or, in the simulator, an oracle) knows it; Optimus uses it.
+    pub throughput: Option<Vec<f64>>,
+    /// Work left, in the same progress units as `throughput` (Optimus's oracle).
+    pub remaining_work: Option<f64>,
 }
 
 /// Settings of the quality policy.
@@ -369,6 +378,10 @@ mod tests {
             samples: 0.0,
             loss_scale: 0.0,
             samples_per_s_per_worker: None,
+            requested_workers: max_workers,
+            attained_gpu_seconds: 0.0,
+            throughput: None,
+            remaining_work: None,
         }
     }
 
@@ -628,6 +641,10 @@ mod tests {
                         samples,
                         loss_scale,
                         samples_per_s_per_worker: rate,
+                        requested_workers: min + extra,
+                        attained_gpu_seconds: 0.0,
+                        throughput: None,
+                        remaining_work: None,
                     }
                 },
             )

@@ -401,6 +401,11 @@ fn allocate(
                 samples: s.samples as f64,
                 loss_scale: h.map_or(0.0, JobHistory::loss_scale),
                 samples_per_s_per_worker: per_worker,
+                requested_workers: spec.max_workers(),
+                // Not tracked by the service yet; only the simulator's baselines use these.
+                attained_gpu_seconds: 0.0,
+                throughput: None,
+                remaining_work: None,
             }
         })
         .collect();
