@@ -1,34 +1,67 @@
-//! `converge-allocator` binary: parse configuration, run the service until SIGINT/SIGTERM.
+//! `converge-allocator` binary: runs the allocator service (default), or the simulator's
+//! commands (`simulate`, `workload`, `report`).
 
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use converge_allocator::service::{AllocatorConfig, run};
+use converge_allocator::sim::cli::{SimulateArgs, WorkloadArgs, run_simulate, run_workload};
+use converge_allocator::sim::report::{ReportArgs, run_report};
 use tokio_util::sync::CancellationToken;
 
 /// Converge allocator: decides how many GPUs each training job gets and where, from the
 /// jobs' loss curves (SLAQ quality policy), and writes host plans that the agents carry out.
-/// Keeps no local state: everything is rebuilt from NATS on start.
+/// Keeps no local state: everything is rebuilt from NATS on start. Without a subcommand it
+/// runs the service.
 #[derive(Debug, Parser)]
-#[command(name = "converge-allocator", version)]
+#[command(
+    name = "converge-allocator",
+    version,
+    args_conflicts_with_subcommands = true
+)]
 struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
     #[command(flatten)]
     config: AllocatorConfig,
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Simulate a workload (Pollux format) on a simulated cluster with one policy, using the
+    /// measured Pollux traces; writes OUT/summary.json.
+    Simulate(SimulateArgs),
+    /// Sample a new workload from the Philly trace, the way the Pollux workloads were made.
+    Workload(WorkloadArgs),
+    /// Run every policy over the Pollux workloads and write docs/benchmarks.md with plots.
+    Report(ReportArgs),
+}
+
+fn main() -> std::process::ExitCode {
     converge_bus::init_tracing("info");
     let cli = Cli::parse();
-    let shutdown = CancellationToken::new();
-    let token = shutdown.clone();
-    tokio::spawn(async move {
-        converge_bus::shutdown_signal().await;
-        token.cancel();
-    });
-    match run(cli.config, shutdown).await {
+    let result = match cli.command {
+        Some(Command::Simulate(args)) => run_simulate(&args),
+        Some(Command::Workload(args)) => run_workload(&args),
+        Some(Command::Report(args)) => run_report(&args),
+        None => serve(cli.config),
+    };
+    match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("converge-allocator: {e:#}");
             std::process::ExitCode::from(1)
         }
     }
+}
+
+fn serve(config: AllocatorConfig) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async {
+        let shutdown = CancellationToken::new();
+        let token = shutdown.clone();
+        tokio::spawn(async move {
+            converge_bus::shutdown_signal().await;
+            token.cancel();
+        });
+        run(config, shutdown).await
+    })
 }

@@ -1,0 +1,199 @@
+//! The simulator's commands: `converge-allocator simulate`, `converge-allocator workload`
+//! and `converge-allocator report`.
+
+use crate::policies::{POLICY_NAMES, by_name};
+use crate::policy::PolicyParams;
+use crate::sim::apps::load_all;
+use crate::sim::engine::{SimConfig, SimResult, simulate};
+use crate::sim::summary::{Summary, summarize};
+use crate::sim::workload::{configurations, generate, read_philly, read_workload, to_csv};
+use anyhow::Context as _;
+use std::path::{Path, PathBuf};
+
+/// Cluster and timing settings shared by `simulate` and `report`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClusterArgs {
+    /// Nodes in the simulated cluster.
+    #[arg(long, default_value_t = 16)]
+    pub nodes: u32,
+    /// GPUs per node.
+    #[arg(long, default_value_t = 4)]
+    pub gpus_per_node: u32,
+    /// Scheduling interval, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub interval: f64,
+    /// Seconds without progress that every allocation change costs a job.
+    #[arg(long, default_value_t = 30.0)]
+    pub restart_delay: f64,
+    /// Slowdown factor (0–1) of a multi-node job sharing a node with another multi-node job.
+    #[arg(long, default_value_t = 0.0)]
+    pub interference: f64,
+    /// Seed of the noise on the loss signal the policy sees.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Folder of the measured application traces.
+    #[arg(long, default_value = "data/pollux/traces")]
+    pub traces: PathBuf,
+}
+
+impl ClusterArgs {
+    pub fn config(&self) -> anyhow::Result<SimConfig> {
+        anyhow::ensure!(
+            self.nodes > 0 && self.gpus_per_node > 0,
+            "the cluster needs at least one GPU"
+        );
+        anyhow::ensure!(self.interval > 0.0, "--interval must be positive");
+        anyhow::ensure!(
+            self.restart_delay >= 0.0,
+            "--restart-delay must not be negative"
+        );
+        anyhow::ensure!(
+            (0.0..1.0).contains(&self.interference),
+            "--interference must be in [0, 1)"
+        );
+        Ok(SimConfig {
+            nodes: self.nodes,
+            gpus_per_node: self.gpus_per_node,
+            interval_s: self.interval,
+            restart_delay_s: self.restart_delay,
+            interference: self.interference,
+            seed: self.seed,
+            ..SimConfig::default()
+        })
+    }
+}
+
+/// `converge-allocator simulate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimulateArgs {
+    /// Workload file(s) in the Pollux format (`name,time,application,num_replicas,batch_size`).
+    #[arg(long, required = true, num_args = 1..)]
+    pub workload: Vec<PathBuf>,
+    /// Scheduling policy: fifo, fair, tiresias, optimus (Optimus+Oracle) or quality (SLAQ).
+    #[arg(long, default_value = "quality")]
+    pub policy: String,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    /// Folder for `summary.json` (created if missing).
+    #[arg(long, default_value = "sim-out")]
+    pub out: PathBuf,
+}
+
+/// `converge-allocator workload`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkloadArgs {
+    /// The Philly trace.
+    #[arg(long, default_value = "data/pollux/traces/philly.csv")]
+    pub trace: PathBuf,
+    /// Jobs to sample.
+    #[arg(long, default_value_t = 160)]
+    pub jobs: usize,
+    /// Length of the submission window, hours.
+    #[arg(long, default_value_t = 8)]
+    pub hours: u32,
+    /// Hour of day the window starts at.
+    #[arg(long, default_value_t = 2)]
+    pub start_hour: u32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Workloads whose per-application (replicas, batch size) configurations are drawn from.
+    #[arg(long, default_value = "data/pollux/workloads")]
+    pub configs: PathBuf,
+    /// Output file; standard output if not given.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+fn workload_name(path: &Path) -> String {
+    let stem = path
+        .file_stem()
+        .map_or("workload".into(), |s| s.to_string_lossy().into_owned());
+    let dir = path
+        .parent()
+        .and_then(Path::file_name)
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if dir.starts_with("workloads-") {
+        format!("{dir}/{stem}")
+    } else {
+        stem
+    }
+}
+
+/// Runs one policy over workload files and summarizes.
+pub fn run_policy(
+    policy: &str,
+    workloads: &[PathBuf],
+    cluster: &ClusterArgs,
+    quality: &PolicyParams,
+) -> anyhow::Result<(Summary, Vec<(String, SimResult)>)> {
+    let cfg = cluster.config()?;
+    let apps = load_all(&cluster.traces)
+        .with_context(|| format!("cannot load traces from {}", cluster.traces.display()))?;
+    let policy_impl = by_name(policy, *quality).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut runs = Vec::new();
+    for path in workloads {
+        let jobs = read_workload(path)?;
+        let result = simulate(&apps, &jobs, policy_impl.as_ref(), &cfg)?;
+        runs.push((workload_name(path), result));
+    }
+    Ok((summarize(policy, &runs), runs))
+}
+
+pub fn run_simulate(args: &SimulateArgs) -> anyhow::Result<()> {
+    if !POLICY_NAMES.contains(&args.policy.as_str()) {
+        anyhow::bail!(
+            "unknown policy {:?}; choose one of {}",
+            args.policy,
+            POLICY_NAMES.join(", ")
+        );
+    }
+    let started = std::time::Instant::now();
+    let (summary, _) = run_policy(
+        &args.policy,
+        &args.workload,
+        &args.cluster,
+        &PolicyParams::default(),
+    )?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let path = args.out.join("summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)?;
+    eprintln!(
+        "{}: mean JCT {:.0} s over {} workload(s), {:.2} restarts per job, mean utilization {:.0} %, {} ({:.1} s); summary in {}",
+        summary.policy,
+        summary.mean,
+        summary.avgs.len(),
+        summary.mean_restarts_per_job,
+        summary.mean_utilization * 100.0,
+        if summary.finished {
+            "all jobs finished"
+        } else {
+            "SOME JOBS DID NOT FINISH"
+        },
+        started.elapsed().as_secs_f64(),
+        path.display()
+    );
+    Ok(())
+}
+
+pub fn run_workload(args: &WorkloadArgs) -> anyhow::Result<()> {
+    let philly = read_philly(&args.trace)?;
+    let configs = configurations(&args.configs)?;
+    let jobs = generate(
+        &philly,
+        &configs,
+        args.jobs,
+        args.start_hour,
+        args.hours,
+        args.seed,
+    )?;
+    let csv = to_csv(&jobs);
+    match &args.out {
+        Some(path) => {
+            std::fs::write(path, csv).with_context(|| format!("cannot write {}", path.display()))?
+        }
+        None => print!("{csv}"),
+    }
+    Ok(())
+}
