@@ -108,6 +108,8 @@ pub struct SimResult {
     pub intervals: Vec<IntervalRecord>,
     /// Whether every job completed before `max_time_s`.
     pub finished: bool,
+    /// Wall time of the whole simulation, seconds (one thread).
+    pub wall_s: f64,
     /// Intervals in which the policy asked for more GPUs than the cluster has, or gave a
     /// job a size outside its bounds (a policy bug; placement then drops the excess).
     pub policy_violations: u32,
@@ -174,6 +176,7 @@ pub fn simulate(
     policy: &dyn Policy,
     cfg: &SimConfig,
 ) -> Result<SimResult, SimError> {
+    let wall = Instant::now();
     let total_gpus = cfg.nodes * cfg.gpus_per_node;
     if total_gpus == 0 {
         return Err(SimError::NoGpus);
@@ -434,6 +437,7 @@ pub fn simulate(
             .collect(),
         intervals,
         finished,
+        wall_s: wall.elapsed().as_secs_f64(),
         policy_violations,
     })
 }

@@ -265,6 +265,45 @@ fn markdown(
         };
         let _ = writeln!(md, "| {key} | {} | {} |", cell("tiresias"), cell("optimus"));
     }
+    let _ = writeln!(md, "{}", FIDELITY_NOTES);
+    let _ = writeln!(
+        md,
+        "\n## Restarts per job by application (1.0×, all eight workloads)\n"
+    );
+    let apps = [
+        "cifar10",
+        "ncf",
+        "bert",
+        "deepspeech2",
+        "yolov3",
+        "imagenet",
+    ];
+    let _ = writeln!(md, "| policy | {} |", apps.join(" | "));
+    let _ = writeln!(md, "|---|{}", "---|".repeat(apps.len()));
+    for p in policies {
+        let Some(r) = results.get(&(p.clone(), "1.0".into())) else {
+            continue;
+        };
+        let cells: Vec<String> = apps
+            .iter()
+            .map(|app| {
+                let v: Vec<f64> = r
+                    .summary
+                    .restarts
+                    .values()
+                    .flat_map(|m| m.iter())
+                    .filter(|(job, _)| job.rsplit_once('-').is_some_and(|(a, _)| a == *app))
+                    .map(|(_, n)| f64::from(*n))
+                    .collect();
+                if v.is_empty() {
+                    "-".into()
+                } else {
+                    format!("{:.1}", v.iter().sum::<f64>() / v.len() as f64)
+                }
+            })
+            .collect();
+        let _ = writeln!(md, "| `{p}` | {} |", cells.join(" | "));
+    }
     let _ = writeln!(md, "\n## SLAQ's metrics: `quality` against `fair` (1.0×)\n");
     if let (Some(q), Some(f)) = (
         results.get(&("quality".into(), "1.0".into())),
@@ -305,6 +344,7 @@ fn markdown(
             pct(q.mean, f.mean)
         );
     }
+    let _ = writeln!(md, "{}", QUALITY_NOTES);
     let _ = writeln!(md, "\n## Plots\n");
     let _ = writeln!(
         md,
@@ -315,15 +355,39 @@ fn markdown(
         "![Cluster-wide average normalized loss over time, workload-1 at 1.0×]({plot_rel}/normalized-loss.svg)\n"
     );
     let _ = writeln!(md, "## Simulation time\n");
-    let _ = writeln!(md, "| policy | 1.0× (8 × 160 jobs) | 0.5× (8 × 80 jobs) |");
-    let _ = writeln!(md, "|---|---|---|");
+    let _ = writeln!(
+        md,
+        "Wall time on one thread per 160-job workload (1.0×; target: under 10 s with any policy) and for all eight workloads of each load.\n"
+    );
+    let _ = writeln!(
+        md,
+        "| policy | slowest 1.0× workload | mean 1.0× workload | all eight 1.0× | all eight 0.5× |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|");
     for p in policies {
         let t = |load: &str| {
             results
                 .get(&(p.clone(), load.to_string()))
                 .map_or("-".into(), |r| format!("{:.1} s", r.seconds))
         };
-        let _ = writeln!(md, "| `{p}` | {} | {} |", t("1.0"), t("0.5"));
+        let per = results
+            .get(&(p.clone(), "1.0".into()))
+            .map(|r| {
+                r.summary
+                    .simulation_s
+                    .values()
+                    .copied()
+                    .collect::<Vec<f64>>()
+            })
+            .unwrap_or_default();
+        let slowest = per.iter().copied().fold(0.0, f64::max);
+        let mean = per.iter().sum::<f64>() / per.len().max(1) as f64;
+        let _ = writeln!(
+            md,
+            "| `{p}` | {slowest:.2} s | {mean:.2} s | {} | {} |",
+            t("1.0"),
+            t("0.5")
+        );
     }
     let _ = writeln!(
         md,
@@ -334,6 +398,47 @@ fn markdown(
         "```sh\ncargo run --release -p converge-allocator -- report\n```"
     );
     md
+}
+
+/// Why our baselines differ from the published numbers (checked causes, not fitted).
+const FIDELITY_NOTES: &str = "
+Where the differences come from. All four of our figures lie above the published ones
+(+4 % to +14 %), so the causes are systematic, not noise:
+- **Placement.** Our baselines place with the service's first-fit (nodes in id order, a job
+  kept where it is while its size is unchanged). Pollux's Tiresias puts each new job on the
+  node with the most free GPUs, and its placements list nodes in allocation order, which
+  picks a different measured row of `placements.csv` for 3-node and larger placements
+  (`1,2,3` and `1,3,2` are distinct measurements).
+- **Interpolation.** For placements not in `placements.csv` (5 to 16 nodes) Pollux calls
+  scipy's `LinearNDInterpolator`. Our Delaunay interpolation matches it exactly on every
+  measured placement, but a grid has no unique triangulation: compared once with scipy 1.17.1
+  on 29,639 random 5-16-node points (method and figures in `allocator/src/sim/apps.rs`), the
+  step time differs by a median of 0, 2.4 % at the 90th percentile and at most 30 %, with no
+  bias (signed mean −0.06 %). Where scipy returns NaN (outside the measured
+  hull; Pollux would stop) we clamp into the hull.
+- **Tiresias's second queue** is served in arrival order; Pollux serves it in demotion order.
+- **Optimus's oracle** ranks extra GPUs by remaining progress over the true progress rate of
+  our job model; Pollux's ranks by step-time drop times remaining iterations with its own
+  gradient-accumulation rule for one GPU.
+";
+
+/// What the quality policy does on these workloads and why.
+const QUALITY_NOTES: &str = "
+Reading the `quality` rows. SLAQ's policy maximizes loss reduction normalized per job, over
+a 60 s horizon: a short job (cifar10, minutes) removes a large share of its loss range per
+horizon, a long one (yolov3, imagenet: hours) a tiny share. So every arrival takes GPUs from
+the long jobs and every departure gives them back; the 30 s restart each change costs is
+charged to the job that changes, but a shrink that will be undone at the next departure pays
+twice. That is the restart count of the long jobs above, and it is what makes `quality`
+worse than `fair` here on JCT and on time to 90 % loss reduction, while its average
+normalized loss over time is lower. The restart-aware objective, a starvation guard and a
+completion-time-aware variant are the next step (they are not in this report).
+";
+
+/// One color per policy, the same in every plot.
+fn color_of(policy: &str) -> RGBColor {
+    let i = POLICY_NAMES.iter().position(|p| *p == policy).unwrap_or(0);
+    COLORS[i % COLORS.len()]
 }
 
 const COLORS: [RGBColor; 5] = [
@@ -380,8 +485,8 @@ fn jct_cdf(
         .x_desc("JCT (s, log scale)")
         .y_desc("fraction of jobs")
         .draw()?;
-    for (i, (name, v)) in series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
+    for (name, v) in &series {
+        let color = color_of(name);
         let n = v.len().max(1) as f64;
         chart
             .draw_series(LineSeries::new(
@@ -437,8 +542,8 @@ fn loss_over_time(results: &BTreeMap<(String, String), Run>, path: &Path) -> any
         .x_desc("time (h)")
         .y_desc("normalized loss (1 = start, 0 = final)")
         .draw()?;
-    for (i, (name, v)) in series.iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
+    for (name, v) in &series {
+        let color = color_of(name);
         chart
             .draw_series(LineSeries::new(
                 v.iter().map(|(t, l)| (t / 3600.0, *l)),

@@ -58,8 +58,10 @@ pub struct Summary {
     /// Mean over jobs of the time from submission to 90 % (95 %) of their loss reduction.
     pub mean_time_to_90: f64,
     pub mean_time_to_95: f64,
-    /// Policy plus placement wall time per interval, milliseconds.
+    /// Policy plus placement (and curve fits) wall time per interval, milliseconds.
     pub decision_ms: Option<Quantiles>,
+    /// Wall time to simulate each workload on one thread, seconds.
+    pub simulation_s: BTreeMap<String, f64>,
 }
 
 fn mean(xs: impl IntoIterator<Item = f64>) -> f64 {
@@ -88,6 +90,7 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
         mean_time_to_90: 0.0,
         mean_time_to_95: 0.0,
         decision_ms: None,
+        simulation_s: BTreeMap::new(),
     };
     let mut all_restarts = Vec::new();
     let mut decisions = Vec::new();
@@ -143,6 +146,7 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
         loss_means.push(mean(losses.iter().map(|p| p.1)));
         s.avg_normalized_loss.insert(name.clone(), losses);
         decisions.extend(r.intervals.iter().map(|i| i.decision_s * 1e3));
+        s.simulation_s.insert(name.clone(), r.wall_s);
     }
     s.mean = mean(s.avgs.values().copied());
     s.mean_restarts_per_job = mean(all_restarts);
