@@ -11,12 +11,14 @@
 use crate::fit::{Curve, FitConfig, fit_loss_curve};
 use crate::history::JobHistory;
 use crate::placement::{HostFree, PlacementRequest, master_port, place};
-use crate::policy::{PolicyJob, PolicyParams, quality_allocate};
+use crate::policies::{ClusterView, Policy, Quality};
+use crate::policy::{PolicyJob, PolicyParams};
 use converge_common::{
     Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobPhase, JobSpec, JobStatus,
     PROTOCOL_VERSION, RankPlacement, WorkerAssignment, WorkerPhase,
 };
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 /// Knobs of a scheduling step.
 #[derive(Debug, Clone)]
@@ -24,16 +26,21 @@ pub struct Settings {
     /// A host whose latest telemetry is older than this (seconds) is lost: its GPUs leave
     /// the pool and its jobs are placed elsewhere.
     pub host_timeout_s: f64,
+    /// Knobs of the quality policy; its horizon also sets how far ahead statuses predict.
     pub policy: PolicyParams,
     pub fit: FitConfig,
+    /// The policy that sizes jobs (default: `quality` with `policy`).
+    pub scheduler: Arc<dyn Policy>,
 }
 
 impl Default for Settings {
     fn default() -> Self {
+        let policy = PolicyParams::default();
         Self {
             host_timeout_s: 15.0,
-            policy: PolicyParams::default(),
+            policy,
             fit: FitConfig::default(),
+            scheduler: Arc::new(Quality { params: policy }),
         }
     }
 }
@@ -409,7 +416,19 @@ fn allocate(
             }
         })
         .collect();
-    let decision = quality_allocate(total_gpus, &policy_jobs, &settings.policy);
+    let gpus_per_node = live
+        .values()
+        .map(|t| t.gpus.len() as u32)
+        .max()
+        .unwrap_or(0);
+    let decision = settings.scheduler.allocate(
+        &ClusterView {
+            total_gpus,
+            gpus_per_node,
+            now,
+        },
+        &policy_jobs,
+    );
 
     let hosts: Vec<HostFree> = live
         .iter()
@@ -692,6 +711,9 @@ mod tests {
         let mut w = World::default();
         // Free restarts, so that growing from 1 to 2 workers pays off.
         w.settings.policy.restart_cost_s = 0.0;
+        w.settings.scheduler = Arc::new(Quality {
+            params: w.settings.policy,
+        });
         w.specs
             .insert(JobId::new("a").unwrap(), job("a", 1, 2, 1.0));
         w.add_host(host("h1", 1, 10.0, vec![]));
@@ -840,6 +862,20 @@ mod tests {
         );
         assert_eq!((s.samples, s.loss), (960, Some(0.39)));
         assert!(out.plans.values().all(|p| p.workers.is_empty()));
+    }
+
+    #[test]
+    fn the_service_runs_any_policy() {
+        let mut w = World::default();
+        w.settings.scheduler =
+            Arc::from(crate::policies::by_name("fair", w.settings.policy).unwrap());
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 4, 1.0));
+        w.specs
+            .insert(JobId::new("b").unwrap(), job("b", 1, 4, 2.0));
+        w.add_host(host("h1", 4, 10.0, vec![]));
+        w.step(10.0, true);
+        assert_eq!((w.status("a").world_size, w.status("b").world_size), (2, 2));
     }
 
     #[test]

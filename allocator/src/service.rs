@@ -39,18 +39,34 @@ pub struct AllocatorConfig {
     /// A host whose heartbeat is older than this is lost; its jobs are placed elsewhere.
     #[arg(long, env = "CONVERGE_HOST_TIMEOUT", default_value = "15s", value_parser = humantime_duration)]
     pub host_timeout: Duration,
+    /// Policy that sizes jobs: quality (SLAQ, the default), fair, fifo, tiresias or
+    /// optimus. The service does not track attained service or a throughput model yet, so
+    /// tiresias keeps every job in its first queue and optimus assumes linear scaling.
+    #[arg(long, env = "CONVERGE_POLICY", default_value = "quality", value_parser = parse_policy)]
+    pub policy: String,
+}
+
+fn parse_policy(s: &str) -> Result<String, String> {
+    crate::policies::by_name(s, PolicyParams::default())
+        .map(|_| s.to_string())
+        .map_err(|e| e.to_string())
 }
 
 impl AllocatorConfig {
     /// The pure step's settings from the command line.
     pub fn settings(&self) -> Settings {
+        let policy = PolicyParams {
+            horizon_s: self.horizon.as_secs_f64(),
+            restart_cost_s: self.restart_cost.as_secs_f64(),
+            ..PolicyParams::default()
+        };
+        let scheduler = crate::policies::by_name(&self.policy, policy)
+            .map(std::sync::Arc::from)
+            .unwrap_or_else(|_| Settings::default().scheduler);
         Settings {
             host_timeout_s: self.host_timeout.as_secs_f64(),
-            policy: PolicyParams {
-                horizon_s: self.horizon.as_secs_f64(),
-                restart_cost_s: self.restart_cost.as_secs_f64(),
-                ..PolicyParams::default()
-            },
+            policy,
+            scheduler,
             ..Settings::default()
         }
     }

@@ -217,6 +217,7 @@ pub fn allocator_config(
         horizon: Duration::from_secs(30),
         restart_cost,
         host_timeout: Duration::from_secs(5),
+        policy: "quality".into(),
     }
 }
 
