@@ -1,3 +1,4 @@
+pub mod benchgen;
 pub mod fit;
 pub mod history;
 pub mod placement;

@@ -49,97 +49,226 @@ pub fn place(
     hosts: &[HostFree],
     requests: &[PlacementRequest],
 ) -> BTreeMap<JobId, Vec<RankPlacement>> {
-    let mut free: BTreeMap<&HostId, BTreeSet<u32>> = BTreeMap::new();
-    for host in hosts {
-        free.entry(&host.host).or_default().extend(&host.gpus);
-    }
+    let mut free = FreeGpus::new(hosts);
     let mut seen = BTreeSet::new();
     let requests: Vec<&PlacementRequest> =
         requests.iter().filter(|r| seen.insert(&r.job)).collect();
 
-    let mut placed = BTreeMap::new();
-    for request in &requests {
+    let mut placed: Vec<Option<Vec<RankPlacement>>> = requests
+        .iter()
+        .map(|request| {
+            let wanted = request.workers as usize;
+            let keepable =
+                wanted == request.current.len() && request.workers >= request.min_workers;
+            (keepable && free.keep_current(request)).then(|| request.current.clone())
+        })
+        .collect();
+    for (request, ranks) in requests.iter().zip(&mut placed) {
+        if ranks.is_none() {
+            *ranks = Some(free.first_fit(request));
+        }
+    }
+    requests
+        .iter()
+        .zip(placed)
+        .map(|(request, ranks)| (request.job.clone(), ranks.unwrap_or_default()))
+        .collect()
+}
+
+/// The free GPUs of every host during one [`place`]: the hosts in id order (listed twice
+/// counts once, with the union of the GPUs), each with its free GPUs in increasing order, and
+/// a max-tree over the hosts' free counts, so that first fit finds the next host with room
+/// for a worker without scanning the full ones.
+struct FreeGpus<'a> {
+    hosts: Vec<HostSlot<'a>>,
+    /// Leaves (from `leaves` on) hold each host's free count; node `i` holds the largest
+    /// count under it (children `2i`, `2i + 1`); unused leaves hold 0.
+    tree: Vec<usize>,
+    leaves: usize,
+}
+
+struct HostSlot<'a> {
+    host: &'a HostId,
+    /// Free GPUs, increasing, no duplicates.
+    free: Vec<u32>,
+}
+
+impl<'a> FreeGpus<'a> {
+    fn new(hosts: &'a [HostFree]) -> Self {
+        let mut listed: Vec<&HostFree> = hosts.iter().collect();
+        listed.sort_by(|a, b| a.host.cmp(&b.host));
+        let mut slots: Vec<HostSlot<'a>> = Vec::with_capacity(listed.len());
+        for host in listed {
+            match slots.last_mut() {
+                Some(last) if *last.host == host.host => last.free.extend(&host.gpus),
+                _ => slots.push(HostSlot {
+                    host: &host.host,
+                    free: host.gpus.clone(),
+                }),
+            }
+        }
+        for slot in &mut slots {
+            slot.free.sort_unstable();
+            slot.free.dedup();
+        }
+        let leaves = slots.len().next_power_of_two();
+        let mut tree = vec![0; 2 * leaves];
+        for (i, slot) in slots.iter().enumerate() {
+            tree[leaves + i] = slot.free.len();
+        }
+        for node in (1..leaves).rev() {
+            tree[node] = tree[2 * node].max(tree[2 * node + 1]);
+        }
+        Self {
+            hosts: slots,
+            tree,
+            leaves,
+        }
+    }
+
+    /// Index of `host`, if listed.
+    fn find(&self, host: &HostId) -> Option<usize> {
+        self.hosts.binary_search_by(|s| s.host.cmp(host)).ok()
+    }
+
+    /// The first host at index `from` or later with at least `need` free GPUs.
+    fn first_with(&self, from: usize, need: usize) -> Option<usize> {
+        self.first_below(1, 0, self.leaves, from, need)
+    }
+
+    fn first_below(
+        &self,
+        node: usize,
+        low: usize,
+        high: usize,
+        from: usize,
+        need: usize,
+    ) -> Option<usize> {
+        if high <= from || self.tree[node] < need {
+            return None;
+        }
+        if high - low == 1 {
+            return (low < self.hosts.len()).then_some(low);
+        }
+        let middle = low + (high - low) / 2;
+        self.first_below(2 * node, low, middle, from, need)
+            .or_else(|| self.first_below(2 * node + 1, middle, high, from, need))
+    }
+
+    /// Records host `index`'s new free count in the tree.
+    fn update(&mut self, index: usize) {
+        let mut node = self.leaves + index;
+        self.tree[node] = self.hosts[index].free.len();
+        while node > 1 {
+            node /= 2;
+            self.tree[node] = self.tree[2 * node].max(self.tree[2 * node + 1]);
+        }
+    }
+
+    /// Takes the request's current GPUs if its current placement is still valid (see
+    /// [`place`]); changes nothing and returns `false` otherwise.
+    fn keep_current(&mut self, request: &PlacementRequest) -> bool {
+        let mut claimed: Vec<(usize, u32)> = Vec::new();
+        // Consecutive ranks are mostly on one host: look a host up only when it changes.
+        let mut last: Option<(&HostId, usize)> = None;
+        for (index, rank) in request.current.iter().enumerate() {
+            let host = match last {
+                Some((id, host)) if *id == rank.host => host,
+                _ => {
+                    let Some(host) = self.find(&rank.host) else {
+                        return false;
+                    };
+                    last = Some((&rank.host, host));
+                    host
+                }
+            };
+            let well_formed = rank.rank as usize == index
+                && request.gpus_per_worker > 0
+                && rank.gpus.len() == request.gpus_per_worker as usize;
+            let free = &self.hosts[host].free;
+            if !well_formed || !rank.gpus.iter().all(|gpu| free.binary_search(gpu).is_ok()) {
+                return false;
+            }
+            claimed.extend(rank.gpus.iter().map(|&gpu| (host, gpu)));
+        }
+        claimed.sort_unstable();
+        if claimed.windows(2).any(|pair| pair[0] == pair[1]) {
+            return false;
+        }
+        for (position, &(host, gpu)) in claimed.iter().enumerate() {
+            let free = &mut self.hosts[host].free;
+            if let Ok(at) = free.binary_search(&gpu) {
+                free.remove(at);
+            }
+            if claimed.get(position + 1).is_none_or(|next| next.0 != host) {
+                self.update(host);
+            }
+        }
+        true
+    }
+
+    /// First-fit placement of one request (see [`place`]), taking its GPUs.
+    fn first_fit(&mut self, request: &PlacementRequest) -> Vec<RankPlacement> {
+        let per_worker = request.gpus_per_worker as usize;
+        if per_worker == 0 {
+            return Vec::new();
+        }
         let wanted = request.workers as usize;
-        let keepable = wanted == request.current.len() && request.workers >= request.min_workers;
-        if keepable && keep_current(request, &mut free) {
-            placed.insert(request.job.clone(), request.current.clone());
-        }
-    }
-    for request in &requests {
-        if !placed.contains_key(&request.job) {
-            placed.insert(request.job.clone(), first_fit(request, &mut free));
-        }
-    }
-    placed
-}
-
-/// Takes the request's current GPUs out of `free` if its current placement is still valid
-/// (see [`place`]); leaves `free` untouched and returns `false` otherwise.
-fn keep_current(request: &PlacementRequest, free: &mut BTreeMap<&HostId, BTreeSet<u32>>) -> bool {
-    let mut claimed: BTreeSet<(&HostId, u32)> = BTreeSet::new();
-    for (index, rank) in request.current.iter().enumerate() {
-        let Some(host_free) = free.get(&rank.host) else {
-            return false;
+        let mut preferred: Vec<usize> = request
+            .current
+            .iter()
+            .filter_map(|rank| self.find(&rank.host))
+            .collect();
+        preferred.sort_unstable();
+        preferred.dedup();
+        // (host, workers on it), in placement order.
+        let mut picks: Vec<(usize, usize)> = Vec::new();
+        let mut count = 0;
+        let mut take = |host: usize, count: &mut usize| {
+            let fits = (self.hosts[host].free.len() / per_worker).min(wanted - *count);
+            if fits > 0 {
+                picks.push((host, fits));
+                *count += fits;
+            }
         };
-        let well_formed = rank.rank as usize == index
-            && request.gpus_per_worker > 0
-            && rank.gpus.len() == request.gpus_per_worker as usize;
-        if !well_formed
-            || !rank
-                .gpus
-                .iter()
-                .all(|gpu| host_free.contains(gpu) && claimed.insert((&rank.host, *gpu)))
-        {
-            return false;
-        }
-    }
-    for (host, gpu) in claimed {
-        if let Some(host_free) = free.get_mut(host) {
-            host_free.remove(&gpu);
-        }
-    }
-    true
-}
-
-/// First-fit placement of one request (see [`place`]), taking its GPUs out of `free`.
-fn first_fit(
-    request: &PlacementRequest,
-    free: &mut BTreeMap<&HostId, BTreeSet<u32>>,
-) -> Vec<RankPlacement> {
-    let per_worker = request.gpus_per_worker as usize;
-    if per_worker == 0 {
-        return Vec::new();
-    }
-    let current_hosts: BTreeSet<&HostId> = request.current.iter().map(|r| &r.host).collect();
-    let (preferred, others): (Vec<&HostId>, Vec<&HostId>) = free
-        .keys()
-        .copied()
-        .partition(|h| current_hosts.contains(h));
-    let mut ranks: Vec<RankPlacement> = Vec::new();
-    for host in preferred.into_iter().chain(others) {
-        let gpus: Vec<u32> = free[host].iter().copied().collect();
-        for chunk in gpus.chunks_exact(per_worker) {
-            if ranks.len() == request.workers as usize {
+        for &host in &preferred {
+            if count == wanted {
                 break;
             }
-            ranks.push(RankPlacement {
-                rank: ranks.len() as u32,
-                host: host.clone(),
-                gpus: chunk.to_vec(),
-            });
+            take(host, &mut count);
         }
-    }
-    if ranks.len() < request.min_workers as usize {
-        return Vec::new();
-    }
-    for rank in &ranks {
-        if let Some(host_free) = free.get_mut(&rank.host) {
-            for gpu in &rank.gpus {
-                host_free.remove(gpu);
+        let mut from = 0;
+        while count < wanted {
+            let Some(host) = self.first_with(from, per_worker) else {
+                break;
+            };
+            from = host + 1;
+            if preferred.binary_search(&host).is_err() {
+                take(host, &mut count);
             }
         }
+        if count < request.min_workers as usize {
+            return Vec::new();
+        }
+        let mut ranks = Vec::with_capacity(count);
+        for (host, workers) in picks {
+            let slot = &mut self.hosts[host];
+            for chunk in slot
+                .free
+                .drain(..workers * per_worker)
+                .as_slice()
+                .chunks_exact(per_worker)
+            {
+                ranks.push(RankPlacement {
+                    rank: ranks.len() as u32,
+                    host: slot.host.clone(),
+                    gpus: chunk.to_vec(),
+                });
+            }
+            self.update(host);
+        }
+        ranks
     }
-    ranks
 }
 
 /// Ports handed out by [`master_port`]: below Linux's default ephemeral range (32768–60999),
@@ -173,6 +302,118 @@ pub fn master_port(job: &JobId, generation: u64, taken: &BTreeSet<u16>) -> u16 {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The placement as first written (a linear scan of every host per request), kept as the
+    /// reference the faster [`place`] must agree with.
+    mod reference {
+        use std::collections::{BTreeMap, BTreeSet};
+
+        use converge_common::{HostId, JobId, RankPlacement};
+
+        use super::super::{HostFree, PlacementRequest};
+
+        pub fn place(
+            hosts: &[HostFree],
+            requests: &[PlacementRequest],
+        ) -> BTreeMap<JobId, Vec<RankPlacement>> {
+            let mut free: BTreeMap<&HostId, BTreeSet<u32>> = BTreeMap::new();
+            for host in hosts {
+                free.entry(&host.host).or_default().extend(&host.gpus);
+            }
+            let mut seen = BTreeSet::new();
+            let requests: Vec<&PlacementRequest> =
+                requests.iter().filter(|r| seen.insert(&r.job)).collect();
+
+            let mut placed = BTreeMap::new();
+            for request in &requests {
+                let wanted = request.workers as usize;
+                let keepable =
+                    wanted == request.current.len() && request.workers >= request.min_workers;
+                if keepable && keep_current(request, &mut free) {
+                    placed.insert(request.job.clone(), request.current.clone());
+                }
+            }
+            for request in &requests {
+                if !placed.contains_key(&request.job) {
+                    placed.insert(request.job.clone(), first_fit(request, &mut free));
+                }
+            }
+            placed
+        }
+
+        /// Takes the request's current GPUs out of `free` if its current placement is still valid
+        /// (see [`place`]); leaves `free` untouched and returns `false` otherwise.
+        fn keep_current(
+            request: &PlacementRequest,
+            free: &mut BTreeMap<&HostId, BTreeSet<u32>>,
+        ) -> bool {
+            let mut claimed: BTreeSet<(&HostId, u32)> = BTreeSet::new();
+            for (index, rank) in request.current.iter().enumerate() {
+                let Some(host_free) = free.get(&rank.host) else {
+                    return false;
+                };
+                let well_formed = rank.rank as usize == index
+                    && request.gpus_per_worker > 0
+                    && rank.gpus.len() == request.gpus_per_worker as usize;
+                if !well_formed
+                    || !rank
+                        .gpus
+                        .iter()
+                        .all(|gpu| host_free.contains(gpu) && claimed.insert((&rank.host, *gpu)))
+                {
+                    return false;
+                }
+            }
+            for (host, gpu) in claimed {
+                if let Some(host_free) = free.get_mut(host) {
+                    host_free.remove(&gpu);
+                }
+            }
+            true
+        }
+
+        /// First-fit placement of one request (see [`place`]), taking its GPUs out of `free`.
+        fn first_fit(
+            request: &PlacementRequest,
+            free: &mut BTreeMap<&HostId, BTreeSet<u32>>,
+        ) -> Vec<RankPlacement> {
+            let per_worker = request.gpus_per_worker as usize;
+            if per_worker == 0 {
+                return Vec::new();
+            }
+            let current_hosts: BTreeSet<&HostId> =
+                request.current.iter().map(|r| &r.host).collect();
+            let (preferred, others): (Vec<&HostId>, Vec<&HostId>) = free
+                .keys()
+                .copied()
+                .partition(|h| current_hosts.contains(h));
+            let mut ranks: Vec<RankPlacement> = Vec::new();
+            for host in preferred.into_iter().chain(others) {
+                let gpus: Vec<u32> = free[host].iter().copied().collect();
+                for chunk in gpus.chunks_exact(per_worker) {
+                    if ranks.len() == request.workers as usize {
+                        break;
+                    }
+                    ranks.push(RankPlacement {
+                        rank: ranks.len() as u32,
+                        host: host.clone(),
+                        gpus: chunk.to_vec(),
+                    });
+                }
+            }
+            if ranks.len() < request.min_workers as usize {
+                return Vec::new();
+            }
+            for rank in &ranks {
+                if let Some(host_free) = free.get_mut(&rank.host) {
+                    for gpu in &rank.gpus {
+                        host_free.remove(gpu);
+                    }
+                }
+            }
+            ranks
+        }
+    }
 
     fn host(name: &str, gpus: &[u32]) -> HostFree {
         HostFree {
@@ -418,6 +659,85 @@ mod tests {
         Ok(())
     }
 
+    /// Hosts that may be listed twice and GPU lists that may repeat an index.
+    fn hosts_with_repeats() -> impl Strategy<Value = Vec<HostFree>> {
+        prop::collection::vec((0usize..7, prop::collection::vec(0u32..10, 0..10)), 0..9).prop_map(
+            |raw| {
+                raw.into_iter()
+                    .map(|(h, gpus)| host(&format!("host-{h}"), &gpus))
+                    .collect()
+            },
+        )
+    }
+
+    /// Requests on up to 7 hosts, with repeated jobs and partly valid current placements.
+    fn requests_with_repeats() -> impl Strategy<Value = Vec<PlacementRequest>> {
+        let one = (
+            0usize..10,
+            0u32..9,
+            0u32..=4,
+            0u32..=6,
+            prop::collection::vec((0usize..8, prop::collection::vec(0u32..10, 0..4)), 0..6),
+            any::<bool>(),
+        );
+        prop::collection::vec(one, 0..12).prop_map(|raw| {
+            raw.into_iter()
+                .map(|(j, workers, gpus_per_worker, min, current, tidy)| {
+                    // Tidy current placements have the right shape, so more of them are kept.
+                    let current = current
+                        .into_iter()
+                        .enumerate()
+                        .map(|(r, (h, mut gpus))| {
+                            if tidy {
+                                gpus.resize(gpus_per_worker as usize, r as u32);
+                            }
+                            rank(r as u32, &format!("host-{h}"), &gpus)
+                        })
+                        .collect::<Vec<_>>();
+                    PlacementRequest {
+                        job: job_id(&format!("job-{j}")),
+                        workers: if tidy { current.len() as u32 } else { workers },
+                        gpus_per_worker,
+                        min_workers: min,
+                        current,
+                    }
+                })
+                .collect()
+        })
+    }
+
+    #[test]
+    fn agrees_with_the_reference_on_generated_clusters() {
+        use crate::benchgen::{BenchConfig, DecisionInputs};
+        for (seed, jobs, nodes) in [(1, 200, 150), (2, 400, 300), (3, 300, 500)] {
+            let inputs = DecisionInputs::generate(&BenchConfig {
+                jobs,
+                nodes,
+                gpus_per_node: 8,
+                seed,
+            });
+            let requests = inputs.requests(&inputs.allocate());
+            assert_eq!(
+                place(&inputs.hosts, &requests),
+                reference::place(&inputs.hosts, &requests),
+                "seed {seed}"
+            );
+            // Also from scratch, and with every job resized by one worker.
+            let fresh: Vec<PlacementRequest> = requests
+                .iter()
+                .map(|r| PlacementRequest {
+                    workers: r.workers + 1,
+                    ..r.clone()
+                })
+                .collect();
+            assert_eq!(
+                place(&inputs.hosts, &fresh),
+                reference::place(&inputs.hosts, &fresh),
+                "seed {seed}"
+            );
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(500))]
 
@@ -454,6 +774,14 @@ mod tests {
                     prop_assert_eq!(&second[&request.job], &request.current);
                 }
             }
+        }
+
+        #[test]
+        fn agrees_with_the_reference(
+            hosts in prop_oneof![arbitrary_hosts(), hosts_with_repeats()],
+            requests in prop_oneof![arbitrary_requests(), requests_with_repeats()],
+        ) {
+            prop_assert_eq!(place(&hosts, &requests), reference::place(&hosts, &requests));
         }
 
         #[test]
