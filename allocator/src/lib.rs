@@ -4,6 +4,7 @@ pub mod history;
 pub mod placement;
 pub mod policies;
 pub mod policy;
+pub mod predict;
 pub mod schedule;
 pub mod service;
 pub mod sim;

@@ -1,9 +1,10 @@
 //! `converge-allocator` binary: runs the allocator service (default), the simulator's
-//! commands (`simulate`, `workload`, `report`), or `bench-decision` (the time of one
-//! allocation decision at scale).
+//! commands (`simulate`, `workload`, `report`), `bench-decision` (the time of one
+//! allocation decision at scale), or `predict-bench` (the loss-prediction benchmark).
 
 use clap::{Parser, Subcommand};
 use converge_allocator::benchgen::{BenchDecisionArgs, run_bench_decision};
+use converge_allocator::predict::bench::{PredictBenchArgs, run_predict_bench};
 use converge_allocator::service::{AllocatorConfig, run};
 use converge_allocator::sim::cli::{SimulateArgs, WorkloadArgs, run_simulate, run_workload};
 use converge_allocator::sim::report::{ReportArgs, run_report};
@@ -40,6 +41,10 @@ enum Command {
     /// 8 GPUs. Prints the minimum and median over the repeats of the policy, the placement
     /// and the total. Build with `--release` for meaningful figures.
     BenchDecision(BenchDecisionArgs),
+    /// Compare four loss-curve predictors (SLAQ's strawman, SLAQ's fit, Optimus's fit and
+    /// ours) on the Pollux validation curves and the recorded converge-trainer curves; writes
+    /// docs/prediction.md.
+    PredictBench(PredictBenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -49,6 +54,7 @@ fn main() -> std::process::ExitCode {
         Some(Command::Simulate(args)) => run_simulate(&args),
         Some(Command::Workload(args)) => run_workload(&args),
         Some(Command::Report(args)) => run_report(&args),
+        Some(Command::PredictBench(args)) => run_predict_bench(&args),
         Some(Command::BenchDecision(args)) => run_bench_decision(&args),
         None => serve(cli.config),
     };

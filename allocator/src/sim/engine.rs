@@ -134,13 +134,13 @@ struct Tracked {
 
 /// Whether a job with `points` loss points, last fitted at `fitted` points, is refitted:
 /// on every new point while the history is short, then every [`REFIT_EVERY`] points (a
-/// fit of 100 points costs about a millisecond; the curve changes little per point).
+/// fit of 100 points costs one to two milliseconds; the curve changes little per point).
 fn refit_due(points: usize, fitted: usize) -> bool {
     points > fitted && (points <= 20 || points - fitted >= REFIT_EVERY)
 }
 
 /// New points between refits once a job has more than 20.
-pub const REFIT_EVERY: usize = 5;
+pub const REFIT_EVERY: usize = 10;
 
 fn host_name(node: u32) -> HostId {
     HostId::new(format!("n{node:03}")).expect("valid host id")
