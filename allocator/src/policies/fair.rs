@@ -25,7 +25,7 @@ use std::collections::BinaryHeap;
 
 use crate::policy::{Decision, PolicyJob};
 
-use super::{ClusterView, Policy, arrival_order, decision, gpus, minimum_workers};
+use super::{ClusterView, Policy, admit_minimums, arrival_order, decision, gpus};
 
 /// Equal share, work-conserving, in whole workers (see the module documentation).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -38,19 +38,8 @@ impl Policy for Fair {
 
     fn allocate(&self, cluster: &ClusterView, jobs: &[PolicyJob]) -> Decision {
         let order = arrival_order(jobs);
-        let mut free = u64::from(cluster.total_gpus);
-        let mut workers = vec![0u32; jobs.len()];
-
         // 1. Admission at the minimum.
-        for &i in &order {
-            if let Some(min) = minimum_workers(&jobs[i]) {
-                let need = gpus(&jobs[i], min);
-                if need <= free {
-                    workers[i] = min;
-                    free -= need;
-                }
-            }
-        }
+        let (mut workers, mut free) = admit_minimums(jobs, &order, cluster.total_gpus);
 
         // 2. Water-filling: smallest holding first, then arrival rank.
         let mut heap: BinaryHeap<Reverse<(u64, usize)>> = order

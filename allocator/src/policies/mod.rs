@@ -122,6 +122,23 @@ fn gpus(job: &PolicyJob, workers: u32) -> u64 {
 }
 
 /// The decision for the jobs in `order` (every distinct id), `workers` indexed like `jobs`.
+/// Admits jobs in `order` at their minimum while the GPUs last (a job that does not fit
+/// waits, later ones may still fit). Returns the workers per job and the GPUs left.
+fn admit_minimums(jobs: &[PolicyJob], order: &[usize], total_gpus: u32) -> (Vec<u32>, u64) {
+    let mut free = u64::from(total_gpus);
+    let mut workers = vec![0u32; jobs.len()];
+    for &i in order {
+        if let Some(min) = minimum_workers(&jobs[i]) {
+            let need = gpus(&jobs[i], min);
+            if need <= free {
+                workers[i] = min;
+                free -= need;
+            }
+        }
+    }
+    (workers, free)
+}
+
 fn decision(jobs: &[PolicyJob], order: &[usize], workers: &[u32]) -> Decision {
     Decision {
         workers: order

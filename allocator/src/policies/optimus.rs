@@ -40,7 +40,7 @@ use std::collections::BinaryHeap;
 
 use crate::policy::{Decision, PolicyJob};
 
-use super::{ClusterView, Policy, arrival_order, decision, gpus, minimum_workers};
+use super::{ClusterView, Policy, admit_minimums, arrival_order, decision};
 
 /// Greedy by remaining-time reduction with an oracle (see the module documentation).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -116,19 +116,8 @@ impl Policy for Optimus {
 
     fn allocate(&self, cluster: &ClusterView, jobs: &[PolicyJob]) -> Decision {
         let order = arrival_order(jobs);
-        let mut free = u64::from(cluster.total_gpus);
-        let mut workers = vec![0u32; jobs.len()];
-
         // 1. Admission at the minimum.
-        for &i in &order {
-            if let Some(min) = minimum_workers(&jobs[i]) {
-                let need = gpus(&jobs[i], min);
-                if need <= free {
-                    workers[i] = min;
-                    free -= need;
-                }
-            }
-        }
+        let (mut workers, mut free) = admit_minimums(jobs, &order, cluster.total_gpus);
 
         // 2. Greedy by gain per GPU; each job has at most one candidate in the heap.
         let next_step = |rank: usize, current: u32| {

@@ -315,34 +315,37 @@ fn markdown(
             "| metric | quality | fair | quality vs fair | SLAQ reported |"
         );
         let _ = writeln!(md, "|---|---|---|---|---|");
-        let _ = writeln!(
-            md,
-            "| average normalized loss over time | {:.3} | {:.3} | {} | −73 % |",
-            q.mean_normalized_loss,
-            f.mean_normalized_loss,
-            pct(q.mean_normalized_loss, f.mean_normalized_loss)
-        );
-        let _ = writeln!(
-            md,
-            "| time to 90 % loss reduction (s) | {:.0} | {:.0} | {} | −45 % |",
-            q.mean_time_to_90,
-            f.mean_time_to_90,
-            pct(q.mean_time_to_90, f.mean_time_to_90)
-        );
-        let _ = writeln!(
-            md,
-            "| time to 95 % loss reduction (s) | {:.0} | {:.0} | {} | −30 % |",
-            q.mean_time_to_95,
-            f.mean_time_to_95,
-            pct(q.mean_time_to_95, f.mean_time_to_95)
-        );
-        let _ = writeln!(
-            md,
-            "| mean JCT (s) | {:.0} | {:.0} | {} | |",
-            q.mean,
-            f.mean,
-            pct(q.mean, f.mean)
-        );
+        let rows = [
+            (
+                "average normalized loss over time",
+                q.mean_normalized_loss,
+                f.mean_normalized_loss,
+                3,
+                "−73 %",
+            ),
+            (
+                "time to 90 % loss reduction (s)",
+                q.mean_time_to_90,
+                f.mean_time_to_90,
+                0,
+                "−45 %",
+            ),
+            (
+                "time to 95 % loss reduction (s)",
+                q.mean_time_to_95,
+                f.mean_time_to_95,
+                0,
+                "−30 %",
+            ),
+            ("mean JCT (s)", q.mean, f.mean, 0, ""),
+        ];
+        for (metric, ours, fair, digits, slaq) in rows {
+            let _ = writeln!(
+                md,
+                "| {metric} | {ours:.digits$} | {fair:.digits$} | {} | {slaq} |",
+                pct(ours, fair)
+            );
+        }
     }
     let _ = writeln!(md, "{}", QUALITY_NOTES);
     let _ = writeln!(md, "\n## Plots\n");
