@@ -1,8 +1,9 @@
 //! Synthetic inputs for timing one allocation decision at scale: the jobs of a busy cluster
 //! (as [`PolicyJob`]s with fitted curves, throughputs and loss scales), its hosts and the
 //! jobs' current placements, generated deterministically from a seed. Used by the `criterion`
-//! benchmark `allocator/benches/decision.rs` and by the `converge-allocator bench-decision`
-//! command ([`run_bench_decision`]), so both time the same inputs.
+//! benchmark `allocator/benches/decision.rs`, by the `converge-allocator bench-decision`
+//! command ([`run_bench_decision`]) and by `converge-allocator report` (its scale section,
+//! through [`time_decisions`]), so all three time the same inputs.
 //!
 //! # The generated cluster
 //!
@@ -35,6 +36,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::fit::{Curve, CurveFamily};
 use crate::placement::{HostFree, PlacementRequest, place};
+use crate::policies::ClusterView;
 use crate::policy::{Decision, PolicyJob, PolicyParams, quality_allocate};
 
 /// Size and seed of a generated cluster.
@@ -114,7 +116,15 @@ impl DecisionInputs {
 
     /// The policy step of the decision.
     pub fn allocate(&self) -> Decision {
-        quality_allocate(self.total_gpus, &self.jobs, &self.params)
+        quality_allocate(
+            &ClusterView {
+                total_gpus: self.total_gpus,
+                gpus_per_node: self.hosts.first().map_or(0, |h| h.gpus.len() as u32),
+                now: 0.0,
+            },
+            &self.jobs,
+            &self.params,
+        )
     }
 
     /// The placement requests for `decision`, in priority order.
@@ -348,6 +358,83 @@ struct Timing {
     total: Duration,
 }
 
+/// Minimum and median of one part of the decision over the repeats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MinMedian {
+    pub min: Duration,
+    pub median: Duration,
+}
+
+impl MinMedian {
+    fn of(mut times: Vec<Duration>) -> Self {
+        times.sort();
+        Self {
+            min: times.first().copied().unwrap_or_default(),
+            median: if times.is_empty() {
+                Duration::ZERO
+            } else {
+                median(&times)
+            },
+        }
+    }
+}
+
+/// What the last timed decision did, as a sanity check of the inputs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DecisionOutcome {
+    /// Jobs given at least one worker.
+    pub admitted: usize,
+    /// GPUs the policy handed out.
+    pub allocated_gpus: u64,
+    /// GPUs the placement placed.
+    pub placed_gpus: usize,
+    /// Jobs whose placement differs from their current one.
+    pub placed_anew: usize,
+}
+
+/// The times of `repeat` decisions on the same inputs ([`time_decisions`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DecisionTimes {
+    /// Decisions timed.
+    pub repeat: usize,
+    /// [`DecisionInputs::allocate`] (`quality_allocate`).
+    pub policy: MinMedian,
+    /// Building the placement requests and [`DecisionInputs::place`].
+    pub placement: MinMedian,
+    /// Both.
+    pub total: MinMedian,
+    /// What the last decision did.
+    pub outcome: DecisionOutcome,
+}
+
+/// Times `repeat` whole decisions (policy, then placement) on `inputs`, one after the other
+/// on the calling thread.
+pub fn time_decisions(inputs: &DecisionInputs, repeat: usize) -> DecisionTimes {
+    let mut timings = Vec::with_capacity(repeat);
+    let mut outcome = DecisionOutcome::default();
+    for _ in 0..repeat {
+        let start = Instant::now();
+        let decision = std::hint::black_box(inputs.allocate());
+        let decided = Instant::now();
+        let placed = std::hint::black_box(inputs.place(&inputs.requests(&decision)));
+        let end = Instant::now();
+        timings.push(Timing {
+            policy: decided - start,
+            placement: end - decided,
+            total: end - start,
+        });
+        outcome = describe_outcome(inputs, &decision, &placed);
+    }
+    let column = |part: fn(&Timing) -> Duration| MinMedian::of(timings.iter().map(part).collect());
+    DecisionTimes {
+        repeat,
+        policy: column(|t| t.policy),
+        placement: column(|t| t.placement),
+        total: column(|t| t.total),
+        outcome,
+    }
+}
+
 /// Runs `converge-allocator bench-decision`: generates the inputs, times `repeat` decisions
 /// on the calling thread and prints the minimum and median of each part.
 pub fn run_bench_decision(args: &BenchDecisionArgs) -> anyhow::Result<()> {
@@ -381,54 +468,37 @@ pub fn run_bench_decision(args: &BenchDecisionArgs) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64(),
     );
 
-    let mut timings = Vec::with_capacity(args.repeat);
-    let mut outcome = None;
-    for _ in 0..args.repeat {
-        let start = Instant::now();
-        let decision = std::hint::black_box(inputs.allocate());
-        let decided = Instant::now();
-        let placed = std::hint::black_box(inputs.place(&inputs.requests(&decision)));
-        let end = Instant::now();
-        timings.push(Timing {
-            policy: decided - start,
-            placement: end - decided,
-            total: end - start,
-        });
-        outcome = Some((decision, placed));
-    }
-    if let Some((decision, placed)) = &outcome {
-        print_outcome(&inputs, decision, placed);
-    }
+    let times = time_decisions(&inputs, args.repeat);
+    let o = times.outcome;
+    println!(
+        "decision: {} jobs admitted, {} GPUs allocated, {} placed, {} jobs placed anew",
+        o.admitted, o.allocated_gpus, o.placed_gpus, o.placed_anew
+    );
     println!(
         "one decision, single-threaded, {} repeats (placement includes building the requests):",
         args.repeat
     );
-    let column = |part: fn(&Timing) -> Duration| {
-        let mut times: Vec<Duration> = timings.iter().map(part).collect();
-        times.sort();
-        times
-    };
-    for (name, times) in [
-        ("policy (quality_allocate)", column(|t| t.policy)),
-        ("placement (place)", column(|t| t.placement)),
-        ("total", column(|t| t.total)),
+    for (name, part) in [
+        ("policy (quality_allocate)", times.policy),
+        ("placement (place)", times.placement),
+        ("total", times.total),
     ] {
         println!(
             "  {name:<26} min {:>9.2} ms   median {:>9.2} ms",
-            millis(times[0]),
-            millis(median(&times)),
+            millis(part.min),
+            millis(part.median),
         );
     }
     Ok(())
 }
 
-/// What the last decision did, as a sanity check of the inputs.
-fn print_outcome(
+/// What a decision did, as a sanity check of the inputs.
+fn describe_outcome(
     inputs: &DecisionInputs,
     decision: &Decision,
     placed: &BTreeMap<JobId, Vec<RankPlacement>>,
-) {
-    let allocated: u64 = inputs
+) -> DecisionOutcome {
+    let allocated_gpus: u64 = inputs
         .jobs
         .iter()
         .map(|j| u64::from(decision.workers[&j.id]) * u64::from(j.gpus_per_worker))
@@ -438,19 +508,22 @@ fn print_outcome(
         .flat_map(|ranks| ranks.iter().map(|r| r.gpus.len()))
         .sum();
     let admitted = decision.workers.values().filter(|&&w| w > 0).count();
-    let changed = inputs
+    let placed_anew = inputs
         .jobs
         .iter()
         .zip(&inputs.current)
         .filter(|(j, current)| placed.get(&j.id).is_some_and(|p| p != *current))
         .count();
-    println!(
-        "decision: {admitted} jobs admitted, {allocated} GPUs allocated, {placed_gpus} placed, \
-         {changed} jobs placed anew"
-    );
+    DecisionOutcome {
+        admitted,
+        allocated_gpus,
+        placed_gpus,
+        placed_anew,
+    }
 }
 
-fn millis(d: Duration) -> f64 {
+/// Milliseconds in `d`.
+pub fn millis(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
@@ -524,6 +597,24 @@ mod tests {
             }
         }
         assert!(kept > 0);
+    }
+
+    #[test]
+    fn timed_decisions_report_ordered_times_and_the_outcome() {
+        let inputs = DecisionInputs::generate(&small());
+        let times = time_decisions(&inputs, 3);
+        assert_eq!(times.repeat, 3);
+        for part in [times.policy, times.placement, times.total] {
+            assert!(part.min <= part.median);
+        }
+        assert!(times.total.min >= times.policy.min);
+        let (decision, placed) = inputs.decide();
+        assert_eq!(
+            times.outcome,
+            describe_outcome(&inputs, &decision, &placed),
+            "the decision is deterministic"
+        );
+        assert!(times.outcome.admitted > 0 && times.outcome.placed_gpus > 0);
     }
 
     #[test]

@@ -202,6 +202,36 @@ impl Curve {
     }
 }
 
+/// Samples after which the curve first predicts a loss at or below `target`, searched in
+/// `[from_samples, limit]` by bisection (the fitted families never increase); `from_samples`
+/// if it is already there, `None` if the curve stays above `target` up to `limit` or an input
+/// is not finite. Accurate to 1e-9 relative (or 1e-9 samples).
+pub fn samples_to_reach(curve: &Curve, target: f64, from_samples: f64, limit: f64) -> Option<f64> {
+    if !(target.is_finite() && from_samples.is_finite() && limit.is_finite()) {
+        return None;
+    }
+    let from = from_samples.max(0.0);
+    if curve.predict(from) <= target {
+        return Some(from);
+    }
+    if limit <= from || curve.predict(limit) > target {
+        return None;
+    }
+    let (mut lo, mut hi) = (from, limit);
+    for _ in 0..200 {
+        if hi - lo <= 1e-9 * hi.max(1.0) {
+            break;
+        }
+        let mid = 0.5 * (lo + hi);
+        if curve.predict(mid) <= target {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    Some(hi)
+}
+
 /// Loss drop the curve predicts between `from_samples` and `to_samples`, divided by `scale`
 /// (the job's loss normalization, in loss units): `max(0, predict(from) − predict(to)) / scale`.
 ///
@@ -1140,6 +1170,24 @@ mod tests {
         assert!((c.predict(f64::INFINITY) - 0.33).abs() < 1e-12);
         let malformed = curve(CurveFamily::InvQuadratic, &[1.0]);
         assert_eq!(malformed.predict(1.0), 0.0);
+    }
+
+    #[test]
+    fn samples_to_reach_inverts_the_curve() {
+        let c = real_looking();
+        let target = c.predict(5000.0);
+        let k = samples_to_reach(&c, target, 100.0, 1e9).unwrap();
+        assert!((k - 5000.0).abs() < 1e-2 * 5000.0, "{k}");
+        assert_eq!(
+            samples_to_reach(&c, c.predict(0.0) + 1.0, 10.0, 1e9),
+            Some(10.0)
+        );
+        // Below the asymptote: never reached.
+        assert_eq!(
+            samples_to_reach(&c, c.predict(f64::INFINITY) - 0.01, 0.0, 1e12),
+            None
+        );
+        assert_eq!(samples_to_reach(&c, f64::NAN, 0.0, 1e9), None);
     }
 
     #[test]

@@ -3,7 +3,12 @@
 //! Pure data structure: no I/O, no clock.
 
 use crate::fit::LossPoint;
-use converge_common::ProgressReport;
+use crate::throughput::StepObservation;
+use converge_common::{HostId, ProgressReport};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Generations whose shape (world size, hosts) is remembered for the throughput model.
+pub const MAX_GENERATIONS: usize = 64;
 
 /// Points kept per job; the fit uses only the most recent `FitConfig::window` of them.
 pub const MAX_POINTS: usize = 2_000;
@@ -29,6 +34,9 @@ pub struct JobHistory {
     last_eval_loss: Option<f64>,
     /// Reports dropped because they came from a generation older than one already seen.
     pub stale_reports: u64,
+    /// Per generation, the ranks and hosts seen reporting (its world size and servers
+    /// spanned), for the last [`MAX_GENERATIONS`] generations.
+    shapes: BTreeMap<u64, (u32, BTreeSet<HostId>)>,
 }
 
 impl JobHistory {
@@ -38,6 +46,16 @@ impl JobHistory {
     /// point's (the job resumed from an earlier checkpoint) drops the points beyond it: that
     /// work was lost and will be redone.
     pub fn add(&mut self, r: &ProgressReport) {
+        if r.generation + (MAX_GENERATIONS as u64) > self.latest_generation {
+            let shape = self.shapes.entry(r.generation).or_default();
+            shape.0 = shape.0.max(r.rank.saturating_add(1));
+            if shape.1.len() < 4096 {
+                shape.1.insert(r.host.clone());
+            }
+            while self.shapes.len() > MAX_GENERATIONS {
+                self.shapes.pop_first();
+            }
+        }
         if r.rank != 0 {
             return;
         }
@@ -119,6 +137,36 @@ impl JobHistory {
 
     /// The generation of the most recent point that has a measurable throughput, and that
     /// throughput.
+    /// One step-time observation per generation with at least two rank-0 reports that
+    /// advanced the step count: world size and servers spanned from the ranks and hosts seen
+    /// reporting, seconds per step and samples per worker per step from the first and last
+    /// report (samples are the job's total). Oldest first.
+    pub fn step_observations(&self) -> Vec<StepObservation> {
+        let mut out = Vec::new();
+        for (&generation, (world, hosts)) in &self.shapes {
+            let mut it = self.points.iter().filter(|p| p.generation == generation);
+            let (Some(first), Some(last)) = (it.next(), it.next_back()) else {
+                continue;
+            };
+            let steps = last.step.saturating_sub(first.step);
+            let dt = last.time - first.time;
+            if steps == 0 || dt <= 0.0 || last.samples <= first.samples || *world == 0 {
+                continue;
+            }
+            let per_step = (last.samples - first.samples) as f64 / steps as f64;
+            let seen = StepObservation {
+                workers: *world,
+                nodes: hosts.len().max(1) as u32,
+                local_batch: per_step / f64::from(*world),
+                step_time_s: dt / steps as f64,
+            };
+            if seen.is_usable() {
+                out.push(seen);
+            }
+        }
+        out
+    }
+
     pub fn latest_rate(&self) -> Option<(u64, f64)> {
         let mut gens: Vec<u64> = self.points.iter().map(|p| p.generation).collect();
         gens.dedup();
@@ -147,6 +195,34 @@ mod tests {
             epoch: None,
             time,
         }
+    }
+
+    fn on(mut r: ProgressReport, host: &str) -> ProgressReport {
+        r.host = HostId::new(host).unwrap();
+        r
+    }
+
+    #[test]
+    fn step_observations_take_world_size_and_hosts_from_the_reports() {
+        let mut h = JobHistory::default();
+        // Generation 1: two ranks on one host, 10 samples per step (step = samples / 10).
+        h.add(&report(1, 0, 100, 1.0, 10.0));
+        h.add(&report(1, 1, 100, 1.0, 10.0));
+        h.add(&report(1, 0, 300, 0.9, 12.0));
+        // Generation 2: three ranks on two hosts.
+        h.add(&report(2, 0, 400, 0.8, 20.0));
+        h.add(&on(report(2, 2, 400, 0.8, 20.0), "other"));
+        h.add(&report(2, 1, 400, 0.8, 20.0));
+        h.add(&report(2, 0, 700, 0.7, 21.5));
+        // Generation 3 has a single report: no observation.
+        h.add(&report(3, 0, 800, 0.6, 30.0));
+        let seen = h.step_observations();
+        assert_eq!(seen.len(), 2, "{seen:?}");
+        assert_eq!((seen[0].workers, seen[0].nodes), (2, 1));
+        assert!((seen[0].local_batch - 5.0).abs() < 1e-12);
+        assert!((seen[0].step_time_s - 0.1).abs() < 1e-12);
+        assert_eq!((seen[1].workers, seen[1].nodes), (3, 2));
+        assert!((seen[1].step_time_s - 1.5 / 30.0).abs() < 1e-12);
     }
 
     #[test]

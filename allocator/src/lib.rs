@@ -8,3 +8,4 @@ pub mod predict;
 pub mod schedule;
 pub mod service;
 pub mod sim;
+pub mod throughput;

@@ -34,7 +34,16 @@ enum Command {
     Simulate(SimulateArgs),
     /// Sample a new workload from the Philly trace, the way the Pollux workloads were made.
     Workload(WorkloadArgs),
-    /// Run every policy over the Pollux workloads and write docs/benchmarks.md with plots.
+    /// Write docs/benchmarks.md and its plots: the simulator comparison on the Pollux
+    /// workloads, the loss-prediction benchmark and the scale benchmark.
+    ///
+    /// Runs every policy over the eight 1.0× and eight 0.5× Pollux workloads (fifo, fair,
+    /// tiresias, optimus, and the quality policy once per objective: quality with the
+    /// default, quality-loss, quality-jct) next to the published Pollux, Tiresias and Optimus
+    /// numbers, with SLAQ's metrics against fair and the targets; the loss-prediction
+    /// benchmark's headline tables (predict-bench writes the detailed docs/prediction.md);
+    /// and the scale benchmark (one decision for 10,000 jobs, as bench-decision), run on one
+    /// thread before the simulations.
     Report(ReportArgs),
     /// Time one allocation decision (quality policy, then placement) on a generated cluster,
     /// single-threaded: by default 10,000 active jobs (about 70 % running) on 12,500 nodes ×

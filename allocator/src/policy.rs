@@ -8,24 +8,36 @@
 //!
 //! # Algorithm
 //!
-//! 1. **Admission.** Jobs are taken in order — running jobs (`current_workers > 0`) first, then
-//!    pending ones, each by `submitted_at`, then id. Each gets its minimum (`min_workers`, at
+//! 1. **Admission.** Jobs are taken in order — pending jobs that have waited `max_wait_s`
+//!    since submission (the starvation guard), then running jobs (`current_workers > 0`), then
+//!    other pending ones, each by `submitted_at`, then id. Each gets its minimum (`min_workers`, at
 //!    least 1) if that many GPUs are still free, else 0: a pending job that does not fit waits,
 //!    and a running job that no longer fits (capacity shrank) is stopped.
-//! 2. **Value** of `w` workers over the horizon ([`job_value`]): the job progresses at `w·r`
-//!    samples/s (`r` = measured throughput per worker, or the prior) for `T` seconds, where
+//! 2. **Value** of `w` workers over the horizon ([`job_value`]): the job progresses at
+//!    `X(w)` samples/s ([`throughput`]: the job's throughput table — in the service and the
+//!    simulator, from its fitted [`crate::throughput::ThroughputModel`] — else `w·r` with `r`
+//!    the measured throughput per worker, else the prior) for `T` seconds, where
 //!    `T = horizon_s` if `w == current_workers` and `max(0, horizon_s − restart_cost_s)`
-//!    otherwise, since any change of allocation pays a restart. With a fitted curve the value
-//!    is the predicted loss drop over those samples divided by the job's loss scale
-//!    ([`normalized_gain`]); without one it is `new_job_gain·(1 − 0.5^w)·T/horizon_s`.
+//!    otherwise, since any change of allocation pays a restart. What that progress is worth
+//!    depends on the [`Objective`]:
+//!    - `loss` (SLAQ): the predicted loss drop over those `X(w)·T` samples divided by the
+//!      job's loss scale ([`normalized_gain`]); without a fitted curve,
+//!      `new_job_gain·(1 − 0.5^w)·T/horizon_s`;
+//!    - `jct` (after Optimus): `X(w)·T / R`, the fraction of the job's remaining work `R`
+//!      ([`remaining_work`]) done over the horizon; summed over jobs it is the rate at which
+//!      jobs complete, so GPUs go to jobs close to completion that scale (shortest remaining
+//!      time first);
+//!    - `both` (the default): the sum of the two.
+//!
 //!    `V(0) = 0`. The restart term puts a bump at `w == current_workers`: that bump is the
 //!    hysteresis — an allocation changes only when the predicted gain beats the restart.
 //! 3. **Max-heap hand-out** (SLAQ). The remaining GPUs go, in steps, to the admitted job with
 //!    the largest marginal value per GPU. Because the bump makes `V` non-concave, each job's
 //!    step looks ahead: from `w` workers it is the `k ≥ 1` (`w + k ≤ max_workers`, `k` workers'
 //!    GPUs free) maximizing `(V(w+k) − V(w)) / (k·gpus_per_worker)`, smallest `k` on ties.
-//!    Steps of jobs with a fitted curve come first; a job without one (fewer reports than
-//!    the fit needs) gets GPUs beyond its minimum only when no fitted job can use them.
+//!    Under the `loss` objective, steps of jobs with a fitted curve come first; a job without
+//!    one (fewer reports than the fit needs) gets GPUs beyond its minimum only when no fitted
+//!    job can use them. Under `jct` and `both` every job competes on its value.
 //!    Steps gaining at most `min_gain` per GPU are never taken; hand-out ends when no step
 //!    is left or nothing fits. Heap entries
 //!    are re-evaluated lazily: an entry whose step no longer fits the free GPUs is recomputed
@@ -52,7 +64,11 @@
 //!   its curve is fitted (a few seconds of reports).
 //! - Admission is gang-style (a job runs with at least `min_workers` or not at all) and
 //!   favours running jobs, so arrivals do not preempt running work.
-//! - Throughput is assumed linear in workers (`w·r`) until a throughput model replaces it.
+//! - SLAQ's objective alone does not care when jobs finish: a long job's normalized gain
+//!   over a short horizon is tiny, so arrivals shrink it and departures regrow it, and mean
+//!   JCT suffers (docs/benchmarks.md). The `both` objective adds the completion term.
+//! - Throughput comes from a per-job model fitted on observed step times (design brief
+//!   §5.2), not linear scaling.
 
 use std::cmp::Ordering;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -61,6 +77,7 @@ use converge_common::JobId;
 use serde::{Deserialize, Serialize};
 
 use crate::fit::{Curve, normalized_gain};
+use crate::policies::ClusterView;
 
 /// What the policy knows about one job.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,6 +128,43 @@ pub struct PolicyParams {
     pub new_job_gain: f64,
     /// Marginal normalized gain per GPU at or below which no more GPUs are handed out.
     pub min_gain: f64,
+    /// What a job's allocation is worth (see [`Objective`]).
+    pub objective: Objective,
+    /// Starvation guard: a pending job that has waited this long (seconds since submission)
+    /// is admitted before running jobs, which may stop one to make room.
+    pub max_wait_s: f64,
+}
+
+/// What the quality policy maximizes over the horizon, summed over jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Objective {
+    /// SLAQ's: the predicted loss reduction, normalized per job by its loss scale
+    /// (cluster-wide loss reduction).
+    Loss,
+    /// Completion-time-aware, after Optimus: the fraction of the job's remaining work done,
+    /// `throughput(w)·T / remaining_work` (the sum over jobs is the rate at which jobs
+    /// complete, which shortest-remaining-first maximizes). A job whose remaining work is
+    /// unknown is assumed to have as much left as it has done (at least one horizon at its
+    /// current rate), the least-attained-service guess.
+    Jct,
+    /// The sum of both values above: the loss objective's normalized loss reduction plus the
+    /// completion objective's fraction of remaining work (both dimensionless, per horizon).
+    /// The default: in the simulator it has the lowest mean JCT of the three, with SLAQ's loss
+    /// metrics at fair share's level (docs/benchmarks.md).
+    #[default]
+    Both,
+}
+
+impl Objective {
+    /// The objective's name as the command line spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Objective::Loss => "loss",
+            Objective::Jct => "jct",
+            Objective::Both => "both",
+        }
+    }
 }
 
 impl Default for PolicyParams {
@@ -121,6 +175,8 @@ impl Default for PolicyParams {
             prior_samples_per_s_per_worker: 100.0,
             new_job_gain: 1.0,
             min_gain: 1e-6,
+            objective: Objective::default(),
+            max_wait_s: 1800.0,
         }
     }
 }
@@ -144,13 +200,11 @@ pub fn job_value(job: &PolicyJob, workers: u32, params: &PolicyParams) -> f64 {
     } else {
         (horizon_s - params.restart_cost_s.max(0.0)).max(0.0)
     };
-    let value = match &job.curve {
+    let completion =
+        || throughput(job, workers, params) * productive_s / remaining_work(job, params);
+    let loss = || match &job.curve {
         Some(curve) => {
-            let rate = job
-                .samples_per_s_per_worker
-                .filter(|r| r.is_finite() && *r > 0.0)
-                .unwrap_or(params.prior_samples_per_s_per_worker.max(0.0));
-            let end = job.samples + f64::from(workers) * rate * productive_s;
+            let end = job.samples + throughput(job, workers, params) * productive_s;
             normalized_gain(curve, job.samples, end, job.loss_scale)
         }
         None => {
@@ -163,6 +217,11 @@ pub fn job_value(job: &PolicyJob, workers: u32, params: &PolicyParams) -> f64 {
             params.new_job_gain.max(0.0) * shape * productive_fraction
         }
     };
+    let value = match params.objective {
+        Objective::Jct => completion(),
+        Objective::Loss => loss(),
+        Objective::Both => completion() + loss(),
+    };
     if value.is_nan() {
         0.0
     } else {
@@ -170,12 +229,59 @@ pub fn job_value(job: &PolicyJob, workers: u32, params: &PolicyParams) -> f64 {
     }
 }
 
+/// The job's throughput with `workers ≥ 1` workers, in progress units (samples) per second:
+/// from its throughput table when it has one (beyond the table's end, its last entry), else
+/// linear in workers at the measured per-worker rate, else at the prior. Finite, ≥ 0.
+pub fn throughput(job: &PolicyJob, workers: u32, params: &PolicyParams) -> f64 {
+    let rate = match job.throughput.as_deref() {
+        Some(table) if !table.is_empty() => table[(workers.max(1) as usize).min(table.len()) - 1],
+        _ => {
+            let per_worker = job
+                .samples_per_s_per_worker
+                .filter(|r| r.is_finite() && *r > 0.0)
+                .unwrap_or(params.prior_samples_per_s_per_worker);
+            f64::from(workers) * per_worker
+        }
+    };
+    if rate.is_finite() && rate > 0.0 {
+        rate
+    } else {
+        0.0
+    }
+}
+
+/// Work left for the [`Objective::Jct`] value, in the units of [`throughput`] × seconds:
+/// `remaining_work` when known, else as much as the job has done (`samples`); at least one
+/// horizon of work at the job's single-worker rate, and never 0. Does not depend on
+/// `current_workers`, so that applying a decision does not change the next one.
+pub fn remaining_work(job: &PolicyJob, params: &PolicyParams) -> f64 {
+    let floor = throughput(job, 1, params) * params.horizon_s.max(1.0);
+    let left = match job.remaining_work {
+        Some(r) if r.is_finite() && r >= 0.0 => r,
+        _ => job.samples,
+    };
+    let left = if left.is_finite() { left } else { f64::MAX };
+    left.max(floor).max(f64::MIN_POSITIVE)
+}
+
 /// Decides how many workers each job gets on a cluster of `total_gpus` GPUs (see the module
 /// documentation). The result does not depend on the order of `jobs`; if an id appears more
 /// than once, only its first occurrence in admission order is considered.
-pub fn quality_allocate(total_gpus: u32, jobs: &[PolicyJob], params: &PolicyParams) -> Decision {
+pub fn quality_allocate(
+    cluster: &ClusterView,
+    jobs: &[PolicyJob],
+    params: &PolicyParams,
+) -> Decision {
+    let total_gpus = cluster.total_gpus;
+    let starving = |job: &PolicyJob| {
+        job.current_workers == 0 && cluster.now - job.submitted_at >= params.max_wait_s
+    };
     let mut order: Vec<usize> = (0..jobs.len()).collect();
-    order.sort_by(|&a, &b| admission_order(&jobs[a], &jobs[b]));
+    order.sort_by(|&a, &b| {
+        starving(&jobs[b])
+            .cmp(&starving(&jobs[a]))
+            .then_with(|| admission_order(&jobs[a], &jobs[b]))
+    });
     let mut seen = BTreeSet::new();
     order.retain(|&i| seen.insert(&jobs[i].id));
 
@@ -346,7 +452,7 @@ fn best_step<'a>(
     }
     best.filter(|&(per_gpu, _)| per_gpu > threshold)
         .map(|(gain_per_gpu, workers_added)| Step {
-            fitted: job.curve.is_some(),
+            fitted: job.curve.is_some() || params.objective != Objective::Loss,
             gain_per_gpu,
             workers_added,
             job: index,
@@ -417,6 +523,23 @@ mod tests {
         job
     }
 
+    /// SLAQ's objective (most tests below are about it).
+    fn slaq() -> PolicyParams {
+        PolicyParams {
+            objective: Objective::Loss,
+            ..PolicyParams::default()
+        }
+    }
+
+    /// A cluster of `total_gpus` GPUs at time 0.
+    fn view(total_gpus: u32) -> ClusterView {
+        ClusterView {
+            total_gpus,
+            gpus_per_node: 8,
+            now: 0.0,
+        }
+    }
+
     fn workers_of(decision: &Decision, name: &str) -> u32 {
         decision.workers[&id(name)]
     }
@@ -431,7 +554,7 @@ mod tests {
         let mut jobs = jobs.to_vec();
         let mut decisions = Vec::new();
         for _ in 0..rounds {
-            let decision = quality_allocate(total_gpus, &jobs, params);
+            let decision = quality_allocate(&view(total_gpus), &jobs, params);
             for job in &mut jobs {
                 job.current_workers = decision.workers[&job.id];
             }
@@ -442,7 +565,7 @@ mod tests {
 
     #[test]
     fn value_is_zero_without_workers_and_pays_the_restart() {
-        let params = PolicyParams::default();
+        let params = slaq();
         for j in [job("new", 8), with_curve(job("fitted", 8), steep_curve())] {
             assert_eq!(job_value(&j, 0, &params), 0.0);
             let moving = job_value(&j, 2, &params);
@@ -469,7 +592,7 @@ mod tests {
     fn new_jobs_get_gpus_before_converged_ones() {
         let converged = running(with_curve(job("converged", 8), flat_curve()), 4);
         let new = job("new", 8);
-        let decision = quality_allocate(8, &[converged, new], &PolicyParams::default());
+        let decision = quality_allocate(&view(8), &[converged, new], &slaq());
         assert_eq!(workers_of(&decision, "converged"), 1);
         assert_eq!(workers_of(&decision, "new"), 7);
     }
@@ -480,20 +603,20 @@ mod tests {
         let new = job("new", 8);
         let free_restarts = PolicyParams {
             restart_cost_s: 0.0,
-            ..PolicyParams::default()
+            ..slaq()
         };
-        let decision = quality_allocate(8, &[steep.clone(), new.clone()], &free_restarts);
+        let decision = quality_allocate(&view(8), &[steep.clone(), new.clone()], &free_restarts);
         assert_eq!(workers_of(&decision, "new"), 2, "{decision:?}");
         assert_eq!(workers_of(&decision, "steep"), 6);
         // Alone, the new job takes every idle GPU (work conservation).
-        let decision = quality_allocate(8, &[new], &PolicyParams::default());
+        let decision = quality_allocate(&view(8), &[new], &slaq());
         assert_eq!(workers_of(&decision, "new"), 8);
     }
 
     #[test]
     fn converged_job_keeps_its_gpus_when_nobody_needs_them() {
         let converged = running(with_curve(job("converged", 8), flat_curve()), 4);
-        let decision = quality_allocate(8, &[converged], &PolicyParams::default());
+        let decision = quality_allocate(&view(8), &[converged], &slaq());
         assert_eq!(workers_of(&decision, "converged"), 4);
     }
 
@@ -501,10 +624,10 @@ mod tests {
     fn growth_must_beat_the_restart_cost() {
         // From 2 to 3 workers: 3·30 s of work instead of 2·60 s, so it is not worth it.
         let steady = running(with_curve(job("steady", 3), steep_curve()), 2);
-        let params = PolicyParams::default();
+        let params = slaq();
         assert_eq!(
             workers_of(
-                &quality_allocate(8, std::slice::from_ref(&steady), &params),
+                &quality_allocate(&view(8), std::slice::from_ref(&steady), &params),
                 "steady"
             ),
             2
@@ -516,7 +639,7 @@ mod tests {
         };
         assert_eq!(
             workers_of(
-                &quality_allocate(8, std::slice::from_ref(&steady), &free_restarts),
+                &quality_allocate(&view(8), std::slice::from_ref(&steady), &free_restarts),
                 "steady"
             ),
             3
@@ -525,7 +648,7 @@ mod tests {
         let mut wide = steady;
         wide.max_workers = 8;
         assert_eq!(
-            workers_of(&quality_allocate(8, &[wide], &params), "steady"),
+            workers_of(&quality_allocate(&view(8), &[wide], &params), "steady"),
             8
         );
     }
@@ -536,15 +659,11 @@ mod tests {
         old.min_workers = 4;
         old.submitted_at = 10.0;
         let early_pending = job("early", 4);
-        let decision = quality_allocate(
-            4,
-            &[early_pending.clone(), old.clone()],
-            &PolicyParams::default(),
-        );
+        let decision = quality_allocate(&view(4), &[early_pending.clone(), old.clone()], &slaq());
         assert_eq!(workers_of(&decision, "old"), 4);
         assert_eq!(workers_of(&decision, "early"), 0);
         // Capacity shrank below the running job's minimum: it is stopped, the other fits.
-        let decision = quality_allocate(3, &[early_pending, old], &PolicyParams::default());
+        let decision = quality_allocate(&view(3), &[early_pending, old], &slaq());
         assert_eq!(workers_of(&decision, "old"), 0);
         assert_eq!(workers_of(&decision, "early"), 3);
     }
@@ -555,7 +674,7 @@ mod tests {
         no_gpus.gpus_per_worker = 0;
         let mut inverted = job("inverted", 2);
         inverted.min_workers = 3;
-        let decision = quality_allocate(16, &[no_gpus, inverted], &PolicyParams::default());
+        let decision = quality_allocate(&view(16), &[no_gpus, inverted], &slaq());
         assert_eq!(workers_of(&decision, "no-gpus"), 0);
         assert_eq!(workers_of(&decision, "inverted"), 0);
     }
@@ -564,7 +683,7 @@ mod tests {
     fn gpus_go_in_whole_workers() {
         let mut wide = job("wide", 8);
         wide.gpus_per_worker = 3;
-        let decision = quality_allocate(10, &[wide], &PolicyParams::default());
+        let decision = quality_allocate(&view(10), &[wide], &slaq());
         assert_eq!(workers_of(&decision, "wide"), 3);
     }
 
@@ -582,7 +701,7 @@ mod tests {
             late_new,
         ];
         for total_gpus in [4, 8, 12, 16, 24] {
-            let decisions = settle(total_gpus, &jobs, &PolicyParams::default(), 4);
+            let decisions = settle(total_gpus, &jobs, &slaq(), 4);
             assert_eq!(decisions[1], decisions[0], "{total_gpus} GPUs");
             assert_eq!(decisions[3], decisions[0], "{total_gpus} GPUs");
         }
@@ -616,6 +735,13 @@ mod tests {
             arbitrary_curve(),
             (0.0..1e5f64, prop_oneof![Just(0.0), 0.01..2.0f64]),
             prop::option::of(0.0..500.0f64),
+            (
+                prop::option::of(prop::collection::vec(
+                    prop_oneof![Just(0.0), Just(f64::NAN), 0.0..1e4f64],
+                    0..10,
+                )),
+                prop::option::of(prop_oneof![Just(f64::NAN), Just(-1.0), 0.0..1e7f64]),
+            ),
         )
             .prop_map(
                 move |(
@@ -624,6 +750,7 @@ mod tests {
                     curve,
                     (samples, loss_scale),
                     rate,
+                    (throughput, remaining_work),
                 )| {
                     PolicyJob {
                         id: JobId::new(format!("job-{index}")).unwrap(),
@@ -643,11 +770,129 @@ mod tests {
                         samples_per_s_per_worker: rate,
                         requested_workers: min + extra,
                         attained_gpu_seconds: 0.0,
-                        throughput: None,
-                        remaining_work: None,
+                        throughput,
+                        remaining_work,
                     }
                 },
             )
+    }
+
+    /// A running job of `max` 1-GPU workers with a throughput table and known remaining work.
+    fn sized(name: &str, max: u32, table: &[f64], remaining: f64) -> PolicyJob {
+        let mut j = job(name, max);
+        j.throughput = Some(table.to_vec());
+        j.remaining_work = Some(remaining);
+        j
+    }
+
+    #[test]
+    fn completion_objective_favours_the_job_closest_to_done() {
+        let params = PolicyParams {
+            objective: Objective::Jct,
+            restart_cost_s: 0.0,
+            ..slaq()
+        };
+        let linear = [100.0, 200.0, 300.0, 400.0];
+        let short = sized("short", 4, &linear, 1e5);
+        let long = sized("long", 4, &linear, 1e7);
+        // 5 GPUs: each gets one, the short job the rest (shortest remaining first).
+        let decision = quality_allocate(&view(5), &[long.clone(), short.clone()], &params);
+        assert_eq!(workers_of(&decision, "short"), 4);
+        assert_eq!(workers_of(&decision, "long"), 1);
+        // A job that does not scale gets no extra GPU even if it is the shortest.
+        let flat = sized("flat", 4, &[100.0, 100.0, 100.0, 100.0], 1e5);
+        let decision = quality_allocate(&view(5), &[long, flat], &params);
+        assert_eq!(workers_of(&decision, "flat"), 1);
+        assert_eq!(workers_of(&decision, "long"), 4);
+    }
+
+    #[test]
+    fn the_throughput_table_replaces_linear_scaling() {
+        let params = PolicyParams {
+            objective: Objective::Jct,
+            ..slaq()
+        };
+        let j = sized("j", 8, &[100.0, 150.0], 1e6);
+        assert_eq!(throughput(&j, 1, &params), 100.0);
+        assert_eq!(throughput(&j, 2, &params), 150.0);
+        // Beyond the table, its last entry.
+        assert_eq!(throughput(&j, 8, &params), 150.0);
+        let broken = sized("broken", 8, &[f64::NAN, -5.0], 1e6);
+        assert_eq!(throughput(&broken, 1, &params), 0.0);
+        assert_eq!(throughput(&broken, 2, &params), 0.0);
+        // Without a table: linear at the measured rate, else the prior.
+        let mut plain = job("plain", 8);
+        assert_eq!(throughput(&plain, 3, &params), 300.0);
+        plain.samples_per_s_per_worker = Some(7.0);
+        assert_eq!(throughput(&plain, 3, &params), 21.0);
+    }
+
+    #[test]
+    fn unknown_remaining_work_is_guessed_from_the_work_done() {
+        let params = PolicyParams {
+            objective: Objective::Jct,
+            ..slaq()
+        };
+        let mut j = job("j", 4);
+        j.samples = 1e6;
+        assert_eq!(remaining_work(&j, &params), 1e6);
+        // At least one horizon at one worker's rate (100 samples/s × 60 s).
+        j.samples = 10.0;
+        assert_eq!(remaining_work(&j, &params), 6000.0);
+        j.remaining_work = Some(f64::NAN);
+        assert_eq!(remaining_work(&j, &params), 6000.0);
+        j.remaining_work = Some(5e5);
+        assert_eq!(remaining_work(&j, &params), 5e5);
+    }
+
+    #[test]
+    fn both_adds_the_two_values() {
+        let fitted = running(with_curve(job("fitted", 8), steep_curve()), 2);
+        let value = |objective| {
+            job_value(
+                &fitted,
+                3,
+                &PolicyParams {
+                    objective,
+                    ..slaq()
+                },
+            )
+        };
+        let (loss, jct, both) = (
+            value(Objective::Loss),
+            value(Objective::Jct),
+            value(Objective::Both),
+        );
+        assert!(loss > 0.0 && jct > 0.0);
+        assert!((both - (loss + jct)).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_job_waiting_past_max_wait_is_admitted_before_running_ones() {
+        let params = PolicyParams {
+            max_wait_s: 600.0,
+            ..PolicyParams::default()
+        };
+        let mut old = running(job("old", 4), 4);
+        old.min_workers = 4;
+        let mut waiting = job("waiting", 4);
+        waiting.min_workers = 4;
+        waiting.submitted_at = 100.0;
+        let at = |now| ClusterView { now, ..view(4) };
+        let decision = quality_allocate(&at(500.0), &[old.clone(), waiting.clone()], &params);
+        assert_eq!(workers_of(&decision, "old"), 4);
+        assert_eq!(workers_of(&decision, "waiting"), 0);
+        let decision = quality_allocate(&at(700.0), &[old, waiting], &params);
+        assert_eq!(workers_of(&decision, "old"), 0);
+        assert_eq!(workers_of(&decision, "waiting"), 4);
+    }
+
+    fn objectives() -> impl Strategy<Value = Objective> {
+        prop_oneof![
+            Just(Objective::Loss),
+            Just(Objective::Jct),
+            Just(Objective::Both)
+        ]
     }
 
     /// Makes the jobs' current allocations valid and jointly within `total_gpus`.
@@ -683,9 +928,16 @@ mod tests {
         fn decisions_respect_capacity_and_bounds(
             (total_gpus, jobs) in cluster(),
             restart_cost_s in prop_oneof![Just(30.0), 0.0..120.0f64],
+            objective in objectives(),
+            now in prop_oneof![Just(0.0), 0.0..1e4f64],
         ) {
-            let params = PolicyParams { restart_cost_s, ..PolicyParams::default() };
-            let decision = quality_allocate(total_gpus, &jobs, &params);
+            let params = PolicyParams { restart_cost_s, objective, max_wait_s: 100.0, ..slaq() };
+            let cluster = ClusterView { now, ..view(total_gpus) };
+            let decision = quality_allocate(&cluster, &jobs, &params);
+            for job in &jobs {
+                let v = job_value(job, decision.workers[&job.id], &params);
+                prop_assert!(v.is_finite() && v >= 0.0, "{} valued {}", job.id, v);
+            }
             prop_assert_eq!(decision.workers.len(), jobs.len());
             let mut used = 0u64;
             for job in &jobs {
@@ -703,20 +955,22 @@ mod tests {
         fn decisions_are_deterministic_and_ignore_input_order(
             (total_gpus, jobs, shuffled) in cluster().prop_flat_map(|(total_gpus, jobs)| {
                 (Just(total_gpus), Just(jobs.clone()), Just(jobs).prop_shuffle())
-            })
+            }),
+            objective in objectives(),
         ) {
-            let params = PolicyParams::default();
-            let decision = quality_allocate(total_gpus, &jobs, &params);
-            prop_assert_eq!(&decision, &quality_allocate(total_gpus, &jobs, &params));
-            prop_assert_eq!(&decision, &quality_allocate(total_gpus, &shuffled, &params));
+            let params = PolicyParams { objective, ..slaq() };
+            let decision = quality_allocate(&view(total_gpus), &jobs, &params);
+            prop_assert_eq!(&decision, &quality_allocate(&view(total_gpus), &jobs, &params));
+            prop_assert_eq!(&decision, &quality_allocate(&view(total_gpus), &shuffled, &params));
         }
 
         #[test]
         fn applying_a_decision_and_deciding_again_changes_nothing(
             (total_gpus, jobs) in cluster(),
             restart_cost_s in 0.0..100.0f64,
+            objective in objectives(),
         ) {
-            let params = PolicyParams { restart_cost_s, ..PolicyParams::default() };
+            let params = PolicyParams { restart_cost_s, objective, ..slaq() };
             let decisions = settle(total_gpus, &jobs, &params, 3);
             prop_assert_eq!(&decisions[1], &decisions[0]);
             prop_assert_eq!(&decisions[2], &decisions[0]);
@@ -728,8 +982,8 @@ mod tests {
             restart_cost_s in 60.0..1000.0f64,
         ) {
             jobs.retain(|j| j.current_workers > 0);
-            let params = PolicyParams { restart_cost_s, ..PolicyParams::default() };
-            let decision = quality_allocate(total_gpus, &jobs, &params);
+            let params = PolicyParams { restart_cost_s, ..slaq() };
+            let decision = quality_allocate(&view(total_gpus), &jobs, &params);
             for job in &jobs {
                 prop_assert_eq!(decision.workers[&job.id], job.current_workers, "{}", job.id);
             }
@@ -753,9 +1007,9 @@ mod tests {
             // growing by little can rightly lose to staying: see growth_must_beat_the_restart_cost).
             steep.current_workers = current.map_or(0, |c| c.clamp(min_workers, max_workers));
             let restart_cost_s = if current.is_some() { 0.0 } else { 30.0 };
-            let params = PolicyParams { restart_cost_s, ..PolicyParams::default() };
+            let params = PolicyParams { restart_cost_s, ..slaq() };
             let total_gpus = max_workers * gpus_per_worker + spare_gpus;
-            let decision = quality_allocate(total_gpus, &[steep], &params);
+            let decision = quality_allocate(&view(total_gpus), &[steep], &params);
             prop_assert_eq!(workers_of(&decision, "steep"), max_workers);
         }
 
@@ -774,7 +1028,7 @@ mod tests {
             steep.submitted_at = if flat_first { 1.0 } else { 0.0 };
             // The steep job alone could use every GPU the flat one does not need at minimum.
             let total_gpus = flat_min + steep_max * gpus_per_worker;
-            let decision = quality_allocate(total_gpus, &[flat, steep], &PolicyParams::default());
+            let decision = quality_allocate(&view(total_gpus), &[flat, steep], &slaq());
             prop_assert!(workers_of(&decision, "flat") <= flat_min, "{:?}", decision);
             prop_assert_eq!(workers_of(&decision, "steep"), steep_max);
         }

@@ -8,11 +8,12 @@
 //! An allocation change bumps the job's generation and goes through `restarting` again, so
 //! the old generation checkpoints and exits before the new one starts (generation fencing).
 
-use crate::fit::{Curve, FitConfig, fit_loss_curve};
+use crate::fit::{Curve, FitConfig, fit_loss_curve, samples_to_reach};
 use crate::history::JobHistory;
 use crate::placement::{HostFree, PlacementRequest, master_port, place};
 use crate::policies::{ClusterView, Policy, Quality};
 use crate::policy::{PolicyJob, PolicyParams};
+use crate::throughput::{ThroughputModel, ThroughputPrior, packed_nodes};
 use converge_common::{
     Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobPhase, JobSpec, JobStatus,
     PROTOCOL_VERSION, RankPlacement, WorkerAssignment, WorkerPhase,
@@ -29,6 +30,8 @@ pub struct Settings {
     /// Knobs of the quality policy; its horizon also sets how far ahead statuses predict.
     pub policy: PolicyParams,
     pub fit: FitConfig,
+    /// Prior of the per-job throughput model (before a job has step times to fit).
+    pub throughput_prior: ThroughputPrior,
     /// The policy that sizes jobs (default: `quality` with `policy`).
     pub scheduler: Arc<dyn Policy>,
 }
@@ -40,9 +43,47 @@ impl Default for Settings {
             host_timeout_s: 15.0,
             policy,
             fit: FitConfig::default(),
+            throughput_prior: ThroughputPrior::default(),
             scheduler: Arc::new(Quality { params: policy }),
         }
     }
+}
+
+/// Largest world size a throughput table is computed for (beyond it the table's last entry
+/// stands, see [`crate::policy::throughput`]).
+pub const MAX_TABLE_WORKERS: u32 = 1024;
+
+/// The job's throughput with 1, 2, … workers (samples/s), from its throughput model fitted
+/// on the step times of its past generations ([`JobHistory::step_observations`]), each size
+/// packed onto the fewest servers, at the per-worker batch it ran with last; `None` before
+/// any generation has reported two steps.
+fn throughput_table(
+    history: Option<&JobHistory>,
+    spec: &JobSpec,
+    gpus_per_node: u32,
+    prior: &ThroughputPrior,
+) -> Option<Vec<f64>> {
+    let seen = history?.step_observations();
+    let local_batch = seen.last()?.local_batch;
+    let model = ThroughputModel::fit(&seen, prior);
+    let most = spec.max_workers().clamp(1, MAX_TABLE_WORKERS);
+    Some(
+        (1..=most)
+            .map(|w| {
+                let nodes = packed_nodes(w, spec.gpus_per_worker, gpus_per_node.max(1));
+                model.samples_per_s(w, nodes, local_batch)
+            })
+            .collect(),
+    )
+}
+
+/// Samples the job still needs, when it has a target loss and a fitted curve that reaches
+/// it within a thousand times the samples done so far (at least 10⁹): the curve's prediction,
+/// inverted. `None` otherwise (the policy then guesses, see [`crate::policy::remaining_work`]).
+fn remaining_samples(curve: Option<&Curve>, target_loss: Option<f64>, samples: f64) -> Option<f64> {
+    let limit = (samples * 1000.0).max(1e9);
+    let reach = samples_to_reach(curve?, target_loss?, samples, limit)?;
+    Some((reach - samples).max(0.0))
 }
 
 /// Everything a step reads.
@@ -381,6 +422,11 @@ fn allocate(
             .then(a.submitted_at.total_cmp(&b.submitted_at))
             .then(a.job.cmp(&b.job))
     });
+    let gpus_per_node = live
+        .values()
+        .map(|t| t.gpus.len() as u32)
+        .max()
+        .unwrap_or(0);
     let policy_jobs: Vec<PolicyJob> = active
         .iter()
         .map(|(s, spec)| {
@@ -409,18 +455,17 @@ fn allocate(
                 loss_scale: h.map_or(0.0, JobHistory::loss_scale),
                 samples_per_s_per_worker: per_worker,
                 requested_workers: spec.max_workers(),
-                // Not tracked by the service yet; only the simulator's baselines use these.
+                // Not tracked by the service yet; only Tiresias uses it.
                 attained_gpu_seconds: 0.0,
-                throughput: None,
-                remaining_work: None,
+                throughput: throughput_table(h, spec, gpus_per_node, &settings.throughput_prior),
+                remaining_work: remaining_samples(
+                    curves.get(&s.job),
+                    spec.target_loss,
+                    s.samples as f64,
+                ),
             }
         })
         .collect();
-    let gpus_per_node = live
-        .values()
-        .map(|t| t.gpus.len() as u32)
-        .max()
-        .unwrap_or(0);
     let decision = settings.scheduler.allocate(
         &ClusterView {
             total_gpus,

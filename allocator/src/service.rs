@@ -4,7 +4,7 @@
 //! that changed. It keeps no local state: kill it at any time and start it anywhere.
 
 use crate::history::JobHistory;
-use crate::policy::PolicyParams;
+use crate::policy::{Objective, PolicyParams};
 use crate::schedule::{Inputs, Settings, step};
 use async_nats::jetstream::{self, kv};
 use converge_bus::{Bus, NatsArgs, Rejects, humantime_duration, unix_now};
@@ -39,11 +39,23 @@ pub struct AllocatorConfig {
     /// A host whose heartbeat is older than this is lost; its jobs are placed elsewhere.
     #[arg(long, env = "CONVERGE_HOST_TIMEOUT", default_value = "15s", value_parser = humantime_duration)]
     pub host_timeout: Duration,
-    /// Policy that sizes jobs: quality (SLAQ, the default), fair, fifo, tiresias or
-    /// optimus. The service does not track attained service or a throughput model yet, so
-    /// tiresias keeps every job in its first queue and optimus assumes linear scaling.
+    /// Policy that sizes jobs: quality (the default), fair, fifo, tiresias or optimus. The
+    /// service does not track attained service, so tiresias keeps every job in its first
+    /// queue; optimus uses the throughput model and, for a job with a target loss, the
+    /// samples its curve predicts to reach it.
     #[arg(long, env = "CONVERGE_POLICY", default_value = "quality", value_parser = parse_policy)]
     pub policy: String,
+    /// What the quality policy maximizes over the horizon: `both` (the sum of the two
+    /// others, the default), `jct` (fraction of each job's remaining work done, which favours
+    /// jobs close to completion) or `loss` (SLAQ's normalized loss reduction). A job's
+    /// remaining work is known when it has a `target_loss` its fitted curve reaches; else it
+    /// is guessed as the work it has done so far.
+    #[arg(long, env = "CONVERGE_OBJECTIVE", value_enum, default_value_t = Objective::default())]
+    pub objective: Objective,
+    /// Starvation guard: a job pending this long since submission is admitted ahead of
+    /// running jobs (which may stop one at its minimum to make room).
+    #[arg(long, env = "CONVERGE_MAX_WAIT", default_value = "30m", value_parser = humantime_duration)]
+    pub max_wait: Duration,
 }
 
 fn parse_policy(s: &str) -> Result<String, String> {
@@ -58,6 +70,8 @@ impl AllocatorConfig {
         let policy = PolicyParams {
             horizon_s: self.horizon.as_secs_f64(),
             restart_cost_s: self.restart_cost.as_secs_f64(),
+            objective: self.objective,
+            max_wait_s: self.max_wait.as_secs_f64(),
             ..PolicyParams::default()
         };
         let scheduler = crate::policies::by_name(&self.policy, policy)

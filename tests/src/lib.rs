@@ -218,6 +218,8 @@ pub fn allocator_config(
         restart_cost,
         host_timeout: Duration::from_secs(5),
         policy: "quality".into(),
+        objective: converge_allocator::policy::Objective::default(),
+        max_wait: Duration::from_secs(1800),
     }
 }
 

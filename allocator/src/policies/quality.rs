@@ -20,7 +20,7 @@ impl Policy for Quality {
     }
 
     fn allocate(&self, cluster: &ClusterView, jobs: &[PolicyJob]) -> Decision {
-        quality_allocate(cluster.total_gpus, jobs, &self.params)
+        quality_allocate(cluster, jobs, &self.params)
     }
 }
 
@@ -43,7 +43,7 @@ mod tests {
                 let policy = Quality { params };
                 assert_eq!(
                     policy.allocate(&cluster(total_gpus), &jobs),
-                    quality_allocate(total_gpus, &jobs, &params),
+                    quality_allocate(&cluster(total_gpus), &jobs, &params),
                 );
             }
         }

@@ -415,20 +415,111 @@ impl PredictBenchArgs {
     }
 }
 
+/// Every curve group of the benchmark, evaluated: what `predict-bench` writes out in full
+/// (`docs/prediction.md`, [`PredictionResults::render`]) and `converge-allocator report`
+/// in short (`docs/benchmarks.md`, [`PredictionResults::summary`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PredictionResults {
+    /// The Pollux applications' validation curves, one group per application.
+    pub pollux: Vec<GroupResult>,
+    /// The recorded converge-trainer runs' training loss, one group per run name.
+    pub train: Vec<GroupResult>,
+    /// The same runs' held-out loss.
+    pub held_out: Vec<GroupResult>,
+}
+
+impl PredictionResults {
+    /// Loads the Pollux validation curves from `traces` and the trainer curves from `curves`
+    /// and evaluates every predictor on them.
+    pub fn compute(traces: &Path, curves: &Path) -> anyhow::Result<Self> {
+        let pollux = evaluate_groups(&load_pollux(traces)?);
+        let (train, held_out) = load_trainer_curves(curves)?;
+        Ok(Self {
+            pollux,
+            train: evaluate_groups(&train),
+            held_out: evaluate_groups(&held_out),
+        })
+    }
+
+    /// The whole report (`docs/prediction.md`).
+    pub fn render(&self, command_line: &str) -> String {
+        render(&self.pollux, &self.train, &self.held_out, command_line)
+    }
+
+    /// One line with the headline medians at the 10 % horizon.
+    pub fn headline(&self) -> String {
+        headline(&self.pollux, &self.train)
+    }
+
+    /// The targets checked on every curve group (see [`PredictionResults::summary`]): the
+    /// groups that meet every target, those that miss one, those that cannot be evaluated.
+    pub fn targets(&self) -> [Vec<String>; 3] {
+        let mut out: [Vec<String>; 3] = Default::default();
+        for r in target_groups(&self.pollux, &self.train, &self.held_out) {
+            let slot = match missed_targets(&r) {
+                Some(m) if m.is_empty() => 0,
+                Some(_) => 1,
+                None => 2,
+            };
+            out[slot].push(r.group);
+        }
+        out
+    }
+
+    /// The short version for `docs/benchmarks.md`: median / p90 errors per Pollux application
+    /// and pooled over the trainer curves of each kind, then the targets table for every
+    /// group and a count of the groups that meet every target. No headings, no command line.
+    pub fn summary(&self) -> String {
+        let mut out = String::new();
+        let mut rows = self.pollux.clone();
+        rows.push(GroupResult::pooled("Pollux, all (pooled)", &self.pollux));
+        rows.push(GroupResult::pooled(
+            "converge-trainer, training loss (pooled)",
+            &self.train,
+        ));
+        rows.push(GroupResult::pooled(
+            "converge-trainer, held-out loss (pooled)",
+            &self.held_out,
+        ));
+        table(&mut out, "application", &rows, true);
+        out.push_str(
+            "\nTargets (from the issue): our median error below the strawman's and below \
+             SLAQ's published fit on every application, and under 5 % at the 10 % horizon. \
+             *tie*: medians within 0.05 percentage points, which means the same fit.\n\n",
+        );
+        targets_table(
+            &mut out,
+            &target_groups(&self.pollux, &self.train, &self.held_out),
+        );
+        let [met, missed, unevaluable] = self.targets();
+        let _ = write!(
+            out,
+            "\nEvery target met on {} of {} evaluable curve groups",
+            met.len(),
+            met.len() + missed.len()
+        );
+        if !missed.is_empty() {
+            let _ = write!(out, "; one or more missed on {}", missed.join(", "));
+        }
+        if !unevaluable.is_empty() {
+            let _ = write!(out, "; not evaluable: {}", unevaluable.join(", "));
+        }
+        out.push_str(".\n");
+        out
+    }
+}
+
 /// Runs the benchmark and writes the report.
 pub fn run_predict_bench(args: &PredictBenchArgs) -> anyhow::Result<()> {
-    let pollux = evaluate_groups(&load_pollux(&args.traces)?);
-    let (train, held_out) = load_trainer_curves(&args.curves)?;
-    let train = evaluate_groups(&train);
-    let held_out = evaluate_groups(&held_out);
-    let report = render(&pollux, &train, &held_out, &args.command_line());
+    let results = PredictionResults::compute(&args.traces, &args.curves)?;
+    let report = results.render(&args.command_line());
     if let Some(parent) = args.out.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(parent)
             .with_context(|| format!("cannot create {}", parent.display()))?;
     }
     std::fs::write(&args.out, &report)
         .with_context(|| format!("cannot write {}", args.out.display()))?;
-    println!("{}", headline(&pollux, &train));
+    println!("{}", results.headline());
     println!("wrote {}", args.out.display());
     Ok(())
 }
@@ -594,51 +685,58 @@ fn targets_table(out: &mut String, results: &[GroupResult]) {
     }
 }
 
+/// The targets `r` misses, each with what explains it (empty: every target met); `None` when
+/// the group cannot be evaluated.
+fn missed_targets(r: &GroupResult) -> Option<Vec<String>> {
+    let median = |p, h| r.median(p, h);
+    let ours = median(Predictor::Converge, 0)?;
+    let mut missed = Vec::new();
+    for (p, name) in [
+        (Predictor::Strawman, "the strawman"),
+        (Predictor::Slaq, "SLAQ"),
+    ] {
+        for h in 0..HORIZONS.len() {
+            if let (Some(o), Some(t)) = (median(Predictor::Converge, h), median(p, h))
+                && o >= t - TIE
+            {
+                missed.push(format!(
+                    "not below {name} {} ahead ({} vs {})",
+                    horizon_label(h),
+                    percent(Some(o)),
+                    percent(Some(t))
+                ));
+            }
+        }
+    }
+    if ours >= TARGET_MEDIAN {
+        let noise = quantile(&r.noise, 0.5).unwrap_or(0.0);
+        let why = if noise >= 0.5 * TARGET_MEDIAN {
+            format!(
+                "; single points scatter by {} around their neighbours",
+                percent(Some(noise))
+            )
+        } else {
+            String::new()
+        };
+        missed.push(format!("{} at 10 % ahead{why}", percent(Some(ours))));
+    }
+    Some(missed)
+}
+
 /// The targets missed, one line per curve group, with what explains them.
 fn misses(out: &mut String, results: &[GroupResult]) {
     let mut lines = Vec::new();
     for r in results {
-        let median = |p, h| r.median(p, h);
-        let Some(ours) = median(Predictor::Converge, 0) else {
-            lines.push(format!(
+        match missed_targets(r) {
+            None => lines.push(format!(
                 "- **{}**: not evaluable — its curves have fewer than {MIN_HISTORY} points \
                  of history before the last cut.",
                 r.group
-            ));
-            continue;
-        };
-        let mut missed = Vec::new();
-        for (p, name) in [
-            (Predictor::Strawman, "the strawman"),
-            (Predictor::Slaq, "SLAQ"),
-        ] {
-            for h in 0..HORIZONS.len() {
-                if let (Some(o), Some(t)) = (median(Predictor::Converge, h), median(p, h))
-                    && o >= t - TIE
-                {
-                    missed.push(format!(
-                        "not below {name} {} ahead ({} vs {})",
-                        horizon_label(h),
-                        percent(Some(o)),
-                        percent(Some(t))
-                    ));
-                }
+            )),
+            Some(missed) if !missed.is_empty() => {
+                lines.push(format!("- **{}**: {}.", r.group, missed.join("; ")));
             }
-        }
-        if ours >= TARGET_MEDIAN {
-            let noise = quantile(&r.noise, 0.5).unwrap_or(0.0);
-            let why = if noise >= 0.5 * TARGET_MEDIAN {
-                format!(
-                    "; single points scatter by {} around their neighbours",
-                    percent(Some(noise))
-                )
-            } else {
-                String::new()
-            };
-            missed.push(format!("{} at 10 % ahead{why}", percent(Some(ours))));
-        }
-        if !missed.is_empty() {
-            lines.push(format!("- **{}**: {}.", r.group, missed.join("; ")));
+            Some(_) => {}
         }
     }
     if lines.is_empty() {
@@ -650,6 +748,25 @@ fn misses(out: &mut String, results: &[GroupResult]) {
             out.push('\n');
         }
     }
+}
+
+/// Every group the targets are checked on: the Pollux applications, then the trainer runs'
+/// training loss and held-out loss (named so).
+fn target_groups(
+    pollux: &[GroupResult],
+    train: &[GroupResult],
+    held_out: &[GroupResult],
+) -> Vec<GroupResult> {
+    let mut all: Vec<GroupResult> = pollux.to_vec();
+    all.extend(train.iter().map(|r| GroupResult {
+        group: format!("{} (train loss)", r.group),
+        ..r.clone()
+    }));
+    all.extend(held_out.iter().map(|r| GroupResult {
+        group: format!("{} (held-out loss)", r.group),
+        ..r.clone()
+    }));
+    all
 }
 
 /// One line with the headline medians at the 10 % horizon.
@@ -746,15 +863,7 @@ pub fn render(
          SLAQ's fit (`allocator/src/fit.rs`), which the last column counts per cut \
          (*same*).\n\n",
     );
-    let mut all: Vec<GroupResult> = pollux.to_vec();
-    all.extend(train.iter().map(|r| GroupResult {
-        group: format!("{} (train loss)", r.group),
-        ..r.clone()
-    }));
-    all.extend(held_out.iter().map(|r| GroupResult {
-        group: format!("{} (held-out loss)", r.group),
-        ..r.clone()
-    }));
+    let all = target_groups(pollux, train, held_out);
     targets_table(&mut out, &all);
     misses(&mut out, &all);
     out.push_str(

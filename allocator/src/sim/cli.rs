@@ -2,7 +2,7 @@
 //! and `converge-allocator report`.
 
 use crate::policies::{POLICY_NAMES, by_name};
-use crate::policy::PolicyParams;
+use crate::policy::{Objective, PolicyParams};
 use crate::sim::apps::load_all;
 use crate::sim::engine::{SimConfig, SimResult, simulate};
 use crate::sim::summary::{Summary, summarize};
@@ -63,17 +63,59 @@ impl ClusterArgs {
     }
 }
 
+/// Settings of the `quality` policy in the simulator (the other policies have none).
+#[derive(Debug, Clone, clap::Args)]
+pub struct QualityArgs {
+    /// What the quality policy maximizes over the horizon: `both` (the sum of the other two),
+    /// `jct` (fraction of each job's remaining work done, completion-time-aware) or `loss`
+    /// (SLAQ's normalized loss reduction).
+    #[arg(long, value_enum, default_value_t = Objective::default())]
+    pub objective: Objective,
+    /// How far ahead the quality policy values an allocation, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub horizon: f64,
+    /// Starvation guard: seconds a pending job waits before it is admitted ahead of running
+    /// jobs.
+    #[arg(long, default_value_t = 1800.0)]
+    pub max_wait: f64,
+}
+
+impl QualityArgs {
+    /// The quality policy's settings; its restart cost is the cluster's restart delay.
+    pub fn params(&self, cluster: &ClusterArgs) -> PolicyParams {
+        PolicyParams {
+            objective: self.objective,
+            horizon_s: self.horizon,
+            max_wait_s: self.max_wait,
+            restart_cost_s: cluster.restart_delay,
+            ..PolicyParams::default()
+        }
+    }
+}
+
+impl Default for QualityArgs {
+    fn default() -> Self {
+        Self {
+            objective: Objective::default(),
+            horizon: 60.0,
+            max_wait: 1800.0,
+        }
+    }
+}
+
 /// `converge-allocator simulate`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct SimulateArgs {
     /// Workload file(s) in the Pollux format (`name,time,application,num_replicas,batch_size`).
     #[arg(long, required = true, num_args = 1..)]
     pub workload: Vec<PathBuf>,
-    /// Scheduling policy: fifo, fair, tiresias, optimus (Optimus+Oracle) or quality (SLAQ).
+    /// Scheduling policy: fifo, fair, tiresias, optimus (Optimus+Oracle) or quality.
     #[arg(long, default_value = "quality")]
     pub policy: String,
     #[command(flatten)]
     pub cluster: ClusterArgs,
+    #[command(flatten)]
+    pub quality: QualityArgs,
     /// Folder for `summary.json` (created if missing).
     #[arg(long, default_value = "sim-out")]
     pub out: PathBuf,
@@ -153,7 +195,7 @@ pub fn run_simulate(args: &SimulateArgs) -> anyhow::Result<()> {
         &args.policy,
         &args.workload,
         &args.cluster,
-        &PolicyParams::default(),
+        &args.quality.params(&args.cluster),
     )?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;

@@ -16,6 +16,7 @@ use crate::policies::{ClusterView, Policy};
 use crate::policy::PolicyJob;
 use crate::sim::apps::{Application, SimJob};
 use crate::sim::workload::WorkloadJob;
+use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior, packed_nodes};
 use converge_common::{HostId, JobId, RankPlacement};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -130,6 +131,10 @@ struct Tracked {
     /// The last fitted curve and how many points it saw.
     curve: Option<Curve>,
     fitted_points: usize,
+    /// Step times observed per configuration (workers, nodes, per-worker batch), and the
+    /// throughput model fitted on them (quality policy only).
+    steps: Vec<StepObservation>,
+    model: Option<ThroughputModel>,
 }
 
 /// Whether a job with `points` loss points, last fitted at `fitted` points, is refitted:
@@ -214,6 +219,8 @@ pub fn simulate(
             time_to_95: None,
             curve: None,
             fitted_points: 0,
+            steps: Vec::new(),
+            model: None,
         });
     }
     let hosts: Vec<HostFree> = (0..cfg.nodes)
@@ -226,6 +233,7 @@ pub fn simulate(
     let noise = Normal::new(0.0, cfg.loss_noise.max(0.0)).expect("finite noise");
     let fit_cfg = FitConfig::default();
     let wants_curves = policy.name() == "quality";
+    let throughput_prior = ThroughputPrior::default();
     let oracle = policy.name() == "optimus";
     let mut intervals = Vec::new();
     let mut now = 0.0;
@@ -326,6 +334,13 @@ pub fn simulate(
                     t.curve = fit_loss_curve(&t.losses, &fit_cfg);
                     t.fitted_points = t.losses.len();
                 }
+                let app = &apps[&t.job.app];
+                if let Some(seen) = observe_step(&t.job, app)
+                    && !t.steps.contains(&seen)
+                {
+                    t.steps.push(seen);
+                    t.model = Some(ThroughputModel::fit(&t.steps, &throughput_prior));
+                }
             }
         }
         let views: Vec<PolicyJob> = active
@@ -350,12 +365,28 @@ pub fn simulate(
                         .map(|(samples_per_s, _)| samples_per_s / f64::from(workers.max(1))),
                     requested_workers: t.job.requested_replicas.clamp(1, t.max_workers),
                     attained_gpu_seconds: t.job.attained_gpu_seconds,
-                    throughput: oracle.then(|| {
-                        (1..=t.max_workers)
-                            .map(|w| t.job.progress_rate(app, w, cfg.gpus_per_node))
-                            .collect()
-                    }),
-                    remaining_work: oracle.then(|| t.job.remaining_progress(app)),
+                    throughput: if oracle {
+                        Some(
+                            (1..=t.max_workers)
+                                .map(|w| t.job.progress_rate(app, w, cfg.gpus_per_node))
+                                .collect(),
+                        )
+                    } else {
+                        t.model.as_ref().map(|model| {
+                            (1..=t.max_workers)
+                                .map(|w| {
+                                    let nodes = packed_nodes(w, 1, cfg.gpus_per_node);
+                                    let local = f64::from(t.job.target_batch_size) / f64::from(w);
+                                    model.samples_per_s(w, nodes, local)
+                                })
+                                .collect()
+                        })
+                    },
+                    remaining_work: if oracle {
+                        Some(t.job.remaining_progress(app))
+                    } else {
+                        wants_curves.then(|| declared_samples_left(&t.job, app))
+                    },
                 }
             })
             .collect();
@@ -440,6 +471,32 @@ pub fn simulate(
         wall_s: wall.elapsed().as_secs_f64(),
         policy_violations,
     })
+}
+
+/// What an agent observes of a placed job's step: workers, nodes spanned, samples per worker
+/// per step (accumulation included) and seconds per step (no interference); `None` when not
+/// placed.
+fn observe_step(job: &SimJob, app: &Application) -> Option<StepObservation> {
+    let (samples_per_s, step_time_s) = job.observed_step(app)?;
+    let workers: u32 = job.placement.iter().sum();
+    let nodes = job.placement.iter().filter(|&&g| g > 0).count() as u32;
+    Some(StepObservation {
+        workers,
+        nodes,
+        local_batch: samples_per_s * step_time_s / f64::from(workers.max(1)),
+        step_time_s,
+    })
+}
+
+/// Work the job has left as its user declared it: the epochs to its completion epoch not yet
+/// done, times the application's epoch size (samples in the first epoch at the initial batch
+/// size, from the statistical progress of the measured runs). The simulator's stand-in for
+/// a job spec's epoch budget and a trainer's dataset size.
+fn declared_samples_left(job: &SimJob, app: &Application) -> f64 {
+    let epochs = f64::from(app.completion_epoch(job.target_batch_size) + 1);
+    let done = f64::from(job.epoch) + epoch_fraction(job, app);
+    let epoch_samples = app.progress(1) * f64::from(app.init_batch_size);
+    ((epochs - done).max(0.0)) * epoch_samples
 }
 
 /// Fraction of the current epoch done, from statistical progress.
