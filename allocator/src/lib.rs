@@ -1,4 +1,5 @@
 pub mod benchgen;
+pub mod contention;
 pub mod fit;
 pub mod history;
 pub mod placement;
