@@ -140,8 +140,8 @@ impl JobHistory {
     /// One step-time observation per generation with at least two rank-0 reports that
     /// advanced the step count: world size and servers spanned from the ranks and hosts seen
     /// reporting, seconds per step and samples per worker per step from the first and last
-    /// report (samples are the job's total). Oldest first.
-    pub fn step_observations(&self) -> Vec<StepObservation> {
+    /// report (samples are the job's total). Oldest first, each with its generation.
+    pub fn step_observations(&self) -> Vec<(u64, StepObservation)> {
         let mut out = Vec::new();
         for (&generation, (world, hosts)) in &self.shapes {
             let mut it = self.points.iter().filter(|p| p.generation == generation);
@@ -161,7 +161,7 @@ impl JobHistory {
                 step_time_s: dt / steps as f64,
             };
             if seen.is_usable() {
-                out.push(seen);
+                out.push((generation, seen));
             }
         }
         out
@@ -216,7 +216,7 @@ mod tests {
         h.add(&report(2, 0, 700, 0.7, 21.5));
         // Generation 3 has a single report: no observation.
         h.add(&report(3, 0, 800, 0.6, 30.0));
-        let seen = h.step_observations();
+        let seen: Vec<_> = h.step_observations().into_iter().map(|(_, o)| o).collect();
         assert_eq!(seen.len(), 2, "{seen:?}");
         assert_eq!((seen[0].workers, seen[0].nodes), (2, 1));
         assert!((seen[0].local_batch - 5.0).abs() < 1e-12);

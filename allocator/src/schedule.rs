@@ -13,7 +13,7 @@ use crate::history::JobHistory;
 use crate::placement::{HostFree, PlacementRequest, master_port, place};
 use crate::policies::{ClusterView, Policy, Quality};
 use crate::policy::{PolicyJob, PolicyParams};
-use crate::throughput::{ThroughputModel, ThroughputPrior, packed_nodes};
+use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior, packed_nodes};
 use converge_common::{
     Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobPhase, JobSpec, JobStatus,
     PROTOCOL_VERSION, RankPlacement, WorkerAssignment, WorkerPhase,
@@ -63,7 +63,11 @@ fn throughput_table(
     gpus_per_node: u32,
     prior: &ThroughputPrior,
 ) -> Option<Vec<f64>> {
-    let seen = history?.step_observations();
+    let seen: Vec<StepObservation> = history?
+        .step_observations()
+        .into_iter()
+        .map(|(_, o)| o)
+        .collect();
     let local_batch = seen.last()?.local_batch;
     let model = ThroughputModel::fit(&seen, prior);
     let most = spec.max_workers().clamp(1, MAX_TABLE_WORKERS);
@@ -174,6 +178,7 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
                 history,
                 curve.as_ref(),
                 settings.policy.horizon_s,
+                &settings.throughput_prior,
             );
             if let Some(c) = curve {
                 curves.insert(id.clone(), c);
@@ -243,6 +248,8 @@ fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
         curve: None,
         predicted_loss: None,
         samples_per_s: None,
+        step_time_s: None,
+        predicted_step_time_s: None,
         submitted_at,
         started_at: None,
         finished_at: None,
@@ -383,6 +390,7 @@ fn update_progress(
     history: Option<&JobHistory>,
     curve: Option<&Curve>,
     horizon_s: f64,
+    prior: &ThroughputPrior,
 ) {
     let Some(h) = history else { return };
     if let Some(p) = h.latest() {
@@ -398,6 +406,36 @@ fn update_progress(
         c.predict(status.samples as f64 + rate * horizon_s)
     });
     status.curve = curve.map(|c| c.to_wire());
+    let (observed, predicted) = step_times(status, h, prior);
+    status.step_time_s = observed;
+    status.predicted_step_time_s = predicted;
+}
+
+/// Observed seconds per step of the status's generation, and what the throughput model
+/// fitted on the earlier generations predicts for its world size and servers spanned.
+fn step_times(status: &JobStatus, h: &JobHistory, prior: &ThroughputPrior) -> (Option<f64>, Option<f64>) {
+    let seen = h.step_observations();
+    let current = seen
+        .iter()
+        .find(|(g, _)| *g == status.generation)
+        .map(|(_, o)| *o);
+    let earlier: Vec<StepObservation> = seen
+        .iter()
+        .filter(|(g, _)| *g < status.generation)
+        .map(|(_, o)| *o)
+        .collect();
+    let predicted = (!earlier.is_empty() && status.world_size > 0).then(|| {
+        let nodes = status
+            .placement
+            .iter()
+            .map(|r| &r.host)
+            .collect::<BTreeSet<_>>()
+            .len()
+            .max(1) as u32;
+        let local_batch = current.map_or(earlier[earlier.len() - 1].local_batch, |c| c.local_batch);
+        ThroughputModel::fit(&earlier, prior).step_time_s(status.world_size, nodes, local_batch)
+    });
+    (current.map(|c| c.step_time_s), predicted)
 }
 
 fn allocate(
@@ -867,6 +905,63 @@ mod tests {
         for id in ["crash", "gone", "bad"] {
             assert_eq!(w.status(id), &before[&JobId::new(id).unwrap()]);
         }
+    }
+
+    #[test]
+    fn statuses_show_observed_and_predicted_step_times() {
+        let id = JobId::new("s").unwrap();
+        // 32 samples per worker per step: 64 per step with 2 workers, 128 with 4.
+        let report = |generation: u64, rank: u32, host: &str, step: u64, time: f64| {
+            let per_step = if generation == 1 { 64 } else { 128 };
+            converge_common::ProgressReport {
+                protocol: PROTOCOL_VERSION,
+                job: id.clone(),
+                generation,
+                rank,
+                host: HostId::new(host).unwrap(),
+                step,
+                samples: step * per_step,
+                loss: 1.0,
+                eval_loss: None,
+                epoch: None,
+                time,
+            }
+        };
+        let mut h = JobHistory::default();
+        // Generation 1: 2 ranks on h1, 0.1 s per step.
+        h.add(&report(1, 0, "h1", 0, 0.0));
+        h.add(&report(1, 1, "h1", 0, 0.0));
+        h.add(&report(1, 0, "h1", 100, 10.0));
+        let mut status = new_status(&id, 0.0, 0.0);
+        status.generation = 1;
+        status.world_size = 2;
+        let prior = ThroughputPrior::default();
+        // Only one generation: observed, nothing to predict from.
+        let (observed, predicted) = step_times(&status, &h, &prior);
+        assert!((observed.unwrap() - 0.1).abs() < 1e-12);
+        assert_eq!(predicted, None);
+        // Generation 2: 4 ranks on h1 and h2, 0.2 s per step.
+        for (rank, host) in [(0, "h1"), (1, "h1"), (2, "h2"), (3, "h2")] {
+            h.add(&report(2, rank, host, 100, 20.0));
+        }
+        h.add(&report(2, 0, "h1", 150, 30.0));
+        status.generation = 2;
+        status.world_size = 4;
+        status.placement = ["h1", "h1", "h2", "h2"]
+            .iter()
+            .enumerate()
+            .map(|(rank, host)| RankPlacement {
+                rank: rank as u32,
+                host: HostId::new(*host).unwrap(),
+                gpus: vec![rank as u32 % 2],
+            })
+            .collect();
+        let (observed, predicted) = step_times(&status, &h, &prior);
+        assert!((observed.unwrap() - 0.2).abs() < 1e-12);
+        // Predicted from generation 1 alone: slower than 2 ranks on one host (the prior's
+        // sync terms), finite.
+        let predicted = predicted.unwrap();
+        assert!(predicted.is_finite() && predicted > 0.1, "{predicted}");
     }
 
     #[test]

@@ -23,6 +23,31 @@ pub fn clock(t: f64) -> String {
     format!("{:02}:{:02}:{:02}", s / 3600, s % 3600 / 60, s % 60)
 }
 
+/// `observed / predicted` seconds per step, `-` where unknown.
+fn step_times(observed: Option<f64>, predicted: Option<f64>) -> String {
+    let f = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.3}"));
+    format!("{} / {}", f(observed), f(predicted))
+}
+
+/// Ranks per host in rank order of first appearance, e.g. `node-1×2 node-2×1`.
+fn placement(s: &JobStatus) -> String {
+    let mut hosts: Vec<(&str, usize)> = Vec::new();
+    for r in &s.placement {
+        match hosts.iter_mut().find(|(h, _)| *h == r.host.as_str()) {
+            Some((_, n)) => *n += 1,
+            None => hosts.push((r.host.as_str(), 1)),
+        }
+    }
+    if hosts.is_empty() {
+        return "-".into();
+    }
+    hosts
+        .iter()
+        .map(|(h, n)| format!("{h}×{n}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 /// The jobs table.
 pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
     let mut t = Table::new();
@@ -37,6 +62,8 @@ pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
         "SAMPLES/S",
         "LOSS (first→now)",
         "PREDICTED",
+        "STEP s (obs/pred)",
+        "PLACEMENT",
         "AGE",
     ]);
     for (spec, st) in rows {
@@ -58,6 +85,8 @@ pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
                 s.samples_per_s.map_or("-".into(), |r| format!("{r:.0}")),
                 format!("{} → {}", loss(s.first_loss), loss(s.loss)),
                 loss(s.predicted_loss),
+                step_times(s.step_time_s, s.predicted_step_time_s),
+                placement(s),
                 age(s.finished_at.unwrap_or(now) - s.submitted_at),
             ]),
             None => t.add_row(vec![
@@ -65,6 +94,8 @@ pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
                 label,
                 "submitted".into(),
                 format!("0 ({range})"),
+                "-".into(),
+                "-".into(),
                 "-".into(),
                 "-".into(),
                 "-".into(),

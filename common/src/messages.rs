@@ -439,6 +439,14 @@ pub struct JobStatus {
     pub predicted_loss: Option<f64>,
     /// Observed throughput of the current allocation, samples per second.
     pub samples_per_s: Option<f64>,
+    /// Observed seconds per step of the current generation (rank 0's reports).
+    #[serde(default)]
+    pub step_time_s: Option<f64>,
+    /// Seconds per step the allocator's throughput model, fitted on the job's earlier
+    /// generations only, predicts for the current world size and servers spanned; `None`
+    /// while the job has not run in an earlier generation.
+    #[serde(default)]
+    pub predicted_step_time_s: Option<f64>,
     pub submitted_at: f64,
     pub started_at: Option<f64>,
     pub finished_at: Option<f64>,
