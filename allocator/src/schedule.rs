@@ -8,9 +8,10 @@
 //! An allocation change bumps the job's generation and goes through `restarting` again, so
 //! the old generation checkpoints and exits before the new one starts (generation fencing).
 
+use crate::contention::JobCost;
 use crate::fit::{Curve, FitConfig, fit_loss_curve, samples_to_reach};
 use crate::history::JobHistory;
-use crate::placement::{HostFree, PlacementRequest, master_port, place};
+use crate::placement::{HostFree, PlacementKind, PlacementRequest, master_port, place_with};
 use crate::policies::{ClusterView, Policy, Quality};
 use crate::policy::{PolicyJob, PolicyParams};
 use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior, packed_nodes};
@@ -32,6 +33,8 @@ pub struct Settings {
     pub fit: FitConfig,
     /// Prior of the per-job throughput model (before a job has step times to fit).
     pub throughput_prior: ThroughputPrior,
+    /// How workers are put on hosts (first fit, or BCO priced by each job's model).
+    pub placement: PlacementKind,
     /// The policy that sizes jobs (default: `quality` with `policy`).
     pub scheduler: Arc<dyn Policy>,
 }
@@ -44,6 +47,7 @@ impl Default for Settings {
             policy,
             fit: FitConfig::default(),
             throughput_prior: ThroughputPrior::default(),
+            placement: PlacementKind::default(),
             scheduler: Arc::new(Quality { params: policy }),
         }
     }
@@ -413,7 +417,11 @@ fn update_progress(
 
 /// Observed seconds per step of the status's generation, and what the throughput model
 /// fitted on the earlier generations predicts for its world size and servers spanned.
-fn step_times(status: &JobStatus, h: &JobHistory, prior: &ThroughputPrior) -> (Option<f64>, Option<f64>) {
+fn step_times(
+    status: &JobStatus,
+    h: &JobHistory,
+    prior: &ThroughputPrior,
+) -> (Option<f64>, Option<f64>) {
     let seen = h.step_observations();
     let current = seen
         .iter()
@@ -530,7 +538,31 @@ fn allocate(
             current: s.placement.clone(),
         })
         .collect();
-    let placed = place(&hosts, &requests);
+    let costs: BTreeMap<JobId, JobCost> = match settings.placement {
+        PlacementKind::FirstFit => BTreeMap::new(),
+        PlacementKind::Bco => active
+            .iter()
+            .filter_map(|(s, _)| {
+                let workers = decision.workers.get(&s.job).copied().unwrap_or(0);
+                let seen: Vec<StepObservation> = inp
+                    .histories
+                    .get(&s.job)?
+                    .step_observations()
+                    .into_iter()
+                    .map(|(_, o)| o)
+                    .collect();
+                let local_batch = seen.last()?.local_batch;
+                let model = ThroughputModel::fit(&seen, &settings.throughput_prior);
+                (workers > 0).then(|| {
+                    (
+                        s.job.clone(),
+                        JobCost::from_model(&model, workers, local_batch),
+                    )
+                })
+            })
+            .collect(),
+    };
+    let placed = place_with(settings.placement, &hosts, &requests, &costs);
 
     let mut taken_ports: BTreeSet<u16> = out
         .statuses
@@ -1016,6 +1048,31 @@ mod tests {
         w.add_host(host("h1", 4, 10.0, vec![]));
         w.step(10.0, true);
         assert_eq!((w.status("a").world_size, w.status("b").world_size), (2, 2));
+    }
+
+    #[test]
+    fn bco_placement_puts_a_job_that_fits_on_one_host_there() {
+        // `small` (2 GPUs) goes first on h1; `wide` (2 workers × 2 GPUs) then fits on h2
+        // alone. First fit fills h1's 2 free GPUs first and spans both hosts; BCO does not.
+        for (placement, spanned) in [(PlacementKind::FirstFit, 2), (PlacementKind::Bco, 1)] {
+            let mut w = World::default();
+            w.settings.placement = placement;
+            w.settings.scheduler =
+                Arc::from(crate::policies::by_name("fifo", w.settings.policy).unwrap());
+            let mut small = job("small", 1, 1, 1.0);
+            small.gpus_per_worker = 2;
+            let mut wide = job("wide", 2, 2, 2.0);
+            wide.gpus_per_worker = 2;
+            w.specs.insert(JobId::new("small").unwrap(), small);
+            w.specs.insert(JobId::new("wide").unwrap(), wide);
+            w.add_host(host("h1", 4, 10.0, vec![]));
+            w.add_host(host("h2", 4, 10.0, vec![]));
+            w.step(10.0, true);
+            let s = w.status("wide");
+            assert_eq!(s.world_size, 2, "{placement:?}");
+            let hosts: BTreeSet<_> = s.placement.iter().map(|r| &r.host).collect();
+            assert_eq!(hosts.len(), spanned, "{placement:?}: {:?}", s.placement);
+        }
     }
 
     #[test]

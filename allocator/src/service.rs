@@ -4,6 +4,7 @@
 //! that changed. It keeps no local state: kill it at any time and start it anywhere.
 
 use crate::history::JobHistory;
+use crate::placement::PlacementKind;
 use crate::policy::{Objective, PolicyParams};
 use crate::schedule::{Inputs, Settings, step};
 use async_nats::jetstream::{self, kv};
@@ -52,6 +53,11 @@ pub struct AllocatorConfig {
     /// is guessed as the work it has done so far.
     #[arg(long, env = "CONVERGE_OBJECTIVE", value_enum, default_value_t = Objective::default())]
     pub objective: Objective,
+    /// Placement: `first-fit` (hosts in id order) or `bco` (balance contention between
+    /// multi-host jobs on shared NICs against the overhead of spanning hosts, priced by each
+    /// job's throughput model; see docs/scheduling.md).
+    #[arg(long, env = "CONVERGE_PLACEMENT", value_enum, default_value_t = PlacementKind::FirstFit)]
+    pub placement: PlacementKind,
     /// Starvation guard: a job pending this long since submission is admitted ahead of
     /// running jobs (which may stop one at its minimum to make room).
     #[arg(long, env = "CONVERGE_MAX_WAIT", default_value = "30m", value_parser = humantime_duration)]
@@ -79,6 +85,7 @@ impl AllocatorConfig {
             .unwrap_or_else(|_| Settings::default().scheduler);
         Settings {
             host_timeout_s: self.host_timeout.as_secs_f64(),
+            placement: self.placement,
             policy,
             scheduler,
             ..Settings::default()

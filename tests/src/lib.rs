@@ -220,6 +220,7 @@ pub fn allocator_config(
         policy: "quality".into(),
         objective: converge_allocator::policy::Objective::default(),
         max_wait: Duration::from_secs(1800),
+        placement: converge_allocator::placement::PlacementKind::FirstFit,
     }
 }
 

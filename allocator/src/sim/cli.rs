@@ -1,6 +1,7 @@
 //! The simulator's commands: `converge-allocator simulate`, `converge-allocator workload`
 //! and `converge-allocator report`.
 
+use crate::placement::PlacementKind;
 use crate::policies::{POLICY_NAMES, by_name};
 use crate::policy::{Objective, PolicyParams};
 use crate::sim::apps::load_all;
@@ -31,6 +32,10 @@ pub struct ClusterArgs {
     /// Seed of the noise on the loss signal the policy sees.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Placement: `first-fit` (hosts in id order) or `bco` (balance contention between
+    /// multi-node jobs against the overhead of spanning nodes, SJF-BCO's rule).
+    #[arg(long, value_enum, default_value_t = PlacementKind::FirstFit)]
+    pub placement: PlacementKind,
     /// Folder of the measured application traces.
     #[arg(long, default_value = "data/pollux/traces")]
     pub traces: PathBuf,
@@ -58,6 +63,7 @@ impl ClusterArgs {
             restart_delay_s: self.restart_delay,
             interference: self.interference,
             seed: self.seed,
+            placement: self.placement,
             ..SimConfig::default()
         })
     }

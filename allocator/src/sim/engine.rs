@@ -10,8 +10,9 @@
 //! is the Pollux simulator's "Optimus+Oracle" and gets the true remaining work and
 //! throughput, as its name says.
 
+use crate::contention::JobCost;
 use crate::fit::{Curve, FitConfig, LossPoint, fit_loss_curve};
-use crate::placement::{HostFree, PlacementRequest, place};
+use crate::placement::{HostFree, PlacementKind, PlacementRequest, place_with};
 use crate::policies::{ClusterView, Policy};
 use crate::policy::PolicyJob;
 use crate::sim::apps::{Application, SimJob};
@@ -41,6 +42,8 @@ pub struct SimConfig {
     pub seed: u64,
     /// Simulated time after which the run stops even if jobs remain, seconds.
     pub max_time_s: f64,
+    /// How workers are put on nodes: first fit, or balancing contention and overhead (BCO).
+    pub placement: PlacementKind,
 }
 
 impl Default for SimConfig {
@@ -54,6 +57,7 @@ impl Default for SimConfig {
             loss_noise: 0.02,
             seed: 1,
             max_time_s: 60.0 * 24.0 * 3600.0,
+            placement: PlacementKind::FirstFit,
         }
     }
 }
@@ -236,6 +240,9 @@ pub fn simulate(
     let throughput_prior = ThroughputPrior::default();
     let oracle = policy.name() == "optimus";
     let mut intervals = Vec::new();
+    // Contention calibration from measured slowdowns: (sum, count) of the extra step time,
+    // as a fraction of the compute time, per additional multi-node job on a shared NIC.
+    let mut contention_seen = (0.0f64, 0u64);
     let mut now = 0.0;
     let mut policy_violations = 0;
 
@@ -254,12 +261,20 @@ pub fn simulate(
         let mut interference = vec![0.0; jobs.len()];
         for (i, t) in jobs.iter().enumerate() {
             let nodes = nodes_of(&t.placement);
-            if nodes.len() > 1
-                && nodes
-                    .iter()
-                    .any(|n| multi_node_jobs_per_node.get(n).copied().unwrap_or(0) > 1)
-            {
+            let sharing = nodes
+                .iter()
+                .map(|n| multi_node_jobs_per_node.get(n).copied().unwrap_or(0))
+                .max()
+                .unwrap_or(0);
+            if nodes.len() > 1 && sharing > 1 {
                 interference[i] = cfg.interference;
+                // What the agents would measure: this job's steps are slower by
+                // 1/(1 − f) − 1 while `sharing` multi-node jobs share one of its NICs.
+                if cfg.interference > 0.0 && t.job.completed_at.is_none() {
+                    let slowdown = 1.0 / (1.0 - cfg.interference) - 1.0;
+                    contention_seen.0 += slowdown / f64::from(sharing - 1);
+                    contention_seen.1 += 1;
+                }
             }
         }
         for (t, f) in jobs.iter_mut().zip(&interference) {
@@ -327,22 +342,27 @@ pub fn simulate(
         // 3. The policy decides; placement keeps unchanged jobs where they are. Curve fits
         //    count as decision time: the service fits inside its scheduling step too.
         let started = Instant::now();
-        if wants_curves {
-            for &i in &active {
-                let t = &mut jobs[i];
-                if refit_due(t.losses.len(), t.fitted_points) {
-                    t.curve = fit_loss_curve(&t.losses, &fit_cfg);
-                    t.fitted_points = t.losses.len();
-                }
-                let app = &apps[&t.job.app];
-                if let Some(seen) = observe_step(&t.job, app)
-                    && !t.steps.contains(&seen)
-                {
-                    t.steps.push(seen);
-                    t.model = Some(ThroughputModel::fit(&t.steps, &throughput_prior));
-                }
+        for &i in &active {
+            let t = &mut jobs[i];
+            if wants_curves && refit_due(t.losses.len(), t.fitted_points) {
+                t.curve = fit_loss_curve(&t.losses, &fit_cfg);
+                t.fitted_points = t.losses.len();
+            }
+            // Every policy's jobs get a throughput model: BCO placement prices placements
+            // with it; only `quality` also sees it.
+            let app = &apps[&t.job.app];
+            if let Some(seen) = observe_step(&t.job, app)
+                && !t.steps.contains(&seen)
+            {
+                t.steps.push(seen);
+                t.model = Some(ThroughputModel::fit(&t.steps, &throughput_prior));
             }
         }
+        let expected_contention = if contention_seen.1 > 0 {
+            contention_seen.0 / contention_seen.1 as f64
+        } else {
+            0.0
+        };
         let views: Vec<PolicyJob> = active
             .iter()
             .map(|&i| {
@@ -371,16 +391,27 @@ pub fn simulate(
                                 .map(|w| t.job.progress_rate(app, w, cfg.gpus_per_node))
                                 .collect(),
                         )
-                    } else {
+                    } else if wants_curves {
                         t.model.as_ref().map(|model| {
                             (1..=t.max_workers)
                                 .map(|w| {
                                     let nodes = packed_nodes(w, 1, cfg.gpus_per_node);
                                     let local = f64::from(t.job.target_batch_size) / f64::from(w);
-                                    model.samples_per_s(w, nodes, local)
+                                    let rate = model.samples_per_s(w, nodes, local);
+                                    // Under BCO, a multi-node allocation of whole nodes can
+                                    // get nodes of its own; one with a partial node expects
+                                    // the contention measured so far.
+                                    let partial = nodes > 1 && !w.is_multiple_of(cfg.gpus_per_node);
+                                    if cfg.placement == PlacementKind::Bco && partial {
+                                        rate / (1.0 + expected_contention)
+                                    } else {
+                                        rate
+                                    }
                                 })
                                 .collect()
                         })
+                    } else {
+                        None
                     },
                     remaining_work: if oracle {
                         Some(t.job.remaining_progress(app))
@@ -425,7 +456,21 @@ pub fn simulate(
                 current: jobs[i].placement.clone(),
             })
             .collect();
-        let placed = place(&hosts, &requests);
+        let costs: BTreeMap<JobId, JobCost> = requests
+            .iter()
+            .filter(|r| r.workers > 0)
+            .filter_map(|r| {
+                let t = jobs.iter().find(|t| t.id == r.job)?;
+                let local = f64::from(t.job.target_batch_size) / f64::from(r.workers);
+                let mut cost = JobCost::from_model(t.model.as_ref()?, r.workers, local);
+                if contention_seen.1 > 0 {
+                    let per_job = contention_seen.0 / contention_seen.1 as f64;
+                    cost.sync_s = cost.sync_s.max(per_job * cost.compute_s);
+                }
+                Some((r.job.clone(), cost))
+            })
+            .collect();
+        let placed = place_with(cfg.placement, &hosts, &requests, &costs);
         let decision_s = started.elapsed().as_secs_f64();
 
         // 4. Apply: every change of placement restarts the job.
