@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a whole Converge cluster on this machine: NATS with JetStream, the allocator, three
-# agents with 4 fake GPUs each, and five real training jobs (four datasets) submitted over
+# agents with 4 fake GPUs each, and six real training jobs (four datasets, one through a parameter server) submitted over
 # time; shows a live view of the jobs and stops everything cleanly on Ctrl-C, once every
 # job has finished, or after --duration seconds.
 #
@@ -121,6 +121,7 @@ jobs=(
     "15 examples/jobs/millionsong-linreg.toml"
     "15 examples/jobs/mnist-mlp.toml"
     "15 examples/jobs/optdigits-mlp.toml"
+    "15 examples/jobs/optdigits-ps.toml"
 )
 (
     for entry in "${jobs[@]}"; do

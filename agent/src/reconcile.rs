@@ -146,6 +146,7 @@ mod tests {
             command: vec!["true".into()],
             env: Map::new(),
             max_restarts: 3,
+            num_ps: 0,
         }
     }
 

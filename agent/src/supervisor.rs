@@ -395,6 +395,7 @@ fn spawn_worker(
         .env("CONVERGE_JOB_ID", a.job.as_str())
         .env("CONVERGE_GENERATION", a.generation.to_string())
         .env("CONVERGE_CHECKPOINT_DIR", &checkpoint_dir)
+        .env("CONVERGE_NUM_PS", a.num_ps.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::from(stderr_log))

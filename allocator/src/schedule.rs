@@ -17,7 +17,7 @@ use crate::policy::{PolicyJob, PolicyParams};
 use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior, packed_nodes};
 use converge_common::{
     Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobPhase, JobSpec, JobStatus,
-    PROTOCOL_VERSION, RankPlacement, WorkerAssignment, WorkerPhase,
+    PROTOCOL_VERSION, RankPlacement, SyncArch, WorkerAssignment, WorkerPhase,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -92,6 +92,35 @@ fn remaining_samples(curve: Option<&Curve>, target_loss: Option<f64>, samples: f
     let limit = (samples * 1000.0).max(1e9);
     let reach = samples_to_reach(curve?, target_loss?, samples, limit)?;
     Some((reach - samples).max(0.0))
+}
+
+/// The parameter-server shards of a running `arch = "ps"` job (none for other jobs): one per
+/// host its workers use, in rank order of first appearance, at most `max_ps`, co-located
+/// with the workers so that their pushes and pulls stay on the host (locality, after Yu et
+/// al., IEEE TNSE 2021). Shards take the ranks after the workers and no GPU. Derived from
+/// the placement alone, so the same placement always gives the same shards.
+fn ps_shards(status: &JobStatus, spec: &JobSpec) -> Vec<RankPlacement> {
+    if spec.arch != SyncArch::Ps || status.world_size == 0 {
+        return Vec::new();
+    }
+    let mut hosts: Vec<&HostId> = Vec::new();
+    let mut ranks: Vec<&RankPlacement> = status.placement.iter().collect();
+    ranks.sort_by_key(|p| p.rank);
+    for p in ranks {
+        if !hosts.contains(&&p.host) {
+            hosts.push(&p.host);
+        }
+    }
+    hosts
+        .into_iter()
+        .take(spec.max_ps.unwrap_or(u32::MAX) as usize)
+        .enumerate()
+        .map(|(i, host)| RankPlacement {
+            rank: status.world_size + i as u32,
+            host: host.clone(),
+            gpus: Vec::new(),
+        })
+        .collect()
 }
 
 /// Everything a step reads.
@@ -646,8 +675,11 @@ fn plans(
         let Some(master_addr) = live.get(&rank0.host).map(|t| t.addr.clone()) else {
             continue;
         };
+        let shards = ps_shards(status, spec);
+        let num_ps = shards.len() as u32;
+        let world_size = status.world_size + num_ps;
         let mut by_host: BTreeMap<&HostId, Vec<&RankPlacement>> = BTreeMap::new();
-        for p in &status.placement {
+        for p in status.placement.iter().chain(&shards) {
             by_host.entry(&p.host).or_default().push(p);
         }
         for (host, ranks) in by_host {
@@ -661,7 +693,7 @@ fn plans(
                     job: status.job.clone(),
                     generation: status.generation,
                     rank: p.rank,
-                    world_size: status.world_size,
+                    world_size,
                     local_rank: local_rank as u32,
                     local_world_size: ranks.len() as u32,
                     gpus: p.gpus.clone(),
@@ -670,6 +702,7 @@ fn plans(
                     command: spec.command.clone(),
                     env: spec.env.clone(),
                     max_restarts: spec.max_restarts,
+                    num_ps,
                 });
             }
         }
@@ -819,6 +852,43 @@ mod tests {
                 ..
             }
         )));
+    }
+
+    #[test]
+    fn parameter_server_jobs_get_a_shard_on_each_worker_host() {
+        for (max_ps, shards) in [(None, 2), (Some(1), 1)] {
+            let mut w = World::default();
+            let mut spec = job("ps", 3, 3, 1.0);
+            spec.arch = SyncArch::Ps;
+            spec.max_ps = max_ps;
+            w.specs.insert(JobId::new("ps").unwrap(), spec);
+            w.add_host(host("h1", 2, 10.0, vec![]));
+            w.add_host(host("h2", 2, 10.0, vec![]));
+            let out = w.step(10.0, true);
+            let s = w.status("ps");
+            assert_eq!((s.phase, s.world_size), (JobPhase::Running, 3));
+            let all: Vec<&WorkerAssignment> = out.plans.values().flat_map(|p| &p.workers).collect();
+            assert_eq!(all.len(), 3 + shards, "{max_ps:?}");
+            for a in &all {
+                assert_eq!((a.world_size, a.num_ps), (3 + shards as u32, shards as u32));
+            }
+            let shard_ranks: Vec<&&WorkerAssignment> = all.iter().filter(|a| a.rank >= 3).collect();
+            assert_eq!(shard_ranks.len(), shards);
+            assert!(shard_ranks.iter().all(|a| a.gpus.is_empty()));
+            // Each shard sits on a host that runs workers of the job; shard 0 with rank 0.
+            let rank0_host = &s.placement.iter().find(|p| p.rank == 0).unwrap().host;
+            let shard0_host = out
+                .plans
+                .iter()
+                .find(|(_, p)| p.workers.iter().any(|a| a.rank == 3))
+                .map(|(h, _)| h)
+                .unwrap();
+            assert_eq!(shard0_host, rank0_host);
+            // Plans stay valid: ranks below the world size, no GPU twice.
+            for p in out.plans.values() {
+                converge_common::messages::Message::validate(p).unwrap();
+            }
+        }
     }
 
     #[test]

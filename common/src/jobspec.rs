@@ -12,7 +12,7 @@ pub const MAX_WORKERS: u32 = 4096;
 /// Largest number of GPUs per worker (one worker never spans hosts).
 pub const MAX_GPUS_PER_WORKER: u32 = 16;
 /// Environment variables set by the agent (worker contract) that a spec may not override.
-pub const RESERVED_ENV: [&str; 10] = [
+pub const RESERVED_ENV: [&str; 11] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -23,6 +23,7 @@ pub const RESERVED_ENV: [&str; 10] = [
     "CONVERGE_JOB_ID",
     "CONVERGE_GENERATION",
     "CONVERGE_CHECKPOINT_DIR",
+    "CONVERGE_NUM_PS",
 ];
 
 /// How a job's workers synchronize.
@@ -32,7 +33,14 @@ pub enum SyncArch {
     /// Data parallel with ring all-reduce of gradients (the default).
     #[default]
     Ring,
+    /// Data parallel through parameter-server shards: the allocator adds shard processes
+    /// (no GPU) next to the workers, one per host the workers use, at most `max_ps`; the
+    /// shards get the ranks after the workers and every process `CONVERGE_NUM_PS`.
+    Ps,
 }
+
+/// Most parameter-server shards a job may ask for.
+pub const MAX_PS: u32 = 256;
 
 fn default_one() -> u32 {
     1
@@ -68,6 +76,9 @@ pub struct JobSpec {
     pub max_workers: Option<u32>,
     #[serde(default)]
     pub arch: SyncArch,
+    /// Most parameter-server shards (`arch = "ps"` only; default: one per worker host).
+    #[serde(default)]
+    pub max_ps: Option<u32>,
     /// Training loss at which the job counts as converged: the allocator stops it and marks
     /// it completed.
     #[serde(default)]
@@ -103,6 +114,10 @@ pub enum JobSpecError {
     MaxWorkers { min: u32, max: u32 },
     #[error("`target_loss` must be a finite number, got {0}")]
     TargetLoss(f64),
+    #[error("`max_ps` is only for `arch = \"ps\"` jobs")]
+    MaxPsWithoutPs,
+    #[error("`max_ps` must be between 1 and {MAX_PS}, got {0}")]
+    MaxPs(u32),
     #[error("`env` may not set {0}: the agent sets it (worker contract)")]
     ReservedEnv(String),
     #[error("`env` key {0:?} is not a valid environment variable name")]
@@ -150,6 +165,13 @@ impl JobSpec {
         {
             return Err(JobSpecError::TargetLoss(t));
         }
+        match (self.arch, self.max_ps) {
+            (SyncArch::Ring, Some(_)) => return Err(JobSpecError::MaxPsWithoutPs),
+            (SyncArch::Ps, Some(p)) if !(1..=MAX_PS).contains(&p) => {
+                return Err(JobSpecError::MaxPs(p));
+            }
+            _ => {}
+        }
         for key in self.env.keys() {
             if RESERVED_ENV.contains(&key.as_str()) {
                 return Err(JobSpecError::ReservedEnv(key.clone()));
@@ -179,6 +201,20 @@ mod tests {
                 expect
             ),
         }
+    }
+
+    #[test]
+    fn parameter_server_jobs_parse_and_max_ps_is_checked() {
+        let base = "id = \"p\"\ncommand = [\"t\"]\n";
+        let ps = JobSpec::from_toml(&format!("{base}arch = \"ps\"\nmax_ps = 2\n")).unwrap();
+        assert_eq!((ps.arch, ps.max_ps), (SyncArch::Ps, Some(2)));
+        let err = JobSpec::from_toml(&format!("{base}max_ps = 2\n")).unwrap_err();
+        assert!(err.to_string().contains("only for"), "{err}");
+        let err = JobSpec::from_toml(&format!("{base}arch = \"ps\"\nmax_ps = 0\n")).unwrap_err();
+        assert!(err.to_string().contains("between 1"), "{err}");
+        let err =
+            JobSpec::from_toml(&format!("{base}[env]\nCONVERGE_NUM_PS = \"3\"\n")).unwrap_err();
+        assert!(err.to_string().contains("CONVERGE_NUM_PS"), "{err}");
     }
 
     #[test]

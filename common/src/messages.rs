@@ -298,6 +298,10 @@ pub struct WorkerAssignment {
     pub env: BTreeMap<String, String>,
     /// Non-zero exits tolerated (with backoff) before the worker is marked failed.
     pub max_restarts: u32,
+    /// Parameter-server shards among the job's `world_size` processes (the last ranks;
+    /// they get no GPU); 0 for ring all-reduce jobs. Passed as `CONVERGE_NUM_PS`.
+    #[serde(default)]
+    pub num_ps: u32,
 }
 
 /// The desired workers of one host (KV `converge-plans`, key = host id). Level-triggered:
@@ -327,6 +331,12 @@ impl Message for HostPlan {
             }
             if w.command.is_empty() {
                 return Err(format!("worker {}/{} has an empty command", w.job, w.rank));
+            }
+            if w.num_ps >= w.world_size {
+                return Err(format!(
+                    "worker {}/{}: {} parameter-server shards leave no worker in a world of {}",
+                    w.job, w.rank, w.num_ps, w.world_size
+                ));
             }
         }
         let mut keys: Vec<_> = self.workers.iter().map(|w| (&w.job, w.rank)).collect();
@@ -586,6 +596,7 @@ mod tests {
                 command: vec!["converge-trainer".into()],
                 env: BTreeMap::new(),
                 max_restarts: 3,
+                num_ps: 0,
             }],
         }
     }

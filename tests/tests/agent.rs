@@ -32,6 +32,7 @@ fn worker(
         command,
         env: BTreeMap::new(),
         max_restarts: 2,
+        num_ps: 0,
     }
 }
 

@@ -294,3 +294,82 @@ async fn cli_refuses_bad_specs_with_the_reason_and_writes_nothing() {
     let out = converge(&nats, &["submit", good.to_str().unwrap()]);
     assert!(String::from_utf8_lossy(&out.stderr).contains("already exists"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parameter_server_job_trains_with_a_shard_next_to_its_workers() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut progress = bus
+        .client
+        .subscribe(subjects::progress(&"ps".parse().unwrap()))
+        .await
+        .unwrap();
+    let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
+    let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
+
+    let trainer = bin_path("converge-trainer");
+    let data = repo_root().join("data");
+    let spec = work.path().join("ps.toml");
+    std::fs::write(
+        &spec,
+        format!(
+            r#"id = "ps"
+command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "4",
+           "--step-delay-ms", "5", "--log-every", "5", "--checkpoint-every", "5"]
+arch = "ps"
+max_ps = 1
+min_workers = 2
+max_workers = 2
+"#,
+            trainer.display(),
+            data.display()
+        ),
+    )
+    .unwrap();
+    let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // Two workers and one shard (no GPU) run on n1.
+    wait_for(
+        Duration::from_secs(30),
+        "2 workers + 1 shard on n1",
+        || async {
+            let (t, _) = bus.get::<HostTelemetry>(&bus.hosts, "n1").await.ok()??;
+            let ranks: Vec<u32> = t
+                .workers
+                .iter()
+                .filter(|w| w.job.as_str() == "ps" && w.phase == WorkerPhase::Running)
+                .map(|w| w.rank)
+                .collect();
+            (ranks.len() == 3).then_some(())
+        },
+    )
+    .await;
+    let first = next_report(&mut progress).await;
+    let done = wait_for(Duration::from_secs(60), "the job completes", || async {
+        let s = status(&bus, "ps").await?;
+        (s.phase == JobPhase::Completed).then_some(s)
+    })
+    .await;
+    let mut last = first.clone();
+    while let Ok(Some(msg)) =
+        tokio::time::timeout(Duration::from_millis(200), progress.next()).await
+    {
+        last = decode(&msg.payload).unwrap();
+    }
+    let loss = done.loss.unwrap_or(last.loss);
+    assert!(
+        loss < 0.5 * first.loss,
+        "loss did not fall: {} -> {loss}",
+        first.loss
+    );
+
+    agent.stop().await;
+    allocator.stop().await;
+}

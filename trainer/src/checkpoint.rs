@@ -2,8 +2,10 @@
 //!
 //! Rank 0 writes a temporary file in the checkpoint directory, flushes it to disk, renames
 //! it over `checkpoint.json` and syncs the directory, so a reader sees either the old or
-//! the new checkpoint, never a torn one. Every rank reads the same file on start, so all
-//! ranks begin with identical parameters at any world size.
+//! the new checkpoint, never a torn one. Rank 0 reads it on start and hands its state to
+//! the others (by broadcast in ring mode, through the shards in parameter-server mode), so
+//! all ranks begin with identical parameters at any world size. Both modes write and read
+//! the same format: a job resumes in either mode.
 
 use std::fs::{self, File};
 use std::io::Write;

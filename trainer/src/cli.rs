@@ -7,13 +7,16 @@ use clap::Parser;
 
 use crate::data::DatasetName;
 use crate::model::ModelKind;
+use crate::ps::Role;
 
 const ABOUT: &str = "Converge's reference data-parallel trainer: SGD with momentum on real \
-datasets, gradients averaged by ring all-reduce over TCP, checkpoint and resume at any world size.";
+datasets, gradients averaged by ring all-reduce or parameter servers over TCP, checkpoint and \
+resume at any world size.";
 
 const LONG_ABOUT: &str = "\
 Converge's reference data-parallel trainer: SGD with momentum on real datasets, gradients \
-averaged by ring all-reduce over TCP, checkpoint and resume at any world size.
+averaged by ring all-reduce (default) or by parameter-server shards over TCP, checkpoint and \
+resume at any world size and in either mode.
 
 Worker environment (torchrun-compatible, set by the node agent):
   RANK, WORLD_SIZE          this worker's rank and the number of ranks; without WORLD_SIZE
@@ -25,6 +28,24 @@ Worker environment (torchrun-compatible, set by the node agent):
                             job identity; all ranks must be in the same generation
   CONVERGE_CHECKPOINT_DIR   where rank 0 keeps checkpoint.json; every rank resumes from it;
                             without it there is no checkpointing
+  CONVERGE_NUM_PS           p >= 1 selects parameter-server mode (unset or 0: ring mode)
+
+Parameter-server mode (CONVERGE_NUM_PS=p): WORLD_SIZE counts every process. Ranks
+0..WORLD_SIZE-p are workers (the data-parallel world is WORLD_SIZE-p, the global batch
+(WORLD_SIZE-p) x --batch-size); ranks WORLD_SIZE-p..WORLD_SIZE are shards, shard s owning the
+s-th of p contiguous, near-equal slices of the flat parameter vector and its momentum. Rank 0
+is worker 0: it serves the rendezvous, prints the progress lines and writes the checkpoint, as
+in ring mode. Shards listen on an ephemeral port (0.0.0.0) and register it at the rendezvous;
+workers reach them at the address rank 0 observed. Each step every worker pushes its gradient
+slices to the shards, a shard waits for all workers, averages, applies the SGD-with-momentum
+update to its slice and answers with the new slice. Worker 0 hands the shards their slices at
+the start (from its checkpoint, or a fresh initialization), so shards read neither the data
+nor the checkpoint, and pulls the momentum from them when it checkpoints. On SIGTERM the step
+in flight is abandoned on every rank, worker 0 checkpoints the last completed step and all
+ranks exit 143; at the end shards exit 0. The checkpoint is the same as in ring mode, so a job
+resumes in either mode and at any split of workers and shards. A rank that loses a peer exits 1
+(after the I/O timeout of 60 s at most); worker 0 then keeps its last checkpoint, since the
+momentum of later steps was on the shards.
 
 Rank 0 prints progress lines on stdout:
   CONVERGE_PROGRESS {\"step\":120,\"samples\":3840,\"loss\":0.53,\"epoch\":0.118,\"eval_loss\":0.55}
@@ -57,7 +78,8 @@ pub struct Args {
     )]
     pub data_dir: PathBuf,
 
-    /// Examples per worker per step; the global batch is WORLD_SIZE times this.
+    /// Examples per worker per step; the global batch is WORLD_SIZE times this
+    /// (WORLD_SIZE - CONVERGE_NUM_PS times this in parameter-server mode).
     #[arg(long, default_value_t = 32, value_name = "N")]
     pub batch_size: usize,
 
@@ -110,7 +132,8 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub step_delay_ms: u64,
 
-    /// Seconds to wait for all ranks to join the rendezvous and connect the ring.
+    /// Seconds to wait for all ranks to join the rendezvous and connect the ring (or the
+    /// workers to the parameter-server shards).
     #[arg(long, default_value_t = 120.0, value_name = "SECONDS")]
     pub rendezvous_timeout: f64,
 }
@@ -184,6 +207,9 @@ pub struct WorkerEnv {
     pub generation: u64,
     /// `CONVERGE_CHECKPOINT_DIR`; no checkpointing when unset.
     pub checkpoint_dir: Option<PathBuf>,
+    /// `CONVERGE_NUM_PS`: parameter-server shards among the `world_size` ranks (0, the
+    /// default, is ring mode).
+    pub num_ps: usize,
 }
 
 impl WorkerEnv {
@@ -225,6 +251,14 @@ impl WorkerEnv {
             Some(g) => parse("CONVERGE_GENERATION", &g)?,
             None => 0,
         };
+        let num_ps: usize = match get("CONVERGE_NUM_PS") {
+            Some(p) => parse("CONVERGE_NUM_PS", &p)?,
+            None => 0,
+        };
+        ensure!(
+            num_ps < world_size,
+            "CONVERGE_NUM_PS={num_ps} leaves no worker among WORLD_SIZE={world_size} ranks: WORLD_SIZE counts workers and parameter-server shards"
+        );
         Ok(WorkerEnv {
             rank,
             world_size,
@@ -236,7 +270,18 @@ impl WorkerEnv {
             job_id: get("CONVERGE_JOB_ID"),
             generation,
             checkpoint_dir: get("CONVERGE_CHECKPOINT_DIR").map(PathBuf::from),
+            num_ps,
         })
+    }
+
+    /// The number of data-parallel workers: `WORLD_SIZE - CONVERGE_NUM_PS`.
+    pub fn workers(&self) -> usize {
+        self.world_size - self.num_ps
+    }
+
+    /// This rank's role.
+    pub fn role(&self) -> Role {
+        Role::of(self.rank, self.world_size, self.num_ps)
     }
 }
 
@@ -287,6 +332,71 @@ mod tests {
         assert!(env(&[("WORLD_SIZE", "2"), ("RANK", "2")]).is_err());
         assert!(env(&[("WORLD_SIZE", "two"), ("RANK", "0")]).is_err());
         assert!(env(&[("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_PORT", "70000")]).is_err());
+        assert!(env(&[("WORLD_SIZE", "2"), ("RANK", "0"), ("CONVERGE_NUM_PS", "2")]).is_err());
+        assert!(env(&[("CONVERGE_NUM_PS", "1")]).is_err());
+        assert!(
+            env(&[
+                ("WORLD_SIZE", "2"),
+                ("RANK", "0"),
+                ("CONVERGE_NUM_PS", "-1")
+            ])
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn parameter_server_roles() {
+        let e = env(&[("WORLD_SIZE", "3"), ("RANK", "0")]).unwrap();
+        assert_eq!((e.num_ps, e.workers()), (0, 3));
+        assert_eq!(
+            e.role(),
+            Role::Worker {
+                index: 0,
+                workers: 3
+            }
+        );
+        let e = env(&[("WORLD_SIZE", "3"), ("RANK", "0"), ("CONVERGE_NUM_PS", "0")]).unwrap();
+        assert_eq!(e.num_ps, 0);
+        let ps = |rank: &str, p: &str| {
+            env(&[("WORLD_SIZE", "5"), ("RANK", rank), ("CONVERGE_NUM_PS", p)])
+                .unwrap()
+                .role()
+        };
+        assert_eq!(
+            ps("0", "2"),
+            Role::Worker {
+                index: 0,
+                workers: 3
+            }
+        );
+        assert_eq!(
+            ps("2", "2"),
+            Role::Worker {
+                index: 2,
+                workers: 3
+            }
+        );
+        assert_eq!(
+            ps("3", "2"),
+            Role::Shard {
+                index: 0,
+                shards: 2
+            }
+        );
+        assert_eq!(
+            ps("4", "2"),
+            Role::Shard {
+                index: 1,
+                shards: 2
+            }
+        );
+        assert_eq!(
+            ps("4", "4"),
+            Role::Shard {
+                index: 3,
+                shards: 4
+            }
+        );
     }
 
     #[test]

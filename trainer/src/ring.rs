@@ -14,6 +14,11 @@
 //! sum is computed by exactly one rank and then copied, so every rank ends with
 //! bit-identical results. In every exchange, sending runs on a scoped thread while the
 //! calling thread receives, so large vectors cannot deadlock on full socket buffers.
+//!
+//! The parameter-server mode ([`crate::ps`]) uses the same rendezvous through
+//! [`rendezvous`]: there every rank also sends `CONVERGE_NUM_PS`, the master refuses ranks
+//! that disagree with it, and the "ring port" a rank sends is its parameter-server listener
+//! (0 for workers, which listen on nothing).
 
 use std::fmt;
 use std::io::{ErrorKind, Read, Write};
@@ -28,10 +33,10 @@ use serde::{Deserialize, Serialize};
 
 /// How long a blocking socket call waits before the loops around it look at deadlines
 /// and the termination flag again.
-const POLL: Duration = Duration::from_millis(200);
+pub(crate) const POLL: Duration = Duration::from_millis(200);
 /// After a termination request, how long an exchange may go without progress before it
 /// gives up instead of waiting the full I/O timeout.
-const TERMINATION_GRACE: Duration = Duration::from_secs(5);
+pub(crate) const TERMINATION_GRACE: Duration = Duration::from_secs(5);
 /// Magic bytes that open a ring connection.
 const RING_MAGIC: &[u8; 4] = b"CVRG";
 
@@ -73,6 +78,9 @@ struct Hello {
     world_size: usize,
     generation: u64,
     ring_port: u16,
+    /// `CONVERGE_NUM_PS` of the sender (0 in ring mode; absent from older trainers).
+    #[serde(default)]
+    num_ps: usize,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -124,15 +132,7 @@ impl Ring {
         let ring_listener =
             TcpListener::bind(("0.0.0.0", 0)).context("cannot bind the ring listener")?;
         let ring_port = ring_listener.local_addr()?.port();
-        let addresses = if cfg.rank == 0 {
-            let master = match master {
-                Some(l) => l,
-                None => bind_with_retry(cfg.master_port, deadline, &cancel)?,
-            };
-            serve_rendezvous(cfg, master, ring_port, deadline, &cancel)?
-        } else {
-            join_rendezvous(cfg, ring_port, deadline, &cancel)?
-        };
+        let addresses = rendezvous_until(cfg, 0, master, ring_port, deadline, &cancel)?;
         let w = cfg.world_size;
         let next_rank = (cfg.rank + 1) % w;
         let prev_rank = (cfg.rank + w - 1) % w;
@@ -271,7 +271,49 @@ impl Ring {
     }
 }
 
-enum IoBuf<'a> {
+/// Performs the rendezvous alone and returns the address list, one `ip:port` per rank:
+/// the port each rank sent (`own_port` for this one) at the address the master observed
+/// for it. Rank 0 serves it (on `master` if given, else it binds `MASTER_PORT`); every
+/// rank must pass the same `num_ps`. Entry 0 is reachable only by ranks other than 0.
+pub fn rendezvous(
+    cfg: &RingConfig,
+    num_ps: usize,
+    master: Option<TcpListener>,
+    own_port: u16,
+    cancel: &AtomicBool,
+) -> Result<Vec<String>> {
+    ensure!(cfg.world_size >= 2, "a rendezvous needs at least two ranks");
+    ensure!(
+        cfg.rank < cfg.world_size,
+        "rank {} is not below world size {}",
+        cfg.rank,
+        cfg.world_size
+    );
+    let deadline = Instant::now() + cfg.rendezvous_timeout;
+    rendezvous_until(cfg, num_ps, master, own_port, deadline, cancel)
+}
+
+fn rendezvous_until(
+    cfg: &RingConfig,
+    num_ps: usize,
+    master: Option<TcpListener>,
+    own_port: u16,
+    deadline: Instant,
+    cancel: &AtomicBool,
+) -> Result<Vec<String>> {
+    if cfg.rank == 0 {
+        let master = match master {
+            Some(l) => l,
+            None => bind_with_retry(cfg.master_port, deadline, cancel)?,
+        };
+        serve_rendezvous(cfg, num_ps, master, own_port, deadline, cancel)
+    } else {
+        join_rendezvous(cfg, num_ps, own_port, deadline, cancel)
+    }
+}
+
+/// A buffer that [`io_loop`] fills from or drains into a socket.
+pub(crate) enum IoBuf<'a> {
     Read(&'a mut [u8]),
     Write(&'a [u8]),
 }
@@ -279,7 +321,7 @@ enum IoBuf<'a> {
 /// Reads or writes the whole buffer, tolerating socket timeouts as long as progress is
 /// made within `timeout`, giving up early when the other direction `failed` or when a
 /// termination was requested and the peer has been silent for a grace period.
-fn io_loop(
+pub(crate) fn io_loop(
     mut stream: &TcpStream,
     buf: &mut IoBuf<'_>,
     timeout: Duration,
@@ -325,7 +367,7 @@ fn io_loop(
     Ok(())
 }
 
-fn check_cancel(cancel: &AtomicBool) -> Result<()> {
+pub(crate) fn check_cancel(cancel: &AtomicBool) -> Result<()> {
     if cancel.load(Ordering::SeqCst) {
         return Err(Interrupted.into());
     }
@@ -349,7 +391,7 @@ fn bind_with_retry(port: u16, deadline: Instant, cancel: &AtomicBool) -> Result<
     }
 }
 
-fn connect_with_retry(
+pub(crate) fn connect_with_retry(
     addr: SocketAddr,
     deadline: Instant,
     cancel: &AtomicBool,
@@ -410,6 +452,7 @@ fn send_line(mut stream: &TcpStream, value: &impl Serialize) -> Result<()> {
 /// Rank 0: waits for every other rank, checks them, and sends out the address list.
 fn serve_rendezvous(
     cfg: &RingConfig,
+    num_ps: usize,
     listener: TcpListener,
     ring_port: u16,
     deadline: Instant,
@@ -471,6 +514,11 @@ fn serve_rendezvous(
                 "rank {} says the world size is {} but rank 0 has {w}",
                 hello.rank, hello.world_size
             ))
+        } else if hello.num_ps != num_ps {
+            Some(format!(
+                "rank {} runs with CONVERGE_NUM_PS={} but rank 0 has CONVERGE_NUM_PS={num_ps}",
+                hello.rank, hello.num_ps
+            ))
         } else if hello.generation != cfg.generation {
             Some(format!(
                 "rank {} is in generation {} but rank 0 is in generation {}",
@@ -500,8 +548,18 @@ fn serve_rendezvous(
             continue;
         }
         let ring_addr = SocketAddr::new(peer.ip(), hello.ring_port);
+        let role = if num_ps == 0 {
+            format!("ring address {ring_addr}")
+        } else if hello.rank >= w - num_ps {
+            format!(
+                "parameter-server shard {} at {ring_addr}",
+                hello.rank - (w - num_ps)
+            )
+        } else {
+            "worker".to_string()
+        };
         eprintln!(
-            "rank 0/{w}: rank {} joined from {peer} (ring address {ring_addr})",
+            "rank 0/{w}: rank {} joined from {peer} ({role})",
             hello.rank
         );
         peers[hello.rank] = Some((stream, ring_addr));
@@ -534,6 +592,7 @@ fn serve_rendezvous(
 /// Ranks other than 0: joins the master and receives the address list.
 fn join_rendezvous(
     cfg: &RingConfig,
+    num_ps: usize,
     ring_port: u16,
     deadline: Instant,
     cancel: &AtomicBool,
@@ -580,6 +639,7 @@ fn join_rendezvous(
             world_size: w,
             generation: cfg.generation,
             ring_port,
+            num_ps,
         },
     )?;
     let line = read_line(&stream, deadline, cancel)

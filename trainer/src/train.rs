@@ -1,5 +1,9 @@
 //! The training loop: data-parallel SGD with momentum, progress lines, checkpoints and
 //! the exit codes of the worker contract.
+//!
+//! Gradients are averaged by ring all-reduce ([`crate::ring`]) or, with
+//! `CONVERGE_NUM_PS=p`, by parameter-server shards ([`crate::ps`], which documents that
+//! mode's contract); ranks that are shards run [`crate::ps::run_shard`] instead of this loop.
 
 use std::fmt;
 use std::io::Write;
@@ -16,6 +20,9 @@ use crate::cli::{Args, WorkerEnv};
 use crate::data::{self, Dataset, Split, Task};
 use crate::model::Model;
 use crate::order::DataOrder;
+use crate::ps::{
+    self, InitState, PsConfig, PsWorker, Push, Role, ShardOutcome, Snapshot, StepResult,
+};
 use crate::ring::{Interrupted, Ring, RingConfig};
 
 /// Exit code after finishing.
@@ -29,7 +36,8 @@ pub const EXIT_TERMINATED: i32 = 143;
 
 /// Held-out rows evaluated at most, to keep evaluation cheap.
 pub const EVAL_CAP: usize = 2_000;
-/// How long an all-reduce may go without progress before the peer counts as failed.
+/// How long an all-reduce (or a parameter-server exchange) may go without progress before
+/// the peer counts as failed.
 pub const RING_IO_TIMEOUT: Duration = Duration::from_secs(60);
 /// The prefix of progress lines on stdout.
 pub const PROGRESS_PREFIX: &str = "CONVERGE_PROGRESS ";
@@ -111,8 +119,12 @@ pub fn main_with_args(args: Args) -> i32 {
 /// Trains with the given options and environment until done, terminated or failed, and
 /// returns the exit code. `stop` is the termination flag.
 pub fn run(args: &Args, env: &WorkerEnv, stop: Arc<AtomicBool>) -> i32 {
-    let who = format!("rank {}/{}", env.rank, env.world_size);
-    match Trainer::new(args, env, stop).and_then(|t| t.train()) {
+    let who = who(env);
+    let result = match env.role() {
+        Role::Shard { .. } => serve_shard(args, env, &stop),
+        Role::Worker { .. } => Trainer::new(args, env, stop).and_then(|t| t.train()),
+    };
+    match result {
         Ok(Outcome::Completed) => {
             eprintln!("{who}: finished");
             EXIT_OK
@@ -136,6 +148,59 @@ pub fn run(args: &Args, env: &WorkerEnv, stop: Arc<AtomicBool>) -> i32 {
     }
 }
 
+/// How a rank names itself in its log lines.
+fn who(env: &WorkerEnv) -> String {
+    match env.role() {
+        _ if env.num_ps == 0 => format!("rank {}/{}", env.rank, env.world_size),
+        Role::Worker { index, workers } => {
+            format!(
+                "worker {index}/{workers} (rank {}/{})",
+                env.rank, env.world_size
+            )
+        }
+        Role::Shard { index, shards } => {
+            format!(
+                "ps shard {index}/{shards} (rank {}/{})",
+                env.rank, env.world_size
+            )
+        }
+    }
+}
+
+fn ps_config(args: &Args, env: &WorkerEnv) -> PsConfig {
+    PsConfig {
+        rank: env.rank,
+        world_size: env.world_size,
+        num_ps: env.num_ps,
+        generation: env.generation,
+        master_addr: env.master_addr.clone(),
+        master_port: env.master_port,
+        rendezvous_timeout: Duration::from_secs_f64(args.rendezvous_timeout),
+        io_timeout: RING_IO_TIMEOUT,
+    }
+}
+
+/// A parameter-server shard: checks the options, then serves its slice until the workers
+/// finish or stop. It reads neither the dataset nor the checkpoint.
+fn serve_shard(args: &Args, env: &WorkerEnv, stop: &Arc<AtomicBool>) -> Result<Outcome> {
+    args.validate().map_err(refuse)?;
+    eprintln!(
+        "{} generation {}: job {}, parameter-server shard for {} worker(s), dataset {}, model {}, local rank {}",
+        who(env),
+        env.generation,
+        env.job_id.as_deref().unwrap_or("(unset)"),
+        env.workers(),
+        args.dataset,
+        args.model_kind(),
+        env.local_rank.as_deref().unwrap_or("(unset)"),
+    );
+    let outcome = ps::run_shard(&ps_config(args, env), stop)?;
+    Ok(match outcome {
+        ShardOutcome::Completed => Outcome::Completed,
+        ShardOutcome::Terminated => Outcome::Terminated,
+    })
+}
+
 /// The optimizer state that checkpoints carry.
 #[derive(Debug, Clone)]
 struct State {
@@ -145,6 +210,33 @@ struct State {
     last_loss: Option<f64>,
     params: Vec<f64>,
     momentum: Vec<f64>,
+    /// Whether `momentum` belongs to `step`. Always so in ring mode; in parameter-server
+    /// mode the momentum lives on the shards and worker 0 pulls it only when it
+    /// checkpoints.
+    momentum_fresh: bool,
+}
+
+impl State {
+    fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            step: self.step,
+            samples: self.samples,
+            seed: self.seed,
+            last_loss: self.last_loss,
+            params: self.params.clone(),
+            momentum: self.momentum.clone(),
+        }
+    }
+}
+
+/// How the ranks of a job combine their gradients.
+enum Sync {
+    /// A single rank.
+    Alone,
+    /// Ring all-reduce.
+    Ring(Ring),
+    /// Parameter-server shards.
+    Ps(PsWorker),
 }
 
 struct Trainer<'a> {
@@ -161,7 +253,7 @@ struct Trainer<'a> {
 
 impl<'a> Trainer<'a> {
     fn new(args: &'a Args, env: &'a WorkerEnv, stop: Arc<AtomicBool>) -> Result<Trainer<'a>> {
-        let who = format!("rank {}/{}", env.rank, env.world_size);
+        let who = who(env);
         args.validate().map_err(refuse)?;
         let kind = args.model_kind();
         let lr = args.learning_rate();
@@ -171,7 +263,7 @@ impl<'a> Trainer<'a> {
             env.job_id.as_deref().unwrap_or("(unset)"),
             args.dataset,
             args.batch_size,
-            args.batch_size * env.world_size,
+            args.batch_size * env.workers(),
             args.momentum,
             args.seed,
             env.local_rank.as_deref().unwrap_or("(unset)"),
@@ -196,6 +288,14 @@ impl<'a> Trainer<'a> {
         let model =
             Model::for_task(kind, data.task, data.features(), args.hidden).map_err(refuse)?;
         let eval_idx = strided(data.test.rows, EVAL_CAP);
+        if env.num_ps > 0 {
+            eprintln!(
+                "{who}: parameter-server mode: {} worker(s) and {} shard(s) over {} parameters",
+                env.workers(),
+                env.num_ps,
+                model.num_params()
+            );
+        }
         let ckpt_dir = env.checkpoint_dir.clone();
         if ckpt_dir.is_none() {
             eprintln!("{who}: CONVERGE_CHECKPOINT_DIR is not set: checkpointing is disabled");
@@ -227,6 +327,7 @@ impl<'a> Trainer<'a> {
                 last_loss: None,
                 params: self.model.init(self.args.seed),
                 momentum: vec![0.0; self.model.num_params()],
+                momentum_fresh: true,
             });
         };
         ck.check_compatible(self.args.dataset, &self.model)
@@ -244,14 +345,62 @@ impl<'a> Trainer<'a> {
             last_loss: ck.last_loss,
             params: ck.params,
             momentum: ck.momentum,
+            momentum_fresh: true,
         })
     }
 
     fn train(self) -> Result<Outcome> {
         let env = self.env;
-        let mut state = self.initial_state()?;
-        let mut ring = None;
-        if env.world_size > 1 {
+        let rank0 = env.rank == 0;
+        let ps_mode = env.num_ps > 0;
+        // In parameter-server mode only worker 0 reads the checkpoint; the others start
+        // from the state the shards relay from it.
+        let mut state = if rank0 || !ps_mode {
+            self.initial_state()?
+        } else {
+            State {
+                step: 0,
+                samples: 0,
+                seed: self.args.seed,
+                last_loss: None,
+                params: Vec::new(),
+                momentum: Vec::new(),
+                momentum_fresh: false,
+            }
+        };
+        let mut sync = Sync::Alone;
+        if ps_mode {
+            let snap = state.snapshot();
+            let init = rank0.then_some(InitState {
+                snapshot: &snap,
+                lr: self.lr,
+                momentum: self.args.momentum,
+            });
+            let (client, start) = PsWorker::connect(
+                &ps_config(self.args, env),
+                None,
+                self.model.num_params(),
+                init,
+                self.stop.clone(),
+            )
+            .context("rendezvous with the parameter servers failed")?;
+            if !rank0 && start.seed != self.args.seed {
+                eprintln!(
+                    "{}: worker 0 runs with seed {}; using it so the data order agrees",
+                    self.who, start.seed
+                );
+            }
+            state = State {
+                step: start.step,
+                samples: start.samples,
+                seed: start.seed,
+                last_loss: start.last_loss,
+                params: start.params,
+                momentum_fresh: rank0,
+                momentum: start.momentum,
+            };
+            sync = Sync::Ps(client);
+        } else if env.world_size > 1 {
             let cfg = RingConfig {
                 rank: env.rank,
                 world_size: env.world_size,
@@ -266,7 +415,7 @@ impl<'a> Trainer<'a> {
             // is not shared with rank 0 still resume consistently.
             broadcast_state(&mut r, &mut state, &self.who)
                 .context("broadcasting the initial state failed")?;
-            ring = Some(r);
+            sync = Sync::Ring(r);
         }
         if state.step > 0 {
             eprintln!(
@@ -279,14 +428,15 @@ impl<'a> Trainer<'a> {
                 self.who, env.generation
             );
         }
-        self.train_loop(state, ring)
+        self.train_loop(state, sync)
     }
 
-    fn train_loop(&self, mut state: State, mut ring: Option<Ring>) -> Result<Outcome> {
+    fn train_loop(&self, mut state: State, mut sync: Sync) -> Result<Outcome> {
         let (args, env) = (self.args, self.env);
         let rank0 = env.rank == 0;
         let n_train = self.data.train.rows;
-        let global_batch = (env.world_size * args.batch_size) as u64;
+        // The data-parallel world: every rank in ring mode, the workers in PS mode.
+        let global_batch = (env.workers() * args.batch_size) as u64;
         let target_samples = (args.epochs * n_train as f64).ceil() as u64;
         let done =
             |s: &State| s.samples >= target_samples || args.max_steps.is_some_and(|m| s.step >= m);
@@ -295,6 +445,8 @@ impl<'a> Trainer<'a> {
         // stop votes, so one all-reduce carries them all.
         let mut buf = vec![0.0; p + 3];
         let mut order = DataOrder::new(state.seed, n_train);
+        // Set when a parameter-server shard received a termination signal.
+        let mut ps_stop_requested = false;
         let mut window_loss = 0.0;
         let mut window_steps = 0u64;
         let mut steps_run = 0u64;
@@ -309,8 +461,8 @@ impl<'a> Trainer<'a> {
             );
         }
         while !done(&state) {
-            let stopping = self.stop.load(Ordering::SeqCst);
-            if stopping && ring.is_none() {
+            let stopping = self.stop.load(Ordering::SeqCst) || ps_stop_requested;
+            if stopping && matches!(sync, Sync::Alone) {
                 return self.terminate(&state, rank0);
             }
             buf.fill(0.0);
@@ -327,39 +479,100 @@ impl<'a> Trainer<'a> {
             } else {
                 buf[p + 2] = 1.0;
             }
-            if let Some(r) = ring.as_mut()
-                && let Err(e) = r.all_reduce_sum(&mut buf)
-            {
-                return self.ring_failed(&state, e);
-            }
-            if buf[p + 2] > 0.0 {
-                // Some rank was asked to stop: the step is abandoned on every rank.
-                if rank0 {
-                    eprintln!(
-                        "{}: a rank received a termination signal; stopping at step {}",
-                        self.who, state.step
+            // Whether rank 0 checkpoints after this step (decided before it, because in PS
+            // mode worker 0 must ask the shards for the momentum along with the step).
+            let mut checkpoint_due = None;
+            let mean_loss = if let Sync::Ps(client) = &mut sync {
+                let next = State {
+                    step: state.step + 1,
+                    samples: state.samples + global_batch,
+                    params: Vec::new(),
+                    momentum: Vec::new(),
+                    ..state
+                };
+                let want_state = rank0
+                    && self.ckpt_dir.is_some()
+                    && (done(&next) || last_ckpt.elapsed() >= checkpoint_every);
+                checkpoint_due = Some(want_state);
+                let push = if stopping {
+                    Push::Stop
+                } else {
+                    Push::Grad {
+                        grad: &buf[..p],
+                        loss_sum: buf[p],
+                        count: buf[p + 1],
+                        want_state,
+                    }
+                };
+                let seq = state.step + 1;
+                match client.step(seq, push, &mut state.params, &mut state.momentum) {
+                    Err(e) => return self.sync_failed(&state, e),
+                    Ok(StepResult::Stopped { has_state }) => {
+                        state.momentum_fresh = rank0 && has_state;
+                        if rank0 {
+                            eprintln!(
+                                "{}: a rank received a termination signal; stopping at step {}",
+                                self.who, state.step
+                            );
+                        }
+                        return self.terminate(&state, rank0);
+                    }
+                    Ok(StepResult::Diverged) => bail!(
+                        "training diverged at step {seq} (non-finite gradient); try a smaller --lr"
+                    ),
+                    Ok(StepResult::Updated {
+                        loss_sum,
+                        count,
+                        has_state,
+                        stop_requested,
+                    }) => {
+                        state.momentum_fresh = rank0 && has_state;
+                        ps_stop_requested |= stop_requested;
+                        let mean_loss = loss_sum / count;
+                        if !mean_loss.is_finite() || state.params.iter().any(|w| !w.is_finite()) {
+                            bail!(
+                                "training diverged at step {seq} (non-finite loss or parameters); try a smaller --lr"
+                            );
+                        }
+                        mean_loss
+                    }
+                }
+            } else {
+                if let Sync::Ring(r) = &mut sync
+                    && let Err(e) = r.all_reduce_sum(&mut buf)
+                {
+                    return self.sync_failed(&state, e);
+                }
+                if buf[p + 2] > 0.0 {
+                    // Some rank was asked to stop: the step is abandoned on every rank.
+                    if rank0 {
+                        eprintln!(
+                            "{}: a rank received a termination signal; stopping at step {}",
+                            self.who, state.step
+                        );
+                    }
+                    return self.terminate(&state, rank0);
+                }
+                let count = buf[p + 1];
+                let mean_loss = buf[p] / count;
+                if !mean_loss.is_finite() || buf[..p].iter().any(|g| !g.is_finite()) {
+                    bail!(
+                        "training diverged at step {} (non-finite loss or gradient); try a smaller --lr",
+                        state.step + 1
                     );
                 }
-                return self.terminate(&state, rank0);
-            }
-            let count = buf[p + 1];
-            let mean_loss = buf[p] / count;
-            if !mean_loss.is_finite() || buf[..p].iter().any(|g| !g.is_finite()) {
-                bail!(
-                    "training diverged at step {} (non-finite loss or gradient); try a smaller --lr",
-                    state.step + 1
-                );
-            }
-            let mu = args.momentum;
-            for ((w, m), g) in state
-                .params
-                .iter_mut()
-                .zip(&mut state.momentum)
-                .zip(&buf[..p])
-            {
-                *m = mu * *m + g / count;
-                *w -= self.lr * *m;
-            }
+                let mu = args.momentum;
+                for ((w, m), g) in state
+                    .params
+                    .iter_mut()
+                    .zip(&mut state.momentum)
+                    .zip(&buf[..p])
+                {
+                    *m = mu * *m + g / count;
+                    *w -= self.lr * *m;
+                }
+                mean_loss
+            };
             state.step += 1;
             state.samples += global_batch;
             window_loss += mean_loss;
@@ -379,7 +592,8 @@ impl<'a> Trainer<'a> {
                 window_loss = 0.0;
                 window_steps = 0;
             }
-            if !finished && last_ckpt.elapsed() >= checkpoint_every {
+            let due = checkpoint_due.unwrap_or_else(|| last_ckpt.elapsed() >= checkpoint_every);
+            if !finished && due {
                 if let Err(e) = self.save(&state) {
                     eprintln!("{}: warning: periodic checkpoint failed: {e:#}", self.who);
                 }
@@ -399,6 +613,16 @@ impl<'a> Trainer<'a> {
                 self.report(&state, loss, true);
             }
             self.save(&state).context("final checkpoint failed")?;
+        }
+        if let Sync::Ps(client) = &mut sync
+            && let Err(e) = client.finish(state.step + 1)
+        {
+            // Training is complete (and checkpointed by worker 0); a shard that is gone
+            // by now changes nothing.
+            eprintln!(
+                "{}: warning: telling the parameter servers that training is complete failed: {e:#}",
+                self.who
+            );
         }
         Ok(Outcome::Completed)
     }
@@ -432,6 +656,12 @@ impl<'a> Trainer<'a> {
         let Some(dir) = &self.ckpt_dir else {
             return Ok(());
         };
+        if !state.momentum_fresh {
+            bail!(
+                "the momentum of step {} is on the parameter-server shards; the previous checkpoint stands",
+                state.step
+            );
+        }
         Checkpoint {
             format_version: checkpoint::FORMAT_VERSION,
             dataset: self.args.dataset,
@@ -469,16 +699,28 @@ impl<'a> Trainer<'a> {
         Ok(Outcome::Terminated)
     }
 
-    /// The ring broke mid-step: rank 0 checkpoints the last completed step (the failed
-    /// step never touched the parameters), then the run ends as terminated or failed.
-    fn ring_failed(&self, state: &State, err: anyhow::Error) -> Result<Outcome> {
+    /// The ring or the parameter servers broke mid-step: rank 0 checkpoints the last
+    /// completed step (the failed step never touched the parameters) if it holds all of
+    /// its state, then the run ends as terminated or failed.
+    fn sync_failed(&self, state: &State, err: anyhow::Error) -> Result<Outcome> {
         let terminating = self.stop.load(Ordering::SeqCst) || err.is::<Interrupted>();
+        let ps_mode = self.env.num_ps > 0;
+        let what = if ps_mode {
+            "parameter-server exchange"
+        } else {
+            "all-reduce"
+        };
         eprintln!(
-            "{}: all-reduce of step {} failed: {err:#}",
+            "{}: {what} of step {} failed: {err:#}",
             self.who,
             state.step + 1
         );
-        if self.env.rank == 0 {
+        if self.env.rank == 0 && self.ckpt_dir.is_some() && !state.momentum_fresh {
+            eprintln!(
+                "{}: not checkpointing step {}: its momentum was on the parameter-server shards; the previous checkpoint stands",
+                self.who, state.step
+            );
+        } else if self.env.rank == 0 {
             match self.save(state) {
                 Ok(()) if self.ckpt_dir.is_some() => eprintln!(
                     "{}: checkpointed the last completed step {} (samples {})",
@@ -493,6 +735,12 @@ impl<'a> Trainer<'a> {
         }
         if terminating {
             return Ok(Outcome::Terminated);
+        }
+        if ps_mode {
+            return Err(err.context(format!(
+                "lost the parameter servers during step {}",
+                state.step + 1
+            )));
         }
         Err(err.context(format!(
             "a peer failed during step {}; the ring is broken",
@@ -524,6 +772,7 @@ fn broadcast_state(ring: &mut Ring, state: &mut State, who: &str) -> Result<()> 
         last_loss: (buf[4] > 0.0).then_some(buf[5]),
         params: buf[6..6 + p].to_vec(),
         momentum: buf[6 + p..].to_vec(),
+        momentum_fresh: true,
     };
     if ring.rank() != 0 && (theirs.step != state.step || theirs.samples != state.samples) {
         eprintln!(

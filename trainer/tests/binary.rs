@@ -22,6 +22,7 @@ const CONTRACT_VARS: &[&str] = &[
     "CONVERGE_GENERATION",
     "CONVERGE_CHECKPOINT_DIR",
     "CONVERGE_DATA_DIR",
+    "CONVERGE_NUM_PS",
 ];
 
 fn data_dir() -> PathBuf {

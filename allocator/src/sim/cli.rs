@@ -33,7 +33,9 @@ pub struct ClusterArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// Placement: `first-fit` (hosts in id order) or `bco` (balance contention between
-    /// multi-node jobs against the overhead of spanning nodes, SJF-BCO's rule).
+    /// multi-node jobs against the overhead of spanning nodes, SJF-BCO's rule). First fit
+    /// by default here, as the closer stand-in for the placement of the published Pollux
+    /// baselines; the service defaults to `bco`.
     #[arg(long, value_enum, default_value_t = PlacementKind::FirstFit)]
     pub placement: PlacementKind,
     /// Folder of the measured application traces.

@@ -250,7 +250,8 @@ pub fn simulate(
         // 1. Advance every placed job by one interval (Pollux's interference rule: a
         //    multi-node job slows down when one of its nodes hosts another multi-node job).
         let mut multi_node_jobs_per_node: BTreeMap<&HostId, u32> = BTreeMap::new();
-        for t in &jobs {
+        // Completed jobs keep their last placement in `Tracked` but hold no GPUs.
+        for t in jobs.iter().filter(|t| t.job.completed_at.is_none()) {
             let nodes = nodes_of(&t.placement);
             if nodes.len() > 1 {
                 for n in nodes {
