@@ -147,6 +147,7 @@ mod tests {
             env: Map::new(),
             max_restarts: 3,
             num_ps: 0,
+            hosts: 0,
         }
     }
 

@@ -415,6 +415,8 @@ fn spawn_worker(
         eval_loss: None,
         epoch: None,
         time: 0.0,
+        workers: Some(a.world_size.saturating_sub(a.num_ps)),
+        hosts: (a.hosts > 0).then_some(a.hosts),
     };
     tokio::spawn(async move {
         let mut log = match tokio::fs::OpenOptions::new()

@@ -7,6 +7,10 @@ use crate::throughput::StepObservation;
 use converge_common::{HostId, ProgressReport};
 use std::collections::{BTreeMap, BTreeSet};
 
+/// What is known of one generation: highest rank seen + 1, hosts seen reporting, and the
+/// workers and hosts its reports declare.
+type Shape = (u32, BTreeSet<HostId>, Option<u32>, Option<u32>);
+
 /// Generations whose shape (world size, hosts) is remembered for the throughput model.
 pub const MAX_GENERATIONS: usize = 64;
 
@@ -36,7 +40,7 @@ pub struct JobHistory {
     pub stale_reports: u64,
     /// Per generation, the ranks and hosts seen reporting (its world size and servers
     /// spanned), for the last [`MAX_GENERATIONS`] generations.
-    shapes: BTreeMap<u64, (u32, BTreeSet<HostId>)>,
+    shapes: BTreeMap<u64, Shape>,
 }
 
 impl JobHistory {
@@ -51,6 +55,14 @@ impl JobHistory {
             shape.0 = shape.0.max(r.rank.saturating_add(1));
             if shape.1.len() < 4096 {
                 shape.1.insert(r.host.clone());
+            }
+            // The agent's figures from the assignment, when it sends them, over what the
+            // reporting ranks show (usually rank 0 alone).
+            if let Some(w) = r.workers.filter(|&w| w > 0) {
+                shape.2 = Some(w);
+            }
+            if let Some(h) = r.hosts.filter(|&h| h > 0) {
+                shape.3 = Some(h);
             }
             while self.shapes.len() > MAX_GENERATIONS {
                 self.shapes.pop_first();
@@ -143,7 +155,11 @@ impl JobHistory {
     /// report (samples are the job's total). Oldest first, each with its generation.
     pub fn step_observations(&self) -> Vec<(u64, StepObservation)> {
         let mut out = Vec::new();
-        for (&generation, (world, hosts)) in &self.shapes {
+        for (&generation, (ranks_seen, hosts_seen, declared_workers, declared_hosts)) in
+            &self.shapes
+        {
+            let world = &declared_workers.unwrap_or(*ranks_seen);
+            let hosts = declared_hosts.unwrap_or(hosts_seen.len() as u32);
             let mut it = self.points.iter().filter(|p| p.generation == generation);
             let (Some(first), Some(last)) = (it.next(), it.next_back()) else {
                 continue;
@@ -156,7 +172,7 @@ impl JobHistory {
             let per_step = (last.samples - first.samples) as f64 / steps as f64;
             let seen = StepObservation {
                 workers: *world,
-                nodes: hosts.len().max(1) as u32,
+                nodes: hosts.max(1),
                 local_batch: per_step / f64::from(*world),
                 step_time_s: dt / steps as f64,
             };
@@ -194,6 +210,8 @@ mod tests {
             eval_loss: None,
             epoch: None,
             time,
+            workers: None,
+            hosts: None,
         }
     }
 
@@ -223,6 +241,18 @@ mod tests {
         assert!((seen[0].step_time_s - 0.1).abs() < 1e-12);
         assert_eq!((seen[1].workers, seen[1].nodes), (3, 2));
         assert!((seen[1].step_time_s - 1.5 / 30.0).abs() < 1e-12);
+        // Generation 4: only rank 0 reports, but the agent declares 4 workers on 2 hosts.
+        let declared = |samples, time| ProgressReport {
+            workers: Some(4),
+            hosts: Some(2),
+            ..report(4, 0, samples, 0.5, time)
+        };
+        h.add(&declared(1000, 40.0));
+        h.add(&declared(1400, 41.0));
+        let seen: Vec<_> = h.step_observations().into_iter().map(|(_, o)| o).collect();
+        let last = seen.last().unwrap();
+        assert_eq!((last.workers, last.nodes), (4, 2));
+        assert!((last.local_batch - 400.0 / 40.0 / 4.0).abs() < 1e-12);
     }
 
     #[test]

@@ -677,6 +677,12 @@ fn plans(
         };
         let shards = ps_shards(status, spec);
         let num_ps = shards.len() as u32;
+        let worker_hosts = status
+            .placement
+            .iter()
+            .map(|p| &p.host)
+            .collect::<BTreeSet<_>>()
+            .len() as u32;
         let world_size = status.world_size + num_ps;
         let mut by_host: BTreeMap<&HostId, Vec<&RankPlacement>> = BTreeMap::new();
         for p in status.placement.iter().chain(&shards) {
@@ -703,6 +709,7 @@ fn plans(
                     env: spec.env.clone(),
                     max_restarts: spec.max_restarts,
                     num_ps,
+                    hosts: worker_hosts,
                 });
             }
         }
@@ -1027,6 +1034,8 @@ mod tests {
                 eval_loss: None,
                 epoch: None,
                 time,
+                workers: None,
+                hosts: None,
             }
         };
         let mut h = JobHistory::default();
@@ -1087,6 +1096,8 @@ mod tests {
             eval_loss: None,
             epoch: None,
             time: 10.0 + samples as f64 / 1000.0,
+            workers: None,
+            hosts: None,
         };
         let history = w.histories.entry(id.clone()).or_default();
         history.add(&report(320, 0.7));

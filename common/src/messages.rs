@@ -256,6 +256,13 @@ pub struct ProgressReport {
     pub epoch: Option<f64>,
     /// When the agent read the line (UNIX seconds).
     pub time: f64,
+    /// Data-parallel workers of the generation (parameter-server shards not counted), from
+    /// the worker's assignment; absent in reports of agents older than this field.
+    #[serde(default)]
+    pub workers: Option<u32>,
+    /// Hosts the generation's workers span, from the worker's assignment.
+    #[serde(default)]
+    pub hosts: Option<u32>,
 }
 
 impl Message for ProgressReport {
@@ -302,6 +309,10 @@ pub struct WorkerAssignment {
     /// they get no GPU); 0 for ring all-reduce jobs. Passed as `CONVERGE_NUM_PS`.
     #[serde(default)]
     pub num_ps: u32,
+    /// Hosts the job's workers span in this generation (0 when not given); copied into
+    /// progress reports for the allocator's throughput model.
+    #[serde(default)]
+    pub hosts: u32,
 }
 
 /// The desired workers of one host (KV `converge-plans`, key = host id). Level-triggered:
@@ -597,6 +608,7 @@ mod tests {
                 env: BTreeMap::new(),
                 max_restarts: 3,
                 num_ps: 0,
+                hosts: 0,
             }],
         }
     }
@@ -616,6 +628,8 @@ mod tests {
             eval_loss: Some(0.6),
             epoch: Some(0.02),
             time: 1.7e9,
+            workers: Some(2),
+            hosts: Some(1),
         });
         round_trip(Event::new(
             1.0,

@@ -33,6 +33,7 @@ fn worker(
         env: BTreeMap::new(),
         max_restarts: 2,
         num_ps: 0,
+        hosts: 0,
     }
 }
 
