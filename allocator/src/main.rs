@@ -1,10 +1,14 @@
 //! `converge-allocator` binary: runs the allocator service (default), the simulator's
 //! commands (`simulate`, `workload`, `report`), `bench-decision` (the time of one
-//! allocation decision at scale), or `predict-bench` (the loss-prediction benchmark).
+//! allocation decision at scale), `predict-bench` (the loss-prediction benchmark),
+//! `makespan-bench` (SJF-BCO against first-fit FIFO and the exact optimum), or `ps-bench`
+//! (the parameter-server planner against its LP bound).
 
 use clap::{Parser, Subcommand};
 use converge_allocator::benchgen::{BenchDecisionArgs, run_bench_decision};
+use converge_allocator::makespan::bench::{MakespanBenchArgs, run_makespan_bench};
 use converge_allocator::predict::bench::{PredictBenchArgs, run_predict_bench};
+use converge_allocator::ps_plan::bench::{PsBenchArgs, run_ps_bench};
 use converge_allocator::service::{AllocatorConfig, run};
 use converge_allocator::sim::cli::{SimulateArgs, WorkloadArgs, run_simulate, run_workload};
 use converge_allocator::sim::report::{ReportArgs, run_report};
@@ -54,6 +58,15 @@ enum Command {
     /// ours) on the Pollux validation curves and the recorded converge-trainer curves; writes
     /// docs/prediction.md.
     PredictBench(PredictBenchArgs),
+    /// Offline makespan scheduling: SJF-BCO and first-fit FIFO against the exact optimum on
+    /// seeded random small instances, and against each other on larger ones; prints Markdown
+    /// tables (and writes them with --out). Build with `--release`.
+    MakespanBench(MakespanBenchArgs),
+    /// Parameter-server jobs: the LP-relaxation + randomized-rounding planner (workers,
+    /// shards, placement) against its LP bound, the exhaustive optimum and greedy on seeded
+    /// random small instances; prints Markdown tables (and writes them with --out). Build with
+    /// `--release`.
+    PsBench(PsBenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -65,6 +78,8 @@ fn main() -> std::process::ExitCode {
         Some(Command::Report(args)) => run_report(&args),
         Some(Command::PredictBench(args)) => run_predict_bench(&args),
         Some(Command::BenchDecision(args)) => run_bench_decision(&args),
+        Some(Command::MakespanBench(args)) => run_makespan_bench(&args),
+        Some(Command::PsBench(args)) => run_ps_bench(&args),
         None => serve(cli.config),
     };
     match result {

@@ -40,7 +40,7 @@ pub struct AllocatorConfig {
     /// A host whose heartbeat is older than this is lost; its jobs are placed elsewhere.
     #[arg(long, env = "CONVERGE_HOST_TIMEOUT", default_value = "15s", value_parser = humantime_duration)]
     pub host_timeout: Duration,
-    /// Policy that sizes jobs: quality (the default), fair, fifo, tiresias or optimus. The
+    /// Policy that sizes jobs: quality (the default), fair, fifo, tiresias, optimus or sjf-bco. The
     /// service does not track attained service, so tiresias keeps every job in its first
     /// queue; optimus uses the throughput model and, for a job with a target loss, the
     /// samples its curve predicts to reach it.

@@ -8,6 +8,7 @@
 //! | `tiresias` | [`Tiresias`]: discretized 2D least-attained-service, gang | Gu et al., NSDI'19, as in the Pollux simulator |
 //! | `optimus` | [`Optimus`]: greedy by remaining-time reduction with an oracle | Peng et al., EuroSys'18, Pollux's "Optimus+Oracle" |
 //! | `quality` | [`Quality`]: the SLAQ quality policy of [`crate::policy`] | Zhang et al., SoCC'17 |
+//! | `sjf-bco` | [`SjfBco`]: smallest estimated job first, gang, non-preemptive, backfilling (pair with BCO placement) | Yu, Ji, Rajan, Liu, MobiHoc'22 |
 //!
 //! Every policy is **pure**: the decision is a function of the [`ClusterView`] and the jobs
 //! only (no I/O, no clock, no randomness), and does not depend on the order of the jobs
@@ -29,12 +30,14 @@ pub mod fair;
 pub mod fifo;
 pub mod optimus;
 pub mod quality;
+pub mod sjf_bco;
 pub mod tiresias;
 
 pub use fair::Fair;
 pub use fifo::Fifo;
 pub use optimus::Optimus;
 pub use quality::Quality;
+pub use sjf_bco::SjfBco;
 pub use tiresias::{TIRESIAS_QUEUE_THRESHOLD_GPU_SECONDS, Tiresias};
 
 /// What every policy sees of the cluster.
@@ -60,11 +63,11 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
 }
 
 /// The names [`by_name`] accepts.
-pub const POLICY_NAMES: [&str; 5] = ["fifo", "fair", "tiresias", "optimus", "quality"];
+pub const POLICY_NAMES: [&str; 6] = ["fifo", "fair", "tiresias", "optimus", "quality", "sjf-bco"];
 
 /// A policy name that [`by_name`] does not know.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown policy {name:?}; valid policies: fifo, fair, tiresias, optimus, quality")]
+#[error("unknown policy {name:?}; valid policies: fifo, fair, tiresias, optimus, quality, sjf-bco")]
 pub struct UnknownPolicy {
     /// The name asked for.
     pub name: String,
@@ -79,6 +82,7 @@ pub fn by_name(name: &str, quality: PolicyParams) -> Result<Box<dyn Policy>, Unk
         "tiresias" => Box::new(Tiresias::default()),
         "optimus" => Box::new(Optimus),
         "quality" => Box::new(Quality { params: quality }),
+        "sjf-bco" => Box::new(SjfBco),
         _ => {
             return Err(UnknownPolicy {
                 name: name.to_owned(),

@@ -117,7 +117,8 @@ pub struct SimulateArgs {
     /// Workload file(s) in the Pollux format (`name,time,application,num_replicas,batch_size`).
     #[arg(long, required = true, num_args = 1..)]
     pub workload: Vec<PathBuf>,
-    /// Scheduling policy: fifo, fair, tiresias, optimus (Optimus+Oracle) or quality.
+    /// Scheduling policy: fifo, fair, tiresias, optimus (Optimus+Oracle), quality or
+    /// sjf-bco (smallest estimated job first, for makespan; pair it with `--placement bco`).
     #[arg(long, default_value = "quality")]
     pub policy: String,
     #[command(flatten)]

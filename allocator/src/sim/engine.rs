@@ -237,6 +237,9 @@ pub fn simulate(
     let noise = Normal::new(0.0, cfg.loss_noise.max(0.0)).expect("finite noise");
     let fit_cfg = FitConfig::default();
     let wants_curves = policy.name() == "quality";
+    // Policies that get each job's throughput table (from its fitted model) and declared
+    // work left: quality, and sjf-bco for its job sizes.
+    let wants_estimates = wants_curves || policy.name() == "sjf-bco";
     let throughput_prior = ThroughputPrior::default();
     let oracle = policy.name() == "optimus";
     let mut intervals = Vec::new();
@@ -392,7 +395,7 @@ pub fn simulate(
                                 .map(|w| t.job.progress_rate(app, w, cfg.gpus_per_node))
                                 .collect(),
                         )
-                    } else if wants_curves {
+                    } else if wants_estimates {
                         t.model.as_ref().map(|model| {
                             (1..=t.max_workers)
                                 .map(|w| {
@@ -417,7 +420,7 @@ pub fn simulate(
                     remaining_work: if oracle {
                         Some(t.job.remaining_progress(app))
                     } else {
-                        wants_curves.then(|| declared_samples_left(&t.job, app))
+                        wants_estimates.then(|| declared_samples_left(&t.job, app))
                     },
                 }
             })

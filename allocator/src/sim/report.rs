@@ -72,6 +72,9 @@ pub struct ReportArgs {
     /// Leave out the scale benchmark (decision time at 10,000 jobs).
     #[arg(long)]
     pub skip_scale: bool,
+    /// Leave out the makespan benchmark (SJF-BCO against first-fit FIFO and the optimum).
+    #[arg(long)]
+    pub skip_makespan: bool,
     /// Leave out the placement comparison (first fit against BCO, with and without
     /// interference; four more runs of `quality` over the 1.0× workloads).
     #[arg(long)]
@@ -244,6 +247,26 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         Some(scale)
     };
 
+    let makespan = if args.skip_makespan {
+        None
+    } else {
+        let t = std::time::Instant::now();
+        let md = crate::makespan::bench::render(&default_makespan_args())?;
+        eprintln!("makespan benchmark ({:.1} s)", t.elapsed().as_secs_f64());
+        Some(md)
+    };
+    let ps = if args.skip_makespan {
+        None
+    } else {
+        let t = std::time::Instant::now();
+        let md = crate::ps_plan::bench::render(&default_ps_args())?;
+        eprintln!(
+            "parameter-server benchmark ({:.1} s)",
+            t.elapsed().as_secs_f64()
+        );
+        Some(md)
+    };
+
     // Then the simulations, one (policy, load) pair per thread, the quality variants (the
     // slowest) first.
     let mut jobs: Vec<(String, &str, &Vec<PathBuf>)> = policies
@@ -338,6 +361,23 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         }
     }
 
+    // Makespan in the simulator: sjf-bco with BCO against fifo with first fit, at
+    // interference 0.5 (a few seconds).
+    let mut sim_makespan: Vec<(String, Summary)> = Vec::new();
+    if !args.skip_makespan {
+        for (label, kind) in [
+            ("fifo", PlacementKind::FirstFit),
+            ("sjf-bco", PlacementKind::Bco),
+        ] {
+            let mut cluster = args.cluster.clone();
+            cluster.placement = kind;
+            cluster.interference = 0.5;
+            let (policy, params) = policy_of(label, &cluster).context("a makespan policy")?;
+            let (summary, _) = run_policy(policy, &loads[0].1, &cluster, &params)?;
+            sim_makespan.push((label.to_string(), summary));
+        }
+    }
+
     let plot_dir = args.out.with_extension("");
     std::fs::create_dir_all(&plot_dir)?;
     let plot_rel = plot_dir
@@ -356,6 +396,9 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         prediction: prediction.as_ref(),
         scale: scale.as_ref(),
         placement: &placement,
+        makespan: makespan.as_deref(),
+        sim_makespan: &sim_makespan,
+        ps: ps.as_deref(),
         threads,
         wall_s: started.elapsed().as_secs_f64(),
     });
@@ -430,6 +473,26 @@ const TARGET_T90: f64 = -0.30;
 const TARGET_DECISION_MS: f64 = 100.0;
 
 /// Everything the page is made from.
+/// `makespan-bench`'s default settings.
+fn default_makespan_args() -> crate::makespan::bench::MakespanBenchArgs {
+    #[derive(clap::Parser)]
+    struct Defaults {
+        #[command(flatten)]
+        args: crate::makespan::bench::MakespanBenchArgs,
+    }
+    <Defaults as clap::Parser>::parse_from(["makespan-bench"]).args
+}
+
+/// `ps-bench`'s default settings.
+fn default_ps_args() -> crate::ps_plan::bench::PsBenchArgs {
+    #[derive(clap::Parser)]
+    struct Defaults {
+        #[command(flatten)]
+        args: crate::ps_plan::bench::PsBenchArgs,
+    }
+    <Defaults as clap::Parser>::parse_from(["ps-bench"]).args
+}
+
 /// One run of the placement comparison.
 struct PlacementRun {
     kind: PlacementKind,
@@ -498,6 +561,9 @@ struct Page<'a> {
     prediction: Option<&'a Prediction>,
     scale: Option<&'a Scale>,
     placement: &'a [PlacementRun],
+    makespan: Option<&'a str>,
+    sim_makespan: &'a [(String, Summary)],
+    ps: Option<&'a str>,
     threads: usize,
     wall_s: f64,
 }
@@ -571,7 +637,68 @@ fn markdown(page: &Page) -> String {
     simulation_time_section(&mut md, page);
     prediction_section(&mut md, page.prediction);
     scale_section(&mut md, page.scale);
+    if let Some(text) = page.makespan {
+        let _ = writeln!(
+            md,
+            "## Makespan: SJF-BCO against first-fit FIFO and the optimum\n\n\
+             `converge-allocator makespan-bench` (defaults), run inside the report; the \
+             offline scheduler and the exact search are in `allocator/src/makespan.rs`. Targets: \
+             SJF-BCO within 1.2× of the optimum on every small instance; makespan at least 20 % \
+             below first-fit FIFO's.\n"
+        );
+        let mean = |s: &Summary| s.makespan.values().sum::<f64>() / s.makespan.len().max(1) as f64;
+        if let [(_, fifo), (_, sjf)] = page.sim_makespan {
+            let c = change(mean(sjf), mean(fifo));
+            let _ = writeln!(
+                md,
+                "### In the simulator\n\n\
+                 The eight 1.0× Pollux workloads (multi-GPU jobs, gang at their requested \
+                 size) with interference 0.5: `fifo` with first fit against `sjf-bco` with BCO \
+                 placement (`allocator/src/policies/sjf_bco.rs`: smallest estimated job first, \
+                 non-preemptive, backfilling; sizes from each job's throughput model and \
+                 declared work). Makespan = last completion − first submission, mean over the \
+                 workloads.\n\n\
+                 | policy | mean makespan (s) | mean JCT (s) |\n|---|---|---|\n\
+                 | `fifo`, first fit | {:.0} | {:.0} |\n\
+                 | `sjf-bco`, BCO | {:.0} | {:.0} |\n\n\
+                 Change {}: {} (target ≤ −20 %).\n",
+                mean(fifo),
+                fifo.mean,
+                mean(sjf),
+                sjf.mean,
+                pct1(c),
+                verdict(c, -0.20)
+            );
+        }
+        // The bench's own headings one level down.
+        for line in text.lines() {
+            if line.starts_with('#') {
+                let _ = writeln!(md, "##{line}");
+            } else {
+                let _ = writeln!(md, "{line}");
+            }
+        }
+        let _ = writeln!(md);
+    }
 
+    if let Some(text) = page.ps {
+        let _ = writeln!(
+            md,
+            "## Parameter-server jobs: LP relaxation and randomized rounding\n\n\
+             `converge-allocator ps-bench` (defaults), run inside the report; the planner is \
+             `allocator/src/ps_plan.rs` (workers, shards and their placement for one job, \
+             after Yu et al., IEEE TNSE 2021). Target: within 1.25× of the LP bound on small \
+             instances.\n"
+        );
+        for line in text.lines() {
+            if line.starts_with('#') {
+                let _ = writeln!(md, "##{line}");
+            } else {
+                let _ = writeln!(md, "{line}");
+            }
+        }
+        let _ = writeln!(md);
+    }
     let _ = writeln!(md, "## Regenerate\n");
     let mut took = format!("The whole report took {:.0} s", page.wall_s);
     if let Some(p) = page.prediction {
@@ -599,13 +726,19 @@ fn markdown(page: &Page) -> String {
     let _ = writeln!(
         md,
         "```sh\n\
-         # this page and its plots (simulations, loss-prediction and scale benchmarks)\n\
+         # this page and its plots (simulations, placement, loss-prediction, scale, makespan\n\
+         # and parameter-server benchmarks; --skip-… flags leave parts out)\n\
          cargo run --release -p converge-allocator -- report\n\
          # the detailed loss-prediction report, docs/prediction.md\n\
          cargo run --release -p converge-allocator -- predict-bench\n\
          # the scale benchmark alone, and the same decision under criterion\n\
          cargo run --release -p converge-allocator -- bench-decision\n\
          cargo bench -p converge-allocator --bench decision\n\
+         # the makespan and parameter-server benchmarks alone\n\
+         cargo run --release -p converge-allocator -- makespan-bench\n\
+         cargo run --release -p converge-allocator -- ps-bench\n\
+         # one placement run (the placement table runs first-fit and bco, interference 0.5 and 0)\n\
+         cargo run --release -p converge-allocator -- simulate --workload data/pollux/workloads/*.csv --policy quality --interference 0.5 --placement bco\n\
          ```"
     );
     md
@@ -1368,6 +1501,9 @@ mod tests {
             prediction: None,
             scale: None,
             placement: &placement,
+            makespan: Some("# Small instances\n| a | b |"),
+            sim_makespan: &[],
+            ps: Some("# PS\n| a | b |"),
             threads: 2,
             wall_s: 1.0,
         });
