@@ -204,9 +204,9 @@ pub fn nic_factor(link_speed_bytes_per_s: Option<f64>, measured_bytes_per_s: f64
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::throughput::pollux_rows::{Row, pollux_rows, quantile};
     use crate::throughput::{StepObservation, ThroughputPrior};
     use proptest::prelude::*;
-    use std::path::Path;
 
     fn rel(a: f64, b: f64) -> f64 {
         (a - b).abs() / b.abs().max(1e-300)
@@ -322,42 +322,6 @@ mod tests {
             let f = nic_factor(link, measured);
             prop_assert!((MIN_NIC_FACTOR..=1.0).contains(&f), "factor {}", f);
         }
-    }
-
-    /// One row of a Pollux `placements.csv`: (workers, nodes, local batch, step time).
-    type Row = (u32, u32, f64, f64);
-
-    /// The rows of `data/pollux/traces/<app>/placements.csv`. The placement id concatenates
-    /// the GPUs (one worker each) on each node, one digit per node.
-    fn pollux_rows(app: &str) -> Vec<Row> {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../data/pollux/traces")
-            .join(app)
-            .join("placements.csv");
-        let text = std::fs::read_to_string(&path).unwrap();
-        let mut lines = text.lines();
-        assert_eq!(
-            lines.next().unwrap().trim(),
-            "placement,local_bsz,step_time,sync_time"
-        );
-        lines
-            .filter(|l| !l.trim().is_empty())
-            .map(|l| {
-                let f: Vec<&str> = l.trim().split(',').collect();
-                let digits: Vec<u32> = f[0].chars().map(|c| c.to_digit(10).unwrap()).collect();
-                (
-                    digits.iter().sum(),
-                    digits.len() as u32,
-                    f[1].parse().unwrap(),
-                    f[2].parse().unwrap(),
-                )
-            })
-            .collect()
-    }
-
-    fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
-        v.sort_by(f64::total_cmp);
-        v[((v.len() - 1) as f64 * q).round() as usize]
     }
 
     /// Relative errors of [`JobCost`] (contention 1) for `app`, per row: per per-GPU batch,

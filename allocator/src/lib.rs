@@ -3,6 +3,7 @@ pub mod contention;
 pub mod fit;
 pub mod history;
 pub mod makespan;
+pub mod markdown;
 pub mod placement;
 pub mod policies;
 pub mod policy;

@@ -1014,7 +1014,7 @@ pub mod bench {
     use std::path::PathBuf;
     use std::time::Instant;
 
-    use anyhow::{Context as _, ensure};
+    use anyhow::ensure;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
@@ -1476,16 +1476,7 @@ pub mod bench {
     /// `converge-allocator makespan-bench`: prints the Markdown, and writes it to `--out`.
     pub fn run_makespan_bench(args: &MakespanBenchArgs) -> anyhow::Result<()> {
         let md = render(args)?;
-        println!("{md}");
-        if let Some(out) = &args.out {
-            if let Some(parent) = out.parent().filter(|p| !p.as_os_str().is_empty()) {
-                std::fs::create_dir_all(parent)
-                    .with_context(|| format!("cannot create {}", parent.display()))?;
-            }
-            std::fs::write(out, &md).with_context(|| format!("cannot write {}", out.display()))?;
-            println!("wrote {}", out.display());
-        }
-        Ok(())
+        crate::markdown::emit(&md, args.out.as_deref())
     }
 }
 

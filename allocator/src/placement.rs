@@ -61,12 +61,32 @@ pub fn place(
     hosts: &[HostFree],
     requests: &[PlacementRequest],
 ) -> BTreeMap<JobId, Vec<RankPlacement>> {
+    let (mut free, requests, mut placed) = keep_pass(hosts, requests);
+    for (request, ranks) in requests.iter().zip(&mut placed) {
+        if ranks.is_none() {
+            *ranks = Some(free.first_fit(request));
+        }
+    }
+    by_job(&requests, placed)
+}
+
+/// The first pass of every placement: the requests without repeated jobs (first request
+/// wins), in order, and for each the placement kept when its worker count is unchanged and
+/// its current ranks are still valid and free (`None` for the others, which the caller
+/// places), with the free GPUs left.
+fn keep_pass<'a, 'r>(
+    hosts: &'a [HostFree],
+    requests: &'r [PlacementRequest],
+) -> (
+    FreeGpus<'a>,
+    Vec<&'r PlacementRequest>,
+    Vec<Option<Vec<RankPlacement>>>,
+) {
     let mut free = FreeGpus::new(hosts);
     let mut seen = BTreeSet::new();
     let requests: Vec<&PlacementRequest> =
         requests.iter().filter(|r| seen.insert(&r.job)).collect();
-
-    let mut placed: Vec<Option<Vec<RankPlacement>>> = requests
+    let placed = requests
         .iter()
         .map(|request| {
             let wanted = request.workers as usize;
@@ -75,11 +95,14 @@ pub fn place(
             (keepable && free.keep_current(request)).then(|| request.current.clone())
         })
         .collect();
-    for (request, ranks) in requests.iter().zip(&mut placed) {
-        if ranks.is_none() {
-            *ranks = Some(free.first_fit(request));
-        }
-    }
+    (free, requests, placed)
+}
+
+/// Each request's ranks by job (empty when it got none).
+fn by_job(
+    requests: &[&PlacementRequest],
+    placed: Vec<Option<Vec<RankPlacement>>>,
+) -> BTreeMap<JobId, Vec<RankPlacement>> {
     requests
         .iter()
         .zip(placed)
@@ -362,20 +385,7 @@ pub fn place_bco(
     requests: &[PlacementRequest],
     costs: &BTreeMap<JobId, JobCost>,
 ) -> BTreeMap<JobId, Vec<RankPlacement>> {
-    let mut free = FreeGpus::new(hosts);
-    let mut seen = BTreeSet::new();
-    let requests: Vec<&PlacementRequest> =
-        requests.iter().filter(|r| seen.insert(&r.job)).collect();
-
-    let mut placed: Vec<Option<Vec<RankPlacement>>> = requests
-        .iter()
-        .map(|request| {
-            let wanted = request.workers as usize;
-            let keepable =
-                wanted == request.current.len() && request.workers >= request.min_workers;
-            (keepable && free.keep_current(request)).then(|| request.current.clone())
-        })
-        .collect();
+    let (free, requests, mut placed) = keep_pass(hosts, requests);
     let mut multi = vec![0usize; free.hosts.len()];
     for ranks in placed.iter().flatten() {
         for host in spanned(&free, ranks) {
@@ -390,11 +400,7 @@ pub fn place_bco(
             *ranks = Some(index.place(request, cost));
         }
     }
-    requests
-        .iter()
-        .zip(placed)
-        .map(|(request, ranks)| (request.job.clone(), ranks.unwrap_or_default()))
-        .collect()
+    by_job(&requests, placed)
 }
 
 /// Indices of the hosts a placement spans when it spans more than one (empty otherwise).

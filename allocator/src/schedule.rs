@@ -57,32 +57,37 @@ impl Default for Settings {
 /// stands, see [`crate::policy::throughput`]).
 pub const MAX_TABLE_WORKERS: u32 = 1024;
 
-/// The job's throughput with 1, 2, … workers (samples/s), from its throughput model fitted
-/// on the step times of its past generations ([`JobHistory::step_observations`]), each size
-/// packed onto the fewest servers, at the per-worker batch it ran with last; `None` before
-/// any generation has reported two steps.
-fn throughput_table(
+/// The job's throughput model fitted on the step times of its past generations
+/// ([`JobHistory::step_observations`]), with the per-worker batch it ran with last; `None`
+/// before any generation has reported two steps. Fitted once per step and job, for both
+/// the policy's table and BCO's costs.
+fn fitted_model(
     history: Option<&JobHistory>,
-    spec: &JobSpec,
-    gpus_per_node: u32,
     prior: &ThroughputPrior,
-) -> Option<Vec<f64>> {
+) -> Option<(ThroughputModel, f64)> {
     let seen: Vec<StepObservation> = history?
         .step_observations()
         .into_iter()
         .map(|(_, o)| o)
         .collect();
     let local_batch = seen.last()?.local_batch;
-    let model = ThroughputModel::fit(&seen, prior);
+    Some((ThroughputModel::fit(&seen, prior), local_batch))
+}
+
+/// The job's throughput with 1, 2, … workers (samples/s) from its fitted model, each size
+/// packed onto the fewest servers, at its last per-worker batch.
+fn throughput_table(
+    (model, local_batch): &(ThroughputModel, f64),
+    spec: &JobSpec,
+    gpus_per_node: u32,
+) -> Vec<f64> {
     let most = spec.max_workers().clamp(1, MAX_TABLE_WORKERS);
-    Some(
-        (1..=most)
-            .map(|w| {
-                let nodes = packed_nodes(w, spec.gpus_per_worker, gpus_per_node.max(1));
-                model.samples_per_s(w, nodes, local_batch)
-            })
-            .collect(),
-    )
+    (1..=most)
+        .map(|w| {
+            let nodes = packed_nodes(w, spec.gpus_per_worker, gpus_per_node.max(1));
+            model.samples_per_s(w, nodes, *local_batch)
+        })
+        .collect()
 }
 
 /// Samples the job still needs, when it has a target loss and a fitted curve that reaches
@@ -502,6 +507,13 @@ fn allocate(
         .map(|t| t.gpus.len() as u32)
         .max()
         .unwrap_or(0);
+    let models: BTreeMap<JobId, (ThroughputModel, f64)> = active
+        .iter()
+        .filter_map(|(s, _)| {
+            let fitted = fitted_model(inp.histories.get(&s.job), &settings.throughput_prior)?;
+            Some((s.job.clone(), fitted))
+        })
+        .collect();
     let policy_jobs: Vec<PolicyJob> = active
         .iter()
         .map(|(s, spec)| {
@@ -532,7 +544,9 @@ fn allocate(
                 requested_workers: spec.max_workers(),
                 // Not tracked by the service yet; only Tiresias uses it.
                 attained_gpu_seconds: 0.0,
-                throughput: throughput_table(h, spec, gpus_per_node, &settings.throughput_prior),
+                throughput: models
+                    .get(&s.job)
+                    .map(|m| throughput_table(m, spec, gpus_per_node)),
                 remaining_work: remaining_samples(
                     curves.get(&s.job),
                     spec.target_loss,
@@ -569,23 +583,14 @@ fn allocate(
         .collect();
     let costs: BTreeMap<JobId, JobCost> = match settings.placement {
         PlacementKind::FirstFit => BTreeMap::new(),
-        PlacementKind::Bco => active
+        PlacementKind::Bco => models
             .iter()
-            .filter_map(|(s, _)| {
-                let workers = decision.workers.get(&s.job).copied().unwrap_or(0);
-                let seen: Vec<StepObservation> = inp
-                    .histories
-                    .get(&s.job)?
-                    .step_observations()
-                    .into_iter()
-                    .map(|(_, o)| o)
-                    .collect();
-                let local_batch = seen.last()?.local_batch;
-                let model = ThroughputModel::fit(&seen, &settings.throughput_prior);
+            .filter_map(|(job, (model, local_batch))| {
+                let workers = decision.workers.get(job).copied().unwrap_or(0);
                 (workers > 0).then(|| {
                     (
-                        s.job.clone(),
-                        JobCost::from_model(&model, workers, local_batch),
+                        job.clone(),
+                        JobCost::from_model(model, workers, *local_batch),
                     )
                 })
             })

@@ -585,11 +585,54 @@ pub fn packed_nodes(workers: u32, gpus_per_worker: u32, gpus_per_node: u32) -> u
     .max(1)
 }
 
+/// The measured Pollux step times, for the tests of this model and of the contention model.
+#[cfg(test)]
+pub(crate) mod pollux_rows {
+    use std::path::Path;
+
+    /// One row of a Pollux `placements.csv`: (workers, nodes, local batch, step time).
+    pub type Row = (u32, u32, f64, f64);
+
+    /// The rows of `data/pollux/traces/<app>/placements.csv`.
+    pub fn pollux_rows(app: &str) -> Vec<Row> {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../data/pollux/traces")
+            .join(app)
+            .join("placements.csv");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut lines = text.lines();
+        assert_eq!(
+            lines.next().unwrap().trim(),
+            "placement,local_bsz,step_time,sync_time"
+        );
+        lines
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| {
+                let f: Vec<&str> = l.trim().split(',').collect();
+                // The placement id concatenates the GPUs on each node (1-9 per node).
+                let digits: Vec<u32> = f[0].chars().map(|c| c.to_digit(10).unwrap()).collect();
+                (
+                    digits.iter().sum(),
+                    digits.len() as u32,
+                    f[1].parse().unwrap(),
+                    f[2].parse().unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    /// The `q` quantile of `v` (nearest rank).
+    pub fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
+        v.sort_by(f64::total_cmp);
+        v[((v.len() - 1) as f64 * q).round() as usize]
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::pollux_rows::{Row, pollux_rows, quantile};
     use super::*;
     use proptest::prelude::*;
-    use std::path::Path;
 
     fn rel(a: f64, b: f64) -> f64 {
         (a - b).abs() / b.abs().max(1e-300)
@@ -863,41 +906,6 @@ mod tests {
             // Deterministic.
             prop_assert_eq!(ThroughputModel::fit(&obs, &prior), fitted);
         }
-    }
-
-    /// One row of a Pollux `placements.csv`: (workers, nodes, local batch, step time).
-    type Row = (u32, u32, f64, f64);
-
-    fn pollux_rows(app: &str) -> Vec<Row> {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../data/pollux/traces")
-            .join(app)
-            .join("placements.csv");
-        let text = std::fs::read_to_string(&path).unwrap();
-        let mut lines = text.lines();
-        assert_eq!(
-            lines.next().unwrap().trim(),
-            "placement,local_bsz,step_time,sync_time"
-        );
-        lines
-            .filter(|l| !l.trim().is_empty())
-            .map(|l| {
-                let f: Vec<&str> = l.trim().split(',').collect();
-                // The placement id concatenates the GPUs on each node (1-9 per node).
-                let digits: Vec<u32> = f[0].chars().map(|c| c.to_digit(10).unwrap()).collect();
-                (
-                    digits.iter().sum(),
-                    digits.len() as u32,
-                    f[1].parse().unwrap(),
-                    f[2].parse().unwrap(),
-                )
-            })
-            .collect()
-    }
-
-    fn quantile(mut v: Vec<f64>, q: f64) -> f64 {
-        v.sort_by(f64::total_cmp);
-        v[((v.len() - 1) as f64 * q).round() as usize]
     }
 
     /// Rows fitted in the Pollux check: 1, 2, 4 and 8 workers on 1 or 2 nodes.

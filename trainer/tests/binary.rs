@@ -2,68 +2,23 @@
 //! another world size, SIGTERM handling and refusal of a mismatched checkpoint.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
-
-const CONTRACT_VARS: &[&str] = &[
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUDA_VISIBLE_DEVICES",
-    "CONVERGE_JOB_ID",
-    "CONVERGE_GENERATION",
-    "CONVERGE_CHECKPOINT_DIR",
-    "CONVERGE_DATA_DIR",
-    "CONVERGE_NUM_PS",
-];
-
-fn data_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data")
-}
+mod common;
+use common::{checkpoint, free_port, progress, show};
 
 /// A trainer command with a clean worker environment and the repository's data.
 fn trainer(ckpt: &Path, args: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_converge-trainer"));
-    for v in CONTRACT_VARS {
-        cmd.env_remove(v);
-    }
-    cmd.env("CONVERGE_CHECKPOINT_DIR", ckpt)
-        .env("CONVERGE_JOB_ID", "test-job")
-        .arg("--data-dir")
-        .arg(data_dir())
-        .args(args);
+    let mut cmd = common::trainer(ckpt, "test-job");
+    cmd.args(args);
     cmd
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// The JSON of every `CONVERGE_PROGRESS` line.
-fn progress(stdout: &[u8]) -> Vec<Value> {
-    String::from_utf8_lossy(stdout)
-        .lines()
-        .filter_map(|l| l.strip_prefix("CONVERGE_PROGRESS "))
-        .map(|j| serde_json::from_str(j).expect("progress JSON"))
-        .collect()
-}
-
 fn checkpoint_step(dir: &Path) -> u64 {
-    let text = std::fs::read_to_string(dir.join("checkpoint.json")).expect("checkpoint exists");
-    let v: Value = serde_json::from_str(&text).unwrap();
-    v["step"].as_u64().unwrap()
+    checkpoint(dir)["step"].as_u64().unwrap()
 }
 
 fn wait_with_timeout(mut child: Child, limit: Duration) -> Output {
@@ -76,14 +31,6 @@ fn wait_with_timeout(mut child: Child, limit: Duration) -> Output {
         std::thread::sleep(Duration::from_millis(20));
     }
     child.wait_with_output().unwrap()
-}
-
-fn show(what: &str, out: &Output) {
-    eprintln!(
-        "--- {what}: {:?}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 #[test]

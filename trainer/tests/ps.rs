@@ -2,8 +2,7 @@
 //! `converge-trainer` binary: workers and shards as real processes on loopback.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
@@ -11,35 +10,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
-const CONTRACT_VARS: &[&str] = &[
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUDA_VISIBLE_DEVICES",
-    "CONVERGE_JOB_ID",
-    "CONVERGE_GENERATION",
-    "CONVERGE_CHECKPOINT_DIR",
-    "CONVERGE_DATA_DIR",
-    "CONVERGE_NUM_PS",
-];
+mod common;
+use common::{checkpoint, free_port, progress, show};
 
 /// optdigits has 3,823 training rows.
 const OPTDIGITS_ROWS: f64 = 3823.0;
-
-fn data_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data")
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// One generation of a job: `world` ranks of which the last `num_ps` are shards
 /// (`num_ps == 0` is ring mode). Ranks are spawned shards first, rank 0 last.
@@ -52,20 +27,13 @@ impl Job {
         let port = free_port().to_string();
         let mut children: Vec<Option<Child>> = (0..world).map(|_| None).collect();
         for rank in (0..world).rev() {
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_converge-trainer"));
-            for v in CONTRACT_VARS {
-                cmd.env_remove(v);
-            }
-            cmd.env("CONVERGE_CHECKPOINT_DIR", ckpt)
-                .env("CONVERGE_JOB_ID", "ps-test")
-                .env("RANK", rank.to_string())
+            let mut cmd = common::trainer(ckpt, "ps-test");
+            cmd.env("RANK", rank.to_string())
                 .env("LOCAL_RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", &port)
                 .env("CONVERGE_GENERATION", generation.to_string())
-                .arg("--data-dir")
-                .arg(data_dir())
                 .args(["--dataset", "optdigits", "--rendezvous-timeout", "30"])
                 .args(args)
                 .stdout(Stdio::piped())
@@ -125,14 +93,6 @@ impl Job {
     }
 }
 
-fn show(what: &str, out: &Output) {
-    eprintln!(
-        "--- {what}: {:?}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn show_all(what: &str, outs: &[Output]) {
     for (rank, out) in outs.iter().enumerate() {
         show(&format!("{what} rank {rank}"), out);
@@ -141,19 +101,6 @@ fn show_all(what: &str, outs: &[Output]) {
 
 fn codes(outs: &[Output]) -> Vec<Option<i32>> {
     outs.iter().map(|o| o.status.code()).collect()
-}
-
-fn progress(stdout: &[u8]) -> Vec<Value> {
-    String::from_utf8_lossy(stdout)
-        .lines()
-        .filter_map(|l| l.strip_prefix("CONVERGE_PROGRESS "))
-        .map(|j| serde_json::from_str(j).expect("progress JSON"))
-        .collect()
-}
-
-fn checkpoint(dir: &Path) -> Value {
-    let text = std::fs::read_to_string(dir.join("checkpoint.json")).expect("checkpoint exists");
-    serde_json::from_str(&text).unwrap()
 }
 
 fn f(v: &Value, key: &str) -> f64 {

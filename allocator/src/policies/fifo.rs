@@ -25,7 +25,7 @@
 
 use crate::policy::{Decision, PolicyJob};
 
-use super::{ClusterView, Policy, arrival_order, decision, gpus, minimum_workers, requested_size};
+use super::{ClusterView, Policy, arrival_order, decision, gpus, keep_running, requested_size};
 
 /// Strict, non-preemptive FIFO at the requested size (see the module documentation).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -39,21 +39,8 @@ impl Policy for Fifo {
     fn allocate(&self, cluster: &ClusterView, jobs: &[PolicyJob]) -> Decision {
         let order = arrival_order(jobs);
         let total = u64::from(cluster.total_gpus);
-        let mut free = total;
-        let mut workers = vec![0u32; jobs.len()];
-
         // 1. Running jobs keep their allocation.
-        for &i in &order {
-            let job = &jobs[i];
-            let current = job.current_workers;
-            let valid = current > 0
-                && minimum_workers(job)
-                    .is_some_and(|min| (min..=job.max_workers).contains(&current));
-            if valid && gpus(job, current) <= free {
-                workers[i] = current;
-                free -= gpus(job, current);
-            }
-        }
+        let (mut workers, mut free) = keep_running(jobs, &order, cluster.total_gpus);
 
         // 2. The queue, strictly in order.
         for &i in &order {

@@ -143,6 +143,25 @@ fn admit_minimums(jobs: &[PolicyJob], order: &[usize], total_gpus: u32) -> (Vec<
     (workers, free)
 }
 
+/// Gives each running job in `order` its current allocation back while the GPUs last (a
+/// current size outside the job's bounds does not count). Returns the workers per job
+/// (indexed like `jobs`) and the GPUs left. The first step of the non-preemptive policies.
+fn keep_running(jobs: &[PolicyJob], order: &[usize], total_gpus: u32) -> (Vec<u32>, u64) {
+    let mut free = u64::from(total_gpus);
+    let mut workers = vec![0u32; jobs.len()];
+    for &i in order {
+        let job = &jobs[i];
+        let current = job.current_workers;
+        let valid = current > 0
+            && minimum_workers(job).is_some_and(|min| (min..=job.max_workers).contains(&current));
+        if valid && gpus(job, current) <= free {
+            workers[i] = current;
+            free -= gpus(job, current);
+        }
+    }
+    (workers, free)
+}
+
 fn decision(jobs: &[PolicyJob], order: &[usize], workers: &[u32]) -> Decision {
     Decision {
         workers: order

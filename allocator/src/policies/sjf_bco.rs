@@ -39,8 +39,7 @@ use std::cmp::Ordering;
 use crate::policy::{Decision, PolicyJob};
 
 use super::{
-    ClusterView, Policy, arrival_cmp, arrival_order, decision, gpus, minimum_workers,
-    requested_size,
+    ClusterView, Policy, arrival_cmp, arrival_order, decision, gpus, keep_running, requested_size,
 };
 
 /// Smallest job first, gang at the requested size, non-preemptive, backfilling (see the
@@ -87,22 +86,8 @@ impl Policy for SjfBco {
 
     fn allocate(&self, cluster: &ClusterView, jobs: &[PolicyJob]) -> Decision {
         let order = arrival_order(jobs);
-        let total = u64::from(cluster.total_gpus);
-        let mut free = total;
-        let mut workers = vec![0u32; jobs.len()];
-
         // 1. Running jobs keep their allocation.
-        for &i in &order {
-            let job = &jobs[i];
-            let current = job.current_workers;
-            let valid = current > 0
-                && minimum_workers(job)
-                    .is_some_and(|min| (min..=job.max_workers).contains(&current));
-            if valid && gpus(job, current) <= free {
-                workers[i] = current;
-                free -= gpus(job, current);
-            }
-        }
+        let (mut workers, mut free) = keep_running(jobs, &order, cluster.total_gpus);
 
         // 2. The queue, smallest first, with backfilling.
         let mut queue: Vec<usize> = order.iter().copied().filter(|&i| workers[i] == 0).collect();

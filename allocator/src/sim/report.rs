@@ -251,7 +251,7 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         None
     } else {
         let t = std::time::Instant::now();
-        let md = crate::makespan::bench::render(&default_makespan_args())?;
+        let md = crate::makespan::bench::render(&crate::markdown::defaults())?;
         eprintln!("makespan benchmark ({:.1} s)", t.elapsed().as_secs_f64());
         Some(md)
     };
@@ -259,7 +259,7 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         None
     } else {
         let t = std::time::Instant::now();
-        let md = crate::ps_plan::bench::render(&default_ps_args())?;
+        let md = crate::ps_plan::bench::render(&crate::markdown::defaults())?;
         eprintln!(
             "parameter-server benchmark ({:.1} s)",
             t.elapsed().as_secs_f64()
@@ -473,26 +473,6 @@ const TARGET_T90: f64 = -0.30;
 const TARGET_DECISION_MS: f64 = 100.0;
 
 /// Everything the page is made from.
-/// `makespan-bench`'s default settings.
-fn default_makespan_args() -> crate::makespan::bench::MakespanBenchArgs {
-    #[derive(clap::Parser)]
-    struct Defaults {
-        #[command(flatten)]
-        args: crate::makespan::bench::MakespanBenchArgs,
-    }
-    <Defaults as clap::Parser>::parse_from(["makespan-bench"]).args
-}
-
-/// `ps-bench`'s default settings.
-fn default_ps_args() -> crate::ps_plan::bench::PsBenchArgs {
-    #[derive(clap::Parser)]
-    struct Defaults {
-        #[command(flatten)]
-        args: crate::ps_plan::bench::PsBenchArgs,
-    }
-    <Defaults as clap::Parser>::parse_from(["ps-bench"]).args
-}
-
 /// One run of the placement comparison.
 struct PlacementRun {
     kind: PlacementKind,
