@@ -363,6 +363,23 @@ fn log_path(cfg: &SupervisorConfig, a: &WorkerAssignment) -> PathBuf {
         .join(format!("gen{}-rank{}.log", a.generation, a.rank))
 }
 
+/// The report for one parsed progress line of a worker: the line's figures (the sync time
+/// and model size included, when the worker sends them) on the worker's `base` (job,
+/// generation, rank, host, workers, hosts), read at `time` (UNIX seconds).
+fn progress_report(base: &ProgressReport, p: WorkerProgressLine, time: f64) -> ProgressReport {
+    ProgressReport {
+        step: p.step,
+        samples: p.samples,
+        loss: p.loss,
+        eval_loss: p.eval_loss,
+        epoch: p.epoch,
+        time,
+        sync_time_s: p.sync_s,
+        model_bytes: p.model_bytes,
+        ..base.clone()
+    }
+}
+
 /// Starts one worker process in its own process group, with the worker-contract
 /// environment, stderr appended to its log file and stdout read line by line.
 fn spawn_worker(
@@ -417,6 +434,8 @@ fn spawn_worker(
         time: 0.0,
         workers: Some(a.world_size.saturating_sub(a.num_ps)),
         hosts: (a.hosts > 0).then_some(a.hosts),
+        sync_time_s: None,
+        model_bytes: None,
     };
     tokio::spawn(async move {
         let mut log = match tokio::fs::OpenOptions::new()
@@ -452,15 +471,7 @@ fn spawn_worker(
             match WorkerProgressLine::parse(&line) {
                 Ok(None) => {}
                 Ok(Some(p)) => {
-                    let report = ProgressReport {
-                        step: p.step,
-                        samples: p.samples,
-                        loss: p.loss,
-                        eval_loss: p.eval_loss,
-                        epoch: p.epoch,
-                        time: unix_now(),
-                        ..report_base.clone()
-                    };
+                    let report = progress_report(&report_base, p, unix_now());
                     if outbox.try_send(Outgoing::Progress(report)).is_err() {
                         dropped.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(job = %report_base.job, "outbox full; progress report dropped");
@@ -478,4 +489,50 @@ fn spawn_worker(
         }
     });
     Ok(child)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_common::{JobId, Message};
+
+    #[test]
+    fn progress_reports_carry_the_line_and_the_assignment() {
+        let base = ProgressReport {
+            protocol: PROTOCOL_VERSION,
+            job: JobId::new("j").unwrap(),
+            generation: 3,
+            rank: 0,
+            host: HostId::new("h").unwrap(),
+            step: 0,
+            samples: 0,
+            loss: 0.0,
+            eval_loss: None,
+            epoch: None,
+            time: 0.0,
+            workers: Some(4),
+            hosts: Some(2),
+            sync_time_s: None,
+            model_bytes: None,
+        };
+        let line = r#"CONVERGE_PROGRESS {"step":20,"samples":2560,"loss":0.4,"epoch":0.5,"sync_s":0.003,"model_bytes":5200}"#;
+        let p = WorkerProgressLine::parse(line).unwrap().unwrap();
+        let r = progress_report(&base, p, 12.5);
+        assert_eq!(
+            (r.step, r.samples, r.loss, r.epoch),
+            (20, 2560, 0.4, Some(0.5))
+        );
+        assert_eq!((r.sync_time_s, r.model_bytes), (Some(0.003), Some(5200)));
+        assert_eq!(
+            (r.workers, r.hosts, r.generation, r.time),
+            (Some(4), Some(2), 3, 12.5)
+        );
+        assert!(r.validate().is_ok());
+        // A worker that does not measure them: both absent.
+        let p = WorkerProgressLine::parse(r#"CONVERGE_PROGRESS {"step":1,"samples":8,"loss":0.9}"#)
+            .unwrap()
+            .unwrap();
+        let r = progress_report(&base, p, 1.0);
+        assert_eq!((r.sync_time_s, r.model_bytes), (None, None));
+    }
 }

@@ -89,9 +89,11 @@ impl DecisionInputs {
 
         let width = cfg.nodes.saturating_sub(1).to_string().len().max(5);
         let hosts: Vec<HostFree> = (0..cfg.nodes)
-            .map(|n| HostFree {
-                host: HostId::new(format!("node-{n:0width$}")).expect("valid host id"),
-                gpus: (0..cfg.gpus_per_node).collect(),
+            .map(|n| {
+                HostFree::new(
+                    HostId::new(format!("node-{n:0width$}")).expect("valid host id"),
+                    (0..cfg.gpus_per_node).collect(),
+                )
             })
             .collect();
         let current = place_running(&mut jobs, &hosts, cfg.gpus_per_node, &mut rng);

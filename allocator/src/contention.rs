@@ -54,10 +54,14 @@
 //! - Per job: the five `θ` are fitted by NNLS on the job's observed step times
 //!   ([`ThroughputModel::fit`]); the agents report workers, servers spanned, per-worker batch
 //!   and seconds per step.
-//! - Per host: [`nic_factor`] turns an agent's measured NIC throughput (traffic not due to the
-//!   rings counted in `contention`, e.g. node_exporter's `node_network_*_bytes_total` rate
-//!   minus the known jobs' share) and the link speed into the fraction of the link left for
-//!   all-reduce; the sync term of a job is divided by the factor of its worst server.
+//! - Per host: [`nic_factor`] turns an agent's measured NIC throughput and the link speed
+//!   into the fraction of the link left for all-reduce; the sync term of a job is divided by
+//!   the factor of its worst server. The service takes both from the agents' telemetry
+//!   ([`host_nic`]: the fastest non-loopback NIC that reports a link speed, its busier
+//!   direction). The agents measure all traffic on the NIC, the Converge rings' own
+//!   included, so a host running a multi-server job is charged for it twice (once in
+//!   `contention`, once in the factor): a conservative bias toward hosts with quiet NICs.
+//!   The factor is meant for traffic Converge does not schedule (storage, other tenants).
 //!
 //! # Accuracy on measured data
 //!
@@ -95,6 +99,7 @@
 //! Everything here is pure (no I/O, no clock) and never returns NaN or a negative time.
 
 use crate::throughput::{ThroughputModel, ring_factor};
+use converge_common::NicSample;
 
 /// Smallest NIC factor [`nic_factor`] returns: a saturated NIC still leaves the all-reduce
 /// this share of the link (sync at most 20× slower), so one bad measurement cannot make a
@@ -199,6 +204,41 @@ pub fn nic_factor(link_speed_bytes_per_s: Option<f64>, measured_bytes_per_s: f64
         return 1.0;
     }
     (1.0 - measured_bytes_per_s / link).clamp(MIN_NIC_FACTOR, 1.0)
+}
+
+/// What the allocator knows of a host's network from its agent's telemetry.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct HostNic {
+    /// Nominal link speed of the NIC used, bytes per second in one direction; `None` when
+    /// no NIC reports one (loopback-only hosts, virtual NICs without a speed).
+    pub link_bytes_per_s: Option<f64>,
+    /// [`nic_factor`] of that NIC (1 without a link speed).
+    pub factor: f64,
+}
+
+/// The host's data NIC and its factor: among the NICs other than loopback (`lo`) that report
+/// a link speed, the fastest (ties: the busier); its measured load is the busier direction,
+/// `max(rx, tx)` bytes/s. Link speeds are bits/s on the wire ([`NicSample::link_speed_bps`]).
+pub fn host_nic(nics: &[NicSample]) -> HostNic {
+    let busy = |n: &NicSample| n.rx_bytes_per_s.max(n.tx_bytes_per_s);
+    let best = nics
+        .iter()
+        .filter(|n| n.name != "lo")
+        .filter_map(|n| Some((n.link_speed_bps.filter(|&b| b > 0)?, n)))
+        .max_by(|(sa, a), (sb, b)| sa.cmp(sb).then(busy(a).total_cmp(&busy(b))));
+    match best {
+        Some((bps, nic)) => {
+            let link = bps as f64 / 8.0;
+            HostNic {
+                link_bytes_per_s: Some(link),
+                factor: nic_factor(Some(link), busy(nic)),
+            }
+        }
+        None => HostNic {
+            link_bytes_per_s: None,
+            factor: 1.0,
+        },
+    }
 }
 
 #[cfg(test)]
@@ -343,6 +383,7 @@ mod tests {
                     nodes: r.1,
                     local_batch: r.2,
                     step_time_s: r.3,
+                    sync_time_s: None,
                 })
                 .collect();
             let model = ThroughputModel::fit(&obs, &ThroughputPrior::default());
@@ -408,5 +449,36 @@ mod tests {
                 "{app}: all-rows fit {in_sample:?}"
             );
         }
+    }
+
+    fn nic(name: &str, rx: f64, tx: f64, bps: Option<u64>) -> NicSample {
+        NicSample {
+            name: name.into(),
+            rx_bytes_per_s: rx,
+            tx_bytes_per_s: tx,
+            link_speed_bps: bps,
+        }
+    }
+
+    #[test]
+    fn host_nic_takes_the_fastest_real_nic_and_its_busier_direction() {
+        // 10 Gbit/s = 1.25e9 bytes/s; 0.5e9 bytes/s out: factor 1 − 0.4 = 0.6.
+        let nics = [
+            nic("lo", 9e9, 9e9, Some(100_000_000_000)),
+            nic("eth0", 1e8, 5e8, Some(10_000_000_000)),
+            nic("eth1", 0.0, 0.0, Some(1_000_000_000)),
+            nic("docker0", 1e9, 1e9, None),
+        ];
+        let h = host_nic(&nics);
+        assert_eq!(h.link_bytes_per_s, Some(1.25e9));
+        assert!(rel(h.factor, 0.6) < 1e-12, "{}", h.factor);
+        // No link speed anywhere (or only loopback): idle.
+        let h = host_nic(&[nic("lo", 1e9, 1e9, Some(1)), nic("veth", 1e9, 0.0, None)]);
+        assert_eq!(h.link_bytes_per_s, None);
+        assert_eq!(h.factor, 1.0);
+        assert_eq!(host_nic(&[]).factor, 1.0);
+        // A saturated NIC bottoms out at MIN_NIC_FACTOR.
+        let h = host_nic(&[nic("eth0", 5e9, 0.0, Some(8_000_000_000))]);
+        assert_eq!(h.factor, MIN_NIC_FACTOR);
     }
 }

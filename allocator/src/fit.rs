@@ -168,6 +168,18 @@ impl Default for FitConfig {
     }
 }
 
+/// Whether a history of `points` loss points with `new_points` of them added since the last
+/// fit is refitted: on every new point while the history is short (at most 20 points),
+/// then every [`REFIT_EVERY`] points (a fit of 100 points costs one to two milliseconds;
+/// the curve changes little per point). The simulator and [`crate::history::JobHistory`]
+/// use it.
+pub fn refit_due(points: usize, new_points: usize) -> bool {
+    new_points > 0 && (points <= 20 || new_points >= REFIT_EVERY)
+}
+
+/// New points between refits once a history has more than 20.
+pub const REFIT_EVERY: usize = 10;
+
 /// Largest loss [`Curve::predict`] returns, so that differences of predictions stay finite.
 pub const MAX_PREDICTED_LOSS: f64 = 1e300;
 

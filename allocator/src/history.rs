@@ -2,10 +2,11 @@
 //! (rank 0's reports, progress in samples) and the throughput of each generation.
 //! Pure data structure: no I/O, no clock.
 
-use crate::fit::LossPoint;
+use crate::fit::{Curve, FitConfig, LossPoint, fit_loss_curve, refit_due};
 use crate::throughput::StepObservation;
 use converge_common::{HostId, ProgressReport};
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Mutex;
 
 /// What is known of one generation: highest rank seen + 1, hosts seen reporting, and the
 /// workers and hosts its reports declare.
@@ -27,6 +28,9 @@ pub struct ProgressPoint {
     pub eval_loss: Option<f64>,
     /// UNIX seconds.
     pub time: f64,
+    /// Seconds per step spent synchronizing, mean over the steps since the previous report
+    /// (as the worker sent it; finite and >= 0 after decoding).
+    pub sync_time_s: Option<f64>,
 }
 
 /// A job's progress history.
@@ -36,11 +40,43 @@ pub struct JobHistory {
     first_loss: Option<f64>,
     latest_generation: u64,
     last_eval_loss: Option<f64>,
+    /// The latest model size rank 0 reported (bytes).
+    model_bytes: Option<u64>,
     /// Reports dropped because they came from a generation older than one already seen.
     pub stale_reports: u64,
     /// Per generation, the ranks and hosts seen reporting (its world size and servers
     /// spanned), for the last [`MAX_GENERATIONS`] generations.
     shapes: BTreeMap<u64, Shape>,
+    /// Rank-0 points kept since the history began or was last cut back (a resume from an
+    /// earlier checkpoint).
+    added: usize,
+    /// The last curve [`JobHistory::curve`] fitted and `added` at that time.
+    memo: FitMemo,
+}
+
+/// A cache of the last fit. Not part of the history's value: clones copy it, comparisons
+/// ignore it.
+#[derive(Debug, Default)]
+struct FitMemo(Mutex<Option<(usize, Option<Curve>)>>);
+
+impl FitMemo {
+    fn get(&self) -> std::sync::MutexGuard<'_, Option<(usize, Option<Curve>)>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl Clone for FitMemo {
+    fn clone(&self) -> Self {
+        Self(Mutex::new(self.get().clone()))
+    }
+}
+
+impl PartialEq for FitMemo {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 impl JobHistory {
@@ -82,9 +118,19 @@ impl JobHistory {
         if r.eval_loss.is_some() {
             self.last_eval_loss = r.eval_loss;
         }
+        if r.model_bytes.is_some() {
+            self.model_bytes = r.model_bytes;
+        }
+        let mut cut = false;
         while self.points.last().is_some_and(|p| p.samples > r.samples) {
             self.points.pop();
+            cut = true;
         }
+        if cut {
+            self.added = self.points.len();
+            *self.memo.get() = None;
+        }
+        self.added += 1;
         self.points.push(ProgressPoint {
             generation: r.generation,
             step: r.step,
@@ -92,6 +138,7 @@ impl JobHistory {
             loss: r.loss,
             eval_loss: r.eval_loss,
             time: r.time,
+            sync_time_s: r.sync_time_s.filter(|s| s.is_finite() && *s >= 0.0),
         });
         if self.points.len() > MAX_POINTS {
             let excess = self.points.len() - MAX_POINTS;
@@ -110,6 +157,29 @@ impl JobHistory {
     }
     pub fn last_eval_loss(&self) -> Option<f64> {
         self.last_eval_loss
+    }
+    /// Bytes of the parameters the job synchronizes, from rank 0's latest report that had
+    /// the figure (`None` if no worker reported it).
+    pub fn model_bytes(&self) -> Option<u64> {
+        self.model_bytes
+    }
+
+    /// The loss curve fitted on [`JobHistory::loss_points`] with `cfg`, refitted only when
+    /// [`refit_due`] (every new point while the history is short, then every
+    /// [`crate::fit::REFIT_EVERY`] points) or after the history was cut back; otherwise the
+    /// last fit. What it returns depends only on the reports added and the points at which
+    /// it was called, so a replay of the same inputs gives the same curves. `cfg` must be
+    /// the same at every call (the cache does not key on it).
+    pub fn curve(&self, cfg: &FitConfig) -> Option<Curve> {
+        let mut memo = self.memo.get();
+        if let Some((at, curve)) = &*memo
+            && !refit_due(self.points.len(), self.added.saturating_sub(*at))
+        {
+            return curve.clone();
+        }
+        let curve = fit_loss_curve(&self.loss_points(), cfg);
+        *memo = Some((self.added, curve.clone()));
+        curve
     }
 
     /// The curve the fit sees: (samples, loss) of every kept point.
@@ -153,6 +223,11 @@ impl JobHistory {
     /// advanced the step count: world size and servers spanned from the ranks and hosts seen
     /// reporting, seconds per step and samples per worker per step from the first and last
     /// report (samples are the job's total). Oldest first, each with its generation.
+    ///
+    /// The synchronization time per step covers the same steps as the step time (those after
+    /// the generation's first report): the mean of the reports' `sync_time_s` after the first,
+    /// each weighted by the steps it covers (its step minus the previous report's). Reports
+    /// without the figure are left out of the mean; `None` when none after the first has it.
     pub fn step_observations(&self) -> Vec<(u64, StepObservation)> {
         let mut out = Vec::new();
         for (&generation, (ranks_seen, hosts_seen, declared_workers, declared_hosts)) in
@@ -175,12 +250,35 @@ impl JobHistory {
                 nodes: hosts.max(1),
                 local_batch: per_step / f64::from(*world),
                 step_time_s: dt / steps as f64,
+                sync_time_s: self.sync_time_s(generation),
             };
             if seen.is_usable() {
                 out.push((generation, seen));
             }
         }
         out
+    }
+
+    /// Step-weighted mean synchronization time per step of `generation`'s rank-0 reports
+    /// after its first (see [`JobHistory::step_observations`]).
+    fn sync_time_s(&self, generation: u64) -> Option<f64> {
+        let points: Vec<&ProgressPoint> = self
+            .points
+            .iter()
+            .filter(|p| p.generation == generation)
+            .collect();
+        let (mut total, mut steps) = (0.0, 0u64);
+        for pair in points.windows(2) {
+            let covered = pair[1].step.saturating_sub(pair[0].step);
+            if let Some(s) = pair[1].sync_time_s
+                && covered > 0
+            {
+                total += s * covered as f64;
+                steps += covered;
+            }
+        }
+        let mean = total / steps as f64;
+        (steps > 0 && mean.is_finite()).then_some(mean)
     }
 
     pub fn latest_rate(&self) -> Option<(u64, f64)> {
@@ -212,12 +310,46 @@ mod tests {
             time,
             workers: None,
             hosts: None,
+            sync_time_s: None,
+            model_bytes: None,
         }
     }
 
     fn on(mut r: ProgressReport, host: &str) -> ProgressReport {
         r.host = HostId::new(host).unwrap();
         r
+    }
+
+    #[test]
+    fn curves_are_refitted_every_few_points_and_after_a_cut() {
+        let cfg = FitConfig::default();
+        let loss = |k: u64| 2.0 / (1.0 + k as f64 / 300.0) + 0.2;
+        let mut h = JobHistory::default();
+        for i in 1..=30 {
+            h.add(&report(1, 0, i * 10, loss(i * 10), i as f64));
+        }
+        let fitted = h.curve(&cfg).expect("a curve from 30 points");
+        assert_eq!(
+            Some(&fitted),
+            fit_loss_curve(&h.loss_points(), &cfg).as_ref()
+        );
+        // Fewer than REFIT_EVERY new points: the same curve, though a fresh fit differs.
+        for i in 31..=39 {
+            h.add(&report(1, 0, i * 10, loss(i * 10) + 0.05, i as f64));
+        }
+        assert_eq!(h.curve(&cfg), Some(fitted.clone()));
+        assert_ne!(fit_loss_curve(&h.loss_points(), &cfg), Some(fitted.clone()));
+        // The tenth new point refits; clones carry the cache, comparisons ignore it.
+        h.add(&report(1, 0, 400, loss(400) + 0.05, 40.0));
+        let copy = h.clone();
+        let refitted = h.curve(&cfg);
+        assert_eq!(refitted, fit_loss_curve(&h.loss_points(), &cfg));
+        assert_ne!(refitted, Some(fitted));
+        assert_eq!(copy, h);
+        // A resume from an earlier checkpoint cuts the history: refitted at once.
+        h.add(&report(2, 0, 205, loss(205), 41.0));
+        assert_eq!(h.curve(&cfg), fit_loss_curve(&h.loss_points(), &cfg));
+        assert_eq!(h.points().len(), 21);
     }
 
     #[test]
@@ -253,6 +385,47 @@ mod tests {
         let last = seen.last().unwrap();
         assert_eq!((last.workers, last.nodes), (4, 2));
         assert!((last.local_batch - 400.0 / 40.0 / 4.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn step_observations_carry_the_step_weighted_sync_time_and_the_model_size() {
+        let mut h = JobHistory::default();
+        let with =
+            |generation, samples, time, sync: Option<f64>, bytes: Option<u64>| ProgressReport {
+                workers: Some(4),
+                hosts: Some(2),
+                sync_time_s: sync,
+                model_bytes: bytes,
+                ..report(generation, 0, samples, 1.0, time)
+            };
+        assert_eq!(h.model_bytes(), None);
+        // Generation 1 (step = samples / 10): the first report's sync (its steps precede
+        // the observed interval) is left out; 10 steps at 0.02 s, then 30 steps at 0.06 s.
+        h.add(&with(1, 100, 10.0, Some(9.0), Some(5200)));
+        h.add(&with(1, 200, 11.0, Some(0.02), None));
+        h.add(&with(1, 500, 14.0, Some(0.06), Some(5200)));
+        // Generation 2: no sync figures at all.
+        h.add(&with(2, 600, 20.0, None, None));
+        h.add(&with(2, 700, 21.0, None, None));
+        // Generation 3: one report without the figure among two with it.
+        h.add(&with(3, 800, 30.0, None, Some(6400)));
+        h.add(&with(3, 900, 31.0, Some(0.01), None));
+        h.add(&with(3, 1000, 32.0, None, None));
+        h.add(&with(3, 1200, 33.0, Some(0.04), None));
+        let seen: Vec<_> = h.step_observations();
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        let sync = |i: usize| seen[i].1.sync_time_s;
+        let want = (10.0 * 0.02 + 30.0 * 0.06) / 40.0;
+        assert!((sync(0).unwrap() - want).abs() < 1e-12, "{:?}", sync(0));
+        assert_eq!(sync(1), None);
+        let want = (10.0 * 0.01 + 20.0 * 0.04) / 30.0;
+        assert!((sync(2).unwrap() - want).abs() < 1e-12, "{:?}", sync(2));
+        assert!((seen[0].1.step_time_s - 0.1).abs() < 1e-12);
+        // The latest report that had the figure.
+        assert_eq!(h.model_bytes(), Some(6400));
+        // A stale report (older generation) changes neither.
+        h.add(&with(1, 1300, 40.0, Some(5.0), Some(1)));
+        assert_eq!(h.model_bytes(), Some(6400));
     }
 
     #[test]

@@ -17,13 +17,38 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use converge_common::{HostId, JobId, RankPlacement};
 
-use crate::contention::JobCost;
+use crate::contention::{JobCost, MIN_NIC_FACTOR};
 
-/// A live host and the indices of all its GPUs (as in `CUDA_VISIBLE_DEVICES`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A live host, the indices of all its GPUs (as in `CUDA_VISIBLE_DEVICES`) and the share of
+/// its NIC left for all-reduce traffic.
+#[derive(Debug, Clone, PartialEq)]
 pub struct HostFree {
     pub host: HostId,
     pub gpus: Vec<u32>,
+    /// [`crate::contention::nic_factor`] of the host's NIC from the agent's measurements, in
+    /// `[MIN_NIC_FACTOR, 1]` (1: idle or unknown; values outside are clamped, NaN counts as
+    /// 1). Only [`place_bco`] reads it: a sync over this host takes `1 / nic_factor` times
+    /// as long.
+    pub nic_factor: f64,
+}
+
+impl HostFree {
+    /// A host whose NIC counts as idle (`nic_factor` 1).
+    pub fn new(host: HostId, gpus: Vec<u32>) -> Self {
+        Self {
+            host,
+            gpus,
+            nic_factor: 1.0,
+        }
+    }
+
+    fn sane_nic_factor(&self) -> f64 {
+        if self.nic_factor.is_nan() {
+            1.0
+        } else {
+            self.nic_factor.clamp(MIN_NIC_FACTOR, 1.0)
+        }
+    }
 }
 
 /// One job's wish: `workers` workers of `gpus_per_worker` GPUs each.
@@ -126,6 +151,8 @@ struct HostSlot<'a> {
     host: &'a HostId,
     /// Free GPUs, increasing, no duplicates.
     free: Vec<u32>,
+    /// The host's NIC factor (the smallest when the host is listed twice).
+    nic_factor: f64,
 }
 
 impl<'a> FreeGpus<'a> {
@@ -135,10 +162,14 @@ impl<'a> FreeGpus<'a> {
         let mut slots: Vec<HostSlot<'a>> = Vec::with_capacity(listed.len());
         for host in listed {
             match slots.last_mut() {
-                Some(last) if *last.host == host.host => last.free.extend(&host.gpus),
+                Some(last) if *last.host == host.host => {
+                    last.free.extend(&host.gpus);
+                    last.nic_factor = last.nic_factor.min(host.sane_nic_factor());
+                }
                 _ => slots.push(HostSlot {
                     host: &host.host,
                     free: host.gpus.clone(),
+                    nic_factor: host.sane_nic_factor(),
                 }),
             }
         }
@@ -355,19 +386,23 @@ pub fn place_with(
 /// The other requests are placed in request order (the caller's priority), each with its
 /// cost from `costs` ([`JobCost::default`] when missing: compute 1 s, overhead 0.05 s per
 /// extra server, sync 0.5 s). A job is *multi-server* when its ranks span more than one
-/// host; each host counts the multi-server jobs on it (kept ones included), which is the
-/// contention its NIC sees.
+/// host; each host counts the multi-server jobs on it (kept ones included), `c`, which is
+/// the contention its NIC sees. A host whose NIC is busy with other traffic
+/// ([`HostFree::nic_factor`] `f < 1`) has the *load* `(c + 1) / f` and sits at the
+/// contention level `⌈(c + 1) / f⌉ − 1` (an idle NIC: level `c`), so a half-busy NIC ranks
+/// like an idle one already shared by a multi-server job.
 ///
 /// 1. **Fits on one server**: if some host has `workers·gpus_per_worker` free GPUs, the job
 ///    goes on the one with the fewest free GPUs that still fits it (best fit, so large holes
 ///    stay for large jobs; ties: a host the job uses now, then the lowest host id). A job on
 ///    one server uses no NIC and adds no contention.
 /// 2. **Must span servers** (the κ search of LWF-κ): for each contention threshold
-///    `κ = 1, 2, …`, the candidates are the hosts with fewer than `κ` multi-server jobs and
+///    `κ = 1, 2, …`, the candidates are the hosts at a contention level below `κ` with
 ///    room for a worker, taken by most free GPUs first (ties: hosts the job uses now, then
 ///    host id) until all workers fit. The candidate is scored with
-///    [`JobCost::step_time_s`]`(servers, c + 1)`, `c` being the most multi-server jobs on any
-///    of its hosts. Only the thresholds that change the candidate set are tried (one past each
+///    [`JobCost::step_time_with_nic_s`]`(servers, c + 1, f)` of its host with the largest
+///    load (with idle NICs: [`JobCost::step_time_s`]`(servers, c + 1)`, `c` being the most
+///    multi-server jobs on any of its hosts). Only the thresholds that change the candidate set are tried (one past each
 ///    contention level present), up to the one that admits every host. The fastest candidate
 ///    wins; ties go to fewer servers, then to the smaller `κ`. So a job spreads over
 ///    uncontended hosts when the extra overhead costs less than sharing a NIC, and packs onto
@@ -452,13 +487,29 @@ impl<'a> BcoIndex<'a> {
         self.free.hosts[host].free.len()
     }
 
+    /// Contention a job joining `host` as a multi-server job would see there, NIC factor
+    /// included: `(multi-server jobs + 1) / nic_factor`.
+    fn load(&self, host: usize) -> f64 {
+        (self.multi[host] + 1) as f64 / self.free.hosts[host].nic_factor
+    }
+
+    /// The host's contention level: its multi-server jobs on an idle NIC; on a busy NIC the
+    /// level of an idle host with the same [`BcoIndex::load`], `⌈load⌉ − 1`.
+    fn level(&self, host: usize) -> usize {
+        if self.free.hosts[host].nic_factor >= 1.0 {
+            self.multi[host]
+        } else {
+            (self.load(host) - 1e-9).ceil().max(1.0) as usize - 1
+        }
+    }
+
     /// Adds `host` to the indexes under its current free count and level.
     fn insert(&mut self, host: usize) {
         let free = self.free_len(host);
         if free == 0 {
             return;
         }
-        let level = self.multi[host];
+        let level = self.level(host);
         if self.levels.len() <= level {
             self.levels.resize_with(level + 1, BTreeSet::new);
         }
@@ -474,7 +525,8 @@ impl<'a> BcoIndex<'a> {
             return;
         }
         self.by_free.remove(&(free, host));
-        self.levels[self.multi[host]].remove(&(Reverse(free), host));
+        let level = self.level(host);
+        self.levels[level].remove(&(Reverse(free), host));
         if let Some(count) = self.free_counts.get_mut(&free) {
             *count -= 1;
             if *count == 0 {
@@ -576,7 +628,7 @@ impl<'a> BcoIndex<'a> {
         );
         candidates.sort_unstable_by_key(|&host| key(self, host));
         candidates.dedup();
-        let mut thresholds: Vec<usize> = candidates.iter().map(|&h| self.multi[h] + 1).collect();
+        let mut thresholds: Vec<usize> = candidates.iter().map(|&h| self.level(h) + 1).collect();
         thresholds.sort_unstable();
         thresholds.dedup();
 
@@ -584,23 +636,30 @@ impl<'a> BcoIndex<'a> {
         for kappa in thresholds {
             let mut picks = Vec::new();
             let mut count = 0;
-            let mut worst = 0;
+            // The host with the largest load: its sync is the slowest.
+            let mut worst: Option<usize> = None;
             for &host in &candidates {
-                if self.multi[host] >= kappa {
+                if self.level(host) >= kappa {
                     continue;
                 }
                 let fits = (self.free_len(host) / per_worker).min(wanted - count);
                 picks.push((host, fits));
                 count += fits;
-                worst = worst.max(self.multi[host]);
+                if worst.is_none_or(|w| self.load(host) > self.load(w)) {
+                    worst = Some(host);
+                }
                 if count == wanted {
                     break;
                 }
             }
-            if count < wanted {
+            let Some(worst) = worst.filter(|_| count == wanted) else {
                 continue;
-            }
-            let time = cost.step_time_s(picks.len() as u32, worst as u32 + 1);
+            };
+            let time = cost.step_time_with_nic_s(
+                picks.len() as u32,
+                self.multi[worst] as u32 + 1,
+                self.free.hosts[worst].nic_factor,
+            );
             let better = best.as_ref().is_none_or(|(best_time, best_picks)| {
                 time < *best_time || (time == *best_time && picks.len() < best_picks.len())
             });
@@ -936,10 +995,7 @@ mod tests {
     }
 
     fn host(name: &str, gpus: &[u32]) -> HostFree {
-        HostFree {
-            host: HostId::new(name).unwrap(),
-            gpus: gpus.to_vec(),
-        }
+        HostFree::new(HostId::new(name).unwrap(), gpus.to_vec())
     }
 
     fn job_id(name: &str) -> JobId {
@@ -1395,6 +1451,34 @@ mod tests {
         let costs = BTreeMap::from([(job_id("new"), JobCost::new(1.0, 0.0, 10.0))]);
         let bco = place_bco(&hosts, &requests, &costs);
         assert_eq!(servers_of(&bco[&job_id("new")]), ["a", "b"]);
+    }
+
+    #[test]
+    fn bco_avoids_busy_nics() {
+        // Four idle 4-GPU hosts; a and b have NICs half busy with other traffic. An 8-worker
+        // job must span two hosts: c and d (load 1) beat a and b (load 2), which first fit
+        // and BCO with idle NICs take.
+        let mut hosts: Vec<HostFree> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|h| host(h, &[0, 1, 2, 3]))
+            .collect();
+        let costs = BTreeMap::new();
+        let requests = [request("j", 8, 1, 1)];
+        let idle = place_bco(&hosts, &requests, &costs);
+        assert_eq!(servers_of(&idle[&job_id("j")]), ["a", "b"]);
+        hosts[0].nic_factor = 0.5;
+        hosts[1].nic_factor = 0.5;
+        let busy = place_bco(&hosts, &requests, &costs);
+        assert_eq!(servers_of(&busy[&job_id("j")]), ["c", "d"]);
+        // 12 workers need three hosts, so a busy one: its load (2) sets the sync term
+        // whichever hosts join it, and candidates under a threshold go by free GPUs, then id.
+        let busy = place_bco(&hosts, &[request("j", 12, 1, 1)], &costs);
+        assert_eq!(servers_of(&busy[&job_id("j")]), ["a", "b", "c"]);
+        // A NaN factor counts as idle; out-of-range factors are clamped.
+        hosts[0].nic_factor = f64::NAN;
+        hosts[1].nic_factor = 7.0;
+        let placed = place_bco(&hosts, &requests, &costs);
+        assert_eq!(servers_of(&placed[&job_id("j")]), ["a", "b"]);
     }
 
     #[test]

@@ -8,12 +8,13 @@
 //! An allocation change bumps the job's generation and goes through `restarting` again, so
 //! the old generation checkpoints and exits before the new one starts (generation fencing).
 
-use crate::contention::JobCost;
-use crate::fit::{Curve, FitConfig, fit_loss_curve, samples_to_reach};
+use crate::contention::{HostNic, JobCost, host_nic};
+use crate::fit::{Curve, FitConfig, samples_to_reach};
 use crate::history::JobHistory;
 use crate::placement::{HostFree, PlacementKind, PlacementRequest, master_port, place_with};
 use crate::policies::{ClusterView, Policy, Quality};
 use crate::policy::{PolicyJob, PolicyParams};
+use crate::ps_plan::{PsHost, PsJob, PsPlan, plan_ps_job};
 use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior, packed_nodes};
 use converge_common::{
     Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobPhase, JobSpec, JobStatus,
@@ -37,7 +38,26 @@ pub struct Settings {
     pub placement: PlacementKind,
     /// The policy that sizes jobs (default: `quality` with `policy`).
     pub scheduler: Arc<dyn Policy>,
+    /// Parameter-server shards one host may run (all jobs together); each takes a CPU
+    /// process and no GPU. Bounds the planner's shard placement ([`DEFAULT_PS_SHARDS_PER_HOST`]).
+    pub ps_shards_per_host: u32,
 }
+
+/// Default of [`Settings::ps_shards_per_host`].
+pub const DEFAULT_PS_SHARDS_PER_HOST: u32 = 4;
+
+/// Model size assumed for a parameter-server job before its trainers report one (bytes):
+/// 100 MB, about ResNet-50's parameters in f32.
+pub const DEFAULT_PS_MODEL_BYTES: f64 = 100e6;
+
+/// NIC speed assumed for a host whose agent reports no link speed (bytes per second in one
+/// direction): 10 Gbit/s.
+pub const DEFAULT_LINK_BYTES_PER_S: f64 = 1.25e9;
+
+/// The planner takes the fewest shards whose planned throughput is at least this fraction
+/// of the best plan's ([`PsJob::target_fraction`]): a shard is a process, not worth a
+/// throughput gain under 5 %.
+pub const PS_TARGET_FRACTION: f64 = 0.95;
 
 impl Default for Settings {
     fn default() -> Self {
@@ -49,6 +69,7 @@ impl Default for Settings {
             throughput_prior: ThroughputPrior::default(),
             placement: PlacementKind::default(),
             scheduler: Arc::new(Quality { params: policy }),
+            ps_shards_per_host: DEFAULT_PS_SHARDS_PER_HOST,
         }
     }
 }
@@ -99,17 +120,30 @@ fn remaining_samples(curve: Option<&Curve>, target_loss: Option<f64>, samples: f
     Some((reach - samples).max(0.0))
 }
 
-/// The parameter-server shards of a running `arch = "ps"` job (none for other jobs): one per
-/// host its workers use, in rank order of first appearance, at most `max_ps`, co-located
-/// with the workers so that their pushes and pulls stay on the host (locality, after Yu et
-/// al., IEEE TNSE 2021). Shards take the ranks after the workers and no GPU. Derived from
-/// the placement alone, so the same placement always gives the same shards.
+/// The parameter-server shards of a running `arch = "ps"` job (none for other jobs): those
+/// the planner placed ([`JobStatus::ps_placement`]), else (statuses written before the
+/// planner, or when it found no plan) co-location: one per host its workers use, in rank
+/// order of first appearance, at most `max_ps`, so that pushes and pulls stay on the host
+/// (locality, after Yu et al., IEEE TNSE 2021). Shards take the ranks after the workers and
+/// no GPU.
 fn ps_shards(status: &JobStatus, spec: &JobSpec) -> Vec<RankPlacement> {
     if spec.arch != SyncArch::Ps || status.world_size == 0 {
         return Vec::new();
     }
+    if !status.ps_placement.is_empty() {
+        return status.ps_placement.clone();
+    }
+    colocated_shards(status.world_size, &status.placement, spec)
+}
+
+/// One shard per host of `placement`, in rank order of first appearance, at most `max_ps`.
+fn colocated_shards(
+    world_size: u32,
+    placement: &[RankPlacement],
+    spec: &JobSpec,
+) -> Vec<RankPlacement> {
     let mut hosts: Vec<&HostId> = Vec::new();
-    let mut ranks: Vec<&RankPlacement> = status.placement.iter().collect();
+    let mut ranks: Vec<&RankPlacement> = placement.iter().collect();
     ranks.sort_by_key(|p| p.rank);
     for p in ranks {
         if !hosts.contains(&&p.host) {
@@ -121,7 +155,7 @@ fn ps_shards(status: &JobStatus, spec: &JobSpec) -> Vec<RankPlacement> {
         .take(spec.max_ps.unwrap_or(u32::MAX) as usize)
         .enumerate()
         .map(|(i, host)| RankPlacement {
-            rank: status.world_size + i as u32,
+            rank: world_size + i as u32,
             host: host.clone(),
             gpus: Vec::new(),
         })
@@ -210,7 +244,7 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
                 now,
                 &mut out.events,
             );
-            let curve = history.and_then(|h| fit_loss_curve(&h.loss_points(), &settings.fit));
+            let curve = history.and_then(|h| h.curve(&settings.fit));
             update_progress(
                 &mut status,
                 history,
@@ -277,6 +311,7 @@ fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
         generation: 0,
         world_size: 0,
         placement: Vec::new(),
+        ps_placement: Vec::new(),
         master_port: None,
         step: 0,
         samples: 0,
@@ -307,6 +342,7 @@ fn finish(
     status.finished_at = Some(now);
     status.world_size = 0;
     status.placement.clear();
+    status.ps_placement.clear();
     status.master_port = None;
     events.push(event(
         now,
@@ -342,10 +378,19 @@ fn advance(
     if status.phase != JobPhase::Running {
         return;
     }
+    // Only what a host reports about ranks placed on it counts: a host cannot complete or
+    // fail another host's ranks through its own heartbeat.
+    let placed_here = |host: &HostId, rank: u32| {
+        status
+            .placement
+            .iter()
+            .chain(&status.ps_placement)
+            .any(|p| p.rank == rank && p.host == *host)
+    };
     let current: Vec<&(&HostId, &converge_common::WorkerState)> = reported
         .map(|v| {
             v.iter()
-                .filter(|(_, w)| w.generation == status.generation)
+                .filter(|(host, w)| w.generation == status.generation && placed_here(host, w.rank))
                 .collect()
         })
         .unwrap_or_default();
@@ -393,6 +438,7 @@ fn advance(
     if let Some(lost) = status
         .placement
         .iter()
+        .chain(&status.ps_placement)
         .find(|p| !live.contains_key(&p.host))
     {
         let host = lost.host.clone();
@@ -407,6 +453,7 @@ fn advance(
         status.phase = JobPhase::Pending;
         status.world_size = 0;
         status.placement.clear();
+        status.ps_placement.clear();
         status.master_port = None;
         status.message = Some(format!("host {host} stopped reporting"));
     }
@@ -564,11 +611,14 @@ fn allocate(
         &policy_jobs,
     );
 
+    let nics: BTreeMap<&HostId, HostNic> =
+        live.iter().map(|(h, t)| (*h, host_nic(&t.nics))).collect();
     let hosts: Vec<HostFree> = live
         .iter()
         .map(|(h, t)| HostFree {
             host: (*h).clone(),
             gpus: t.gpus.iter().map(|g| g.index).collect(),
+            nic_factor: nics[h].factor,
         })
         .collect();
     let requests: Vec<PlacementRequest> = active
@@ -596,7 +646,18 @@ fn allocate(
             })
             .collect(),
     };
-    let placed = place_with(settings.placement, &hosts, &requests, &costs);
+    let mut placed = place_with(settings.placement, &hosts, &requests, &costs);
+    let shards = plan_ps_jobs(
+        &PsContext {
+            settings,
+            live,
+            nics: &nics,
+            histories: inp.histories,
+            models: &models,
+        },
+        &active,
+        &mut placed,
+    );
 
     let mut taken_ports: BTreeSet<u16> = out
         .statuses
@@ -606,7 +667,8 @@ fn allocate(
         .collect();
     for (s, _) in &active {
         let new_placement = placed.get(&s.job).cloned().unwrap_or_default();
-        if new_placement == s.placement {
+        let new_shards = shards.get(&s.job).cloned().unwrap_or_default();
+        if new_placement == s.placement && new_shards == s.ps_placement {
             continue;
         }
         let status = out
@@ -620,6 +682,7 @@ fn allocate(
         status.generation += 1;
         status.world_size = new_placement.len() as u32;
         status.placement = new_placement;
+        status.ps_placement = new_shards;
         if status.world_size == 0 {
             status.phase = JobPhase::Pending;
             status.master_port = None;
@@ -645,6 +708,179 @@ fn allocate(
             ),
         ));
     }
+}
+
+/// What [`plan_ps_jobs`] reads besides the placements.
+struct PsContext<'a> {
+    settings: &'a Settings,
+    live: &'a BTreeMap<&'a HostId, &'a HostTelemetry>,
+    nics: &'a BTreeMap<&'a HostId, HostNic>,
+    histories: &'a BTreeMap<JobId, JobHistory>,
+    models: &'a BTreeMap<JobId, (ThroughputModel, f64)>,
+}
+
+/// Shards of every active `arch = "ps"` job, and the workers of those being (re)placed, by
+/// the LP planner of [`crate::ps_plan`] (Yu et al., IEEE TNSE 2021; design brief §5.2).
+///
+/// A PS job whose workers keep their placement keeps its shards. A PS job that the
+/// placement moved or resized (and got workers) is planned again, in priority order: with
+/// the worker count the policy gave it fixed, the planner chooses how many shards
+/// (1..=`max_ps`, default up to one per worker) and where the workers and shards go, on
+/// each live host's GPUs not used by other jobs, the shard slots left
+/// ([`Settings::ps_shards_per_host`]) and its NIC (link speed × NIC factor, both
+/// directions; [`DEFAULT_LINK_BYTES_PER_S`] when unknown). The job's step is priced with its
+/// reported model size ([`DEFAULT_PS_MODEL_BYTES`] before one) and the compute time of its
+/// throughput model (1 s before one). The plan's workers replace the placement's (same
+/// count; GPUs lowest first on each host, ranks in host order); the placement's own ranks
+/// stay when the plan uses the same hosts with the same counts. With no plan (no shard slot
+/// free), the shards are co-located with the workers as before the planner.
+fn plan_ps_jobs(
+    cx: &PsContext<'_>,
+    active: &[(JobStatus, &JobSpec)],
+    placed: &mut BTreeMap<JobId, Vec<RankPlacement>>,
+) -> BTreeMap<JobId, Vec<RankPlacement>> {
+    let mut shards: BTreeMap<JobId, Vec<RankPlacement>> = BTreeMap::new();
+    let mut replan: Vec<(&JobStatus, &JobSpec)> = Vec::new();
+    for (s, spec) in active {
+        if spec.arch != SyncArch::Ps {
+            continue;
+        }
+        let ranks = placed.get(&s.job).map_or(&[][..], Vec::as_slice);
+        if ranks.is_empty() {
+            continue;
+        }
+        if ranks == s.placement.as_slice() {
+            shards.insert(s.job.clone(), s.ps_placement.clone());
+        } else {
+            replan.push((s, spec));
+        }
+    }
+    let hosts: Vec<&HostId> = cx.live.keys().copied().collect();
+    for (s, spec) in replan {
+        let mine = placed.get(&s.job).cloned().unwrap_or_default();
+        let mut used: BTreeMap<&HostId, BTreeSet<u32>> = BTreeMap::new();
+        for (job, ranks) in placed.iter() {
+            if *job != s.job {
+                for r in ranks {
+                    used.entry(&r.host).or_default().extend(&r.gpus);
+                }
+            }
+        }
+        let mut slots_used: BTreeMap<&HostId, u32> = BTreeMap::new();
+        for (job, list) in &shards {
+            if *job != s.job {
+                for r in list {
+                    *slots_used.entry(&r.host).or_default() += 1;
+                }
+            }
+        }
+        let free: Vec<Vec<u32>> = hosts
+            .iter()
+            .map(|h| {
+                let taken = used.get(h);
+                cx.live[h]
+                    .gpus
+                    .iter()
+                    .map(|g| g.index)
+                    .filter(|g| taken.is_none_or(|t| !t.contains(g)))
+                    .collect()
+            })
+            .collect();
+        let ps_hosts: Vec<PsHost> = hosts
+            .iter()
+            .zip(&free)
+            .map(|(h, gpus)| {
+                let nic = cx.nics[h];
+                PsHost::new(
+                    gpus.len() as u32,
+                    cx.settings
+                        .ps_shards_per_host
+                        .saturating_sub(slots_used.get(h).copied().unwrap_or(0)),
+                    2.0 * nic.link_bytes_per_s.unwrap_or(DEFAULT_LINK_BYTES_PER_S) * nic.factor,
+                )
+            })
+            .collect();
+        let workers = mine.len() as u32;
+        let model = cx.models.get(&s.job);
+        let job = PsJob {
+            model_bytes: cx
+                .histories
+                .get(&s.job)
+                .and_then(JobHistory::model_bytes)
+                .map_or(DEFAULT_PS_MODEL_BYTES, |b| b as f64),
+            compute_s: model.map_or(JobCost::default().compute_s, |(m, b)| {
+                JobCost::from_model(m, workers, *b).compute_s
+            }),
+            samples_per_worker: model.map_or(1.0, |(_, b)| *b),
+            gpus_per_worker: spec.gpus_per_worker,
+            min_workers: workers,
+            max_workers: workers,
+            min_shards: 1,
+            max_shards: spec.max_ps.unwrap_or(workers).max(1),
+            target_fraction: PS_TARGET_FRACTION,
+        };
+        let plan = plan_ps_job(&ps_hosts, &job, s.generation + 1);
+        let (ranks, list) = match plan {
+            Some(plan) => ps_ranks(&plan, &hosts, &free, &mine, spec.gpus_per_worker),
+            None => {
+                let list = colocated_shards(workers, &mine, spec);
+                (mine, list)
+            }
+        };
+        placed.insert(s.job.clone(), ranks);
+        shards.insert(s.job.clone(), list);
+    }
+    shards
+}
+
+/// Worker ranks and shard ranks of a PS plan (host indices into `hosts`; `free[h]` the
+/// GPUs free for the job on host `h`, increasing). Keeps `placed` (the placement's ranks)
+/// when the plan puts the same number of workers on the same hosts.
+fn ps_ranks(
+    plan: &PsPlan,
+    hosts: &[&HostId],
+    free: &[Vec<u32>],
+    placed: &[RankPlacement],
+    gpus_per_worker: u32,
+) -> (Vec<RankPlacement>, Vec<RankPlacement>) {
+    let mut counts: BTreeMap<&HostId, u32> = BTreeMap::new();
+    for r in placed {
+        *counts.entry(&r.host).or_default() += 1;
+    }
+    let planned: BTreeMap<&HostId, u32> = plan
+        .workers_per_host
+        .iter()
+        .map(|&(h, n)| (hosts[h], n))
+        .collect();
+    let workers = if planned == counts {
+        placed.to_vec()
+    } else {
+        let per = gpus_per_worker as usize;
+        let mut ranks = Vec::with_capacity(plan.workers as usize);
+        for &(h, n) in &plan.workers_per_host {
+            for chunk in free[h].chunks_exact(per).take(n as usize) {
+                ranks.push(RankPlacement {
+                    rank: ranks.len() as u32,
+                    host: hosts[h].clone(),
+                    gpus: chunk.to_vec(),
+                });
+            }
+        }
+        ranks
+    };
+    let world_size = workers.len() as u32;
+    let shards = plan
+        .shards_per_host
+        .iter()
+        .flat_map(|&(h, n)| std::iter::repeat_n(hosts[h], n as usize))
+        .enumerate()
+        .map(|(i, host)| RankPlacement {
+            rank: world_size + i as u32,
+            host: host.clone(),
+            gpus: Vec::new(),
+        })
+        .collect();
+    (workers, shards)
 }
 
 /// Host plans from job statuses: every `running` job's ranks on their hosts.
@@ -867,8 +1103,61 @@ mod tests {
     }
 
     #[test]
-    fn parameter_server_jobs_get_a_shard_on_each_worker_host() {
-        for (max_ps, shards) in [(None, 2), (Some(1), 1)] {
+    fn a_host_cannot_finish_ranks_placed_elsewhere() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 1, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.add_host(host("h2", 0, 10.0, vec![]));
+        w.step(10.0, true);
+        assert_eq!(w.status("a").placement[0].host.as_str(), "h1");
+        // h2 runs nothing of the job but claims its rank 0 succeeded, then failed.
+        for phase in [WorkerPhase::Succeeded, WorkerPhase::Failed] {
+            w.add_host(host("h2", 0, 11.0, vec![worker("a", 1, 0, phase)]));
+            w.add_host(host(
+                "h1",
+                1,
+                11.0,
+                vec![worker("a", 1, 0, WorkerPhase::Running)],
+            ));
+            w.step(11.0, false);
+            assert_eq!(w.status("a").phase, JobPhase::Running, "{phase:?}");
+        }
+        // The host the rank is placed on is believed.
+        w.add_host(host(
+            "h1",
+            1,
+            12.0,
+            vec![worker("a", 1, 0, WorkerPhase::Succeeded)],
+        ));
+        w.step(12.0, false);
+        assert_eq!(w.status("a").phase, JobPhase::Completed);
+    }
+
+    /// Step time of a PS job's status under the planner's model (default model size and
+    /// compute, default link speed on every host).
+    fn ps_step_time(s: &JobStatus, hosts: &[&str]) -> f64 {
+        let count = |list: &[RankPlacement], h: &str| {
+            list.iter().filter(|r| r.host.as_str() == h).count() as u32
+        };
+        let ps_hosts: Vec<PsHost> = hosts
+            .iter()
+            .map(|_| PsHost::new(8, 8, 2.0 * DEFAULT_LINK_BYTES_PER_S))
+            .collect();
+        let workers: Vec<u32> = hosts.iter().map(|h| count(&s.placement, h)).collect();
+        let shards: Vec<u32> = hosts.iter().map(|h| count(&s.ps_placement, h)).collect();
+        let job = PsJob::new(
+            DEFAULT_PS_MODEL_BYTES,
+            JobCost::default().compute_s,
+            s.world_size..=s.world_size,
+            1..=s.world_size,
+        );
+        crate::ps_plan::step_time_s(&ps_hosts, &job, &workers, &shards)
+    }
+
+    #[test]
+    fn parameter_server_jobs_get_planned_shards() {
+        for max_ps in [None, Some(1), Some(2)] {
             let mut w = World::default();
             let mut spec = job("ps", 3, 3, 1.0);
             spec.arch = SyncArch::Ps;
@@ -877,30 +1166,107 @@ mod tests {
             w.add_host(host("h1", 2, 10.0, vec![]));
             w.add_host(host("h2", 2, 10.0, vec![]));
             let out = w.step(10.0, true);
-            let s = w.status("ps");
+            let s = w.status("ps").clone();
+            converge_common::messages::Message::validate(&s).unwrap();
             assert_eq!((s.phase, s.world_size), (JobPhase::Running, 3));
+            let shards = s.ps_placement.len();
+            assert!(
+                shards >= 1 && shards <= max_ps.unwrap_or(3) as usize,
+                "{max_ps:?}"
+            );
             let all: Vec<&WorkerAssignment> = out.plans.values().flat_map(|p| &p.workers).collect();
             assert_eq!(all.len(), 3 + shards, "{max_ps:?}");
             for a in &all {
                 assert_eq!((a.world_size, a.num_ps), (3 + shards as u32, shards as u32));
             }
-            let shard_ranks: Vec<&&WorkerAssignment> = all.iter().filter(|a| a.rank >= 3).collect();
-            assert_eq!(shard_ranks.len(), shards);
-            assert!(shard_ranks.iter().all(|a| a.gpus.is_empty()));
-            // Each shard sits on a host that runs workers of the job; shard 0 with rank 0.
-            let rank0_host = &s.placement.iter().find(|p| p.rank == 0).unwrap().host;
-            let shard0_host = out
-                .plans
-                .iter()
-                .find(|(_, p)| p.workers.iter().any(|a| a.rank == 3))
-                .map(|(h, _)| h)
-                .unwrap();
-            assert_eq!(shard0_host, rank0_host);
-            // Plans stay valid: ranks below the world size, no GPU twice.
+            // The shards in the plans are the status's, ranks after the workers, no GPUs.
+            for shard in &s.ps_placement {
+                let a = out.plans[&shard.host]
+                    .workers
+                    .iter()
+                    .find(|a| a.rank == shard.rank)
+                    .unwrap();
+                assert!(a.gpus.is_empty());
+            }
             for p in out.plans.values() {
                 converge_common::messages::Message::validate(p).unwrap();
             }
+            // The plan is at least as fast as co-locating a shard with each worker host
+            // (the fallback) under the planner's own model.
+            let mut colocated = s.clone();
+            colocated.ps_placement = colocated_shards(3, &s.placement, &w.specs[&s.job]);
+            assert!(
+                ps_step_time(&s, &["h1", "h2"]) <= ps_step_time(&colocated, &["h1", "h2"]) + 1e-9,
+                "{max_ps:?}: {:?}",
+                s.ps_placement
+            );
+            // Nothing new: nothing moves.
+            w.step(11.0, true);
+            assert_eq!(w.status("ps"), &s);
         }
+    }
+
+    #[test]
+    fn parameter_server_shards_stay_with_workers_on_one_host_and_fall_back_without_slots() {
+        // Two workers fit on h1: the planner keeps every byte on h1 (shards there too).
+        let mut w = World::default();
+        let mut spec = job("ps", 2, 2, 1.0);
+        spec.arch = SyncArch::Ps;
+        w.specs.insert(JobId::new("ps").unwrap(), spec.clone());
+        w.add_host(host("h1", 2, 10.0, vec![]));
+        w.add_host(host("h2", 2, 10.0, vec![]));
+        w.step(10.0, true);
+        let s = w.status("ps");
+        let worker_hosts: BTreeSet<&HostId> = s.placement.iter().map(|r| &r.host).collect();
+        assert_eq!(worker_hosts.len(), 1);
+        assert!(!s.ps_placement.is_empty());
+        assert!(
+            s.ps_placement
+                .iter()
+                .all(|r| worker_hosts.contains(&r.host))
+        );
+
+        // No shard slot anywhere: no plan, one shard per worker host (co-location).
+        let mut w = World::default();
+        w.settings.ps_shards_per_host = 0;
+        let mut spec = job("ps", 3, 3, 1.0);
+        spec.arch = SyncArch::Ps;
+        w.specs.insert(JobId::new("ps").unwrap(), spec);
+        w.add_host(host("h1", 2, 10.0, vec![]));
+        w.add_host(host("h2", 2, 10.0, vec![]));
+        w.step(10.0, true);
+        let s = w.status("ps");
+        let shard_hosts: Vec<&str> = s.ps_placement.iter().map(|r| r.host.as_str()).collect();
+        assert_eq!(shard_hosts, ["h1", "h2"]);
+    }
+
+    #[test]
+    fn a_lost_shard_host_sends_the_job_back_to_pending() {
+        let mut w = World::default();
+        let mut a = job("a", 2, 2, 1.0);
+        a.arch = SyncArch::Ps;
+        w.specs.insert(JobId::new("a").unwrap(), a);
+        w.add_host(host("h1", 2, 10.0, vec![]));
+        w.add_host(host("h3", 0, 10.0, vec![]));
+        w.step(10.0, true);
+        // The job runs on h1 with its shard moved to h3, which holds none of its workers.
+        let id = JobId::new("a").unwrap();
+        let s = w.statuses.get_mut(&id).unwrap();
+        assert_eq!((s.phase, s.world_size), (JobPhase::Running, 2));
+        s.ps_placement = vec![RankPlacement {
+            rank: 2,
+            host: HostId::new("h3").unwrap(),
+            gpus: vec![],
+        }];
+        w.hosts.remove(&HostId::new("h3").unwrap());
+        let out = w.step(11.0, false);
+        let s = w.status("a");
+        assert_eq!((s.phase, s.world_size), (JobPhase::Pending, 0));
+        assert!(s.placement.is_empty() && s.ps_placement.is_empty());
+        assert!(out.events.iter().any(|e| matches!(
+            &e.kind,
+            EventKind::HostLost { host } if host.as_str() == "h3"
+        )));
     }
 
     #[test]
@@ -1041,6 +1407,8 @@ mod tests {
                 time,
                 workers: None,
                 hosts: None,
+                sync_time_s: None,
+                model_bytes: None,
             }
         };
         let mut h = JobHistory::default();
@@ -1103,6 +1471,8 @@ mod tests {
             time: 10.0 + samples as f64 / 1000.0,
             workers: None,
             hosts: None,
+            sync_time_s: None,
+            model_bytes: None,
         };
         let history = w.histories.entry(id.clone()).or_default();
         history.add(&report(320, 0.7));

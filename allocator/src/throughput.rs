@@ -40,8 +40,33 @@
 //! Lawson–Hanson's NNLS as used by `scipy.optimize.nnls`). Observations that are not usable
 //! (`workers` or `nodes` 0, a batch or step time that is not finite and positive) are
 //! skipped. To keep the problem well scaled, every feature column is divided by its
-//! root-mean-square over the observations and the step times by their median, so each scaled
+//! root-mean-square over the rows and the targets by the median step time, so each scaled
 //! coefficient is "seconds of a typical observation's step, in units of the median step".
+//!
+//! ## Synchronization rows
+//!
+//! A trainer that measures its synchronization (the worker contract's `sync_s`: seconds per
+//! step in the ring all-reduce, or in the parameter-server push and pull) gives the fit a
+//! second row for that observation, on the communication features alone:
+//!
+//! ```text
+//! step row:  t(w, n, b) ≈ θ_c·b + θ_0 + θ_intra·[n = 1]·r(w) + θ_inter·[n > 1]·r(w) + θ_α·(n − 1)
+//! sync row:  sync(w, n) ≈               θ_intra·[n = 1]·r(w) + θ_inter·[n > 1]·r(w)
+//! ```
+//!
+//! Both are in seconds per step and weigh the same (one row each, scaled like the step rows:
+//! the column RMS is taken over all rows, the target divided by the median step time). A
+//! sync time is used only when it is finite and `>= 0`
+//! ([`StepObservation::usable_sync_time_s`]), and only for two workers or more (with one
+//! worker the row's features are all 0); it is capped at the observation's step time. The
+//! sync row pins the split between compute and communication that step times alone leave
+//! to the prior: from one configuration on several servers it gives `θ_inter` exactly
+//! (`sync / r(w)`) and leaves `θ_c·b + θ_0 + θ_α·(n − 1)` to the rest of the step, so other
+//! world sizes on the same number of servers are predicted exactly (unit test
+//! `sync_times_pin_the_communication_split_from_one_configuration`). With no sync time in
+//! any observation the rows, the scaling and the result are exactly those of the step rows
+//! alone. The `θ_α` the sync row does not cover (per-server latency and overhead outside
+//! the timed exchange) stays with the step rows.
 //!
 //! # The prior
 //!
@@ -57,7 +82,11 @@
 //! those), and the prior's scale `t1` is chosen so that the prior reproduces those
 //! observations (median over them of `observed / prior-shape`, i.e. `t1` is the observed step
 //! minus what the prior's sync terms would add). The prior then only supplies the *shape* —
-//! the 0.9/0.1 compute split and the sync fractions — not the job's speed.
+//! the 0.9/0.1 compute split and the sync fractions — not the job's speed. A reference
+//! observation with a usable sync time below its step time anchors on the rest instead:
+//! `(step − sync) / (prior shape without the communication terms)`, so the prior's compute
+//! terms agree with the measured compute rather than absorbing the communication; the
+//! prior's `θ_intra`/`θ_inter` are then fractions of that compute-only `t1`.
 //!
 //! The anchored prior enters the NNLS as ridge pseudo-observations, but **only along the
 //! directions the data cannot identify**: with `X̃` the scaled design and `G = X̃ᵀX̃/N` (unit
@@ -85,9 +114,14 @@
 //! - multi-server runs in which `r(w)` and `n − 1` do not move in proportion, e.g. two worker
 //!   counts on the same number of servers, which separates `θ_inter` from `θ_α`.
 //!
+//! A multi-worker observation with a sync time also identifies its communication coefficient
+//! (`θ_intra` on one server, `θ_inter` on several) by itself.
+//!
 //! Otherwise the prior fills in exactly the missing directions. A single configuration
 //! identifies only its own step time: the anchored prior reproduces it exactly and spreads it
-//! over the terms in the prior's proportions. A fixed batch (as in a running job) never
+//! over the terms in the prior's proportions (with its sync time: its communication
+//! coefficient and the rest of its step, the rest spread in the prior's proportions; the
+//! other communication coefficient is the prior's fraction of the compute). A fixed batch (as in a running job) never
 //! separates `θ_c` from `θ_0`: predictions at that batch follow the data, other batches the
 //! prior's 0.9/0.1 split. Multi-server runs on two servers only (`r` = 1, 1.5, 1.75 at 2, 4,
 //! 8 workers against a constant `n − 1`) do separate `θ_inter` from `θ_α`, but only just:
@@ -103,6 +137,18 @@
 //! roughly linearly with the workers, while `r(w)` saturates; Pollux's own model uses a term
 //! linear in `w`. Small batches, where the measured sync time shrinks as compute grows
 //! (overlap), fit worst.
+//!
+//! Pollux's files also hold a measured sync time per row (test `pollux_sync_times_report`,
+//! median / p90 relative error over every placement, all batches). Fitted on the 1–8-worker,
+//! 1–2-node rows, adding the sync rows helps a little on five of six applications (cifar10
+//! 6.8 % → 6.5 % median, 27.3 % → 26.2 % p90; imagenet 13.7 % → 12.2 %; ncf 30.7 % →
+//! 28.5 %; deepspeech2 8.0 % → 8.2 % median, p90 26.5 % → 36.7 %). Fitted on one
+//! configuration (the first 4-workers-on-2-nodes row) it is worse on all six (cifar10 4.1 %
+//! → 5.2 %, ncf 13.7 % → 22.7 % median): Pollux's sync times vary from placement to placement
+//! far more than `r(w)` allows (ncf at batch 513: 33 ms for 4 GPUs on 2 nodes, 11 ms for 2 on
+//! 2, 18–23 ms for 7 on 3), so the one measured sync extrapolates its noise, while the fit
+//! without it predicts nearly the observed step everywhere, which those flat measurements
+//! happen to favour.
 //!
 //! Everything here is pure and deterministic (no I/O, no clock, no randomness) and never
 //! panics: a problem that is not finite falls back to the anchored prior, then to the plain
@@ -144,6 +190,10 @@ pub struct StepObservation {
     pub local_batch: f64,
     /// Seconds per optimizer step (observed).
     pub step_time_s: f64,
+    /// Seconds per optimizer step spent synchronizing gradients (the communication part of
+    /// `step_time_s`), when the trainer reported it. Used by the fit only when
+    /// [`StepObservation::usable_sync_time_s`] accepts it.
+    pub sync_time_s: Option<f64>,
 }
 
 impl StepObservation {
@@ -158,6 +208,16 @@ impl StepObservation {
             && self.local_batch <= MAX_LOCAL_BATCH
             && self.step_time_s > 0.0
             && self.step_time_s <= MAX_STEP_TIME_S
+    }
+
+    /// The synchronization time the fit uses for this observation: the reported one when it
+    /// is finite and `>= 0`, capped at the step time (synchronization is part of the step);
+    /// `None` when absent or not a number, or when the ring moves nothing (one worker: the
+    /// communication features are all 0, so the row would say nothing about `θ`).
+    pub fn usable_sync_time_s(&self) -> Option<f64> {
+        let sync = self.sync_time_s?;
+        (sync.is_finite() && sync >= 0.0 && ring_factor(self.workers) > 0.0)
+            .then(|| sync.min(self.step_time_s))
     }
 }
 
@@ -486,7 +546,9 @@ impl ThroughputModel {
 
 /// The prior anchored to the observations: `(b_ref, θ_prior)` with `b_ref` the lower median
 /// batch of the fewest-workers (then fewest-nodes) observations and `t1` the median over them
-/// of `observed step / prior shape`. `None` without observations or when not finite.
+/// of `observed step / prior shape`, or, for an observation with a usable sync time (below
+/// its step time), of `(step − sync) / prior shape without the communication terms`.
+/// `None` without observations or when not finite.
 fn anchored_prior(usable: &[StepObservation], prior: &ThroughputPrior) -> Option<(f64, [f64; K])> {
     let min_workers = usable.iter().map(|o| o.workers).min()?;
     let min_nodes = usable
@@ -503,7 +565,19 @@ fn anchored_prior(usable: &[StepObservation], prior: &ThroughputPrior) -> Option
     let t1 = lower_median(
         reference
             .iter()
-            .map(|o| o.step_time_s / dot(&shape, &features(o.workers, o.nodes, o.local_batch)))
+            .map(|o| {
+                let f = features(o.workers, o.nodes, o.local_batch);
+                match o.usable_sync_time_s() {
+                    // The measured communication is not the prior's to guess: scale the
+                    // prior's other terms to the rest of the step.
+                    Some(sync) if o.step_time_s > sync => {
+                        let sf = sync_features(o.workers, o.nodes);
+                        let rest: [f64; K] = std::array::from_fn(|k| f[k] - sf[k]);
+                        (o.step_time_s - sync) / dot(&shape, &rest)
+                    }
+                    _ => o.step_time_s / dot(&shape, &f),
+                }
+            })
             .collect(),
     )?;
     let theta = shape.map(|s| s * t1);
@@ -511,13 +585,35 @@ fn anchored_prior(usable: &[StepObservation], prior: &ThroughputPrior) -> Option
         .then_some((b_ref, theta))
 }
 
-/// The scaled NNLS with prior rows along the weakly identified directions (module docs).
-fn fit_theta(usable: &[StepObservation], anchored: &[f64; K], weight: f64) -> Option<[f64; K]> {
-    let n = usable.len();
-    let x: Vec<[f64; K]> = usable
+/// The communication features `[0, 0, [n=1]·r(w), [n>1]·r(w), 0]`: the part of
+/// [`features`] that a measured synchronization time is regressed on.
+pub fn sync_features(workers: u32, nodes: u32) -> [f64; K] {
+    let f = features(workers, nodes, 0.0);
+    [0.0, 0.0, f[2], f[3], 0.0]
+}
+
+/// The least-squares rows of the usable observations: one step row per observation
+/// ([`features`] → step time), then one sync row per observation with a usable sync time
+/// ([`sync_features`] → sync time). Both in seconds, with the same weight.
+fn design_rows(usable: &[StepObservation]) -> (Vec<[f64; K]>, Vec<f64>) {
+    let mut x: Vec<[f64; K]> = usable
         .iter()
         .map(|o| features(o.workers, o.nodes, o.local_batch))
         .collect();
+    let mut y: Vec<f64> = usable.iter().map(|o| o.step_time_s).collect();
+    for o in usable {
+        if let Some(sync) = o.usable_sync_time_s() {
+            x.push(sync_features(o.workers, o.nodes));
+            y.push(sync);
+        }
+    }
+    (x, y)
+}
+
+/// The scaled NNLS with prior rows along the weakly identified directions (module docs).
+fn fit_theta(usable: &[StepObservation], anchored: &[f64; K], weight: f64) -> Option<[f64; K]> {
+    let (x, y) = design_rows(usable);
+    let n = x.len();
     let y_scale = lower_median(usable.iter().map(|o| o.step_time_s).collect())?;
     let mut scale = [1.0; K];
     for (k, c) in scale.iter_mut().enumerate() {
@@ -531,7 +627,7 @@ fn fit_theta(usable: &[StepObservation], anchored: &[f64; K], weight: f64) -> Op
         .iter()
         .map(|row| std::array::from_fn(|k| row[k] / scale[k]))
         .collect();
-    let ys: Vec<f64> = usable.iter().map(|o| o.step_time_s / y_scale).collect();
+    let ys: Vec<f64> = y.iter().map(|t| t / y_scale).collect();
     let prior_scaled: [f64; K] = std::array::from_fn(|k| anchored[k] * scale[k] / y_scale);
 
     let mut a: Vec<f64> = xs.iter().flatten().copied().collect();
@@ -595,6 +691,15 @@ pub(crate) mod pollux_rows {
 
     /// The rows of `data/pollux/traces/<app>/placements.csv`.
     pub fn pollux_rows(app: &str) -> Vec<Row> {
+        pollux_rows_with_sync(app)
+            .into_iter()
+            .map(|(row, _)| row)
+            .collect()
+    }
+
+    /// The rows of `data/pollux/traces/<app>/placements.csv` with their measured sync time
+    /// (seconds per step).
+    pub fn pollux_rows_with_sync(app: &str) -> Vec<(Row, f64)> {
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../data/pollux/traces")
             .join(app)
@@ -612,10 +717,13 @@ pub(crate) mod pollux_rows {
                 // The placement id concatenates the GPUs on each node (1-9 per node).
                 let digits: Vec<u32> = f[0].chars().map(|c| c.to_digit(10).unwrap()).collect();
                 (
-                    digits.iter().sum(),
-                    digits.len() as u32,
-                    f[1].parse().unwrap(),
-                    f[2].parse().unwrap(),
+                    (
+                        digits.iter().sum(),
+                        digits.len() as u32,
+                        f[1].parse().unwrap(),
+                        f[2].parse().unwrap(),
+                    ),
+                    f[3].parse().unwrap(),
                 )
             })
             .collect()
@@ -630,7 +738,7 @@ pub(crate) mod pollux_rows {
 
 #[cfg(test)]
 mod tests {
-    use super::pollux_rows::{Row, pollux_rows, quantile};
+    use super::pollux_rows::{Row, pollux_rows, pollux_rows_with_sync, quantile};
     use super::*;
     use proptest::prelude::*;
 
@@ -646,6 +754,7 @@ mod tests {
                 nodes: n,
                 local_batch: b,
                 step_time_s: dot(&theta, &features(w, n, b)),
+                sync_time_s: None,
             })
             .collect()
     }
@@ -768,6 +877,7 @@ mod tests {
             nodes: 1,
             local_batch: 64.0,
             step_time_s: 1.0,
+            sync_time_s: None,
         }];
         assert_eq!(ThroughputModel::fit(&bad, &p), m);
         assert_eq!(
@@ -785,6 +895,7 @@ mod tests {
                 nodes: n,
                 local_batch: b,
                 step_time_s: t,
+                sync_time_s: None,
             }];
             let m = ThroughputModel::fit(&obs, &p);
             assert_eq!(m.observations(), 1);
@@ -816,6 +927,7 @@ mod tests {
             nodes: 1,
             local_batch: 100.0,
             step_time_s: 4.0,
+            sync_time_s: None,
         }];
         let p = ThroughputPrior::default();
         let m = ThroughputModel::fit(&obs, &p);
@@ -824,6 +936,125 @@ mod tests {
         assert!(rel(c[2], p.intra_sync_fraction * 4.0) < 1e-9);
         assert!(rel(c[3], p.inter_sync_fraction * 4.0) < 1e-9);
         assert!(rel(c[4], p.per_node_overhead_fraction * 4.0) < 1e-9);
+    }
+
+    /// Step and sync times of `w` workers on `n` servers at batch `b` under `theta`: the
+    /// step is the full model, the sync its communication terms (`θ_intra`/`θ_inter`).
+    fn with_sync(theta: [f64; K], w: u32, n: u32, b: f64) -> StepObservation {
+        StepObservation {
+            workers: w,
+            nodes: n,
+            local_batch: b,
+            step_time_s: dot(&theta, &features(w, n, b)),
+            sync_time_s: Some(dot(&theta, &sync_features(w, n))),
+        }
+    }
+
+    #[test]
+    fn sync_times_pin_the_communication_split_from_one_configuration() {
+        // A communication-heavy job (θ_inter is 6 of the prior's 0.05 fractions of the
+        // single-worker step) observed in ONE configuration: 4 workers on 2 servers.
+        let theta = [0.003, 0.01, 0.02, 0.3, 0.005];
+        let b = 32.0;
+        let seen = with_sync(theta, 4, 2, b);
+        let prior = ThroughputPrior::default();
+        let with = ThroughputModel::fit(&[seen], &prior);
+        let without = ThroughputModel::fit(
+            &[StepObservation {
+                sync_time_s: None,
+                ..seen
+            }],
+            &prior,
+        );
+        let inter = with.coefficients()[3];
+        println!(
+            "θ with sync {:?}, without {:?}, truth {theta:?}",
+            with.coefficients(),
+            without.coefficients()
+        );
+        assert!(
+            rel(inter, theta[3]) < 0.03,
+            "θ_inter {inter} vs {}",
+            theta[3]
+        );
+        assert!(rel(without.coefficients()[3], theta[3]) > 0.5);
+        // Both reproduce the observed step.
+        for m in [&with, &without] {
+            assert!(rel(m.step_time_s(4, 2, b), seen.step_time_s) < 0.03);
+        }
+        // Other world sizes on two servers (and more servers): the fit with the sync time
+        // predicts them better.
+        for (w, n) in [(2, 2), (8, 2), (16, 2), (8, 4)] {
+            let truth = dot(&theta, &features(w, n, b));
+            let e_with = rel(with.step_time_s(w, n, b), truth);
+            let e_without = rel(without.step_time_s(w, n, b), truth);
+            println!("  w={w} n={n}: error with sync {e_with:.4}, without {e_without:.4}");
+            assert!(e_with < e_without, "{w}/{n}: {e_with} vs {e_without}");
+            if n == 2 {
+                assert!(e_with < 0.03, "{w}/{n}: {e_with}");
+            }
+        }
+    }
+
+    #[test]
+    fn sync_times_agree_with_an_identified_fit() {
+        // Noise-free step and sync times over many configurations: the sync rows are
+        // consistent with the step rows, and the exact coefficients are still recovered.
+        let theta = [0.002, 0.01, 0.03, 0.08, 0.015];
+        let obs: Vec<StepObservation> = rich_configs()
+            .iter()
+            .map(|&(w, n, b)| with_sync(theta, w, n, b))
+            .collect();
+        let model = ThroughputModel::fit(&obs, &ThroughputPrior::default());
+        for (k, (got, want)) in model.coefficients().iter().zip(theta).enumerate() {
+            assert!(rel(*got, want) < 1e-6, "θ[{k}] = {got}, want {want}");
+        }
+    }
+
+    #[test]
+    fn sync_time_is_ignored_when_not_usable() {
+        let theta = [0.003, 0.01, 0.02, 0.3, 0.005];
+        let seen = with_sync(theta, 4, 2, 32.0);
+        let prior = ThroughputPrior::default();
+        let without = ThroughputModel::fit(
+            &[StepObservation {
+                sync_time_s: None,
+                ..seen
+            }],
+            &prior,
+        );
+        for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY, -0.1] {
+            let o = StepObservation {
+                sync_time_s: Some(bad),
+                ..seen
+            };
+            assert_eq!(o.usable_sync_time_s(), None, "{bad}");
+            assert_eq!(ThroughputModel::fit(&[o], &prior), without, "{bad}");
+        }
+        // One worker moves nothing over the ring: its sync row would be all zeros.
+        let alone = StepObservation {
+            workers: 1,
+            nodes: 1,
+            sync_time_s: Some(0.001),
+            ..seen
+        };
+        assert_eq!(alone.usable_sync_time_s(), None);
+        assert_eq!(
+            ThroughputModel::fit(&[alone], &prior),
+            ThroughputModel::fit(
+                &[StepObservation {
+                    sync_time_s: None,
+                    ..alone
+                }],
+                &prior
+            )
+        );
+        // A sync time above the step time is capped at it.
+        let over = StepObservation {
+            sync_time_s: Some(10.0 * seen.step_time_s),
+            ..seen
+        };
+        assert_eq!(over.usable_sync_time_s(), Some(seen.step_time_s));
     }
 
     #[test]
@@ -863,6 +1094,7 @@ mod tests {
             nodes: n,
             local_batch: b,
             step_time_s: t,
+            sync_time_s: None,
         })
     }
 
@@ -908,6 +1140,33 @@ mod tests {
         }
     }
 
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+
+        #[test]
+        fn predictions_with_sync_times_are_always_finite_and_non_negative(
+            obs in prop::collection::vec(
+                (observation(), prop::option::of(wild_f64())),
+                0..12,
+            ),
+            queries in prop::collection::vec((0u32..1000, 0u32..100, wild_f64()), 1..8),
+        ) {
+            let obs: Vec<StepObservation> = obs
+                .into_iter()
+                .map(|(o, sync)| StepObservation { sync_time_s: sync, ..o })
+                .collect();
+            let fitted = ThroughputModel::fit(&obs, &ThroughputPrior::default());
+            for c in fitted.coefficients() {
+                prop_assert!(c.is_finite() && c >= 0.0, "θ {:?}", fitted.coefficients());
+            }
+            for &(w, n, b) in &queries {
+                let t = fitted.step_time_s(w, n, b);
+                prop_assert!(t.is_finite() && t > 0.0, "t({w},{n},{b}) = {t}");
+            }
+            prop_assert_eq!(ThroughputModel::fit(&obs, &ThroughputPrior::default()), fitted);
+        }
+    }
+
     /// Rows fitted in the Pollux check: 1, 2, 4 and 8 workers on 1 or 2 nodes.
     fn in_fit_set(r: &Row) -> bool {
         matches!(r.0, 1 | 2 | 4 | 8) && r.1 <= 2
@@ -922,6 +1181,7 @@ mod tests {
                 nodes: r.1,
                 local_batch: r.2,
                 step_time_s: r.3,
+                sync_time_s: None,
             })
             .collect();
         let m = ThroughputModel::fit(&obs, &ThroughputPrior::default());
@@ -989,6 +1249,7 @@ mod tests {
                 nodes: r.1,
                 local_batch: r.2,
                 step_time_s: r.3,
+                sync_time_s: None,
             })
             .collect();
         let m = ThroughputModel::fit(&obs, &ThroughputPrior::default());
@@ -1017,6 +1278,85 @@ mod tests {
         let (median, p90, _, _) = stats("all");
         assert!(median < 0.12, "all-batches median relative error {median}");
         assert!(p90 < 0.26, "all-batches p90 relative error {p90}");
+    }
+
+    /// Pollux's measured sync times fed to the fit, per app, every batch: median and p90
+    /// relative step-time error over every placement at the batch, fitted (a) on the rows
+    /// of [`in_fit_set`] and (b) on the one configuration of 4 workers on 2 nodes, each
+    /// without and with the sync times: `[(a) without, (a) with, (b) without, (b) with]`.
+    fn pollux_sync_report(app: &str) -> [(f64, f64); 4] {
+        let rows = pollux_rows_with_sync(app);
+        let mut batches: Vec<f64> = rows.iter().map(|(r, _)| r.2).collect();
+        batches.sort_by(f64::total_cmp);
+        batches.dedup();
+        let observation = |&(r, sync): &(Row, f64), with_sync: bool| StepObservation {
+            workers: r.0,
+            nodes: r.1,
+            local_batch: r.2,
+            step_time_s: r.3,
+            sync_time_s: with_sync.then_some(sync),
+        };
+        let mut errors: [Vec<f64>; 4] = Default::default();
+        for b in batches {
+            let at_b: Vec<&(Row, f64)> = rows.iter().filter(|(r, _)| r.2 == b).collect();
+            let fit_rows: Vec<&(Row, f64)> = at_b
+                .iter()
+                .copied()
+                .filter(|(r, _)| in_fit_set(r))
+                .collect();
+            let one: Vec<&(Row, f64)> = fit_rows
+                .iter()
+                .copied()
+                .filter(|(r, _)| (r.0, r.1) == (4, 2))
+                .take(1)
+                .collect();
+            for (i, (set, with_sync)) in [
+                (&fit_rows, false),
+                (&fit_rows, true),
+                (&one, false),
+                (&one, true),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                if set.is_empty() {
+                    continue;
+                }
+                let obs: Vec<StepObservation> =
+                    set.iter().map(|r| observation(r, with_sync)).collect();
+                let m = ThroughputModel::fit(&obs, &ThroughputPrior::default());
+                errors[i].extend(
+                    at_b.iter()
+                        .map(|(r, _)| rel(m.step_time_s(r.0, r.1, r.2), r.3)),
+                );
+            }
+        }
+        errors.map(|e| (quantile(e.clone(), 0.5), quantile(e, 0.9)))
+    }
+
+    #[test]
+    fn pollux_sync_times_report() {
+        println!(
+            "app: all placements median/p90, fitted on 1-8 workers on 1-2 nodes without | with \
+             sync; fitted on 4 workers on 2 nodes without | with sync"
+        );
+        for app in [
+            "bert",
+            "cifar10",
+            "deepspeech2",
+            "imagenet",
+            "ncf",
+            "yolov3",
+        ] {
+            let [a, a_sync, b, b_sync] = pollux_sync_report(app);
+            println!(
+                "  {app}: {:.3}/{:.3} | {:.3}/{:.3}; {:.3}/{:.3} | {:.3}/{:.3}",
+                a.0, a.1, a_sync.0, a_sync.1, b.0, b.1, b_sync.0, b_sync.1
+            );
+            for (m, p) in [a, a_sync, b, b_sync] {
+                assert!(m.is_finite() && p.is_finite());
+            }
+        }
     }
 
     #[test]

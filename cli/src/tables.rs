@@ -29,23 +29,32 @@ fn step_times(observed: Option<f64>, predicted: Option<f64>) -> String {
     format!("{} / {}", f(observed), f(predicted))
 }
 
-/// Ranks per host in rank order of first appearance, e.g. `node-1×2 node-2×1`.
+/// Ranks per host in rank order of first appearance, e.g. `node-1×2 node-2×1`, then the
+/// parameter-server shards the same way, e.g. `ps: node-1×1`.
 fn placement(s: &JobStatus) -> String {
-    let mut hosts: Vec<(&str, usize)> = Vec::new();
-    for r in &s.placement {
-        match hosts.iter_mut().find(|(h, _)| *h == r.host.as_str()) {
-            Some((_, n)) => *n += 1,
-            None => hosts.push((r.host.as_str(), 1)),
+    let per_host = |ranks: &[converge_common::RankPlacement]| {
+        let mut hosts: Vec<(&str, usize)> = Vec::new();
+        for r in ranks {
+            match hosts.iter_mut().find(|(h, _)| *h == r.host.as_str()) {
+                Some((_, n)) => *n += 1,
+                None => hosts.push((r.host.as_str(), 1)),
+            }
         }
-    }
-    if hosts.is_empty() {
+        hosts
+            .iter()
+            .map(|(h, n)| format!("{h}×{n}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    if s.placement.is_empty() {
         return "-".into();
     }
-    hosts
-        .iter()
-        .map(|(h, n)| format!("{h}×{n}"))
-        .collect::<Vec<_>>()
-        .join(" ")
+    let workers = per_host(&s.placement);
+    if s.ps_placement.is_empty() {
+        workers
+    } else {
+        format!("{workers} ps: {}", per_host(&s.ps_placement))
+    }
 }
 
 /// The jobs table.
@@ -159,4 +168,44 @@ pub fn hosts(hosts: &[HostTelemetry], now: f64) -> Table {
         ]);
     }
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_common::{HostId, JobId, JobPhase, PROTOCOL_VERSION, RankPlacement};
+
+    fn rank(rank: u32, host: &str, gpus: &[u32]) -> RankPlacement {
+        RankPlacement {
+            rank,
+            host: HostId::new(host).unwrap(),
+            gpus: gpus.to_vec(),
+        }
+    }
+
+    #[test]
+    fn placement_lists_workers_then_shards_per_host() {
+        let mut s: JobStatus = serde_json::from_value(serde_json::json!({
+            "protocol": PROTOCOL_VERSION, "job": "j", "phase": "running", "generation": 1,
+            "world_size": 0, "placement": [], "master_port": null, "step": 0, "samples": 0,
+            "first_loss": null, "loss": null, "eval_loss": null, "curve": null,
+            "predicted_loss": null, "samples_per_s": null, "submitted_at": 0.0,
+            "started_at": null, "finished_at": null, "updated_at": 0.0, "message": null
+        }))
+        .unwrap();
+        assert_eq!(
+            (s.job.clone(), s.phase),
+            (JobId::new("j").unwrap(), JobPhase::Running)
+        );
+        assert_eq!(placement(&s), "-");
+        s.world_size = 3;
+        s.placement = vec![
+            rank(0, "n2", &[0]),
+            rank(1, "n1", &[0]),
+            rank(2, "n2", &[1]),
+        ];
+        assert_eq!(placement(&s), "n2×2 n1×1");
+        s.ps_placement = vec![rank(3, "n2", &[]), rank(4, "n2", &[])];
+        assert_eq!(placement(&s), "n2×2 n1×1 ps: n2×2");
+    }
 }

@@ -34,8 +34,9 @@ pub enum SyncArch {
     #[default]
     Ring,
     /// Data parallel through parameter-server shards: the allocator adds shard processes
-    /// (no GPU) next to the workers, one per host the workers use, at most `max_ps`; the
-    /// shards get the ranks after the workers and every process `CONVERGE_NUM_PS`.
+    /// (no GPU), choosing how many (at most `max_ps`) and on which hosts together with the
+    /// workers' placement (LP planner, see docs/scheduling.md); the shards get the ranks
+    /// after the workers and every process `CONVERGE_NUM_PS`.
     Ps,
 }
 
@@ -76,7 +77,7 @@ pub struct JobSpec {
     pub max_workers: Option<u32>,
     #[serde(default)]
     pub arch: SyncArch,
-    /// Most parameter-server shards (`arch = "ps"` only; default: one per worker host).
+    /// Most parameter-server shards (`arch = "ps"` only; default: as many as workers).
     #[serde(default)]
     pub max_ps: Option<u32>,
     /// Training loss at which the job counts as converged: the allocator stops it and marks

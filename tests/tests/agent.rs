@@ -129,6 +129,10 @@ async fn agent_starts_resizes_and_stops_real_workers() {
         }
     }
     let last_gen1 = last_gen1.expect("generation 1 reached step 60");
+    // The trainer's measured all-reduce time and model size (650 f64) reach the report.
+    let sync = last_gen1.sync_time_s.expect("sync time in the report");
+    assert!(sync > 0.0 && sync.is_finite(), "{sync}");
+    assert_eq!(last_gen1.model_bytes, Some(650 * 8));
 
     // Generation 2: one rank. The old generation is stopped first, then the new one resumes.
     bus.put(
@@ -202,7 +206,7 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
 
     let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
     bus.put(&bus.plans, "n2", &plan("n2", vec![
-        worker("chatty", 1, 0, 1, 0, sh("echo 'CONVERGE_PROGRESS {bad json'; echo 'CONVERGE_PROGRESS {\"step\":1,\"samples\":8,\"loss\":NaN}'; echo 'CONVERGE_PROGRESS {\"step\":2,\"samples\":16,\"loss\":0.5}'; echo hello; exec sleep 60")),
+        worker("chatty", 1, 0, 1, 0, sh("echo 'CONVERGE_PROGRESS {bad json'; echo 'CONVERGE_PROGRESS {\"step\":1,\"samples\":8,\"loss\":NaN}'; echo 'CONVERGE_PROGRESS {\"step\":1,\"samples\":8,\"loss\":0.6,\"sync_s\":-1}'; echo 'CONVERGE_PROGRESS {\"step\":2,\"samples\":16,\"loss\":0.5,\"sync_s\":0.25,\"model_bytes\":4096}'; echo hello; exec sleep 60")),
         worker("crashy", 1, 0, 1, 1, sh("echo dying >&2; exit 3")),
     ])).await.unwrap();
 
@@ -215,6 +219,7 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
         (r.job.as_str(), r.step, r.samples, r.loss),
         ("chatty", 2, 16, 0.5)
     );
+    assert_eq!((r.sync_time_s, r.model_bytes), (Some(0.25), Some(4096)));
 
     let t = wait_for(
         Duration::from_secs(20),
@@ -229,8 +234,8 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
     )
     .await;
     assert_eq!(
-        t.malformed_progress_lines, 2,
-        "bad JSON and NaN loss are both malformed"
+        t.malformed_progress_lines, 3,
+        "bad JSON, NaN loss and negative sync time are all malformed"
     );
     let crashy = t
         .workers

@@ -351,6 +351,14 @@ max_workers = 2
         },
     )
     .await;
+    // The status names the shard the planner placed: next to the workers, rank 2.
+    let running = status(&bus, "ps").await.expect("status of a running job");
+    let shards: Vec<(u32, &str)> = running
+        .ps_placement
+        .iter()
+        .map(|r| (r.rank, r.host.as_str()))
+        .collect();
+    assert_eq!(shards, [(2, "n1")]);
     let first = next_report(&mut progress).await;
     let done = wait_for(Duration::from_secs(60), "the job completes", || async {
         let s = status(&bus, "ps").await?;

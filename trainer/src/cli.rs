@@ -48,7 +48,10 @@ resumes in either mode and at any split of workers and shards. A rank that loses
 momentum of later steps was on the shards.
 
 Rank 0 prints progress lines on stdout:
-  CONVERGE_PROGRESS {\"step\":120,\"samples\":3840,\"loss\":0.53,\"epoch\":0.118,\"eval_loss\":0.55}
+  CONVERGE_PROGRESS {\"step\":120,\"samples\":3840,\"loss\":0.53,\"epoch\":0.118,\"eval_loss\":0.55,\"sync_s\":0.0021,\"model_bytes\":5200}
+sync_s is rank 0's mean time per step in the all-reduce (ring mode) or in the push and pull
+of its parameter slices (parameter-server mode) since the previous line, waiting for slower
+ranks included; 0 with a single rank. model_bytes is the parameter count x 8 (f64).
 Everything else goes to stderr.
 
 Exit codes: 0 finished, 1 failure (for example a peer failed), 2 refused (bad options or

@@ -13,7 +13,9 @@
 //!   of `n` values (and of the momentum buffer).
 //!
 //! Rank 0 is always worker 0: it serves the rendezvous on `MASTER_ADDR:MASTER_PORT`, prints
-//! the `CONVERGE_PROGRESS` lines and writes the checkpoint, as in ring mode.
+//! the `CONVERGE_PROGRESS` lines and writes the checkpoint, as in ring mode. The lines'
+//! `sync_s` is the time worker 0 spends in [`PsWorker::step`] (push, the shards' update,
+//! pull), per step.
 //!
 //! # Connections
 //!

@@ -15,6 +15,10 @@
 //! bit-identical results. In every exchange, sending runs on a scoped thread while the
 //! calling thread receives, so large vectors cannot deadlock on full socket buffers.
 //!
+//! The training loop times every [`Ring::all_reduce_sum`] of a step and reports the mean
+//! per step as the progress lines' `sync_s`; it includes the time spent waiting for slower
+//! ranks to join the exchange.
+//!
 //! The parameter-server mode ([`crate::ps`]) uses the same rendezvous through
 //! [`rendezvous`]: there every rank also sends `CONVERGE_NUM_PS`, the master refuses ranks
 //! that disagree with it, and the "ring port" a rank sends is its parameter-server listener

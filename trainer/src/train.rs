@@ -82,6 +82,13 @@ pub struct Progress {
     /// Held-out loss, when evaluated at this line.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub eval_loss: Option<f64>,
+    /// Seconds per step spent synchronizing (the all-reduce, or the parameter-server push
+    /// and pull), mean over the steps since the previous line; 0 for a single rank. Absent
+    /// when no step ran in this process since the previous line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_s: Option<f64>,
+    /// Bytes of the parameters the ranks synchronize (parameter count × 8: `f64`).
+    pub model_bytes: u64,
 }
 
 impl Progress {
@@ -448,6 +455,7 @@ impl<'a> Trainer<'a> {
         // Set when a parameter-server shard received a termination signal.
         let mut ps_stop_requested = false;
         let mut window_loss = 0.0;
+        let mut window_sync = Duration::ZERO;
         let mut window_steps = 0u64;
         let mut steps_run = 0u64;
         let mut last_ckpt = Instant::now();
@@ -505,7 +513,10 @@ impl<'a> Trainer<'a> {
                     }
                 };
                 let seq = state.step + 1;
-                match client.step(seq, push, &mut state.params, &mut state.momentum) {
+                let sync_started = Instant::now();
+                let result = client.step(seq, push, &mut state.params, &mut state.momentum);
+                window_sync += sync_started.elapsed();
+                match result {
                     Err(e) => return self.sync_failed(&state, e),
                     Ok(StepResult::Stopped { has_state }) => {
                         state.momentum_fresh = rank0 && has_state;
@@ -538,10 +549,13 @@ impl<'a> Trainer<'a> {
                     }
                 }
             } else {
-                if let Sync::Ring(r) = &mut sync
-                    && let Err(e) = r.all_reduce_sum(&mut buf)
-                {
-                    return self.sync_failed(&state, e);
+                if let Sync::Ring(r) = &mut sync {
+                    let sync_started = Instant::now();
+                    let result = r.all_reduce_sum(&mut buf);
+                    window_sync += sync_started.elapsed();
+                    if let Err(e) = result {
+                        return self.sync_failed(&state, e);
+                    }
                 }
                 if buf[p + 2] > 0.0 {
                     // Some rank was asked to stop: the step is abandoned on every rank.
@@ -587,9 +601,11 @@ impl<'a> Trainer<'a> {
                 let evaluate =
                     finished || (args.eval_every > 0 && state.step.is_multiple_of(args.eval_every));
                 let loss = window_loss / window_steps as f64;
+                let sync_s = window_sync.as_secs_f64() / window_steps as f64;
                 state.last_loss = Some(loss);
-                self.report(&state, loss, evaluate);
+                self.report(&state, loss, evaluate, Some(sync_s));
                 window_loss = 0.0;
+                window_sync = Duration::ZERO;
                 window_steps = 0;
             }
             let due = checkpoint_due.unwrap_or_else(|| last_ckpt.elapsed() >= checkpoint_every);
@@ -610,7 +626,7 @@ impl<'a> Trainer<'a> {
                         self.mean_loss(&state.params, &self.data.train, &strided(n_train, EVAL_CAP))
                     }
                 };
-                self.report(&state, loss, true);
+                self.report(&state, loss, true, None);
             }
             self.save(&state).context("final checkpoint failed")?;
         }
@@ -631,7 +647,9 @@ impl<'a> Trainer<'a> {
         self.model.loss(params, split, idx) / idx.len() as f64
     }
 
-    fn report(&self, state: &State, loss: f64, evaluate: bool) {
+    /// Prints a progress line; `sync_s` is the mean synchronization time per step since the
+    /// previous line (`None` when no step ran since).
+    fn report(&self, state: &State, loss: f64, evaluate: bool, sync_s: Option<f64>) {
         let eval_loss = evaluate.then(|| {
             round_to(
                 self.mean_loss(&state.params, &self.data.test, &self.eval_idx),
@@ -644,6 +662,15 @@ impl<'a> Trainer<'a> {
             loss: round_to(loss, 6),
             epoch: round_to(state.samples as f64 / self.data.train.rows as f64, 4),
             eval_loss,
+            // Microsecond resolution; a positive time never rounds down to 0.
+            sync_s: sync_s.map(|s| {
+                if s > 0.0 {
+                    round_to(s, 6).max(1e-6)
+                } else {
+                    0.0
+                }
+            }),
+            model_bytes: model_bytes(self.model.num_params()),
         }
         .line();
         let mut out = std::io::stdout().lock();
@@ -784,6 +811,11 @@ fn broadcast_state(ring: &mut Ring, state: &mut State, who: &str) -> Result<()> 
     Ok(())
 }
 
+/// Bytes of `num_params` parameters as the ranks exchange them (`f64`, 8 bytes each).
+pub fn model_bytes(num_params: usize) -> u64 {
+    (num_params as u64).saturating_mul(std::mem::size_of::<f64>() as u64)
+}
+
 /// At most `cap` indices spread evenly over `0..n`.
 fn strided(n: usize, cap: usize) -> Vec<usize> {
     if n <= cap {
@@ -804,19 +836,23 @@ mod tests {
             loss: 0.53,
             epoch: 0.118,
             eval_loss: Some(0.55),
+            sync_s: Some(0.0123),
+            model_bytes: 5200,
         };
         assert_eq!(
             p.line(),
-            r#"CONVERGE_PROGRESS {"step":120,"samples":3840,"loss":0.53,"epoch":0.118,"eval_loss":0.55}"#
+            r#"CONVERGE_PROGRESS {"step":120,"samples":3840,"loss":0.53,"epoch":0.118,"eval_loss":0.55,"sync_s":0.0123,"model_bytes":5200}"#
         );
         let p = Progress {
             eval_loss: None,
+            sync_s: None,
             ..p
         };
         assert_eq!(
             p.line(),
-            r#"CONVERGE_PROGRESS {"step":120,"samples":3840,"loss":0.53,"epoch":0.118}"#
+            r#"CONVERGE_PROGRESS {"step":120,"samples":3840,"loss":0.53,"epoch":0.118,"model_bytes":5200}"#
         );
+        assert_eq!(model_bytes(650), 5200);
     }
 
     #[test]

@@ -89,6 +89,13 @@ fn two_ranks_train_then_one_rank_resumes() {
     assert!(last["eval_loss"].as_f64().unwrap() < 1.0);
     assert!(lines[2].get("eval_loss").is_none());
     assert!(lines[4]["eval_loss"].is_number());
+    // Every line reports the all-reduce time per step (> 0 with two ranks) and the model
+    // size: softmax on optdigits has 10 x 64 + 10 = 650 f64 parameters.
+    for line in &lines {
+        let sync = line["sync_s"].as_f64().expect("sync_s");
+        assert!(sync > 0.0 && sync.is_finite(), "{line}");
+        assert_eq!(line["model_bytes"], 650 * 8, "{line}");
+    }
     assert_eq!(checkpoint_step(&ckpt), 100);
 
     // World size 1 resumes where world size 2 stopped.
@@ -106,6 +113,11 @@ fn two_ranks_train_then_one_rank_resumes() {
     assert_eq!(lines[0]["samples"], 100 * 2 * 32 + 10 * 32);
     assert_eq!(lines.last().unwrap()["step"], 130);
     assert!(lines.last().unwrap()["eval_loss"].is_number());
+    // A single rank synchronizes nothing: sync 0, the same model size.
+    for line in &lines {
+        assert_eq!(line["sync_s"].as_f64(), Some(0.0), "{line}");
+        assert_eq!(line["model_bytes"], 650 * 8, "{line}");
+    }
     assert!(lines[0]["loss"].as_f64().unwrap() < 0.8 * l0);
     assert_eq!(checkpoint_step(&ckpt), 130);
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -143,6 +143,12 @@ fn two_workers_and_one_shard_train_three_epochs() {
     let (l0, l1) = (f(first, "loss"), f(last, "loss"));
     assert!(l1 < 0.3 * l0, "loss fell from {l0} to only {l1}");
     assert!(f(last, "eval_loss") < 0.5);
+    // Worker 0 reports its push-and-pull time per step and the model size (650 f64).
+    for line in &lines {
+        let sync = f(line, "sync_s");
+        assert!(sync > 0.0 && sync.is_finite(), "{line}");
+        assert_eq!(u(line, "model_bytes"), 650 * 8, "{line}");
+    }
     let ck = checkpoint(&ckpt);
     assert_eq!(u(&ck, "step"), steps);
     assert_eq!(u(&ck, "samples"), steps * 64);

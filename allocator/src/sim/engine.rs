@@ -11,7 +11,7 @@
 //! throughput, as its name says.
 
 use crate::contention::JobCost;
-use crate::fit::{Curve, FitConfig, LossPoint, fit_loss_curve};
+use crate::fit::{Curve, FitConfig, LossPoint, fit_loss_curve, refit_due};
 use crate::placement::{HostFree, PlacementKind, PlacementRequest, place_with};
 use crate::policies::{ClusterView, Policy};
 use crate::policy::PolicyJob;
@@ -141,16 +141,6 @@ struct Tracked {
     model: Option<ThroughputModel>,
 }
 
-/// Whether a job with `points` loss points, last fitted at `fitted` points, is refitted:
-/// on every new point while the history is short, then every [`REFIT_EVERY`] points (a
-/// fit of 100 points costs one to two milliseconds; the curve changes little per point).
-fn refit_due(points: usize, fitted: usize) -> bool {
-    points > fitted && (points <= 20 || points - fitted >= REFIT_EVERY)
-}
-
-/// New points between refits once a job has more than 20.
-pub const REFIT_EVERY: usize = 10;
-
 fn host_name(node: u32) -> HostId {
     HostId::new(format!("n{node:03}")).expect("valid host id")
 }
@@ -228,10 +218,7 @@ pub fn simulate(
         });
     }
     let hosts: Vec<HostFree> = (0..cfg.nodes)
-        .map(|n| HostFree {
-            host: host_name(n),
-            gpus: (0..cfg.gpus_per_node).collect(),
-        })
+        .map(|n| HostFree::new(host_name(n), (0..cfg.gpus_per_node).collect()))
         .collect();
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
     let noise = Normal::new(0.0, cfg.loss_noise.max(0.0)).expect("finite noise");
@@ -348,7 +335,12 @@ pub fn simulate(
         let started = Instant::now();
         for &i in &active {
             let t = &mut jobs[i];
-            if wants_curves && refit_due(t.losses.len(), t.fitted_points) {
+            if wants_curves
+                && refit_due(
+                    t.losses.len(),
+                    t.losses.len().saturating_sub(t.fitted_points),
+                )
+            {
                 t.curve = fit_loss_curve(&t.losses, &fit_cfg);
                 t.fitted_points = t.losses.len();
             }
@@ -524,7 +516,9 @@ pub fn simulate(
 
 /// What an agent observes of a placed job's step: workers, nodes spanned, samples per worker
 /// per step (accumulation included) and seconds per step (no interference); `None` when not
-/// placed.
+/// placed. No sync time: the applications' measured ones ([`Application::throughput`]) are
+/// left out so the simulator's results stay those of the step-only fit, which on these
+/// measurements is about as good (`throughput::tests::pollux_sync_times_report`).
 fn observe_step(job: &SimJob, app: &Application) -> Option<StepObservation> {
     let (samples_per_s, step_time_s) = job.observed_step(app)?;
     let workers: u32 = job.placement.iter().sum();
@@ -534,6 +528,7 @@ fn observe_step(job: &SimJob, app: &Application) -> Option<StepObservation> {
         nodes,
         local_batch: samples_per_s * step_time_s / f64::from(workers.max(1)),
         step_time_s,
+        sync_time_s: None,
     })
 }
 
