@@ -120,8 +120,13 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     }
     tracing::info!(%host, %addr, gpus = gpus.count(), source = gpus.kind(), "agent starting");
 
-    let client = converge_bus::connect(&cfg.nats, &format!("converge-agent/{host}")).await?;
-    let bus = Bus::open(client).await?;
+    // A secured server lets an agent open the buckets but not create or change them.
+    let bus = Bus::connect(
+        &cfg.nats,
+        &format!("converge-agent/{host}"),
+        converge_bus::Setup::OpenOrCreate,
+    )
+    .await?;
     let rejects = Arc::new(Rejects::default());
 
     let (exit_tx, mut exit_rx) = mpsc::channel::<ExitNotice>(1024);
@@ -324,7 +329,9 @@ async fn watch_plan(
         });
     };
     while !shutdown.is_cancelled() {
-        let mut watch = match bus.plans.watch_with_history(host.as_str()).await {
+        // `watch_key`, not `Store::watch`: its consumer-create subject names the key, so a
+        // secured server can let this host watch its own plan and no other.
+        let mut watch = match bus.watch_key(&bus.plans, host.as_str(), true).await {
             Ok(w) => w,
             Err(e) => {
                 tracing::warn!("cannot watch plan: {e}; retrying");

@@ -2,6 +2,7 @@ pub mod benchgen;
 pub mod contention;
 pub mod fit;
 pub mod history;
+pub mod lease;
 pub mod makespan;
 pub mod markdown;
 pub mod placement;

@@ -63,6 +63,35 @@ pub struct AllocatorConfig {
     /// running jobs (which may stop one at its minimum to make room).
     #[arg(long, env = "CONVERGE_MAX_WAIT", default_value = "30m", value_parser = humantime_duration)]
     pub max_wait: Duration,
+    /// Parameter-server shards one host may run, all jobs together (each is a CPU process
+    /// without a GPU). The planner of `arch = "ps"` jobs places shards within this bound;
+    /// with 0 it finds no plan and puts one shard next to each worker host.
+    #[arg(long, env = "CONVERGE_PS_SHARDS_PER_HOST", default_value_t = crate::schedule::DEFAULT_PS_SHARDS_PER_HOST)]
+    pub ps_shards_per_host: u32,
+    /// Serve Prometheus metrics at `http://<addr>/metrics` (e.g. `0.0.0.0:9464`): step
+    /// (decision) time, progress ingest lag, reports ingested, writes, jobs by phase, live
+    /// hosts, refused messages, leadership and the process's memory. Off when unset.
+    #[arg(long, env = "CONVERGE_METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
+    /// This replica's id for the leader lease (unique among replicas; default: the host
+    /// name). Run several replicas with the same NATS for failover: only the lease holder
+    /// schedules and writes.
+    #[arg(long, env = "CONVERGE_REPLICA_ID", default_value_t = default_replica_id())]
+    pub replica_id: String,
+    /// Leader lease length: a replica takes over when the leader has not renewed for this
+    /// long (renewals every third of it). Handover after a leader dies takes between ⅔ and
+    /// 1⅓ of it; a leader that stops cleanly hands over within a third of it.
+    #[arg(long, env = "CONVERGE_LEASE_TTL", default_value = "10s", value_parser = humantime_duration)]
+    pub lease_ttl: Duration,
+}
+
+/// The host name, or `allocator` when it cannot be read.
+pub fn default_replica_id() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "allocator".into())
 }
 
 fn parse_policy(s: &str) -> Result<String, String> {
@@ -89,6 +118,7 @@ impl AllocatorConfig {
             placement: self.placement,
             policy,
             scheduler,
+            ps_shards_per_host: self.ps_shards_per_host,
             ..Settings::default()
         }
     }
@@ -104,7 +134,8 @@ enum Input {
     SpecDeleted(JobId),
     Host(HostTelemetry),
     HostDeleted(HostId),
-    Progress(ProgressReport),
+    /// A report and when the stream stored it (UNIX seconds, the server's clock).
+    Progress(ProgressReport, Option<f64>),
     ProgressCaughtUp,
 }
 
@@ -122,10 +153,31 @@ struct View {
 
 /// Runs the allocator until `shutdown` is cancelled.
 pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
-    let client = converge_bus::connect(&cfg.nats, "converge-allocator").await?;
-    let bus = Bus::open(client).await?;
+    if let Some(addr) = cfg.metrics_addr {
+        converge_bus::metrics::serve(addr, shutdown.clone()).await?;
+    }
+    describe_metrics();
+    // The allocator owns the buckets and the stream: it creates and updates them.
+    let bus = Bus::connect(
+        &cfg.nats,
+        "converge-allocator",
+        converge_bus::Setup::CreateOrUpdate,
+    )
+    .await?;
     let rejects = Arc::new(Rejects::default());
     let settings = cfg.settings();
+    let lease_stop = CancellationToken::new();
+    let (mut leadership, lease_task) = crate::lease::spawn(
+        &bus.js,
+        crate::lease::LeaseConfig {
+            replica_id: cfg.replica_id.clone(),
+            ttl: cfg.lease_ttl,
+        },
+        lease_stop.clone(),
+    )
+    .await?;
+    // If this future is dropped (aborted), the lease stops being renewed with it.
+    let _lease_guard = AbortOnDrop(lease_task.abort_handle());
 
     // Rebuild the view from NATS.
     let mut view = View::default();
@@ -139,12 +191,24 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             view.plans.insert(id, plan);
         }
     }
+    // Specs and heartbeats go ahead of progress reports: under a flood of reports, a host
+    // must not look lost because its heartbeat waits behind them.
+    let (ctl_tx, mut ctl_rx) = mpsc::channel::<Input>(16_384);
     let (tx, mut rx) = mpsc::channel::<Input>(65_536);
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(watch_jobs(bus.jobs.clone(), tx.clone(), rejects.clone()));
-    tasks.spawn(watch_hosts(bus.hosts.clone(), tx.clone(), rejects.clone()));
+    tasks.spawn(watch_jobs(
+        bus.jobs.clone(),
+        ctl_tx.clone(),
+        rejects.clone(),
+    ));
+    tasks.spawn(watch_hosts(
+        bus.hosts.clone(),
+        ctl_tx.clone(),
+        rejects.clone(),
+    ));
     tasks.spawn(follow_progress(bus.js.clone(), tx.clone(), rejects.clone()));
     drop(tx);
+    drop(ctl_tx);
     tracing::info!(
         statuses = view.statuses.len(),
         plans = view.plans.len(),
@@ -162,32 +226,34 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     let mut lifecycle_due = true;
     let mut last_live: BTreeSet<(HostId, usize)> = BTreeSet::new();
     let mut last_step = Instant::now() - STEP_SPACING;
+    let mut leading = false;
 
     loop {
         let spacing = STEP_SPACING.saturating_sub(last_step.elapsed());
         tokio::select! {
+            biased;
             _ = shutdown.cancelled() => break,
+            input = ctl_rx.recv(), if !ctl_rx.is_closed() || !ctl_rx.is_empty() => {
+                let Some(input) = input else { continue };
+                apply(&mut view, input, &mut policy_due, &mut lifecycle_due, caught_up);
+            }
+            changed = leadership.changed() => {
+                if changed.is_err() { break; }
+                let now_leading = leadership.borrow_and_update().is_valid();
+                if now_leading && !leading {
+                    // Another replica may have written since this one last read.
+                    reload_written(&bus, &mut view, &rejects).await;
+                    policy_due = true;
+                }
+                leading = now_leading;
+            }
             input = rx.recv() => {
                 let Some(input) = input else { break };
-                match input {
-                    Input::Spec(id, Ok(spec)) => {
-                        if view.specs.get(&id) != Some(&spec) { policy_due = true; }
-                        view.refused.remove(&id);
-                        view.specs.insert(id, spec);
-                    }
-                    Input::Spec(id, Err(reason)) => {
-                        view.specs.remove(&id);
-                        view.refused.insert(id, reason);
-                        lifecycle_due = true;
-                    }
-                    Input::SpecDeleted(id) => { view.specs.remove(&id); view.refused.remove(&id); policy_due = true; }
-                    Input::Host(t) => { view.hosts.insert(t.host.clone(), t); lifecycle_due = true; }
-                    Input::HostDeleted(h) => { view.hosts.remove(&h); policy_due = true; }
-                    Input::Progress(r) => { view.histories.entry(r.job.clone()).or_default().add(&r); lifecycle_due = true; }
-                    Input::ProgressCaughtUp => {
-                        caught_up = true;
-                        tracing::info!(jobs = view.histories.len(), "progress history rebuilt");
-                    }
+                if matches!(input, Input::ProgressCaughtUp) {
+                    caught_up = true;
+                    tracing::info!(jobs = view.histories.len(), "progress history rebuilt");
+                } else {
+                    apply(&mut view, input, &mut policy_due, &mut lifecycle_due, caught_up);
                 }
             }
             _ = epoch.tick() => policy_due = true,
@@ -195,6 +261,12 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             _ = tokio::time::sleep(spacing), if (policy_due || lifecycle_due) && !spacing.is_zero() => {}
         }
         if !caught_up || !(policy_due || lifecycle_due) || last_step.elapsed() < STEP_SPACING {
+            continue;
+        }
+        if !leadership.borrow().is_valid() {
+            // Followers keep their view current and wait; a leader whose lease ran out
+            // stops writing until it renews.
+            leading = false;
             continue;
         }
         let now = unix_now();
@@ -231,6 +303,12 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         last_step = Instant::now();
         policy_due = false;
         lifecycle_due = false;
+        metrics::histogram!("converge_allocator_step_seconds", "policy" => if run_policy { "true" } else { "false" })
+            .record(decision_time.as_secs_f64());
+        metrics::gauge!("converge_allocator_input_queue").set(rx.len() as f64);
+        metrics::gauge!("converge_allocator_hosts_live").set(last_live.len() as f64);
+        metrics::gauge!("converge_allocator_refused_messages").set(rejects.total() as f64);
+        record_job_phases(&outcome.statuses);
         if run_policy {
             tracing::debug!(?decision_time, jobs = outcome.statuses.len(), "policy step");
         }
@@ -242,12 +320,161 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             }
             publish_event(&bus, e).await;
         }
-        write_changes(&bus, &mut view, outcome.statuses, outcome.plans, now).await;
+        if leadership.borrow().is_valid() {
+            write_changes(&bus, &mut view, outcome.statuses, outcome.plans, now).await;
+        }
+    }
+    lease_stop.cancel();
+    if tokio::time::timeout(Duration::from_secs(2), lease_task)
+        .await
+        .is_err()
+    {
+        tracing::warn!("leader lease not handed back within 2 s");
     }
     tasks.abort_all();
     let _ = bus.client.flush().await;
     tracing::info!(refused_messages = rejects.total(), "allocator stopped");
     Ok(())
+}
+
+/// Describes the allocator's metrics (names, units, help) to the recorder.
+fn describe_metrics() {
+    use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+    describe_histogram!(
+        "converge_allocator_step_seconds",
+        Unit::Seconds,
+        "Time of one scheduling step (pure decision: fits, policy, placement, plans); label policy=true when allocations were re-decided"
+    );
+    describe_histogram!(
+        "converge_allocator_ingest_lag_seconds",
+        Unit::Seconds,
+        "From the progress stream storing a report to the allocator applying it (after the start-up replay)"
+    );
+    describe_counter!(
+        "converge_allocator_progress_reports_total",
+        "Progress reports applied to the histories (the start-up replay included)"
+    );
+    describe_counter!(
+        "converge_allocator_plan_writes_total",
+        "Host plans written to KV (only changed plans are written)"
+    );
+    describe_counter!(
+        "converge_allocator_status_writes_total",
+        "Job statuses written to KV (only changed statuses are written)"
+    );
+    describe_gauge!(
+        "converge_allocator_input_queue",
+        "Updates waiting in the allocator's input queue after a step"
+    );
+    describe_gauge!(
+        "converge_allocator_hosts_live",
+        "Hosts whose heartbeat is younger than the host timeout"
+    );
+    describe_gauge!("converge_allocator_jobs", "Jobs by phase");
+    describe_gauge!(
+        "converge_allocator_refused_messages",
+        "Messages refused since start (malformed, wrong version, invalid, too large)"
+    );
+}
+
+fn record_job_phases(statuses: &BTreeMap<JobId, JobStatus>) {
+    use converge_common::JobPhase;
+    let mut counts: BTreeMap<&'static str, usize> = [
+        JobPhase::Pending,
+        JobPhase::Restarting,
+        JobPhase::Running,
+        JobPhase::Completed,
+        JobPhase::Failed,
+        JobPhase::Cancelled,
+    ]
+    .into_iter()
+    .map(|p| (p.as_str(), 0))
+    .collect();
+    for s in statuses.values() {
+        *counts.entry(s.phase.as_str()).or_default() += 1;
+    }
+    for (phase, n) in counts {
+        metrics::gauge!("converge_allocator_jobs", "phase" => phase).set(n as f64);
+    }
+}
+
+/// Applies one update to the view and says what it makes due.
+fn apply(
+    view: &mut View,
+    input: Input,
+    policy_due: &mut bool,
+    lifecycle_due: &mut bool,
+    caught_up: bool,
+) {
+    match input {
+        Input::Spec(id, Ok(spec)) => {
+            if view.specs.get(&id) != Some(&spec) {
+                *policy_due = true;
+            }
+            view.refused.remove(&id);
+            view.specs.insert(id, spec);
+        }
+        Input::Spec(id, Err(reason)) => {
+            view.specs.remove(&id);
+            view.refused.insert(id, reason);
+            *lifecycle_due = true;
+        }
+        Input::SpecDeleted(id) => {
+            view.specs.remove(&id);
+            view.refused.remove(&id);
+            *policy_due = true;
+        }
+        Input::Host(t) => {
+            view.hosts.insert(t.host.clone(), t);
+            *lifecycle_due = true;
+        }
+        Input::HostDeleted(h) => {
+            view.hosts.remove(&h);
+            *policy_due = true;
+        }
+        Input::Progress(r, stored_at) => {
+            metrics::counter!("converge_allocator_progress_reports_total").increment(1);
+            if caught_up && let Some(at) = stored_at {
+                metrics::histogram!("converge_allocator_ingest_lag_seconds")
+                    .record((unix_now() - at).max(0.0));
+            }
+            view.histories.entry(r.job.clone()).or_default().add(&r);
+            *lifecycle_due = true;
+        }
+        Input::ProgressCaughtUp => {}
+    }
+}
+
+/// Re-reads the statuses and plans in KV (when this replica becomes the leader: the previous
+/// leader wrote them).
+async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects) {
+    match bus.load_all::<JobStatus>(&bus.status, rejects).await {
+        Ok(all) => {
+            view.statuses = all
+                .into_iter()
+                .filter_map(|(k, (s, _))| Some((JobId::new(k).ok()?, s)))
+                .collect();
+        }
+        Err(e) => tracing::warn!("cannot re-read job statuses: {e}"),
+    }
+    match bus.load_all::<HostPlan>(&bus.plans, rejects).await {
+        Ok(all) => {
+            view.plans = all
+                .into_iter()
+                .filter_map(|(k, (p, _))| Some((HostId::new(k).ok()?, p)))
+                .collect();
+        }
+        Err(e) => tracing::warn!("cannot re-read plans: {e}"),
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// A status without its write time, to tell real changes from re-computations.
@@ -272,6 +499,7 @@ async fn write_changes(
         }
         match bus.put(&bus.plans, host.as_str(), &plan).await {
             Ok(rev) => {
+                metrics::counter!("converge_allocator_plan_writes_total").increment(1);
                 tracing::info!(%host, workers = plan.workers.len(), revision = rev, "plan written");
                 view.plans.insert(host, plan);
             }
@@ -289,6 +517,7 @@ async fn write_changes(
         status.updated_at = now;
         match bus.put(&bus.status, id.as_str(), &status).await {
             Ok(_) => {
+                metrics::counter!("converge_allocator_status_writes_total").increment(1);
                 view.statuses.insert(id, status);
             }
             Err(e) => tracing::warn!(job = %id, "status not written: {e}"),
@@ -430,12 +659,14 @@ async fn follow_progress_once(
                 continue;
             }
         };
-        let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+        let info = msg.info().ok();
+        let seq = info.as_ref().map_or(0, |i| i.stream_sequence);
+        let stored_at = info.map(|i| i.published.unix_timestamp_nanos() as f64 / 1e9);
         if let Some(report) =
             rejects.decode::<ProgressReport>(msg.subject.as_str(), "", &msg.payload)
         {
             if msg.subject.as_str() == subjects::progress(&report.job) {
-                tx.send(Input::Progress(report)).await?;
+                tx.send(Input::Progress(report, stored_at)).await?;
             } else {
                 tracing::warn!(subject = %msg.subject, job = %report.job, "progress report on another job's subject; ignored");
             }

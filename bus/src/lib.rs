@@ -1,36 +1,173 @@
-//! Small NATS helpers shared by Converge's binaries: connecting with retry, creating the
-//! protocol's KV buckets and progress stream, typed KV reads/writes and publishes, and
-//! counting rejected messages.
+//! Small NATS helpers shared by Converge's binaries: connecting with retry (with user and
+//! password, a credentials file or an nkey, optionally over TLS), creating or opening the
+//! protocol's KV buckets and progress stream, typed KV reads/writes, watches and publishes,
+//! permission violations turned into errors, and counting rejected messages.
 //!
 //! Kept out of `converge-common` so that `common` stays free of async dependencies.
+
+mod denials;
+pub mod metrics;
+mod secure;
 
 use async_nats::jetstream::{self, kv, stream};
 use backon::{ExponentialBuilder, Retryable};
 use bytes::Bytes;
 use converge_common::messages::{DecodeError, Message, decode, encode};
 use converge_common::subjects;
+use futures::StreamExt;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
 pub use async_nats;
+pub use denials::{Denial, DenialKind, Denials};
+pub use secure::{Secret, redact_url, url_user};
+
+/// Prefix of the JetStream API subjects (no JetStream domain).
+const JS_API: &str = "$JS.API";
 
 /// Default NATS URL of every binary.
 pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
 
-/// How to reach NATS; flattened into each binary's command line.
-#[derive(Debug, Clone, clap::Args)]
+/// How to reach NATS and as whom; flattened into each binary's command line. Secrets never
+/// appear in `Debug` output or error messages (the URL's password is shown as `***`).
+/// See `docs/security.md` for the users and permissions of a secured cluster.
+#[derive(Clone, clap::Args)]
 pub struct NatsArgs {
-    /// NATS server URL(s), comma-separated. `nats://user:password@host:port` works too.
-    #[arg(long = "nats-url", env = "CONVERGE_NATS_URL", default_value = DEFAULT_NATS_URL)]
+    /// NATS server URL(s), comma-separated. `nats://user:password@host:port` works too, and
+    /// `tls://host:port` requires TLS.
+    #[arg(
+        long = "nats-url",
+        env = "CONVERGE_NATS_URL",
+        default_value = DEFAULT_NATS_URL,
+        hide_env_values = true
+    )]
     pub url: String,
     /// NATS credentials file (JWT + nkey seed), if the server requires one.
-    #[arg(long = "nats-creds", env = "CONVERGE_NATS_CREDS")]
+    #[arg(
+        long = "nats-creds",
+        env = "CONVERGE_NATS_CREDS",
+        id = "nats_creds",
+        value_name = "FILE"
+    )]
     pub creds: Option<PathBuf>,
+    /// NATS user name (user and password authentication), e.g. `allocator`, `cli` or
+    /// `agent-<host>` on a server configured by deploy/nats/gen-config.sh.
+    #[arg(
+        long = "nats-user",
+        env = "CONVERGE_NATS_USER",
+        id = "nats_user",
+        value_name = "USER",
+        conflicts_with_all = ["nats_creds", "nats_nkey"]
+    )]
+    pub user: Option<String>,
+    /// Password of --nats-user. Prefer --nats-password-file: a command line is visible to
+    /// every user of the host.
+    #[arg(
+        long = "nats-password",
+        env = "CONVERGE_NATS_PASSWORD",
+        id = "nats_password",
+        value_name = "PASSWORD",
+        hide_env_values = true,
+        requires = "nats_user",
+        conflicts_with = "nats_password_file"
+    )]
+    pub password: Option<Secret>,
+    /// File holding the password of --nats-user (its first line).
+    #[arg(
+        long = "nats-password-file",
+        env = "CONVERGE_NATS_PASSWORD_FILE",
+        id = "nats_password_file",
+        value_name = "FILE",
+        requires = "nats_user"
+    )]
+    pub password_file: Option<PathBuf>,
+    /// File holding this user's nkey seed (`SU…`), for servers with nkey users.
+    #[arg(
+        long = "nats-nkey",
+        env = "CONVERGE_NATS_NKEY",
+        id = "nats_nkey",
+        value_name = "FILE",
+        conflicts_with = "nats_creds"
+    )]
+    pub nkey: Option<PathBuf>,
+    /// CA certificate (PEM) that signed the server's certificate; requires TLS.
+    #[arg(
+        long = "nats-tls-ca",
+        env = "CONVERGE_NATS_TLS_CA",
+        id = "nats_tls_ca",
+        value_name = "FILE"
+    )]
+    pub tls_ca: Option<PathBuf>,
+    /// Client certificate (PEM), for servers that verify clients; with --nats-tls-key.
+    #[arg(
+        long = "nats-tls-cert",
+        env = "CONVERGE_NATS_TLS_CERT",
+        id = "nats_tls_cert",
+        value_name = "FILE",
+        requires = "nats_tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --nats-tls-cert.
+    #[arg(
+        long = "nats-tls-key",
+        env = "CONVERGE_NATS_TLS_KEY",
+        id = "nats_tls_key",
+        value_name = "FILE",
+        requires = "nats_tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// Prefix of this process's reply subjects; default `_INBOX.<user>` when the user name
+    /// is known (--nats-user or the URL), else `_INBOX`. Needed with --nats-creds or
+    /// --nats-nkey on a server that restricts inboxes per user.
+    #[arg(
+        long = "nats-inbox-prefix",
+        env = "CONVERGE_NATS_INBOX_PREFIX",
+        id = "nats_inbox_prefix",
+        value_name = "PREFIX"
+    )]
+    pub inbox_prefix: Option<String>,
     /// Give up connecting after this long (e.g. `30s`); unset = keep retrying.
     #[arg(long = "nats-connect-timeout", env = "CONVERGE_NATS_CONNECT_TIMEOUT", value_parser = humantime_duration)]
     pub connect_timeout: Option<Duration>,
+}
+
+impl Default for NatsArgs {
+    /// The default URL, no credentials, no TLS, retrying forever.
+    fn default() -> Self {
+        Self {
+            url: DEFAULT_NATS_URL.to_string(),
+            creds: None,
+            user: None,
+            password: None,
+            password_file: None,
+            nkey: None,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            inbox_prefix: None,
+            connect_timeout: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for NatsArgs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsArgs")
+            .field("url", &self.redacted_url())
+            .field("creds", &self.creds)
+            .field("user", &self.user)
+            .field("password", &self.password)
+            .field("password_file", &self.password_file)
+            .field("nkey", &self.nkey)
+            .field("tls_ca", &self.tls_ca)
+            .field("tls_cert", &self.tls_cert)
+            .field("tls_key", &self.tls_key)
+            .field("inbox_prefix", &self.inbox_prefix)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
 }
 
 /// Parses a duration such as `500ms`, `10s` or `2m` (humantime syntax) for clap.
@@ -41,20 +178,41 @@ pub fn humantime_duration(s: &str) -> Result<Duration, String> {
 /// Errors of the bus helpers, by operation.
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
+    /// `url` has its password replaced by `***`.
     #[error("cannot connect to NATS at {url}: {source}")]
     Connect {
         url: String,
         source: async_nats::ConnectError,
     },
-    #[error("cannot read credentials file {path}: {source}")]
-    Credentials {
+    /// The server refused the credentials, or the TLS handshake failed: retrying would not
+    /// help.
+    #[error("NATS at {url} refused the connection ({auth}): {source}; {hint}")]
+    Refused {
+        url: String,
+        auth: String,
+        hint: &'static str,
+        source: async_nats::ConnectError,
+    },
+    #[error("cannot read {what} {path}: {source}")]
+    File {
+        what: &'static str,
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("NATS settings: {0}")]
+    Config(String),
     #[error(
         "cannot create or open {what}: {message} (is JetStream enabled, `nats-server -js`, version 2.10 or later?)"
     )]
     Setup { what: String, message: String },
+    #[error(
+        "{what} is missing and this NATS user may not create it ({denial}): start the \
+         allocator first, or give this user stream-create rights"
+    )]
+    Missing { what: String, denial: Denial },
+    /// The server refused the operation: the user's permissions do not allow it.
+    #[error("NATS refused {action}: {denial} (see docs/security.md for each role's permissions)")]
+    Denied { action: String, denial: Denial },
     #[error("KV {bucket}/{key}: {message}")]
     Kv {
         bucket: String,
@@ -71,37 +229,74 @@ pub enum BusError {
     Publish { subject: String, message: String },
 }
 
+impl BusError {
+    /// Whether the server refused the operation for lack of permissions.
+    pub fn is_denied(&self) -> bool {
+        matches!(self, Self::Denied { .. } | Self::Missing { .. })
+    }
+}
+
 /// Connects to NATS as `name`, retrying with capped exponential backoff (0.1 s doubling up
 /// to 5 s) until connected or `connect_timeout` passes. Reconnects after a later
-/// disconnect are handled by the client.
+/// disconnect are handled by the client. Credentials the server refuses, and TLS failures,
+/// end the attempt at once ([`BusError::Refused`]); files named by `args` are read first
+/// and a missing or malformed one is reported with the flag that named it.
 pub async fn connect(args: &NatsArgs, name: &str) -> Result<async_nats::Client, BusError> {
+    connect_tracked(args, name).await.map(|(client, _)| client)
+}
+
+/// [`connect`], also returning the connection's permission violations.
+pub async fn connect_tracked(
+    args: &NatsArgs,
+    name: &str,
+) -> Result<(async_nats::Client, Denials), BusError> {
+    let base = secure::connect_options(args)?;
+    let inbox = format!("{}.", args.inbox_prefix()?);
+    let denials = Denials::new();
+    let url = args.redacted_url();
     let attempt = || async {
-        let mut opts = match &args.creds {
-            Some(path) => async_nats::ConnectOptions::with_credentials_file(path.clone())
-                .await
-                .map_err(|source| BusError::Credentials {
-                    path: path.clone(),
-                    source,
-                })?,
-            None => async_nats::ConnectOptions::new(),
-        };
-        opts = opts
+        let reporter = denials.clone();
+        let inbox = inbox.clone();
+        let opts = base
+            .clone()
             .name(name)
             .connection_timeout(Duration::from_secs(5))
             .max_reconnects(None)
-            .event_callback(|event| async move {
-                match event {
-                    async_nats::Event::Disconnected => tracing::warn!("disconnected from NATS"),
-                    async_nats::Event::Connected => tracing::info!("connected to NATS"),
-                    other => tracing::debug!(event = %other, "NATS event"),
-                }
+            .event_callback(move |event| {
+                let reporter = reporter.clone();
+                let inbox = inbox.clone();
+                async move { on_event(event, &reporter, &inbox) }
             });
-        opts.connect(args.url.as_str())
-            .await
-            .map_err(|source| BusError::Connect {
-                url: args.url.clone(),
+        opts.connect(args.url.as_str()).await.map_err(|source| {
+            use async_nats::ConnectErrorKind as K;
+            let kind = if is_tls_failure(&source) {
+                K::Tls
+            } else {
+                source.kind()
+            };
+            let hint = match kind {
+                K::AuthorizationViolation | K::Authentication => {
+                    "check the user and password (--nats-user, --nats-password-file), \
+                     --nats-creds or --nats-nkey against the server's configuration"
+                }
+                K::Tls => {
+                    "check --nats-tls-ca (the CA that signed the server's certificate, whose \
+                     names must include the host in --nats-url) and the client certificate"
+                }
+                _ => {
+                    return BusError::Connect {
+                        url: url.clone(),
+                        source,
+                    };
+                }
+            };
+            BusError::Refused {
+                url: url.clone(),
+                auth: secure::describe_auth(args),
+                hint,
                 source,
-            })
+            }
+        })
     };
     let mut backoff = ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(100))
@@ -110,11 +305,78 @@ pub async fn connect(args: &NatsArgs, name: &str) -> Result<async_nats::Client, 
     if let Some(limit) = args.connect_timeout {
         backoff = backoff.with_total_delay(Some(limit));
     }
-    attempt
+    let client = attempt
         .retry(backoff)
         .when(|e| matches!(e, BusError::Connect { .. }))
         .notify(|e, after| tracing::warn!("{e}; retrying in {after:?}"))
-        .await
+        .await?;
+    Ok((client, denials))
+}
+
+/// Whether connecting failed in the TLS handshake (an untrusted or mismatched certificate,
+/// a refused client certificate): the client reports most of these as I/O errors.
+fn is_tls_failure(e: &async_nats::ConnectError) -> bool {
+    if e.kind() == async_nats::ConnectErrorKind::Tls {
+        return true;
+    }
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(err) = cause {
+        if err.is::<async_nats::rustls::Error>() {
+            return true;
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>()
+            && io
+                .get_ref()
+                .is_some_and(|inner| inner.is::<async_nats::rustls::Error>())
+        {
+            return true;
+        }
+        cause = err.source();
+    }
+    false
+}
+
+fn on_event(event: async_nats::Event, denials: &Denials, inbox: &str) {
+    use async_nats::{Event, ServerError};
+    match event {
+        Event::Disconnected => tracing::warn!("disconnected from NATS"),
+        Event::Connected => tracing::info!("connected to NATS"),
+        Event::ServerError(ServerError::Other(text)) => match Denial::parse(&text) {
+            Some(denial) => {
+                if denial.subject.starts_with("$JS.API.CONSUMER.DELETE.") {
+                    // An ordered consumer re-created after a reconnect first deletes its
+                    // predecessor; users without delete rights (agents) leave that to the
+                    // server, which removes idle consumers by itself.
+                    tracing::debug!("NATS refused deleting a replaced consumer: {denial}");
+                } else if denial.kind == DenialKind::Subscribe && denial.subject.starts_with(inbox)
+                {
+                    tracing::error!(
+                        "NATS refused this client's reply inbox ({denial}): every request \
+                         will time out; set --nats-inbox-prefix to the prefix this user may \
+                         subscribe to (default _INBOX.<user>)"
+                    );
+                } else {
+                    tracing::warn!("NATS refused an operation: {denial}");
+                }
+                denials.report(denial);
+            }
+            None => tracing::warn!("NATS server error: {text}"),
+        },
+        Event::ServerError(e) => tracing::warn!("NATS server error: {e}"),
+        other => tracing::debug!(event = %other, "NATS event"),
+    }
+}
+
+/// How [`Bus::open_with`] treats the buckets and the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Setup {
+    /// Create what is missing and update what exists to this build's configuration: the
+    /// allocator, which owns them (and every process before security existed).
+    CreateOrUpdate,
+    /// Open what exists, create only what is missing: agents and the CLI, whose NATS users
+    /// on a secured server may read the buckets' configuration but not change it. A
+    /// missing bucket such a user may not create is [`BusError::Missing`].
+    OpenOrCreate,
 }
 
 /// Handles on the protocol's JetStream objects.
@@ -130,6 +392,8 @@ pub struct Bus {
     pub plans: kv::Store,
     /// KV `converge-hosts`: latest telemetry per host (heartbeat).
     pub hosts: kv::Store,
+    /// The connection's permission violations (empty for a bus from [`Bus::open`]).
+    pub denials: Denials,
 }
 
 impl std::fmt::Debug for Bus {
@@ -159,36 +423,126 @@ fn kv_config(bucket: &str) -> kv::Config {
     }
 }
 
+fn progress_stream_config() -> stream::Config {
+    stream::Config {
+        name: subjects::PROGRESS_STREAM.to_string(),
+        description: Some("training progress reports, one per worker progress line".into()),
+        subjects: vec![subjects::PROGRESS_ALL.to_string()],
+        max_messages_per_subject: subjects::PROGRESS_MAX_PER_JOB,
+        max_age: Duration::from_secs(subjects::PROGRESS_MAX_AGE_S),
+        max_message_size: converge_common::MAX_MESSAGE_BYTES as i32,
+        ..Default::default()
+    }
+}
+
+fn is_js_api(d: &Denial) -> bool {
+    d.kind == DenialKind::Publish && d.subject.starts_with("$JS.API.")
+}
+
+/// Whether a stream lookup failed because the stream does not exist.
+fn stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
+    use jetstream::context::GetStreamErrorKind;
+    match e.kind() {
+        GetStreamErrorKind::JetStream(js) => {
+            js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND
+        }
+        _ => false,
+    }
+}
+
 impl Bus {
-    /// Creates (or opens, if they exist) the four KV buckets and the progress stream.
-    /// Idempotent: every process calls it on start, so start order does not matter.
+    /// Creates (or opens, if they exist) the four KV buckets and the progress stream,
+    /// updating existing buckets to this build's configuration ([`Setup::CreateOrUpdate`]).
+    /// Idempotent. Permission violations are not tracked: use [`Bus::connect`] for that.
     pub async fn open(client: async_nats::Client) -> Result<Self, BusError> {
+        Self::open_with(client, Denials::new(), Setup::CreateOrUpdate).await
+    }
+
+    /// Connects as `name` ([`connect_tracked`]) and opens the buckets and the stream as
+    /// `setup` says. Operations on the returned bus that the server's permissions refuse
+    /// fail at once with [`BusError::Denied`].
+    pub async fn connect(args: &NatsArgs, name: &str, setup: Setup) -> Result<Self, BusError> {
+        let (client, denials) = connect_tracked(args, name).await?;
+        Self::open_with(client, denials, setup).await
+    }
+
+    /// Opens the four KV buckets and the progress stream as `setup` says; `denials` are the
+    /// connection's permission violations (from [`connect_tracked`]).
+    pub async fn open_with(
+        client: async_nats::Client,
+        denials: Denials,
+        setup: Setup,
+    ) -> Result<Self, BusError> {
         let js = jetstream::new(client.clone());
+        let setup_err = |what: String, message: String| BusError::Setup { what, message };
         let mut stores = Vec::new();
         for bucket in subjects::ALL_BUCKETS {
-            let store = js
-                .create_or_update_key_value(kv_config(bucket))
-                .await
-                .map_err(|e| BusError::Setup {
-                    what: format!("KV bucket {bucket}"),
-                    message: e.to_string(),
-                })?;
+            let what = format!("KV bucket {bucket}");
+            let store = match setup {
+                Setup::CreateOrUpdate => denials
+                    .guard(is_js_api, js.create_or_update_key_value(kv_config(bucket)))
+                    .await
+                    .map_err(|denial| BusError::Denied {
+                        action: format!("creating or updating {what}"),
+                        denial,
+                    })?
+                    .map_err(|e| setup_err(what.clone(), e.to_string()))?,
+                Setup::OpenOrCreate => {
+                    let found = denials
+                        .guard(is_js_api, js.get_stream(format!("KV_{bucket}")))
+                        .await
+                        .map_err(|denial| BusError::Denied {
+                            action: format!("reading the configuration of {what}"),
+                            denial,
+                        })?;
+                    match found {
+                        Ok(_) => js
+                            .get_key_value(bucket)
+                            .await
+                            .map_err(|e| setup_err(what.clone(), e.to_string()))?,
+                        Err(e) if stream_not_found(&e) => denials
+                            .guard(is_js_api, js.create_key_value(kv_config(bucket)))
+                            .await
+                            .map_err(|denial| BusError::Missing {
+                                what: what.clone(),
+                                denial,
+                            })?
+                            .map_err(|e| setup_err(what.clone(), e.to_string()))?,
+                        Err(e) => return Err(setup_err(what, e.to_string())),
+                    }
+                }
+            };
             stores.push(store);
         }
-        js.get_or_create_stream(stream::Config {
-            name: subjects::PROGRESS_STREAM.to_string(),
-            description: Some("training progress reports, one per worker progress line".into()),
-            subjects: vec![subjects::PROGRESS_ALL.to_string()],
-            max_messages_per_subject: subjects::PROGRESS_MAX_PER_JOB,
-            max_age: Duration::from_secs(subjects::PROGRESS_MAX_AGE_S),
-            max_message_size: converge_common::MAX_MESSAGE_BYTES as i32,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| BusError::Setup {
-            what: format!("stream {}", subjects::PROGRESS_STREAM),
-            message: e.to_string(),
-        })?;
+        let what = format!("stream {}", subjects::PROGRESS_STREAM);
+        let found = denials
+            .guard(is_js_api, js.get_stream(subjects::PROGRESS_STREAM))
+            .await
+            .map_err(|denial| BusError::Denied {
+                action: format!("reading the configuration of {what}"),
+                denial,
+            })?;
+        match found {
+            Ok(_) => {}
+            Err(e) if stream_not_found(&e) => {
+                let refused = |denial| match setup {
+                    Setup::CreateOrUpdate => BusError::Denied {
+                        action: format!("creating {what}"),
+                        denial,
+                    },
+                    Setup::OpenOrCreate => BusError::Missing {
+                        what: what.clone(),
+                        denial,
+                    },
+                };
+                denials
+                    .guard(is_js_api, js.get_or_create_stream(progress_stream_config()))
+                    .await
+                    .map_err(refused)?
+                    .map_err(|e| setup_err(what.clone(), e.to_string()))?;
+            }
+            Err(e) => return Err(setup_err(what, e.to_string())),
+        }
         let mut it = stores.into_iter();
         let mut next = || it.next().expect("four buckets");
         Ok(Self {
@@ -198,7 +552,25 @@ impl Bus {
             hosts: next(),
             client,
             js,
+            denials,
         })
+    }
+
+    /// Runs `fut`, an operation that publishes to `subject`; a permissions violation the
+    /// server reports for `subject` meanwhile ends it with [`BusError::Denied`].
+    pub async fn refusable<T>(
+        &self,
+        action: impl Fn() -> String,
+        subject: &str,
+        fut: impl std::future::Future<Output = Result<T, BusError>>,
+    ) -> Result<T, BusError> {
+        self.denials
+            .guard(|d| d.subject == subject, fut)
+            .await
+            .map_err(|denial| BusError::Denied {
+                action: action(),
+                denial,
+            })?
     }
 
     /// Writes `msg` under `key`; returns the new revision.
@@ -208,14 +580,23 @@ impl Bus {
         key: &str,
         msg: &T,
     ) -> Result<u64, BusError> {
-        store
-            .put(key, Bytes::from(encode(msg)))
-            .await
-            .map_err(|e| BusError::Kv {
-                bucket: store.name.clone(),
-                key: key.to_string(),
-                message: e.to_string(),
-            })
+        let subject = format!("{}{key}", store.prefix);
+        let put = async {
+            store
+                .put(key, Bytes::from(encode(msg)))
+                .await
+                .map_err(|e| BusError::Kv {
+                    bucket: store.name.clone(),
+                    key: key.to_string(),
+                    message: e.to_string(),
+                })
+        };
+        self.refusable(
+            || format!("a write of KV {}/{key}", store.name),
+            &subject,
+            put,
+        )
+        .await
     }
 
     /// Reads and decodes `key`; `Ok(None)` if absent or deleted.
@@ -224,11 +605,24 @@ impl Bus {
         store: &kv::Store,
         key: &str,
     ) -> Result<Option<(T, u64)>, BusError> {
-        let entry = store.entry(key).await.map_err(|e| BusError::Kv {
-            bucket: store.name.clone(),
-            key: key.to_string(),
-            message: e.to_string(),
-        })?;
+        let subject = format!(
+            "{JS_API}.DIRECT.GET.{}.{}{key}",
+            store.stream_name, store.prefix
+        );
+        let read = async {
+            store.entry(key).await.map_err(|e| BusError::Kv {
+                bucket: store.name.clone(),
+                key: key.to_string(),
+                message: e.to_string(),
+            })
+        };
+        let entry = self
+            .refusable(
+                || format!("a read of KV {}/{key}", store.name),
+                &subject,
+                read,
+            )
+            .await?;
         let Some(entry) = entry else { return Ok(None) };
         if entry.operation != kv::Operation::Put {
             return Ok(None);
@@ -239,6 +633,103 @@ impl Bus {
             source,
         })?;
         Ok(Some((msg, entry.revision)))
+    }
+
+    /// Follows one key of `store`: with `with_history` its current value first (if any),
+    /// then every change (puts, deletes, purges) as a [`kv::Entry`].
+    ///
+    /// Unlike [`kv::Store::watch`], which creates its consumer through
+    /// `$JS.API.CONSUMER.CREATE.<stream>` (a subject that does not name the key, so a
+    /// permission cannot tell keys apart), this names the consumer, so the request goes to
+    /// `$JS.API.CONSUMER.CREATE.<stream>.<name>.$KV.<bucket>.<key>`: an agent's NATS user
+    /// may watch its own plan key and no other (the server checks that the filter in the
+    /// subject is the consumer's filter). A refused watch is [`BusError::Denied`].
+    pub async fn watch_key(
+        &self,
+        store: &kv::Store,
+        key: &str,
+        with_history: bool,
+    ) -> Result<futures::stream::BoxStream<'static, Result<kv::Entry, BusError>>, BusError> {
+        use jetstream::consumer::{DeliverPolicy, ReplayPolicy, push};
+        let filter = format!("{}{key}", store.prefix);
+        let inbox = self.client.new_inbox();
+        let name = format!(
+            "watch_{}",
+            inbox.rsplit('.').next().unwrap_or("x").replace('-', "_")
+        );
+        let subject = format!(
+            "{JS_API}.CONSUMER.CREATE.{}.{name}.{filter}",
+            store.stream_name
+        );
+        let kv_err = |e: &dyn std::fmt::Display| BusError::Kv {
+            bucket: store.name.clone(),
+            key: key.to_string(),
+            message: format!("watch: {e}"),
+        };
+        let create = async {
+            let consumer = store
+                .stream
+                .create_consumer(push::OrderedConfig {
+                    name: Some(name.clone()),
+                    deliver_subject: inbox.clone(),
+                    description: Some("converge key watch".to_string()),
+                    filter_subject: filter.clone(),
+                    replay_policy: ReplayPolicy::Instant,
+                    deliver_policy: if with_history {
+                        DeliverPolicy::LastPerSubject
+                    } else {
+                        DeliverPolicy::New
+                    },
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| kv_err(&e))?;
+            consumer.messages().await.map_err(|e| kv_err(&e))
+        };
+        let messages = self
+            .denials
+            .guard(
+                |d| d.subject == subject || (d.subject == inbox && d.kind == DenialKind::Subscribe),
+                create,
+            )
+            .await
+            .map_err(|denial| BusError::Denied {
+                action: format!("a watch of KV {}/{key}", store.name),
+                denial,
+            })??;
+        let bucket = store.name.clone();
+        let prefix = store.prefix.clone();
+        let stream = messages.map(move |msg| {
+            let err = |m: String| BusError::Kv {
+                bucket: bucket.clone(),
+                key: "*".into(),
+                message: format!("watch: {m}"),
+            };
+            let msg = msg.map_err(|e| err(e.to_string()))?;
+            let info = msg.info().map_err(|e| err(e.to_string()))?;
+            let operation = msg
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("KV-Operation"))
+                .and_then(|v| v.as_str().parse::<kv::Operation>().ok())
+                .unwrap_or(kv::Operation::Put);
+            let key = msg
+                .subject
+                .strip_prefix(prefix.as_str())
+                .unwrap_or(msg.subject.as_str())
+                .to_string();
+            Ok(kv::Entry {
+                bucket: bucket.clone(),
+                key,
+                value: msg.payload.clone(),
+                revision: info.stream_sequence,
+                delta: info.pending,
+                created: info.published,
+                operation,
+                seen_current: info.pending == 0,
+            })
+        });
+        Ok(stream.boxed())
     }
 
     /// Reads every live key of `store`, decoding each value. Values that fail to decode are
@@ -298,13 +789,17 @@ impl Bus {
             subject: subject.clone(),
             message: e.to_string(),
         };
-        let ack = self
-            .js
-            .publish(subject.clone(), Bytes::from(encode(msg)))
+        let publish = async {
+            let ack = self
+                .js
+                .publish(subject.clone(), Bytes::from(encode(msg)))
+                .await
+                .map_err(|e| err(&e))?;
+            ack.await.map_err(|e| err(&e))?;
+            Ok(())
+        };
+        self.refusable(|| format!("a publish to {subject}"), &subject, publish)
             .await
-            .map_err(|e| err(&e))?;
-        ack.await.map_err(|e| err(&e))?;
-        Ok(())
     }
 }
 

@@ -88,10 +88,12 @@ async fn main() -> std::process::ExitCode {
 async fn open(nats: &NatsArgs) -> anyhow::Result<Bus> {
     let mut nats = nats.clone();
     nats.connect_timeout.get_or_insert(Duration::from_secs(5));
-    let client = converge_bus::connect(&nats, "converge-cli")
-        .await
-        .context("is the NATS server running? (set --nats-url or CONVERGE_NATS_URL)")?;
-    Ok(Bus::open(client).await?)
+    match Bus::connect(&nats, "converge-cli", converge_bus::Setup::OpenOrCreate).await {
+        Ok(bus) => Ok(bus),
+        Err(e @ converge_bus::BusError::Connect { .. }) => Err(anyhow::Error::new(e)
+            .context("is the NATS server running? (set --nats-url or CONVERGE_NATS_URL)")),
+        Err(e) => Err(e.into()),
+    }
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {

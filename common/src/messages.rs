@@ -213,6 +213,14 @@ pub struct WorkerProgressLine {
     /// Epochs of data processed (samples / training-set size), when known.
     #[serde(default)]
     pub epoch: Option<f64>,
+    /// Seconds per optimizer step the worker spent synchronizing gradients or parameters
+    /// (the ring all-reduce, or the push and pull of parameter-server mode), mean over the
+    /// steps since the previous line; 0 for a single worker. Finite and >= 0 when present.
+    #[serde(default)]
+    pub sync_s: Option<f64>,
+    /// Bytes of the parameters the job synchronizes (the model size), when known.
+    #[serde(default)]
+    pub model_bytes: Option<u64>,
 }
 
 /// Prefix of a progress line on a worker's stdout.
@@ -232,6 +240,9 @@ impl WorkerProgressLine {
         finite("loss", p.loss)?;
         if let Some(e) = p.eval_loss {
             finite("eval_loss", e)?;
+        }
+        if let Some(s) = p.sync_s {
+            sync_time("sync_s", s)?;
         }
         Ok(Some(p))
     }
@@ -263,6 +274,14 @@ pub struct ProgressReport {
     /// Hosts the generation's workers span, from the worker's assignment.
     #[serde(default)]
     pub hosts: Option<u32>,
+    /// The worker's `sync_s`: seconds per optimizer step spent synchronizing gradients or
+    /// parameters, mean over the steps since its previous line (finite, >= 0); absent when
+    /// the worker does not measure it.
+    #[serde(default)]
+    pub sync_time_s: Option<f64>,
+    /// The worker's `model_bytes`: bytes of the parameters the job synchronizes.
+    #[serde(default)]
+    pub model_bytes: Option<u64>,
 }
 
 impl Message for ProgressReport {
@@ -275,8 +294,20 @@ impl Message for ProgressReport {
         if let Some(e) = self.eval_loss {
             finite("eval_loss", e)?;
         }
+        if let Some(s) = self.sync_time_s {
+            sync_time("sync_time_s", s)?;
+        }
         Ok(())
     }
+}
+
+/// A synchronization time: finite and not negative.
+fn sync_time(name: &str, x: f64) -> Result<(), String> {
+    finite(name, x)?;
+    if x < 0.0 {
+        return Err(format!("{name} must not be negative, got {x}"));
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -449,6 +480,11 @@ pub struct JobStatus {
     /// Workers of the current generation (0 while pending).
     pub world_size: u32,
     pub placement: Vec<RankPlacement>,
+    /// Parameter-server shards of an `arch = "ps"` job (ranks `world_size..`, no GPUs), as
+    /// the allocator's planner placed them; empty for ring jobs, and for PS jobs placed
+    /// before this field existed (their shards then sit one per worker host).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ps_placement: Vec<RankPlacement>,
     pub master_port: Option<u16>,
     pub step: u64,
     pub samples: u64,
@@ -487,6 +523,51 @@ impl Message for JobStatus {
                 self.placement.len(),
                 self.world_size
             ));
+        }
+        for (i, shard) in self.ps_placement.iter().enumerate() {
+            if shard.rank != self.world_size + i as u32 || !shard.gpus.is_empty() {
+                return Err(format!(
+                    "parameter-server shard {i} must have rank {} and no GPUs",
+                    self.world_size + i as u32
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Leadership
+// ---------------------------------------------------------------------------------------
+
+/// The allocator leader's lease (KV `converge-leader`, key `allocator`): only the holder
+/// writes plans and job statuses. The holder renews it (compare-and-set on the KV
+/// revision) every third of `ttl_s`; another replica takes it over when it has seen the
+/// same revision for `ttl_s` on its own monotonic clock, so replicas' wall clocks need not
+/// agree.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LeaderLease {
+    #[serde(default = "default_protocol")]
+    pub protocol: u32,
+    /// Replica id of the holder (`converge-allocator --replica-id`).
+    pub holder: String,
+    /// +1 at every change of holder.
+    pub term: u64,
+    /// Lease length, seconds.
+    pub ttl_s: f64,
+    /// When the holder last renewed it (UNIX seconds, the holder's clock; informational).
+    pub renewed_at: f64,
+}
+
+impl Message for LeaderLease {
+    fn protocol(&self) -> u32 {
+        self.protocol
+    }
+    fn validate(&self) -> Result<(), String> {
+        finite("ttl_s", self.ttl_s)?;
+        finite("renewed_at", self.renewed_at)?;
+        if self.holder.is_empty() || self.holder.len() > 256 {
+            return Err("holder must be 1 to 256 bytes".into());
         }
         Ok(())
     }
@@ -630,6 +711,8 @@ mod tests {
             time: 1.7e9,
             workers: Some(2),
             hosts: Some(1),
+            sync_time_s: Some(0.012),
+            model_bytes: Some(5200),
         });
         round_trip(Event::new(
             1.0,
@@ -746,5 +829,74 @@ mod tests {
                 .is_err()
         );
         assert!(WorkerProgressLine::parse("CONVERGE_PROGRESS ").is_err());
+        // Lines without the optional fields still parse.
+        assert_eq!((ok.sync_s, ok.model_bytes), (None, None));
+    }
+
+    #[test]
+    fn progress_line_sync_time_and_model_size() {
+        let p = WorkerProgressLine::parse(
+            r#"CONVERGE_PROGRESS {"step":10,"samples":640,"loss":0.5,"sync_s":0.0125,"model_bytes":5200}"#,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!((p.sync_s, p.model_bytes), (Some(0.0125), Some(5200)));
+        let zero = WorkerProgressLine::parse(
+            r#"CONVERGE_PROGRESS {"step":10,"samples":640,"loss":0.5,"sync_s":0}"#,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(zero.sync_s, Some(0.0));
+        for bad in [
+            r#"{"step":1,"samples":1,"loss":0.5,"sync_s":-0.1}"#,
+            r#"{"step":1,"samples":1,"loss":0.5,"sync_s":NaN}"#,
+            r#"{"step":1,"samples":1,"loss":0.5,"sync_s":"fast"}"#,
+            r#"{"step":1,"samples":1,"loss":0.5,"sync_s":1e999}"#,
+            r#"{"step":1,"samples":1,"loss":0.5,"model_bytes":-1}"#,
+            r#"{"step":1,"samples":1,"loss":0.5,"model_bytes":1.5}"#,
+        ] {
+            let line = format!("CONVERGE_PROGRESS {bad}");
+            assert!(WorkerProgressLine::parse(&line).is_err(), "{line}");
+        }
+    }
+
+    #[test]
+    fn progress_report_sync_time_is_validated_and_optional() {
+        let base = ProgressReport {
+            protocol: 1,
+            job: job("a9a"),
+            generation: 2,
+            rank: 0,
+            host: host("h"),
+            step: 10,
+            samples: 640,
+            loss: 0.5,
+            eval_loss: None,
+            epoch: None,
+            time: 1.7e9,
+            workers: Some(2),
+            hosts: Some(1),
+            sync_time_s: Some(0.0),
+            model_bytes: Some(5200),
+        };
+        assert!(base.validate().is_ok());
+        for bad in [-1e-9, f64::NAN, f64::INFINITY] {
+            let r = ProgressReport {
+                sync_time_s: Some(bad),
+                ..base.clone()
+            };
+            assert!(r.validate().unwrap_err().contains("sync_time_s"), "{bad}");
+        }
+        // Reports of agents older than the fields decode with both absent.
+        let mut v: serde_json::Value = serde_json::from_slice(&encode(&base)).unwrap();
+        let obj = v.as_object_mut().unwrap();
+        obj.remove("sync_time_s");
+        obj.remove("model_bytes");
+        let old: ProgressReport = decode(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!((old.sync_time_s, old.model_bytes), (None, None));
+        // A negative sync time on the wire is refused as invalid.
+        v["sync_time_s"] = (-0.5).into();
+        let e = decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), "invalid", "{e}");
     }
 }

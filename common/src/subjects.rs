@@ -46,5 +46,11 @@ pub const BUCKET_PLANS: &str = "converge-plans";
 /// KV bucket of the latest telemetry per host, key = host id. Written by each agent.
 pub const BUCKET_HOSTS: &str = "converge-hosts";
 
+/// KV bucket of the allocator leader's lease ([`crate::LeaderLease`]), key [`LEADER_KEY`].
+/// Written by allocator replicas only; created by the allocator.
+pub const BUCKET_LEADER: &str = "converge-leader";
+/// The key of the lease in [`BUCKET_LEADER`].
+pub const LEADER_KEY: &str = "allocator";
+
 /// All KV buckets of protocol v1.
 pub const ALL_BUCKETS: [&str; 4] = [BUCKET_JOBS, BUCKET_JOB_STATUS, BUCKET_PLANS, BUCKET_HOSTS];

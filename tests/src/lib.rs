@@ -1,6 +1,7 @@
 //! Test kit for Converge's integration and end-to-end tests: a real `nats-server` (2.10+)
-//! with JetStream on a dynamic port, killed on drop; paths of the built binaries; in-process
-//! agents and allocators; and polling helpers.
+//! with JetStream on a dynamic port, killed on drop, open or secured by a configuration from
+//! `deploy/nats/gen-config.sh`; paths of the built binaries; in-process agents and
+//! allocators; and polling helpers.
 
 use converge_bus::{Bus, NatsArgs};
 use std::path::{Path, PathBuf};
@@ -15,6 +16,8 @@ pub struct NatsServer {
     dir: tempfile::TempDir,
     pub url: String,
     port: u16,
+    /// Configuration file given to the server, if any (kept across restarts).
+    config: Option<PathBuf>,
 }
 
 /// The `nats-server` binary: `$NATS_SERVER_BIN`, else `nats-server` on PATH.
@@ -28,12 +31,29 @@ impl NatsServer {
     /// Starts a server on a free port chosen by the server itself (`-p -1`).
     pub fn start() -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
-        let (child, port) = spawn_server(dir.path(), None);
+        let (child, port) = spawn_server(dir.path(), None, None);
         Self {
             child,
             url: format!("nats://127.0.0.1:{port}"),
             dir,
             port,
+            config: None,
+        }
+    }
+
+    /// Starts a server with the configuration file `config` (accounts, users, permissions,
+    /// TLS: e.g. one written by `deploy/nats/gen-config.sh`), which must enable JetStream
+    /// with a `store_dir` of its own. The command line still sets the address (127.0.0.1)
+    /// and a free port.
+    pub fn start_with_config(config: &Path) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (child, port) = spawn_server(dir.path(), None, Some(config));
+        Self {
+            child,
+            url: format!("nats://127.0.0.1:{port}"),
+            dir,
+            port,
+            config: Some(config.to_path_buf()),
         }
     }
 
@@ -42,7 +62,7 @@ impl NatsServer {
     pub fn restart(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let (child, _) = spawn_server(self.dir.path(), Some(self.port));
+        let (child, _) = spawn_server(self.dir.path(), Some(self.port), self.config.as_deref());
         self.child = child;
     }
 
@@ -50,8 +70,8 @@ impl NatsServer {
     pub fn args(&self) -> NatsArgs {
         NatsArgs {
             url: self.url.clone(),
-            creds: None,
             connect_timeout: Some(Duration::from_secs(10)),
+            ..NatsArgs::default()
         }
     }
 
@@ -73,16 +93,21 @@ impl Drop for NatsServer {
 
 // The child is returned to `NatsServer`, which kills and waits for it on drop.
 #[allow(clippy::zombie_processes)]
-fn spawn_server(dir: &Path, port: Option<u16>) -> (Child, u16) {
+fn spawn_server(dir: &Path, port: Option<u16>, config: Option<&Path>) -> (Child, u16) {
     let ports_dir = dir.join("ports");
     std::fs::create_dir_all(&ports_dir).expect("ports dir");
     for entry in std::fs::read_dir(&ports_dir).expect("ports dir").flatten() {
         let _ = std::fs::remove_file(entry.path());
     }
     let port_arg = port.map_or("-1".to_string(), |p| p.to_string());
-    let mut child = Command::new(nats_server_bin())
-        .args(["-a", "127.0.0.1", "-p", &port_arg, "-js", "-sd"])
-        .arg(dir.join("js"))
+    let mut server = Command::new(nats_server_bin());
+    match config {
+        // The server refuses `-sd` beside a configuration's `store_dir`.
+        Some(config) => server.arg("-c").arg(config),
+        None => server.arg("-js").arg("-sd").arg(dir.join("js")),
+    };
+    let mut child = server
+        .args(["-a", "127.0.0.1", "-p", &port_arg])
         .arg("--ports_file_dir")
         .arg(&ports_dir)
         .stdout(Stdio::null())
@@ -115,6 +140,71 @@ fn spawn_server(dir: &Path, port: Option<u16>) -> (Child, u16) {
             panic!("nats-server did not write a readable ports file within 10 s");
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A NATS server secured by the configuration `deploy/nats/gen-config.sh` writes: one
+/// account, users `allocator`, `cli` and `agent-<host>` per host with their permissions,
+/// a password file per user.
+#[derive(Debug)]
+pub struct SecuredNats {
+    pub nats: NatsServer,
+    /// The generator's output: `nats-server.conf` and `credentials/<user>.password`.
+    pub dir: tempfile::TempDir,
+}
+
+impl SecuredNats {
+    /// Generates the configuration for `hosts` and starts a server with it.
+    pub fn start(hosts: &[&str]) -> Self {
+        Self::start_with(hosts, &[])
+    }
+
+    /// As [`SecuredNats::start`], passing `extra` options to the generator (e.g. TLS).
+    pub fn start_with(hosts: &[&str], extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let out = Command::new(repo_root().join("deploy/nats/gen-config.sh"))
+            .arg("--hosts")
+            .arg(hosts.join(","))
+            .arg("--out")
+            .arg(dir.path())
+            .arg("--store-dir")
+            .arg(dir.path().join("js"))
+            .args(extra)
+            .output()
+            .expect("run deploy/nats/gen-config.sh");
+        assert!(
+            out.status.success(),
+            "gen-config.sh failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let nats = NatsServer::start_with_config(&dir.path().join("nats-server.conf"));
+        Self { nats, dir }
+    }
+
+    /// The password file of `user`.
+    pub fn password_file(&self, user: &str) -> PathBuf {
+        self.dir
+            .path()
+            .join("credentials")
+            .join(format!("{user}.password"))
+    }
+
+    /// Connection settings of `user` with its password file.
+    pub fn args_as(&self, user: &str) -> NatsArgs {
+        NatsArgs {
+            user: Some(user.to_string()),
+            password_file: Some(self.password_file(user)),
+            ..self.nats.args()
+        }
+    }
+
+    /// A bus connected as `user`, opening the buckets as `setup` says.
+    pub async fn bus_as(
+        &self,
+        user: &str,
+        setup: converge_bus::Setup,
+    ) -> Result<Bus, converge_bus::BusError> {
+        Bus::connect(&self.args_as(user), &format!("converge-test/{user}"), setup).await
     }
 }
 
@@ -158,6 +248,10 @@ impl Running {
         if let Some(h) = self.handle.take() {
             let _ = tokio::time::timeout(Duration::from_secs(30), h).await;
         }
+    }
+    /// Whether the component is still running (it has not returned or panicked).
+    pub fn is_running(&self) -> bool {
+        self.handle.as_ref().is_some_and(|h| !h.is_finished())
     }
     /// Aborts the component at once, like `kill -9` of its process (workers of an agent
     /// keep running).
@@ -221,6 +315,10 @@ pub fn allocator_config(
         objective: converge_allocator::policy::Objective::default(),
         max_wait: Duration::from_secs(1800),
         placement: converge_allocator::placement::PlacementKind::FirstFit,
+        ps_shards_per_host: converge_allocator::schedule::DEFAULT_PS_SHARDS_PER_HOST,
+        metrics_addr: None,
+        replica_id: "test-allocator".into(),
+        lease_ttl: Duration::from_secs(3),
     }
 }
 

@@ -1,0 +1,236 @@
+#!/usr/bin/env bash
+# Writes the NATS server configuration of a secured Converge cluster: one account CONVERGE
+# (JetStream enabled) with one user per role and the publish/subscribe allow lists of
+# docs/security.md, and a password file per user.
+#
+#   deploy/nats/gen-config.sh --hosts node-1,node-2 --out /etc/converge/nats
+#
+# writes
+#   OUT/nats-server.conf                 the server configuration (holds the passwords: 0640)
+#   OUT/credentials/<user>.password      one password per user (0600): allocator, cli,
+#                                        agent-<host> for every host (and admin with --admin)
+#
+# Start the server with `nats-server --config OUT/nats-server.conf` and each process with
+#   --nats-user <user> --nats-password-file OUT/credentials/<user>.password
+# (or CONVERGE_NATS_USER / CONVERGE_NATS_PASSWORD_FILE).
+#
+# An existing password file is kept, so running the script again with more hosts adds
+# users without changing anyone's password, and a password you chose is used when you
+# write it to the file first. To rotate a password, delete its file, run the script again
+# and reload the server (`nats-server --signal reload`, or SIGHUP); see docs/security.md.
+#
+# Options:
+#   --hosts H1,H2,...    agent host ids (required; letters, digits, '_' and '-')
+#   --out DIR            output directory (required)
+#   --store-dir DIR      JetStream store directory (default /data)
+#   --listen HOST:PORT   client listener (default 0.0.0.0:4222)
+#   --http HOST:PORT     monitoring listener (default: none)
+#   --server-name NAME   server name (default converge-nats)
+#   --admin              also write an `admin` user with every right in the account (for
+#                        the `nats` CLI; keep its password off the cluster's hosts)
+#   --tls-cert FILE      server certificate (PEM): clients must then use TLS
+#   --tls-key FILE       its private key (PEM)
+#   --tls-ca FILE        CA that signed client certificates (with --tls-verify)
+#   --tls-verify         require a client certificate signed by --tls-ca
+set -euo pipefail
+
+usage() {
+    sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//' >&2
+    exit 2
+}
+die() {
+    echo "gen-config.sh: $*" >&2
+    exit 1
+}
+
+hosts="" out="" store_dir=/data listen=0.0.0.0:4222 http="" server_name=converge-nats
+admin=0 tls_cert="" tls_key="" tls_ca="" tls_verify=0
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --hosts) hosts=${2:?--hosts needs a value}; shift 2 ;;
+        --out) out=${2:?--out needs a value}; shift 2 ;;
+        --store-dir) store_dir=${2:?--store-dir needs a value}; shift 2 ;;
+        --listen) listen=${2:?--listen needs a value}; shift 2 ;;
+        --http) http=${2:?--http needs a value}; shift 2 ;;
+        --server-name) server_name=${2:?--server-name needs a value}; shift 2 ;;
+        --admin) admin=1; shift ;;
+        --tls-cert) tls_cert=${2:?--tls-cert needs a value}; shift 2 ;;
+        --tls-key) tls_key=${2:?--tls-key needs a value}; shift 2 ;;
+        --tls-ca) tls_ca=${2:?--tls-ca needs a value}; shift 2 ;;
+        --tls-verify) tls_verify=1; shift ;;
+        -h|--help) usage ;;
+        *) echo "gen-config.sh: unknown option $1" >&2; usage ;;
+    esac
+done
+[[ -n "$hosts" ]] || die "--hosts is required (comma-separated agent host ids)"
+[[ -n "$out" ]] || die "--out is required"
+if [[ -n "$tls_cert" || -n "$tls_key" ]]; then
+    [[ -n "$tls_cert" && -n "$tls_key" ]] || die "--tls-cert and --tls-key go together"
+    [[ -r "$tls_cert" ]] || die "cannot read --tls-cert $tls_cert"
+    [[ -r "$tls_key" ]] || die "cannot read --tls-key $tls_key"
+fi
+if [[ $tls_verify == 1 ]]; then
+    [[ -n "$tls_cert" && -n "$tls_ca" ]] || die "--tls-verify needs --tls-cert, --tls-key and --tls-ca"
+fi
+[[ -z "$tls_ca" || -r "$tls_ca" ]] || die "cannot read --tls-ca $tls_ca"
+# Quoted into the configuration below: no quotes or backslashes.
+for v in "$store_dir" "$listen" "$http" "$server_name" "$tls_cert" "$tls_key" "$tls_ca"; do
+    [[ "$v" != *[\"\\]* ]] || die "no quotes or backslashes in paths and names: $v"
+done
+
+# Host ids as the protocol defines them (docs/protocol.md, "Ids"): one subject token each.
+IFS=',' read -r -a host_list <<<"$hosts"
+declare -A seen=()
+for h in "${host_list[@]}"; do
+    [[ "$h" =~ ^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$ ]] \
+        || die "invalid host id '$h' (letters, digits, '_' and '-', at most 64, not starting with '_' or '-')"
+    [[ -z "${seen[$h]:-}" ]] || die "host $h given twice"
+    seen[$h]=1
+done
+
+# Names of protocol v1 (common/src/subjects.rs).
+P=converge.v1
+B_JOBS=converge-jobs B_STATUS=converge-job-status B_PLANS=converge-plans B_HOSTS=converge-hosts
+B_LEADER=converge-leader
+STREAMS=("KV_$B_JOBS" "KV_$B_STATUS" "KV_$B_PLANS" "KV_$B_HOSTS" CONVERGE_PROGRESS)
+
+mkdir -p "$out"
+umask 077
+mkdir -p "$out/credentials"
+chmod 700 "$out/credentials"
+
+# The password of $1: its file if it exists, else 48 random hex digits written to it.
+password() {
+    local file="$out/credentials/$1.password" pw
+    if [[ -f "$file" ]]; then
+        IFS= read -r pw <"$file" || true
+        [[ -n "$pw" ]] || die "$file is empty: delete it to generate a new password"
+        [[ "$pw" =~ ^[[:print:]]+$ && "$pw" != *[\"\\]* ]] \
+            || die "$file: a password must be printable, without quotes or backslashes"
+    else
+        pw=$(od -An -tx1 -N24 /dev/urandom | tr -d ' \n')
+        [[ ${#pw} -eq 48 ]] || die "cannot read /dev/urandom"
+        printf '%s\n' "$pw" >"$file"
+    fi
+    chmod 600 "$file"
+    printf '%s' "$pw"
+}
+
+# Writes one user entry: $1 user, $2 password, $3 publish allow list, $4 subscribe allow
+# list (newline-separated subjects).
+user_entry() {
+    local user=$1 pw=$2 pub=$3 sub=$4 s
+    printf '      {\n        user: "%s"\n        password: "%s"\n' "$user" "$pw"
+    printf '        permissions: {\n          publish: { allow: [\n'
+    while IFS= read -r s; do [[ -n "$s" ]] && printf '            "%s"\n' "$s"; done <<<"$pub"
+    printf '          ] }\n          subscribe: { allow: [\n'
+    while IFS= read -r s; do [[ -n "$s" ]] && printf '            "%s"\n' "$s"; done <<<"$sub"
+    printf '          ] }\n        }\n      }\n'
+}
+
+stream_info() {
+    local s
+    echo '$JS.API.INFO'
+    for s in "${STREAMS[@]}"; do echo "\$JS.API.STREAM.INFO.$s"; done
+}
+
+# allocator (every replica): owns the buckets and the stream (creates and updates them,
+# reads everything through the JetStream API), writes plans, job statuses and the leader
+# lease, publishes events.
+allocator_pub=$(cat <<EOF
+\$JS.API.>
+\$JS.FC.>
+\$KV.$B_PLANS.>
+\$KV.$B_STATUS.>
+\$KV.$B_LEADER.>
+$P.events.>
+EOF
+)
+allocator_sub="_INBOX.allocator.>"
+
+# cli: writes job specs; reads specs, statuses and hosts; follows events and telemetry.
+cli_pub=$(
+    stream_info
+    for b in $B_JOBS $B_STATUS $B_HOSTS; do
+        echo "\$JS.API.DIRECT.GET.KV_$b.>"
+        echo "\$JS.API.CONSUMER.CREATE.KV_$b"
+        echo "\$JS.API.CONSUMER.CREATE.KV_$b.>"
+        echo "\$JS.API.CONSUMER.INFO.KV_$b.*"
+        echo "\$JS.API.CONSUMER.DELETE.KV_$b.*"
+        echo "\$JS.FC.KV_$b.>"
+    done
+    echo "\$KV.$B_JOBS.*"
+)
+cli_sub=$(printf '%s\n' "_INBOX.cli.>" "$P.events.>" "$P.telemetry.*")
+
+# agent-<host>: its own heartbeat, telemetry and host events; progress and events of any
+# job (the subjects name the job, not the host: see docs/security.md); reads and watches
+# its own plan only.
+agent_pub() {
+    local h=$1
+    stream_info
+    cat <<EOF
+\$JS.API.DIRECT.GET.KV_$B_PLANS.\$KV.$B_PLANS.$h
+\$JS.API.CONSUMER.CREATE.KV_$B_PLANS.*.\$KV.$B_PLANS.$h
+\$JS.FC.KV_$B_PLANS.>
+\$KV.$B_HOSTS.$h
+$P.telemetry.$h
+$P.events.host.$h
+$P.events.job.*
+$P.progress.*
+EOF
+}
+
+# Passwords first: a bad password file stops the script before anything is written.
+declare -A pw=()
+users=(allocator cli)
+for h in "${host_list[@]}"; do users+=("agent-$h"); done
+[[ $admin == 0 ]] || users+=(admin)
+for u in "${users[@]}"; do pw[$u]=$(password "$u"); done
+
+conf="$out/nats-server.conf"
+tmp="$conf.tmp.$$"
+trap 'rm -f "$tmp"' EXIT
+{
+    echo "# NATS server of a secured Converge cluster, written by deploy/nats/gen-config.sh"
+    echo "# for hosts: ${host_list[*]}. Holds passwords: keep it readable by the server only."
+    echo "# Roles and permissions: docs/security.md."
+    echo
+    echo "server_name: \"$server_name\""
+    echo "listen: \"$listen\""
+    [[ -z "$http" ]] || echo "http: \"$http\""
+    echo
+    echo "jetstream {"
+    echo "  store_dir: \"$store_dir\""
+    echo "}"
+    if [[ -n "$tls_cert" ]]; then
+        echo
+        echo "tls {"
+        echo "  cert_file: \"$tls_cert\""
+        echo "  key_file: \"$tls_key\""
+        [[ -z "$tls_ca" ]] || echo "  ca_file: \"$tls_ca\""
+        [[ $tls_verify == 0 ]] || echo "  verify: true"
+        echo "  timeout: 2"
+        echo "}"
+    fi
+    echo
+    echo "accounts {"
+    echo "  CONVERGE {"
+    echo "    jetstream: enabled"
+    echo "    users: ["
+    user_entry allocator "${pw[allocator]}" "$allocator_pub" "$allocator_sub"
+    user_entry cli "${pw[cli]}" "$cli_pub" "$cli_sub"
+    for h in "${host_list[@]}"; do
+        user_entry "agent-$h" "${pw[agent-$h]}" "$(agent_pub "$h")" "_INBOX.agent-$h.>"
+    done
+    if [[ $admin == 1 ]]; then
+        printf '      { user: "admin", password: "%s" }\n' "${pw[admin]}"
+    fi
+    echo "    ]"
+    echo "  }"
+    echo "}"
+} >"$tmp"
+chmod 640 "$tmp"
+mv "$tmp" "$conf"
+trap - EXIT
+echo "wrote $conf for users ${users[*]}; passwords in $out/credentials/" >&2

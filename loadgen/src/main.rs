@@ -1,0 +1,604 @@
+//! `converge-loadgen`: loads one allocator the way a large cluster would, over a real NATS.
+//!
+//! - **Agents:** `--agents` simulated hosts of `--gpus-per-agent` fake GPUs each; every
+//!   `--telemetry-interval` each writes its `HostTelemetry` heartbeat to KV `converge-hosts`
+//!   (what the allocator reads) and publishes it on its telemetry subject, as a real agent
+//!   does. They run no workers (they do not act on plans).
+//! - **Jobs:** `--jobs` job specs are submitted first (command `sleep infinity`, never run);
+//!   the allocator places them on the simulated hosts.
+//! - **Progress:** `--reports-per-s` progress reports in all (every rank of every job in
+//!   turn, `--ranks-per-job` ranks, a falling loss with noise), published to the JetStream progress stream with
+//!   acknowledgement, at most `--max-in-flight` unacknowledged.
+//! - **Measured:** every `--scrape-every` the allocator's `/metrics` (`--metrics-url`):
+//!   step (decision) time, ingest lag (stream → allocator), reports applied, input queue and
+//!   resident memory. After `--duration` it stops sending and waits until the allocator has
+//!   applied every acknowledged report (or `--drain-timeout`), then prints a Markdown
+//!   summary (and JSON with `--summary`): a report acknowledged by JetStream but never
+//!   applied by the allocator counts as lost.
+//!
+//! The allocator must be started with `--metrics-addr`, and its progress counter must not
+//! move for other reasons during the run (no real agents on the same NATS).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use clap::Parser;
+use converge_bus::{Bus, NatsArgs, humantime_duration, unix_now};
+use converge_common::messages::encode;
+use converge_common::{
+    GpuSample, HostId, HostTelemetry, JobId, JobSpec, NicSample, PROTOCOL_VERSION, ProgressReport,
+    subjects,
+};
+use futures::StreamExt;
+use futures::stream::FuturesUnordered;
+use serde::Serialize;
+
+#[derive(Debug, Parser)]
+#[command(name = "converge-loadgen", version, about, long_about = None)]
+struct Args {
+    #[command(flatten)]
+    nats: NatsArgs,
+    /// Simulated agents (hosts).
+    #[arg(long, default_value_t = 2000)]
+    agents: u32,
+    /// Fake GPUs per simulated agent.
+    #[arg(long, default_value_t = 8)]
+    gpus_per_agent: u32,
+    /// Heartbeat period of every simulated agent.
+    #[arg(long, default_value = "1s", value_parser = humantime_duration)]
+    telemetry_interval: Duration,
+    /// Jobs submitted before the load starts.
+    #[arg(long, default_value_t = 1000)]
+    jobs: u32,
+    /// Progress reports per second, all jobs and ranks together.
+    #[arg(long, default_value_t = 10_000)]
+    reports_per_s: u32,
+    /// Ranks (workers) reporting per job: every step brings one report from each, as
+    /// agents send every worker's progress lines; only rank 0's form the loss curve.
+    #[arg(long, default_value_t = 8)]
+    ranks_per_job: u32,
+    /// How long to send.
+    #[arg(long, default_value = "5m", value_parser = humantime_duration)]
+    duration: Duration,
+    /// Unacknowledged JetStream publishes allowed at once.
+    #[arg(long, default_value_t = 4096)]
+    max_in_flight: usize,
+    /// The allocator's metrics page (started with `--metrics-addr`).
+    #[arg(long, default_value = "http://127.0.0.1:9464/metrics")]
+    metrics_url: String,
+    /// How often to scrape the allocator and print a progress line.
+    #[arg(long, default_value = "10s", value_parser = humantime_duration)]
+    scrape_every: Duration,
+    /// After sending, how long to wait for the allocator to apply every report.
+    #[arg(long, default_value = "2m", value_parser = humantime_duration)]
+    drain_timeout: Duration,
+    /// Prefix of host and job ids (`<prefix>-h00042`, `<prefix>-j0042`).
+    #[arg(long, default_value = "load")]
+    prefix: String,
+    /// Also write the summary as JSON here.
+    #[arg(long)]
+    summary: Option<std::path::PathBuf>,
+}
+
+/// One scrape of the allocator's metrics.
+#[derive(Debug, Clone, Default)]
+struct Scrape {
+    reports_applied: f64,
+    /// `(le, cumulative count)` of `converge_allocator_step_seconds` (both labels summed).
+    step_buckets: Vec<(f64, f64)>,
+    step_sum: f64,
+    step_count: f64,
+    lag_buckets: Vec<(f64, f64)>,
+    lag_sum: f64,
+    lag_count: f64,
+    rss_bytes: f64,
+    input_queue: f64,
+    hosts_live: f64,
+}
+
+fn scrape(url: &str) -> anyhow::Result<Scrape> {
+    let body = ureq::get(url)
+        .call()
+        .with_context(|| format!("GET {url}"))?
+        .body_mut()
+        .read_to_string()
+        .with_context(|| format!("read {url}"))?;
+    let lines = body.lines().map(|l| Ok(l.to_string()));
+    let parsed = prometheus_parse::Scrape::parse(lines).context("parse metrics page")?;
+    let mut s = Scrape::default();
+    let mut step: BTreeMap<u64, f64> = BTreeMap::new();
+    let mut lag: BTreeMap<u64, f64> = BTreeMap::new();
+    for sample in parsed.samples {
+        use prometheus_parse::Value;
+        match (sample.metric.as_str(), &sample.value) {
+            (
+                "converge_allocator_progress_reports_total",
+                Value::Counter(v) | Value::Untyped(v),
+            ) => s.reports_applied = *v,
+            ("process_resident_memory_bytes", Value::Gauge(v) | Value::Untyped(v)) => {
+                s.rss_bytes = *v
+            }
+            ("converge_allocator_input_queue", Value::Gauge(v) | Value::Untyped(v)) => {
+                s.input_queue = *v
+            }
+            ("converge_allocator_hosts_live", Value::Gauge(v) | Value::Untyped(v)) => {
+                s.hosts_live = *v
+            }
+            ("converge_allocator_step_seconds", Value::Histogram(h)) => {
+                for b in h {
+                    *step.entry(b.less_than.to_bits()).or_default() += b.count;
+                }
+            }
+            ("converge_allocator_step_seconds_sum", Value::Untyped(v)) => s.step_sum += v,
+            ("converge_allocator_step_seconds_count", Value::Untyped(v)) => s.step_count += v,
+            ("converge_allocator_ingest_lag_seconds", Value::Histogram(h)) => {
+                for b in h {
+                    *lag.entry(b.less_than.to_bits()).or_default() += b.count;
+                }
+            }
+            ("converge_allocator_ingest_lag_seconds_sum", Value::Untyped(v)) => s.lag_sum += v,
+            ("converge_allocator_ingest_lag_seconds_count", Value::Untyped(v)) => s.lag_count += v,
+            _ => {}
+        }
+    }
+    let sorted = |m: BTreeMap<u64, f64>| {
+        let mut v: Vec<(f64, f64)> = m.into_iter().map(|(k, c)| (f64::from_bits(k), c)).collect();
+        v.sort_by(|a, b| a.0.total_cmp(&b.0));
+        v
+    };
+    s.step_buckets = sorted(step);
+    s.lag_buckets = sorted(lag);
+    Ok(s)
+}
+
+/// Quantile `q` of the observations between two scrapes of a cumulative histogram, by
+/// linear interpolation inside the bucket (as Prometheus' `histogram_quantile`); the
+/// largest finite bound when it falls in the `+Inf` bucket.
+fn quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> {
+    let delta: Vec<(f64, f64)> = after
+        .iter()
+        .map(|&(le, c)| {
+            let b = before
+                .iter()
+                .find(|(l, _)| *l == le)
+                .map_or(0.0, |(_, c)| *c);
+            (le, c - b)
+        })
+        .collect();
+    let total = delta.last()?.1;
+    if total <= 0.0 {
+        return None;
+    }
+    let rank = q * total;
+    let mut prev = (0.0, 0.0);
+    for &(le, c) in &delta {
+        if c >= rank {
+            if le.is_infinite() {
+                return Some(prev.0);
+            }
+            let within = if c > prev.1 {
+                (rank - prev.1) / (c - prev.1)
+            } else {
+                1.0
+            };
+            return Some(prev.0 + (le - prev.0) * within);
+        }
+        prev = (le, c);
+    }
+    Some(prev.0)
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    telemetry_written: AtomicU64,
+    telemetry_failed: AtomicU64,
+    reports_sent: AtomicU64,
+    reports_acked: AtomicU64,
+    reports_failed: AtomicU64,
+}
+
+#[derive(Debug, Serialize)]
+struct Summary {
+    agents: u32,
+    jobs: u32,
+    target_reports_per_s: u32,
+    duration_s: f64,
+    telemetry_per_s: f64,
+    telemetry_failed: u64,
+    reports_acked: u64,
+    reports_per_s: f64,
+    reports_failed: u64,
+    reports_applied: f64,
+    reports_lost: f64,
+    drain_s: f64,
+    step_p50_s: Option<f64>,
+    step_p99_s: Option<f64>,
+    step_mean_s: Option<f64>,
+    steps: f64,
+    ingest_lag_p50_s: Option<f64>,
+    ingest_lag_p99_s: Option<f64>,
+    ingest_lag_mean_s: Option<f64>,
+    rss_start_bytes: f64,
+    rss_peak_bytes: f64,
+    rss_end_bytes: f64,
+    hosts_live_end: f64,
+}
+
+fn host_id(prefix: &str, i: u32) -> HostId {
+    HostId::new(format!("{prefix}-h{i:05}")).expect("valid host id")
+}
+
+fn job_id(prefix: &str, i: u32) -> JobId {
+    JobId::new(format!("{prefix}-j{i:05}")).expect("valid job id")
+}
+
+fn telemetry(host: &HostId, gpus: u32) -> HostTelemetry {
+    HostTelemetry {
+        protocol: PROTOCOL_VERSION,
+        host: host.clone(),
+        addr: "10.255.255.1".into(),
+        time: unix_now(),
+        agent_version: format!("loadgen-{}", env!("CARGO_PKG_VERSION")),
+        gpu_source: "fake".into(),
+        gpus: (0..gpus)
+            .map(|index| GpuSample {
+                index,
+                uuid: format!("GPU-{host}-{index}"),
+                name: "loadgen".into(),
+                memory_total_bytes: 80 << 30,
+                memory_used_bytes: 0,
+                utilization_pct: 0.0,
+                power_mw: None,
+            })
+            .collect(),
+        nics: vec![NicSample {
+            name: "eth0".into(),
+            rx_bytes_per_s: 0.0,
+            tx_bytes_per_s: 0.0,
+            link_speed_bps: Some(100_000_000_000),
+        }],
+        cpu_pct: 1.0,
+        memory_used_bytes: 1 << 30,
+        memory_total_bytes: 512 << 30,
+        workers: Vec::new(),
+        malformed_progress_lines: 0,
+    }
+}
+
+async fn submit_jobs(bus: &Bus, args: &Args) -> anyhow::Result<()> {
+    let mut puts = FuturesUnordered::new();
+    for j in 0..args.jobs {
+        let toml = format!(
+            "id = \"{}\"\ncommand = [\"sleep\", \"infinity\"]\nmin_workers = 1\nmax_workers = 8\n",
+            job_id(&args.prefix, j)
+        );
+        let mut spec = JobSpec::from_toml(&toml)?;
+        spec.submitted_at = unix_now();
+        let key = spec.id.to_string();
+        let payload = Bytes::from(encode(&spec));
+        puts.push(async move { bus.jobs.put(key, payload).await });
+        if puts.len() >= 256 {
+            puts.next().await.transpose()?;
+        }
+    }
+    while let Some(r) = puts.next().await {
+        r?;
+    }
+    Ok(())
+}
+
+/// Every simulated agent writes its heartbeat once per interval, spread over the interval
+/// in 20 slices.
+async fn run_agents(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, until: Instant) {
+    const SLICES: u32 = 20;
+    let hosts: Vec<HostId> = (0..args.agents).map(|i| host_id(&args.prefix, i)).collect();
+    let mut tick = tokio::time::interval(args.telemetry_interval / SLICES);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut slice = 0u32;
+    while Instant::now() < until {
+        tick.tick().await;
+        let mut writes = FuturesUnordered::new();
+        for host in hosts.iter().skip(slice as usize).step_by(SLICES as usize) {
+            let t = telemetry(host, args.gpus_per_agent);
+            let bus = bus.clone();
+            writes.push(async move {
+                let payload = Bytes::from(encode(&t));
+                let _ = bus
+                    .client
+                    .publish(subjects::telemetry(&t.host), payload.clone())
+                    .await;
+                bus.hosts.put(t.host.as_str(), payload).await
+            });
+        }
+        while let Some(r) = writes.next().await {
+            match r {
+                Ok(_) => counters.telemetry_written.fetch_add(1, Ordering::Relaxed),
+                Err(_) => counters.telemetry_failed.fetch_add(1, Ordering::Relaxed),
+            };
+        }
+        slice = (slice + 1) % SLICES;
+    }
+}
+
+/// Progress reports at the target rate, in 10 ms batches, acknowledged by JetStream.
+async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, until: Instant) {
+    let jobs: Vec<JobId> = (0..args.jobs).map(|j| job_id(&args.prefix, j)).collect();
+    let subjects: Vec<String> = jobs.iter().map(subjects::progress).collect();
+    let mut steps = vec![0u64; jobs.len()];
+    let per_tick = f64::from(args.reports_per_s) / 100.0;
+    let mut owed = 0.0;
+    let mut next = 0usize;
+    let mut tick = tokio::time::interval(Duration::from_millis(10));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut acks = FuturesUnordered::new();
+    let mut noise = 0x9E37_79B9_7F4A_7C15u64;
+    while Instant::now() < until {
+        tokio::select! {
+            _ = tick.tick() => {
+                owed += per_tick;
+                while owed >= 1.0 && acks.len() < args.max_in_flight {
+                    owed -= 1.0;
+                    let ranks = args.ranks_per_job.max(1) as usize;
+                    let (j, rank) = (next / ranks, (next % ranks) as u32);
+                    next = (next + 1) % (jobs.len() * ranks).max(1);
+                    if rank == 0 {
+                        steps[j] += 1;
+                    }
+                    let step = steps[j];
+                    // xorshift noise in [-0.01, 0.01]
+                    noise ^= noise << 13;
+                    noise ^= noise >> 7;
+                    noise ^= noise << 17;
+                    let jitter = (noise % 2001) as f64 / 100_000.0 - 0.01;
+                    let report = ProgressReport {
+                        protocol: PROTOCOL_VERSION,
+                        job: jobs[j].clone(),
+                        generation: 1,
+                        rank,
+                        host: host_id(&args.prefix, j as u32 % args.agents.max(1)),
+                        step,
+                        samples: step * 64,
+                        loss: 2.0 / (1.0 + step as f64 / 500.0) + 0.1 + jitter,
+                        eval_loss: None,
+                        epoch: Some(step as f64 / 100.0),
+                        time: unix_now(),
+                        workers: Some(args.ranks_per_job.max(1)),
+                        hosts: Some(1),
+                        sync_time_s: None,
+                        model_bytes: None,
+                    };
+                    let publish = bus.js.publish(subjects[j].clone(), Bytes::from(encode(&report)));
+                    counters.reports_sent.fetch_add(1, Ordering::Relaxed);
+                    acks.push(async move { publish.await?.await.map(|_| ()).map_err(anyhow::Error::from) });
+                }
+                // Reports not sent because too many are in flight are dropped from the
+                // schedule (the achieved rate is reported).
+                owed = owed.min(per_tick);
+            }
+            Some(r) = acks.next(), if !acks.is_empty() => {
+                match r {
+                    Ok(()) => counters.reports_acked.fetch_add(1, Ordering::Relaxed),
+                    Err(e) => {
+                        tracing::warn!("progress publish failed: {e}");
+                        counters.reports_failed.fetch_add(1, Ordering::Relaxed)
+                    }
+                };
+            }
+        }
+    }
+    while let Some(r) = acks.next().await {
+        match r {
+            Ok(()) => counters.reports_acked.fetch_add(1, Ordering::Relaxed),
+            Err(_) => counters.reports_failed.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+}
+
+async fn scrape_async(url: &str) -> anyhow::Result<Scrape> {
+    let url = url.to_string();
+    tokio::task::spawn_blocking(move || scrape(&url)).await?
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    converge_bus::init_tracing("info");
+    let args = Arc::new(Args::parse());
+    let client = converge_bus::connect(&args.nats, "converge-loadgen").await?;
+    let bus = Arc::new(Bus::open(client).await?);
+    let start_scrape = scrape_async(&args.metrics_url)
+        .await
+        .context("the allocator's metrics (start it with --metrics-addr)")?;
+
+    tracing::info!(jobs = args.jobs, "submitting jobs");
+    submit_jobs(&bus, &args).await?;
+    let counters = Arc::new(Counters::default());
+    let started = Instant::now();
+    let until = started + args.duration;
+    tracing::info!(
+        agents = args.agents,
+        reports_per_s = args.reports_per_s,
+        duration = ?args.duration,
+        "load started"
+    );
+    let agents = tokio::spawn(run_agents(
+        bus.clone(),
+        args.clone(),
+        counters.clone(),
+        until,
+    ));
+    let progress = tokio::spawn(run_progress(
+        bus.clone(),
+        args.clone(),
+        counters.clone(),
+        until,
+    ));
+
+    let mut peak_rss = start_scrape.rss_bytes;
+    let mut last = start_scrape.clone();
+    let mut last_at = Instant::now();
+    let mut last_acked = 0;
+    while Instant::now() < until {
+        tokio::time::sleep(
+            args.scrape_every
+                .min(until.saturating_duration_since(Instant::now())),
+        )
+        .await;
+        match scrape_async(&args.metrics_url).await {
+            Ok(s) => {
+                peak_rss = peak_rss.max(s.rss_bytes);
+                let acked = counters.reports_acked.load(Ordering::Relaxed);
+                let secs = last_at.elapsed().as_secs_f64();
+                println!(
+                    "t={:>5.0}s acked {:>8.0}/s applied {:>8.0}/s step p99 {} lag p99 {} queue {:>6.0} hosts {:>5.0} rss {:.0} MiB",
+                    started.elapsed().as_secs_f64(),
+                    (acked - last_acked) as f64 / secs,
+                    (s.reports_applied - last.reports_applied) / secs,
+                    fmt_s(quantile(&last.step_buckets, &s.step_buckets, 0.99)),
+                    fmt_s(quantile(&last.lag_buckets, &s.lag_buckets, 0.99)),
+                    s.input_queue,
+                    s.hosts_live,
+                    s.rss_bytes / 1048576.0,
+                );
+                last = s;
+                last_at = Instant::now();
+                last_acked = acked;
+            }
+            Err(e) => tracing::warn!("scrape failed: {e:#}"),
+        }
+    }
+    let _ = agents.await;
+    let _ = progress.await;
+    let sent_for = started.elapsed();
+
+    // Drain: wait until the allocator applied every acknowledged report.
+    let acked = counters.reports_acked.load(Ordering::Relaxed);
+    let drain_started = Instant::now();
+    let end = loop {
+        let s = scrape_async(&args.metrics_url).await?;
+        peak_rss = peak_rss.max(s.rss_bytes);
+        let applied = s.reports_applied - start_scrape.reports_applied;
+        if applied >= acked as f64 || drain_started.elapsed() > args.drain_timeout {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let applied = end.reports_applied - start_scrape.reports_applied;
+    let secs = sent_for.as_secs_f64();
+    let mean = |sum: f64, count: f64| (count > 0.0).then(|| sum / count);
+    let summary = Summary {
+        agents: args.agents,
+        jobs: args.jobs,
+        target_reports_per_s: args.reports_per_s,
+        duration_s: secs,
+        telemetry_per_s: counters.telemetry_written.load(Ordering::Relaxed) as f64 / secs,
+        telemetry_failed: counters.telemetry_failed.load(Ordering::Relaxed),
+        reports_acked: acked,
+        reports_per_s: acked as f64 / secs,
+        reports_failed: counters.reports_failed.load(Ordering::Relaxed),
+        reports_applied: applied,
+        reports_lost: (acked as f64 - applied).max(0.0),
+        drain_s: drain_started.elapsed().as_secs_f64(),
+        step_p50_s: quantile(&start_scrape.step_buckets, &end.step_buckets, 0.5),
+        step_p99_s: quantile(&start_scrape.step_buckets, &end.step_buckets, 0.99),
+        step_mean_s: mean(
+            end.step_sum - start_scrape.step_sum,
+            end.step_count - start_scrape.step_count,
+        ),
+        steps: end.step_count - start_scrape.step_count,
+        ingest_lag_p50_s: quantile(&start_scrape.lag_buckets, &end.lag_buckets, 0.5),
+        ingest_lag_p99_s: quantile(&start_scrape.lag_buckets, &end.lag_buckets, 0.99),
+        ingest_lag_mean_s: mean(
+            end.lag_sum - start_scrape.lag_sum,
+            end.lag_count - start_scrape.lag_count,
+        ),
+        rss_start_bytes: start_scrape.rss_bytes,
+        rss_peak_bytes: peak_rss,
+        rss_end_bytes: end.rss_bytes,
+        hosts_live_end: end.hosts_live,
+    };
+    print_summary(&summary);
+    if let Some(path) = &args.summary {
+        std::fs::write(path, serde_json::to_string_pretty(&summary)?)
+            .with_context(|| format!("write {}", path.display()))?;
+    }
+    if summary.reports_lost > 0.0 || summary.reports_failed > 0 {
+        anyhow::bail!(
+            "{} acknowledged reports not applied, {} publishes failed",
+            summary.reports_lost,
+            summary.reports_failed
+        );
+    }
+    Ok(())
+}
+
+fn fmt_s(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| {
+        if v < 1.0 {
+            format!("{:.1} ms", v * 1e3)
+        } else {
+            format!("{v:.2} s")
+        }
+    })
+}
+
+fn print_summary(s: &Summary) {
+    println!();
+    println!("| figure | value |");
+    println!("|---|---|");
+    println!("| simulated agents / jobs | {} / {} |", s.agents, s.jobs);
+    println!("| sending time | {:.0} s |", s.duration_s);
+    println!(
+        "| heartbeats written | {:.0}/s ({} failed) |",
+        s.telemetry_per_s, s.telemetry_failed
+    );
+    println!(
+        "| progress reports acknowledged | {} ({:.0}/s of {} asked; {} failed) |",
+        s.reports_acked, s.reports_per_s, s.target_reports_per_s, s.reports_failed
+    );
+    println!(
+        "| applied by the allocator / lost | {:.0} / {:.0} (drained in {:.1} s) |",
+        s.reports_applied, s.reports_lost, s.drain_s
+    );
+    println!(
+        "| step (decision) time p50 / p99 / mean | {} / {} / {} ({:.0} steps) |",
+        fmt_s(s.step_p50_s),
+        fmt_s(s.step_p99_s),
+        fmt_s(s.step_mean_s),
+        s.steps
+    );
+    println!(
+        "| ingest lag p50 / p99 / mean | {} / {} / {} |",
+        fmt_s(s.ingest_lag_p50_s),
+        fmt_s(s.ingest_lag_p99_s),
+        fmt_s(s.ingest_lag_mean_s)
+    );
+    println!(
+        "| allocator resident memory start / peak / end | {:.0} / {:.0} / {:.0} MiB |",
+        s.rss_start_bytes / 1048576.0,
+        s.rss_peak_bytes / 1048576.0,
+        s.rss_end_bytes / 1048576.0
+    );
+    println!("| live hosts at the end | {:.0} |", s.hosts_live_end);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::quantile;
+
+    #[test]
+    fn quantiles_interpolate_within_buckets() {
+        let before = [(0.1, 0.0), (1.0, 0.0), (f64::INFINITY, 0.0)];
+        let after = [(0.1, 50.0), (1.0, 100.0), (f64::INFINITY, 100.0)];
+        assert_eq!(quantile(&before, &after, 0.5), Some(0.1));
+        let q = quantile(&before, &after, 0.75).unwrap();
+        assert!((q - 0.55).abs() < 1e-12, "{q}");
+        // Only what happened between the scrapes counts.
+        let later = [(0.1, 50.0), (1.0, 100.0), (f64::INFINITY, 200.0)];
+        assert_eq!(quantile(&after, &later, 0.5), Some(1.0));
+        assert_eq!(quantile(&after, &after, 0.5), None);
+    }
+}

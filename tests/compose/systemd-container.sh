@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# deploy/systemd/converge-agent.service under a real systemd, for real: systemd runs as
+# PID 1 of a throw-away container (converge/base + Debian's systemd), the unit and its env
+# file are installed as docs/deploy.md says (user converge, /usr/local/bin,
+# /etc/converge/agent.env with 4 fake GPUs, /srv/converge/checkpoints), NATS and the
+# allocator run beside it as transient units, and then:
+#
+#   1. `systemctl enable --now converge-agent` with every hardening option of the unit; the
+#      agent reports and runs the 4 workers of examples/jobs/mnist-mlp.toml, which write
+#      their logs and checkpoint through ProtectSystem=strict
+#   2. `systemctl stop`: only the agent gets SIGTERM (KillMode=mixed), it stops its workers
+#      (exit 143 after checkpointing) and exits 0 well within TimeoutStopSec
+#   3. `systemctl start`: the workers resume from that checkpoint
+#   4. SIGKILL to the agent alone: systemd kills the leftover workers, restarts the agent
+#      after RestartSec (Restart=on-failure), and the agent starts its workers again
+#
+#   tests/compose/systemd-container.sh [--keep]
+#
+# Needs docker, the image converge/base:bookworm (deploy/build-images.sh base), the release
+# binaries in $CARGO_TARGET_DIR/release (default target/release), deb.debian.org once (to
+# add systemd to the test image) and a Docker that allows --cap-add SYS_ADMIN (systemd
+# needs it for the unit's mount namespaces). Skips (exit 0) where that is refused.
+set -euo pipefail
+
+if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
+    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+    exit 0
+fi
+keep=0
+[[ "${1:-}" == --keep ]] && keep=1
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+target_dir="${CARGO_TARGET_DIR:-$root/target}"
+[[ "$target_dir" == /* ]] || target_dir="$root/$target_dir"
+image=converge-test/systemd:bookworm
+name="converge-systemd-$$"
+
+log() { printf '==> %s\n' "$*"; }
+fail() { echo "FAIL: $*" >&2; exit 1; }
+
+for b in converge-agent converge-trainer converge converge-allocator; do
+    [[ -x "$target_dir/release/$b" ]] || fail "$target_dir/release/$b is missing (cargo build --release)"
+done
+docker image inspect converge/base:bookworm >/dev/null 2>&1 \
+    || fail "converge/base:bookworm is missing (deploy/build-images.sh base)"
+nats_bin=$("$root/deploy/get-nats-server.sh")
+
+if ! docker image inspect "$image" >/dev/null 2>&1; then
+    log "building $image (converge/base + systemd from deb.debian.org)"
+    ctx=$(mktemp -d)
+    printf '%s\n' 'FROM converge/base:bookworm' \
+        'RUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd systemd-sysv dbus && rm -rf /var/lib/apt/lists/*' \
+        'CMD ["/sbin/init"]' >"$ctx/Dockerfile"
+    docker build -q -t "$image" "$ctx" >/dev/null || { rm -rf "$ctx"; fail "cannot build $image"; }
+    rm -rf "$ctx"
+fi
+
+cleanup() {
+    local rc=$?
+    trap - EXIT
+    if [[ $rc -ne 0 ]] && docker inspect "$name" >/dev/null 2>&1; then
+        echo "---- journal of converge-agent (last 40 lines) ----"
+        docker exec "$name" journalctl -u converge-agent --no-pager -n 40 2>/dev/null || true
+    fi
+    if [[ $keep -eq 1 ]]; then
+        echo "container kept: docker exec -it $name bash; remove with docker rm -f $name"
+    else
+        docker rm -f "$name" >/dev/null 2>&1 || true
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+
+log "starting systemd in container $name"
+if ! docker run -d --name "$name" --cap-add SYS_ADMIN \
+        --security-opt seccomp=unconfined --security-opt apparmor=unconfined \
+        --tmpfs /run --tmpfs /run/lock -v /sys/fs/cgroup:/sys/fs/cgroup:ro \
+        "$image" >/dev/null 2>"/tmp/$name.err"; then
+    cat "/tmp/$name.err" >&2; rm -f "/tmp/$name.err"
+    echo "SKIP: this Docker refuses a systemd container (--cap-add SYS_ADMIN)"
+    exit 0
+fi
+rm -f "/tmp/$name.err"
+for _ in $(seq 50); do
+    state=$(docker exec "$name" systemctl is-system-running 2>/dev/null || true)
+    [[ "$state" == running || "$state" == degraded ]] && break
+    sleep 0.2
+done
+[[ "$state" == running || "$state" == degraded ]] || fail "systemd did not come up (state: ${state:-none})"
+
+inside() { docker exec "$name" bash -c "$1"; }
+
+log "installing the agent as docs/deploy.md says"
+for b in converge-agent converge-trainer converge converge-allocator; do
+    docker cp "$target_dir/release/$b" "$name:/usr/local/bin/$b"
+done
+docker cp "$nats_bin" "$name:/usr/local/bin/nats-server"
+inside 'mkdir -p /etc/converge /usr/local/share/converge /root/jobs'
+docker cp "$root/deploy/systemd/converge-agent.service" "$name:/etc/systemd/system/converge-agent.service"
+docker cp "$root/deploy/systemd/converge-agent.env" "$name:/etc/converge/agent.env"
+docker cp "$root/data" "$name:/usr/local/share/converge/data"
+docker cp "$root/examples/jobs/mnist-mlp.toml" "$name:/root/jobs/mnist-mlp.toml"
+inside '
+set -e
+useradd --system --uid 10001 --user-group --home-dir /var/lib/converge --shell /usr/sbin/nologin converge 2>/dev/null
+install -d -o converge -g converge /srv/converge/checkpoints
+chgrp converge /etc/converge/agent.env && chmod 0640 /etc/converge/agent.env
+sed -i -e "s#^CONVERGE_NATS_URL=.*#CONVERGE_NATS_URL=nats://127.0.0.1:4222#" \
+       -e "s/^#CONVERGE_FAKE_GPUS=.*/CONVERGE_FAKE_GPUS=4/" \
+       -e "s/^#CONVERGE_HOST_ID=.*/CONVERGE_HOST_ID=sd-node-1/" /etc/converge/agent.env
+systemd-run -q --unit nats -p DynamicUser=yes -p StateDirectory=nats \
+    /usr/local/bin/nats-server -a 127.0.0.1 -js -sd /var/lib/nats
+systemd-run -q --unit allocator -E NO_COLOR=1 -E CONVERGE_EPOCH=5s -E CONVERGE_RESTART_COST=10s \
+    /usr/local/bin/converge-allocator
+systemctl daemon-reload
+'
+
+log "1. systemctl enable --now converge-agent"
+inside 'systemctl enable -q --now converge-agent'
+inside 'for i in $(seq 100); do converge --json hosts 2>/dev/null | grep -q "\"sd-node-1\"" && exit 0; sleep 0.2; done; exit 1' \
+    || fail "the agent did not report within 20 s"
+inside 'converge submit /root/jobs/mnist-mlp.toml >/dev/null'
+inside 'for i in $(seq 60); do
+        n=$(grep -l CONVERGE_PROGRESS /var/log/converge/mnist-mlp/gen*-rank0.log 2>/dev/null | wc -l)
+        [ -s /srv/converge/checkpoints/mnist-mlp/checkpoint.json ] && [ "$n" -gt 0 ] && exit 0; sleep 0.5
+    done; exit 1' || fail "no progress and checkpoint under /var/log/converge and /srv/converge within 30 s"
+workers=$(inside 'systemctl show -p TasksCurrent --value converge-agent >/dev/null; pgrep -c -u converge converge-traine || true')
+echo "    agent running under the hardened unit with $workers workers; logs and checkpoint written"
+[[ "$workers" -ge 1 ]] || fail "no worker process runs"
+
+log "2. systemctl stop converge-agent"
+stop_s=$(inside 't=$(date +%s.%N); systemctl stop converge-agent; awk -v a="$t" -v b="$(date +%s.%N)" "BEGIN { print b - a }"')
+inside 'journalctl -u converge-agent --no-pager -o cat' >"/tmp/$name.journal"
+grep -q 'worker stopped (exit code 143)' "/tmp/$name.journal" || fail "no worker stopped with exit code 143 (checkpointed) on stop"
+grep -q 'agent stopped' "/tmp/$name.journal" || fail "the agent did not log 'agent stopped'"
+grep -q 'Killing process' "/tmp/$name.journal" && fail "systemd had to SIGKILL processes on a clean stop"
+result=$(inside 'systemctl show -p Result --value converge-agent')
+[[ "$result" == success ]] || fail "the unit's stop result is $result"
+rm -f "/tmp/$name.journal"
+printf '    stopped cleanly in %.1f s (TimeoutStopSec=90s): workers exited 143, agent exited 0\n' "$stop_s"
+
+log "3. systemctl start converge-agent: the workers resume from the checkpoint"
+inside 'systemctl start converge-agent'
+inside 'for i in $(seq 60); do grep -q "resumed from checkpoint" /var/log/converge/mnist-mlp/gen*-rank0.log && exit 0; sleep 0.5; done; exit 1' \
+    || fail "rank 0 did not resume from its checkpoint within 30 s"
+echo "    $(inside 'grep -h "resumed from checkpoint" /var/log/converge/mnist-mlp/gen*-rank0.log | tail -n1')"
+
+log "4. SIGKILL to the agent alone: systemd cleans up and restarts it"
+old_pid=$(inside 'systemctl show -p MainPID --value converge-agent')
+inside 'systemctl kill -s SIGKILL --kill-whom=main converge-agent'
+inside "for i in \$(seq 100); do p=\$(systemctl show -p MainPID --value converge-agent); [ \"\$p\" != 0 ] && [ \"\$p\" != $old_pid ] && exit 0; sleep 0.2; done; exit 1" \
+    || fail "the agent was not restarted within 20 s"
+inside 'journalctl -u converge-agent --no-pager -o cat | grep -q "Killing process .* with signal SIGKILL"' \
+    || fail "systemd did not kill the workers left by the dead agent"
+inside 'for i in $(seq 50); do [ "$(pgrep -c -u converge converge-traine)" -ge 1 ] && exit 0; sleep 0.2; done; exit 1' \
+    || fail "the restarted agent did not start its workers again"
+echo "    leftover workers killed, agent restarted (pid $old_pid -> $(inside 'systemctl show -p MainPID --value converge-agent')), workers running again"
+
+inside 'converge cancel mnist-mlp >/dev/null 2>&1 || true; systemctl stop converge-agent'
+echo
+echo "PASS  converge-agent.service under systemd $(inside 'systemctl --version | head -n1 | cut -d" " -f2')"

@@ -1,0 +1,123 @@
+//! Two allocator replicas against one real nats-server: the leader lease lets only one
+//! schedule; when the leader dies (its task aborted, no hand-back, like `kill -9`) the other
+//! takes over within the documented time and the running job is not restarted; a clean stop
+//! hands the lease back.
+
+use converge_common::{JobPhase, JobStatus, LeaderLease, messages::decode, subjects};
+use converge_tests::*;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+async fn status(bus: &converge_bus::Bus, job: &str) -> Option<JobStatus> {
+    bus.get::<JobStatus>(&bus.status, job)
+        .await
+        .ok()
+        .flatten()
+        .map(|(s, _)| s)
+}
+
+/// The lease's holder, `None` when there is no lease.
+async fn holder(bus: &converge_bus::Bus) -> Option<String> {
+    let store = bus.js.get_key_value(subjects::BUCKET_LEADER).await.ok()?;
+    let entry = store.entry(subjects::LEADER_KEY).await.ok()??;
+    if entry.operation != async_nats::jetstream::kv::Operation::Put {
+        return None;
+    }
+    decode::<LeaderLease>(&entry.value).ok().map(|l| l.holder)
+}
+
+fn config(nats: &NatsServer, replica: &str) -> converge_allocator::service::AllocatorConfig {
+    let mut cfg = allocator_config(nats, Duration::from_secs(30));
+    cfg.replica_id = replica.into();
+    cfg
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_allocator_takes_over_without_restarting_jobs() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let _a1 = start_agent(agent_config(&nats, "n1", 1, work.path()));
+    let _a2 = start_agent(agent_config(&nats, "n2", 1, work.path()));
+    let first = start_allocator(config(&nats, "alloc-a"));
+    wait_for(Duration::from_secs(10), "alloc-a leads", || async {
+        (holder(&bus).await.as_deref() == Some("alloc-a")).then_some(())
+    })
+    .await;
+    let second = start_allocator(config(&nats, "alloc-b"));
+
+    let spec = work.path().join("opt.toml");
+    std::fs::write(
+        &spec,
+        format!(
+            r#"id = "opt"
+command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "1000",
+           "--step-delay-ms", "10", "--log-every", "5", "--checkpoint-every", "1"]
+min_workers = 2
+max_workers = 2
+"#,
+            bin_path("converge-trainer").display(),
+            repo_root().join("data").display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let running = wait_for(Duration::from_secs(30), "job running", || async {
+        let s = status(&bus, "opt").await?;
+        (s.phase == JobPhase::Running && s.world_size == 2).then_some(s)
+    })
+    .await;
+    // The standby has not taken the lease while the leader renews it (several TTLs).
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(holder(&bus).await.as_deref(), Some("alloc-a"));
+
+    // The leader dies without handing back.
+    let killed = Instant::now();
+    first.abort();
+    wait_for(Duration::from_secs(15), "alloc-b leads", || async {
+        (holder(&bus).await.as_deref() == Some("alloc-b")).then_some(())
+    })
+    .await;
+    let handover = killed.elapsed();
+    let ttl = config(&nats, "x").lease_ttl;
+    eprintln!("handover after the leader died: {handover:?} (lease {ttl:?})");
+    assert!(
+        handover <= ttl * 4 / 3 + Duration::from_secs(2),
+        "{handover:?}"
+    );
+
+    // The new leader re-reads what the old one wrote and leaves the job alone.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = status(&bus, "opt").await.unwrap();
+    assert_eq!(after.phase, JobPhase::Running);
+    assert_eq!(after.generation, running.generation, "{after:?}");
+    assert_eq!(after.placement, running.placement);
+    // It does decide: a cancel is carried out.
+    let out = Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "cancel", "opt"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for(Duration::from_secs(15), "job cancelled", || async {
+        let s = status(&bus, "opt").await?;
+        (s.phase == JobPhase::Cancelled).then_some(())
+    })
+    .await;
+
+    // A clean stop hands the lease back at once.
+    second.stop().await;
+    assert_eq!(holder(&bus).await, None);
+}

@@ -1,0 +1,204 @@
+//! Hostile input on every subject and bucket, against a real nats-server with an agent and
+//! the allocator running: malformed JSON, wrong protocol versions, invalid content, ids
+//! that are not valid ids, reports on another job's subject and oversized payloads. Each
+//! is refused or counted; no process stops; a real job submitted afterwards trains and
+//! completes; the agent's running workers are untouched. (Credentials and permissions:
+//! `security.rs`.)
+
+use bytes::Bytes;
+use converge_common::{HostTelemetry, JobPhase, JobStatus, subjects};
+use converge_tests::*;
+use std::process::Command;
+use std::time::Duration;
+
+async fn status(bus: &converge_bus::Bus, job: &str) -> Option<JobStatus> {
+    bus.get::<JobStatus>(&bus.status, job)
+        .await
+        .ok()
+        .flatten()
+        .map(|(s, _)| s)
+}
+
+/// The allocator's refused-message count from the process's metrics registry.
+fn refused_by_allocator() -> f64 {
+    converge_bus::metrics::render()
+        .lines()
+        .find_map(|l| l.strip_prefix("converge_allocator_refused_messages "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn spec(id: &str, epochs: u32) -> String {
+    format!(
+        r#"id = "{id}"
+command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "{epochs}",
+           "--step-delay-ms", "5", "--log-every", "5", "--checkpoint-every", "1"]
+min_workers = 1
+max_workers = 1
+"#,
+        bin_path("converge-trainer").display(),
+        repo_root().join("data").display()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_messages_are_refused_and_nothing_is_lost() {
+    init_tracing();
+    converge_bus::metrics::recorder();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
+    let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
+
+    // A long job runs first: its worker must survive everything below.
+    let long = work.path().join("long.toml");
+    std::fs::write(&long, spec("long", 100_000)).unwrap();
+    let submit = |path: &std::path::Path| {
+        Command::new(bin_path("converge"))
+            .args(["--nats-url", &nats.url, "submit", path.to_str().unwrap()])
+            .output()
+            .unwrap()
+    };
+    assert!(submit(&long).status.success());
+    let pid_of = |t: HostTelemetry, job: &str| {
+        t.workers
+            .iter()
+            .find(|w| w.job.as_str() == job)
+            .and_then(|w| w.pid)
+    };
+    let pid = wait_for(Duration::from_secs(30), "long job's worker", || async {
+        let (t, _) = bus.get::<HostTelemetry>(&bus.hosts, "n1").await.ok()??;
+        pid_of(t, "long")
+    })
+    .await;
+    let refused_before = refused_by_allocator();
+
+    let json = |v: serde_json::Value| Bytes::from(serde_json::to_vec(&v).unwrap());
+    let garbage = Bytes::from_static(b"{\"protocol\":1, this is not json");
+    let wrong_version = json(serde_json::json!({"protocol": 99, "id": "x", "command": ["x"]}));
+    let big = Bytes::from(vec![b'x'; 2 << 20]);
+
+    // Job specs (KV converge-jobs), read by the allocator.
+    bus.jobs.put("bad-json", garbage.clone()).await.unwrap();
+    bus.jobs
+        .put("bad-version", wrong_version.clone())
+        .await
+        .unwrap();
+    bus.jobs
+        .put(
+            "bad-content",
+            json(serde_json::json!({"protocol": 1, "id": "bad-content", "command": [], "min_workers": 0})),
+        )
+        .await
+        .unwrap();
+    bus.jobs
+        .put(
+            "other-id",
+            json(serde_json::json!({"protocol": 1, "id": "not-the-key", "command": ["x"]})),
+        )
+        .await
+        .unwrap();
+    bus.jobs.put("a.b", garbage.clone()).await.unwrap();
+    assert!(
+        bus.jobs.put("huge", big.clone()).await.is_err(),
+        "oversized spec accepted"
+    );
+
+    // Heartbeats (KV converge-hosts and the telemetry subject).
+    bus.hosts.put("n7", garbage.clone()).await.unwrap();
+    bus.hosts.put("n8", wrong_version.clone()).await.unwrap();
+    bus.hosts
+        .put("n9", json(serde_json::json!({"protocol": 1, "host": "n9"})))
+        .await
+        .unwrap();
+    bus.client
+        .publish(subjects::telemetry(&"n1".parse().unwrap()), garbage.clone())
+        .await
+        .unwrap();
+
+    // Progress (JetStream), read by the allocator.
+    let progress = |job: &str| subjects::progress(&job.parse().unwrap());
+    for payload in [garbage.clone(), wrong_version.clone()] {
+        bus.js
+            .publish(progress("long"), payload)
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    // A valid report on another job's subject.
+    let foreign = serde_json::json!({"protocol": 1, "job": "long", "generation": 1, "rank": 0,
+        "host": "n1", "step": 1, "samples": 10, "loss": 0.5, "time": 1.0});
+    bus.js
+        .publish(progress("someone-else"), json(foreign))
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(
+        match bus.js.publish(progress("long"), big.clone()).await {
+            Ok(ack) => ack.await.is_err(),
+            Err(_) => true,
+        },
+        "oversized report accepted"
+    );
+
+    // Plans (KV converge-plans): a garbage plan for a host that has none, and a wrong-version
+    // plan for a host that does not exist; the agent of n1 keeps its last valid plan.
+    bus.plans.put("n5", garbage.clone()).await.unwrap();
+    bus.plans.put("n6", wrong_version.clone()).await.unwrap();
+    // Statuses (KV converge-job-status), read by the CLI and the allocator on restart.
+    bus.status.put("ghost", garbage.clone()).await.unwrap();
+    // Events: anyone may publish junk; `converge watch` refuses it.
+    bus.client
+        .publish("converge.v1.events.job.long".to_string(), garbage.clone())
+        .await
+        .unwrap();
+
+    // The allocator counted what reached it: 4 specs (json, version, content, foreign id
+    // is refused by id check not decode), 3 heartbeats, 2 reports.
+    wait_for(Duration::from_secs(10), "refusals counted", || async {
+        let counted = refused_by_allocator() - refused_before;
+        (counted >= 7.0).then_some(())
+    })
+    .await;
+    let bad = status(&bus, "bad-content").await;
+    assert!(
+        bad.as_ref().is_some_and(|s| s.phase == JobPhase::Failed
+            && s.message.as_deref().unwrap_or("").contains("refused")),
+        "{bad:?}"
+    );
+
+    // Nothing stopped, nothing lost: the long job's worker is the same process, the CLI
+    // lists the jobs, and a new job trains to completion.
+    assert!(agent.is_running() && allocator.is_running());
+    let (t, _) = bus
+        .get::<HostTelemetry>(&bus.hosts, "n1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(pid_of(t, "long"), Some(pid));
+    assert!(pid_alive(pid));
+    let listed = Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "jobs"])
+        .output()
+        .unwrap();
+    assert!(
+        listed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    assert!(String::from_utf8_lossy(&listed.stdout).contains("long"));
+    let short = work.path().join("short.toml");
+    std::fs::write(&short, spec("short", 3)).unwrap();
+    assert!(submit(&short).status.success());
+    wait_for(Duration::from_secs(60), "short job completes", || async {
+        let s = status(&bus, "short").await?;
+        (s.phase == JobPhase::Completed).then_some(())
+    })
+    .await;
+    assert!(agent.is_running() && allocator.is_running());
+    allocator.stop().await;
+    agent.stop().await;
+}

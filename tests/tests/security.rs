@@ -1,0 +1,751 @@
+//! NATS security: a real nats-server configured by `deploy/nats/gen-config.sh` (one account,
+//! one user per role, the permissions of docs/security.md), the allocator, two agents and
+//! the `converge` CLI each with its own user. A job runs end to end while the server refuses
+//! what each role may not do; refusals are the server's permissions violations, reported at
+//! once, not timeouts; nothing refused stops a process.
+
+use converge_bus::{Bus, BusError, DenialKind, NatsArgs, Setup};
+use converge_common::{
+    HostPlan, HostTelemetry, JobPhase, JobSpec, JobStatus, PROTOCOL_VERSION, subjects,
+};
+use converge_tests::*;
+use futures::StreamExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+/// A refusal must come from the server (its permissions violation), well before any
+/// request timeout (5 s for JetStream, 10 s for requests).
+const REFUSAL_WITHIN: Duration = Duration::from_secs(3);
+
+fn converge_as(s: &SecuredNats, user: &str, args: &[&str]) -> std::process::Output {
+    Command::new(bin_path("converge"))
+        .env("CONVERGE_NATS_URL", &s.nats.url)
+        .env("CONVERGE_NATS_USER", user)
+        .env("CONVERGE_NATS_PASSWORD_FILE", s.password_file(user))
+        .env_remove("CONVERGE_NATS_PASSWORD")
+        .env_remove("CONVERGE_NATS_CREDS")
+        .args(args)
+        .output()
+        .expect("run converge")
+}
+
+/// Awaits `op` and checks that the server refused it: a permissions violation for
+/// `subject`, reported within [`REFUSAL_WITHIN`].
+async fn refused<T: std::fmt::Debug>(
+    what: &str,
+    subject: &str,
+    op: impl std::future::Future<Output = Result<T, BusError>>,
+) {
+    let started = Instant::now();
+    let result = tokio::time::timeout(Duration::from_secs(15), op)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer within 15 s"));
+    match result {
+        Err(BusError::Denied { denial, .. }) => {
+            assert_eq!(denial.subject, subject, "{what}");
+            assert_eq!(denial.kind, DenialKind::Publish, "{what}");
+        }
+        other => panic!("{what}: expected a permissions violation for {subject}, got {other:?}"),
+    }
+    assert!(
+        started.elapsed() < REFUSAL_WITHIN,
+        "{what}: refused after {:?}, which looks like a timeout",
+        started.elapsed()
+    );
+}
+
+/// A one-worker plan for `host` whose command is `marker` (built from JSON, so that new
+/// optional fields of the protocol need no change here).
+fn plan(host: &str, marker: &str) -> HostPlan {
+    serde_json::from_value(serde_json::json!({
+        "protocol": PROTOCOL_VERSION,
+        "host": host,
+        "workers": [{
+            "job": "j", "generation": 1, "rank": 0, "world_size": 1, "local_rank": 0,
+            "local_world_size": 1, "gpus": [0], "master_addr": "127.0.0.1",
+            "master_port": 20000, "command": [marker], "max_restarts": 0
+        }]
+    }))
+    .expect("a valid plan")
+}
+
+fn write_spec(dir: &Path, id: &str) -> std::path::PathBuf {
+    write_spec_sized(dir, id, 2)
+}
+
+fn write_spec_sized(dir: &Path, id: &str, workers: u32) -> std::path::PathBuf {
+    let text = format!(
+        r#"id = "{id}"
+command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "6",
+           "--step-delay-ms", "5", "--log-every", "5", "--checkpoint-every", "5"]
+min_workers = {workers}
+max_workers = {workers}
+"#,
+        bin_path("converge-trainer").display(),
+        repo_root().join("data").display()
+    );
+    let path = dir.join(format!("{id}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+async fn status(bus: &Bus, job: &str) -> Option<JobStatus> {
+    bus.get::<JobStatus>(&bus.status, job)
+        .await
+        .ok()
+        .flatten()
+        .map(|(s, _)| s)
+}
+
+/// The allocator, two agents and the CLI with their own users run a two-worker job to
+/// completion; meanwhile a second connection as `agent-n1` (a compromised agent) and one
+/// as `cli` try what their roles may not, and each attempt is refused by the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
+    init_tracing();
+    let s = SecuredNats::start(&["n1", "n2"]);
+    let work = tempfile::tempdir().unwrap();
+
+    // The allocator creates the buckets; agents and the CLI may only open them.
+    let allocator = start_allocator(converge_allocator::service::AllocatorConfig {
+        nats: s.args_as("allocator"),
+        ..allocator_config(&s.nats, Duration::ZERO)
+    });
+    let cli = wait_for(Duration::from_secs(20), "buckets created", || async {
+        s.bus_as("cli", Setup::OpenOrCreate).await.ok()
+    })
+    .await;
+    let agent = |host: &str| {
+        let mut cfg = agent_config(&s.nats, host, 1, work.path());
+        cfg.nats = s.args_as(&format!("agent-{host}"));
+        start_agent(cfg)
+    };
+    let (agent1, agent2) = (agent("n1"), agent("n2"));
+
+    let spec = write_spec(work.path(), "secure");
+    let out = converge_as(&s, "cli", &["submit", spec.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let running = wait_for(
+        Duration::from_secs(30),
+        "job running on n1 and n2",
+        || async {
+            let s = status(&cli, "secure").await?;
+            (s.phase == JobPhase::Running && s.world_size == 2).then_some(s)
+        },
+    )
+    .await;
+    let mut hosts: Vec<&str> = running.placement.iter().map(|p| p.host.as_str()).collect();
+    hosts.sort();
+    assert_eq!(hosts, ["n1", "n2"]);
+
+    // A second connection with n1's credentials.
+    let a1 = s.bus_as("agent-n1", Setup::OpenOrCreate).await.unwrap();
+    // Its own plan: get and watch work.
+    let (own, _) = a1
+        .get::<HostPlan>(&a1.plans, "n1")
+        .await
+        .unwrap()
+        .expect("n1 has a plan");
+    assert_eq!(own.host.as_str(), "n1");
+    assert!(own.workers.iter().any(|w| w.job.as_str() == "secure"));
+    let mut watch = a1.watch_key(&a1.plans, "n1", true).await.unwrap();
+    let first = tokio::time::timeout(Duration::from_secs(5), watch.next())
+        .await
+        .expect("the watch delivers the current plan")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.key, "n1");
+    drop(watch);
+
+    // Another host's plan: no read, no watch (ours or the client's own), no write.
+    refused(
+        "agent-n1 reads n2's plan",
+        "$JS.API.DIRECT.GET.KV_converge-plans.$KV.converge-plans.n2",
+        a1.get::<HostPlan>(&a1.plans, "n2"),
+    )
+    .await;
+    let started = Instant::now();
+    match a1.watch_key(&a1.plans, "n2", true).await {
+        Err(BusError::Denied { denial, .. }) => {
+            assert!(
+                denial
+                    .subject
+                    .starts_with("$JS.API.CONSUMER.CREATE.KV_converge-plans.")
+                    && denial.subject.ends_with(".$KV.converge-plans.n2"),
+                "{denial}"
+            );
+            assert!(started.elapsed() < REFUSAL_WITHIN);
+        }
+        Err(e) => panic!("agent-n1 watches n2's plan: expected a refusal, got {e}"),
+        Ok(_) => panic!("agent-n1 watches n2's plan: expected a refusal, got a watch"),
+    }
+    // async-nats' own watch creates its consumer through the subject without the key:
+    // refused for agents altogether.
+    let denial = a1
+        .denials
+        .guard(|_| true, a1.plans.watch_with_history("n2"))
+        .await
+        .err()
+        .expect("Store::watch_with_history refused");
+    assert_eq!(denial.subject, "$JS.API.CONSUMER.CREATE.KV_converge-plans");
+    refused(
+        "agent-n1 writes n2's plan",
+        "$KV.converge-plans.n2",
+        a1.put(&a1.plans, "n2", &plan("n2", "evil")),
+    )
+    .await;
+    refused(
+        "agent-n1 writes its own plan",
+        "$KV.converge-plans.n1",
+        a1.put(&a1.plans, "n1", &plan("n1", "evil")),
+    )
+    .await;
+
+    // Job status and specs: no writes; specs not even readable.
+    let mut forged = status(&cli, "secure").await.unwrap();
+    forged.phase = JobPhase::Failed;
+    refused(
+        "agent-n1 writes a job status",
+        "$KV.converge-job-status.secure",
+        a1.put(&a1.status, "secure", &forged),
+    )
+    .await;
+    let (mut spec, _) = cli
+        .get::<JobSpec>(&cli.jobs, "secure")
+        .await
+        .unwrap()
+        .unwrap();
+    spec.cancelled = true;
+    refused(
+        "agent-n1 cancels the job",
+        "$KV.converge-jobs.secure",
+        a1.put(&a1.jobs, "secure", &spec),
+    )
+    .await;
+    spec.id = "other".parse().unwrap();
+    refused(
+        "agent-n1 submits a job",
+        "$KV.converge-jobs.other",
+        a1.put(&a1.jobs, "other", &spec),
+    )
+    .await;
+    refused(
+        "agent-n1 reads a job spec",
+        "$JS.API.DIRECT.GET.KV_converge-jobs.$KV.converge-jobs.secure",
+        a1.get::<JobSpec>(&a1.jobs, "secure"),
+    )
+    .await;
+
+    // Another host's heartbeat and telemetry.
+    let (t2, _) = cli
+        .get::<HostTelemetry>(&cli.hosts, "n2")
+        .await
+        .unwrap()
+        .unwrap();
+    refused(
+        "agent-n1 writes n2's heartbeat",
+        "$KV.converge-hosts.n2",
+        a1.put(&a1.hosts, "n2", &t2),
+    )
+    .await;
+    let mut denials = a1.denials.subscribe();
+    a1.publish(subjects::telemetry(&t2.host), &t2)
+        .await
+        .unwrap();
+    a1.client.flush().await.unwrap();
+    let d = tokio::time::timeout(REFUSAL_WITHIN, denials.recv())
+        .await
+        .expect("the server refuses n2's telemetry subject")
+        .unwrap();
+    assert_eq!(d.subject, "converge.v1.telemetry.n2");
+    // Nobody else's replies: the inboxes of other users are not subscribable.
+    let mut denials = a1.denials.subscribe();
+    let _sniff = a1.client.subscribe("_INBOX.>").await.unwrap();
+    a1.client.flush().await.unwrap();
+    let d = tokio::time::timeout(REFUSAL_WITHIN, denials.recv())
+        .await
+        .expect("the server refuses a subscription to every inbox")
+        .unwrap();
+    assert_eq!(
+        (d.kind, d.subject.as_str()),
+        (DenialKind::Subscribe, "_INBOX.>")
+    );
+
+    // The CLI writes specs, never plans or statuses.
+    refused(
+        "cli writes a plan",
+        "$KV.converge-plans.n1",
+        cli.put(&cli.plans, "n1", &plan("n1", "evil")),
+    )
+    .await;
+    refused(
+        "cli writes a job status",
+        "$KV.converge-job-status.secure",
+        cli.put(&cli.status, "secure", &forged),
+    )
+    .await;
+    refused(
+        "cli reads a plan",
+        "$JS.API.DIRECT.GET.KV_converge-plans.$KV.converge-plans.n1",
+        cli.get::<HostPlan>(&cli.plans, "n1"),
+    )
+    .await;
+
+    // Nothing of that disturbed the cluster: the job completes, every process still runs.
+    let done = wait_for(Duration::from_secs(120), "the job completes", || async {
+        let s = status(&cli, "secure").await?;
+        s.phase.is_terminal().then_some(s)
+    })
+    .await;
+    assert_eq!(done.phase, JobPhase::Completed, "{done:?}");
+    assert_eq!(
+        done.generation, running.generation,
+        "the refused operations caused a re-placement"
+    );
+    assert!(allocator.is_running() && agent1.is_running() && agent2.is_running());
+    for h in ["n1", "n2"] {
+        let (t, _) = cli
+            .get::<HostTelemetry>(&cli.hosts, h)
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(
+            converge_bus::unix_now() - t.time < 5.0,
+            "{h}'s heartbeat is stale"
+        );
+    }
+    let out = converge_as(&s, "cli", &["--json", "hosts"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = converge_as(&s, "cli", &["--json", "jobs", "--all"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed[0]["status"]["phase"], "completed");
+
+    agent1.stop().await;
+    agent2.stop().await;
+    allocator.stop().await;
+}
+
+/// Requests an agent could craft by hand to read another host's plan through the subjects
+/// it may publish to: the server answers none of them with that plan.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crafted_requests_do_not_reveal_another_hosts_plan() {
+    init_tracing();
+    let s = SecuredNats::start(&["n1", "n2"]);
+    let alloc = s.bus_as("allocator", Setup::CreateOrUpdate).await.unwrap();
+    alloc
+        .put(&alloc.plans, "n1", &plan("n1", "marker-of-n1"))
+        .await
+        .unwrap();
+    let rev2 = alloc
+        .put(&alloc.plans, "n2", &plan("n2", "secret-of-n2"))
+        .await
+        .unwrap();
+    let a1 = s.bus_as("agent-n1", Setup::OpenOrCreate).await.unwrap();
+    let leaks = |bytes: &[u8]| String::from_utf8_lossy(bytes).contains("secret-of-n2");
+
+    // Direct get on the own key's subject, with a body asking for n2's key or revision.
+    let own = "$JS.API.DIRECT.GET.KV_converge-plans.$KV.converge-plans.n1";
+    for body in [
+        serde_json::json!({"last_by_subj": "$KV.converge-plans.n2"}),
+        serde_json::json!({"seq": rev2}),
+    ] {
+        let reply = tokio::time::timeout(
+            Duration::from_secs(5),
+            a1.client.request(own, body.to_string().into()),
+        )
+        .await
+        .expect("an answer");
+        if let Ok(msg) = reply {
+            assert!(
+                !leaks(&msg.payload),
+                "direct get with {body} leaked n2's plan"
+            );
+        }
+    }
+
+    // Consumer creation on the own key's subject with another filter in the body.
+    let deliver = "_INBOX.agent-n1.crafted";
+    let mut delivered = a1.client.subscribe(deliver).await.unwrap();
+    let create = "$JS.API.CONSUMER.CREATE.KV_converge-plans.crafted.$KV.converge-plans.n1";
+    for config in [
+        serde_json::json!({"name": "crafted", "filter_subject": "$KV.converge-plans.n2"}),
+        serde_json::json!({"name": "crafted", "filter_subject": "$KV.converge-plans.>"}),
+        serde_json::json!({"name": "crafted", "filter_subjects": ["$KV.converge-plans.n2"]}),
+        serde_json::json!({"name": "crafted", "filter_subjects": ["$KV.converge-plans.n1", "$KV.converge-plans.n2"]}),
+    ] {
+        let mut config = config;
+        config["deliver_subject"] = deliver.into();
+        config["ack_policy"] = "none".into();
+        config["deliver_policy"] = "all".into();
+        let body = serde_json::json!({"stream_name": "KV_converge-plans", "config": config});
+        let reply = tokio::time::timeout(
+            Duration::from_secs(5),
+            a1.client.request(create, body.to_string().into()),
+        )
+        .await
+        .expect("an answer")
+        .expect("the JetStream API answers");
+        let answer: serde_json::Value = serde_json::from_slice(&reply.payload).unwrap();
+        assert!(
+            answer.get("error").is_some(),
+            "consumer with {config} was created: {answer}"
+        );
+    }
+    while let Ok(Some(msg)) =
+        tokio::time::timeout(Duration::from_millis(500), delivered.next()).await
+    {
+        assert!(
+            !leaks(&msg.payload),
+            "a crafted consumer delivered n2's plan"
+        );
+    }
+
+    // The unfiltered creation subject, and the stream's message API, are refused.
+    for subject in [
+        "$JS.API.CONSUMER.CREATE.KV_converge-plans",
+        "$JS.API.CONSUMER.CREATE.KV_converge-plans.crafted",
+        "$JS.API.STREAM.MSG.GET.KV_converge-plans",
+        "$JS.API.DIRECT.GET.KV_converge-plans",
+    ] {
+        let body = serde_json::json!({"last_by_subj": "$KV.converge-plans.n2"});
+        let req = a1.client.request(subject, body.to_string().into());
+        let denied = a1.denials.guard(|d| d.subject == subject, req).await;
+        assert!(denied.is_err(), "{subject} was not refused: {denied:?}");
+    }
+}
+
+/// No credentials, a wrong password or an unknown user: the server refuses the connection
+/// and the client says so at once, without retrying and without printing the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_or_missing_credentials_cannot_connect() {
+    init_tracing();
+    let s = SecuredNats::start(&["n1"]);
+    let wrong = s.dir.path().join("wrong.password");
+    std::fs::write(&wrong, "not-the-password-42\n").unwrap();
+    let cases = [
+        ("no credentials", s.nats.args()),
+        (
+            "wrong password",
+            NatsArgs {
+                password_file: Some(wrong.clone()),
+                ..s.args_as("agent-n1")
+            },
+        ),
+        (
+            "unknown user",
+            NatsArgs {
+                user: Some("agent-n9".into()),
+                password_file: Some(wrong.clone()),
+                ..s.nats.args()
+            },
+        ),
+        (
+            "wrong password in the URL",
+            NatsArgs {
+                url: s
+                    .nats
+                    .url
+                    .replace("nats://", "nats://cli:not-the-password-42@"),
+                ..s.nats.args()
+            },
+        ),
+    ];
+    for (what, args) in cases {
+        let started = Instant::now();
+        let e = converge_bus::connect(&args, "converge-test")
+            .await
+            .expect_err(what);
+        assert!(matches!(e, BusError::Refused { .. }), "{what}: {e}");
+        let text = e.to_string();
+        assert!(text.contains("authorization violation"), "{what}: {text}");
+        assert!(!text.contains("not-the-password-42"), "{what}: {text}");
+        assert!(
+            started.elapsed() < REFUSAL_WITHIN,
+            "{what}: took {:?}",
+            started.elapsed()
+        );
+    }
+
+    // The right password in the URL works, and the reply inbox follows the URL's user.
+    let pw = std::fs::read_to_string(s.password_file("allocator")).unwrap();
+    let args = NatsArgs {
+        url: s
+            .nats
+            .url
+            .replace("nats://", &format!("nats://allocator:{}@", pw.trim())),
+        ..s.nats.args()
+    };
+    assert!(!format!("{args:?}").contains(pw.trim()));
+    Bus::connect(&args, "converge-test", Setup::CreateOrUpdate)
+        .await
+        .expect("the allocator's URL credentials");
+
+    // The CLI fails with the reason and without the password.
+    let out = Command::new(bin_path("converge"))
+        .env("CONVERGE_NATS_URL", &s.nats.url)
+        .env("CONVERGE_NATS_USER", "cli")
+        .env("CONVERGE_NATS_PASSWORD", "not-the-password-42")
+        .env_remove("CONVERGE_NATS_PASSWORD_FILE")
+        .args(["jobs"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("refused the connection"), "{stderr}");
+    assert!(!stderr.contains("not-the-password-42"), "{stderr}");
+    // An unreadable password file is named.
+    let out = Command::new(bin_path("converge"))
+        .env("CONVERGE_NATS_URL", &s.nats.url)
+        .env("CONVERGE_NATS_USER", "cli")
+        .env("CONVERGE_NATS_PASSWORD_FILE", s.dir.path().join("nope"))
+        .env_remove("CONVERGE_NATS_PASSWORD")
+        .args(["jobs"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("--nats-password-file") && stderr.contains("nope"),
+        "{stderr}"
+    );
+}
+
+/// Only the allocator creates the buckets and the stream: agents and the CLI open existing
+/// ones and say what to do when they are missing. On an open server anyone still creates
+/// them, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_allocator_creates_buckets_on_a_secured_server() {
+    init_tracing();
+    let s = SecuredNats::start(&["n1"]);
+    for user in ["agent-n1", "cli"] {
+        let started = Instant::now();
+        let e = s
+            .bus_as(user, Setup::OpenOrCreate)
+            .await
+            .expect_err("no buckets yet");
+        assert!(matches!(e, BusError::Missing { .. }), "{user}: {e}");
+        assert!(e.to_string().contains("start the allocator first"), "{e}");
+        assert!(started.elapsed() < REFUSAL_WITHIN, "{user}: {e}");
+        let e = s
+            .bus_as(user, Setup::CreateOrUpdate)
+            .await
+            .expect_err("not allowed");
+        assert!(matches!(e, BusError::Denied { .. }), "{user}: {e}");
+    }
+    let out = converge_as(&s, "cli", &["jobs"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("start the allocator first"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let alloc = s
+        .bus_as("allocator", Setup::CreateOrUpdate)
+        .await
+        .expect("the allocator creates the buckets");
+    for user in ["agent-n1", "cli"] {
+        s.bus_as(user, Setup::OpenOrCreate)
+            .await
+            .unwrap_or_else(|e| panic!("{user} opens the buckets: {e}"));
+    }
+    // The agent process runs and its heartbeat arrives.
+    let work = tempfile::tempdir().unwrap();
+    let mut cfg = agent_config(&s.nats, "n1", 1, work.path());
+    cfg.nats = s.args_as("agent-n1");
+    let agent = start_agent(cfg);
+    wait_for(Duration::from_secs(10), "n1's heartbeat", || async {
+        alloc
+            .get::<HostTelemetry>(&alloc.hosts, "n1")
+            .await
+            .ok()
+            .flatten()
+    })
+    .await;
+    assert!(agent.is_running());
+    agent.stop().await;
+
+    // Open server: an agent alone creates everything, as before security existed.
+    let open = NatsServer::start();
+    let bus = Bus::connect(&open.args(), "converge-test", Setup::OpenOrCreate)
+        .await
+        .expect("created on an open server");
+    bus.put(&bus.plans, "n1", &plan("n1", "x")).await.unwrap();
+    bus.js
+        .get_stream(subjects::PROGRESS_STREAM)
+        .await
+        .expect("progress stream created");
+}
+
+/// TLS with a test CA from `deploy/nats/gen-tls.sh`: clients that trust the CA connect,
+/// others are refused at once; with client verification a client certificate is needed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_test_ca() {
+    init_tracing();
+    if Command::new("openssl").arg("version").output().is_err() {
+        eprintln!("openssl not found: TLS test skipped");
+        return;
+    }
+    let certs = tempfile::tempdir().unwrap();
+    let gen_tls = |out: &Path, clients: &str| {
+        let out = Command::new(repo_root().join("deploy/nats/gen-tls.sh"))
+            .arg("--out")
+            .arg(out)
+            .args(["--names", "localhost", "--ips", "127.0.0.1"])
+            .args(["--clients", clients])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    gen_tls(certs.path(), "allocator");
+    let other_ca = tempfile::tempdir().unwrap();
+    gen_tls(other_ca.path(), "allocator");
+    let p = |f: &str| certs.path().join(f).to_str().unwrap().to_string();
+
+    // Server certificate only.
+    let s = SecuredNats::start_with(
+        &["n1"],
+        &[
+            "--tls-cert",
+            &p("server.pem"),
+            "--tls-key",
+            &p("server-key.pem"),
+        ],
+    );
+    let trusted = NatsArgs {
+        tls_ca: Some(certs.path().join("ca.pem")),
+        ..s.args_as("allocator")
+    };
+    Bus::connect(&trusted, "converge-test", Setup::CreateOrUpdate)
+        .await
+        .expect("TLS with the test CA");
+    for (what, args) in [
+        ("no CA", s.args_as("allocator")),
+        (
+            "another CA",
+            NatsArgs {
+                tls_ca: Some(other_ca.path().join("ca.pem")),
+                ..s.args_as("allocator")
+            },
+        ),
+    ] {
+        let started = Instant::now();
+        let e = converge_bus::connect(&args, "converge-test")
+            .await
+            .expect_err(what);
+        assert!(matches!(e, BusError::Refused { .. }), "{what}: {e}");
+        assert!(started.elapsed() < REFUSAL_WITHIN, "{what}: {e}");
+    }
+    drop(s);
+
+    // Client certificates required.
+    let s = SecuredNats::start_with(
+        &["n1"],
+        &[
+            "--tls-cert",
+            &p("server.pem"),
+            "--tls-key",
+            &p("server-key.pem"),
+            "--tls-ca",
+            &p("ca.pem"),
+            "--tls-verify",
+        ],
+    );
+    let trusted = NatsArgs {
+        tls_ca: Some(certs.path().join("ca.pem")),
+        ..s.args_as("allocator")
+    };
+    let with_cert = NatsArgs {
+        tls_cert: Some(certs.path().join("clients/allocator.pem")),
+        tls_key: Some(certs.path().join("clients/allocator-key.pem")),
+        ..trusted.clone()
+    };
+    Bus::connect(&with_cert, "converge-test", Setup::CreateOrUpdate)
+        .await
+        .expect("TLS with a client certificate");
+    let trusted = NatsArgs {
+        connect_timeout: Some(Duration::from_secs(2)),
+        ..trusted
+    };
+    let e = converge_bus::connect(&trusted, "converge-test")
+        .await
+        .expect_err("no client certificate");
+    assert!(
+        matches!(e, BusError::Refused { .. } | BusError::Connect { .. }),
+        "{e}"
+    );
+}
+
+/// After the server restarts, every process reconnects with its own user and the agent
+/// follows its plan again (its watch is re-created through the subjects it may use).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secured_cluster_recovers_from_a_server_restart() {
+    init_tracing();
+    let mut s = SecuredNats::start(&["n1"]);
+    let work = tempfile::tempdir().unwrap();
+    let allocator = start_allocator(converge_allocator::service::AllocatorConfig {
+        nats: s.args_as("allocator"),
+        ..allocator_config(&s.nats, Duration::ZERO)
+    });
+    wait_for(Duration::from_secs(20), "buckets created", || async {
+        s.bus_as("cli", Setup::OpenOrCreate).await.ok()
+    })
+    .await;
+    let mut cfg = agent_config(&s.nats, "n1", 1, work.path());
+    cfg.nats = s.args_as("agent-n1");
+    let agent = start_agent(cfg);
+    let heartbeat = |s: &SecuredNats| {
+        let args = s.args_as("cli");
+        async move {
+            let cli = Bus::connect(&args, "converge-test", Setup::OpenOrCreate)
+                .await
+                .ok()?;
+            let (t, _) = cli.get::<HostTelemetry>(&cli.hosts, "n1").await.ok()??;
+            (converge_bus::unix_now() - t.time < 3.0).then_some(())
+        }
+    };
+    wait_for(Duration::from_secs(10), "n1's heartbeat", || heartbeat(&s)).await;
+
+    s.nats.restart();
+    wait_for(
+        Duration::from_secs(20),
+        "n1's heartbeat after the restart",
+        || heartbeat(&s),
+    )
+    .await;
+    let spec = write_spec_sized(work.path(), "after-restart", 1);
+    let out = converge_as(&s, "cli", &["submit", spec.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cli = s.bus_as("cli", Setup::OpenOrCreate).await.unwrap();
+    let done = wait_for(Duration::from_secs(90), "the job completes", || async {
+        let s = status(&cli, "after-restart").await?;
+        s.phase.is_terminal().then_some(s)
+    })
+    .await;
+    assert_eq!(done.phase, JobPhase::Completed, "{done:?}");
+    assert!(allocator.is_running() && agent.is_running());
+    agent.stop().await;
+    allocator.stop().await;
+}
