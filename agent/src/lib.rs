@@ -77,6 +77,14 @@ pub struct AgentConfig {
     /// Longest restart delay.
     #[arg(long, env = "CONVERGE_BACKOFF_CAP", default_value = "30s", value_parser = humantime_duration)]
     pub backoff_cap: Duration,
+    /// Self-fencing: when no heartbeat has reached NATS for this long, stop every worker
+    /// (SIGTERM, so they checkpoint) and start them again only from the plan read after
+    /// the connection is back. Keep it below the allocator's `--host-timeout` (15 s) minus
+    /// the time workers need to checkpoint, so that workers of a cut-off host have stopped
+    /// before the allocator places their jobs elsewhere and no job trains twice. A NATS
+    /// restart shorter than this leaves workers running. `0s` turns it off.
+    #[arg(long, env = "CONVERGE_FENCE_AFTER", default_value = "10s", value_parser = humantime_duration)]
+    pub fence_after: Duration,
     /// Print one telemetry sample (GPUs, NICs over one second, CPU, memory) as JSON and
     /// exit, without connecting to NATS: checks the GPU source on a new node.
     #[arg(long)]
@@ -161,6 +169,8 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     let mut last_published = tokio::time::Instant::now() - MIN_TELEMETRY_SPACING;
     let mut dirty = true;
     let mut stopping_since: Option<tokio::time::Instant> = None;
+    let mut last_heartbeat = tokio::time::Instant::now();
+    let mut fenced = false;
 
     loop {
         tokio::select! {
@@ -173,7 +183,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
             changed = plan_rx.changed(), if stopping_since.is_none() => {
                 if changed.is_err() { break; }
                 let plan = plan_rx.borrow_and_update().clone();
-                if let Some(plan) = plan {
+                if let Some(plan) = plan.filter(|_| !fenced) {
                     let workers = plan.len();
                     sup.set_plan(plan);
                     dirty |= sup.reconcile();
@@ -213,9 +223,43 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
                 workers,
                 malformed_progress_lines: sup.malformed_lines(),
             };
-            publish_telemetry(&bus, &telemetry).await;
+            let stored = publish_telemetry(&bus, &telemetry).await;
             last_published = tokio::time::Instant::now();
             dirty = false;
+            if stored {
+                last_heartbeat = last_published;
+                if fenced && let Some(plan) = read_plan(&bus, &host).await {
+                    fenced = false;
+                    tracing::warn!(
+                        workers = plan.len(),
+                        "NATS is back: following the current plan again"
+                    );
+                    sup.set_plan(plan);
+                    sup.reconcile();
+                    emit(
+                        &out_tx,
+                        &host,
+                        EventKind::PlanApplied {
+                            workers: sup.snapshot().0.len(),
+                        },
+                        format!("{host} is back and follows its plan"),
+                    );
+                }
+            } else if !fenced
+                && !cfg.fence_after.is_zero()
+                && last_heartbeat.elapsed() >= cfg.fence_after
+                && stopping_since.is_none()
+            {
+                fenced = true;
+                tracing::error!(
+                    silent = ?last_heartbeat.elapsed(),
+                    "no heartbeat reached NATS for --fence-after: stopping every worker so that \
+                     nothing trains twice once the allocator places them elsewhere"
+                );
+                sup.set_plan(Vec::new());
+                sup.reconcile();
+                dirty = true;
+            }
         }
     }
     plan_task.abort();
@@ -227,20 +271,43 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     Ok(())
 }
 
-async fn publish_telemetry(bus: &Bus, telemetry: &HostTelemetry) {
+/// The plan of `host` as stored now (`Some(empty)` when it has none), `None` when it
+/// cannot be read within 2 s.
+async fn read_plan(bus: &Bus, host: &HostId) -> Option<Vec<WorkerAssignment>> {
+    let get = bus.get::<converge_common::HostPlan>(&bus.plans, host.as_str());
+    match tokio::time::timeout(Duration::from_secs(2), get).await {
+        Ok(Ok(plan)) => Some(plan.map(|(p, _)| p.workers).unwrap_or_default()),
+        Ok(Err(e)) => {
+            tracing::warn!("cannot read this host's plan: {e}");
+            None
+        }
+        Err(_) => None,
+    }
+}
+
+/// Stores the heartbeat in KV and publishes it; returns whether the KV write was
+/// acknowledged (the heartbeat the allocator reads).
+async fn publish_telemetry(bus: &Bus, telemetry: &HostTelemetry) -> bool {
     // The heartbeat in KV must not stall the supervisor for long when NATS is away.
     let put = bus.put(&bus.hosts, telemetry.host.as_str(), telemetry);
-    match tokio::time::timeout(Duration::from_secs(2), put).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => tracing::warn!("heartbeat not stored: {e}"),
-        Err(_) => tracing::warn!("heartbeat not stored: NATS did not answer within 2 s"),
-    }
+    let stored = match tokio::time::timeout(Duration::from_secs(2), put).await {
+        Ok(Ok(_)) => true,
+        Ok(Err(e)) => {
+            tracing::warn!("heartbeat not stored: {e}");
+            false
+        }
+        Err(_) => {
+            tracing::warn!("heartbeat not stored: NATS did not answer within 2 s");
+            false
+        }
+    };
     if let Err(e) = bus
         .publish(subjects::telemetry(&telemetry.host), telemetry)
         .await
     {
         tracing::warn!("telemetry not published: {e}");
     }
+    stored
 }
 
 fn emit(out: &mpsc::Sender<Outgoing>, host: &HostId, kind: EventKind, message: String) {

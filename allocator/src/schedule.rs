@@ -407,22 +407,6 @@ fn advance(
         );
         return;
     }
-    if let Some((host, w)) = current.iter().find(|(_, w)| w.phase == WorkerPhase::Failed) {
-        let code = w
-            .last_exit_code
-            .map_or("a signal".to_string(), |c| format!("exit code {c}"));
-        finish(
-            status,
-            JobPhase::Failed,
-            format!(
-                "rank {} on {host} failed ({code}) after {} restarts; see its log on that host",
-                w.rank, w.restarts
-            ),
-            now,
-            events,
-        );
-        return;
-    }
     if let (Some(target), Some(latest)) = (spec.target_loss, history.and_then(JobHistory::latest))
         && latest.loss <= target
     {
@@ -435,6 +419,8 @@ fn advance(
         );
         return;
     }
+    // A lost host comes before a failure: ranks fail when a peer's host vanishes, and the
+    // job is placed again from its checkpoint rather than failed.
     if let Some(lost) = status
         .placement
         .iter()
@@ -456,6 +442,23 @@ fn advance(
         status.ps_placement.clear();
         status.master_port = None;
         status.message = Some(format!("host {host} stopped reporting"));
+        return;
+    }
+    if let Some((host, w)) = current.iter().find(|(_, w)| w.phase == WorkerPhase::Failed) {
+        let code = w
+            .last_exit_code
+            .map_or("a signal".to_string(), |c| format!("exit code {c}"));
+        finish(
+            status,
+            JobPhase::Failed,
+            format!(
+                "rank {} on {host} failed ({code}) after {} restarts; see its log on that host",
+                w.rank, w.restarts
+            ),
+            now,
+            events,
+        );
+        return;
     }
 }
 
@@ -1100,6 +1103,34 @@ mod tests {
                 ..
             }
         )));
+    }
+
+    #[test]
+    fn a_failure_beside_a_lost_host_reschedules_instead_of_failing() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 2, 2, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.add_host(host("h2", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        let s = w.status("a").clone();
+        assert_eq!(s.world_size, 2);
+        // h2 goes silent; h1's rank fails because its ring peer vanished.
+        let on_h1 = s
+            .placement
+            .iter()
+            .find(|p| p.host.as_str() == "h1")
+            .unwrap();
+        w.add_host(host(
+            "h1",
+            1,
+            30.0,
+            vec![worker("a", 1, on_h1.rank, WorkerPhase::Failed)],
+        ));
+        w.step(30.0, false);
+        let s = w.status("a");
+        assert_eq!(s.phase, JobPhase::Pending, "{s:?}");
+        assert!(s.message.as_deref().unwrap_or("").contains("h2"));
     }
 
     #[test]

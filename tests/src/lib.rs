@@ -60,8 +60,19 @@ impl NatsServer {
     /// Kills the server and starts it again on the same port with the same JetStream
     /// directory (KV and streams survive).
     pub fn restart(&mut self) {
+        self.stop();
+        self.start_again();
+    }
+
+    /// Kills the server (clients see the connection drop); [`NatsServer::start_again`]
+    /// brings it back.
+    pub fn stop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+
+    /// Starts a stopped server again on the same port with the same JetStream directory.
+    pub fn start_again(&mut self) {
         let (child, _) = spawn_server(self.dir.path(), Some(self.port), self.config.as_deref());
         self.child = child;
     }
@@ -286,6 +297,7 @@ pub fn agent_config(
         stop_grace: Duration::from_secs(10),
         backoff_base: Duration::from_millis(200),
         backoff_cap: Duration::from_secs(2),
+        fence_after: Duration::from_secs(10),
         probe: false,
     }
 }

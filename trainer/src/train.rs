@@ -337,6 +337,13 @@ impl<'a> Trainer<'a> {
                 momentum_fresh: true,
             });
         };
+        if ck.generation > self.env.generation {
+            return Err(Fenced {
+                ours: self.env.generation,
+                newer: ck.generation,
+            }
+            .into());
+        }
         ck.check_compatible(self.args.dataset, &self.model)
             .map_err(|e| refuse(e.context("incompatible checkpoint")))?;
         if ck.seed != self.args.seed {
@@ -611,6 +618,9 @@ impl<'a> Trainer<'a> {
             let due = checkpoint_due.unwrap_or_else(|| last_ckpt.elapsed() >= checkpoint_every);
             if !finished && due {
                 if let Err(e) = self.save(&state) {
+                    if e.is::<Fenced>() {
+                        return Err(e);
+                    }
                     eprintln!("{}: warning: periodic checkpoint failed: {e:#}", self.who);
                 }
                 last_ckpt = Instant::now();
@@ -683,6 +693,18 @@ impl<'a> Trainer<'a> {
         let Some(dir) = &self.ckpt_dir else {
             return Ok(());
         };
+        // Generation fencing at the storage: a checkpoint written by a newer generation
+        // means this process is a stale worker (its host was cut off and the job placed
+        // elsewhere); it must neither overwrite that checkpoint nor go on training.
+        if let Ok(Some(existing)) = Checkpoint::read(dir)
+            && existing.generation > self.env.generation
+        {
+            return Err(Fenced {
+                ours: self.env.generation,
+                newer: existing.generation,
+            }
+            .into());
+        }
         if !state.momentum_fresh {
             bail!(
                 "the momentum of step {} is on the parameter-server shards; the previous checkpoint stands",
@@ -823,6 +845,28 @@ fn strided(n: usize, cap: usize) -> Vec<usize> {
     }
     (0..cap).map(|i| i * n / cap).collect()
 }
+
+/// A checkpoint written by a newer generation of the job was found where this process
+/// checkpoints: it belongs to a fenced (stale) generation and stops.
+#[derive(Debug)]
+pub struct Fenced {
+    /// This process's generation (`CONVERGE_GENERATION`).
+    pub ours: u64,
+    /// The generation that wrote the checkpoint.
+    pub newer: u64,
+}
+
+impl std::fmt::Display for Fenced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "fenced: generation {} wrote the checkpoint, this process is generation {}; it stops without checkpointing",
+            self.newer, self.ours
+        )
+    }
+}
+
+impl std::error::Error for Fenced {}
 
 #[cfg(test)]
 mod tests {

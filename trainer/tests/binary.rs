@@ -220,3 +220,79 @@ fn nonsensical_model_and_dataset_pairs_are_refused() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("does not fit --dataset a9a"), "{stderr}");
 }
+
+#[test]
+fn a_stale_generation_is_fenced_by_a_newer_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let run = |generation: &str, steps: &str| {
+        trainer(
+            &ckpt,
+            &[
+                "--dataset",
+                "optdigits",
+                "--max-steps",
+                steps,
+                "--log-every",
+                "10",
+            ],
+        )
+        .env("CONVERGE_GENERATION", generation)
+        .output()
+        .unwrap()
+    };
+    assert_eq!(run("1", "20").status.code(), Some(0));
+    assert_eq!(run("3", "40").status.code(), Some(0));
+    assert_eq!(checkpoint(&ckpt)["generation"], 3);
+    let before = std::fs::read(ckpt.join("checkpoint.json")).unwrap();
+
+    // Generation 2 starts after generation 3 has checkpointed: it stops at once, writes
+    // nothing and reports no progress.
+    let stale = run("2", "80");
+    show("stale", &stale);
+    assert_ne!(stale.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&stale.stderr).contains("fenced"));
+    assert!(progress(&stale.stdout).is_empty());
+    assert_eq!(std::fs::read(ckpt.join("checkpoint.json")).unwrap(), before);
+
+    // A running generation 4 finds generation 9's checkpoint at its next save: it stops
+    // without overwriting it.
+    let mut running = trainer(
+        &ckpt,
+        &[
+            "--dataset",
+            "optdigits",
+            "--max-steps",
+            "100000",
+            "--log-every",
+            "10",
+            "--step-delay-ms",
+            "5",
+            "--checkpoint-every",
+            "0.2",
+        ],
+    )
+    .env("CONVERGE_GENERATION", "4")
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while checkpoint(&ckpt)["generation"] != 4 {
+        assert!(Instant::now() < deadline, "generation 4 never checkpointed");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut newer = checkpoint(&ckpt);
+    newer["generation"] = 9.into();
+    let newer_text = serde_json::to_string(&newer).unwrap();
+    std::fs::write(ckpt.join("checkpoint.json"), &newer_text).unwrap();
+    let _ = running.stdin.take();
+    let out = wait_with_timeout(running, Duration::from_secs(30));
+    show("generation 4", &out);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("fenced"));
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("checkpoint.json")).unwrap(),
+        newer_text
+    );
+}

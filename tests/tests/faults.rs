@@ -1,0 +1,200 @@
+//! NATS faults with real processes on loopback: a short NATS restart leaves workers running
+//! (same PIDs, no new generation); a NATS outage longer than the agent's `--fence-after`
+//! makes the agent stop its workers (self-fencing), and when NATS is back the job resumes
+//! from its checkpoint without having trained twice. Each test prints its recovery time.
+
+use converge_common::{HostTelemetry, JobPhase, JobStatus, subjects};
+use converge_tests::*;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+async fn status(bus: &converge_bus::Bus, job: &str) -> Option<JobStatus> {
+    bus.get::<JobStatus>(&bus.status, job)
+        .await
+        .ok()
+        .flatten()
+        .map(|(s, _)| s)
+}
+
+async fn pids(bus: &converge_bus::Bus, host: &str, job: &str) -> Option<(Vec<u32>, f64)> {
+    let (t, _) = bus.get::<HostTelemetry>(&bus.hosts, host).await.ok()??;
+    let pids = t
+        .workers
+        .iter()
+        .filter(|w| w.job.as_str() == job)
+        .filter_map(|w| w.pid)
+        .collect();
+    Some((pids, t.time))
+}
+
+fn submit(nats: &NatsServer, dir: &std::path::Path, id: &str) {
+    let spec = dir.join(format!("{id}.toml"));
+    std::fs::write(
+        &spec,
+        format!(
+            r#"id = "{id}"
+command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "100000",
+           "--step-delay-ms", "10", "--log-every", "5", "--checkpoint-every", "1"]
+min_workers = 1
+max_workers = 1
+"#,
+            bin_path("converge-trainer").display(),
+            repo_root().join("data").display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The highest step in the progress stream for `job`.
+async fn last_step(bus: &converge_bus::Bus, job: &str) -> Option<u64> {
+    let mut stream = bus.js.get_stream(subjects::PROGRESS_STREAM).await.ok()?;
+    let msg = stream
+        .get_last_raw_message_by_subject(&subjects::progress(&job.parse().ok()?))
+        .await
+        .ok()?;
+    let r: converge_common::ProgressReport =
+        converge_common::messages::decode(&msg.payload).ok()?;
+    Some(r.step)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_restart_leaves_workers_running() {
+    init_tracing();
+    let mut nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let _agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
+    let _allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
+    submit(&nats, work.path(), "steady");
+    let before = wait_for(Duration::from_secs(30), "job running", || async {
+        let s = status(&bus, "steady").await?;
+        (s.phase == JobPhase::Running).then_some(s)
+    })
+    .await;
+    let (pids_before, _) = wait_for(Duration::from_secs(30), "worker pid", || async {
+        pids(&bus, "n1", "steady")
+            .await
+            .filter(|(p, _)| !p.is_empty())
+    })
+    .await;
+    let step_before = wait_for(Duration::from_secs(30), "progress", || async {
+        last_step(&bus, "steady").await
+    })
+    .await;
+
+    let restarted = Instant::now();
+    nats.restart();
+    let back_at = converge_bus::unix_now();
+    // The agent's heartbeat is fresh again, with the same worker processes.
+    let (pids_after, _) = wait_for(Duration::from_secs(30), "fresh heartbeat", || async {
+        pids(&bus, "n1", "steady")
+            .await
+            .filter(|(_, time)| *time > back_at)
+    })
+    .await;
+    let recovery = restarted.elapsed();
+    assert_eq!(pids_after, pids_before, "workers were restarted");
+    assert!(pids_before.iter().all(|&p| pid_alive(p)));
+    // Progress flows again and the allocator changed nothing.
+    wait_for(
+        Duration::from_secs(30),
+        "progress after the restart",
+        || async {
+            let step = last_step(&bus, "steady").await?;
+            (step > step_before + 20).then_some(())
+        },
+    )
+    .await;
+    let after = status(&bus, "steady").await.unwrap();
+    assert_eq!(
+        (after.phase, after.generation),
+        (JobPhase::Running, before.generation)
+    );
+    eprintln!(
+        "NATS restart: heartbeat back after {recovery:?}; workers kept (pids {pids_after:?}), generation {} unchanged",
+        after.generation
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_nats_outage_fences_workers_and_the_job_resumes_from_its_checkpoint() {
+    init_tracing();
+    let mut nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut cfg = agent_config(&nats, "n1", 1, work.path());
+    cfg.fence_after = Duration::from_secs(3);
+    let _agent = start_agent(cfg);
+    let _allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
+    submit(&nats, work.path(), "fenced");
+    let (pids_before, _) = wait_for(Duration::from_secs(30), "worker pid", || async {
+        pids(&bus, "n1", "fenced")
+            .await
+            .filter(|(p, _)| !p.is_empty())
+    })
+    .await;
+    wait_for(Duration::from_secs(30), "progress", || async {
+        last_step(&bus, "fenced").await.filter(|&s| s > 50)
+    })
+    .await;
+
+    nats.stop();
+    let down = Instant::now();
+    // Within fence-after plus the worker's checkpoint and exit, the worker is gone.
+    wait_for(
+        Duration::from_secs(20),
+        "worker stopped by the fence",
+        || async { pids_before.iter().all(|&p| !pid_alive(p)).then_some(()) },
+    )
+    .await;
+    let fenced_after = down.elapsed();
+    let checkpoint = work
+        .path()
+        .join("checkpoints")
+        .join("fenced")
+        .join("checkpoint.json");
+    let ckpt: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&checkpoint).unwrap()).unwrap();
+    let saved_step = ckpt["step"].as_u64().expect("checkpoint step");
+
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    nats.start_again();
+    let back = Instant::now();
+    let back_at = converge_bus::unix_now();
+    let bus = nats.bus().await;
+    // A worker runs again (in a fresh heartbeat) and resumes at the checkpoint's step.
+    let (pids_after, _) = wait_for(Duration::from_secs(60), "worker back", || async {
+        pids(&bus, "n1", "fenced")
+            .await
+            .filter(|(p, time)| !p.is_empty() && *time > back_at)
+    })
+    .await;
+    let resumed = wait_for(
+        Duration::from_secs(60),
+        "progress after the outage",
+        || async { last_step(&bus, "fenced").await.filter(|&s| s > saved_step) },
+    )
+    .await;
+    let recovery = back.elapsed();
+    assert_ne!(pids_after, pids_before);
+    assert!(
+        resumed > saved_step && resumed < saved_step + 200,
+        "{saved_step} -> {resumed}"
+    );
+    let s = status(&bus, "fenced").await.unwrap();
+    assert_eq!(s.phase, JobPhase::Running);
+    eprintln!(
+        "NATS down: workers fenced {fenced_after:?} after it went away (checkpoint at step {saved_step}); \
+         {recovery:?} after it came back the job trained again from step {saved_step} (generation {})",
+        s.generation
+    );
+}
