@@ -458,7 +458,6 @@ fn advance(
             now,
             events,
         );
-        return;
     }
 }
 

@@ -93,6 +93,8 @@ dump_diagnostics() {
 
 cleanup() {
     local rc=$?
+    set +e  # tear down whatever fails on the way (even writing to a closed output)
+    trap '' PIPE
     trap - EXIT INT TERM
     if [[ $rc -ne 0 || $passed -eq 0 ]]; then
         echo
@@ -114,6 +116,8 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'failure="interrupted"; exit 130' INT TERM
+# A closed output pipe (| head) or terminal: tear down quietly rather than die untidied.
+trap 'failure="output closed"; exec >/dev/null 2>&1; exit 141' PIPE HUP
 
 t_total=$(now)
 if [[ $skip_build -eq 0 ]]; then

@@ -57,6 +57,8 @@ fi
 
 cleanup() {
     local rc=$?
+    set +e  # tear down whatever fails on the way (even writing to a closed output)
+    trap '' PIPE
     trap - EXIT
     if [[ $rc -ne 0 ]] && docker inspect "$name" >/dev/null 2>&1; then
         echo "---- journal of converge-agent (last 40 lines) ----"
