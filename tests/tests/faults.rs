@@ -56,7 +56,7 @@ max_workers = 1
 
 /// The highest step in the progress stream for `job`.
 async fn last_step(bus: &converge_bus::Bus, job: &str) -> Option<u64> {
-    let mut stream = bus.js.get_stream(subjects::PROGRESS_STREAM).await.ok()?;
+    let stream = bus.js.get_stream(subjects::PROGRESS_STREAM).await.ok()?;
     let msg = stream
         .get_last_raw_message_by_subject(&subjects::progress(&job.parse().ok()?))
         .await
