@@ -174,6 +174,9 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
 
     loop {
         tokio::select! {
+            // Shutdown first: the plan watch ends with the same token, and its closed
+            // channel must not end the loop before the workers are stopped.
+            biased;
             _ = shutdown.cancelled(), if stopping_since.is_none() => {
                 tracing::info!("shutting down: stopping all workers");
                 sup.stop_all();
@@ -181,7 +184,13 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
                 dirty = true;
             }
             changed = plan_rx.changed(), if stopping_since.is_none() => {
-                if changed.is_err() { break; }
+                if changed.is_err() {
+                    // The plan watch ended (shutdown): stop the workers, then leave.
+                    sup.stop_all();
+                    stopping_since = Some(tokio::time::Instant::now());
+                    dirty = true;
+                    continue;
+                }
                 let plan = plan_rx.borrow_and_update().clone();
                 if let Some(plan) = plan.filter(|_| !fenced) {
                     let workers = plan.len();
