@@ -171,11 +171,33 @@ impl JobHistory {
     /// it was called, so a replay of the same inputs gives the same curves. `cfg` must be
     /// the same at every call (the cache does not key on it).
     pub fn curve(&self, cfg: &FitConfig) -> Option<Curve> {
+        self.curve_if(cfg, true)
+    }
+
+    /// Points added since the last fit when a refit is due ([`refit_due`]; `usize::MAX`
+    /// when the history was never fitted), `None` when the last fit stands.
+    pub fn refit_pending(&self) -> Option<usize> {
+        match &*self.memo.get() {
+            None => Some(usize::MAX),
+            Some((at, _)) => {
+                let new = self.added.saturating_sub(*at);
+                refit_due(self.points.len(), new).then_some(new)
+            }
+        }
+    }
+
+    /// As [`JobHistory::curve`] when `refit` is true; otherwise the last fit as it stands
+    /// (`None` if there was none), even when a refit is due. Lets a step spread refits
+    /// over several steps.
+    pub fn curve_if(&self, cfg: &FitConfig, refit: bool) -> Option<Curve> {
         let mut memo = self.memo.get();
         if let Some((at, curve)) = &*memo
-            && !refit_due(self.points.len(), self.added.saturating_sub(*at))
+            && (!refit || !refit_due(self.points.len(), self.added.saturating_sub(*at)))
         {
             return curve.clone();
+        }
+        if !refit {
+            return None;
         }
         let curve = fit_loss_curve(&self.loss_points(), cfg);
         *memo = Some((self.added, curve.clone()));

@@ -41,7 +41,15 @@ pub struct Settings {
     /// Parameter-server shards one host may run (all jobs together); each takes a CPU
     /// process and no GPU. Bounds the planner's shard placement ([`DEFAULT_PS_SHARDS_PER_HOST`]).
     pub ps_shards_per_host: u32,
+    /// Most loss curves refitted in one step ([`DEFAULT_FIT_BUDGET`]); jobs whose refit is
+    /// due beyond it keep their last curve until a later step, those with the most new
+    /// points (then never fitted, then by id) first. Bounds a step's time when many jobs
+    /// report at once.
+    pub fit_budget: usize,
 }
+
+/// Default of [`Settings::fit_budget`]: 100 refits (about 0.1–0.3 s on one core).
+pub const DEFAULT_FIT_BUDGET: usize = 100;
 
 /// Default of [`Settings::ps_shards_per_host`].
 pub const DEFAULT_PS_SHARDS_PER_HOST: u32 = 4;
@@ -70,6 +78,7 @@ impl Default for Settings {
             placement: PlacementKind::default(),
             scheduler: Arc::new(Quality { params: policy }),
             ps_shards_per_host: DEFAULT_PS_SHARDS_PER_HOST,
+            fit_budget: DEFAULT_FIT_BUDGET,
         }
     }
 }
@@ -214,6 +223,7 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
 
     // 1. Statuses for new and refused jobs; lifecycle of the known ones.
     let mut curves: BTreeMap<JobId, Curve> = BTreeMap::new();
+    let refit = refits(inp, settings.fit_budget);
     for (id, spec) in inp.specs {
         let mut status = inp
             .statuses
@@ -244,7 +254,7 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
                 now,
                 &mut out.events,
             );
-            let curve = history.and_then(|h| h.curve(&settings.fit));
+            let curve = history.and_then(|h| h.curve_if(&settings.fit, refit.contains(id)));
             update_progress(
                 &mut status,
                 history,
@@ -301,6 +311,19 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
     // 4. Plans follow from the statuses.
     out.plans = plans(inp, &out.statuses, &live);
     out
+}
+
+/// The active jobs whose curve is refitted in this step: those with a refit due, most new
+/// points first (never fitted first of all), then by id, at most `budget`.
+fn refits<'a>(inp: Inputs<'a>, budget: usize) -> BTreeSet<&'a JobId> {
+    let mut due: Vec<(usize, &JobId)> = inp
+        .specs
+        .keys()
+        .filter(|id| inp.statuses.get(*id).is_none_or(|s| !s.phase.is_terminal()))
+        .filter_map(|id| Some((inp.histories.get(id)?.refit_pending()?, id)))
+        .collect();
+    due.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+    due.into_iter().take(budget).map(|(_, id)| id).collect()
 }
 
 fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
@@ -1102,6 +1125,45 @@ mod tests {
                 ..
             }
         )));
+    }
+
+    #[test]
+    fn refits_beyond_the_budget_wait_for_a_later_step() {
+        let mut w = World::default();
+        w.settings.fit_budget = 1;
+        let loss = |k: u64| 2.0 / (1.0 + k as f64 / 300.0) + 0.2;
+        for id in ["a", "b"] {
+            w.specs.insert(JobId::new(id).unwrap(), job(id, 1, 1, 1.0));
+            let h = w.histories.entry(JobId::new(id).unwrap()).or_default();
+            for i in 1..=30u64 {
+                h.add(&converge_common::ProgressReport {
+                    protocol: PROTOCOL_VERSION,
+                    job: JobId::new(id).unwrap(),
+                    generation: 1,
+                    rank: 0,
+                    host: HostId::new("h1").unwrap(),
+                    step: i,
+                    samples: i * 10,
+                    loss: loss(i * 10),
+                    eval_loss: None,
+                    epoch: None,
+                    time: i as f64,
+                    workers: None,
+                    hosts: None,
+                    sync_time_s: None,
+                    model_bytes: None,
+                });
+            }
+        }
+        w.add_host(host("h1", 2, 10.0, vec![]));
+        w.step(10.0, false);
+        // One fit per step: "a" (first by id among equals) now, "b" at the next step.
+        assert!(w.status("a").curve.is_some());
+        assert!(w.status("b").curve.is_none());
+        w.step(10.5, false);
+        assert!(w.status("b").curve.is_some());
+        let id = JobId::new("a").unwrap();
+        assert_eq!(w.histories[&id].refit_pending(), None);
     }
 
     #[test]

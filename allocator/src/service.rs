@@ -73,6 +73,10 @@ pub struct AllocatorConfig {
     /// hosts, refused messages, leadership and the process's memory. Off when unset.
     #[arg(long, env = "CONVERGE_METRICS_ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Most loss curves refitted in one scheduling step; the others keep their last fit
+    /// until a later step. Bounds the step (decision) time when many jobs report at once.
+    #[arg(long, env = "CONVERGE_FIT_BUDGET", default_value_t = crate::schedule::DEFAULT_FIT_BUDGET)]
+    pub fit_budget: usize,
     /// This replica's id for the leader lease (unique among replicas; default: the host
     /// name). Run several replicas with the same NATS for failover: only the lease holder
     /// schedules and writes.
@@ -119,6 +123,7 @@ impl AllocatorConfig {
             policy,
             scheduler,
             ps_shards_per_host: self.ps_shards_per_host,
+            fit_budget: self.fit_budget,
             ..Settings::default()
         }
     }

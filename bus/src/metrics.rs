@@ -15,9 +15,9 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio_util::sync::CancellationToken;
 
 /// Bucket bounds (seconds) of every histogram whose name ends in `_seconds`: 100 µs to 60 s.
-pub const SECONDS_BUCKETS: [f64; 16] = [
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0,
-    15.0, 60.0,
+pub const SECONDS_BUCKETS: [f64; 19] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
+    3.0, 5.0, 10.0, 15.0, 60.0,
 ];
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();

@@ -329,6 +329,7 @@ pub fn allocator_config(
         placement: converge_allocator::placement::PlacementKind::FirstFit,
         ps_shards_per_host: converge_allocator::schedule::DEFAULT_PS_SHARDS_PER_HOST,
         metrics_addr: None,
+        fit_budget: converge_allocator::schedule::DEFAULT_FIT_BUDGET,
         replica_id: "test-allocator".into(),
         lease_ttl: Duration::from_secs(3),
     }
