@@ -35,8 +35,12 @@ Options:
                        Debian security mirror (default http://deb.debian.org/debian-security)
   --tag TAG            tag of the allocator and agent images besides the workspace version
                        (default latest)
-  --skip-cargo         do not run cargo; use the release binaries already in
-                       $CARGO_TARGET_DIR/release (default target/release)
+  --skip-cargo         do not run cargo; use the binaries already in
+                       $CARGO_TARGET_DIR/<profile> (default target/release)
+  --profile P          cargo profile of the binaries: release (default) or dev, whose
+                       binaries are in target/debug (what ./run-tests.sh has just built:
+                       tests and CI use it to skip a release build); also
+                       CONVERGE_IMAGE_PROFILE
   --keep-debug         keep the line tables in the binaries (default: stripped with
                        objcopy --strip-debug, about five times smaller; symbols are kept)
   -h, --help           this text
@@ -56,6 +60,7 @@ security_mirror=http://deb.debian.org/debian-security
 extra_tag=latest
 skip_cargo=0
 keep_debug=0
+profile="${CONVERGE_IMAGE_PROFILE:-release}"
 selected=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -65,6 +70,7 @@ while [[ $# -gt 0 ]]; do
         --security-mirror) security_mirror="${2:?--security-mirror needs a URL}"; shift 2 ;;
         --tag) extra_tag="${2:?--tag needs a tag}"; shift 2 ;;
         --skip-cargo) skip_cargo=1; shift ;;
+        --profile) profile="${2:?--profile needs release or dev}"; shift 2 ;;
         --keep-debug) keep_debug=1; shift ;;
         -h|--help) usage; exit 0 ;;
         base|nats|allocator|agent) selected+=("$1"); shift ;;
@@ -78,6 +84,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 images="$root/deploy/images"
 target_dir="${CARGO_TARGET_DIR:-$root/target}"
 [[ "$target_dir" == /* ]] || target_dir="$root/$target_dir"
+case "$profile" in
+    release) profile_dir=release ;;
+    dev|debug) profile=dev; profile_dir=debug ;;
+    *) die "--profile must be release or dev, not $profile" ;;
+esac
 suite=bookworm
 base_tag=converge/base:$suite
 nats_version=$(sed -n 's/^NATS_VERSION=//p' "$root/deploy/get-nats-server.sh")
@@ -233,12 +244,12 @@ build_binaries() {
     [[ $cargo_built -eq 0 ]] || return 0
     cargo_built=1
     if [[ $skip_cargo -eq 1 ]]; then
-        log "--skip-cargo: using the binaries in $target_dir/release"
+        log "--skip-cargo: using the binaries in $target_dir/$profile_dir"
         return
     fi
     local t; t=$(started)
-    log "cargo build --release --locked (target dir $target_dir)"
-    (cd "$root" && CARGO_TARGET_DIR="$target_dir" cargo build --release --locked \
+    log "cargo build --profile $profile --locked (target dir $target_dir)"
+    (cd "$root" && CARGO_TARGET_DIR="$target_dir" cargo build --profile "$profile" --locked \
         -p converge-agent -p converge-allocator -p converge-cli -p converge-trainer)
     log "binaries ready in $(took "$t")"
 }
@@ -248,11 +259,11 @@ stage_bin() { # stage_bin CTX NAME...
     mkdir -p "$ctx/bin"
     local name
     for name in "$@"; do
-        [[ -x "$target_dir/release/$name" ]] || die "$target_dir/release/$name is missing (build without --skip-cargo)"
+        [[ -x "$target_dir/$profile_dir/$name" ]] || die "$target_dir/$profile_dir/$name is missing (build without --skip-cargo)"
         if [[ $keep_debug -eq 1 ]] || ! command -v objcopy >/dev/null; then
-            install -m 0755 "$target_dir/release/$name" "$ctx/bin/$name"
+            install -m 0755 "$target_dir/$profile_dir/$name" "$ctx/bin/$name"
         else
-            objcopy --strip-debug "$target_dir/release/$name" "$ctx/bin/$name"
+            objcopy --strip-debug "$target_dir/$profile_dir/$name" "$ctx/bin/$name"
             chmod 0755 "$ctx/bin/$name"
         fi
     done
