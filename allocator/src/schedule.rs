@@ -298,7 +298,11 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
         allocate(inp, settings, &live, &curves, &mut out);
     }
 
-    // 3. Restarting jobs whose previous generation has exited everywhere start.
+    // 3. A job whose rank 0 host now answers at another address restarts as a new
+    //    generation (its ranks would wait at the old address).
+    follow_master_addr(inp.statuses, &mut out, &live, now);
+
+    // 4. Restarting jobs whose previous generation has exited everywhere start.
     for status in out.statuses.values_mut() {
         if status.phase == JobPhase::Restarting
             && !older_generation_alive(status, reported.get(&status.job))
@@ -308,7 +312,7 @@ pub fn step(inp: Inputs<'_>, settings: &Settings, run_policy: bool) -> Outcome {
         }
     }
 
-    // 4. Plans follow from the statuses.
+    // 5. Plans follow from the statuses.
     out.plans = plans(inp, &out.statuses, &live);
     out
 }
@@ -326,6 +330,69 @@ fn refits<'a>(inp: Inputs<'a>, budget: usize) -> BTreeSet<&'a JobId> {
     due.into_iter().take(budget).map(|(_, id)| id).collect()
 }
 
+/// Records rank 0's host address of every placed job, and moves a job to a new generation
+/// (fresh `MASTER_PORT`, `restarting`) when the address changed since its generation was
+/// placed: an agent restarted with a new IP.
+fn follow_master_addr(
+    before: &BTreeMap<JobId, JobStatus>,
+    out: &mut Outcome,
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+    now: f64,
+) {
+    let mut taken_ports: BTreeSet<u16> = out
+        .statuses
+        .values()
+        .filter(|s| !s.phase.is_terminal())
+        .filter_map(|s| s.master_port)
+        .collect();
+    for status in out.statuses.values_mut() {
+        if status.phase.is_terminal() || status.world_size == 0 {
+            status.master_addr = None;
+            continue;
+        }
+        let Some(addr) = status
+            .placement
+            .iter()
+            .find(|p| p.rank == 0)
+            .and_then(|p| live.get(&p.host))
+            .map(|t| t.addr.clone())
+        else {
+            continue;
+        };
+        let same_generation = before
+            .get(&status.job)
+            .is_some_and(|b| b.generation == status.generation);
+        match &status.master_addr {
+            Some(old) if *old != addr && same_generation => {
+                let old = old.clone();
+                if let Some(p) = status.master_port {
+                    taken_ports.remove(&p);
+                }
+                status.generation += 1;
+                let port = master_port(&status.job, status.generation, &taken_ports);
+                taken_ports.insert(port);
+                status.master_port = Some(port);
+                status.phase = JobPhase::Restarting;
+                out.events.push(event(
+                    now,
+                    EventKind::AllocationChanged {
+                        job: status.job.clone(),
+                        generation: status.generation,
+                        from_workers: status.world_size,
+                        to_workers: status.world_size,
+                    },
+                    format!(
+                        "job {}: rank 0's host now answers at {addr} (was {old}); restarting as generation {}",
+                        status.job, status.generation
+                    ),
+                ));
+                status.master_addr = Some(addr);
+            }
+            _ => status.master_addr = Some(addr),
+        }
+    }
+}
+
 fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
     JobStatus {
         protocol: PROTOCOL_VERSION,
@@ -335,6 +402,7 @@ fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
         world_size: 0,
         placement: Vec::new(),
         ps_placement: Vec::new(),
+        master_addr: None,
         master_port: None,
         step: 0,
         samples: 0,
@@ -1125,6 +1193,41 @@ mod tests {
                 ..
             }
         )));
+    }
+
+    #[test]
+    fn a_new_address_of_rank_0s_host_restarts_the_job() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 1, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        let out = w.step(10.0, true);
+        let s = w.status("a").clone();
+        assert_eq!(s.master_addr.as_deref(), Some("10.0.0.2"));
+        assert_eq!(
+            out.plans[&HostId::new("h1").unwrap()].workers[0].master_addr,
+            "10.0.0.2"
+        );
+        // Same address: nothing changes.
+        w.add_host(host(
+            "h1",
+            1,
+            11.0,
+            vec![worker("a", 1, 0, WorkerPhase::Running)],
+        ));
+        w.step(11.0, true);
+        assert_eq!(w.status("a").generation, s.generation);
+        // The agent comes back under another address.
+        let mut t = host("h1", 1, 12.0, vec![worker("a", 1, 0, WorkerPhase::Running)]);
+        t.addr = "10.0.0.99".into();
+        w.add_host(t);
+        let out = w.step(12.0, false);
+        let moved = w.status("a");
+        assert_eq!(moved.generation, s.generation + 1);
+        assert_eq!(moved.phase, JobPhase::Restarting);
+        assert_eq!(moved.master_addr.as_deref(), Some("10.0.0.99"));
+        assert_ne!(moved.master_port, s.master_port);
+        assert!(out.events.iter().any(|e| e.message.contains("10.0.0.99")));
     }
 
     #[test]

@@ -485,6 +485,10 @@ pub struct JobStatus {
     /// before this field existed (their shards then sit one per worker host).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ps_placement: Vec<RankPlacement>,
+    /// Address of rank 0's host when the generation was placed (`MASTER_ADDR`); when that
+    /// host comes back under another address, the job restarts as a new generation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub master_addr: Option<String>,
     pub master_port: Option<u16>,
     pub step: u64,
     pub samples: u64,
