@@ -337,7 +337,8 @@ impl<'a> Trainer<'a> {
                 momentum_fresh: true,
             });
         };
-        if ck.generation > self.env.generation {
+        // Generation 0: run by hand, outside a Converge generation (allocators start at 1).
+        if self.env.generation > 0 && ck.generation > self.env.generation {
             return Err(Fenced {
                 ours: self.env.generation,
                 newer: ck.generation,
@@ -693,10 +694,11 @@ impl<'a> Trainer<'a> {
         let Some(dir) = &self.ckpt_dir else {
             return Ok(());
         };
-        // Generation fencing at the storage: a checkpoint written by a newer generation
-        // means this process is a stale worker (its host was cut off and the job placed
+        // Generation fencing at the storage (for processes run by an agent: generation >
+        // 0): a checkpoint written by a newer generation means this process is a stale worker (its host was cut off and the job placed
         // elsewhere); it must neither overwrite that checkpoint nor go on training.
-        if let Ok(Some(existing)) = Checkpoint::read(dir)
+        if self.env.generation > 0
+            && let Ok(Some(existing)) = Checkpoint::read(dir)
             && existing.generation > self.env.generation
         {
             return Err(Fenced {
