@@ -2,7 +2,8 @@
 # The test command of the README and of CI: builds every binary (the end-to-end tests run
 # the real `converge`, `converge-trainer` and `nats-server` processes), then runs all tiers:
 # unit and property tests, integration tests against a real nats-server on a dynamic port,
-# and end-to-end tests on loopback. Fetches the pinned nats-server on first use.
+# end-to-end and fault tests on loopback, then the container tests (below). Fetches the
+# pinned nats-server on first use.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cd "$root"
@@ -11,3 +12,12 @@ export NATS_SERVER_BIN
 "$NATS_SERVER_BIN" --version
 cargo build --workspace --bins --locked
 cargo test --workspace --locked "$@"
+
+# Container tier (tests/compose/run-all.sh): images built offline from the debug binaries
+# just built, then the compose cluster with secured NATS and its fault tests (happy path,
+# agent restart, NATS restart, allocator kill -9, two allocators, an agent cut off the
+# network) and the systemd unit. Skipped without Docker unless CONVERGE_REQUIRE_DOCKER=1
+# (CI sets it); skipped when a test filter is given or CONVERGE_SKIP_CONTAINERS=1.
+if [[ $# -eq 0 && "${CONVERGE_SKIP_CONTAINERS:-0}" != 1 ]]; then
+    CONVERGE_IMAGE_PROFILE="${CONVERGE_IMAGE_PROFILE:-dev}" "$root/tests/compose/run-all.sh"
+fi

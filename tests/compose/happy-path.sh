@@ -2,8 +2,10 @@
 # Happy path of the container deployment (deploy/docker-compose.yml), for real:
 #
 #   1. builds the images (deploy/build-images.sh; skips what is up to date)
-#   2. `docker compose -p converge-hp-<unique> up -d`: NATS, the allocator, three agents
-#      with 2 fake GPUs each, NATS published on a free port of 127.0.0.1
+#   2. `docker compose -p converge-hp-<unique> up -d`: NATS with JetStream and accounts
+#      (deploy/nats/compose-secrets.sh: one user per role, random passwords, in a temporary
+#      directory), the allocator, three agents with 2 fake GPUs each, NATS published on a
+#      free port of 127.0.0.1; the host-side CLI connects as user `cli`
 #   3. waits until the three agents report (heartbeats in KV), each advertising its name
 #   4. submits the jobs in tests/compose/jobs/ (hp-optdigits-span needs 3 workers, more
 #      than one agent's 2 GPUs, so its ring spans agents)
@@ -16,142 +18,57 @@
 #   tests/compose/happy-path.sh [--skip-build] [--timeout SECONDS] [--keep]
 #
 # Always tears the cluster down (`down -v`) on exit, unless --keep; on failure it prints
-# the containers' state, their log tails and the worker logs' tails first. Exit status 0
+# the containers' state, their log tails and the worker logs' tails first (all of this
+# is tests/compose/lib.sh, shared by every compose test). Exit status 0
 # only if every check passed. Needs docker with compose (v2 `docker compose` or v1
 # `docker-compose`), python3, and what deploy/build-images.sh needs (root for the first
 # build of the base image).
 set -euo pipefail
 
-usage() {
-    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
-    cat <<'HELP'
-Options:
-  --skip-build        use the images as they are (deploy/build-images.sh not run)
-  --timeout SECONDS   longest wait for all jobs to complete (default 600)
-  --keep              leave the cluster running (prints how to reach and remove it)
-  -h, --help          this text
-HELP
-}
-
-skip_build=0
+# --timeout is this test's own option; the others are tests/compose/lib.sh's.
 timeout=600
-keep=0
+args=()
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --skip-build) skip_build=1; shift ;;
         --timeout) timeout="${2:?--timeout needs seconds}"; shift 2 ;;
-        --keep) keep=1; shift ;;
-        -h|--help) usage; exit 0 ;;
-        *) echo "happy-path.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
+            printf '%s\n' "Options:" "  --skip-build        use the images as they are (deploy/build-images.sh not run)" \
+                "  --timeout SECONDS   longest wait for all jobs to complete (default 600)" \
+                "  --keep              leave the cluster running (prints how to reach and remove it)"
+            exit 0 ;;
+        *) args+=("$1"); shift ;;
     esac
 done
 [[ "$timeout" =~ ^[0-9]+$ ]] || { echo "happy-path.sh: --timeout takes whole seconds" >&2; exit 2; }
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-compose_file="$root/deploy/docker-compose.yml"
-jobs_dir="$root/tests/compose/jobs"
-target_dir="${CARGO_TARGET_DIR:-$root/target}"
-[[ "$target_dir" == /* ]] || target_dir="$root/$target_dir"
+# Project converge-hp-<pid>-<time>, secured NATS (one user per role, random passwords) on a
+# free port of 127.0.0.1, the CLI as `cli`, 2 fake GPUs per agent (so that one job must span
+# agents), the local cluster's short scheduling epoch and restart cost; teardown on exit.
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+cv_init hp "${args[@]}"
+jobs_dir="$cv_root/tests/compose/jobs"
 
-log() { printf '==> %s\n' "$*"; }
-now() { date +%s.%N; }
-since() { awk -v a="$1" -v b="${2:-$(date +%s.%N)}" 'BEGIN { printf "%.1f", b - a }'; }
-
-if docker compose version >/dev/null 2>&1; then
-    compose_cmd=(docker compose)
-elif command -v docker-compose >/dev/null; then
-    compose_cmd=(docker-compose)
-else
-    echo "happy-path.sh: neither 'docker compose' nor 'docker-compose' is available" >&2
-    exit 1
-fi
-project="converge-hp-$$-$(date +%s)"
-compose() { "${compose_cmd[@]}" -p "$project" -f "$compose_file" "$@"; }
-
-# The cluster's settings: small fake GPUs so that one job must span agents, the local
-# cluster's short scheduling epoch and restart cost, NATS on a free port of 127.0.0.1.
-nats_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-export CONVERGE_NATS_BIND=127.0.0.1 CONVERGE_NATS_PORT="$nats_port" CONVERGE_FAKE_GPUS=2 \
-    CONVERGE_EPOCH=5s CONVERGE_RESTART_COST=10s CONVERGE_HORIZON=60s CONVERGE_STOP_GRACE=10s
-export CONVERGE_NATS_URL="nats://127.0.0.1:$nats_port"
-
-started_up=0
-passed=0
-results=""
-failure=""
-fail() { failure="$*"; exit 1; }
-
-dump_diagnostics() {
-    echo
-    echo "---- containers ----"
-    compose ps || true
-    echo "---- container logs (last 40 lines each) ----"
-    compose logs --no-color --tail 40 || true
-    echo "---- worker logs (last 8 lines each, from agent-1's view of the shared volume) ----"
-    compose exec -T agent-1 sh -c 'for f in /var/lib/converge/logs/*/*.log; do [ -f "$f" ] && { echo "## $f"; tail -n 8 "$f"; }; done' 2>/dev/null || true
-}
-
-cleanup() {
-    local rc=$?
-    set +e  # tear down whatever fails on the way (even writing to a closed output)
-    trap '' PIPE
-    trap - EXIT INT TERM
-    if [[ $rc -ne 0 || $passed -eq 0 ]]; then
-        echo
-        echo "FAILED: ${failure:-exit status $rc}" >&2
-        [[ $started_up -eq 1 ]] && dump_diagnostics
-        [[ $rc -eq 0 ]] && rc=1
-    fi
-    [[ -n "${results:-}" ]] && rm -f "$results"
-    if [[ $started_up -eq 1 ]]; then
-        if [[ $keep -eq 1 ]]; then
-            echo "cluster kept: project $project, NATS at $CONVERGE_NATS_URL"
-            echo "remove it with: ${compose_cmd[*]} -p $project -f $compose_file down -v"
-        else
-            log "tearing down ($project, down -v)"
-            compose down -v --remove-orphans >/dev/null 2>&1 || compose down -v >/dev/null 2>&1 || true
-        fi
-    fi
-    exit "$rc"
-}
-trap cleanup EXIT
-trap 'failure="interrupted"; exit 130' INT TERM
-# A closed output pipe (| head) or terminal: tear down quietly rather than die untidied.
-trap 'failure="output closed"; exec >/dev/null 2>&1; exit 141' PIPE HUP
-
-t_total=$(now)
-if [[ $skip_build -eq 0 ]]; then
-    log "building images (deploy/build-images.sh)"
-    t=$(now)
-    "$root/deploy/build-images.sh" || fail "deploy/build-images.sh failed"
-    build_s="$(since "$t") s"
-    log "images ready in ${build_s}"
-else
-    build_s="skipped"
-fi
-
-# The CLI: the host binary against the published port when it is built, else the one in
-# the allocator image through `compose exec`.
-if [[ -x "$target_dir/release/converge" ]]; then
-    cli=("$target_dir/release/converge" --nats-connect-timeout 10s)
-    cli_in_container=0
-    cli_desc="$target_dir/release/converge on the host, $CONVERGE_NATS_URL"
-else
-    cli=("${compose_cmd[@]}" -p "$project" -f "$compose_file" exec -T allocator converge --nats-connect-timeout 10s)
-    cli_desc="converge in the allocator container"
-    cli_in_container=1
-fi
-
+cv_build
+cli_in_container=0
 log "docker compose up -d (project $project, NATS published on 127.0.0.1:$nats_port)"
 t_up=$(now)
-started_up=1
-compose up -d >/dev/null 2>&1 || { compose up -d || true; fail "compose up failed"; }
+cv_up
 up_s=$(since "$t_up")
-log "containers started in ${up_s} s; CLI: $cli_desc"
+log "containers up and three agents reporting in ${up_s} s; CLI: ${cli[0]} on the host as user cli, $CONVERGE_NATS_URL"
+# The server is secured: no credentials, or a wrong password, is refused.
+for creds in "" "cli:wrong-password"; do
+    if out=$(env -u CONVERGE_NATS_USER -u CONVERGE_NATS_PASSWORD_FILE ${creds:+CONVERGE_NATS_USER=${creds%%:*} CONVERGE_NATS_PASSWORD=${creds#*:}} \
+            "${cli[0]}" --nats-connect-timeout 5s hosts 2>&1); then
+        fail "NATS accepted the CLI ${creds:+as ${creds%%:*} with a wrong password}${creds:-without credentials}"
+    fi
+    grep -qi 'authoriz' <<<"$out" || fail "the CLI ${creds:+with a wrong password}${creds:-without credentials} failed, but not for authorization: $out"
+done
+log "NATS refuses the CLI without credentials and with a wrong password"
 
 # Everything after `up` is measured and checked by one Python program that polls the CLI's
 # JSON; it writes the figures to $results and exits non-zero with a message on failure.
 results=$(mktemp -t converge-hp.XXXXXX)
+cv_tmpfiles+=("$results")
 CLI_JSON="$(printf '%s\n' "${cli[@]}")" CLI_IN_CONTAINER="$cli_in_container" python3 - "$t_up" "$timeout" "$jobs_dir" "$results" <<'PY' || fail "$(tail -n 1 "$results" 2>/dev/null || echo 'the job checks failed')"
 import json, os, subprocess, sys, time, glob
 
@@ -298,6 +215,5 @@ for svc in allocator agent-1 agent-2 agent-3; do
 done
 log "compose stop took ${stop_s} s; allocator and agents exited 0"
 
-passed=1
-echo
-echo "PASS  build ${build_s}, up ${up_s} s, stop ${stop_s} s, total $(since "$t_total") s"
+all_done=$(awk '$1 == "all_done" { print $2 }' "$results")
+cv_pass "-" "all jobs completed $all_done s after up (secured NATS), up ${up_s} s, stop ${stop_s} s"

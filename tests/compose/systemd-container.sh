@@ -31,6 +31,9 @@ keep=0
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 target_dir="${CARGO_TARGET_DIR:-$root/target}"
+# Binaries of the profile the images were built from (CONVERGE_IMAGE_PROFILE, as
+# deploy/build-images.sh): release by default, dev = target/debug.
+case "${CONVERGE_IMAGE_PROFILE:-release}" in dev|debug) bin_profile_dir=debug ;; *) bin_profile_dir=release ;; esac
 [[ "$target_dir" == /* ]] || target_dir="$root/$target_dir"
 image=converge-test/systemd:bookworm
 name="converge-systemd-$$"
@@ -39,7 +42,7 @@ log() { printf '==> %s\n' "$*"; }
 fail() { echo "FAIL: $*" >&2; exit 1; }
 
 for b in converge-agent converge-trainer converge converge-allocator; do
-    [[ -x "$target_dir/release/$b" ]] || fail "$target_dir/release/$b is missing (cargo build --release)"
+    [[ -x "$target_dir/$bin_profile_dir/$b" ]] || fail "$target_dir/$bin_profile_dir/$b is missing (cargo build --release)"
 done
 docker image inspect converge/base:bookworm >/dev/null 2>&1 \
     || fail "converge/base:bookworm is missing (deploy/build-images.sh base)"
@@ -94,7 +97,7 @@ inside() { docker exec "$name" bash -c "$1"; }
 
 log "installing the agent as docs/deploy.md says"
 for b in converge-agent converge-trainer converge converge-allocator; do
-    docker cp "$target_dir/release/$b" "$name:/usr/local/bin/$b"
+    docker cp "$target_dir/$bin_profile_dir/$b" "$name:/usr/local/bin/$b"
 done
 docker cp "$nats_bin" "$name:/usr/local/bin/nats-server"
 inside 'mkdir -p /etc/converge /usr/local/share/converge /root/jobs'

@@ -27,8 +27,11 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 unit="$root/deploy/systemd/converge-agent.service"
 envfile="$root/deploy/systemd/converge-agent.env"
 target_dir="${CARGO_TARGET_DIR:-$root/target}"
+# Binaries of the profile the images were built from (CONVERGE_IMAGE_PROFILE, as
+# deploy/build-images.sh): release by default, dev = target/debug.
+case "${CONVERGE_IMAGE_PROFILE:-release}" in dev|debug) bin_profile_dir=debug ;; *) bin_profile_dir=release ;; esac
 [[ "$target_dir" == /* ]] || target_dir="$root/$target_dir"
-agent_bin="$target_dir/release/converge-agent"
+agent_bin="$target_dir/$bin_profile_dir/converge-agent"
 
 if ! command -v systemd-analyze >/dev/null; then
     echo "SKIP: systemd-analyze is not installed (Debian: apt-get install systemd)"

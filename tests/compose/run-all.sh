@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# Every container-deployment test, one after the other, with one image build:
+#
+#   1. deploy/build-images.sh (once; skips what is up to date)
+#   2. with --skip-build each: happy-path.sh, agent-restart.sh, nats-restart.sh,
+#      kill-allocator.sh, partition.sh, two-allocators.sh (compose, secured NATS, each its
+#      own project), systemd-verify.sh, systemd-container.sh (--no-systemd-container
+#      leaves it out)
+#   3. a summary table: each test's result, recovery time and figures; exit status 1 if
+#      any failed
+#
+#   tests/compose/run-all.sh [--skip-build] [--no-systemd-container] [--logs DIR] [TEST...]
+#
+# TEST: names without .sh (e.g. partition kill-allocator) to run only those. Each test's
+# output goes to DIR/<test>.log (default: a temporary directory, printed; kept).
+#
+# Without docker (or without compose) it skips with a message and exit status 0, unless
+# CONVERGE_REQUIRE_DOCKER=1 (CI sets it): then it fails.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+
+skip_build=0 systemd_container=1 logs="" only=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --skip-build) skip_build=1; shift ;;
+        --no-systemd-container) systemd_container=0; shift ;;
+        --logs) logs="${2:?--logs needs a directory}"; shift 2 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
+        -*) echo "run-all.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+        *) only+=("${1%.sh}"); shift ;;
+    esac
+done
+
+no_docker() {
+    if [[ "${CONVERGE_REQUIRE_DOCKER:-0}" == 1 ]]; then
+        echo "run-all.sh: FAIL: $* (CONVERGE_REQUIRE_DOCKER=1: the compose tests must run)" >&2
+        exit 1
+    fi
+    echo "run-all.sh: SKIP: $* (set CONVERGE_REQUIRE_DOCKER=1 to make this a failure)"
+    exit 0
+}
+command -v docker >/dev/null || no_docker "docker is not installed"
+docker info >/dev/null 2>&1 || no_docker "the docker daemon is not reachable (docker info failed)"
+docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null \
+    || no_docker "neither 'docker compose' nor 'docker-compose' is available"
+command -v python3 >/dev/null || { echo "run-all.sh: python3 is required" >&2; exit 1; }
+
+tests=(happy-path agent-restart nats-restart kill-allocator partition two-allocators systemd-verify)
+[[ $systemd_container -eq 0 ]] || tests+=(systemd-container)
+if [[ ${#only[@]} -gt 0 ]]; then
+    for t in "${only[@]}"; do [[ -x "$here/$t.sh" ]] || { echo "run-all.sh: no test $t" >&2; exit 2; }; done
+    tests=("${only[@]}")
+fi
+[[ -n "$logs" ]] || logs=$(mktemp -d -t converge-compose-tests.XXXXXX)
+mkdir -p "$logs"
+summary="$logs/summary.tsv"
+: >"$summary"
+
+t_all=$(date +%s)
+if [[ $skip_build -eq 0 ]]; then
+    echo "==> deploy/build-images.sh (log: $logs/build-images.log)"
+    t=$(date +%s)
+    if ! "$root/deploy/build-images.sh" >"$logs/build-images.log" 2>&1; then
+        tail -n 30 "$logs/build-images.log"
+        echo "run-all.sh: FAIL: deploy/build-images.sh failed" >&2
+        exit 1
+    fi
+    echo "    images ready in $(( $(date +%s) - t )) s"
+fi
+
+declare -A result=() took=() recovery=() detail=()
+failed=0
+for t in "${tests[@]}"; do
+    echo "==> $t (log: $logs/$t.log)"
+    args=()
+    case "$t" in systemd-*) ;; *) args=(--skip-build) ;; esac
+    start=$(date +%s)
+    set +e
+    CV_SUMMARY_FILE="$summary" "$here/$t.sh" "${args[@]}" >"$logs/$t.log" 2>&1
+    rc=$?
+    set -e
+    took[$t]=$(( $(date +%s) - start ))
+    line=$(awk -F'\t' -v n="$t" '$1 == n' "$summary" | tail -n 1)
+    case "$t" in happy-path) line=$(awk -F'\t' '$1 == "hp"' "$summary" | tail -n 1) ;; agent-restart) line=$(awk -F'\t' '$1 == "ar"' "$summary" | tail -n 1) ;; esac
+    if [[ $rc -eq 0 ]]; then
+        if grep -q '^SKIP' "$logs/$t.log"; then result[$t]=SKIP; else result[$t]=PASS; fi
+    else
+        result[$t]=FAIL; failed=1
+    fi
+    recovery[$t]=$(cut -f3 <<<"$line"); detail[$t]=$(cut -f4- <<<"$line")
+    [[ -n "${recovery[$t]}" ]] || recovery[$t]=-
+    if [[ -z "${detail[$t]}" ]]; then
+        detail[$t]=$(grep -E '^(PASS|FAIL|FAILED|SKIP|systemd checks)' "$logs/$t.log" | tail -n 1 | cut -c1-150)
+    fi
+    echo "    ${result[$t]} in ${took[$t]} s: ${detail[$t]}"
+    [[ ${result[$t]} != FAIL ]] || { echo "    --- last lines of $logs/$t.log ---"; grep -E 'FAIL|==>' "$logs/$t.log" | tail -n 8 | sed 's/^/    /'; }
+done
+
+echo
+printf '%-18s %-6s %6s  %-10s %s\n' test result time recovery details
+for t in "${tests[@]}"; do
+    printf '%-18s %-6s %5ss  %-10s %s\n' "$t" "${result[$t]}" "${took[$t]}" "${recovery[$t]}" "${detail[$t]}"
+done
+echo
+echo "total $(( $(date +%s) - t_all )) s; logs in $logs"
+if [[ $failed -ne 0 ]]; then
+    echo "run-all.sh: FAIL: $(for t in "${tests[@]}"; do [[ ${result[$t]} == FAIL ]] && printf '%s ' "$t"; done)failed" >&2
+    exit 1
+fi
+echo "run-all.sh: all passed"
