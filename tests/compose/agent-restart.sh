@@ -70,9 +70,21 @@ echo "    container IPs after:  $(ips)"
 progressed() { read -r step < <(job_state step) && [[ "$step" -gt "$step_before" ]]; }
 wait_for 90 "new progress after the restart" progressed
 resume_s=$(since "$t")
-compose exec -T agent-1 sh -c 'grep -h "resumed from checkpoint" /var/lib/converge/logs/mnist-mlp/*.log | tail -n 1' \
-    | grep -q resumed || fail "no rank logged 'resumed from checkpoint'"
-log "progress again $resume_s s after start ($(compose exec -T agent-1 sh -c 'grep -h "resumed from checkpoint" /var/lib/converge/logs/mnist-mlp/*.log | tail -n 1'))"
+# Worker logs are per agent: look on every agent, for a few seconds (the line may land
+# just after the first progress report).
+resumed_line() {
+    local a
+    for a in agent-1 agent-2 agent-3; do
+        compose exec -T "$a" sh -c 'grep -h "resumed from checkpoint" /var/lib/converge/logs/mnist-mlp/*.log 2>/dev/null | tail -n 1'
+    done | grep resumed | tail -n 1
+}
+resumed="" deadline=$(( $(date +%s) + 15 ))
+while [[ -z "$resumed" && $(date +%s) -lt $deadline ]]; do
+    resumed=$(resumed_line || true)
+    [[ -n "$resumed" ]] || sleep 1
+done
+[[ -n "$resumed" ]] || fail "no rank logged 'resumed from checkpoint'"
+log "progress again $resume_s s after start ($resumed)"
 
 completed() { read -r phase < <(job_state phase) && [[ "$phase" == completed ]] || { [[ "$phase" == failed || "$phase" == cancelled ]] && fail "mnist-mlp $phase"; false; }; }
 wait_for 600 "mnist-mlp completed" completed
