@@ -211,7 +211,12 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         ctl_tx.clone(),
         rejects.clone(),
     ));
-    tasks.spawn(follow_progress(bus.js.clone(), tx.clone(), rejects.clone()));
+    tasks.spawn(follow_progress(
+        bus.client.clone(),
+        bus.js.clone(),
+        tx.clone(),
+        rejects.clone(),
+    ));
     drop(tx);
     drop(ctl_tx);
     tracing::info!(
@@ -623,40 +628,83 @@ async fn follow_kv(
 }
 
 /// Reads the progress stream from its start (the histories), signals when it has caught up
-/// with what was there at start, then follows new reports.
-async fn follow_progress(js: jetstream::Context, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
+/// with what was there at start, then follows new reports. After an error, or when the
+/// client reconnects to NATS (a restarted server has lost the consumer, which the client
+/// would only notice after 15 s without heartbeats), it goes on from the report after the
+/// last one it read.
+async fn follow_progress(
+    client: async_nats::Client,
+    js: jetstream::Context,
+    tx: mpsc::Sender<Input>,
+    rejects: Arc<Rejects>,
+) {
+    let mut last_seq = 0u64;
+    let mut caught_up = false;
     loop {
-        if let Err(e) = follow_progress_once(&js, &tx, &rejects).await {
-            tracing::warn!("progress stream: {e}; re-reading");
+        match follow_progress_once(&client, &js, &tx, &rejects, &mut last_seq, &mut caught_up).await
+        {
+            Ok(()) => tracing::info!(after = last_seq, "progress stream: following again"),
+            Err(e) => {
+                tracing::warn!("progress stream: {e}; following again after report {last_seq}")
+            }
         }
         if tx.is_closed() {
             return;
         }
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
+/// Follows the progress stream from `*last_seq + 1` until the consumer ends or the client
+/// reconnects (`Ok`), updating `*last_seq`; sends [`Input::ProgressCaughtUp`] once, when
+/// the reports that were in the stream at the first start have been read.
 async fn follow_progress_once(
+    client: &async_nats::Client,
     js: &jetstream::Context,
     tx: &mpsc::Sender<Input>,
     rejects: &Rejects,
+    last_seq: &mut u64,
+    caught_up: &mut bool,
 ) -> anyhow::Result<()> {
     let mut stream = js.get_stream(subjects::PROGRESS_STREAM).await?;
     let last_at_start = stream.info().await?.state.last_sequence;
+    let deliver_policy = if *last_seq == 0 {
+        jetstream::consumer::DeliverPolicy::All
+    } else {
+        jetstream::consumer::DeliverPolicy::ByStartSequence {
+            start_sequence: *last_seq + 1,
+        }
+    };
     let consumer = stream
         .create_consumer(jetstream::consumer::pull::OrderedConfig {
             filter_subject: subjects::PROGRESS_ALL.to_string(),
-            deliver_policy: jetstream::consumer::DeliverPolicy::All,
+            deliver_policy,
             ..Default::default()
         })
         .await?;
     let mut messages = consumer.messages().await?;
-    let mut caught_up = false;
-    if last_at_start == 0 {
+    if !*caught_up && last_at_start <= *last_seq {
         tx.send(Input::ProgressCaughtUp).await?;
-        caught_up = true;
+        *caught_up = true;
     }
-    while let Some(msg) = messages.next().await {
+    let mut state_tick = tokio::time::interval(Duration::from_millis(500));
+    let mut was_connected = true;
+    loop {
+        let msg = tokio::select! {
+            msg = messages.next() => match msg {
+                Some(m) => m,
+                None => return Ok(()),
+            },
+            _ = state_tick.tick() => {
+                let connected =
+                    client.connection_state() == async_nats::connection::State::Connected;
+                if connected && !was_connected {
+                    return Ok(());
+                }
+                was_connected = connected;
+                continue;
+            }
+        };
         let msg = match msg {
             Ok(m) => m,
             Err(e) => {
@@ -667,6 +715,9 @@ async fn follow_progress_once(
         let info = msg.info().ok();
         let seq = info.as_ref().map_or(0, |i| i.stream_sequence);
         let stored_at = info.map(|i| i.published.unix_timestamp_nanos() as f64 / 1e9);
+        if seq != 0 && seq <= *last_seq {
+            continue; // already read before a reconnect
+        }
         if let Some(report) =
             rejects.decode::<ProgressReport>(msg.subject.as_str(), "", &msg.payload)
         {
@@ -676,10 +727,10 @@ async fn follow_progress_once(
                 tracing::warn!(subject = %msg.subject, job = %report.job, "progress report on another job's subject; ignored");
             }
         }
-        if !caught_up && seq >= last_at_start {
+        *last_seq = (*last_seq).max(seq);
+        if !*caught_up && seq >= last_at_start {
             tx.send(Input::ProgressCaughtUp).await?;
-            caught_up = true;
+            *caught_up = true;
         }
     }
-    Ok(())
 }
