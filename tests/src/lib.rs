@@ -384,3 +384,77 @@ pub fn init_tracing() {
         .with_test_writer()
         .try_init();
 }
+
+/// The job's status in KV; `None` when absent or unreadable.
+pub async fn job_status(bus: &Bus, job: &str) -> Option<converge_common::JobStatus> {
+    bus.get::<converge_common::JobStatus>(&bus.status, job)
+        .await
+        .ok()
+        .flatten()
+        .map(|(s, _)| s)
+}
+
+/// A `converge-trainer` job on optdigits with the repository's data, for the end-to-end
+/// and fault tests: a progress line every 5 steps.
+#[derive(Debug, Clone)]
+pub struct TrainerJob {
+    pub id: String,
+    pub epochs: u32,
+    /// Emulated accelerator time per step (`--step-delay-ms`).
+    pub step_delay_ms: u32,
+    /// `--checkpoint-every`, seconds.
+    pub checkpoint_every_s: u32,
+    pub min_workers: u32,
+    pub max_workers: u32,
+}
+
+impl TrainerJob {
+    /// `id` for `epochs` epochs, 10 ms per step, a checkpoint every second, 1 worker.
+    pub fn new(id: &str, epochs: u32) -> Self {
+        Self {
+            id: id.into(),
+            epochs,
+            step_delay_ms: 10,
+            checkpoint_every_s: 1,
+            min_workers: 1,
+            max_workers: 1,
+        }
+    }
+
+    /// With `min..=max` workers.
+    pub fn workers(mut self, min: u32, max: u32) -> Self {
+        self.min_workers = min;
+        self.max_workers = max;
+        self
+    }
+
+    /// The spec as TOML.
+    pub fn toml(&self) -> String {
+        format!(
+            r#"id = "{}"
+command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "{}",
+           "--step-delay-ms", "{}", "--log-every", "5", "--checkpoint-every", "{}"]
+min_workers = {}
+max_workers = {}
+[labels]
+model = "softmax"
+dataset = "optdigits"
+"#,
+            self.id,
+            bin_path("converge-trainer").display(),
+            repo_root().join("data").display(),
+            self.epochs,
+            self.step_delay_ms,
+            self.checkpoint_every_s,
+            self.min_workers,
+            self.max_workers
+        )
+    }
+
+    /// Writes the spec to `<dir>/<id>.toml` and returns its path.
+    pub fn write(&self, dir: &Path) -> PathBuf {
+        let path = dir.join(format!("{}.toml", self.id));
+        std::fs::write(&path, self.toml()).expect("write the job spec");
+        path
+    }
+}

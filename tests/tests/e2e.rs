@@ -2,34 +2,12 @@
 //! `converge` CLI and real `converge-trainer` processes.
 
 use converge_common::{
-    HostTelemetry, JobPhase, JobStatus, ProgressReport, WorkerPhase, messages::decode, subjects,
+    HostTelemetry, JobPhase, ProgressReport, WorkerPhase, messages::decode, subjects,
 };
 use converge_tests::*;
 use futures::StreamExt;
-use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
-
-fn write_spec(dir: &Path, id: &str, min: u32, max: u32) -> std::path::PathBuf {
-    let trainer = bin_path("converge-trainer");
-    let data = repo_root().join("data");
-    let text = format!(
-        r#"id = "{id}"
-command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "1000",
-           "--step-delay-ms", "10", "--log-every", "5", "--checkpoint-every", "1"]
-min_workers = {min}
-max_workers = {max}
-[labels]
-model = "softmax"
-dataset = "optdigits"
-"#,
-        trainer.display(),
-        data.display()
-    );
-    let path = dir.join(format!("{id}.toml"));
-    std::fs::write(&path, text).unwrap();
-    path
-}
 
 fn converge(nats: &NatsServer, args: &[&str]) -> std::process::Output {
     Command::new(bin_path("converge"))
@@ -38,14 +16,6 @@ fn converge(nats: &NatsServer, args: &[&str]) -> std::process::Output {
         .args(args)
         .output()
         .expect("run converge")
-}
-
-async fn status(bus: &converge_bus::Bus, job: &str) -> Option<JobStatus> {
-    bus.get::<JobStatus>(&bus.status, job)
-        .await
-        .ok()
-        .flatten()
-        .map(|(s, _)| s)
 }
 
 async fn next_report(sub: &mut async_nats::Subscriber) -> ProgressReport {
@@ -71,7 +41,9 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
     let a2 = start_agent(agent_config(&nats, "n2", 1, work.path()));
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
 
-    let spec = write_spec(work.path(), "opt", 2, 3);
+    let spec = TrainerJob::new("opt", 1000)
+        .workers(2, 3)
+        .write(work.path());
     let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
     assert!(
         out.status.success(),
@@ -84,7 +56,7 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
         Duration::from_secs(30),
         "job running on n1 and n2",
         || async {
-            let s = status(&bus, "opt").await?;
+            let s = job_status(&bus, "opt").await?;
             (s.phase == JobPhase::Running && s.world_size == 2).then_some(s)
         },
     )
@@ -119,7 +91,7 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
         }
         last = r;
     };
-    let s2 = status(&bus, "opt").await.unwrap();
+    let s2 = job_status(&bus, "opt").await.unwrap();
     assert_eq!(s2.world_size, 3, "{s2:?}");
     assert!(grown.step > 0, "the new generation restarted at step 0");
     assert!(
@@ -140,7 +112,7 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
         Duration::from_secs(30),
         "cancelled and no workers left",
         || async {
-            let s = status(&bus, "opt").await?;
+            let s = job_status(&bus, "opt").await?;
             let mut alive = 0;
             for h in ["n1", "n2", "n3"] {
                 let (t, _) = bus.get::<HostTelemetry>(&bus.hosts, h).await.ok()??;
@@ -172,7 +144,9 @@ async fn allocator_restart_rebuilds_state_and_rewrites_no_plan() {
     let bus = nats.bus().await;
     let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
     let first = start_allocator(allocator_config(&nats, Duration::from_secs(600)));
-    let spec = write_spec(work.path(), "steady", 1, 2);
+    let spec = TrainerJob::new("steady", 1000)
+        .workers(1, 2)
+        .write(work.path());
     let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
     assert!(
         out.status.success(),
@@ -184,7 +158,7 @@ async fn allocator_restart_rebuilds_state_and_rewrites_no_plan() {
         Duration::from_secs(60),
         "job running with a fitted curve",
         || async {
-            let s = status(&bus, "steady").await?;
+            let s = job_status(&bus, "steady").await?;
             (s.phase == JobPhase::Running && s.curve.is_some()).then_some(s)
         },
     )
@@ -207,7 +181,7 @@ async fn allocator_restart_rebuilds_state_and_rewrites_no_plan() {
         Duration::from_secs(30),
         "status rewritten by the new allocator",
         || async {
-            let s = status(&bus, "steady").await?;
+            let s = job_status(&bus, "steady").await?;
             (s.updated_at > restarted_at + 0.5).then_some(s)
         },
     )
@@ -285,7 +259,9 @@ async fn cli_refuses_bad_specs_with_the_reason_and_writes_nothing() {
     assert!(specs.is_empty(), "a refused spec was written");
 
     // A duplicate id is refused too.
-    let good = write_spec(work.path(), "dup", 1, 1);
+    let good = TrainerJob::new("dup", 1000)
+        .workers(1, 1)
+        .write(work.path());
     assert!(
         converge(&nats, &["submit", good.to_str().unwrap()])
             .status
@@ -352,7 +328,9 @@ max_workers = 2
     )
     .await;
     // The status names the shard the planner placed: next to the workers, rank 2.
-    let running = status(&bus, "ps").await.expect("status of a running job");
+    let running = job_status(&bus, "ps")
+        .await
+        .expect("status of a running job");
     let shards: Vec<(u32, &str)> = running
         .ps_placement
         .iter()
@@ -361,7 +339,7 @@ max_workers = 2
     assert_eq!(shards, [(2, "n1")]);
     let first = next_report(&mut progress).await;
     let done = wait_for(Duration::from_secs(60), "the job completes", || async {
-        let s = status(&bus, "ps").await?;
+        let s = job_status(&bus, "ps").await?;
         (s.phase == JobPhase::Completed).then_some(s)
     })
     .await;

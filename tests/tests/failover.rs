@@ -3,18 +3,10 @@
 //! takes over within the documented time and the running job is not restarted; a clean stop
 //! hands the lease back.
 
-use converge_common::{JobPhase, JobStatus, LeaderLease, messages::decode, subjects};
+use converge_common::{JobPhase, LeaderLease, messages::decode, subjects};
 use converge_tests::*;
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-async fn status(bus: &converge_bus::Bus, job: &str) -> Option<JobStatus> {
-    bus.get::<JobStatus>(&bus.status, job)
-        .await
-        .ok()
-        .flatten()
-        .map(|(s, _)| s)
-}
 
 /// The lease's holder, `None` when there is no lease.
 async fn holder(bus: &converge_bus::Bus) -> Option<String> {
@@ -47,21 +39,9 @@ async fn a_standby_allocator_takes_over_without_restarting_jobs() {
     .await;
     let second = start_allocator(config(&nats, "alloc-b"));
 
-    let spec = work.path().join("opt.toml");
-    std::fs::write(
-        &spec,
-        format!(
-            r#"id = "opt"
-command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "1000",
-           "--step-delay-ms", "10", "--log-every", "5", "--checkpoint-every", "1"]
-min_workers = 2
-max_workers = 2
-"#,
-            bin_path("converge-trainer").display(),
-            repo_root().join("data").display()
-        ),
-    )
-    .unwrap();
+    let spec = TrainerJob::new("opt", 1000)
+        .workers(2, 2)
+        .write(work.path());
     let out = Command::new(bin_path("converge"))
         .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
         .output()
@@ -72,7 +52,7 @@ max_workers = 2
         String::from_utf8_lossy(&out.stderr)
     );
     let running = wait_for(Duration::from_secs(30), "job running", || async {
-        let s = status(&bus, "opt").await?;
+        let s = job_status(&bus, "opt").await?;
         (s.phase == JobPhase::Running && s.world_size == 2).then_some(s)
     })
     .await;
@@ -97,7 +77,7 @@ max_workers = 2
 
     // The new leader re-reads what the old one wrote and leaves the job alone.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let after = status(&bus, "opt").await.unwrap();
+    let after = job_status(&bus, "opt").await.unwrap();
     assert_eq!(after.phase, JobPhase::Running);
     assert_eq!(after.generation, running.generation, "{after:?}");
     assert_eq!(after.placement, running.placement);
@@ -112,7 +92,7 @@ max_workers = 2
         String::from_utf8_lossy(&out.stderr)
     );
     wait_for(Duration::from_secs(15), "job cancelled", || async {
-        let s = status(&bus, "opt").await?;
+        let s = job_status(&bus, "opt").await?;
         (s.phase == JobPhase::Cancelled).then_some(())
     })
     .await;

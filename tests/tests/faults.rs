@@ -3,18 +3,10 @@
 //! makes the agent stop its workers (self-fencing), and when NATS is back the job resumes
 //! from its checkpoint without having trained twice. Each test prints its recovery time.
 
-use converge_common::{HostTelemetry, JobPhase, JobStatus, subjects};
+use converge_common::{HostTelemetry, JobPhase, subjects};
 use converge_tests::*;
 use std::process::Command;
 use std::time::{Duration, Instant};
-
-async fn status(bus: &converge_bus::Bus, job: &str) -> Option<JobStatus> {
-    bus.get::<JobStatus>(&bus.status, job)
-        .await
-        .ok()
-        .flatten()
-        .map(|(s, _)| s)
-}
 
 async fn pids(bus: &converge_bus::Bus, host: &str, job: &str) -> Option<(Vec<u32>, f64)> {
     let (t, _) = bus.get::<HostTelemetry>(&bus.hosts, host).await.ok()??;
@@ -28,21 +20,7 @@ async fn pids(bus: &converge_bus::Bus, host: &str, job: &str) -> Option<(Vec<u32
 }
 
 fn submit(nats: &NatsServer, dir: &std::path::Path, id: &str) {
-    let spec = dir.join(format!("{id}.toml"));
-    std::fs::write(
-        &spec,
-        format!(
-            r#"id = "{id}"
-command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "100000",
-           "--step-delay-ms", "10", "--log-every", "5", "--checkpoint-every", "1"]
-min_workers = 1
-max_workers = 1
-"#,
-            bin_path("converge-trainer").display(),
-            repo_root().join("data").display()
-        ),
-    )
-    .unwrap();
+    let spec = TrainerJob::new(id, 100_000).write(dir);
     let out = Command::new(bin_path("converge"))
         .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
         .output()
@@ -76,7 +54,7 @@ async fn a_nats_restart_leaves_workers_running() {
     let _allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
     submit(&nats, work.path(), "steady");
     let before = wait_for(Duration::from_secs(30), "job running", || async {
-        let s = status(&bus, "steady").await?;
+        let s = job_status(&bus, "steady").await?;
         (s.phase == JobPhase::Running).then_some(s)
     })
     .await;
@@ -114,7 +92,7 @@ async fn a_nats_restart_leaves_workers_running() {
         },
     )
     .await;
-    let after = status(&bus, "steady").await.unwrap();
+    let after = job_status(&bus, "steady").await.unwrap();
     assert_eq!(
         (after.phase, after.generation),
         (JobPhase::Running, before.generation)
@@ -190,7 +168,7 @@ async fn a_long_nats_outage_fences_workers_and_the_job_resumes_from_its_checkpoi
         resumed > saved_step && resumed < saved_step + 200,
         "{saved_step} -> {resumed}"
     );
-    let s = status(&bus, "fenced").await.unwrap();
+    let s = job_status(&bus, "fenced").await.unwrap();
     assert_eq!(s.phase, JobPhase::Running);
     eprintln!(
         "NATS down: workers fenced {fenced_after:?} after it went away (checkpoint at step {saved_step}); \

@@ -6,18 +6,10 @@
 //! `security.rs`.)
 
 use bytes::Bytes;
-use converge_common::{HostTelemetry, JobPhase, JobStatus, subjects};
+use converge_common::{HostTelemetry, JobPhase, subjects};
 use converge_tests::*;
 use std::process::Command;
 use std::time::Duration;
-
-async fn status(bus: &converge_bus::Bus, job: &str) -> Option<JobStatus> {
-    bus.get::<JobStatus>(&bus.status, job)
-        .await
-        .ok()
-        .flatten()
-        .map(|(s, _)| s)
-}
 
 /// The allocator's refused-message count from the process's metrics registry.
 fn refused_by_allocator() -> f64 {
@@ -28,17 +20,13 @@ fn refused_by_allocator() -> f64 {
         .unwrap_or(0.0)
 }
 
-fn spec(id: &str, epochs: u32) -> String {
-    format!(
-        r#"id = "{id}"
-command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "{epochs}",
-           "--step-delay-ms", "5", "--log-every", "5", "--checkpoint-every", "1"]
-min_workers = 1
-max_workers = 1
-"#,
-        bin_path("converge-trainer").display(),
-        repo_root().join("data").display()
-    )
+/// One worker, 5 ms per step.
+fn hostile_job(id: &str, epochs: u32) -> String {
+    TrainerJob {
+        step_delay_ms: 5,
+        ..TrainerJob::new(id, epochs)
+    }
+    .toml()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -53,7 +41,7 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
 
     // A long job runs first: its worker must survive everything below.
     let long = work.path().join("long.toml");
-    std::fs::write(&long, spec("long", 100_000)).unwrap();
+    std::fs::write(&long, hostile_job("long", 100_000)).unwrap();
     let submit = |path: &std::path::Path| {
         Command::new(bin_path("converge"))
             .args(["--nats-url", &nats.url, "submit", path.to_str().unwrap()])
@@ -163,7 +151,7 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
         (counted >= 7.0).then_some(())
     })
     .await;
-    let bad = status(&bus, "bad-content").await;
+    let bad = job_status(&bus, "bad-content").await;
     assert!(
         bad.as_ref().is_some_and(|s| s.phase == JobPhase::Failed
             && s.message.as_deref().unwrap_or("").contains("refused")),
@@ -191,10 +179,10 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
     );
     assert!(String::from_utf8_lossy(&listed.stdout).contains("long"));
     let short = work.path().join("short.toml");
-    std::fs::write(&short, spec("short", 3)).unwrap();
+    std::fs::write(&short, hostile_job("short", 3)).unwrap();
     assert!(submit(&short).status.success());
     wait_for(Duration::from_secs(60), "short job completes", || async {
-        let s = status(&bus, "short").await?;
+        let s = job_status(&bus, "short").await?;
         (s.phase == JobPhase::Completed).then_some(())
     })
     .await;

@@ -5,9 +5,7 @@
 //! once, not timeouts; nothing refused stops a process.
 
 use converge_bus::{Bus, BusError, DenialKind, NatsArgs, Setup};
-use converge_common::{
-    HostPlan, HostTelemetry, JobPhase, JobSpec, JobStatus, PROTOCOL_VERSION, subjects,
-};
+use converge_common::{HostPlan, HostTelemetry, JobPhase, JobSpec, PROTOCOL_VERSION, subjects};
 use converge_tests::*;
 use futures::StreamExt;
 use std::path::Path;
@@ -75,27 +73,13 @@ fn write_spec(dir: &Path, id: &str) -> std::path::PathBuf {
 }
 
 fn write_spec_sized(dir: &Path, id: &str, workers: u32) -> std::path::PathBuf {
-    let text = format!(
-        r#"id = "{id}"
-command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "6",
-           "--step-delay-ms", "5", "--log-every", "5", "--checkpoint-every", "5"]
-min_workers = {workers}
-max_workers = {workers}
-"#,
-        bin_path("converge-trainer").display(),
-        repo_root().join("data").display()
-    );
-    let path = dir.join(format!("{id}.toml"));
-    std::fs::write(&path, text).unwrap();
-    path
-}
-
-async fn status(bus: &Bus, job: &str) -> Option<JobStatus> {
-    bus.get::<JobStatus>(&bus.status, job)
-        .await
-        .ok()
-        .flatten()
-        .map(|(s, _)| s)
+    TrainerJob {
+        step_delay_ms: 5,
+        checkpoint_every_s: 5,
+        ..TrainerJob::new(id, 6)
+    }
+    .workers(workers, workers)
+    .write(dir)
 }
 
 /// The allocator, two agents and the CLI with their own users run a two-worker job to
@@ -134,7 +118,7 @@ async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
         Duration::from_secs(30),
         "job running on n1 and n2",
         || async {
-            let s = status(&cli, "secure").await?;
+            let s = job_status(&cli, "secure").await?;
             (s.phase == JobPhase::Running && s.world_size == 2).then_some(s)
         },
     )
@@ -207,7 +191,7 @@ async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
     .await;
 
     // Job status and specs: no writes; specs not even readable.
-    let mut forged = status(&cli, "secure").await.unwrap();
+    let mut forged = job_status(&cli, "secure").await.unwrap();
     forged.phase = JobPhase::Failed;
     refused(
         "agent-n1 writes a job status",
@@ -298,7 +282,7 @@ async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
 
     // Nothing of that disturbed the cluster: the job completes, every process still runs.
     let done = wait_for(Duration::from_secs(120), "the job completes", || async {
-        let s = status(&cli, "secure").await?;
+        let s = job_status(&cli, "secure").await?;
         s.phase.is_terminal().then_some(s)
     })
     .await;
@@ -740,7 +724,7 @@ async fn a_secured_cluster_recovers_from_a_server_restart() {
     );
     let cli = s.bus_as("cli", Setup::OpenOrCreate).await.unwrap();
     let done = wait_for(Duration::from_secs(90), "the job completes", || async {
-        let s = status(&cli, "after-restart").await?;
+        let s = job_status(&cli, "after-restart").await?;
         s.phase.is_terminal().then_some(s)
     })
     .await;
