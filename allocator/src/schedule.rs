@@ -1093,6 +1093,37 @@ mod tests {
         }
     }
 
+    /// A progress report of `job`'s `rank` on `host` (no optional fields).
+    #[allow(clippy::too_many_arguments)]
+    fn progress(
+        job: &str,
+        generation: u64,
+        rank: u32,
+        host: &str,
+        step: u64,
+        samples: u64,
+        loss: f64,
+        time: f64,
+    ) -> converge_common::ProgressReport {
+        converge_common::ProgressReport {
+            protocol: PROTOCOL_VERSION,
+            job: JobId::new(job).unwrap(),
+            generation,
+            rank,
+            host: HostId::new(host).unwrap(),
+            step,
+            samples,
+            loss,
+            eval_loss: None,
+            epoch: None,
+            time,
+            workers: None,
+            hosts: None,
+            sync_time_s: None,
+            model_bytes: None,
+        }
+    }
+
     fn worker(job: &str, generation: u64, rank: u32, phase: WorkerPhase) -> WorkerState {
         WorkerState {
             job: JobId::new(job).unwrap(),
@@ -1239,23 +1270,7 @@ mod tests {
             w.specs.insert(JobId::new(id).unwrap(), job(id, 1, 1, 1.0));
             let h = w.histories.entry(JobId::new(id).unwrap()).or_default();
             for i in 1..=30u64 {
-                h.add(&converge_common::ProgressReport {
-                    protocol: PROTOCOL_VERSION,
-                    job: JobId::new(id).unwrap(),
-                    generation: 1,
-                    rank: 0,
-                    host: HostId::new("h1").unwrap(),
-                    step: i,
-                    samples: i * 10,
-                    loss: loss(i * 10),
-                    eval_loss: None,
-                    epoch: None,
-                    time: i as f64,
-                    workers: None,
-                    hosts: None,
-                    sync_time_s: None,
-                    model_bytes: None,
-                });
+                h.add(&progress(id, 1, 0, "h1", i, i * 10, loss(i * 10), i as f64));
             }
         }
         w.add_host(host("h1", 2, 10.0, vec![]));
@@ -1588,23 +1603,16 @@ mod tests {
         // 32 samples per worker per step: 64 per step with 2 workers, 128 with 4.
         let report = |generation: u64, rank: u32, host: &str, step: u64, time: f64| {
             let per_step = if generation == 1 { 64 } else { 128 };
-            converge_common::ProgressReport {
-                protocol: PROTOCOL_VERSION,
-                job: id.clone(),
+            progress(
+                id.as_str(),
                 generation,
                 rank,
-                host: HostId::new(host).unwrap(),
+                host,
                 step,
-                samples: step * per_step,
-                loss: 1.0,
-                eval_loss: None,
-                epoch: None,
+                step * per_step,
+                1.0,
                 time,
-                workers: None,
-                hosts: None,
-                sync_time_s: None,
-                model_bytes: None,
-            }
+            )
         };
         let mut h = JobHistory::default();
         // Generation 1: 2 ranks on h1, 0.1 s per step.
@@ -1652,22 +1660,17 @@ mod tests {
         w.specs.insert(id.clone(), spec);
         w.add_host(host("h1", 1, 10.0, vec![]));
         w.step(10.0, true);
-        let report = |samples: u64, loss: f64| converge_common::ProgressReport {
-            protocol: PROTOCOL_VERSION,
-            job: id.clone(),
-            generation: 1,
-            rank: 0,
-            host: HostId::new("h1").unwrap(),
-            step: samples / 32,
-            samples,
-            loss,
-            eval_loss: None,
-            epoch: None,
-            time: 10.0 + samples as f64 / 1000.0,
-            workers: None,
-            hosts: None,
-            sync_time_s: None,
-            model_bytes: None,
+        let report = |samples: u64, loss: f64| {
+            progress(
+                "t",
+                1,
+                0,
+                "h1",
+                samples / 32,
+                samples,
+                loss,
+                10.0 + samples as f64 / 1000.0,
+            )
         };
         let history = w.histories.entry(id.clone()).or_default();
         history.add(&report(320, 0.7));
