@@ -1,16 +1,6 @@
-pub mod benchgen;
-pub mod contention;
-pub mod fit;
-pub mod history;
+//! `converge-allocator`: the stateless scheduler service. It rebuilds its view of the cluster
+//! from NATS, runs `converge-sched`'s scheduling step and writes plans and statuses
+//! ([`service`]); only the replica holding the leader lease acts ([`lease`]).
+
 pub mod lease;
-pub mod makespan;
-pub mod markdown;
-pub mod placement;
-pub mod policies;
-pub mod policy;
-pub mod predict;
-pub mod ps_plan;
-pub mod schedule;
 pub mod service;
-pub mod sim;
-pub mod throughput;

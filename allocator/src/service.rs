@@ -1,18 +1,19 @@
-//! The allocator service: the I/O shell around [`crate::schedule::step`]. It rebuilds its
+//! The allocator service: the I/O shell around [`converge_sched::schedule::step`]. It rebuilds its
 //! view (job specs and statuses, host telemetry, progress histories) from NATS on start,
 //! follows updates, runs a step on every trigger and writes only the statuses and plans
 //! that changed. It keeps no local state: kill it at any time and start it anywhere.
 
-use crate::history::JobHistory;
-use crate::placement::PlacementKind;
-use crate::policy::{Objective, PolicyParams};
-use crate::schedule::{Inputs, Settings, step};
 use async_nats::jetstream::{self, kv};
 use converge_bus::{Bus, NatsArgs, Rejects, humantime_duration, unix_now};
 use converge_common::{
     Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobSpec, JobStatus, ProgressReport,
     messages::decode, subjects,
 };
+use converge_sched::fit_cache::FitCache;
+use converge_sched::history::JobHistory;
+use converge_sched::placement::PlacementKind;
+use converge_sched::policies::{Objective, PolicyParams};
+use converge_sched::schedule::{Inputs, Settings, step};
 use futures::StreamExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -66,7 +67,7 @@ pub struct AllocatorConfig {
     /// Parameter-server shards one host may run, all jobs together (each is a CPU process
     /// without a GPU). The planner of `arch = "ps"` jobs places shards within this bound;
     /// with 0 it finds no plan and puts one shard next to each worker host.
-    #[arg(long, env = "CONVERGE_PS_SHARDS_PER_HOST", default_value_t = crate::schedule::DEFAULT_PS_SHARDS_PER_HOST)]
+    #[arg(long, env = "CONVERGE_PS_SHARDS_PER_HOST", default_value_t = converge_sched::schedule::DEFAULT_PS_SHARDS_PER_HOST)]
     pub ps_shards_per_host: u32,
     /// Serve Prometheus metrics at `http://<addr>/metrics` (e.g. `0.0.0.0:9464`): step
     /// (decision) time, progress ingest lag, reports ingested, writes, jobs by phase, live
@@ -75,7 +76,7 @@ pub struct AllocatorConfig {
     pub metrics_addr: Option<std::net::SocketAddr>,
     /// Most loss curves refitted in one scheduling step; the others keep their last fit
     /// until a later step. Bounds the step (decision) time when many jobs report at once.
-    #[arg(long, env = "CONVERGE_FIT_BUDGET", default_value_t = crate::schedule::DEFAULT_FIT_BUDGET)]
+    #[arg(long, env = "CONVERGE_FIT_BUDGET", default_value_t = converge_sched::schedule::DEFAULT_FIT_BUDGET)]
     pub fit_budget: usize,
     /// This replica's id for the leader lease (unique among replicas; default: the host
     /// name). Run several replicas with the same NATS for failover: only the lease holder
@@ -99,7 +100,7 @@ pub fn default_replica_id() -> String {
 }
 
 fn parse_policy(s: &str) -> Result<String, String> {
-    crate::policies::by_name(s, PolicyParams::default())
+    converge_sched::policies::by_name(s, PolicyParams::default())
         .map(|_| s.to_string())
         .map_err(|e| e.to_string())
 }
@@ -114,7 +115,7 @@ impl AllocatorConfig {
             max_wait_s: self.max_wait.as_secs_f64(),
             ..PolicyParams::default()
         };
-        let scheduler = crate::policies::by_name(&self.policy, policy)
+        let scheduler = converge_sched::policies::by_name(&self.policy, policy)
             .map(std::sync::Arc::from)
             .unwrap_or_else(|_| Settings::default().scheduler);
         Settings {
@@ -152,6 +153,9 @@ struct View {
     statuses: BTreeMap<JobId, JobStatus>,
     hosts: BTreeMap<HostId, HostTelemetry>,
     histories: BTreeMap<JobId, JobHistory>,
+    /// The fits of earlier steps (curves, throughput models): derived from the histories,
+    /// rebuilt after a restart by the first step's refits.
+    fits: FitCache,
     /// The plans as stored in KV (to write only what changes).
     plans: BTreeMap<HostId, HostPlan>,
 }
@@ -307,6 +311,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                 histories: &view.histories,
             },
             &settings,
+            &mut view.fits,
             run_policy,
         );
         let decision_time = started.elapsed();

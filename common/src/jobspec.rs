@@ -75,6 +75,11 @@ pub struct JobSpec {
     /// Most workers the job can use (default: `min_workers`).
     #[serde(default)]
     pub max_workers: Option<u32>,
+    /// Workers the user asks for, between `min_workers` and `max_workers` (default:
+    /// `max_workers`). Fixed-size policies (fifo, tiresias, sjf-bco) run the job at this
+    /// size; elastic ones (quality, fair, optimus) choose within the bounds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers: Option<u32>,
     #[serde(default)]
     pub arch: SyncArch,
     /// Most parameter-server shards (`arch = "ps"` only; default: as many as workers).
@@ -113,6 +118,10 @@ pub enum JobSpecError {
     MinWorkers(u32),
     #[error("`max_workers` ({max}) is below `min_workers` ({min}) or above {MAX_WORKERS}")]
     MaxWorkers { min: u32, max: u32 },
+    #[error(
+        "`workers` ({workers}) must be between `min_workers` ({min}) and `max_workers` ({max})"
+    )]
+    Workers { workers: u32, min: u32, max: u32 },
     #[error("`target_loss` must be a finite number, got {0}")]
     TargetLoss(f64),
     #[error("`max_ps` is only for `arch = \"ps\"` jobs")]
@@ -140,6 +149,11 @@ impl JobSpec {
         self.max_workers.unwrap_or(self.min_workers)
     }
 
+    /// Workers the user asked for: `workers`, else `max_workers()`.
+    pub fn requested_workers(&self) -> u32 {
+        self.workers.unwrap_or_else(|| self.max_workers())
+    }
+
     /// Checks everything the types do not.
     pub fn validate(&self) -> Result<(), JobSpecError> {
         if self.protocol != PROTOCOL_VERSION {
@@ -157,6 +171,15 @@ impl JobSpec {
         let max = self.max_workers();
         if max < self.min_workers || max > MAX_WORKERS {
             return Err(JobSpecError::MaxWorkers {
+                min: self.min_workers,
+                max,
+            });
+        }
+        if let Some(w) = self.workers
+            && !(self.min_workers..=max).contains(&w)
+        {
+            return Err(JobSpecError::Workers {
+                workers: w,
                 min: self.min_workers,
                 max,
             });
@@ -232,6 +255,18 @@ mod tests {
     #[test]
     fn refusals_say_why() {
         check("id = \"j\"\ncommand = [\"t\"]\nmax_workers = 4\n", "ok");
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\nmax_workers = 4\nworkers = 2\n",
+            "ok",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\nmin_workers = 2\nmax_workers = 4\nworkers = 5\n",
+            "`workers` (5) must be between `min_workers` (2) and `max_workers` (4)",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\nmin_workers = 2\nmax_workers = 4\nworkers = 1\n",
+            "`workers` (1)",
+        );
         check("id = \"j.x\"\ncommand = [\"t\"]\n", "'.'");
         check("id = \"j\"\ncommand = []\n", "`command` is empty");
         check(

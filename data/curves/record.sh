@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates data/curves/*.csv: loss curves of real single-rank converge-trainer runs, used
-# by `converge-allocator predict-bench` (docs/prediction.md). See data/curves/README.md.
+# by `converge-sim predict-bench` (docs/prediction.md). See data/curves/README.md.
 #
 # Usage: data/curves/record.sh   (from anywhere; honours CARGO_TARGET_DIR)
 set -euo pipefail

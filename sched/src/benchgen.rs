@@ -1,0 +1,415 @@
+//! Synthetic inputs for timing one allocation decision at scale: the jobs of a busy cluster
+//! (as [`PolicyJob`]s with fitted curves, throughputs and loss scales), its hosts and the
+//! jobs' current placements, generated deterministically from a seed. Used by the `criterion`
+//! benchmark `sim/benches/decision.rs`, by the `converge-sim bench-decision`
+//! command and by `converge-sim report` (its scale section), so all three time the same inputs.
+//!
+//! # The generated cluster
+//!
+//! - `nodes` hosts `node-00000`, `node-00001`, … with GPUs `0..gpus_per_node` each.
+//! - Jobs `job-000000`, …: 1, 2, 4 or 8 GPUs per worker (40 / 25 / 20 / 15 %); a minimum of
+//!   1, 2 or 4 workers (60 / 25 / 15 %, at most 2 for 8-GPU workers); a maximum of up to 32
+//!   GPUs' worth of workers above the minimum.
+//! - About 70 % of the jobs are running, with a current allocation between their minimum and
+//!   maximum, placed on the hosts (in random order, each job from a random host onward, lowest
+//!   free GPUs first, a worker never split across hosts), so the free GPUs are scattered the
+//!   way churn leaves them. A running job that does not fit becomes pending.
+//! - Running jobs have a fitted curve (97 %), pending ones sometimes (40 %: preempted jobs);
+//!   the curve families are `inv_quadratic`, `inv_linear` and `exp` (40 / 35 / 25 %), with an
+//!   initial loss of 0.3 to 10, an asymptote at 2 to 40 % of it and a half-life of 10⁴ to 10⁷
+//!   samples. Curves are built directly from these parameters, not fitted.
+//! - Throughput per worker 30 to 3,000 samples/s (unknown for new pending jobs), progress up
+//!   to four half-lives, loss scale = the observed loss range (0 = unknown for 3 %).
+//!
+//! The decision timed is what the service does in one step ([`crate::schedule`]):
+//! [`quality_allocate`] with the default [`PolicyParams`], then the placement requests in
+//! priority order (running jobs first, then by arrival, then id) and [`place`].
+
+use std::collections::BTreeMap;
+
+use converge_common::{HostId, JobId, RankPlacement};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use crate::fit::{Curve, CurveFamily};
+use crate::placement::{HostFree, PlacementRequest, place};
+use crate::policies::ClusterView;
+use crate::policies::{Decision, PolicyJob, PolicyParams, quality_allocate};
+
+/// Size and seed of a generated cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BenchConfig {
+    /// Active jobs (running and pending).
+    pub jobs: usize,
+    /// Hosts.
+    pub nodes: u32,
+    /// GPUs per host.
+    pub gpus_per_node: u32,
+    /// Seed of the generator; the same seed gives the same inputs.
+    pub seed: u64,
+}
+
+impl Default for BenchConfig {
+    /// The scale target: 10,000 jobs on 12,500 nodes × 8 GPUs (100,000 GPUs).
+    fn default() -> Self {
+        Self {
+            jobs: 10_000,
+            nodes: 12_500,
+            gpus_per_node: 8,
+            seed: 1,
+        }
+    }
+}
+
+/// Everything one decision needs (see the module documentation).
+#[derive(Debug, Clone)]
+pub struct DecisionInputs {
+    /// The jobs as the policy sees them.
+    pub jobs: Vec<PolicyJob>,
+    /// Current placement of each job (same index as `jobs`; empty when pending).
+    pub current: Vec<Vec<RankPlacement>>,
+    /// Every host with all its GPUs.
+    pub hosts: Vec<HostFree>,
+    /// GPUs in the cluster.
+    pub total_gpus: u32,
+    /// Settings of the quality policy.
+    pub params: PolicyParams,
+    /// Indices of `jobs` in placement priority order: running first, then by arrival, then id.
+    pub priority: Vec<usize>,
+}
+
+impl DecisionInputs {
+    /// Generates the inputs for `cfg` (deterministic in `cfg`).
+    pub fn generate(cfg: &BenchConfig) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+        let mut jobs: Vec<PolicyJob> = (0..cfg.jobs).map(|i| random_job(i, &mut rng)).collect();
+
+        let width = cfg.nodes.saturating_sub(1).to_string().len().max(5);
+        let hosts: Vec<HostFree> = (0..cfg.nodes)
+            .map(|n| {
+                HostFree::new(
+                    HostId::new(format!("node-{n:0width$}")).expect("valid host id"),
+                    (0..cfg.gpus_per_node).collect(),
+                )
+            })
+            .collect();
+        let current = place_running(&mut jobs, &hosts, cfg.gpus_per_node, &mut rng);
+
+        let mut priority: Vec<usize> = (0..jobs.len()).collect();
+        priority.sort_by(|&a, &b| {
+            let (a, b) = (&jobs[a], &jobs[b]);
+            (a.current_workers == 0)
+                .cmp(&(b.current_workers == 0))
+                .then(a.submitted_at.total_cmp(&b.submitted_at))
+                .then_with(|| a.id.cmp(&b.id))
+        });
+        Self {
+            jobs,
+            current,
+            hosts,
+            total_gpus: cfg.nodes.saturating_mul(cfg.gpus_per_node),
+            params: PolicyParams::default(),
+            priority,
+        }
+    }
+
+    /// The policy step of the decision.
+    pub fn allocate(&self) -> Decision {
+        quality_allocate(
+            &ClusterView {
+                total_gpus: self.total_gpus,
+                gpus_per_node: self.hosts.first().map_or(0, |h| h.gpus.len() as u32),
+                now: 0.0,
+            },
+            &self.jobs,
+            &self.params,
+        )
+    }
+
+    /// The placement requests for `decision`, in priority order.
+    pub fn requests(&self, decision: &Decision) -> Vec<PlacementRequest> {
+        self.priority
+            .iter()
+            .map(|&i| {
+                let job = &self.jobs[i];
+                PlacementRequest {
+                    job: job.id.clone(),
+                    workers: decision.workers.get(&job.id).copied().unwrap_or(0),
+                    gpus_per_worker: job.gpus_per_worker,
+                    min_workers: job.min_workers,
+                    current: self.current[i].clone(),
+                }
+            })
+            .collect()
+    }
+
+    /// The placement step of the decision, for prepared requests.
+    pub fn place(&self, requests: &[PlacementRequest]) -> BTreeMap<JobId, Vec<RankPlacement>> {
+        place(&self.hosts, requests)
+    }
+
+    /// One whole decision: policy, placement requests, placement.
+    pub fn decide(&self) -> (Decision, BTreeMap<JobId, Vec<RankPlacement>>) {
+        let decision = self.allocate();
+        let placed = self.place(&self.requests(&decision));
+        (decision, placed)
+    }
+
+    /// Jobs with a current allocation.
+    pub fn running(&self) -> usize {
+        self.jobs.iter().filter(|j| j.current_workers > 0).count()
+    }
+
+    /// GPUs held by the current allocations.
+    pub fn gpus_in_use(&self) -> u64 {
+        self.jobs
+            .iter()
+            .map(|j| u64::from(j.current_workers) * u64::from(j.gpus_per_worker))
+            .sum()
+    }
+}
+
+/// One job, not yet placed: `current_workers` is what it would like to run with now.
+fn random_job(index: usize, rng: &mut ChaCha8Rng) -> PolicyJob {
+    let gpus_per_worker = pick(rng, &[(1, 40), (2, 25), (4, 20), (8, 15)]);
+    let min_workers =
+        pick(rng, &[(1, 60), (2, 25), (4, 15)]).min(if gpus_per_worker == 8 { 2 } else { 4 });
+    let max_workers = min_workers + rng.gen_range(0..=32 / gpus_per_worker);
+    let running = rng.gen_bool(0.7);
+    let current_workers = if running {
+        rng.gen_range(min_workers..=max_workers)
+    } else {
+        0
+    };
+    let submitted_at = if running {
+        rng.gen_range(0.0..900_000.0)
+    } else {
+        rng.gen_range(800_000.0..1_000_000.0)
+    };
+    let has_curve = rng.gen_bool(if running { 0.97 } else { 0.4 });
+    let initial_loss = 10f64.powf(rng.gen_range(-0.5..1.0));
+    let asymptote = initial_loss * rng.gen_range(0.02..0.4);
+    let half_life = 10f64.powf(rng.gen_range(4.0..7.0));
+    let rate = 10f64.powf(rng.gen_range(1.5..3.5));
+    let (curve, samples, loss_scale, samples_per_s_per_worker) = if has_curve {
+        let curve = random_curve(rng, initial_loss, asymptote, half_life);
+        let samples = half_life * rng.gen_range(0.05..4.0);
+        let observed = curve.predict(0.0) - curve.predict(samples);
+        let loss_scale = if rng.gen_bool(0.03) {
+            0.0
+        } else {
+            observed + initial_loss * rng.gen_range(0.0..0.1)
+        };
+        (Some(curve), samples, loss_scale, Some(rate))
+    } else {
+        let samples = half_life * rng.gen_range(0.0..0.05);
+        let rate = (running || rng.gen_bool(0.5)).then_some(rate);
+        (None, samples, 0.0, rate)
+    };
+    PolicyJob {
+        id: JobId::new(format!("job-{index:06}")).expect("valid job id"),
+        gpus_per_worker,
+        min_workers,
+        max_workers,
+        current_workers,
+        submitted_at,
+        curve,
+        samples,
+        loss_scale,
+        samples_per_s_per_worker,
+        requested_workers: max_workers,
+        attained_gpu_seconds: 0.0,
+        throughput: None,
+        remaining_work: None,
+    }
+}
+
+/// A curve of a random family starting at `initial_loss`, tending to `asymptote`, having
+/// removed half of the removable loss after `half_life` samples.
+fn random_curve(rng: &mut ChaCha8Rng, initial_loss: f64, asymptote: f64, half_life: f64) -> Curve {
+    let removable = initial_loss - asymptote;
+    let (family, params) = match pick(rng, &[(0, 40), (1, 35), (2, 25)]) {
+        0 => {
+            // 1/(a·k² + b·k + c) + d: the denominator doubles at the half-life.
+            let c = 1.0 / removable;
+            let linear_share = rng.gen_range(0.2..1.0);
+            let b = c * linear_share / half_life;
+            let a = c * (1.0 - linear_share) / (half_life * half_life);
+            (CurveFamily::InvQuadratic, vec![a, b, c, asymptote])
+        }
+        1 => {
+            let b = 1.0 / removable;
+            (CurveFamily::InvLinear, vec![b / half_life, b, asymptote])
+        }
+        _ => (
+            CurveFamily::Exp,
+            vec![std::f64::consts::LN_2 / half_life, asymptote, removable],
+        ),
+    };
+    Curve {
+        family,
+        params,
+        rmse: removable * 0.01,
+        points: 100,
+    }
+}
+
+/// A value drawn with the given integer weights.
+fn pick(rng: &mut ChaCha8Rng, weighted: &[(u32, u32)]) -> u32 {
+    let total: u32 = weighted.iter().map(|(_, w)| w).sum();
+    let mut draw = rng.gen_range(0..total);
+    for &(value, weight) in weighted {
+        if draw < weight {
+            return value;
+        }
+        draw -= weight;
+    }
+    weighted[weighted.len() - 1].0
+}
+
+/// Places the running jobs (in random order, each from a random host onward) and returns
+/// their placements; a job that does not fit whole is made pending.
+fn place_running(
+    jobs: &mut [PolicyJob],
+    hosts: &[HostFree],
+    gpus_per_node: u32,
+    rng: &mut ChaCha8Rng,
+) -> Vec<Vec<RankPlacement>> {
+    let mut current = vec![Vec::new(); jobs.len()];
+    let mut used = vec![vec![false; gpus_per_node as usize]; hosts.len()];
+    let mut order: Vec<usize> = (0..jobs.len())
+        .filter(|&i| jobs[i].current_workers > 0)
+        .collect();
+    order.shuffle(rng);
+    for i in order {
+        let job = &mut jobs[i];
+        let per_worker = job.gpus_per_worker as usize;
+        let mut ranks: Vec<RankPlacement> = Vec::new();
+        if !hosts.is_empty() {
+            let start = rng.gen_range(0..hosts.len());
+            for offset in 0..hosts.len() {
+                let h = (start + offset) % hosts.len();
+                while ranks.len() < job.current_workers as usize {
+                    let free: Vec<u32> = (0..gpus_per_node)
+                        .filter(|&g| !used[h][g as usize])
+                        .take(per_worker)
+                        .collect();
+                    if free.len() < per_worker {
+                        break;
+                    }
+                    for &g in &free {
+                        used[h][g as usize] = true;
+                    }
+                    ranks.push(RankPlacement {
+                        rank: ranks.len() as u32,
+                        host: hosts[h].host.clone(),
+                        gpus: free,
+                    });
+                }
+                if ranks.len() == job.current_workers as usize {
+                    break;
+                }
+            }
+        }
+        if ranks.len() < job.current_workers as usize {
+            for rank in &ranks {
+                let h = hosts
+                    .iter()
+                    .position(|host| host.host == rank.host)
+                    .expect("placed on a listed host");
+                for &g in &rank.gpus {
+                    used[h][g as usize] = false;
+                }
+            }
+            job.current_workers = 0;
+            ranks.clear();
+        }
+        current[i] = ranks;
+    }
+    current
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeSet;
+
+    fn small() -> BenchConfig {
+        BenchConfig {
+            jobs: 300,
+            nodes: 300,
+            gpus_per_node: 8,
+            seed: 7,
+        }
+    }
+
+    #[test]
+    fn inputs_are_deterministic_in_the_seed() {
+        let a = DecisionInputs::generate(&small());
+        let b = DecisionInputs::generate(&small());
+        assert_eq!(a.jobs, b.jobs);
+        assert_eq!(a.current, b.current);
+        let c = DecisionInputs::generate(&BenchConfig { seed: 8, ..small() });
+        assert_ne!(a.jobs, c.jobs);
+    }
+
+    #[test]
+    fn current_placements_match_the_current_allocations_and_fit() {
+        let inputs = DecisionInputs::generate(&small());
+        let running = inputs.running() as f64 / inputs.jobs.len() as f64;
+        assert!((0.6..0.8).contains(&running), "{running}");
+        let mut used = BTreeSet::new();
+        for (job, ranks) in inputs.jobs.iter().zip(&inputs.current) {
+            assert_eq!(ranks.len() as u32, job.current_workers, "{}", job.id);
+            assert!(
+                job.current_workers == 0
+                    || (job.min_workers..=job.max_workers).contains(&job.current_workers)
+            );
+            for (index, rank) in ranks.iter().enumerate() {
+                assert_eq!(rank.rank as usize, index);
+                assert_eq!(rank.gpus.len() as u32, job.gpus_per_worker);
+                for &gpu in &rank.gpus {
+                    assert!(gpu < 8);
+                    assert!(used.insert((rank.host.clone(), gpu)), "GPU given twice");
+                }
+            }
+        }
+        assert_eq!(used.len() as u64, inputs.gpus_in_use());
+    }
+
+    #[test]
+    fn running_jobs_that_keep_their_size_keep_their_placement() {
+        let inputs = DecisionInputs::generate(&small());
+        let (decision, placed) = inputs.decide();
+        let mut kept = 0;
+        for (job, current) in inputs.jobs.iter().zip(&inputs.current) {
+            if job.current_workers > 0 && decision.workers[&job.id] == job.current_workers {
+                assert_eq!(&placed[&job.id], current, "{}", job.id);
+                kept += 1;
+            }
+        }
+        assert!(kept > 0);
+    }
+
+    #[test]
+    fn curves_start_at_the_initial_loss_and_decrease() {
+        let inputs = DecisionInputs::generate(&small());
+        let curves: Vec<&Curve> = inputs
+            .jobs
+            .iter()
+            .filter_map(|j| j.curve.as_ref())
+            .collect();
+        for family in CurveFamily::ALL {
+            assert!(curves.iter().any(|c| c.family == family), "{family:?}");
+        }
+        for curve in curves {
+            let losses: Vec<f64> = [0.0, 1e4, 1e5, 1e6, 1e7, 1e9]
+                .iter()
+                .map(|&k| curve.predict(k))
+                .collect();
+            assert!(losses.windows(2).all(|w| w[1] <= w[0]), "{curve:?}");
+            assert!(losses[0] > losses[5], "{curve:?}");
+        }
+    }
+}

@@ -1,0 +1,280 @@
+//! The decision: job views → policy → placement requests and costs → placements. The one
+//! function ([`decide`]) that the service's scheduling step ([`crate::schedule::step`]), the
+//! simulator and the decision benchmarks call, so that a figure measured in the simulator is
+//! a figure of the code the service runs.
+//!
+//! What differs between callers is only what they *observe* (the service reads progress
+//! reports and telemetry, the simulator its simulated cluster): each builds the same
+//! [`JobView`]s and [`ClusterState`] from its observations. What a policy is given is decided
+//! here, from the inputs the policy declares ([`PolicyInputs`]), never from its name.
+//!
+//! # Steps
+//!
+//! 1. Jobs in priority order: running jobs (a non-empty current placement) first, then
+//!    pending ones, each by `submitted_at`, then id.
+//! 2. Each job's [`PolicyJob`]: its bounds, progress and fitted curve; its throughput table
+//!    (samples/s with 1, 2, … workers, each world size packed onto the fewest hosts, at the
+//!    per-worker batch its [`BatchSize`] gives) from its fitted [`ThroughputModel`] when the
+//!    policy declares `estimates`, or the caller's oracle when the policy declares `oracle`
+//!    and the caller has one (the simulator does; the service never does). Under BCO
+//!    placement, a multi-host world size that leaves a host partly used expects the
+//!    contention measured so far ([`ClusterState::contention_per_shared_job`]): its table
+//!    entry is divided by `1 + contention`.
+//! 3. The policy decides the workers per job ([`Policy::allocate`]).
+//! 4. Placement requests in the priority order, with each placed job's [`JobCost`] at its
+//!    decided size (from its model; the sync term at least the measured contention times the
+//!    compute term), and [`place_with`].
+
+use std::collections::BTreeMap;
+
+use converge_common::{JobId, RankPlacement};
+
+use crate::contention::JobCost;
+use crate::fit::Curve;
+use crate::placement::{HostFree, PlacementKind, PlacementRequest, place_with};
+pub use crate::policies::PolicyInputs;
+use crate::policies::{ClusterView, Policy, PolicyJob};
+use crate::throughput::{ThroughputModel, packed_nodes};
+
+/// Largest world size a throughput table is computed for (beyond it the table's last entry
+/// stands, see [`crate::policies::quality::throughput`]).
+pub const MAX_TABLE_WORKERS: u32 = 1024;
+
+/// How a job's per-worker batch follows its world size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum BatchSize {
+    /// Every worker runs this many samples per step, whatever the world size (the reference
+    /// trainer: weak scaling).
+    PerWorker(f64),
+    /// The job's total batch per step is fixed and split over its workers (the Pollux
+    /// workloads' jobs).
+    Total(f64),
+}
+
+impl BatchSize {
+    /// Samples per worker per step with `workers` workers.
+    pub fn per_worker(self, workers: u32) -> f64 {
+        match self {
+            BatchSize::PerWorker(b) => b,
+            BatchSize::Total(b) => b / f64::from(workers.max(1)),
+        }
+    }
+}
+
+/// What only a simulator can know of a job: its true throughput and the work it has left.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Oracle {
+    /// Progress per second with `w` workers at index `w − 1`.
+    pub throughput: Vec<f64>,
+    /// Progress left, in the units of `throughput`.
+    pub remaining_work: f64,
+}
+
+/// Everything the decision knows of one active job, as the caller observed it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobView {
+    pub id: JobId,
+    /// GPUs per worker (a job with 0 never runs).
+    pub gpus_per_worker: u32,
+    /// Fewest workers it runs with (0 counts as 1).
+    pub min_workers: u32,
+    pub max_workers: u32,
+    /// The size the user asked for: fixed-size policies (fifo, tiresias, sjf-bco) run the job
+    /// at it.
+    pub requested_workers: u32,
+    /// Arrival time, seconds (same clock as [`ClusterState::now`]).
+    pub submitted_at: f64,
+    /// Its ranks now; empty when pending. The length is the current world size.
+    pub placement: Vec<RankPlacement>,
+    /// Fitted loss curve (`None` before enough reports, or when the policy reads none).
+    pub curve: Option<Curve>,
+    /// Progress so far, samples.
+    pub samples: f64,
+    /// Observed loss range, the per-job normalization of loss gains (0 = unknown).
+    pub loss_scale: f64,
+    /// Measured samples per second per worker.
+    pub samples_per_s_per_worker: Option<f64>,
+    /// GPU-seconds of service received so far (Tiresias's attained service).
+    pub attained_gpu_seconds: f64,
+    /// Throughput model fitted on the job's observed step times.
+    pub model: Option<ThroughputModel>,
+    /// Per-worker batch at each world size, for the model's predictions.
+    pub batch: BatchSize,
+    /// Estimated samples left (from a target loss and the curve, or the declared work).
+    pub remaining_work: Option<f64>,
+    /// The truth, where the caller has it.
+    pub oracle: Option<Oracle>,
+}
+
+/// The cluster at decision time.
+#[derive(Debug, Clone, Copy)]
+pub struct ClusterState<'a> {
+    /// Seconds, same clock as the jobs' `submitted_at`.
+    pub now: f64,
+    /// Every usable host with all its GPUs (placement keeps unchanged jobs where they are)
+    /// and its NIC factor.
+    pub hosts: &'a [HostFree],
+    /// Measured extra seconds per step, as a fraction of a job's compute time, per
+    /// additional multi-host job sharing one of its NICs (0 when nothing was measured); see
+    /// [`crate::contention::ContentionSamples`].
+    pub contention_per_shared_job: f64,
+}
+
+/// What [`decide`] returns.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Allocation {
+    /// Workers per job as the policy decided (every job appears; 0 = not running).
+    pub workers: BTreeMap<JobId, u32>,
+    /// Ranks per placed job (jobs left out get no GPUs; placement may place fewer workers
+    /// than decided when the free GPUs are scattered).
+    pub placements: BTreeMap<JobId, Vec<RankPlacement>>,
+    /// The policy's views, in priority order (what it was given).
+    pub views: Vec<PolicyJob>,
+}
+
+impl Allocation {
+    /// Whether the policy broke its contract: more GPUs than the hosts have, or a size
+    /// outside a job's bounds.
+    pub fn violates(&self, hosts: &[HostFree]) -> bool {
+        let total: u64 = hosts.iter().map(|h| h.gpus.len() as u64).sum();
+        let mut used = 0u64;
+        for view in &self.views {
+            let w = self.workers.get(&view.id).copied().unwrap_or(0);
+            used += u64::from(w) * u64::from(view.gpus_per_worker);
+            if w != 0 && !(view.min_workers.max(1)..=view.max_workers).contains(&w) {
+                return true;
+            }
+        }
+        used > total
+    }
+}
+
+/// The job's throughput table (samples/s with 1..=max workers) from its model; see the module
+/// docs, step 2.
+fn estimated_table(
+    job: &JobView,
+    model: &ThroughputModel,
+    gpus_per_node: u32,
+    placement: PlacementKind,
+    contention: f64,
+) -> Vec<f64> {
+    let most = job.max_workers.clamp(1, MAX_TABLE_WORKERS);
+    let per_node = gpus_per_node.max(1);
+    (1..=most)
+        .map(|w| {
+            let nodes = packed_nodes(w, job.gpus_per_worker, per_node);
+            let rate = model.samples_per_s(w, nodes, job.batch.per_worker(w));
+            let gpus = u64::from(w) * u64::from(job.gpus_per_worker);
+            let partial = nodes > 1 && !gpus.is_multiple_of(u64::from(per_node));
+            if placement == PlacementKind::Bco && partial && contention > 0.0 {
+                rate / (1.0 + contention)
+            } else {
+                rate
+            }
+        })
+        .collect()
+}
+
+/// The decision for `jobs` on `cluster` by `policy`, placed by `placement`. Pure and
+/// deterministic: equal inputs give equal decisions, whatever the order of `jobs`.
+pub fn decide(
+    cluster: &ClusterState<'_>,
+    jobs: &[JobView],
+    policy: &dyn Policy,
+    placement: PlacementKind,
+) -> Allocation {
+    let total_gpus: u32 = cluster.hosts.iter().map(|h| h.gpus.len() as u32).sum();
+    let gpus_per_node = cluster
+        .hosts
+        .iter()
+        .map(|h| h.gpus.len() as u32)
+        .max()
+        .unwrap_or(0);
+    let contention = if cluster.contention_per_shared_job.is_finite() {
+        cluster.contention_per_shared_job.max(0.0)
+    } else {
+        0.0
+    };
+    let wants = policy.inputs();
+    let mut order: Vec<&JobView> = jobs.iter().collect();
+    order.sort_by(|a, b| {
+        a.placement
+            .is_empty()
+            .cmp(&b.placement.is_empty())
+            .then(a.submitted_at.total_cmp(&b.submitted_at))
+            .then(a.id.cmp(&b.id))
+    });
+    let views: Vec<PolicyJob> = order
+        .iter()
+        .map(|job| {
+            let oracle = job.oracle.as_ref().filter(|_| wants.oracle);
+            let (throughput, remaining_work) = match oracle {
+                Some(o) => (Some(o.throughput.clone()), Some(o.remaining_work)),
+                None if wants.estimates || wants.oracle => (
+                    job.model
+                        .as_ref()
+                        .map(|m| estimated_table(job, m, gpus_per_node, placement, contention)),
+                    job.remaining_work,
+                ),
+                None => (None, None),
+            };
+            PolicyJob {
+                id: job.id.clone(),
+                gpus_per_worker: job.gpus_per_worker,
+                min_workers: job.min_workers,
+                max_workers: job.max_workers,
+                current_workers: job.placement.len() as u32,
+                submitted_at: job.submitted_at,
+                curve: if wants.curves {
+                    job.curve.clone()
+                } else {
+                    None
+                },
+                samples: job.samples,
+                loss_scale: job.loss_scale,
+                samples_per_s_per_worker: job.samples_per_s_per_worker,
+                requested_workers: job.requested_workers,
+                attained_gpu_seconds: job.attained_gpu_seconds,
+                throughput,
+                remaining_work,
+            }
+        })
+        .collect();
+    let decided = policy.allocate(
+        &ClusterView {
+            total_gpus,
+            gpus_per_node,
+            now: cluster.now,
+        },
+        &views,
+    );
+    let requests: Vec<PlacementRequest> = order
+        .iter()
+        .map(|job| PlacementRequest {
+            job: job.id.clone(),
+            workers: decided.workers.get(&job.id).copied().unwrap_or(0),
+            gpus_per_worker: job.gpus_per_worker,
+            min_workers: job.min_workers,
+            current: job.placement.clone(),
+        })
+        .collect();
+    let costs: BTreeMap<JobId, JobCost> = match placement {
+        PlacementKind::FirstFit => BTreeMap::new(),
+        PlacementKind::Bco => order
+            .iter()
+            .filter_map(|job| {
+                let workers = decided.workers.get(&job.id).copied().unwrap_or(0);
+                let model = job.model.as_ref().filter(|_| workers > 0)?;
+                let mut cost = JobCost::from_model(model, workers, job.batch.per_worker(workers));
+                cost.sync_s = cost.sync_s.max(contention * cost.compute_s);
+                Some((job.id.clone(), cost))
+            })
+            .collect(),
+    };
+    let placements = place_with(placement, cluster.hosts, &requests, &costs);
+    Allocation {
+        workers: decided.workers,
+        placements,
+        views,
+    }
+}

@@ -1,0 +1,446 @@
+//! Per-job progress history rebuilt from the progress stream: the loss curve the fit sees
+//! (rank 0's reports, progress in samples) and the throughput of each generation.
+//! Pure data structure: no I/O, no clock.
+
+use crate::fit::LossPoint;
+use crate::throughput::StepObservation;
+use converge_common::{HostId, ProgressReport};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// What is known of one generation: highest rank seen + 1, hosts seen reporting, and the
+/// workers and hosts its reports declare.
+type Shape = (u32, BTreeSet<HostId>, Option<u32>, Option<u32>);
+
+/// Generations whose shape (world size, hosts) is remembered for the throughput model.
+pub const MAX_GENERATIONS: usize = 64;
+
+/// Points kept per job; the fit uses only the most recent `FitConfig::window` of them.
+pub const MAX_POINTS: usize = 2_000;
+
+/// One progress report of rank 0.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProgressPoint {
+    pub generation: u64,
+    pub step: u64,
+    pub samples: u64,
+    pub loss: f64,
+    pub eval_loss: Option<f64>,
+    /// UNIX seconds.
+    pub time: f64,
+    /// Seconds per step spent synchronizing, mean over the steps since the previous report
+    /// (as the worker sent it; finite and >= 0 after decoding).
+    pub sync_time_s: Option<f64>,
+}
+
+/// A job's progress history.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct JobHistory {
+    points: Vec<ProgressPoint>,
+    first_loss: Option<f64>,
+    latest_generation: u64,
+    last_eval_loss: Option<f64>,
+    /// The latest model size rank 0 reported (bytes).
+    model_bytes: Option<u64>,
+    /// Reports dropped because they came from a generation older than one already seen.
+    pub stale_reports: u64,
+    /// Per generation, the ranks and hosts seen reporting (its world size and servers
+    /// spanned), for the last [`MAX_GENERATIONS`] generations.
+    shapes: BTreeMap<u64, Shape>,
+    /// Rank-0 points kept since the history began or was last cut back (a resume from an
+    /// earlier checkpoint).
+    added: usize,
+    /// Times the history was cut back (a resume from an earlier checkpoint); a fit cache
+    /// keys on it ([`crate::fit_cache::FitCache`]).
+    resets: u64,
+    /// Worker-seconds of service received: per rank-0 report, the time since the previous
+    /// report of the same generation times that generation's world size.
+    attained_worker_seconds: f64,
+}
+
+impl JobHistory {
+    /// Adds a report. Only rank 0's reports form the curve (ranks of a data-parallel job
+    /// report the same global loss). Reports of a generation older than the newest seen are
+    /// stale (a fenced worker) and dropped. A report whose samples fall below the last
+    /// point's (the job resumed from an earlier checkpoint) drops the points beyond it: that
+    /// work was lost and will be redone.
+    pub fn add(&mut self, r: &ProgressReport) {
+        if r.generation + (MAX_GENERATIONS as u64) > self.latest_generation {
+            let shape = self.shapes.entry(r.generation).or_default();
+            shape.0 = shape.0.max(r.rank.saturating_add(1));
+            if shape.1.len() < 4096 {
+                shape.1.insert(r.host.clone());
+            }
+            // The agent's figures from the assignment, when it sends them, over what the
+            // reporting ranks show (usually rank 0 alone).
+            if let Some(w) = r.workers.filter(|&w| w > 0) {
+                shape.2 = Some(w);
+            }
+            if let Some(h) = r.hosts.filter(|&h| h > 0) {
+                shape.3 = Some(h);
+            }
+            while self.shapes.len() > MAX_GENERATIONS {
+                self.shapes.pop_first();
+            }
+        }
+        if r.rank != 0 {
+            return;
+        }
+        if r.generation < self.latest_generation {
+            self.stale_reports += 1;
+            return;
+        }
+        self.latest_generation = r.generation;
+        if self.first_loss.is_none() {
+            self.first_loss = Some(r.loss);
+        }
+        if r.eval_loss.is_some() {
+            self.last_eval_loss = r.eval_loss;
+        }
+        if r.model_bytes.is_some() {
+            self.model_bytes = r.model_bytes;
+        }
+        let mut cut = false;
+        while self.points.last().is_some_and(|p| p.samples > r.samples) {
+            self.points.pop();
+            cut = true;
+        }
+        if cut {
+            self.added = self.points.len();
+            self.resets += 1;
+        }
+        if let Some(prev) = self.points.last().filter(|p| p.generation == r.generation) {
+            let dt = r.time - prev.time;
+            let workers = self
+                .shapes
+                .get(&r.generation)
+                .map_or(1, |s| s.2.unwrap_or(s.0).max(1));
+            if dt.is_finite() && dt > 0.0 {
+                self.attained_worker_seconds += dt * f64::from(workers);
+            }
+        }
+        self.added += 1;
+        self.points.push(ProgressPoint {
+            generation: r.generation,
+            step: r.step,
+            samples: r.samples,
+            loss: r.loss,
+            eval_loss: r.eval_loss,
+            time: r.time,
+            sync_time_s: r.sync_time_s.filter(|s| s.is_finite() && *s >= 0.0),
+        });
+        if self.points.len() > MAX_POINTS {
+            let excess = self.points.len() - MAX_POINTS;
+            self.points.drain(..excess);
+        }
+    }
+
+    pub fn points(&self) -> &[ProgressPoint] {
+        &self.points
+    }
+    pub fn latest(&self) -> Option<&ProgressPoint> {
+        self.points.last()
+    }
+    pub fn first_loss(&self) -> Option<f64> {
+        self.first_loss
+    }
+    pub fn last_eval_loss(&self) -> Option<f64> {
+        self.last_eval_loss
+    }
+    /// Bytes of the parameters the job synchronizes, from rank 0's latest report that had
+    /// the figure (`None` if no worker reported it).
+    pub fn model_bytes(&self) -> Option<u64> {
+        self.model_bytes
+    }
+
+    /// Rank-0 points added since the history began or was last cut back.
+    pub fn added(&self) -> usize {
+        self.added
+    }
+
+    /// Times the history was cut back (a resume from an earlier checkpoint).
+    pub fn resets(&self) -> u64 {
+        self.resets
+    }
+
+    /// GPU-seconds of service the job has received, as its reports show it: for each pair of
+    /// consecutive rank-0 reports of one generation, the time between them times the
+    /// generation's world size times `gpus_per_worker` (Tiresias's attained service). Time
+    /// before a generation's first report (start-up, restore) and lost points (a cut) still
+    /// count, since the total is kept as reports arrive.
+    pub fn attained_gpu_seconds(&self, gpus_per_worker: u32) -> f64 {
+        self.attained_worker_seconds * f64::from(gpus_per_worker)
+    }
+
+    /// The curve the fit sees: (samples, loss) of every kept point.
+    pub fn loss_points(&self) -> Vec<LossPoint> {
+        self.points
+            .iter()
+            .map(|p| LossPoint {
+                samples: p.samples as f64,
+                loss: p.loss,
+            })
+            .collect()
+    }
+
+    /// Observed loss range (max − min) of the kept points: the per-job scale that turns a
+    /// predicted loss drop into a normalized gain (SLAQ normalizes per job so jobs with
+    /// different loss scales compare). 0 with fewer than two points.
+    pub fn loss_scale(&self) -> f64 {
+        let (lo, hi) = self
+            .points
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), p| {
+                (lo.min(p.loss), hi.max(p.loss))
+            });
+        if hi > lo { hi - lo } else { 0.0 }
+    }
+
+    /// Throughput of `generation` in samples per second, from its first and last report;
+    /// `None` with fewer than two reports or no elapsed time.
+    pub fn samples_per_s(&self, generation: u64) -> Option<f64> {
+        let mut it = self.points.iter().filter(|p| p.generation == generation);
+        let first = it.next()?;
+        let last = it.next_back()?;
+        let dt = last.time - first.time;
+        (dt > 0.0 && last.samples > first.samples)
+            .then(|| (last.samples - first.samples) as f64 / dt)
+    }
+
+    /// The generation of the most recent point that has a measurable throughput, and that
+    /// throughput.
+    /// One step-time observation per generation with at least two rank-0 reports that
+    /// advanced the step count: world size and servers spanned from the ranks and hosts seen
+    /// reporting, seconds per step and samples per worker per step from the first and last
+    /// report (samples are the job's total). Oldest first, each with its generation.
+    ///
+    /// The synchronization time per step covers the same steps as the step time (those after
+    /// the generation's first report): the mean of the reports' `sync_time_s` after the first,
+    /// each weighted by the steps it covers (its step minus the previous report's). Reports
+    /// without the figure are left out of the mean; `None` when none after the first has it.
+    pub fn step_observations(&self) -> Vec<(u64, StepObservation)> {
+        let mut out = Vec::new();
+        for (&generation, (ranks_seen, hosts_seen, declared_workers, declared_hosts)) in
+            &self.shapes
+        {
+            let world = &declared_workers.unwrap_or(*ranks_seen);
+            let hosts = declared_hosts.unwrap_or(hosts_seen.len() as u32);
+            let mut it = self.points.iter().filter(|p| p.generation == generation);
+            let (Some(first), Some(last)) = (it.next(), it.next_back()) else {
+                continue;
+            };
+            let steps = last.step.saturating_sub(first.step);
+            let dt = last.time - first.time;
+            if steps == 0 || dt <= 0.0 || last.samples <= first.samples || *world == 0 {
+                continue;
+            }
+            let per_step = (last.samples - first.samples) as f64 / steps as f64;
+            let seen = StepObservation {
+                workers: *world,
+                nodes: hosts.max(1),
+                local_batch: per_step / f64::from(*world),
+                step_time_s: dt / steps as f64,
+                sync_time_s: self.sync_time_s(generation),
+            };
+            if seen.is_usable() {
+                out.push((generation, seen));
+            }
+        }
+        out
+    }
+
+    /// Step-weighted mean synchronization time per step of `generation`'s rank-0 reports
+    /// after its first (see [`JobHistory::step_observations`]).
+    fn sync_time_s(&self, generation: u64) -> Option<f64> {
+        let points: Vec<&ProgressPoint> = self
+            .points
+            .iter()
+            .filter(|p| p.generation == generation)
+            .collect();
+        let (mut total, mut steps) = (0.0, 0u64);
+        for pair in points.windows(2) {
+            let covered = pair[1].step.saturating_sub(pair[0].step);
+            if let Some(s) = pair[1].sync_time_s
+                && covered > 0
+            {
+                total += s * covered as f64;
+                steps += covered;
+            }
+        }
+        let mean = total / steps as f64;
+        (steps > 0 && mean.is_finite()).then_some(mean)
+    }
+
+    pub fn latest_rate(&self) -> Option<(u64, f64)> {
+        let mut gens: Vec<u64> = self.points.iter().map(|p| p.generation).collect();
+        gens.dedup();
+        gens.iter()
+            .rev()
+            .find_map(|&g| self.samples_per_s(g).map(|r| (g, r)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_common::{HostId, JobId};
+
+    fn report(generation: u64, rank: u32, samples: u64, loss: f64, time: f64) -> ProgressReport {
+        ProgressReport {
+            protocol: 1,
+            job: JobId::new("j").unwrap(),
+            generation,
+            rank,
+            host: HostId::new("h").unwrap(),
+            step: samples / 10,
+            samples,
+            loss,
+            eval_loss: None,
+            epoch: None,
+            time,
+            workers: None,
+            hosts: None,
+            sync_time_s: None,
+            model_bytes: None,
+        }
+    }
+
+    fn on(mut r: ProgressReport, host: &str) -> ProgressReport {
+        r.host = HostId::new(host).unwrap();
+        r
+    }
+
+    #[test]
+    fn attained_service_counts_each_generations_world_size_and_survives_a_cut() {
+        let mut h = JobHistory::default();
+        // Generation 1: two workers (rank 1 reports too), reports 10 s apart.
+        h.add(&report(1, 0, 100, 1.0, 0.0));
+        h.add(&report(1, 1, 100, 1.0, 0.0));
+        h.add(&report(1, 0, 200, 0.9, 10.0));
+        h.add(&report(1, 0, 300, 0.8, 20.0));
+        assert_eq!(h.attained_gpu_seconds(1), 40.0);
+        assert_eq!(h.attained_gpu_seconds(4), 160.0);
+        // Generation 2 declares 3 workers; its first report adds nothing (restart time).
+        let mut r = report(2, 0, 300, 0.8, 50.0);
+        r.workers = Some(3);
+        h.add(&r);
+        let mut r = report(2, 0, 400, 0.7, 55.0);
+        r.workers = Some(3);
+        h.add(&r);
+        assert_eq!(h.attained_gpu_seconds(1), 55.0);
+        // A resume from an earlier checkpoint cuts points, not the service received.
+        let mut r = report(3, 0, 150, 0.95, 60.0);
+        r.workers = Some(3);
+        h.add(&r);
+        assert_eq!(h.resets(), 1);
+        assert_eq!(h.attained_gpu_seconds(1), 55.0);
+    }
+
+    #[test]
+    fn step_observations_take_world_size_and_hosts_from_the_reports() {
+        let mut h = JobHistory::default();
+        // Generation 1: two ranks on one host, 10 samples per step (step = samples / 10).
+        h.add(&report(1, 0, 100, 1.0, 10.0));
+        h.add(&report(1, 1, 100, 1.0, 10.0));
+        h.add(&report(1, 0, 300, 0.9, 12.0));
+        // Generation 2: three ranks on two hosts.
+        h.add(&report(2, 0, 400, 0.8, 20.0));
+        h.add(&on(report(2, 2, 400, 0.8, 20.0), "other"));
+        h.add(&report(2, 1, 400, 0.8, 20.0));
+        h.add(&report(2, 0, 700, 0.7, 21.5));
+        // Generation 3 has a single report: no observation.
+        h.add(&report(3, 0, 800, 0.6, 30.0));
+        let seen: Vec<_> = h.step_observations().into_iter().map(|(_, o)| o).collect();
+        assert_eq!(seen.len(), 2, "{seen:?}");
+        assert_eq!((seen[0].workers, seen[0].nodes), (2, 1));
+        assert!((seen[0].local_batch - 5.0).abs() < 1e-12);
+        assert!((seen[0].step_time_s - 0.1).abs() < 1e-12);
+        assert_eq!((seen[1].workers, seen[1].nodes), (3, 2));
+        assert!((seen[1].step_time_s - 1.5 / 30.0).abs() < 1e-12);
+        // Generation 4: only rank 0 reports, but the agent declares 4 workers on 2 hosts.
+        let declared = |samples, time| ProgressReport {
+            workers: Some(4),
+            hosts: Some(2),
+            ..report(4, 0, samples, 0.5, time)
+        };
+        h.add(&declared(1000, 40.0));
+        h.add(&declared(1400, 41.0));
+        let seen: Vec<_> = h.step_observations().into_iter().map(|(_, o)| o).collect();
+        let last = seen.last().unwrap();
+        assert_eq!((last.workers, last.nodes), (4, 2));
+        assert!((last.local_batch - 400.0 / 40.0 / 4.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn step_observations_carry_the_step_weighted_sync_time_and_the_model_size() {
+        let mut h = JobHistory::default();
+        let with =
+            |generation, samples, time, sync: Option<f64>, bytes: Option<u64>| ProgressReport {
+                workers: Some(4),
+                hosts: Some(2),
+                sync_time_s: sync,
+                model_bytes: bytes,
+                ..report(generation, 0, samples, 1.0, time)
+            };
+        assert_eq!(h.model_bytes(), None);
+        // Generation 1 (step = samples / 10): the first report's sync (its steps precede
+        // the observed interval) is left out; 10 steps at 0.02 s, then 30 steps at 0.06 s.
+        h.add(&with(1, 100, 10.0, Some(9.0), Some(5200)));
+        h.add(&with(1, 200, 11.0, Some(0.02), None));
+        h.add(&with(1, 500, 14.0, Some(0.06), Some(5200)));
+        // Generation 2: no sync figures at all.
+        h.add(&with(2, 600, 20.0, None, None));
+        h.add(&with(2, 700, 21.0, None, None));
+        // Generation 3: one report without the figure among two with it.
+        h.add(&with(3, 800, 30.0, None, Some(6400)));
+        h.add(&with(3, 900, 31.0, Some(0.01), None));
+        h.add(&with(3, 1000, 32.0, None, None));
+        h.add(&with(3, 1200, 33.0, Some(0.04), None));
+        let seen: Vec<_> = h.step_observations();
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        let sync = |i: usize| seen[i].1.sync_time_s;
+        let want = (10.0 * 0.02 + 30.0 * 0.06) / 40.0;
+        assert!((sync(0).unwrap() - want).abs() < 1e-12, "{:?}", sync(0));
+        assert_eq!(sync(1), None);
+        let want = (10.0 * 0.01 + 20.0 * 0.04) / 30.0;
+        assert!((sync(2).unwrap() - want).abs() < 1e-12, "{:?}", sync(2));
+        assert!((seen[0].1.step_time_s - 0.1).abs() < 1e-12);
+        // The latest report that had the figure.
+        assert_eq!(h.model_bytes(), Some(6400));
+        // A stale report (older generation) changes neither.
+        h.add(&with(1, 1300, 40.0, Some(5.0), Some(1)));
+        assert_eq!(h.model_bytes(), Some(6400));
+    }
+
+    #[test]
+    fn keeps_rank0_drops_stale_and_truncates_redone_work() {
+        let mut h = JobHistory::default();
+        h.add(&report(1, 0, 100, 1.0, 10.0));
+        h.add(&report(1, 1, 100, 1.0, 10.0));
+        h.add(&report(1, 0, 200, 0.8, 11.0));
+        h.add(&report(1, 0, 300, 0.7, 12.0));
+        assert_eq!(h.points().len(), 3);
+        assert_eq!(h.samples_per_s(1), Some(100.0));
+        // Generation 2 resumed from the checkpoint at 200 samples: the point at 300 is gone.
+        h.add(&report(2, 0, 220, 0.78, 20.0));
+        let samples: Vec<u64> = h.points().iter().map(|p| p.samples).collect();
+        assert_eq!(samples, vec![100, 200, 220]);
+        // A late report of generation 1 is stale.
+        h.add(&report(1, 0, 400, 0.6, 21.0));
+        assert_eq!(h.stale_reports, 1);
+        assert_eq!(h.first_loss(), Some(1.0));
+        assert!((h.loss_scale() - 0.22).abs() < 1e-12);
+        assert_eq!(h.latest_rate(), Some((1, 100.0)));
+        h.add(&report(2, 0, 620, 0.7, 22.0));
+        assert_eq!(h.latest_rate(), Some((2, 200.0)));
+    }
+
+    #[test]
+    fn bounded() {
+        let mut h = JobHistory::default();
+        for i in 0..(MAX_POINTS as u64 + 50) {
+            h.add(&report(1, 0, i, 1.0, i as f64));
+        }
+        assert_eq!(h.points().len(), MAX_POINTS);
+        assert_eq!(h.first_loss(), Some(1.0));
+    }
+}

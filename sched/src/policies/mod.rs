@@ -1,0 +1,471 @@
+//! Every scheduling policy behind one trait, [`Policy`], so that the allocator service and the
+//! trace-driven simulator run the same code and can swap policies by name ([`by_name`]).
+//!
+//! | name | policy | source |
+//! |---|---|---|
+//! | `fifo` | [`Fifo`]: strict first-in first-out, non-preemptive, requested size | Gavel's `FIFOPolicy` (Narayanan et al., OSDI'20) |
+//! | `fair` | [`Fair`]: equal share, work-conserving water-filling | SLAQ's fair baseline (Zhang et al., SoCC'17) |
+//! | `tiresias` | [`Tiresias`]: discretized 2D least-attained-service, gang | Gu et al., NSDI'19, as in the Pollux simulator |
+//! | `optimus` | [`Optimus`]: greedy by remaining-time reduction with an oracle | Peng et al., EuroSys'18, Pollux's "Optimus+Oracle" |
+//! | `quality` | [`Quality`]: the SLAQ quality policy of [`quality`] | Zhang et al., SoCC'17 |
+//! | `sjf-bco` | [`SjfBco`]: smallest estimated job first, gang, non-preemptive, backfilling (pair with BCO placement) | Yu, Ji, Rajan, Liu, MobiHoc'22 |
+//!
+//! Every policy is **pure**: the decision is a function of the [`ClusterView`] and the jobs
+//! only (no I/O, no clock, no randomness), and does not depend on the order of the jobs
+//! (every ordering is by `submitted_at`, then id). Ids are expected to be unique; if one
+//! appears more than once only its first occurrence in arrival order counts.
+//!
+//! Every policy upholds the contract of [`Policy::allocate`]: every job appears in the
+//! decision, each with 0 workers or between its minimum (`min_workers`, 0 counting as 1) and
+//! `max_workers`, and the GPUs handed out (`workers × gpus_per_worker`) sum to at most
+//! `total_gpus`. A job that can never run (`gpus_per_worker == 0`, or `max_workers` below its
+//! minimum) gets 0 from every policy.
+
+use std::cmp::Ordering;
+use std::collections::{BTreeMap, BTreeSet};
+
+use converge_common::JobId;
+use serde::{Deserialize, Serialize};
+
+use crate::fit::Curve;
+
+pub mod fair;
+pub mod fifo;
+pub mod optimus;
+pub mod quality;
+pub mod sjf_bco;
+pub mod tiresias;
+
+pub use fair::Fair;
+pub use fifo::Fifo;
+pub use optimus::Optimus;
+pub use quality::{Objective, PolicyParams, Quality, quality_allocate};
+pub use sjf_bco::SjfBco;
+pub use tiresias::{TIRESIAS_QUEUE_THRESHOLD_GPU_SECONDS, Tiresias};
+
+/// What the policy knows about one job.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyJob {
+    /// Unique among the jobs passed to [`quality_allocate`].
+    pub id: JobId,
+    /// GPUs each worker uses (a job with 0 is never admitted).
+    pub gpus_per_worker: u32,
+    /// Fewest workers the job runs with (0 counts as 1).
+    pub min_workers: u32,
+    /// Most workers the job runs with.
+    pub max_workers: u32,
+    /// Workers the job runs with now; 0 when not running (pending).
+    pub current_workers: u32,
+    /// Arrival time, in seconds (any epoch); orders admission, ties broken by id.
+    pub submitted_at: f64,
+    /// Fitted loss curve; `None` while there is not enough history.
+    pub curve: Option<Curve>,
+    /// Progress so far, in samples processed.
+    pub samples: f64,
+    /// The job's loss normalization, in loss units (e.g. its observed loss range); 0 if
+    /// unknown, in which case gains are relative to the predicted loss.
+    pub loss_scale: f64,
+    /// Measured throughput per worker, in samples per second; `None` before any measurement.
+    pub samples_per_s_per_worker: Option<f64>,
+    /// Workers the user asked for (FIFO and Tiresias run a job at exactly this size).
+    pub requested_workers: u32,
+    /// Service received so far, in GPU-seconds (Tiresias's attained service).
+    pub attained_gpu_seconds: f64,
+    /// Throughput with `w` workers at index `w − 1`, in progress units per second, when a
+    /// model (or, in the simulator, an oracle) knows it; Optimus uses it.
+    pub throughput: Option<Vec<f64>>,
+    /// Work left, in the same progress units as `throughput` (Optimus's oracle).
+    pub remaining_work: Option<f64>,
+}
+
+/// The policy's decision: workers per job; every job appears, 0 = not admitted or pending.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Decision {
+    pub workers: BTreeMap<JobId, u32>,
+}
+
+/// What every policy sees of the cluster.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ClusterView {
+    /// GPUs the policy may hand out.
+    pub total_gpus: u32,
+    /// GPUs per node (placement is not the policies' business; none of the current policies
+    /// uses it).
+    pub gpus_per_node: u32,
+    /// The time of the decision, in seconds, same clock as [`PolicyJob::submitted_at`].
+    pub now: f64,
+}
+
+/// What a policy reads beyond every job's bounds, current size, arrival and progress. The
+/// callers compute only what is asked for (a curve fit costs time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PolicyInputs {
+    /// Fitted loss curves and loss scales.
+    pub curves: bool,
+    /// Throughput tables from each job's fitted throughput model, and its estimated work
+    /// left ([`crate::decide::JobView::remaining_work`]).
+    pub estimates: bool,
+    /// The true throughput and work left, where the caller knows them ([`crate::decide::Oracle`]; only the
+    /// simulator does). Takes the place of the estimates for jobs that have an oracle.
+    pub oracle: bool,
+}
+
+/// A scheduling policy: decides how many workers each job gets.
+pub trait Policy: Send + Sync + std::fmt::Debug {
+    /// The policy's name, one of [`POLICY_NAMES`].
+    fn name(&self) -> &'static str;
+    /// Workers per job (every job in `jobs` appears; 0 = not running). Must respect total
+    /// GPUs (workers × gpus_per_worker summed ≤ total_gpus) and give each job 0 or between
+    /// its min and max workers.
+    fn allocate(&self, cluster: &ClusterView, jobs: &[PolicyJob]) -> Decision;
+    /// What the policy reads beyond bounds, sizes, arrival and progress; callers fill only
+    /// that ([`crate::decide::decide`]). Default: nothing more.
+    fn inputs(&self) -> PolicyInputs {
+        PolicyInputs::default()
+    }
+}
+
+/// The names [`by_name`] accepts.
+pub const POLICY_NAMES: [&str; 6] = ["fifo", "fair", "tiresias", "optimus", "quality", "sjf-bco"];
+
+/// A policy name that [`by_name`] does not know.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown policy {name:?}; valid policies: fifo, fair, tiresias, optimus, quality, sjf-bco")]
+pub struct UnknownPolicy {
+    /// The name asked for.
+    pub name: String,
+}
+
+/// The policy called `name` (one of [`POLICY_NAMES`], exact spelling) with its default
+/// settings; `quality` are the settings of the quality policy.
+pub fn by_name(name: &str, quality: PolicyParams) -> Result<Box<dyn Policy>, UnknownPolicy> {
+    Ok(match name {
+        "fifo" => Box::new(Fifo),
+        "fair" => Box::new(Fair),
+        "tiresias" => Box::new(Tiresias::default()),
+        "optimus" => Box::new(Optimus),
+        "quality" => Box::new(Quality { params: quality }),
+        "sjf-bco" => Box::new(SjfBco),
+        _ => {
+            return Err(UnknownPolicy {
+                name: name.to_owned(),
+            });
+        }
+    })
+}
+
+/// Arrival order: by `submitted_at`, then id.
+fn arrival_cmp(a: &PolicyJob, b: &PolicyJob) -> Ordering {
+    a.submitted_at
+        .total_cmp(&b.submitted_at)
+        .then_with(|| a.id.cmp(&b.id))
+}
+
+/// Indices of `jobs` in arrival order, keeping only the first occurrence of each id.
+fn arrival_order(jobs: &[PolicyJob]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by(|&a, &b| arrival_cmp(&jobs[a], &jobs[b]));
+    let mut seen = BTreeSet::new();
+    order.retain(|&i| seen.insert(&jobs[i].id));
+    order
+}
+
+/// The fewest workers the job runs with, or `None` if it can never run (no GPUs per worker,
+/// or a maximum below its minimum). Same rule as the quality policy.
+fn minimum_workers(job: &PolicyJob) -> Option<u32> {
+    let min = job.min_workers.max(1);
+    (job.gpus_per_worker > 0 && min <= job.max_workers).then_some(min)
+}
+
+/// `requested_workers` clamped into the job's `[minimum, max_workers]`, or `None` if it can
+/// never run.
+fn requested_size(job: &PolicyJob) -> Option<u32> {
+    minimum_workers(job).map(|min| job.requested_workers.clamp(min, job.max_workers))
+}
+
+/// GPUs used by `workers` workers of `job`.
+fn gpus(job: &PolicyJob, workers: u32) -> u64 {
+    u64::from(workers) * u64::from(job.gpus_per_worker)
+}
+
+/// The decision for the jobs in `order` (every distinct id), `workers` indexed like `jobs`.
+/// Admits jobs in `order` at their minimum while the GPUs last (a job that does not fit
+/// waits, later ones may still fit). Returns the workers per job and the GPUs left.
+fn admit_minimums(jobs: &[PolicyJob], order: &[usize], total_gpus: u32) -> (Vec<u32>, u64) {
+    let mut free = u64::from(total_gpus);
+    let mut workers = vec![0u32; jobs.len()];
+    for &i in order {
+        if let Some(min) = minimum_workers(&jobs[i]) {
+            let need = gpus(&jobs[i], min);
+            if need <= free {
+                workers[i] = min;
+                free -= need;
+            }
+        }
+    }
+    (workers, free)
+}
+
+/// Gives each running job in `order` its current allocation back while the GPUs last (a
+/// current size outside the job's bounds does not count). Returns the workers per job
+/// (indexed like `jobs`) and the GPUs left. The first step of the non-preemptive policies.
+fn keep_running(jobs: &[PolicyJob], order: &[usize], total_gpus: u32) -> (Vec<u32>, u64) {
+    let mut free = u64::from(total_gpus);
+    let mut workers = vec![0u32; jobs.len()];
+    for &i in order {
+        let job = &jobs[i];
+        let current = job.current_workers;
+        let valid = current > 0
+            && minimum_workers(job).is_some_and(|min| (min..=job.max_workers).contains(&current));
+        if valid && gpus(job, current) <= free {
+            workers[i] = current;
+            free -= gpus(job, current);
+        }
+    }
+    (workers, free)
+}
+
+fn decision(jobs: &[PolicyJob], order: &[usize], workers: &[u32]) -> Decision {
+    Decision {
+        workers: order
+            .iter()
+            .map(|&i| (jobs[i].id.clone(), workers[i]))
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use converge_common::JobId;
+
+    use super::*;
+
+    /// A pending 1-GPU-per-worker job of 1 to `max_workers` workers asking for `requested`.
+    pub fn job(name: &str, submitted_at: f64, requested: u32, max_workers: u32) -> PolicyJob {
+        PolicyJob {
+            id: JobId::new(name).unwrap(),
+            gpus_per_worker: 1,
+            min_workers: 1,
+            max_workers,
+            current_workers: 0,
+            submitted_at,
+            curve: None,
+            samples: 0.0,
+            loss_scale: 0.0,
+            samples_per_s_per_worker: None,
+            requested_workers: requested,
+            attained_gpu_seconds: 0.0,
+            throughput: None,
+            remaining_work: None,
+        }
+    }
+
+    pub fn cluster(total_gpus: u32) -> ClusterView {
+        ClusterView {
+            total_gpus,
+            gpus_per_node: 8,
+            now: 1000.0,
+        }
+    }
+
+    /// The decision as `(name, workers)` pairs in id order.
+    pub fn pairs(decision: &Decision) -> Vec<(&str, u32)> {
+        decision
+            .workers
+            .iter()
+            .map(|(id, w)| (id.as_str(), *w))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use converge_common::JobId;
+    use proptest::prelude::*;
+
+    use super::test_support::{cluster, job};
+    use super::*;
+
+    #[test]
+    fn every_name_builds_its_policy() {
+        for name in POLICY_NAMES {
+            let policy = by_name(name, PolicyParams::default()).unwrap();
+            assert_eq!(policy.name(), name);
+        }
+    }
+
+    #[test]
+    fn unknown_names_are_refused_with_the_valid_ones() {
+        let err = by_name("lottery", PolicyParams::default()).unwrap_err();
+        assert_eq!(err.name, "lottery");
+        let message = err.to_string();
+        assert!(message.contains("lottery"), "{message}");
+        for name in POLICY_NAMES {
+            assert!(message.contains(name), "{message} lacks {name}");
+        }
+        assert!(by_name("FIFO", PolicyParams::default()).is_err());
+    }
+
+    #[test]
+    fn every_policy_lists_every_job_even_with_no_gpus() {
+        let jobs = [job("a", 0.0, 2, 4), job("b", 1.0, 1, 1)];
+        for name in POLICY_NAMES {
+            let decision = by_name(name, PolicyParams::default())
+                .unwrap()
+                .allocate(&cluster(0), &jobs);
+            assert_eq!(decision.workers.len(), 2, "{name}");
+            assert!(decision.workers.values().all(|&w| w == 0), "{name}");
+        }
+    }
+
+    #[test]
+    fn duplicate_ids_count_once() {
+        let jobs = [job("a", 0.0, 2, 2), job("a", 1.0, 3, 3)];
+        for name in POLICY_NAMES {
+            let decision = by_name(name, PolicyParams::default())
+                .unwrap()
+                .allocate(&cluster(8), &jobs);
+            assert_eq!(decision.workers.len(), 1, "{name}");
+            assert!(decision.workers.values().all(|&w| w <= 2), "{name}");
+        }
+    }
+
+    /// A monotone non-decreasing throughput table of `len` entries.
+    fn throughput_table(len: usize) -> impl Strategy<Value = Vec<f64>> {
+        (0.1..100.0f64, prop::collection::vec(0.0..50.0f64, len)).prop_map(|(first, steps)| {
+            let mut table = Vec::with_capacity(steps.len());
+            let mut current = first;
+            for (i, step) in steps.into_iter().enumerate() {
+                if i > 0 {
+                    current += step;
+                }
+                table.push(current);
+            }
+            table
+        })
+    }
+
+    /// A job as the property tests see it; `current_workers` is made feasible by
+    /// [`arbitrary_cluster`].
+    fn arbitrary_job(index: usize) -> impl Strategy<Value = PolicyJob> {
+        (
+            (1u32..=4, 0u32..=4, 0u32..=8, 0u32..=8, 0u32..=10),
+            0u32..6,
+            prop_oneof![Just(0.0), 0.0..2.0 * TIRESIAS_QUEUE_THRESHOLD_GPU_SECONDS],
+            prop::option::of((0usize..14).prop_flat_map(throughput_table)),
+            prop::option::of(prop_oneof![Just(0.0), 0.0..1e6f64]),
+        )
+            .prop_map(
+                move |(
+                    (gpus_per_worker, min, extra, current, requested),
+                    submitted,
+                    attained_gpu_seconds,
+                    throughput,
+                    remaining_work,
+                )| PolicyJob {
+                    id: JobId::new(format!("job-{index}")).unwrap(),
+                    gpus_per_worker,
+                    min_workers: min,
+                    // Now and then a maximum below the minimum (a job that can never run).
+                    max_workers: if extra == 0 {
+                        min.saturating_sub(1)
+                    } else {
+                        min + extra
+                    },
+                    current_workers: current,
+                    submitted_at: f64::from(submitted),
+                    curve: None,
+                    samples: 0.0,
+                    loss_scale: 0.0,
+                    samples_per_s_per_worker: None,
+                    requested_workers: requested,
+                    attained_gpu_seconds,
+                    throughput,
+                    remaining_work,
+                },
+            )
+    }
+
+    /// Makes the jobs' current allocations valid and jointly within `total_gpus`.
+    fn make_current_feasible(total_gpus: u32, jobs: &mut [PolicyJob]) {
+        let mut free = u64::from(total_gpus);
+        for job in jobs {
+            let need = gpus(job, job.current_workers);
+            let valid = minimum_workers(job)
+                .is_some_and(|min| (min..=job.max_workers).contains(&job.current_workers));
+            if valid && need <= free {
+                free -= need;
+            } else {
+                job.current_workers = 0;
+            }
+        }
+    }
+
+    /// A cluster of 0..64 GPUs with 0..30 jobs whose current allocations fit.
+    fn arbitrary_cluster() -> impl Strategy<Value = (ClusterView, Vec<PolicyJob>)> {
+        (0u32..64, 0usize..30).prop_flat_map(|(total_gpus, count)| {
+            let jobs: Vec<_> = (0..count).map(arbitrary_job).collect();
+            jobs.prop_map(move |mut jobs| {
+                make_current_feasible(total_gpus, &mut jobs);
+                (cluster(total_gpus), jobs)
+            })
+        })
+    }
+
+    fn all_policies() -> Vec<Box<dyn Policy>> {
+        POLICY_NAMES
+            .iter()
+            .map(|name| by_name(name, PolicyParams::default()).unwrap())
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn every_policy_respects_capacity_and_bounds((view, jobs) in arbitrary_cluster()) {
+            for policy in all_policies() {
+                let decision = policy.allocate(&view, &jobs);
+                prop_assert_eq!(decision.workers.len(), jobs.len(), "{}", policy.name());
+                let mut used = 0u64;
+                for job in &jobs {
+                    let workers = decision.workers[&job.id];
+                    used += gpus(job, workers);
+                    prop_assert!(
+                        workers == 0
+                            || (job.min_workers.max(1) <= workers && workers <= job.max_workers),
+                        "{}: {} got {} workers", policy.name(), job.id, workers
+                    );
+                }
+                prop_assert!(used <= u64::from(view.total_gpus), "{}: {} GPUs used", policy.name(), used);
+            }
+        }
+
+        #[test]
+        fn every_policy_is_deterministic_and_ignores_input_order(
+            (view, jobs, shuffled) in arbitrary_cluster().prop_flat_map(|(view, jobs)| {
+                (Just(view), Just(jobs.clone()), Just(jobs).prop_shuffle())
+            })
+        ) {
+            for policy in all_policies() {
+                let decision = policy.allocate(&view, &jobs);
+                prop_assert_eq!(&decision, &policy.allocate(&view, &jobs), "{}", policy.name());
+                prop_assert_eq!(&decision, &policy.allocate(&view, &shuffled), "{}", policy.name());
+            }
+        }
+
+        #[test]
+        fn applying_a_decision_and_deciding_again_changes_nothing(
+            (view, jobs) in arbitrary_cluster()
+        ) {
+            for policy in all_policies() {
+                let first = policy.allocate(&view, &jobs);
+                let mut applied = jobs.clone();
+                for job in &mut applied {
+                    job.current_workers = first.workers[&job.id];
+                }
+                prop_assert_eq!(&first, &policy.allocate(&view, &applied), "{}", policy.name());
+            }
+        }
+    }
+}

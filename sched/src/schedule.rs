@@ -1,0 +1,1817 @@
+//! One scheduling step as a pure function: from job specs, job statuses, host telemetry and
+//! progress histories at time `now`, compute the next job statuses, host plans and events.
+//! The service calls it on every trigger and writes what changed; tests and the simulator
+//! call it directly. No I/O, no clock (`now` is an argument).
+//!
+//! Lifecycle of a job: `pending` → (placed) → `restarting` → (no worker of an older
+//! generation alive on any live host) → `running` → `completed` / `failed` / `cancelled`.
+//! An allocation change bumps the job's generation and goes through `restarting` again, so
+//! the old generation checkpoints and exits before the new one starts (generation fencing).
+
+use crate::contention::{ContentionSamples, HostNic, JobCost, host_nic};
+use crate::decide::{BatchSize, ClusterState, JobView, decide};
+use crate::fit::{Curve, FitConfig, samples_to_reach};
+use crate::fit_cache::{FitCache, ModelScope};
+use crate::history::JobHistory;
+use crate::placement::{HostFree, PlacementKind, master_port};
+use crate::policies::{Policy, PolicyParams, Quality};
+use crate::ps_plan::{PsHost, PsJob, PsPlan, plan_ps_job};
+use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior};
+use converge_common::{
+    Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobPhase, JobSpec, JobStatus,
+    PROTOCOL_VERSION, RankPlacement, SyncArch, WorkerAssignment, WorkerPhase,
+};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+/// Knobs of a scheduling step.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// A host whose latest telemetry is older than this (seconds) is lost: its GPUs leave
+    /// the pool and its jobs are placed elsewhere.
+    pub host_timeout_s: f64,
+    /// Knobs of the quality policy; its horizon also sets how far ahead statuses predict.
+    pub policy: PolicyParams,
+    pub fit: FitConfig,
+    /// Prior of the per-job throughput model (before a job has step times to fit).
+    pub throughput_prior: ThroughputPrior,
+    /// How workers are put on hosts (first fit, or BCO priced by each job's model).
+    pub placement: PlacementKind,
+    /// The policy that sizes jobs (default: `quality` with `policy`).
+    pub scheduler: Arc<dyn Policy>,
+    /// Parameter-server shards one host may run (all jobs together); each takes a CPU
+    /// process and no GPU. Bounds the planner's shard placement ([`DEFAULT_PS_SHARDS_PER_HOST`]).
+    pub ps_shards_per_host: u32,
+    /// Most loss curves refitted in one step ([`DEFAULT_FIT_BUDGET`]); jobs whose refit is
+    /// due beyond it keep their last curve until a later step, those with the most new
+    /// points (then never fitted, then by id) first. Bounds a step's time when many jobs
+    /// report at once.
+    pub fit_budget: usize,
+}
+
+/// Default of [`Settings::fit_budget`]: 100 refits (about 0.1–0.3 s on one core).
+pub const DEFAULT_FIT_BUDGET: usize = 100;
+
+/// Default of [`Settings::ps_shards_per_host`].
+pub const DEFAULT_PS_SHARDS_PER_HOST: u32 = 4;
+
+/// Model size assumed for a parameter-server job before its trainers report one (bytes):
+/// 100 MB, about ResNet-50's parameters in f32.
+pub const DEFAULT_PS_MODEL_BYTES: f64 = 100e6;
+
+/// NIC speed assumed for a host whose agent reports no link speed (bytes per second in one
+/// direction): 10 Gbit/s.
+pub const DEFAULT_LINK_BYTES_PER_S: f64 = 1.25e9;
+
+/// The planner takes the fewest shards whose planned throughput is at least this fraction
+/// of the best plan's ([`PsJob::target_fraction`]): a shard is a process, not worth a
+/// throughput gain under 5 %.
+pub const PS_TARGET_FRACTION: f64 = 0.95;
+
+impl Default for Settings {
+    fn default() -> Self {
+        let policy = PolicyParams::default();
+        Self {
+            host_timeout_s: 15.0,
+            policy,
+            fit: FitConfig::default(),
+            throughput_prior: ThroughputPrior::default(),
+            placement: PlacementKind::default(),
+            scheduler: Arc::new(Quality { params: policy }),
+            ps_shards_per_host: DEFAULT_PS_SHARDS_PER_HOST,
+            fit_budget: DEFAULT_FIT_BUDGET,
+        }
+    }
+}
+
+/// Samples the job still needs, when it has a target loss and a fitted curve that reaches
+/// it within a thousand times the samples done so far (at least 10⁹): the curve's prediction,
+/// inverted. `None` otherwise (the policy then guesses, see [`crate::policies::quality::remaining_work`]).
+fn remaining_samples(curve: Option<&Curve>, target_loss: Option<f64>, samples: f64) -> Option<f64> {
+    let limit = (samples * 1000.0).max(1e9);
+    let reach = samples_to_reach(curve?, target_loss?, samples, limit)?;
+    Some((reach - samples).max(0.0))
+}
+
+/// The parameter-server shards of a running `arch = "ps"` job (none for other jobs): those
+/// the planner placed ([`JobStatus::ps_placement`]), else (statuses written before the
+/// planner, or when it found no plan) co-location: one per host its workers use, in rank
+/// order of first appearance, at most `max_ps`, so that pushes and pulls stay on the host
+/// (locality, after Yu et al., IEEE TNSE 2021). Shards take the ranks after the workers and
+/// no GPU.
+fn ps_shards(status: &JobStatus, spec: &JobSpec) -> Vec<RankPlacement> {
+    if spec.arch != SyncArch::Ps || status.world_size == 0 {
+        return Vec::new();
+    }
+    if !status.ps_placement.is_empty() {
+        return status.ps_placement.clone();
+    }
+    colocated_shards(status.world_size, &status.placement, spec)
+}
+
+/// One shard per host of `placement`, in rank order of first appearance, at most `max_ps`.
+fn colocated_shards(
+    world_size: u32,
+    placement: &[RankPlacement],
+    spec: &JobSpec,
+) -> Vec<RankPlacement> {
+    let mut hosts: Vec<&HostId> = Vec::new();
+    let mut ranks: Vec<&RankPlacement> = placement.iter().collect();
+    ranks.sort_by_key(|p| p.rank);
+    for p in ranks {
+        if !hosts.contains(&&p.host) {
+            hosts.push(&p.host);
+        }
+    }
+    hosts
+        .into_iter()
+        .take(spec.max_ps.unwrap_or(u32::MAX) as usize)
+        .enumerate()
+        .map(|(i, host)| RankPlacement {
+            rank: world_size + i as u32,
+            host: host.clone(),
+            gpus: Vec::new(),
+        })
+        .collect()
+}
+
+/// Everything a step reads.
+#[derive(Debug, Clone, Copy)]
+pub struct Inputs<'a> {
+    pub now: f64,
+    pub specs: &'a BTreeMap<JobId, JobSpec>,
+    /// Specs that were refused, with the reason (the job fails with it).
+    pub refused_specs: &'a BTreeMap<JobId, String>,
+    pub statuses: &'a BTreeMap<JobId, JobStatus>,
+    pub hosts: &'a BTreeMap<HostId, HostTelemetry>,
+    pub histories: &'a BTreeMap<JobId, JobHistory>,
+}
+
+/// What a step decided.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// The status of every known job.
+    pub statuses: BTreeMap<JobId, JobStatus>,
+    /// The plan of every known host (lost hosts get an empty plan, which fences their
+    /// workers when they return).
+    pub plans: BTreeMap<HostId, HostPlan>,
+    pub events: Vec<Event>,
+}
+
+const SOURCE: &str = "allocator";
+
+fn event(now: f64, kind: EventKind, message: String) -> Event {
+    Event::new(now, SOURCE, kind, message)
+}
+
+/// Runs one step. With `run_policy` false only the lifecycle advances (completions,
+/// failures, restarts finishing, progress); allocations change only when it is true (every
+/// scheduling interval, on job submission and when hosts come or go). `cache` holds the
+/// fits of earlier steps ([`FitCache`]); the step refits what is due, fits each job's curve
+/// and each of its throughput models at most once, and forgets jobs that are no longer
+/// active.
+pub fn step(
+    inp: Inputs<'_>,
+    settings: &Settings,
+    cache: &mut FitCache,
+    run_policy: bool,
+) -> Outcome {
+    let now = inp.now;
+    let mut out = Outcome::default();
+    let live: BTreeMap<&HostId, &HostTelemetry> = inp
+        .hosts
+        .iter()
+        .filter(|(_, t)| now - t.time <= settings.host_timeout_s)
+        .collect();
+
+    // Worker states reported by live hosts, by job.
+    let mut reported: BTreeMap<&JobId, Vec<(&HostId, &converge_common::WorkerState)>> =
+        BTreeMap::new();
+    for (host, t) in &live {
+        for w in &t.workers {
+            reported.entry(&w.job).or_default().push((host, w));
+        }
+    }
+
+    // 1. Statuses for new and refused jobs; lifecycle of the known ones.
+    let mut curves: BTreeMap<JobId, Curve> = BTreeMap::new();
+    let mut models: BTreeMap<JobId, ThroughputModel> = BTreeMap::new();
+    let refit = refits(inp, cache, settings.fit_budget);
+    for (id, spec) in inp.specs {
+        let mut status = inp
+            .statuses
+            .get(id)
+            .cloned()
+            .unwrap_or_else(|| new_status(id, spec.submitted_at, now));
+        if !inp.statuses.contains_key(id) {
+            out.events.push(event(
+                now,
+                EventKind::JobSubmitted { job: id.clone() },
+                format!(
+                    "job {id} admitted: {} to {} workers of {} GPU(s)",
+                    spec.min_workers,
+                    spec.max_workers(),
+                    spec.gpus_per_worker
+                ),
+            ));
+        }
+        let history = inp.histories.get(id);
+        // Finished jobs keep the status they finished with; each job is fitted once a step.
+        if !status.phase.is_terminal() {
+            advance(
+                &mut status,
+                spec,
+                history,
+                reported.get(id),
+                &live,
+                now,
+                &mut out.events,
+            );
+            let curve = history.and_then(|h| cache.curve(id, h, &settings.fit, refit.contains(id)));
+            update_progress(
+                &mut status,
+                history,
+                curve.as_ref(),
+                settings.policy.horizon_s,
+                (cache, &settings.throughput_prior),
+            );
+            if let Some(c) = curve {
+                curves.insert(id.clone(), c);
+            }
+            if let Some(model) = history.and_then(|h| {
+                let seen = observations(h, |_| true);
+                (!seen.is_empty())
+                    .then(|| cache.model(id, ModelScope::All, &seen, &settings.throughput_prior))
+            }) {
+                models.insert(id.clone(), model);
+            }
+        }
+        out.statuses.insert(id.clone(), status);
+    }
+    for (id, reason) in inp.refused_specs {
+        if inp.specs.contains_key(id) {
+            continue;
+        }
+        let mut status = inp
+            .statuses
+            .get(id)
+            .cloned()
+            .unwrap_or_else(|| new_status(id, now, now));
+        if !status.phase.is_terminal() {
+            finish(
+                &mut status,
+                JobPhase::Failed,
+                format!("job spec refused: {reason}"),
+                now,
+                &mut out.events,
+            );
+        }
+        out.statuses.insert(id.clone(), status);
+    }
+    // Statuses whose spec vanished (deleted from KV) are kept as they are.
+    for (id, s) in inp.statuses {
+        out.statuses.entry(id.clone()).or_insert_with(|| s.clone());
+    }
+
+    // 2. The policy: how many workers each active job gets, and where.
+    if run_policy {
+        let contention = measured_contention(&out.statuses, cache, inp.histories, settings);
+        allocate(
+            inp,
+            settings,
+            &live,
+            Fits {
+                curves: &curves,
+                models: &models,
+                contention,
+            },
+            &mut out,
+        );
+    }
+
+    // 3. A job whose rank 0 host now answers at another address restarts as a new
+    //    generation (its ranks would wait at the old address).
+    follow_master_addr(inp.statuses, &mut out, &live, now);
+
+    // 4. Restarting jobs whose previous generation has exited everywhere start.
+    for status in out.statuses.values_mut() {
+        if status.phase == JobPhase::Restarting
+            && !older_generation_alive(status, reported.get(&status.job))
+        {
+            status.phase = JobPhase::Running;
+            status.started_at.get_or_insert(now);
+        }
+    }
+
+    // 5. Plans follow from the statuses.
+    out.plans = plans(inp, &out.statuses, &live);
+    cache.retain(|id| out.statuses.get(id).is_some_and(|s| !s.phase.is_terminal()));
+    out
+}
+
+/// The step observations of `h`'s generations that `keep` accepts, oldest first.
+fn observations(h: &JobHistory, keep: impl Fn(u64) -> bool) -> Vec<StepObservation> {
+    h.step_observations()
+        .into_iter()
+        .filter(|(g, _)| keep(*g))
+        .map(|(_, o)| o)
+        .collect()
+}
+
+/// A job's new generation: frees its master port in `taken_ports`, bumps the generation and
+/// takes a fresh port (`None` when the job has no workers). The one place a generation
+/// changes, so old and new workers never meet (generation fencing; see the module docs).
+fn bump_generation(status: &mut JobStatus, taken_ports: &mut BTreeSet<u16>) {
+    if let Some(p) = status.master_port {
+        taken_ports.remove(&p);
+    }
+    status.generation += 1;
+    status.master_port = (status.world_size > 0).then(|| {
+        let port = master_port(&status.job, status.generation, taken_ports);
+        taken_ports.insert(port);
+        port
+    });
+}
+
+/// Contention measured on the running jobs ([`ContentionSamples`]): each running multi-host
+/// job whose generation has an observed and an out-of-sample predicted step time
+/// ([`JobStatus::step_time_s`], [`JobStatus::predicted_step_time_s`]) and shares a host with
+/// other multi-host jobs adds its extra step time as a fraction of its predicted compute time.
+fn measured_contention(
+    statuses: &BTreeMap<JobId, JobStatus>,
+    cache: &mut FitCache,
+    histories: &BTreeMap<JobId, JobHistory>,
+    settings: &Settings,
+) -> f64 {
+    let hosts_of = |s: &JobStatus| -> BTreeSet<HostId> {
+        s.placement.iter().map(|p| p.host.clone()).collect()
+    };
+    let mut multi_host_jobs: BTreeMap<HostId, u32> = BTreeMap::new();
+    for s in statuses.values().filter(|s| s.phase == JobPhase::Running) {
+        let hosts = hosts_of(s);
+        if hosts.len() > 1 {
+            for h in hosts {
+                *multi_host_jobs.entry(h).or_default() += 1;
+            }
+        }
+    }
+    let mut samples = ContentionSamples::default();
+    for s in statuses.values().filter(|s| s.phase == JobPhase::Running) {
+        let hosts = hosts_of(s);
+        let (Some(observed), Some(predicted), Some(h)) = (
+            s.step_time_s,
+            s.predicted_step_time_s,
+            histories.get(&s.job),
+        ) else {
+            continue;
+        };
+        if hosts.len() < 2 {
+            continue;
+        }
+        let sharing = hosts
+            .iter()
+            .map(|h| multi_host_jobs.get(h).copied().unwrap_or(0))
+            .max()
+            .unwrap_or(0);
+        let earlier = observations(h, |g| g < s.generation);
+        let Some(last) = earlier.last() else { continue };
+        let model = cache.model(
+            &s.job,
+            ModelScope::Earlier,
+            &earlier,
+            &settings.throughput_prior,
+        );
+        let compute = JobCost::from_model(&model, s.world_size, last.local_batch).compute_s;
+        if compute > 0.0 {
+            samples.add((observed - predicted) / compute, sharing);
+        }
+    }
+    samples.per_shared_job()
+}
+
+/// The active jobs whose curve is refitted in this step: those with a refit due, most new
+/// points first (never fitted first of all), then by id, at most `budget`.
+fn refits<'a>(inp: Inputs<'a>, cache: &FitCache, budget: usize) -> BTreeSet<&'a JobId> {
+    let mut due: Vec<(usize, &JobId)> = inp
+        .specs
+        .keys()
+        .filter(|id| inp.statuses.get(*id).is_none_or(|s| !s.phase.is_terminal()))
+        .filter_map(|id| Some((cache.refit_pending(id, inp.histories.get(id)?)?, id)))
+        .collect();
+    due.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+    due.into_iter().take(budget).map(|(_, id)| id).collect()
+}
+
+/// Records rank 0's host address of every placed job, and moves a job to a new generation
+/// (fresh `MASTER_PORT`, `restarting`) when the address changed since its generation was
+/// placed: an agent restarted with a new IP.
+fn follow_master_addr(
+    before: &BTreeMap<JobId, JobStatus>,
+    out: &mut Outcome,
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+    now: f64,
+) {
+    let mut taken_ports: BTreeSet<u16> = out
+        .statuses
+        .values()
+        .filter(|s| !s.phase.is_terminal())
+        .filter_map(|s| s.master_port)
+        .collect();
+    for status in out.statuses.values_mut() {
+        if status.phase.is_terminal() || status.world_size == 0 {
+            status.master_addr = None;
+            continue;
+        }
+        let Some(addr) = status
+            .placement
+            .iter()
+            .find(|p| p.rank == 0)
+            .and_then(|p| live.get(&p.host))
+            .map(|t| t.addr.clone())
+        else {
+            continue;
+        };
+        let same_generation = before
+            .get(&status.job)
+            .is_some_and(|b| b.generation == status.generation);
+        match &status.master_addr {
+            Some(old) if *old != addr && same_generation => {
+                let old = old.clone();
+                bump_generation(status, &mut taken_ports);
+                status.phase = JobPhase::Restarting;
+                out.events.push(event(
+                    now,
+                    EventKind::AllocationChanged {
+                        job: status.job.clone(),
+                        generation: status.generation,
+                        from_workers: status.world_size,
+                        to_workers: status.world_size,
+                    },
+                    format!(
+                        "job {}: rank 0's host now answers at {addr} (was {old}); restarting as generation {}",
+                        status.job, status.generation
+                    ),
+                ));
+                status.master_addr = Some(addr);
+            }
+            _ => status.master_addr = Some(addr),
+        }
+    }
+}
+
+fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
+    JobStatus {
+        protocol: PROTOCOL_VERSION,
+        job: id.clone(),
+        phase: JobPhase::Pending,
+        generation: 0,
+        world_size: 0,
+        placement: Vec::new(),
+        ps_placement: Vec::new(),
+        master_addr: None,
+        master_port: None,
+        step: 0,
+        samples: 0,
+        first_loss: None,
+        loss: None,
+        eval_loss: None,
+        curve: None,
+        predicted_loss: None,
+        samples_per_s: None,
+        step_time_s: None,
+        predicted_step_time_s: None,
+        submitted_at,
+        started_at: None,
+        finished_at: None,
+        updated_at: now,
+        message: None,
+    }
+}
+
+fn finish(
+    status: &mut JobStatus,
+    phase: JobPhase,
+    message: String,
+    now: f64,
+    events: &mut Vec<Event>,
+) {
+    status.phase = phase;
+    status.finished_at = Some(now);
+    status.world_size = 0;
+    status.placement.clear();
+    status.ps_placement.clear();
+    status.master_port = None;
+    events.push(event(
+        now,
+        EventKind::JobFinished {
+            job: status.job.clone(),
+            phase,
+        },
+        format!("job {} {}: {message}", status.job, phase.as_str()),
+    ));
+    status.message = Some(message);
+}
+
+/// Completion, failure, cancellation and host loss of one active job.
+fn advance(
+    status: &mut JobStatus,
+    spec: &JobSpec,
+    history: Option<&JobHistory>,
+    reported: Option<&Vec<(&HostId, &converge_common::WorkerState)>>,
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+    now: f64,
+    events: &mut Vec<Event>,
+) {
+    if spec.cancelled {
+        finish(
+            status,
+            JobPhase::Cancelled,
+            "cancelled by the user".into(),
+            now,
+            events,
+        );
+        return;
+    }
+    if status.phase != JobPhase::Running {
+        return;
+    }
+    // Only what a host reports about ranks placed on it counts: a host cannot complete or
+    // fail another host's ranks through its own heartbeat.
+    let placed_here = |host: &HostId, rank: u32| {
+        status
+            .placement
+            .iter()
+            .chain(&status.ps_placement)
+            .any(|p| p.rank == rank && p.host == *host)
+    };
+    let current: Vec<&(&HostId, &converge_common::WorkerState)> = reported
+        .map(|v| {
+            v.iter()
+                .filter(|(host, w)| w.generation == status.generation && placed_here(host, w.rank))
+                .collect()
+        })
+        .unwrap_or_default();
+    if current
+        .iter()
+        .any(|(_, w)| w.rank == 0 && w.phase == WorkerPhase::Succeeded)
+    {
+        finish(
+            status,
+            JobPhase::Completed,
+            "rank 0 exited with code 0".into(),
+            now,
+            events,
+        );
+        return;
+    }
+    if let (Some(target), Some(latest)) = (spec.target_loss, history.and_then(JobHistory::latest))
+        && latest.loss <= target
+    {
+        finish(
+            status,
+            JobPhase::Completed,
+            format!("reached target loss {target} (loss {:.4})", latest.loss),
+            now,
+            events,
+        );
+        return;
+    }
+    // A lost host comes before a failure: ranks fail when a peer's host vanishes, and the
+    // job is placed again from its checkpoint rather than failed.
+    if let Some(lost) = status
+        .placement
+        .iter()
+        .chain(&status.ps_placement)
+        .find(|p| !live.contains_key(&p.host))
+    {
+        let host = lost.host.clone();
+        events.push(event(
+            now,
+            EventKind::HostLost { host: host.clone() },
+            format!(
+                "job {} lost host {host}; it will be placed again from its checkpoint",
+                status.job
+            ),
+        ));
+        status.phase = JobPhase::Pending;
+        status.world_size = 0;
+        status.placement.clear();
+        status.ps_placement.clear();
+        status.master_port = None;
+        status.message = Some(format!("host {host} stopped reporting"));
+        return;
+    }
+    if let Some((host, w)) = current.iter().find(|(_, w)| w.phase == WorkerPhase::Failed) {
+        let code = w
+            .last_exit_code
+            .map_or("a signal".to_string(), |c| format!("exit code {c}"));
+        finish(
+            status,
+            JobPhase::Failed,
+            format!(
+                "rank {} on {host} failed ({code}) after {} restarts; see its log on that host",
+                w.rank, w.restarts
+            ),
+            now,
+            events,
+        );
+    }
+}
+
+fn older_generation_alive(
+    status: &JobStatus,
+    reported: Option<&Vec<(&HostId, &converge_common::WorkerState)>>,
+) -> bool {
+    reported.is_some_and(|v| {
+        v.iter()
+            .any(|(_, w)| w.generation < status.generation && w.phase.is_alive())
+    })
+}
+
+/// Copies progress, the fitted curve and the prediction into the status.
+fn update_progress(
+    status: &mut JobStatus,
+    history: Option<&JobHistory>,
+    curve: Option<&Curve>,
+    horizon_s: f64,
+    fits: (&mut FitCache, &ThroughputPrior),
+) {
+    let Some(h) = history else { return };
+    if let Some(p) = h.latest() {
+        status.step = p.step;
+        status.samples = p.samples;
+        status.loss = Some(p.loss);
+    }
+    status.first_loss = h.first_loss();
+    status.eval_loss = h.last_eval_loss();
+    status.samples_per_s = h.samples_per_s(status.generation);
+    status.predicted_loss = curve.map(|c| {
+        let rate = status.samples_per_s.unwrap_or(0.0);
+        c.predict(status.samples as f64 + rate * horizon_s)
+    });
+    status.curve = curve.map(|c| c.to_wire());
+    let (observed, predicted) = step_times(status, h, fits.0, fits.1);
+    status.step_time_s = observed;
+    status.predicted_step_time_s = predicted;
+}
+
+/// Observed seconds per step of the status's generation, and what the throughput model
+/// fitted on the earlier generations predicts for its world size and servers spanned.
+fn step_times(
+    status: &JobStatus,
+    h: &JobHistory,
+    cache: &mut FitCache,
+    prior: &ThroughputPrior,
+) -> (Option<f64>, Option<f64>) {
+    let seen = h.step_observations();
+    let current = seen
+        .iter()
+        .find(|(g, _)| *g == status.generation)
+        .map(|(_, o)| *o);
+    let earlier: Vec<StepObservation> = seen
+        .iter()
+        .filter(|(g, _)| *g < status.generation)
+        .map(|(_, o)| *o)
+        .collect();
+    let predicted = (!earlier.is_empty() && status.world_size > 0).then(|| {
+        let nodes = status
+            .placement
+            .iter()
+            .map(|r| &r.host)
+            .collect::<BTreeSet<_>>()
+            .len()
+            .max(1) as u32;
+        let local_batch = current.map_or(earlier[earlier.len() - 1].local_batch, |c| c.local_batch);
+        cache
+            .model(&status.job, ModelScope::Earlier, &earlier, prior)
+            .step_time_s(status.world_size, nodes, local_batch)
+    });
+    (current.map(|c| c.step_time_s), predicted)
+}
+
+/// What the step fitted for [`allocate`].
+struct Fits<'a> {
+    curves: &'a BTreeMap<JobId, Curve>,
+    /// Each active job's throughput model on all its generations.
+    models: &'a BTreeMap<JobId, ThroughputModel>,
+    /// [`measured_contention`].
+    contention: f64,
+}
+
+/// The per-worker batch the job last ran with: the latest generation's observed samples per
+/// worker per step.
+fn last_local_batch(h: Option<&JobHistory>) -> Option<f64> {
+    h?.step_observations().last().map(|(_, o)| o.local_batch)
+}
+
+/// The job as [`decide`] sees it.
+fn job_view(
+    status: &JobStatus,
+    spec: &JobSpec,
+    history: Option<&JobHistory>,
+    fits: &Fits<'_>,
+) -> JobView {
+    let per_worker = history.and_then(|h| {
+        let (g, rate) = h.latest_rate()?;
+        let workers = if g == status.generation {
+            status.world_size
+        } else {
+            0
+        };
+        // Throughput of an older generation is per worker of that generation; its size is
+        // not kept, so fall back to the current size when unknown.
+        let w = if workers > 0 {
+            workers
+        } else {
+            status.world_size.max(1)
+        };
+        Some(rate / f64::from(w))
+    });
+    let curve = fits.curves.get(&status.job).cloned();
+    let remaining_work = remaining_samples(curve.as_ref(), spec.target_loss, status.samples as f64);
+    JobView {
+        id: status.job.clone(),
+        gpus_per_worker: spec.gpus_per_worker,
+        min_workers: spec.min_workers,
+        max_workers: spec.max_workers(),
+        requested_workers: spec.requested_workers(),
+        submitted_at: status.submitted_at,
+        placement: status.placement.clone(),
+        curve,
+        samples: status.samples as f64,
+        loss_scale: history.map_or(0.0, JobHistory::loss_scale),
+        samples_per_s_per_worker: per_worker,
+        attained_gpu_seconds: history.map_or(0.0, |h| h.attained_gpu_seconds(spec.gpus_per_worker)),
+        model: fits.models.get(&status.job).cloned(),
+        batch: BatchSize::PerWorker(
+            last_local_batch(history).unwrap_or(crate::throughput::DEFAULT_PRIOR_LOCAL_BATCH),
+        ),
+        remaining_work,
+        oracle: None,
+    }
+}
+
+fn allocate(
+    inp: Inputs<'_>,
+    settings: &Settings,
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+    fits: Fits<'_>,
+    out: &mut Outcome,
+) {
+    let now = inp.now;
+    let active: Vec<(JobStatus, &JobSpec)> = out
+        .statuses
+        .values()
+        .filter(|s| !s.phase.is_terminal())
+        .filter_map(|s| inp.specs.get(&s.job).map(|spec| (s.clone(), spec)))
+        .collect();
+    let views: Vec<JobView> = active
+        .iter()
+        .map(|(s, spec)| job_view(s, spec, inp.histories.get(&s.job), &fits))
+        .collect();
+    let nics: BTreeMap<&HostId, HostNic> =
+        live.iter().map(|(h, t)| (*h, host_nic(&t.nics))).collect();
+    let hosts: Vec<HostFree> = live
+        .iter()
+        .map(|(h, t)| HostFree {
+            host: (*h).clone(),
+            gpus: t.gpus.iter().map(|g| g.index).collect(),
+            nic_factor: nics[h].factor,
+        })
+        .collect();
+    let decision = decide(
+        &ClusterState {
+            now,
+            hosts: &hosts,
+            contention_per_shared_job: fits.contention,
+        },
+        &views,
+        settings.scheduler.as_ref(),
+        settings.placement,
+    );
+    let mut placed = decision.placements;
+    let models: BTreeMap<JobId, (ThroughputModel, f64)> = views
+        .iter()
+        .filter_map(|v| {
+            let model = v.model.clone()?;
+            let b = match v.batch {
+                BatchSize::PerWorker(b) | BatchSize::Total(b) => b,
+            };
+            Some((v.id.clone(), (model, b)))
+        })
+        .collect();
+    // Priority order, as the decision placed them: running jobs first, then by arrival.
+    let mut active = active;
+    active.sort_by(|(a, _), (b, _)| {
+        (a.world_size == 0)
+            .cmp(&(b.world_size == 0))
+            .then(a.submitted_at.total_cmp(&b.submitted_at))
+            .then(a.job.cmp(&b.job))
+    });
+    let shards = plan_ps_jobs(
+        &PsContext {
+            settings,
+            live,
+            nics: &nics,
+            histories: inp.histories,
+            models: &models,
+        },
+        &active,
+        &mut placed,
+    );
+
+    let mut taken_ports: BTreeSet<u16> = out
+        .statuses
+        .values()
+        .filter(|s| !s.phase.is_terminal())
+        .filter_map(|s| s.master_port)
+        .collect();
+    for (s, _) in &active {
+        let new_placement = placed.get(&s.job).cloned().unwrap_or_default();
+        let new_shards = shards.get(&s.job).cloned().unwrap_or_default();
+        if new_placement == s.placement && new_shards == s.ps_placement {
+            continue;
+        }
+        let status = out
+            .statuses
+            .get_mut(&s.job)
+            .expect("active jobs have statuses");
+        let from = status.world_size;
+        status.world_size = new_placement.len() as u32;
+        status.placement = new_placement;
+        status.ps_placement = new_shards;
+        bump_generation(status, &mut taken_ports);
+        if status.world_size == 0 {
+            status.phase = JobPhase::Pending;
+            status.message = Some("preempted: waiting for GPUs".into());
+        } else {
+            status.phase = JobPhase::Restarting;
+            status.message = None;
+        }
+        out.events.push(event(
+            now,
+            EventKind::AllocationChanged {
+                job: status.job.clone(),
+                generation: status.generation,
+                from_workers: from,
+                to_workers: status.world_size,
+            },
+            format!(
+                "job {}: {from} -> {} workers (generation {})",
+                status.job, status.world_size, status.generation
+            ),
+        ));
+    }
+}
+
+/// What [`plan_ps_jobs`] reads besides the placements.
+struct PsContext<'a> {
+    settings: &'a Settings,
+    live: &'a BTreeMap<&'a HostId, &'a HostTelemetry>,
+    nics: &'a BTreeMap<&'a HostId, HostNic>,
+    histories: &'a BTreeMap<JobId, JobHistory>,
+    models: &'a BTreeMap<JobId, (ThroughputModel, f64)>,
+}
+
+/// Shards of every active `arch = "ps"` job, and the workers of those being (re)placed, by
+/// the LP planner of [`crate::ps_plan`] (Yu et al., IEEE TNSE 2021; design brief §5.2).
+///
+/// A PS job whose workers keep their placement keeps its shards. A PS job that the
+/// placement moved or resized (and got workers) is planned again, in priority order: with
+/// the worker count the policy gave it fixed, the planner chooses how many shards
+/// (1..=`max_ps`, default up to one per worker) and where the workers and shards go, on
+/// each live host's GPUs not used by other jobs, the shard slots left
+/// ([`Settings::ps_shards_per_host`]) and its NIC (link speed × NIC factor, both
+/// directions; [`DEFAULT_LINK_BYTES_PER_S`] when unknown). The job's step is priced with its
+/// reported model size ([`DEFAULT_PS_MODEL_BYTES`] before one) and the compute time of its
+/// throughput model (1 s before one). The plan's workers replace the placement's (same
+/// count; GPUs lowest first on each host, ranks in host order); the placement's own ranks
+/// stay when the plan uses the same hosts with the same counts. With no plan (no shard slot
+/// free), the shards are co-located with the workers as before the planner.
+fn plan_ps_jobs(
+    cx: &PsContext<'_>,
+    active: &[(JobStatus, &JobSpec)],
+    placed: &mut BTreeMap<JobId, Vec<RankPlacement>>,
+) -> BTreeMap<JobId, Vec<RankPlacement>> {
+    let mut shards: BTreeMap<JobId, Vec<RankPlacement>> = BTreeMap::new();
+    let mut replan: Vec<(&JobStatus, &JobSpec)> = Vec::new();
+    for (s, spec) in active {
+        if spec.arch != SyncArch::Ps {
+            continue;
+        }
+        let ranks = placed.get(&s.job).map_or(&[][..], Vec::as_slice);
+        if ranks.is_empty() {
+            continue;
+        }
+        if ranks == s.placement.as_slice() {
+            shards.insert(s.job.clone(), s.ps_placement.clone());
+        } else {
+            replan.push((s, spec));
+        }
+    }
+    let hosts: Vec<&HostId> = cx.live.keys().copied().collect();
+    for (s, spec) in replan {
+        let mine = placed.get(&s.job).cloned().unwrap_or_default();
+        let mut used: BTreeMap<&HostId, BTreeSet<u32>> = BTreeMap::new();
+        for (job, ranks) in placed.iter() {
+            if *job != s.job {
+                for r in ranks {
+                    used.entry(&r.host).or_default().extend(&r.gpus);
+                }
+            }
+        }
+        let mut slots_used: BTreeMap<&HostId, u32> = BTreeMap::new();
+        for (job, list) in &shards {
+            if *job != s.job {
+                for r in list {
+                    *slots_used.entry(&r.host).or_default() += 1;
+                }
+            }
+        }
+        let free: Vec<Vec<u32>> = hosts
+            .iter()
+            .map(|h| {
+                let taken = used.get(h);
+                cx.live[h]
+                    .gpus
+                    .iter()
+                    .map(|g| g.index)
+                    .filter(|g| taken.is_none_or(|t| !t.contains(g)))
+                    .collect()
+            })
+            .collect();
+        let ps_hosts: Vec<PsHost> = hosts
+            .iter()
+            .zip(&free)
+            .map(|(h, gpus)| {
+                let nic = cx.nics[h];
+                PsHost::new(
+                    gpus.len() as u32,
+                    cx.settings
+                        .ps_shards_per_host
+                        .saturating_sub(slots_used.get(h).copied().unwrap_or(0)),
+                    2.0 * nic.link_bytes_per_s.unwrap_or(DEFAULT_LINK_BYTES_PER_S) * nic.factor,
+                )
+            })
+            .collect();
+        let workers = mine.len() as u32;
+        let model = cx.models.get(&s.job);
+        let job = PsJob {
+            model_bytes: cx
+                .histories
+                .get(&s.job)
+                .and_then(JobHistory::model_bytes)
+                .map_or(DEFAULT_PS_MODEL_BYTES, |b| b as f64),
+            compute_s: model.map_or(JobCost::default().compute_s, |(m, b)| {
+                JobCost::from_model(m, workers, *b).compute_s
+            }),
+            samples_per_worker: model.map_or(1.0, |(_, b)| *b),
+            gpus_per_worker: spec.gpus_per_worker,
+            min_workers: workers,
+            max_workers: workers,
+            min_shards: 1,
+            max_shards: spec.max_ps.unwrap_or(workers).max(1),
+            target_fraction: PS_TARGET_FRACTION,
+        };
+        let plan = plan_ps_job(&ps_hosts, &job, s.generation + 1);
+        let (ranks, list) = match plan {
+            Some(plan) => ps_ranks(&plan, &hosts, &free, &mine, spec.gpus_per_worker),
+            None => {
+                let list = colocated_shards(workers, &mine, spec);
+                (mine, list)
+            }
+        };
+        placed.insert(s.job.clone(), ranks);
+        shards.insert(s.job.clone(), list);
+    }
+    shards
+}
+
+/// Worker ranks and shard ranks of a PS plan (host indices into `hosts`; `free[h]` the
+/// GPUs free for the job on host `h`, increasing). Keeps `placed` (the placement's ranks)
+/// when the plan puts the same number of workers on the same hosts.
+fn ps_ranks(
+    plan: &PsPlan,
+    hosts: &[&HostId],
+    free: &[Vec<u32>],
+    placed: &[RankPlacement],
+    gpus_per_worker: u32,
+) -> (Vec<RankPlacement>, Vec<RankPlacement>) {
+    let mut counts: BTreeMap<&HostId, u32> = BTreeMap::new();
+    for r in placed {
+        *counts.entry(&r.host).or_default() += 1;
+    }
+    let planned: BTreeMap<&HostId, u32> = plan
+        .workers_per_host
+        .iter()
+        .map(|&(h, n)| (hosts[h], n))
+        .collect();
+    let workers = if planned == counts {
+        placed.to_vec()
+    } else {
+        let per = gpus_per_worker as usize;
+        let mut ranks = Vec::with_capacity(plan.workers as usize);
+        for &(h, n) in &plan.workers_per_host {
+            for chunk in free[h].chunks_exact(per).take(n as usize) {
+                ranks.push(RankPlacement {
+                    rank: ranks.len() as u32,
+                    host: hosts[h].clone(),
+                    gpus: chunk.to_vec(),
+                });
+            }
+        }
+        ranks
+    };
+    let world_size = workers.len() as u32;
+    let shards = plan
+        .shards_per_host
+        .iter()
+        .flat_map(|&(h, n)| std::iter::repeat_n(hosts[h], n as usize))
+        .enumerate()
+        .map(|(i, host)| RankPlacement {
+            rank: world_size + i as u32,
+            host: host.clone(),
+            gpus: Vec::new(),
+        })
+        .collect();
+    (workers, shards)
+}
+
+/// Host plans from job statuses: every `running` job's ranks on their hosts.
+fn plans(
+    inp: Inputs<'_>,
+    statuses: &BTreeMap<JobId, JobStatus>,
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+) -> BTreeMap<HostId, HostPlan> {
+    let mut plans: BTreeMap<HostId, HostPlan> = inp
+        .hosts
+        .keys()
+        .map(|h| {
+            (
+                h.clone(),
+                HostPlan {
+                    protocol: PROTOCOL_VERSION,
+                    host: h.clone(),
+                    workers: Vec::new(),
+                },
+            )
+        })
+        .collect();
+    for status in statuses.values() {
+        if status.phase != JobPhase::Running {
+            continue;
+        }
+        let (Some(spec), Some(port)) = (inp.specs.get(&status.job), status.master_port) else {
+            continue;
+        };
+        let Some(rank0) = status.placement.iter().find(|p| p.rank == 0) else {
+            continue;
+        };
+        let Some(master_addr) = live.get(&rank0.host).map(|t| t.addr.clone()) else {
+            continue;
+        };
+        let shards = ps_shards(status, spec);
+        let num_ps = shards.len() as u32;
+        let worker_hosts = status
+            .placement
+            .iter()
+            .map(|p| &p.host)
+            .collect::<BTreeSet<_>>()
+            .len() as u32;
+        let world_size = status.world_size + num_ps;
+        let mut by_host: BTreeMap<&HostId, Vec<&RankPlacement>> = BTreeMap::new();
+        for p in status.placement.iter().chain(&shards) {
+            by_host.entry(&p.host).or_default().push(p);
+        }
+        for (host, ranks) in by_host {
+            let plan = plans.entry(host.clone()).or_insert_with(|| HostPlan {
+                protocol: PROTOCOL_VERSION,
+                host: host.clone(),
+                workers: Vec::new(),
+            });
+            for (local_rank, p) in ranks.iter().enumerate() {
+                plan.workers.push(WorkerAssignment {
+                    job: status.job.clone(),
+                    generation: status.generation,
+                    rank: p.rank,
+                    world_size,
+                    local_rank: local_rank as u32,
+                    local_world_size: ranks.len() as u32,
+                    gpus: p.gpus.clone(),
+                    master_addr: master_addr.clone(),
+                    master_port: port,
+                    command: spec.command.clone(),
+                    env: spec.env.clone(),
+                    max_restarts: spec.max_restarts,
+                    num_ps,
+                    hosts: worker_hosts,
+                });
+            }
+        }
+    }
+    plans
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_common::{GpuSample, WorkerState};
+
+    fn job(id: &str, min: u32, max: u32, submitted_at: f64) -> JobSpec {
+        let mut spec = JobSpec::from_toml(&format!(
+            "id = \"{id}\"\ncommand = [\"train\"]\nmin_workers = {min}\nmax_workers = {max}\n"
+        ))
+        .unwrap();
+        spec.submitted_at = submitted_at;
+        spec
+    }
+
+    fn host(id: &str, gpus: u32, time: f64, workers: Vec<WorkerState>) -> HostTelemetry {
+        HostTelemetry {
+            protocol: PROTOCOL_VERSION,
+            host: HostId::new(id).unwrap(),
+            addr: format!("10.0.0.{}", id.len()),
+            time,
+            agent_version: "test".into(),
+            gpu_source: "fake".into(),
+            gpus: (0..gpus)
+                .map(|index| GpuSample {
+                    index,
+                    uuid: format!("GPU-{id}-{index}"),
+                    name: "fake".into(),
+                    memory_total_bytes: 1,
+                    memory_used_bytes: 0,
+                    utilization_pct: 0.0,
+                    power_mw: None,
+                })
+                .collect(),
+            nics: vec![],
+            cpu_pct: 0.0,
+            memory_used_bytes: 0,
+            memory_total_bytes: 0,
+            workers,
+            malformed_progress_lines: 0,
+        }
+    }
+
+    /// A progress report of `job`'s `rank` on `host` (no optional fields).
+    #[allow(clippy::too_many_arguments)]
+    fn progress(
+        job: &str,
+        generation: u64,
+        rank: u32,
+        host: &str,
+        step: u64,
+        samples: u64,
+        loss: f64,
+        time: f64,
+    ) -> converge_common::ProgressReport {
+        converge_common::ProgressReport {
+            protocol: PROTOCOL_VERSION,
+            job: JobId::new(job).unwrap(),
+            generation,
+            rank,
+            host: HostId::new(host).unwrap(),
+            step,
+            samples,
+            loss,
+            eval_loss: None,
+            epoch: None,
+            time,
+            workers: None,
+            hosts: None,
+            sync_time_s: None,
+            model_bytes: None,
+        }
+    }
+
+    fn worker(job: &str, generation: u64, rank: u32, phase: WorkerPhase) -> WorkerState {
+        WorkerState {
+            job: JobId::new(job).unwrap(),
+            generation,
+            rank,
+            phase,
+            pid: Some(100 + rank),
+            restarts: 0,
+            last_exit_code: None,
+            gpus: vec![rank],
+        }
+    }
+
+    /// The cluster state a test drives through steps.
+    #[derive(Default)]
+    struct World {
+        specs: BTreeMap<JobId, JobSpec>,
+        refused: BTreeMap<JobId, String>,
+        statuses: BTreeMap<JobId, JobStatus>,
+        hosts: BTreeMap<HostId, HostTelemetry>,
+        histories: BTreeMap<JobId, JobHistory>,
+        settings: Settings,
+        cache: FitCache,
+    }
+
+    impl World {
+        fn add_host(&mut self, t: HostTelemetry) {
+            self.hosts.insert(t.host.clone(), t);
+        }
+        fn step(&mut self, now: f64, run_policy: bool) -> Outcome {
+            let out = step(
+                Inputs {
+                    now,
+                    specs: &self.specs,
+                    refused_specs: &self.refused,
+                    statuses: &self.statuses,
+                    hosts: &self.hosts,
+                    histories: &self.histories,
+                },
+                &self.settings,
+                &mut self.cache,
+                run_policy,
+            );
+            self.statuses = out.statuses.clone();
+            out
+        }
+        fn status(&self, id: &str) -> &JobStatus {
+            &self.statuses[&JobId::new(id).unwrap()]
+        }
+    }
+
+    #[test]
+    fn a_job_is_placed_runs_and_completes() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 2, 2, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.add_host(host("h2", 1, 10.0, vec![]));
+        let out = w.step(10.0, true);
+        let s = w.status("a");
+        // Nothing of an older generation runs, so the job starts in the same step.
+        assert_eq!(
+            (s.phase, s.generation, s.world_size),
+            (JobPhase::Running, 1, 2)
+        );
+        let plan1 = &out.plans[&HostId::new("h1").unwrap()];
+        let plan2 = &out.plans[&HostId::new("h2").unwrap()];
+        assert_eq!((plan1.workers.len(), plan2.workers.len()), (1, 1));
+        let rank0_host = &s.placement[0].host;
+        let master = &out.plans[rank0_host].workers[0].master_addr;
+        assert!(
+            out.plans
+                .values()
+                .all(|p| &p.workers[0].master_addr == master)
+        );
+        assert_eq!(plan1.workers[0].master_port, s.master_port.unwrap());
+
+        // Rank 0 exits 0: the job completes and leaves every plan.
+        let h = rank0_host.clone();
+        w.add_host(host(
+            h.as_str(),
+            1,
+            11.0,
+            vec![worker("a", 1, 0, WorkerPhase::Succeeded)],
+        ));
+        let other = if h.as_str() == "h1" { "h2" } else { "h1" };
+        w.add_host(host(
+            other,
+            1,
+            11.0,
+            vec![worker("a", 1, 1, WorkerPhase::Running)],
+        ));
+        let out = w.step(11.0, false);
+        assert_eq!(w.status("a").phase, JobPhase::Completed);
+        assert!(out.plans.values().all(|p| p.workers.is_empty()));
+        assert!(out.events.iter().any(|e| matches!(
+            e.kind,
+            EventKind::JobFinished {
+                phase: JobPhase::Completed,
+                ..
+            }
+        )));
+    }
+
+    #[test]
+    fn a_new_address_of_rank_0s_host_restarts_the_job() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 1, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        let out = w.step(10.0, true);
+        let s = w.status("a").clone();
+        assert_eq!(s.master_addr.as_deref(), Some("10.0.0.2"));
+        assert_eq!(
+            out.plans[&HostId::new("h1").unwrap()].workers[0].master_addr,
+            "10.0.0.2"
+        );
+        // Same address: nothing changes.
+        w.add_host(host(
+            "h1",
+            1,
+            11.0,
+            vec![worker("a", 1, 0, WorkerPhase::Running)],
+        ));
+        w.step(11.0, true);
+        assert_eq!(w.status("a").generation, s.generation);
+        // The agent comes back under another address.
+        let mut t = host("h1", 1, 12.0, vec![worker("a", 1, 0, WorkerPhase::Running)]);
+        t.addr = "10.0.0.99".into();
+        w.add_host(t);
+        let out = w.step(12.0, false);
+        let moved = w.status("a");
+        assert_eq!(moved.generation, s.generation + 1);
+        assert_eq!(moved.phase, JobPhase::Restarting);
+        assert_eq!(moved.master_addr.as_deref(), Some("10.0.0.99"));
+        assert_ne!(moved.master_port, s.master_port);
+        assert!(out.events.iter().any(|e| e.message.contains("10.0.0.99")));
+    }
+
+    #[test]
+    fn refits_beyond_the_budget_wait_for_a_later_step() {
+        let mut w = World::default();
+        w.settings.fit_budget = 1;
+        let loss = |k: u64| 2.0 / (1.0 + k as f64 / 300.0) + 0.2;
+        for id in ["a", "b"] {
+            w.specs.insert(JobId::new(id).unwrap(), job(id, 1, 1, 1.0));
+            let h = w.histories.entry(JobId::new(id).unwrap()).or_default();
+            for i in 1..=30u64 {
+                h.add(&progress(id, 1, 0, "h1", i, i * 10, loss(i * 10), i as f64));
+            }
+        }
+        w.add_host(host("h1", 2, 10.0, vec![]));
+        w.step(10.0, false);
+        // One fit per step: "a" (first by id among equals) now, "b" at the next step.
+        assert!(w.status("a").curve.is_some());
+        assert!(w.status("b").curve.is_none());
+        w.step(10.5, false);
+        assert!(w.status("b").curve.is_some());
+        let id = JobId::new("a").unwrap();
+        assert_eq!(w.cache.refit_pending(&id, &w.histories[&id]), None);
+    }
+
+    #[test]
+    fn a_failure_beside_a_lost_host_reschedules_instead_of_failing() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 2, 2, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.add_host(host("h2", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        let s = w.status("a").clone();
+        assert_eq!(s.world_size, 2);
+        // h2 goes silent; h1's rank fails because its ring peer vanished.
+        let on_h1 = s
+            .placement
+            .iter()
+            .find(|p| p.host.as_str() == "h1")
+            .unwrap();
+        w.add_host(host(
+            "h1",
+            1,
+            30.0,
+            vec![worker("a", 1, on_h1.rank, WorkerPhase::Failed)],
+        ));
+        w.step(30.0, false);
+        let s = w.status("a");
+        assert_eq!(s.phase, JobPhase::Pending, "{s:?}");
+        assert!(s.message.as_deref().unwrap_or("").contains("h2"));
+    }
+
+    #[test]
+    fn a_host_cannot_finish_ranks_placed_elsewhere() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 1, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.add_host(host("h2", 0, 10.0, vec![]));
+        w.step(10.0, true);
+        assert_eq!(w.status("a").placement[0].host.as_str(), "h1");
+        // h2 runs nothing of the job but claims its rank 0 succeeded, then failed.
+        for phase in [WorkerPhase::Succeeded, WorkerPhase::Failed] {
+            w.add_host(host("h2", 0, 11.0, vec![worker("a", 1, 0, phase)]));
+            w.add_host(host(
+                "h1",
+                1,
+                11.0,
+                vec![worker("a", 1, 0, WorkerPhase::Running)],
+            ));
+            w.step(11.0, false);
+            assert_eq!(w.status("a").phase, JobPhase::Running, "{phase:?}");
+        }
+        // The host the rank is placed on is believed.
+        w.add_host(host(
+            "h1",
+            1,
+            12.0,
+            vec![worker("a", 1, 0, WorkerPhase::Succeeded)],
+        ));
+        w.step(12.0, false);
+        assert_eq!(w.status("a").phase, JobPhase::Completed);
+    }
+
+    /// Step time of a PS job's status under the planner's model (default model size and
+    /// compute, default link speed on every host).
+    fn ps_step_time(s: &JobStatus, hosts: &[&str]) -> f64 {
+        let count = |list: &[RankPlacement], h: &str| {
+            list.iter().filter(|r| r.host.as_str() == h).count() as u32
+        };
+        let ps_hosts: Vec<PsHost> = hosts
+            .iter()
+            .map(|_| PsHost::new(8, 8, 2.0 * DEFAULT_LINK_BYTES_PER_S))
+            .collect();
+        let workers: Vec<u32> = hosts.iter().map(|h| count(&s.placement, h)).collect();
+        let shards: Vec<u32> = hosts.iter().map(|h| count(&s.ps_placement, h)).collect();
+        let job = PsJob::new(
+            DEFAULT_PS_MODEL_BYTES,
+            JobCost::default().compute_s,
+            s.world_size..=s.world_size,
+            1..=s.world_size,
+        );
+        crate::ps_plan::step_time_s(&ps_hosts, &job, &workers, &shards)
+    }
+
+    #[test]
+    fn parameter_server_jobs_get_planned_shards() {
+        for max_ps in [None, Some(1), Some(2)] {
+            let mut w = World::default();
+            let mut spec = job("ps", 3, 3, 1.0);
+            spec.arch = SyncArch::Ps;
+            spec.max_ps = max_ps;
+            w.specs.insert(JobId::new("ps").unwrap(), spec);
+            w.add_host(host("h1", 2, 10.0, vec![]));
+            w.add_host(host("h2", 2, 10.0, vec![]));
+            let out = w.step(10.0, true);
+            let s = w.status("ps").clone();
+            converge_common::messages::Message::validate(&s).unwrap();
+            assert_eq!((s.phase, s.world_size), (JobPhase::Running, 3));
+            let shards = s.ps_placement.len();
+            assert!(
+                shards >= 1 && shards <= max_ps.unwrap_or(3) as usize,
+                "{max_ps:?}"
+            );
+            let all: Vec<&WorkerAssignment> = out.plans.values().flat_map(|p| &p.workers).collect();
+            assert_eq!(all.len(), 3 + shards, "{max_ps:?}");
+            for a in &all {
+                assert_eq!((a.world_size, a.num_ps), (3 + shards as u32, shards as u32));
+            }
+            // The shards in the plans are the status's, ranks after the workers, no GPUs.
+            for shard in &s.ps_placement {
+                let a = out.plans[&shard.host]
+                    .workers
+                    .iter()
+                    .find(|a| a.rank == shard.rank)
+                    .unwrap();
+                assert!(a.gpus.is_empty());
+            }
+            for p in out.plans.values() {
+                converge_common::messages::Message::validate(p).unwrap();
+            }
+            // The plan is at least as fast as co-locating a shard with each worker host
+            // (the fallback) under the planner's own model.
+            let mut colocated = s.clone();
+            colocated.ps_placement = colocated_shards(3, &s.placement, &w.specs[&s.job]);
+            assert!(
+                ps_step_time(&s, &["h1", "h2"]) <= ps_step_time(&colocated, &["h1", "h2"]) + 1e-9,
+                "{max_ps:?}: {:?}",
+                s.ps_placement
+            );
+            // Nothing new: nothing moves.
+            w.step(11.0, true);
+            assert_eq!(w.status("ps"), &s);
+        }
+    }
+
+    #[test]
+    fn parameter_server_shards_stay_with_workers_on_one_host_and_fall_back_without_slots() {
+        // Two workers fit on h1: the planner keeps every byte on h1 (shards there too).
+        let mut w = World::default();
+        let mut spec = job("ps", 2, 2, 1.0);
+        spec.arch = SyncArch::Ps;
+        w.specs.insert(JobId::new("ps").unwrap(), spec.clone());
+        w.add_host(host("h1", 2, 10.0, vec![]));
+        w.add_host(host("h2", 2, 10.0, vec![]));
+        w.step(10.0, true);
+        let s = w.status("ps");
+        let worker_hosts: BTreeSet<&HostId> = s.placement.iter().map(|r| &r.host).collect();
+        assert_eq!(worker_hosts.len(), 1);
+        assert!(!s.ps_placement.is_empty());
+        assert!(
+            s.ps_placement
+                .iter()
+                .all(|r| worker_hosts.contains(&r.host))
+        );
+
+        // No shard slot anywhere: no plan, one shard per worker host (co-location).
+        let mut w = World::default();
+        w.settings.ps_shards_per_host = 0;
+        let mut spec = job("ps", 3, 3, 1.0);
+        spec.arch = SyncArch::Ps;
+        w.specs.insert(JobId::new("ps").unwrap(), spec);
+        w.add_host(host("h1", 2, 10.0, vec![]));
+        w.add_host(host("h2", 2, 10.0, vec![]));
+        w.step(10.0, true);
+        let s = w.status("ps");
+        let shard_hosts: Vec<&str> = s.ps_placement.iter().map(|r| r.host.as_str()).collect();
+        assert_eq!(shard_hosts, ["h1", "h2"]);
+    }
+
+    #[test]
+    fn a_lost_shard_host_sends_the_job_back_to_pending() {
+        let mut w = World::default();
+        let mut a = job("a", 2, 2, 1.0);
+        a.arch = SyncArch::Ps;
+        w.specs.insert(JobId::new("a").unwrap(), a);
+        w.add_host(host("h1", 2, 10.0, vec![]));
+        w.add_host(host("h3", 0, 10.0, vec![]));
+        w.step(10.0, true);
+        // The job runs on h1 with its shard moved to h3, which holds none of its workers.
+        let id = JobId::new("a").unwrap();
+        let s = w.statuses.get_mut(&id).unwrap();
+        assert_eq!((s.phase, s.world_size), (JobPhase::Running, 2));
+        s.ps_placement = vec![RankPlacement {
+            rank: 2,
+            host: HostId::new("h3").unwrap(),
+            gpus: vec![],
+        }];
+        w.hosts.remove(&HostId::new("h3").unwrap());
+        let out = w.step(11.0, false);
+        let s = w.status("a");
+        assert_eq!((s.phase, s.world_size), (JobPhase::Pending, 0));
+        assert!(s.placement.is_empty() && s.ps_placement.is_empty());
+        assert!(out.events.iter().any(|e| matches!(
+            &e.kind,
+            EventKind::HostLost { host } if host.as_str() == "h3"
+        )));
+    }
+
+    #[test]
+    fn a_resize_waits_for_the_old_generation_to_exit() {
+        let mut w = World::default();
+        // Free restarts, so that growing from 1 to 2 workers pays off.
+        w.settings.policy.restart_cost_s = 0.0;
+        w.settings.scheduler = Arc::new(Quality {
+            params: w.settings.policy,
+        });
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 2, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        assert_eq!(w.status("a").world_size, 1);
+        // A second host joins while generation 1 runs on h1.
+        w.add_host(host(
+            "h1",
+            1,
+            20.0,
+            vec![worker("a", 1, 0, WorkerPhase::Running)],
+        ));
+        w.add_host(host("h2", 1, 20.0, vec![]));
+        let out = w.step(20.0, true);
+        let s = w.status("a");
+        assert_eq!(
+            (s.phase, s.generation, s.world_size),
+            (JobPhase::Restarting, 2, 2)
+        );
+        assert!(
+            out.plans.values().all(|p| p.workers.is_empty()),
+            "old generation must stop first"
+        );
+        // Still stopping: no change.
+        w.add_host(host(
+            "h1",
+            1,
+            21.0,
+            vec![worker("a", 1, 0, WorkerPhase::Stopping)],
+        ));
+        w.step(21.0, false);
+        assert_eq!(w.status("a").phase, JobPhase::Restarting);
+        // Gone: the new generation is planned on both hosts.
+        w.add_host(host("h1", 1, 22.0, vec![]));
+        let out = w.step(22.0, false);
+        assert_eq!(w.status("a").phase, JobPhase::Running);
+        let planned: usize = out.plans.values().map(|p| p.workers.len()).sum();
+        assert_eq!(planned, 2);
+        assert!(
+            out.plans
+                .values()
+                .flat_map(|p| &p.workers)
+                .all(|x| x.generation == 2)
+        );
+    }
+
+    #[test]
+    fn failures_lost_hosts_cancellations_and_refused_specs() {
+        let mut w = World::default();
+        for id in ["crash", "lost", "gone"] {
+            w.specs.insert(JobId::new(id).unwrap(), job(id, 1, 1, 1.0));
+        }
+        w.refused
+            .insert(JobId::new("bad").unwrap(), "`command` is empty".into());
+        w.add_host(host("h1", 2, 10.0, vec![]));
+        w.add_host(host("h2", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        assert_eq!(w.status("bad").phase, JobPhase::Failed);
+        assert!(
+            w.status("bad")
+                .message
+                .as_ref()
+                .unwrap()
+                .contains("command")
+        );
+        let on = |id: &str, w: &World| w.status(id).placement[0].host.to_string();
+        let crash_host = on("crash", &w);
+        let lost_host = on("lost", &w);
+
+        // The crashing job's worker failed for good; the other job's host stops reporting.
+        let mut failed = worker("crash", 1, 0, WorkerPhase::Failed);
+        failed.last_exit_code = Some(3);
+        failed.restarts = 3;
+        for h in ["h1", "h2"] {
+            let t = if h == lost_host { 10.0 } else { 40.0 };
+            let ws = if h == crash_host {
+                vec![failed.clone()]
+            } else {
+                vec![]
+            };
+            w.add_host(host(h, if h == "h1" { 2 } else { 1 }, t, ws));
+        }
+        let mut spec = job("gone", 1, 1, 1.0);
+        spec.cancelled = true;
+        w.specs.insert(JobId::new("gone").unwrap(), spec);
+        w.step(40.0, true);
+        let crash = w.status("crash");
+        assert_eq!(crash.phase, JobPhase::Failed);
+        assert!(
+            crash.message.as_ref().unwrap().contains("exit code 3"),
+            "{crash:?}"
+        );
+        assert_eq!(w.status("gone").phase, JobPhase::Cancelled);
+        let lost = w.status("lost");
+        // First-fit put "crash" and "gone" on h1 and "lost" on h2; "lost" is placed again on
+        // the live host, in a new generation.
+        assert_ne!(lost_host, crash_host);
+        assert!(
+            lost.placement.iter().all(|p| p.host.as_str() != lost_host),
+            "{lost:?}"
+        );
+        assert_eq!((lost.generation, lost.world_size), (2, 1));
+        // Finished jobs keep their status on later steps.
+        let before = w.statuses.clone();
+        w.step(41.0, true);
+        for id in ["crash", "gone", "bad"] {
+            assert_eq!(w.status(id), &before[&JobId::new(id).unwrap()]);
+        }
+    }
+
+    #[test]
+    fn statuses_show_observed_and_predicted_step_times() {
+        let id = JobId::new("s").unwrap();
+        // 32 samples per worker per step: 64 per step with 2 workers, 128 with 4.
+        let report = |generation: u64, rank: u32, host: &str, step: u64, time: f64| {
+            let per_step = if generation == 1 { 64 } else { 128 };
+            progress(
+                id.as_str(),
+                generation,
+                rank,
+                host,
+                step,
+                step * per_step,
+                1.0,
+                time,
+            )
+        };
+        let mut h = JobHistory::default();
+        // Generation 1: 2 ranks on h1, 0.1 s per step.
+        h.add(&report(1, 0, "h1", 0, 0.0));
+        h.add(&report(1, 1, "h1", 0, 0.0));
+        h.add(&report(1, 0, "h1", 100, 10.0));
+        let mut status = new_status(&id, 0.0, 0.0);
+        status.generation = 1;
+        status.world_size = 2;
+        let prior = ThroughputPrior::default();
+        let mut cache = FitCache::new();
+        // Only one generation: observed, nothing to predict from.
+        let (observed, predicted) = step_times(&status, &h, &mut cache, &prior);
+        assert!((observed.unwrap() - 0.1).abs() < 1e-12);
+        assert_eq!(predicted, None);
+        // Generation 2: 4 ranks on h1 and h2, 0.2 s per step.
+        for (rank, host) in [(0, "h1"), (1, "h1"), (2, "h2"), (3, "h2")] {
+            h.add(&report(2, rank, host, 100, 20.0));
+        }
+        h.add(&report(2, 0, "h1", 150, 30.0));
+        status.generation = 2;
+        status.world_size = 4;
+        status.placement = ["h1", "h1", "h2", "h2"]
+            .iter()
+            .enumerate()
+            .map(|(rank, host)| RankPlacement {
+                rank: rank as u32,
+                host: HostId::new(*host).unwrap(),
+                gpus: vec![rank as u32 % 2],
+            })
+            .collect();
+        let (observed, predicted) = step_times(&status, &h, &mut cache, &prior);
+        assert!((observed.unwrap() - 0.2).abs() < 1e-12);
+        // Predicted from generation 1 alone: slower than 2 ranks on one host (the prior's
+        // sync terms), finite.
+        let predicted = predicted.unwrap();
+        assert!(predicted.is_finite() && predicted > 0.1, "{predicted}");
+    }
+
+    #[test]
+    fn reaching_the_target_loss_completes_the_job() {
+        let mut w = World::default();
+        let mut spec = job("t", 1, 1, 1.0);
+        spec.target_loss = Some(0.4);
+        let id = JobId::new("t").unwrap();
+        w.specs.insert(id.clone(), spec);
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        let report = |samples: u64, loss: f64| {
+            progress(
+                "t",
+                1,
+                0,
+                "h1",
+                samples / 32,
+                samples,
+                loss,
+                10.0 + samples as f64 / 1000.0,
+            )
+        };
+        let history = w.histories.entry(id.clone()).or_default();
+        history.add(&report(320, 0.7));
+        history.add(&report(640, 0.5));
+        w.step(11.0, false);
+        assert_eq!(w.status("t").phase, JobPhase::Running);
+        assert_eq!(w.status("t").first_loss, Some(0.7));
+        w.histories.get_mut(&id).unwrap().add(&report(960, 0.39));
+        let out = w.step(12.0, false);
+        let s = w.status("t");
+        assert_eq!(s.phase, JobPhase::Completed);
+        assert!(
+            s.message.as_ref().unwrap().contains("target loss 0.4"),
+            "{s:?}"
+        );
+        assert_eq!((s.samples, s.loss), (960, Some(0.39)));
+        assert!(out.plans.values().all(|p| p.workers.is_empty()));
+    }
+
+    #[test]
+    fn the_service_runs_any_policy() {
+        let mut w = World::default();
+        w.settings.scheduler =
+            Arc::from(crate::policies::by_name("fair", w.settings.policy).unwrap());
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 4, 1.0));
+        w.specs
+            .insert(JobId::new("b").unwrap(), job("b", 1, 4, 2.0));
+        w.add_host(host("h1", 4, 10.0, vec![]));
+        w.step(10.0, true);
+        assert_eq!((w.status("a").world_size, w.status("b").world_size), (2, 2));
+    }
+
+    #[test]
+    fn bco_placement_puts_a_job_that_fits_on_one_host_there() {
+        // `small` (2 GPUs) goes first on h1; `wide` (2 workers × 2 GPUs) then fits on h2
+        // alone. First fit fills h1's 2 free GPUs first and spans both hosts; BCO does not.
+        for (placement, spanned) in [(PlacementKind::FirstFit, 2), (PlacementKind::Bco, 1)] {
+            let mut w = World::default();
+            w.settings.placement = placement;
+            w.settings.scheduler =
+                Arc::from(crate::policies::by_name("fifo", w.settings.policy).unwrap());
+            let mut small = job("small", 1, 1, 1.0);
+            small.gpus_per_worker = 2;
+            let mut wide = job("wide", 2, 2, 2.0);
+            wide.gpus_per_worker = 2;
+            w.specs.insert(JobId::new("small").unwrap(), small);
+            w.specs.insert(JobId::new("wide").unwrap(), wide);
+            w.add_host(host("h1", 4, 10.0, vec![]));
+            w.add_host(host("h2", 4, 10.0, vec![]));
+            w.step(10.0, true);
+            let s = w.status("wide");
+            assert_eq!(s.world_size, 2, "{placement:?}");
+            let hosts: BTreeSet<_> = s.placement.iter().map(|r| &r.host).collect();
+            assert_eq!(hosts.len(), spanned, "{placement:?}: {:?}", s.placement);
+        }
+    }
+
+    #[test]
+    fn stepping_twice_without_news_changes_nothing() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 4, 1.0));
+        w.specs
+            .insert(JobId::new("b").unwrap(), job("b", 1, 4, 2.0));
+        w.add_host(host("h1", 4, 10.0, vec![]));
+        let first = w.step(10.0, true);
+        let statuses = w.statuses.clone();
+        let second = w.step(10.5, true);
+        assert_eq!(w.statuses, statuses);
+        assert_eq!(first.plans, second.plans);
+        let used: usize = second
+            .plans
+            .values()
+            .flat_map(|p| &p.workers)
+            .map(|x| x.gpus.len())
+            .sum();
+        assert!(used <= 4);
+    }
+}

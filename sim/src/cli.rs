@@ -1,0 +1,250 @@
+//! The simulator's commands: `converge-sim simulate`, `converge-sim workload`
+//! and `converge-sim report`.
+
+use crate::apps::load_all;
+use crate::engine::{SimConfig, SimResult, simulate};
+use crate::summary::{Summary, summarize};
+use crate::workload::{configurations, generate, read_philly, read_workload, to_csv};
+use anyhow::Context as _;
+use converge_sched::placement::PlacementKind;
+use converge_sched::policies::{Objective, PolicyParams};
+use converge_sched::policies::{POLICY_NAMES, by_name};
+use std::path::{Path, PathBuf};
+
+/// Cluster and timing settings shared by `simulate` and `report`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ClusterArgs {
+    /// Nodes in the simulated cluster.
+    #[arg(long, default_value_t = 16)]
+    pub nodes: u32,
+    /// GPUs per node.
+    #[arg(long, default_value_t = 4)]
+    pub gpus_per_node: u32,
+    /// Scheduling interval, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub interval: f64,
+    /// Seconds without progress that every allocation change costs a job.
+    #[arg(long, default_value_t = 30.0)]
+    pub restart_delay: f64,
+    /// Slowdown factor (0–1) of a multi-node job sharing a node with another multi-node job.
+    #[arg(long, default_value_t = 0.0)]
+    pub interference: f64,
+    /// Seed of the noise on the loss signal the policy sees.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Placement: `first-fit` (hosts in id order) or `bco` (balance contention between
+    /// multi-node jobs against the overhead of spanning nodes, SJF-BCO's rule). First fit
+    /// by default here, as the closer stand-in for the placement of the published Pollux
+    /// baselines; the service defaults to `bco`.
+    #[arg(long, value_enum, default_value_t = PlacementKind::FirstFit)]
+    pub placement: PlacementKind,
+    /// Folder of the measured application traces.
+    #[arg(long, default_value = "data/pollux/traces")]
+    pub traces: PathBuf,
+}
+
+impl ClusterArgs {
+    pub fn config(&self) -> anyhow::Result<SimConfig> {
+        anyhow::ensure!(
+            self.nodes > 0 && self.gpus_per_node > 0,
+            "the cluster needs at least one GPU"
+        );
+        anyhow::ensure!(self.interval > 0.0, "--interval must be positive");
+        anyhow::ensure!(
+            self.restart_delay >= 0.0,
+            "--restart-delay must not be negative"
+        );
+        anyhow::ensure!(
+            (0.0..1.0).contains(&self.interference),
+            "--interference must be in [0, 1)"
+        );
+        Ok(SimConfig {
+            nodes: self.nodes,
+            gpus_per_node: self.gpus_per_node,
+            interval_s: self.interval,
+            restart_delay_s: self.restart_delay,
+            interference: self.interference,
+            seed: self.seed,
+            placement: self.placement,
+            ..SimConfig::default()
+        })
+    }
+}
+
+/// Settings of the `quality` policy in the simulator (the other policies have none).
+#[derive(Debug, Clone, clap::Args)]
+pub struct QualityArgs {
+    /// What the quality policy maximizes over the horizon: `both` (the sum of the other two),
+    /// `jct` (fraction of each job's remaining work done, completion-time-aware) or `loss`
+    /// (SLAQ's normalized loss reduction).
+    #[arg(long, value_enum, default_value_t = Objective::default())]
+    pub objective: Objective,
+    /// How far ahead the quality policy values an allocation, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub horizon: f64,
+    /// Starvation guard: seconds a pending job waits before it is admitted ahead of running
+    /// jobs.
+    #[arg(long, default_value_t = 1800.0)]
+    pub max_wait: f64,
+}
+
+impl QualityArgs {
+    /// The quality policy's settings; its restart cost is the cluster's restart delay.
+    pub fn params(&self, cluster: &ClusterArgs) -> PolicyParams {
+        PolicyParams {
+            objective: self.objective,
+            horizon_s: self.horizon,
+            max_wait_s: self.max_wait,
+            restart_cost_s: cluster.restart_delay,
+            ..PolicyParams::default()
+        }
+    }
+}
+
+impl Default for QualityArgs {
+    fn default() -> Self {
+        Self {
+            objective: Objective::default(),
+            horizon: 60.0,
+            max_wait: 1800.0,
+        }
+    }
+}
+
+/// `converge-sim simulate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SimulateArgs {
+    /// Workload file(s) in the Pollux format (`name,time,application,num_replicas,batch_size`).
+    #[arg(long, required = true, num_args = 1..)]
+    pub workload: Vec<PathBuf>,
+    /// Scheduling policy: fifo, fair, tiresias, optimus (Optimus+Oracle), quality or
+    /// sjf-bco (smallest estimated job first, for makespan; pair it with `--placement bco`).
+    #[arg(long, default_value = "quality")]
+    pub policy: String,
+    #[command(flatten)]
+    pub cluster: ClusterArgs,
+    #[command(flatten)]
+    pub quality: QualityArgs,
+    /// Folder for `summary.json` (created if missing).
+    #[arg(long, default_value = "sim-out")]
+    pub out: PathBuf,
+}
+
+/// `converge-sim workload`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkloadArgs {
+    /// The Philly trace.
+    #[arg(long, default_value = "data/pollux/traces/philly.csv")]
+    pub trace: PathBuf,
+    /// Jobs to sample.
+    #[arg(long, default_value_t = 160)]
+    pub jobs: usize,
+    /// Length of the submission window, hours.
+    #[arg(long, default_value_t = 8)]
+    pub hours: u32,
+    /// Hour of day the window starts at.
+    #[arg(long, default_value_t = 2)]
+    pub start_hour: u32,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Workloads whose per-application (replicas, batch size) configurations are drawn from.
+    #[arg(long, default_value = "data/pollux/workloads")]
+    pub configs: PathBuf,
+    /// Output file; standard output if not given.
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+fn workload_name(path: &Path) -> String {
+    let stem = path
+        .file_stem()
+        .map_or("workload".into(), |s| s.to_string_lossy().into_owned());
+    let dir = path
+        .parent()
+        .and_then(Path::file_name)
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if dir.starts_with("workloads-") {
+        format!("{dir}/{stem}")
+    } else {
+        stem
+    }
+}
+
+/// Runs one policy over workload files and summarizes.
+pub fn run_policy(
+    policy: &str,
+    workloads: &[PathBuf],
+    cluster: &ClusterArgs,
+    quality: &PolicyParams,
+) -> anyhow::Result<(Summary, Vec<(String, SimResult)>)> {
+    let cfg = cluster.config()?;
+    let apps = load_all(&cluster.traces)
+        .with_context(|| format!("cannot load traces from {}", cluster.traces.display()))?;
+    let policy_impl = by_name(policy, *quality).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut runs = Vec::new();
+    for path in workloads {
+        let jobs = read_workload(path)?;
+        let result = simulate(&apps, &jobs, policy_impl.as_ref(), &cfg)?;
+        runs.push((workload_name(path), result));
+    }
+    Ok((summarize(policy, &runs), runs))
+}
+
+pub fn run_simulate(args: &SimulateArgs) -> anyhow::Result<()> {
+    if !POLICY_NAMES.contains(&args.policy.as_str()) {
+        anyhow::bail!(
+            "unknown policy {:?}; choose one of {}",
+            args.policy,
+            POLICY_NAMES.join(", ")
+        );
+    }
+    let started = std::time::Instant::now();
+    let (summary, _) = run_policy(
+        &args.policy,
+        &args.workload,
+        &args.cluster,
+        &args.quality.params(&args.cluster),
+    )?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("cannot create {}", args.out.display()))?;
+    let path = args.out.join("summary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&summary)?)?;
+    eprintln!(
+        "{}: mean JCT {:.0} s over {} workload(s), {:.2} restarts per job, mean utilization {:.0} %, {} ({:.1} s); summary in {}",
+        summary.policy,
+        summary.mean,
+        summary.avgs.len(),
+        summary.mean_restarts_per_job,
+        summary.mean_utilization * 100.0,
+        if summary.finished {
+            "all jobs finished"
+        } else {
+            "SOME JOBS DID NOT FINISH"
+        },
+        started.elapsed().as_secs_f64(),
+        path.display()
+    );
+    Ok(())
+}
+
+pub fn run_workload(args: &WorkloadArgs) -> anyhow::Result<()> {
+    let philly = read_philly(&args.trace)?;
+    let configs = configurations(&args.configs)?;
+    let jobs = generate(
+        &philly,
+        &configs,
+        args.jobs,
+        args.start_hour,
+        args.hours,
+        args.seed,
+    )?;
+    let csv = to_csv(&jobs);
+    match &args.out {
+        Some(path) => {
+            std::fs::write(path, csv).with_context(|| format!("cannot write {}", path.display()))?
+        }
+        None => print!("{csv}"),
+    }
+    Ok(())
+}

@@ -1,0 +1,695 @@
+//! The simulator's event loop: a discrete-time simulation of a GPU cluster running a
+//! workload under one policy, in the Pollux simulator's order (advance every job by one
+//! scheduling interval, then let the policy decide from what it could have observed, then
+//! apply the changes, each costing the restart delay).
+//!
+//! The policy and the placement are the service's own functions ([`converge_sched::policies`],
+//! [`converge_sched::placement::place`]); the policy sees only what the allocator service would see
+//! (progress in samples, a noisy loss-like signal from the measured validation curves,
+//! observed step times, attained service, the cluster's capacity) — except `optimus`, which
+//! is the Pollux simulator's "Optimus+Oracle" and gets the true remaining work and
+//! throughput, as its name says.
+
+use crate::apps::{Application, SimJob};
+use crate::workload::WorkloadJob;
+use converge_common::{HostId, JobId, RankPlacement};
+use converge_sched::contention::JobCost;
+use converge_sched::fit::{Curve, FitConfig, LossPoint, fit_loss_curve, refit_due};
+use converge_sched::placement::{HostFree, PlacementKind, PlacementRequest, place_with};
+use converge_sched::policies::PolicyJob;
+use converge_sched::policies::{ClusterView, Policy};
+use converge_sched::throughput::{StepObservation, ThroughputModel, ThroughputPrior, packed_nodes};
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Normal};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// Simulation settings (defaults as in the Pollux simulator).
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    /// Scheduling interval, seconds.
+    pub interval_s: f64,
+    /// Time an allocation change costs a job, with no progress, seconds.
+    pub restart_delay_s: f64,
+    /// Goodput factor lost by a multi-node job sharing a node with another multi-node job
+    /// (0 = no interference; Pollux's model).
+    pub interference: f64,
+    /// Relative standard deviation of the noise on the loss-like signal the policy sees.
+    pub loss_noise: f64,
+    pub seed: u64,
+    /// Simulated time after which the run stops even if jobs remain, seconds.
+    pub max_time_s: f64,
+    /// How workers are put on nodes: first fit, or balancing contention and overhead (BCO).
+    pub placement: PlacementKind,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            nodes: 16,
+            gpus_per_node: 4,
+            interval_s: 60.0,
+            restart_delay_s: 30.0,
+            interference: 0.0,
+            loss_noise: 0.02,
+            seed: 1,
+            max_time_s: 60.0 * 24.0 * 3600.0,
+            placement: PlacementKind::FirstFit,
+        }
+    }
+}
+
+/// Why a simulation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum SimError {
+    #[error("job {job}: unknown application {app:?} (known: {known})")]
+    UnknownApplication {
+        job: String,
+        app: String,
+        known: String,
+    },
+    #[error("job name {0:?} is not a valid job id")]
+    BadName(String),
+    #[error("the cluster has no GPUs")]
+    NoGpus,
+}
+
+/// Per-job outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobOutcome {
+    pub name: String,
+    pub application: String,
+    pub submitted_at: f64,
+    pub completed_at: Option<f64>,
+    pub restarts: u32,
+    /// Seconds from submission until the job's normalized loss first fell to 10 % / 5 %.
+    pub time_to_90: Option<f64>,
+    pub time_to_95: Option<f64>,
+}
+
+/// One scheduling interval.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IntervalRecord {
+    /// End of the interval, seconds.
+    pub time: f64,
+    /// Fraction of GPUs allocated to jobs.
+    pub utilization: f64,
+    /// Mean normalized loss (1 = where the job started, 0 = where it ends) over submitted,
+    /// unfinished jobs; `None` when there are none.
+    pub avg_normalized_loss: Option<f64>,
+    /// Wall time of the policy and the placement for this interval, seconds.
+    pub decision_s: f64,
+    pub active_jobs: usize,
+}
+
+/// Everything a run produced.
+#[derive(Debug, Clone)]
+pub struct SimResult {
+    pub policy: String,
+    pub jobs: Vec<JobOutcome>,
+    pub intervals: Vec<IntervalRecord>,
+    /// Whether every job completed before `max_time_s`.
+    pub finished: bool,
+    /// Wall time of the whole simulation, seconds (one thread).
+    pub wall_s: f64,
+    /// Intervals in which the policy asked for more GPUs than the cluster has, or gave a
+    /// job a size outside its bounds (a policy bug; placement then drops the excess).
+    pub policy_violations: u32,
+}
+
+struct Tracked {
+    job: SimJob,
+    id: JobId,
+    max_workers: u32,
+    placement: Vec<RankPlacement>,
+    samples: f64,
+    losses: Vec<LossPoint>,
+    loss_range: (f64, f64),
+    start_loss: f64,
+    final_loss: f64,
+    time_to_90: Option<f64>,
+    time_to_95: Option<f64>,
+    /// The last fitted curve and how many points it saw.
+    curve: Option<Curve>,
+    fitted_points: usize,
+    /// Step times observed per configuration (workers, nodes, per-worker batch), and the
+    /// throughput model fitted on them (quality policy only).
+    steps: Vec<StepObservation>,
+    model: Option<ThroughputModel>,
+}
+
+fn host_name(node: u32) -> HostId {
+    HostId::new(format!("n{node:03}")).expect("valid host id")
+}
+
+/// GPUs per node, in node order, of a placement.
+fn per_node(placement: &[RankPlacement], nodes: u32) -> Vec<u32> {
+    let mut counts = vec![0u32; nodes as usize];
+    for p in placement {
+        if let Some(n) = p
+            .host
+            .as_str()
+            .strip_prefix('n')
+            .and_then(|s| s.parse::<usize>().ok())
+        {
+            counts[n] += p.gpus.len() as u32;
+        }
+    }
+    counts.into_iter().filter(|&c| c > 0).collect()
+}
+
+fn nodes_of(placement: &[RankPlacement]) -> Vec<&HostId> {
+    let mut hosts: Vec<&HostId> = placement.iter().map(|p| &p.host).collect();
+    hosts.sort();
+    hosts.dedup();
+    hosts
+}
+
+/// Runs `workload` under `policy`. Deterministic for a seed (decision times aside).
+pub fn simulate(
+    apps: &BTreeMap<String, Application>,
+    workload: &[WorkloadJob],
+    policy: &dyn Policy,
+    cfg: &SimConfig,
+) -> Result<SimResult, SimError> {
+    let wall = Instant::now();
+    let total_gpus = cfg.nodes * cfg.gpus_per_node;
+    if total_gpus == 0 {
+        return Err(SimError::NoGpus);
+    }
+    let known = apps.keys().cloned().collect::<Vec<_>>().join(", ");
+    let mut jobs = Vec::with_capacity(workload.len());
+    for w in workload {
+        let app = apps
+            .get(&w.application)
+            .ok_or_else(|| SimError::UnknownApplication {
+                job: w.name.clone(),
+                app: w.application.clone(),
+                known: known.clone(),
+            })?;
+        let id = JobId::new(w.name.clone()).map_err(|_| SimError::BadName(w.name.clone()))?;
+        let by_batch = (w.batch_size / app.min_local_bsz.max(1)).max(1);
+        let max_workers = if w.application == "ncf" {
+            1
+        } else {
+            by_batch.max(w.num_replicas).min(total_gpus)
+        };
+        let start_loss = app.loss_like(w.batch_size, 0.0);
+        let final_loss = app.loss_like(w.batch_size, f64::from(app.completion_epoch(w.batch_size)));
+        jobs.push(Tracked {
+            job: SimJob::new(&w.name, app, w.time, w.num_replicas, w.batch_size),
+            id,
+            max_workers,
+            placement: Vec::new(),
+            samples: 0.0,
+            losses: Vec::new(),
+            loss_range: (f64::INFINITY, f64::NEG_INFINITY),
+            start_loss,
+            final_loss,
+            time_to_90: None,
+            time_to_95: None,
+            curve: None,
+            fitted_points: 0,
+            steps: Vec::new(),
+            model: None,
+        });
+    }
+    let hosts: Vec<HostFree> = (0..cfg.nodes)
+        .map(|n| HostFree::new(host_name(n), (0..cfg.gpus_per_node).collect()))
+        .collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
+    let noise = Normal::new(0.0, cfg.loss_noise.max(0.0)).expect("finite noise");
+    let fit_cfg = FitConfig::default();
+    let wants_curves = policy.name() == "quality";
+    // Policies that get each job's throughput table (from its fitted model) and declared
+    // work left: quality, and sjf-bco for its job sizes.
+    let wants_estimates = wants_curves || policy.name() == "sjf-bco";
+    let throughput_prior = ThroughputPrior::default();
+    let oracle = policy.name() == "optimus";
+    let mut intervals = Vec::new();
+    // Contention calibration from measured slowdowns: (sum, count) of the extra step time,
+    // as a fraction of the compute time, per additional multi-node job on a shared NIC.
+    let mut contention_seen = (0.0f64, 0u64);
+    let mut now = 0.0;
+    let mut policy_violations = 0;
+
+    loop {
+        // 1. Advance every placed job by one interval (Pollux's interference rule: a
+        //    multi-node job slows down when one of its nodes hosts another multi-node job).
+        let mut multi_node_jobs_per_node: BTreeMap<&HostId, u32> = BTreeMap::new();
+        // Completed jobs keep their last placement in `Tracked` but hold no GPUs.
+        for t in jobs.iter().filter(|t| t.job.completed_at.is_none()) {
+            let nodes = nodes_of(&t.placement);
+            if nodes.len() > 1 {
+                for n in nodes {
+                    *multi_node_jobs_per_node.entry(n).or_default() += 1;
+                }
+            }
+        }
+        let mut interference = vec![0.0; jobs.len()];
+        for (i, t) in jobs.iter().enumerate() {
+            let nodes = nodes_of(&t.placement);
+            let sharing = nodes
+                .iter()
+                .map(|n| multi_node_jobs_per_node.get(n).copied().unwrap_or(0))
+                .max()
+                .unwrap_or(0);
+            if nodes.len() > 1 && sharing > 1 {
+                interference[i] = cfg.interference;
+                // What the agents would measure: this job's steps are slower by
+                // 1/(1 − f) − 1 while `sharing` multi-node jobs share one of its NICs.
+                if cfg.interference > 0.0 && t.job.completed_at.is_none() {
+                    let slowdown = 1.0 / (1.0 - cfg.interference) - 1.0;
+                    contention_seen.0 += slowdown / f64::from(sharing - 1);
+                    contention_seen.1 += 1;
+                }
+            }
+        }
+        for (t, f) in jobs.iter_mut().zip(&interference) {
+            if t.job.submitted_at > now || t.job.completed_at.is_some() {
+                continue;
+            }
+            let app = &apps[&t.job.app];
+            t.samples += t.job.step(app, now, cfg.interval_s, *f);
+        }
+        now += cfg.interval_s;
+
+        // 2. What the allocator would observe: progress, a noisy loss-like signal, step times.
+        let mut norm_losses = Vec::new();
+        for t in jobs.iter_mut() {
+            if t.job.submitted_at > now {
+                continue;
+            }
+            let age = now - t.job.submitted_at;
+            if let Some(done) = t.job.completed_at {
+                // Done: its loss reduction is complete at the completion time at the latest.
+                t.time_to_90.get_or_insert(done - t.job.submitted_at);
+                t.time_to_95.get_or_insert(done - t.job.submitted_at);
+                continue;
+            }
+            let app = &apps[&t.job.app];
+            let epoch = f64::from(t.job.epoch) + epoch_fraction(&t.job, app);
+            let true_loss = app.loss_like(t.job.target_batch_size, epoch);
+            let span = t.start_loss - t.final_loss;
+            let normalized = if span.abs() > 1e-12 {
+                ((true_loss - t.final_loss) / span).clamp(0.0, 1.0)
+            } else {
+                0.0
+            };
+            if normalized <= 0.10 {
+                t.time_to_90.get_or_insert(age);
+            }
+            if normalized <= 0.05 {
+                t.time_to_95.get_or_insert(age);
+            }
+            norm_losses.push(normalized);
+            if wants_curves && !t.placement.is_empty() {
+                let observed = (true_loss * (1.0 + noise.sample(&mut rng))).max(0.0);
+                t.losses.push(LossPoint {
+                    samples: t.samples,
+                    loss: observed,
+                });
+                t.loss_range = (t.loss_range.0.min(observed), t.loss_range.1.max(observed));
+            }
+        }
+        let active: Vec<usize> = (0..jobs.len())
+            .filter(|&i| jobs[i].job.submitted_at <= now && jobs[i].job.completed_at.is_none())
+            .collect();
+        let all_done = jobs.iter().all(|t| t.job.completed_at.is_some());
+        if all_done || now >= cfg.max_time_s {
+            intervals.push(IntervalRecord {
+                time: now,
+                utilization: 0.0,
+                avg_normalized_loss: None,
+                decision_s: 0.0,
+                active_jobs: 0,
+            });
+            break;
+        }
+
+        // 3. The policy decides; placement keeps unchanged jobs where they are. Curve fits
+        //    count as decision time: the service fits inside its scheduling step too.
+        let started = Instant::now();
+        for &i in &active {
+            let t = &mut jobs[i];
+            if wants_curves
+                && refit_due(
+                    t.losses.len(),
+                    t.losses.len().saturating_sub(t.fitted_points),
+                )
+            {
+                t.curve = fit_loss_curve(&t.losses, &fit_cfg);
+                t.fitted_points = t.losses.len();
+            }
+            // Every policy's jobs get a throughput model: BCO placement prices placements
+            // with it; only `quality` also sees it.
+            let app = &apps[&t.job.app];
+            if let Some(seen) = observe_step(&t.job, app)
+                && !t.steps.contains(&seen)
+            {
+                t.steps.push(seen);
+                t.model = Some(ThroughputModel::fit(&t.steps, &throughput_prior));
+            }
+        }
+        let expected_contention = if contention_seen.1 > 0 {
+            contention_seen.0 / contention_seen.1 as f64
+        } else {
+            0.0
+        };
+        let views: Vec<PolicyJob> = active
+            .iter()
+            .map(|&i| {
+                let t = &jobs[i];
+                let app = &apps[&t.job.app];
+                let workers: u32 = t.job.placement.iter().sum();
+                PolicyJob {
+                    id: t.id.clone(),
+                    gpus_per_worker: 1,
+                    min_workers: 1,
+                    max_workers: t.max_workers,
+                    current_workers: workers,
+                    submitted_at: t.job.submitted_at,
+                    curve: t.curve.clone(),
+                    samples: t.samples,
+                    loss_scale: (t.loss_range.1 - t.loss_range.0).max(0.0),
+                    samples_per_s_per_worker: t
+                        .job
+                        .observed_step(app)
+                        .map(|(samples_per_s, _)| samples_per_s / f64::from(workers.max(1))),
+                    requested_workers: t.job.requested_replicas.clamp(1, t.max_workers),
+                    attained_gpu_seconds: t.job.attained_gpu_seconds,
+                    throughput: if oracle {
+                        Some(
+                            (1..=t.max_workers)
+                                .map(|w| t.job.progress_rate(app, w, cfg.gpus_per_node))
+                                .collect(),
+                        )
+                    } else if wants_estimates {
+                        t.model.as_ref().map(|model| {
+                            (1..=t.max_workers)
+                                .map(|w| {
+                                    let nodes = packed_nodes(w, 1, cfg.gpus_per_node);
+                                    let local = f64::from(t.job.target_batch_size) / f64::from(w);
+                                    let rate = model.samples_per_s(w, nodes, local);
+                                    // Under BCO, a multi-node allocation of whole nodes can
+                                    // get nodes of its own; one with a partial node expects
+                                    // the contention measured so far.
+                                    let partial = nodes > 1 && !w.is_multiple_of(cfg.gpus_per_node);
+                                    if cfg.placement == PlacementKind::Bco && partial {
+                                        rate / (1.0 + expected_contention)
+                                    } else {
+                                        rate
+                                    }
+                                })
+                                .collect()
+                        })
+                    } else {
+                        None
+                    },
+                    remaining_work: if oracle {
+                        Some(t.job.remaining_progress(app))
+                    } else {
+                        wants_estimates.then(|| declared_samples_left(&t.job, app))
+                    },
+                }
+            })
+            .collect();
+        let decision = policy.allocate(
+            &ClusterView {
+                total_gpus,
+                gpus_per_node: cfg.gpus_per_node,
+                now,
+            },
+            &views,
+        );
+        let asked: u32 = decision.workers.values().sum();
+        let out_of_bounds = views.iter().any(|v| {
+            let w = decision.workers.get(&v.id).copied().unwrap_or(0);
+            w != 0 && !(v.min_workers..=v.max_workers).contains(&w)
+        });
+        if asked > total_gpus || out_of_bounds {
+            policy_violations += 1;
+        }
+        let mut order: Vec<usize> = active.clone();
+        order.sort_by(|&a, &b| {
+            let (ja, jb) = (&jobs[a], &jobs[b]);
+            ja.placement
+                .is_empty()
+                .cmp(&jb.placement.is_empty())
+                .then(ja.job.submitted_at.total_cmp(&jb.job.submitted_at))
+                .then(ja.id.cmp(&jb.id))
+        });
+        let requests: Vec<PlacementRequest> = order
+            .iter()
+            .map(|&i| PlacementRequest {
+                job: jobs[i].id.clone(),
+                workers: decision.workers.get(&jobs[i].id).copied().unwrap_or(0),
+                gpus_per_worker: 1,
+                min_workers: 1,
+                current: jobs[i].placement.clone(),
+            })
+            .collect();
+        let costs: BTreeMap<JobId, JobCost> = requests
+            .iter()
+            .filter(|r| r.workers > 0)
+            .filter_map(|r| {
+                let t = jobs.iter().find(|t| t.id == r.job)?;
+                let local = f64::from(t.job.target_batch_size) / f64::from(r.workers);
+                let mut cost = JobCost::from_model(t.model.as_ref()?, r.workers, local);
+                if contention_seen.1 > 0 {
+                    let per_job = contention_seen.0 / contention_seen.1 as f64;
+                    cost.sync_s = cost.sync_s.max(per_job * cost.compute_s);
+                }
+                Some((r.job.clone(), cost))
+            })
+            .collect();
+        let placed = place_with(cfg.placement, &hosts, &requests, &costs);
+        let decision_s = started.elapsed().as_secs_f64();
+
+        // 4. Apply: every change of placement restarts the job.
+        let mut allocated = 0u32;
+        for &i in &active {
+            let t = &mut jobs[i];
+            let new = placed.get(&t.id).cloned().unwrap_or_default();
+            allocated += new.iter().map(|p| p.gpus.len() as u32).sum::<u32>();
+            if new != t.placement {
+                let app = &apps[&t.job.app];
+                t.job
+                    .reallocate(app, per_node(&new, cfg.nodes), cfg.restart_delay_s);
+                t.placement = new;
+            }
+        }
+        intervals.push(IntervalRecord {
+            time: now,
+            utilization: f64::from(allocated) / f64::from(total_gpus),
+            avg_normalized_loss: (!norm_losses.is_empty())
+                .then(|| norm_losses.iter().sum::<f64>() / norm_losses.len() as f64),
+            decision_s,
+            active_jobs: active.len(),
+        });
+    }
+
+    let finished = jobs.iter().all(|t| t.job.completed_at.is_some());
+    Ok(SimResult {
+        policy: policy.name().to_string(),
+        jobs: jobs
+            .into_iter()
+            .map(|t| JobOutcome {
+                name: t.job.name.clone(),
+                application: t.job.app.clone(),
+                submitted_at: t.job.submitted_at,
+                completed_at: t.job.completed_at,
+                restarts: t.job.restarts,
+                time_to_90: t.time_to_90,
+                time_to_95: t.time_to_95,
+            })
+            .collect(),
+        intervals,
+        finished,
+        wall_s: wall.elapsed().as_secs_f64(),
+        policy_violations,
+    })
+}
+
+/// What an agent observes of a placed job's step: workers, nodes spanned, samples per worker
+/// per step (accumulation included) and seconds per step (no interference); `None` when not
+/// placed. No sync time: the applications' measured ones ([`Application::throughput`]) are
+/// left out so the simulator's results stay those of the step-only fit, which on these
+/// measurements is about as good (`throughput::tests::pollux_sync_times_report`).
+fn observe_step(job: &SimJob, app: &Application) -> Option<StepObservation> {
+    let (samples_per_s, step_time_s) = job.observed_step(app)?;
+    let workers: u32 = job.placement.iter().sum();
+    let nodes = job.placement.iter().filter(|&&g| g > 0).count() as u32;
+    Some(StepObservation {
+        workers,
+        nodes,
+        local_batch: samples_per_s * step_time_s / f64::from(workers.max(1)),
+        step_time_s,
+        sync_time_s: None,
+    })
+}
+
+/// Work the job has left as its user declared it: the epochs to its completion epoch not yet
+/// done, times the application's epoch size (samples in the first epoch at the initial batch
+/// size, from the statistical progress of the measured runs). The simulator's stand-in for
+/// a job spec's epoch budget and a trainer's dataset size.
+fn declared_samples_left(job: &SimJob, app: &Application) -> f64 {
+    let epochs = f64::from(app.completion_epoch(job.target_batch_size) + 1);
+    let done = f64::from(job.epoch) + epoch_fraction(job, app);
+    let epoch_samples = app.progress(1) * f64::from(app.init_batch_size);
+    ((epochs - done).max(0.0)) * epoch_samples
+}
+
+/// Fraction of the current epoch done, from statistical progress.
+fn epoch_fraction(job: &SimJob, app: &Application) -> f64 {
+    let start = app.progress(job.epoch);
+    let end = app.progress(job.epoch + 1);
+    if end > start {
+        ((job.progress - start) / (end - start)).clamp(0.0, 1.0)
+    } else {
+        0.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::apps::load_all;
+    use crate::workload::read_workload;
+    use converge_sched::policies::PolicyParams;
+    use converge_sched::policies::{POLICY_NAMES, by_name};
+    use std::path::Path;
+    use std::sync::OnceLock;
+
+    fn apps() -> &'static BTreeMap<String, Application> {
+        static APPS: OnceLock<BTreeMap<String, Application>> = OnceLock::new();
+        APPS.get_or_init(|| {
+            load_all(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/pollux/traces")).unwrap()
+        })
+    }
+
+    fn workload(n: usize) -> Vec<WorkloadJob> {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/pollux/workloads/workload-1.csv");
+        read_workload(&path).unwrap().into_iter().take(n).collect()
+    }
+
+    fn run(policy: &str, jobs: &[WorkloadJob], cfg: &SimConfig) -> SimResult {
+        let p = by_name(policy, PolicyParams::default()).unwrap();
+        simulate(apps(), jobs, p.as_ref(), cfg).unwrap()
+    }
+
+    #[test]
+    fn a_lone_job_finishes_when_its_step_times_say() {
+        let job = WorkloadJob {
+            name: "cifar10-0".into(),
+            time: 0.0,
+            application: "cifar10".into(),
+            num_replicas: 2,
+            batch_size: 256,
+        };
+        let cfg = SimConfig::default();
+        let result = run("fifo", std::slice::from_ref(&job), &cfg);
+        let done = result.jobs[0].completed_at.expect("finished");
+        // Independently: placed at the first decision (t = 60 s) on one node with 2 GPUs,
+        // 30 s of restart delay, then it trains at the measured step times until its
+        // completion epoch.
+        let app = &apps()["cifar10"];
+        let mut alone = SimJob::new("alone", app, 0.0, 2, 256);
+        alone.reallocate(app, vec![2], cfg.restart_delay_s);
+        let mut t = 60.0;
+        while alone.completed_at.is_none() {
+            alone.step(app, t, 1.0, 0.0);
+            t += 1.0;
+        }
+        let expected = alone.completed_at.unwrap();
+        assert!(
+            (done - expected).abs() <= 1.0,
+            "simulated {done} s, step times imply {expected} s"
+        );
+        // And the run time is what the step time and the statistical progress imply.
+        let (step_time, _) = app.throughput(&[2], f64::from(alone.atomic_bsz()));
+        assert!(step_time > 0.0);
+        assert_eq!(result.jobs[0].restarts, 0);
+    }
+
+    #[test]
+    fn runs_are_deterministic_for_a_seed() {
+        let jobs = workload(30);
+        let cfg = SimConfig {
+            seed: 7,
+            ..SimConfig::default()
+        };
+        let a = run("quality", &jobs, &cfg);
+        let b = run("quality", &jobs, &cfg);
+        assert_eq!(a.jobs, b.jobs);
+        let strip = |r: &SimResult| {
+            r.intervals
+                .iter()
+                .map(|i| (i.time, i.utilization, i.avg_normalized_loss))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(strip(&a), strip(&b));
+    }
+
+    #[test]
+    fn every_policy_respects_capacity_on_every_interval() {
+        let jobs = workload(40);
+        let cfg = SimConfig {
+            nodes: 4,
+            ..SimConfig::default()
+        };
+        for name in POLICY_NAMES {
+            let r = run(name, &jobs, &cfg);
+            assert_eq!(r.policy_violations, 0, "{name}");
+            assert!(
+                r.intervals.iter().all(|i| i.utilization <= 1.0 + 1e-12),
+                "{name}"
+            );
+            assert!(r.finished, "{name} left jobs unfinished");
+            assert!(
+                r.jobs
+                    .iter()
+                    .all(|j| j.completed_at.unwrap() > j.submitted_at),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn interference_slows_jobs_that_share_nodes() {
+        // Two 6-GPU jobs on a 3-node cluster of 4 GPUs each must share a node.
+        let jobs: Vec<WorkloadJob> = (0..2)
+            .map(|i| WorkloadJob {
+                name: format!("cifar10-{i}"),
+                time: 0.0,
+                application: "cifar10".into(),
+                num_replicas: 6,
+                batch_size: 2048,
+            })
+            .collect();
+        let base = SimConfig {
+            nodes: 3,
+            ..SimConfig::default()
+        };
+        let calm = run("tiresias", &jobs, &base);
+        let noisy = run(
+            "tiresias",
+            &jobs,
+            &SimConfig {
+                interference: 0.5,
+                ..base
+            },
+        );
+        let jct = |r: &SimResult| r.jobs.iter().map(|j| j.completed_at.unwrap()).sum::<f64>();
+        assert!(
+            jct(&noisy) > 1.3 * jct(&calm),
+            "{} vs {}",
+            jct(&noisy),
+            jct(&calm)
+        );
+    }
+}

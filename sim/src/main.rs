@@ -1,0 +1,79 @@
+//! `converge-sim` binary: the trace-driven simulator (`simulate`, `workload`, `report`) and
+//! the research benches (`bench-decision`, `predict-bench`, `makespan-bench`, `ps-bench`).
+
+use clap::{Parser, Subcommand};
+use converge_sim::cli::{SimulateArgs, WorkloadArgs, run_simulate, run_workload};
+use converge_sim::decision_bench::{BenchDecisionArgs, run_bench_decision};
+use converge_sim::makespan_bench::{MakespanBenchArgs, run_makespan_bench};
+use converge_sim::predict_bench::{PredictBenchArgs, run_predict_bench};
+use converge_sim::ps_bench::{PsBenchArgs, run_ps_bench};
+use converge_sim::report::{ReportArgs, run_report};
+
+/// Converge simulator: replays workloads through the allocator's own decision
+/// (`converge-sched`) on a simulated GPU cluster with the measured Pollux traces, and runs the
+/// research benches. Deterministic for a seed.
+#[derive(Debug, Parser)]
+#[command(name = "converge-sim", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Simulate a workload (Pollux format) on a simulated cluster with one policy, using the
+    /// measured Pollux traces; writes OUT/summary.json.
+    Simulate(SimulateArgs),
+    /// Sample a new workload from the Philly trace, the way the Pollux workloads were made.
+    Workload(WorkloadArgs),
+    /// Write docs/benchmarks.md and its plots: the simulator comparison on the Pollux
+    /// workloads, the loss-prediction benchmark and the scale benchmark.
+    ///
+    /// Runs every policy over the eight 1.0× and eight 0.5× Pollux workloads (fifo, fair,
+    /// tiresias, optimus, and the quality policy once per objective: quality with the
+    /// default, quality-loss, quality-jct) next to the published Pollux, Tiresias and Optimus
+    /// numbers, with SLAQ's metrics against fair and the targets; the loss-prediction
+    /// benchmark's headline tables (predict-bench writes the detailed docs/prediction.md);
+    /// and the scale benchmark (one decision for 10,000 jobs, as bench-decision), run on one
+    /// thread before the simulations.
+    Report(ReportArgs),
+    /// Time one allocation decision (quality policy, then placement) on a generated cluster,
+    /// single-threaded: by default 10,000 active jobs (about 70 % running) on 12,500 nodes ×
+    /// 8 GPUs. Prints the minimum and median over the repeats of the policy, the placement
+    /// and the total. Build with `--release` for meaningful figures.
+    BenchDecision(BenchDecisionArgs),
+    /// Compare four loss-curve predictors (SLAQ's strawman, SLAQ's fit, Optimus's fit and
+    /// ours) on the Pollux validation curves and the recorded converge-trainer curves; writes
+    /// docs/prediction.md.
+    PredictBench(PredictBenchArgs),
+    /// Offline makespan scheduling: SJF-BCO and first-fit FIFO against the exact optimum on
+    /// seeded random small instances, and against each other on larger ones; prints Markdown
+    /// tables (and writes them with --out). Build with `--release`.
+    MakespanBench(MakespanBenchArgs),
+    /// Parameter-server jobs: the LP-relaxation + randomized-rounding planner (workers,
+    /// shards, placement) against its LP bound, the exhaustive optimum and greedy on seeded
+    /// random small instances; prints Markdown tables (and writes them with --out). Build with
+    /// `--release`.
+    PsBench(PsBenchArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    converge_bus::init_tracing("info");
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Simulate(args) => run_simulate(&args),
+        Command::Workload(args) => run_workload(&args),
+        Command::Report(args) => run_report(&args),
+        Command::PredictBench(args) => run_predict_bench(&args),
+        Command::BenchDecision(args) => run_bench_decision(&args),
+        Command::MakespanBench(args) => run_makespan_bench(&args),
+        Command::PsBench(args) => run_ps_bench(&args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("converge-sim: {e:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}

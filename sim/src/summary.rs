@@ -1,0 +1,179 @@
+//! The simulator's `summary.json`: the Pollux simulator's shape (`jcts`, `avgs`, `mean`, so
+//! our numbers line up with its published results) plus tail JCTs, makespan, restarts, GPU
+//! utilization and average normalized loss over time, SLAQ's time to 90 % / 95 % loss
+//! reduction, and the policy's decision time per interval.
+
+use crate::engine::SimResult;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Median, 99th percentile and maximum of a sample (nearest rank).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Quantiles {
+    pub p50: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+/// Nearest-rank quantiles; `None` for an empty sample.
+pub fn quantiles(values: &[f64]) -> Option<Quantiles> {
+    if values.is_empty() {
+        return None;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+    Some(Quantiles {
+        p50: rank(0.5),
+        p99: rank(0.99),
+        max: v[v.len() - 1],
+    })
+}
+
+/// A run's summary. Times in seconds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    pub policy: String,
+    /// `{workload: {job: JCT}}` (Pollux's shape); unfinished jobs are left out.
+    pub jcts: BTreeMap<String, BTreeMap<String, f64>>,
+    /// `{workload: mean JCT}`.
+    pub avgs: BTreeMap<String, f64>,
+    /// Mean of `avgs`.
+    pub mean: f64,
+    /// Every workload's jobs all completed.
+    pub finished: bool,
+    pub jct: BTreeMap<String, Quantiles>,
+    /// Last completion minus first submission, per workload.
+    pub makespan: BTreeMap<String, f64>,
+    /// Restarts (allocation changes after the first start) per job, per workload.
+    pub restarts: BTreeMap<String, BTreeMap<String, u32>>,
+    pub mean_restarts_per_job: f64,
+    /// `[(time, fraction of GPUs allocated)]` per workload, one point per interval.
+    pub utilization: BTreeMap<String, Vec<(f64, f64)>>,
+    pub mean_utilization: f64,
+    /// `[(time, mean normalized loss of submitted unfinished jobs)]` per workload.
+    pub avg_normalized_loss: BTreeMap<String, Vec<(f64, f64)>>,
+    /// Time-average of the above over each workload's intervals, then averaged.
+    pub mean_normalized_loss: f64,
+    /// Mean over jobs of the time from submission to 90 % (95 %) of their loss reduction.
+    pub mean_time_to_90: f64,
+    pub mean_time_to_95: f64,
+    /// Policy plus placement (and curve fits) wall time per interval, milliseconds.
+    pub decision_ms: Option<Quantiles>,
+    /// Wall time to simulate each workload on one thread, seconds.
+    pub simulation_s: BTreeMap<String, f64>,
+}
+
+fn mean(xs: impl IntoIterator<Item = f64>) -> f64 {
+    let (sum, n) = xs
+        .into_iter()
+        .fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 { 0.0 } else { sum / n as f64 }
+}
+
+/// Summarizes runs of one policy over named workloads.
+pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
+    let mut s = Summary {
+        policy: policy.to_string(),
+        jcts: BTreeMap::new(),
+        avgs: BTreeMap::new(),
+        mean: 0.0,
+        finished: runs.iter().all(|(_, r)| r.finished),
+        jct: BTreeMap::new(),
+        makespan: BTreeMap::new(),
+        restarts: BTreeMap::new(),
+        mean_restarts_per_job: 0.0,
+        utilization: BTreeMap::new(),
+        mean_utilization: 0.0,
+        avg_normalized_loss: BTreeMap::new(),
+        mean_normalized_loss: 0.0,
+        mean_time_to_90: 0.0,
+        mean_time_to_95: 0.0,
+        decision_ms: None,
+        simulation_s: BTreeMap::new(),
+    };
+    let mut all_restarts = Vec::new();
+    let mut decisions = Vec::new();
+    let mut t90 = Vec::new();
+    let mut t95 = Vec::new();
+    let mut util_means = Vec::new();
+    let mut loss_means = Vec::new();
+    for (name, r) in runs {
+        let jcts: BTreeMap<String, f64> = r
+            .jobs
+            .iter()
+            .filter_map(|j| j.completed_at.map(|c| (j.name.clone(), c - j.submitted_at)))
+            .collect();
+        let values: Vec<f64> = jcts.values().copied().collect();
+        s.avgs.insert(name.clone(), mean(values.iter().copied()));
+        if let Some(q) = quantiles(&values) {
+            s.jct.insert(name.clone(), q);
+        }
+        s.jcts.insert(name.clone(), jcts);
+        let first = r
+            .jobs
+            .iter()
+            .map(|j| j.submitted_at)
+            .fold(f64::INFINITY, f64::min);
+        let last = r
+            .jobs
+            .iter()
+            .filter_map(|j| j.completed_at)
+            .fold(0.0, f64::max);
+        s.makespan.insert(name.clone(), (last - first).max(0.0));
+        s.restarts.insert(
+            name.clone(),
+            r.jobs
+                .iter()
+                .map(|j| (j.name.clone(), j.restarts))
+                .collect(),
+        );
+        all_restarts.extend(r.jobs.iter().map(|j| f64::from(j.restarts)));
+        t90.extend(r.jobs.iter().filter_map(|j| j.time_to_90));
+        t95.extend(r.jobs.iter().filter_map(|j| j.time_to_95));
+        let util: Vec<(f64, f64)> = r
+            .intervals
+            .iter()
+            .map(|i| (i.time, i.utilization))
+            .collect();
+        util_means.push(mean(util.iter().map(|p| p.1)));
+        s.utilization.insert(name.clone(), util);
+        let losses: Vec<(f64, f64)> = r
+            .intervals
+            .iter()
+            .filter_map(|i| i.avg_normalized_loss.map(|l| (i.time, l)))
+            .collect();
+        loss_means.push(mean(losses.iter().map(|p| p.1)));
+        s.avg_normalized_loss.insert(name.clone(), losses);
+        decisions.extend(r.intervals.iter().map(|i| i.decision_s * 1e3));
+        s.simulation_s.insert(name.clone(), r.wall_s);
+    }
+    s.mean = mean(s.avgs.values().copied());
+    s.mean_restarts_per_job = mean(all_restarts);
+    s.mean_utilization = mean(util_means);
+    s.mean_normalized_loss = mean(loss_means);
+    s.mean_time_to_90 = mean(t90);
+    s.mean_time_to_95 = mean(t95);
+    s.decision_ms = quantiles(&decisions);
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_quantiles() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(
+            quantiles(&v),
+            Some(Quantiles {
+                p50: 50.0,
+                p99: 99.0,
+                max: 100.0
+            })
+        );
+        assert_eq!(quantiles(&[3.0]).unwrap().p99, 3.0);
+        assert!(quantiles(&[]).is_none());
+    }
+}

@@ -1,0 +1,117 @@
+//! The simulator's commands as a user runs them: `simulate` writes a Pollux-shaped
+//! summary.json, `workload` writes a workload `simulate` accepts, bad input is refused.
+
+use std::path::Path;
+use std::process::Command;
+
+fn allocator() -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_converge-sim"));
+    cmd.current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join(".."));
+    cmd
+}
+
+#[test]
+fn simulate_writes_a_pollux_shaped_summary() {
+    let out = tempfile::tempdir().unwrap();
+    let status = allocator()
+        .args([
+            "simulate",
+            "--workload",
+            "data/pollux/workloads-0.5/workload-1.csv",
+            "--policy",
+            "tiresias",
+            "--out",
+        ])
+        .arg(out.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.path().join("summary.json")).unwrap())
+            .unwrap();
+    let jcts = summary["jcts"]["workloads-0.5/workload-1"]
+        .as_object()
+        .unwrap();
+    assert_eq!(jcts.len(), 80, "every job finished and has a JCT");
+    assert!(jcts.values().all(|v| v.as_f64().unwrap() > 0.0));
+    let mean = summary["mean"].as_f64().unwrap();
+    let avg = summary["avgs"]["workloads-0.5/workload-1"]
+        .as_f64()
+        .unwrap();
+    assert!((mean - avg).abs() < 1e-9 && mean > 0.0);
+    for key in [
+        "jct",
+        "makespan",
+        "restarts",
+        "utilization",
+        "avg_normalized_loss",
+        "mean_time_to_90",
+        "mean_time_to_95",
+        "decision_ms",
+    ] {
+        assert!(!summary[key].is_null(), "summary lacks {key}");
+    }
+}
+
+#[test]
+fn generated_workloads_simulate() {
+    let dir = tempfile::tempdir().unwrap();
+    let workload = dir.path().join("w.csv");
+    let status = allocator()
+        .args([
+            "workload", "--jobs", "20", "--hours", "2", "--seed", "5", "--out",
+        ])
+        .arg(&workload)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let text = std::fs::read_to_string(&workload).unwrap();
+    assert_eq!(text.lines().count(), 21);
+    let status = allocator()
+        .args(["simulate", "--policy", "fair", "--workload"])
+        .arg(&workload)
+        .arg("--out")
+        .arg(dir.path())
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[test]
+fn bad_input_is_refused_with_the_reason() {
+    let out = allocator()
+        .args([
+            "simulate",
+            "--workload",
+            "data/pollux/workloads/workload-1.csv",
+            "--policy",
+            "lottery",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("fifo, fair, tiresias, optimus, quality"),
+        "{stderr}"
+    );
+    let out = allocator()
+        .args(["simulate", "--workload", "nope.csv"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("nope.csv"),
+        "{stderr}"
+    );
+    let out = allocator()
+        .args([
+            "simulate",
+            "--workload",
+            "data/pollux/workloads/workload-1.csv",
+            "--interference",
+            "1.5",
+        ])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--interference"));
+}
