@@ -18,7 +18,7 @@ Options:
   --duration SECONDS   stop after this long even if jobs are still running (default 300)
   --summary FILE       write a JSON summary of the run (per job: loss, steps, generations,
                        GPUs over time)
-  --epoch DURATION     allocator scheduling epoch (default 5s)
+  --scheduling-interval DURATION  allocator scheduling interval (default 5s; --epoch is the old name)
   --restart-cost DUR   allocator restart cost knob (default 10s)
   --keep               keep the working directory (logs, checkpoints) and print its path
   --debug              build and run debug binaries instead of release
@@ -28,7 +28,7 @@ HELP
 
 duration=300
 summary=""
-epoch=5s
+interval=5s
 restart_cost=10s
 keep=0
 profile=release
@@ -36,7 +36,7 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --duration) duration="$2"; shift 2 ;;
         --summary) summary="$2"; shift 2 ;;
-        --epoch) epoch="$2"; shift 2 ;;
+        --scheduling-interval|--epoch) interval="$2"; shift 2 ;;
         --restart-cost) restart_cost="$2"; shift 2 ;;
         --keep) keep=1; shift ;;
         --debug) profile=debug; shift ;;
@@ -100,8 +100,8 @@ CONVERGE_NATS_URL=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1
 export CONVERGE_NATS_URL
 echo "    $CONVERGE_NATS_URL"
 
-echo "==> starting the allocator (epoch $epoch, restart cost $restart_cost)"
-setsid converge-allocator --epoch "$epoch" --restart-cost "$restart_cost" --horizon 60s \
+echo "==> starting the allocator (scheduling interval $interval, restart cost $restart_cost)"
+setsid converge-allocator --scheduling-interval "$interval" --restart-cost "$restart_cost" --horizon 60s \
     >"$work/allocator.log" 2>&1 &
 allocator_pid=$!
 

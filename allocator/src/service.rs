@@ -26,10 +26,17 @@ use tokio_util::sync::CancellationToken;
 pub struct AllocatorConfig {
     #[command(flatten)]
     pub nats: NatsArgs,
-    /// Scheduling epoch: how often the policy re-decides allocations (it also runs when a
-    /// job is submitted or finishes and when hosts come or go). SLAQ uses 10 s.
-    #[arg(long, env = "CONVERGE_EPOCH", default_value = "10s", value_parser = humantime_duration)]
-    pub epoch: Duration,
+    /// Scheduling interval: how often the policy re-decides allocations (it also runs when a
+    /// job is submitted or finishes and when hosts come or go). SLAQ uses 10 s. `--epoch`
+    /// is the old name, accepted for one release.
+    #[arg(
+        long,
+        visible_alias = "epoch",
+        env = "CONVERGE_SCHEDULING_INTERVAL",
+        default_value = "10s",
+        value_parser = humantime_duration
+    )]
+    pub scheduling_interval: Duration,
     /// How far ahead the policy predicts each job's loss reduction.
     #[arg(long, env = "CONVERGE_HORIZON", default_value = "60s", value_parser = humantime_duration)]
     pub horizon: Duration,
@@ -226,14 +233,14 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     tracing::info!(
         statuses = view.statuses.len(),
         plans = view.plans.len(),
-        epoch = ?cfg.epoch,
+        scheduling_interval = ?cfg.scheduling_interval,
         restart_cost = ?cfg.restart_cost,
         horizon = ?cfg.horizon,
         "allocator started; reading specs, hosts and progress history"
     );
 
-    let mut epoch = tokio::time::interval(cfg.epoch);
-    epoch.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut scheduling = tokio::time::interval(cfg.scheduling_interval);
+    scheduling.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut tick = tokio::time::interval(LIFECYCLE_TICK);
     let mut caught_up = false;
     let mut policy_due = true;
@@ -270,7 +277,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                     apply(&mut view, input, &mut policy_due, &mut lifecycle_due, caught_up);
                 }
             }
-            _ = epoch.tick() => policy_due = true,
+            _ = scheduling.tick() => policy_due = true,
             _ = tick.tick() => lifecycle_due = true,
             _ = tokio::time::sleep(spacing), if (policy_due || lifecycle_due) && !spacing.is_zero() => {}
         }
@@ -330,7 +337,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         for e in &outcome.events {
             tracing::info!(event = %e.message, "event");
             if matches!(e.kind, EventKind::JobFinished { .. }) {
-                // Freed GPUs go to the others now, not at the next epoch.
+                // Freed GPUs go to the others now, not at the next scheduling interval.
                 policy_due = true;
             }
             publish_event(&bus, e).await;

@@ -20,9 +20,10 @@ pub struct ClusterArgs {
     /// GPUs per node.
     #[arg(long, default_value_t = 4)]
     pub gpus_per_node: u32,
-    /// Scheduling interval, seconds.
-    #[arg(long, default_value_t = 60.0)]
-    pub interval: f64,
+    /// Scheduling interval: how often the policy re-decides, seconds (`--interval` is the old
+    /// name).
+    #[arg(long, visible_alias = "interval", default_value_t = 60.0)]
+    pub scheduling_interval: f64,
     /// Seconds without progress that every allocation change costs a job.
     #[arg(long, default_value_t = 30.0)]
     pub restart_delay: f64,
@@ -49,7 +50,10 @@ impl ClusterArgs {
             self.nodes > 0 && self.gpus_per_node > 0,
             "the cluster needs at least one GPU"
         );
-        anyhow::ensure!(self.interval > 0.0, "--interval must be positive");
+        anyhow::ensure!(
+            self.scheduling_interval > 0.0,
+            "--scheduling-interval must be positive"
+        );
         anyhow::ensure!(
             self.restart_delay >= 0.0,
             "--restart-delay must not be negative"
@@ -61,7 +65,7 @@ impl ClusterArgs {
         Ok(SimConfig {
             nodes: self.nodes,
             gpus_per_node: self.gpus_per_node,
-            interval_s: self.interval,
+            scheduling_interval_s: self.scheduling_interval,
             restart_delay_s: self.restart_delay,
             interference: self.interference,
             seed: self.seed,

@@ -3,22 +3,26 @@
 //! scheduling interval, then let the policy decide from what it could have observed, then
 //! apply the changes, each costing the restart delay).
 //!
-//! The policy and the placement are the service's own functions ([`converge_sched::policies`],
-//! [`converge_sched::placement::place`]); the policy sees only what the allocator service would see
-//! (progress in samples, a noisy loss-like signal from the measured validation curves,
-//! observed step times, attained service, the cluster's capacity) — except `optimus`, which
-//! is the Pollux simulator's "Optimus+Oracle" and gets the true remaining work and
-//! throughput, as its name says.
+//! Every decision is the service's own: [`converge_sched::decide::decide`], with the job
+//! views built from what the allocator service would observe (progress in samples through
+//! a [`JobHistory`], so curves are fitted by the same [`FitCache`]; a noisy loss-like signal
+//! from the measured validation curves; observed step times; attained service; the
+//! contention measured on multi-node jobs). What a policy gets beyond that is what it
+//! declares ([`converge_sched::policies::PolicyInputs`]); `optimus` declares the oracle
+//! (the Pollux simulator's "Optimus+Oracle") and gets the true remaining work and throughput.
+//! No scheduling logic lives here.
 
 use crate::apps::{Application, SimJob};
 use crate::workload::WorkloadJob;
-use converge_common::{HostId, JobId, RankPlacement};
-use converge_sched::contention::JobCost;
-use converge_sched::fit::{Curve, FitConfig, LossPoint, fit_loss_curve, refit_due};
-use converge_sched::placement::{HostFree, PlacementKind, PlacementRequest, place_with};
-use converge_sched::policies::PolicyJob;
-use converge_sched::policies::{ClusterView, Policy};
-use converge_sched::throughput::{StepObservation, ThroughputModel, ThroughputPrior, packed_nodes};
+use converge_common::{HostId, JobId, PROTOCOL_VERSION, ProgressReport, RankPlacement};
+use converge_sched::contention::ContentionSamples;
+use converge_sched::decide::{Allocation, BatchSize, ClusterState, JobView, Oracle, decide};
+use converge_sched::fit::FitConfig;
+use converge_sched::fit_cache::{FitCache, ModelScope};
+use converge_sched::history::JobHistory;
+use converge_sched::placement::{HostFree, PlacementKind};
+use converge_sched::policies::Policy;
+use converge_sched::throughput::{StepObservation, ThroughputPrior};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
@@ -30,8 +34,8 @@ use std::time::Instant;
 pub struct SimConfig {
     pub nodes: u32,
     pub gpus_per_node: u32,
-    /// Scheduling interval, seconds.
-    pub interval_s: f64,
+    /// Scheduling interval: how often the policy re-decides, seconds.
+    pub scheduling_interval_s: f64,
     /// Time an allocation change costs a job, with no progress, seconds.
     pub restart_delay_s: f64,
     /// Goodput factor lost by a multi-node job sharing a node with another multi-node job
@@ -44,6 +48,9 @@ pub struct SimConfig {
     pub max_time_s: f64,
     /// How workers are put on nodes: first fit, or balancing contention and overhead (BCO).
     pub placement: PlacementKind,
+    /// Keep every decision's inputs and result in [`SimResult::decisions`] (for tests that
+    /// replay them through [`decide`]; memory grows with the run).
+    pub record_decisions: bool,
 }
 
 impl Default for SimConfig {
@@ -51,13 +58,14 @@ impl Default for SimConfig {
         Self {
             nodes: 16,
             gpus_per_node: 4,
-            interval_s: 60.0,
+            scheduling_interval_s: 60.0,
             restart_delay_s: 30.0,
             interference: 0.0,
             loss_noise: 0.02,
             seed: 1,
             max_time_s: 60.0 * 24.0 * 3600.0,
             placement: PlacementKind::FirstFit,
+            record_decisions: false,
         }
     }
 }
@@ -105,6 +113,16 @@ pub struct IntervalRecord {
     pub active_jobs: usize,
 }
 
+/// One decision as the simulator asked for it: the inputs of [`decide`] and what it returned.
+#[derive(Debug, Clone)]
+pub struct RecordedDecision {
+    pub now: f64,
+    pub hosts: Vec<HostFree>,
+    pub contention_per_shared_job: f64,
+    pub jobs: Vec<JobView>,
+    pub allocation: Allocation,
+}
+
 /// Everything a run produced.
 #[derive(Debug, Clone)]
 pub struct SimResult {
@@ -118,6 +136,8 @@ pub struct SimResult {
     /// Intervals in which the policy asked for more GPUs than the cluster has, or gave a
     /// job a size outside its bounds (a policy bug; placement then drops the excess).
     pub policy_violations: u32,
+    /// Every decision, when [`SimConfig::record_decisions`] is set.
+    pub decisions: Vec<RecordedDecision>,
 }
 
 struct Tracked {
@@ -126,19 +146,16 @@ struct Tracked {
     max_workers: u32,
     placement: Vec<RankPlacement>,
     samples: f64,
-    losses: Vec<LossPoint>,
-    loss_range: (f64, f64),
+    /// What the allocator would have of the job's progress reports (rank 0, one per
+    /// interval while placed).
+    history: JobHistory,
+    reports: u64,
     start_loss: f64,
     final_loss: f64,
     time_to_90: Option<f64>,
     time_to_95: Option<f64>,
-    /// The last fitted curve and how many points it saw.
-    curve: Option<Curve>,
-    fitted_points: usize,
-    /// Step times observed per configuration (workers, nodes, per-worker batch), and the
-    /// throughput model fitted on them (quality policy only).
+    /// Step times observed per configuration (workers, nodes, per-worker batch).
     steps: Vec<StepObservation>,
-    model: Option<ThroughputModel>,
 }
 
 fn host_name(node: u32) -> HostId {
@@ -205,16 +222,13 @@ pub fn simulate(
             max_workers,
             placement: Vec::new(),
             samples: 0.0,
-            losses: Vec::new(),
-            loss_range: (f64::INFINITY, f64::NEG_INFINITY),
+            history: JobHistory::default(),
+            reports: 0,
             start_loss,
             final_loss,
             time_to_90: None,
             time_to_95: None,
-            curve: None,
-            fitted_points: 0,
             steps: Vec::new(),
-            model: None,
         });
     }
     let hosts: Vec<HostFree> = (0..cfg.nodes)
@@ -223,16 +237,14 @@ pub fn simulate(
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
     let noise = Normal::new(0.0, cfg.loss_noise.max(0.0)).expect("finite noise");
     let fit_cfg = FitConfig::default();
-    let wants_curves = policy.name() == "quality";
-    // Policies that get each job's throughput table (from its fitted model) and declared
-    // work left: quality, and sjf-bco for its job sizes.
-    let wants_estimates = wants_curves || policy.name() == "sjf-bco";
+    let wants = policy.inputs();
     let throughput_prior = ThroughputPrior::default();
-    let oracle = policy.name() == "optimus";
+    let mut fits = FitCache::new();
     let mut intervals = Vec::new();
-    // Contention calibration from measured slowdowns: (sum, count) of the extra step time,
-    // as a fraction of the compute time, per additional multi-node job on a shared NIC.
-    let mut contention_seen = (0.0f64, 0u64);
+    let mut decisions = Vec::new();
+    // Contention measured on multi-node jobs sharing a node (what the agents' step times
+    // would show).
+    let mut contention_seen = ContentionSamples::default();
     let mut now = 0.0;
     let mut policy_violations = 0;
 
@@ -263,8 +275,7 @@ pub fn simulate(
                 // 1/(1 − f) − 1 while `sharing` multi-node jobs share one of its NICs.
                 if cfg.interference > 0.0 && t.job.completed_at.is_none() {
                     let slowdown = 1.0 / (1.0 - cfg.interference) - 1.0;
-                    contention_seen.0 += slowdown / f64::from(sharing - 1);
-                    contention_seen.1 += 1;
+                    contention_seen.add(slowdown, sharing);
                 }
             }
         }
@@ -273,9 +284,9 @@ pub fn simulate(
                 continue;
             }
             let app = &apps[&t.job.app];
-            t.samples += t.job.step(app, now, cfg.interval_s, *f);
+            t.samples += t.job.step(app, now, cfg.scheduling_interval_s, *f);
         }
-        now += cfg.interval_s;
+        now += cfg.scheduling_interval_s;
 
         // 2. What the allocator would observe: progress, a noisy loss-like signal, step times.
         let mut norm_losses = Vec::new();
@@ -306,13 +317,26 @@ pub fn simulate(
                 t.time_to_95.get_or_insert(age);
             }
             norm_losses.push(normalized);
-            if wants_curves && !t.placement.is_empty() {
+            if wants.curves && !t.placement.is_empty() {
                 let observed = (true_loss * (1.0 + noise.sample(&mut rng))).max(0.0);
-                t.losses.push(LossPoint {
-                    samples: t.samples,
+                t.reports += 1;
+                t.history.add(&ProgressReport {
+                    protocol: PROTOCOL_VERSION,
+                    job: t.id.clone(),
+                    generation: u64::from(t.job.restarts),
+                    rank: 0,
+                    host: t.placement[0].host.clone(),
+                    step: t.reports,
+                    samples: t.samples.round() as u64,
                     loss: observed,
+                    eval_loss: None,
+                    epoch: None,
+                    time: now,
+                    workers: None,
+                    hosts: None,
+                    sync_time_s: None,
+                    model_bytes: None,
                 });
-                t.loss_range = (t.loss_range.0.min(observed), t.loss_range.1.max(observed));
             }
         }
         let active: Vec<usize> = (0..jobs.len())
@@ -330,144 +354,76 @@ pub fn simulate(
             break;
         }
 
-        // 3. The policy decides; placement keeps unchanged jobs where they are. Curve fits
-        //    count as decision time: the service fits inside its scheduling step too.
+        // 3. The decision, as the service takes it; placement keeps unchanged jobs where
+        //    they are. Curve and model fits count as decision time: the service fits inside
+        //    its scheduling step too.
         let started = Instant::now();
+        let mut views = Vec::with_capacity(active.len());
         for &i in &active {
             let t = &mut jobs[i];
-            if wants_curves
-                && refit_due(
-                    t.losses.len(),
-                    t.losses.len().saturating_sub(t.fitted_points),
-                )
-            {
-                t.curve = fit_loss_curve(&t.losses, &fit_cfg);
-                t.fitted_points = t.losses.len();
-            }
-            // Every policy's jobs get a throughput model: BCO placement prices placements
-            // with it; only `quality` also sees it.
             let app = &apps[&t.job.app];
+            let curve = if wants.curves {
+                fits.curve(&t.id, &t.history, &fit_cfg, true)
+            } else {
+                None
+            };
             if let Some(seen) = observe_step(&t.job, app)
                 && !t.steps.contains(&seen)
             {
                 t.steps.push(seen);
-                t.model = Some(ThroughputModel::fit(&t.steps, &throughput_prior));
             }
-        }
-        let expected_contention = if contention_seen.1 > 0 {
-            contention_seen.0 / contention_seen.1 as f64
-        } else {
-            0.0
-        };
-        let views: Vec<PolicyJob> = active
-            .iter()
-            .map(|&i| {
-                let t = &jobs[i];
-                let app = &apps[&t.job.app];
-                let workers: u32 = t.job.placement.iter().sum();
-                PolicyJob {
-                    id: t.id.clone(),
-                    gpus_per_worker: 1,
-                    min_workers: 1,
-                    max_workers: t.max_workers,
-                    current_workers: workers,
-                    submitted_at: t.job.submitted_at,
-                    curve: t.curve.clone(),
-                    samples: t.samples,
-                    loss_scale: (t.loss_range.1 - t.loss_range.0).max(0.0),
-                    samples_per_s_per_worker: t
-                        .job
-                        .observed_step(app)
-                        .map(|(samples_per_s, _)| samples_per_s / f64::from(workers.max(1))),
-                    requested_workers: t.job.requested_replicas.clamp(1, t.max_workers),
-                    attained_gpu_seconds: t.job.attained_gpu_seconds,
-                    throughput: if oracle {
-                        Some(
-                            (1..=t.max_workers)
-                                .map(|w| t.job.progress_rate(app, w, cfg.gpus_per_node))
-                                .collect(),
-                        )
-                    } else if wants_estimates {
-                        t.model.as_ref().map(|model| {
-                            (1..=t.max_workers)
-                                .map(|w| {
-                                    let nodes = packed_nodes(w, 1, cfg.gpus_per_node);
-                                    let local = f64::from(t.job.target_batch_size) / f64::from(w);
-                                    let rate = model.samples_per_s(w, nodes, local);
-                                    // Under BCO, a multi-node allocation of whole nodes can
-                                    // get nodes of its own; one with a partial node expects
-                                    // the contention measured so far.
-                                    let partial = nodes > 1 && !w.is_multiple_of(cfg.gpus_per_node);
-                                    if cfg.placement == PlacementKind::Bco && partial {
-                                        rate / (1.0 + expected_contention)
-                                    } else {
-                                        rate
-                                    }
-                                })
-                                .collect()
-                        })
-                    } else {
-                        None
-                    },
-                    remaining_work: if oracle {
-                        Some(t.job.remaining_progress(app))
-                    } else {
-                        wants_estimates.then(|| declared_samples_left(&t.job, app))
-                    },
-                }
-            })
-            .collect();
-        let decision = policy.allocate(
-            &ClusterView {
-                total_gpus,
-                gpus_per_node: cfg.gpus_per_node,
-                now,
-            },
-            &views,
-        );
-        let asked: u32 = decision.workers.values().sum();
-        let out_of_bounds = views.iter().any(|v| {
-            let w = decision.workers.get(&v.id).copied().unwrap_or(0);
-            w != 0 && !(v.min_workers..=v.max_workers).contains(&w)
-        });
-        if asked > total_gpus || out_of_bounds {
-            policy_violations += 1;
-        }
-        let mut order: Vec<usize> = active.clone();
-        order.sort_by(|&a, &b| {
-            let (ja, jb) = (&jobs[a], &jobs[b]);
-            ja.placement
-                .is_empty()
-                .cmp(&jb.placement.is_empty())
-                .then(ja.job.submitted_at.total_cmp(&jb.job.submitted_at))
-                .then(ja.id.cmp(&jb.id))
-        });
-        let requests: Vec<PlacementRequest> = order
-            .iter()
-            .map(|&i| PlacementRequest {
-                job: jobs[i].id.clone(),
-                workers: decision.workers.get(&jobs[i].id).copied().unwrap_or(0),
+            // Every job gets a throughput model: BCO placement prices placements with it.
+            let model = (!t.steps.is_empty())
+                .then(|| fits.model(&t.id, ModelScope::All, &t.steps, &throughput_prior));
+            let workers: u32 = t.job.placement.iter().sum();
+            views.push(JobView {
+                id: t.id.clone(),
                 gpus_per_worker: 1,
                 min_workers: 1,
-                current: jobs[i].placement.clone(),
-            })
-            .collect();
-        let costs: BTreeMap<JobId, JobCost> = requests
-            .iter()
-            .filter(|r| r.workers > 0)
-            .filter_map(|r| {
-                let t = jobs.iter().find(|t| t.id == r.job)?;
-                let local = f64::from(t.job.target_batch_size) / f64::from(r.workers);
-                let mut cost = JobCost::from_model(t.model.as_ref()?, r.workers, local);
-                if contention_seen.1 > 0 {
-                    let per_job = contention_seen.0 / contention_seen.1 as f64;
-                    cost.sync_s = cost.sync_s.max(per_job * cost.compute_s);
-                }
-                Some((r.job.clone(), cost))
-            })
-            .collect();
-        let placed = place_with(cfg.placement, &hosts, &requests, &costs);
+                max_workers: t.max_workers,
+                requested_workers: t.job.requested_replicas.clamp(1, t.max_workers),
+                submitted_at: t.job.submitted_at,
+                placement: t.placement.clone(),
+                curve,
+                samples: t.samples,
+                loss_scale: t.history.loss_scale(),
+                samples_per_s_per_worker: t
+                    .job
+                    .observed_step(app)
+                    .map(|(samples_per_s, _)| samples_per_s / f64::from(workers.max(1))),
+                attained_gpu_seconds: t.job.attained_gpu_seconds,
+                model,
+                batch: BatchSize::Total(f64::from(t.job.target_batch_size)),
+                remaining_work: (wants.estimates || wants.oracle)
+                    .then(|| declared_samples_left(&t.job, app)),
+                oracle: wants.oracle.then(|| Oracle {
+                    throughput: (1..=t.max_workers)
+                        .map(|w| t.job.progress_rate(app, w, cfg.gpus_per_node))
+                        .collect(),
+                    remaining_work: t.job.remaining_progress(app),
+                }),
+            });
+        }
+        let cluster = ClusterState {
+            now,
+            hosts: &hosts,
+            contention_per_shared_job: contention_seen.per_shared_job(),
+        };
+        let allocation = decide(&cluster, &views, policy, cfg.placement);
         let decision_s = started.elapsed().as_secs_f64();
+        if allocation.violates(&hosts) {
+            policy_violations += 1;
+        }
+        let placed = allocation.placements.clone();
+        if cfg.record_decisions {
+            decisions.push(RecordedDecision {
+                now,
+                hosts: hosts.clone(),
+                contention_per_shared_job: cluster.contention_per_shared_job,
+                jobs: views,
+                allocation,
+            });
+        }
 
         // 4. Apply: every change of placement restarts the job.
         let mut allocated = 0u32;
@@ -511,6 +467,7 @@ pub fn simulate(
         finished,
         wall_s: wall.elapsed().as_secs_f64(),
         policy_violations,
+        decisions,
     })
 }
 
@@ -580,6 +537,97 @@ mod tests {
     fn run(policy: &str, jobs: &[WorkloadJob], cfg: &SimConfig) -> SimResult {
         let p = by_name(policy, PolicyParams::default()).unwrap();
         simulate(apps(), jobs, p.as_ref(), cfg).unwrap()
+    }
+
+    #[test]
+    fn every_decision_is_what_decide_returns_and_is_applied_as_is() {
+        let jobs = workload(40);
+        for (name, placement) in [
+            ("quality", PlacementKind::Bco),
+            ("tiresias", PlacementKind::FirstFit),
+            ("optimus", PlacementKind::Bco),
+            ("sjf-bco", PlacementKind::Bco),
+        ] {
+            let cfg = SimConfig {
+                nodes: 4,
+                interference: 0.5,
+                placement,
+                record_decisions: true,
+                ..SimConfig::default()
+            };
+            let policy = by_name(name, PolicyParams::default()).unwrap();
+            let result = simulate(apps(), &jobs, policy.as_ref(), &cfg).unwrap();
+            assert!(result.decisions.len() > 10, "{name}");
+            for d in &result.decisions {
+                let cluster = ClusterState {
+                    now: d.now,
+                    hosts: &d.hosts,
+                    contention_per_shared_job: d.contention_per_shared_job,
+                };
+                let again = decide(&cluster, &d.jobs, policy.as_ref(), placement);
+                assert_eq!(again, d.allocation, "{name} at {}", d.now);
+            }
+            // What the next decision sees as each job's placement is what the previous one
+            // placed: the simulator changes nothing.
+            for pair in result.decisions.windows(2) {
+                for job in &pair[1].jobs {
+                    let placed = pair[0].allocation.placements.get(&job.id);
+                    assert_eq!(
+                        job.placement.as_slice(),
+                        placed.map_or(&[][..], Vec::as_slice),
+                        "{name}: {} at {}",
+                        job.id,
+                        pair[1].now
+                    );
+                }
+            }
+            // Only what the policy declares is filled in.
+            let inputs = policy.inputs();
+            let views = result.decisions.iter().flat_map(|d| &d.allocation.views);
+            for view in views {
+                if !inputs.curves {
+                    assert!(view.curve.is_none(), "{name}");
+                }
+                if !(inputs.estimates || inputs.oracle) {
+                    assert!(
+                        view.throughput.is_none() && view.remaining_work.is_none(),
+                        "{name}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn contention_measured_on_shared_nodes_reaches_the_decision() {
+        let jobs = workload(40);
+        let cfg = SimConfig {
+            nodes: 4,
+            interference: 0.5,
+            placement: PlacementKind::Bco,
+            record_decisions: true,
+            ..SimConfig::default()
+        };
+        let policy = by_name("quality", PolicyParams::default()).unwrap();
+        let result = simulate(apps(), &jobs, policy.as_ref(), &cfg).unwrap();
+        // 1/(1 − 0.5) − 1 = 1 extra step per shared job once two multi-node jobs share a node.
+        let last = result.decisions.last().unwrap().contention_per_shared_job;
+        assert!(last > 0.0 && last <= 1.0 + 1e-12, "{last}");
+        let calm = simulate(
+            apps(),
+            &jobs,
+            policy.as_ref(),
+            &SimConfig {
+                interference: 0.0,
+                ..cfg
+            },
+        )
+        .unwrap();
+        assert!(
+            calm.decisions
+                .iter()
+                .all(|d| d.contention_per_shared_job == 0.0)
+        );
     }
 
     #[test]

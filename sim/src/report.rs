@@ -590,7 +590,7 @@ fn markdown(page: &Page) -> String {
          {} s starvation guard. JCTs in seconds.\n",
         cluster.nodes,
         cluster.gpus_per_node,
-        cluster.interval,
+        cluster.scheduling_interval,
         cluster.restart_delay,
         cluster.interference,
         cluster.seed,

@@ -7,9 +7,9 @@
 #      Docker's restart policy already did)
 #   3. checks, on the restarted allocator's /metrics: it leads again
 #      (converge_allocator_leader 1) and makes its first policy decision
-#      (converge_allocator_step_seconds_count{policy="true"} >= 1) within one epoch (5 s)
+#      (converge_allocator_step_seconds_count{policy="true"} >= 1) within one scheduling interval (5 s)
 #      of its start;
-#      converge_allocator_plan_writes_total stays 0 for two epochs while both jobs keep their
+#      converge_allocator_plan_writes_total stays 0 for two scheduling intervals while both jobs keep their
 #      allocation (nothing to rewrite); no job gets a new generation; both complete
 #
 #   tests/compose/kill-allocator.sh [--skip-build] [--keep]
@@ -22,7 +22,7 @@ cv_init kill-allocator "$@"
 cv_build
 cv_up
 jobs_dir="$cv_root/tests/compose/fault-jobs"
-epoch_s=${CONVERGE_EPOCH%s}
+interval_s=${CONVERGE_SCHEDULING_INTERVAL%s}
 cv_submit "$jobs_dir/ft-span.toml"
 cv_submit "$jobs_dir/ft-small.toml"
 
@@ -64,13 +64,13 @@ while [[ -z "$t_decision" || -z "$t_status" ]]; do
 done
 decision_s=$(since "$started_at" "$t_decision")
 status_s=$(since "$started_at" "$t_status")
-log "restarted allocator: first decision $decision_s s, first status write $status_s s after its start (epoch ${epoch_s} s)"
-awk -v d="$decision_s" -v e="$epoch_s" 'BEGIN { exit !(d <= e) }' \
-    || fail "the restarted allocator's first decision came $decision_s s after its start, more than one epoch ($epoch_s s)"
+log "restarted allocator: first decision $decision_s s, first status write $status_s s after its start (scheduling interval ${interval_s} s)"
+awk -v d="$decision_s" -v e="$interval_s" 'BEGIN { exit !(d <= e) }' \
+    || fail "the restarted allocator's first decision came $decision_s s after its start, more than one epoch ($interval_s s)"
 [[ "$(cv_metric allocator converge_allocator_leader)" == 1 ]] || fail "the restarted allocator does not lead (converge_allocator_leader != 1)"
 
 # Two epochs with nothing to change: no plan written.
-sleep $(( 2 * epoch_s ))
+sleep $(( 2 * interval_s ))
 read -r p1 g1 < <(cv_job ft-span phase generation)
 read -r p2 g2 < <(cv_job ft-small phase generation)
 writes=$(cv_metric allocator converge_allocator_plan_writes_total)
@@ -94,4 +94,4 @@ for j in ft-span ft-small; do
     [[ "$g" == "$want" ]] || fail "$j completed in generation $g, not $want (restarted)"
     log "$j completed in generation $g, JCT $jct s"
 done
-cv_pass "$decision_s s" "first decision $decision_s s and first status write $status_s s after the restart (epoch $epoch_s s), 0 plan writes, lost 0 steps (same generation)"
+cv_pass "$decision_s s" "first decision $decision_s s and first status write $status_s s after the restart (epoch $interval_s s), 0 plan writes, lost 0 steps (same generation)"

@@ -68,7 +68,7 @@ cv_init() {
     nats_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     cv_secrets=$(mktemp -d -t converge-secrets.XXXXXX)
     export CONVERGE_NATS_BIND=127.0.0.1 CONVERGE_NATS_PORT="$nats_port" CONVERGE_FAKE_GPUS=2 \
-        CONVERGE_EPOCH="${CONVERGE_EPOCH:-5s}" CONVERGE_RESTART_COST=10s CONVERGE_HORIZON=60s \
+        CONVERGE_SCHEDULING_INTERVAL="${CONVERGE_SCHEDULING_INTERVAL:-5s}" CONVERGE_RESTART_COST=10s CONVERGE_HORIZON=60s \
         CONVERGE_STOP_GRACE=10s CONVERGE_METRICS_ADDR=0.0.0.0:9464 \
         CONVERGE_SECRETS_DIR="$cv_secrets"
     export CONVERGE_NATS_URL="nats://127.0.0.1:$nats_port"

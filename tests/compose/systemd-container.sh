@@ -115,7 +115,7 @@ sed -i -e "s#^CONVERGE_NATS_URL=.*#CONVERGE_NATS_URL=nats://127.0.0.1:4222#" \
        -e "s/^#CONVERGE_HOST_ID=.*/CONVERGE_HOST_ID=sd-node-1/" /etc/converge/agent.env
 systemd-run -q --unit nats -p DynamicUser=yes -p StateDirectory=nats \
     /usr/local/bin/nats-server -a 127.0.0.1 -js -sd /var/lib/nats
-systemd-run -q --unit allocator -E NO_COLOR=1 -E CONVERGE_EPOCH=5s -E CONVERGE_RESTART_COST=10s \
+systemd-run -q --unit allocator -E NO_COLOR=1 -E CONVERGE_SCHEDULING_INTERVAL=5s -E CONVERGE_RESTART_COST=10s \
     /usr/local/bin/converge-allocator
 systemctl daemon-reload
 '

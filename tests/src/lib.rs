@@ -319,7 +319,7 @@ pub fn allocator_config(
 ) -> converge_allocator::service::AllocatorConfig {
     converge_allocator::service::AllocatorConfig {
         nats: nats.args(),
-        epoch: Duration::from_secs(1),
+        scheduling_interval: Duration::from_secs(1),
         horizon: Duration::from_secs(30),
         restart_cost,
         host_timeout: Duration::from_secs(5),
