@@ -32,9 +32,11 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+use crate::decide::{Allocation, BatchSize, ClusterState, JobView, decide};
 use crate::fit::{Curve, CurveFamily};
+use crate::placement::PlacementKind;
 use crate::placement::{HostFree, PlacementRequest, place};
-use crate::policies::ClusterView;
+use crate::policies::{ClusterView, Quality};
 use crate::policies::{Decision, PolicyJob, PolicyParams, quality_allocate};
 
 /// Size and seed of a generated cluster.
@@ -77,6 +79,8 @@ pub struct DecisionInputs {
     pub params: PolicyParams,
     /// Indices of `jobs` in placement priority order: running first, then by arrival, then id.
     pub priority: Vec<usize>,
+    /// The jobs as [`decide`] sees them (no throughput model, as `jobs` has no tables).
+    pub views: Vec<JobView>,
 }
 
 impl DecisionInputs {
@@ -104,7 +108,30 @@ impl DecisionInputs {
                 .then(a.submitted_at.total_cmp(&b.submitted_at))
                 .then_with(|| a.id.cmp(&b.id))
         });
+        let views = jobs
+            .iter()
+            .zip(&current)
+            .map(|(job, placement)| JobView {
+                id: job.id.clone(),
+                gpus_per_worker: job.gpus_per_worker,
+                min_workers: job.min_workers,
+                max_workers: job.max_workers,
+                requested_workers: job.requested_workers,
+                submitted_at: job.submitted_at,
+                placement: placement.clone(),
+                curve: job.curve.clone(),
+                samples: job.samples,
+                loss_scale: job.loss_scale,
+                samples_per_s_per_worker: job.samples_per_s_per_worker,
+                attained_gpu_seconds: job.attained_gpu_seconds,
+                model: None,
+                batch: BatchSize::PerWorker(crate::throughput::DEFAULT_PRIOR_LOCAL_BATCH),
+                remaining_work: job.remaining_work,
+                oracle: None,
+            })
+            .collect();
         Self {
+            views,
             jobs,
             current,
             hosts,
@@ -149,11 +176,22 @@ impl DecisionInputs {
         place(&self.hosts, requests)
     }
 
-    /// One whole decision: policy, placement requests, placement.
-    pub fn decide(&self) -> (Decision, BTreeMap<JobId, Vec<RankPlacement>>) {
-        let decision = self.allocate();
-        let placed = self.place(&self.requests(&decision));
-        (decision, placed)
+    /// One whole decision as the service takes it: [`decide`] with the quality policy and
+    /// first-fit placement (the same result as [`DecisionInputs::allocate`], then
+    /// [`DecisionInputs::requests`] and [`DecisionInputs::place`]).
+    pub fn decide(&self) -> Allocation {
+        decide(
+            &ClusterState {
+                now: 0.0,
+                hosts: &self.hosts,
+                contention_per_shared_job: 0.0,
+            },
+            &self.views,
+            &Quality {
+                params: self.params,
+            },
+            PlacementKind::FirstFit,
+        )
     }
 
     /// Jobs with a current allocation.
@@ -381,15 +419,28 @@ mod tests {
     #[test]
     fn running_jobs_that_keep_their_size_keep_their_placement() {
         let inputs = DecisionInputs::generate(&small());
-        let (decision, placed) = inputs.decide();
+        let allocation = inputs.decide();
+        let (decision, placed) = (allocation.workers, allocation.placements);
         let mut kept = 0;
         for (job, current) in inputs.jobs.iter().zip(&inputs.current) {
-            if job.current_workers > 0 && decision.workers[&job.id] == job.current_workers {
+            if job.current_workers > 0 && decision[&job.id] == job.current_workers {
                 assert_eq!(&placed[&job.id], current, "{}", job.id);
                 kept += 1;
             }
         }
         assert!(kept > 0);
+    }
+
+    #[test]
+    fn decide_is_the_policy_then_the_placement() {
+        for seed in [1, 2, 3] {
+            let inputs = DecisionInputs::generate(&BenchConfig { seed, ..small() });
+            let decision = inputs.allocate();
+            let placed = inputs.place(&inputs.requests(&decision));
+            let allocation = inputs.decide();
+            assert_eq!(allocation.workers, decision.workers);
+            assert_eq!(allocation.placements, placed);
+        }
     }
 
     #[test]

@@ -148,7 +148,7 @@ pub struct Inputs<'a> {
 }
 
 /// What a step decided.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Outcome {
     /// The status of every known job.
     pub statuses: BTreeMap<JobId, JobStatus>,
@@ -1199,7 +1199,7 @@ mod tests {
     }
 
     /// The cluster state a test drives through steps.
-    #[derive(Default)]
+    #[derive(Debug, Clone, Default)]
     struct World {
         specs: BTreeMap<JobId, JobSpec>,
         refused: BTreeMap<JobId, String>,
@@ -1813,5 +1813,89 @@ mod tests {
             .map(|x| x.gpus.len())
             .sum();
         assert!(used <= 4);
+    }
+
+    mod equal_inputs {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// A cluster of 1–3 hosts and 1–5 jobs, each job with 0–40 rank-0 reports of a
+        /// noisy decreasing loss over two generations, stepped three times.
+        fn arbitrary_world() -> impl Strategy<Value = (World, Vec<f64>)> {
+            (
+                prop::collection::vec(1u32..=4, 1..=3),
+                prop::collection::vec((1u32..=2, 0u32..=3, 0usize..=40, 0.0..0.2f64), 1..=5),
+                any::<bool>(),
+            )
+                .prop_map(|(hosts, jobs, bco)| {
+                    let mut w = World::default();
+                    if bco {
+                        w.settings.placement = PlacementKind::Bco;
+                    }
+                    for (i, gpus) in hosts.iter().enumerate() {
+                        w.add_host(host(&format!("h{i}"), *gpus, 100.0, vec![]));
+                    }
+                    for (j, (min, extra, points, noise)) in jobs.into_iter().enumerate() {
+                        let name = format!("j{j}");
+                        let id = JobId::new(&name).unwrap();
+                        w.specs
+                            .insert(id.clone(), job(&name, min, min + extra, j as f64));
+                        let mut h = JobHistory::default();
+                        for k in 0..points {
+                            let generation = if k < points / 2 { 1 } else { 2 };
+                            let samples = (k as u64 + 1) * 64;
+                            let wiggle = if k % 2 == 0 { noise } else { -noise };
+                            let loss = 2.0 / (1.0 + samples as f64 / 500.0) + 0.1 + wiggle * 0.1;
+                            let time = 10.0 + k as f64;
+                            h.add(&progress(
+                                &name,
+                                generation,
+                                0,
+                                "h0",
+                                k as u64 * 2,
+                                samples,
+                                loss,
+                                time,
+                            ));
+                        }
+                        w.histories.insert(id, h);
+                    }
+                    (w, vec![60.0, 61.0, 90.0])
+                })
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(48))]
+
+            /// The cache is part of a step's input and output: equal inputs with equal caches
+            /// give equal outcomes and leave equal caches, step after step.
+            #[test]
+            fn equal_inputs_and_caches_give_equal_outcomes((world, times) in arbitrary_world()) {
+                let mut a = world;
+                let mut b = a.clone();
+                for now in times {
+                    let first = a.step(now, true);
+                    let second = b.step(now, true);
+                    prop_assert_eq!(first, second);
+                    prop_assert_eq!(&a.cache, &b.cache);
+                }
+                // And a cache cloned mid-way gives the same next step as the original.
+                let mut c = b.cache.clone();
+                fn inputs(w: &World) -> Inputs<'_> {
+                    Inputs {
+                        now: 120.0,
+                        specs: &w.specs,
+                        refused_specs: &w.refused,
+                        statuses: &w.statuses,
+                        hosts: &w.hosts,
+                        histories: &w.histories,
+                    }
+                }
+                let out_c = step(inputs(&b), &b.settings, &mut c, true);
+                let mut cache_a = a.cache.clone();
+                let out_a = step(inputs(&a), &a.settings, &mut cache_a, true);
+                prop_assert_eq!(out_a, out_c);
+            }
+        }
     }
 }

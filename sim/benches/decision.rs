@@ -4,11 +4,12 @@
 //! 1,000 jobs on 1,250 nodes × 8 GPUs and 10,000 jobs on 12,500 nodes × 8 GPUs, seed 1.
 //!
 //! Run with `cargo bench -p converge-sim --bench decision` (about half a minute of
-//! measurement). "allocate+place" also builds the placement requests from the decision, as
-//! the service does; every output is dropped outside the timed region.
+//! measurement). "decide" is `converge_sched::decide::decide`, the whole decision as the
+//! service and the simulator take it (policy, placement requests, placement); every output is
+//! dropped outside the timed region.
 //!
-//! [`quality_allocate`]: converge_sim::policy::quality_allocate
-//! [`place`]: converge_sim::placement::place
+//! [`quality_allocate`]: converge_sched::policies::quality_allocate
+//! [`place`]: converge_sched::placement::place
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -40,9 +41,7 @@ fn decision(c: &mut Criterion) {
         group.bench_function("place", |b| {
             b.iter_with_large_drop(|| inputs.place(black_box(&requests)))
         });
-        group.bench_function("allocate+place", |b| {
-            b.iter_with_large_drop(|| inputs.decide())
-        });
+        group.bench_function("decide", |b| b.iter_with_large_drop(|| inputs.decide()));
         group.finish();
     }
 }

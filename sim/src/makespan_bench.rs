@@ -228,7 +228,7 @@ pub fn render(args: &MakespanBenchArgs) -> anyhow::Result<String> {
          count, seed {}); iterations log-uniform in [100, 2000], compute 0.2–1 s per step, \
          NIC sync 0.5–2× compute, overhead 0–10 % of compute per extra server. The optimum \
          is the exact minimum over event-start schedules (every list schedule is one; see \
-         `allocator/src/makespan.rs`). SJF-BCO is strict list order; \"backfill\" is the \
+         `sched/src/makespan.rs`). SJF-BCO is strict list order; \"backfill\" is the \
          same with backfilling; \"LPT-BCO\" (not part of SJF-BCO, for comparison) is BCO-κ \
          with the largest estimated job first. Reduction = 1 − SJF-BCO / FIFO-FF \
          makespan. Optimum time: total and slowest instance (release build, one \

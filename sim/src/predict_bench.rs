@@ -796,7 +796,7 @@ pub fn render(
          How far off is a job's loss predicted from its curve so far? This is the question \
          behind SLAQ's quality-driven scheduling (Zhang et al., SoCC'17) and Optimus's \
          convergence estimate (Peng et al., EuroSys'18): the allocator hands out GPUs by \
-         predicted loss reduction (`allocator/src/fit.rs`, `docs/scheduling.md`).\n\n\
+         predicted loss reduction (`sched/src/fit.rs`, `docs/scheduling.md`).\n\n\
          ## Method\n\n\
          Each curve is cut after 20 %, 22.5 %, …, 80 % of its run (at least 5 points of \
          history; cuts giving the same history count once). From the history each predictor \
@@ -804,12 +804,12 @@ pub fn render(
          `|predicted − actual| / |actual|`, the actual loss linearly interpolated between the \
          curve's points. Cells are **median / p90** over every cut of every curve of a row \
          (p90 by linear interpolation between order statistics); the best median of a row is \
-         bold. `allocator/src/predict.rs` and `allocator/src/predict/bench.rs` hold the code.\n\n\
+         bold. `sim/src/predict.rs` and `sim/src/predict_bench.rs` hold the code.\n\n\
          | predictor | forecast |\n|---|---|\n\
          | strawman | SLAQ's strawman: next Δloss = last Δloss, linear per unit of progress from the last two points (clamped at 0) |\n\
          | SLAQ | SLAQ's fit as published: `1/(a·k² + b·k + c) + d` only, weights `0.95^(n−i)`, last 100 points, raw points |\n\
          | Optimus | Optimus's fit: `1/(a·k + b) + c`, `a, b, c ≥ 0`, same weights and window |\n\
-         | Converge | ours: `fit::fit_loss_curve`, the allocator's fit (see `allocator/src/fit.rs`'s module docs) |\n\n\
+         | Converge | ours: `fit::fit_loss_curve`, the allocator's fit (see `sched/src/fit.rs`'s module docs) |\n\n\
          All fits use the same bounded, multi-start Levenberg–Marquardt (rmpfit); SLAQ and \
          Optimus differ from ours only in what `fit.rs` documents as ours.\n\n",
     );
@@ -857,7 +857,7 @@ pub fn render(
          fit on every application, and under 5 % at the 10 % horizon. *tie* means medians \
          within 0.05 percentage points, which here means the same fit: when no faster \
          forgetting or other family forecasts the newest points clearly better, ours *is* \
-         SLAQ's fit (`allocator/src/fit.rs`), which the last column counts per cut \
+         SLAQ's fit (`sched/src/fit.rs`), which the last column counts per cut \
          (*same*).\n\n",
     );
     let all = target_groups(pollux, train, held_out);

@@ -16,7 +16,7 @@
 //!    per application, for SLAQ's strawman, SLAQ's fit, Optimus's fit and ours, and the
 //!    targets check.
 //! 3. **Scale.** The time of one allocation decision (policy, then placement) for 10,000
-//!    jobs on 12,500 nodes × 8 GPUs, on one thread ([`crate::benchgen`], the inputs of
+//!    jobs on 12,500 nodes × 8 GPUs, on one thread ([`converge_sched::benchgen`], the inputs of
 //!    `bench-decision` and the `decision` criterion benchmark).
 //!
 //! Parts 2 and 3 run first, one after the other on the calling thread, while nothing else of
@@ -181,7 +181,7 @@ struct Scale {
     times: DecisionTimes,
 }
 
-/// Generates the default inputs of [`crate::benchgen`] and times `repeat` decisions on the
+/// Generates the default inputs of [`converge_sched::benchgen`] and times `repeat` decisions on the
 /// calling thread.
 fn run_scale(repeat: usize) -> Scale {
     let cfg = BenchConfig::default();
@@ -490,8 +490,8 @@ fn placement_section(md: &mut String, runs: &[PlacementRun]) {
         md,
         "### Placement: first fit against BCO (`quality`, eight 1.0× workloads)\n\n\
          BCO (`--placement bco`) balances contention between multi-node jobs on shared NICs \
-         against the overhead of spanning nodes (`allocator/src/placement.rs`, \
-         `allocator/src/contention.rs`, docs/scheduling.md). Interference is Pollux's rule: a \
+         against the overhead of spanning nodes (`sched/src/placement.rs`, \
+         `sched/src/contention.rs`, docs/scheduling.md). Interference is Pollux's rule: a \
          multi-node job runs at (1 − interference) of its speed while one of its nodes hosts \
          another multi-node job. Target: at interference 0.5, BCO's mean JCT at least 15 % \
          below first fit's (Pollux's own interference avoidance: 3,903 s → 2,751 s, about \
@@ -623,7 +623,7 @@ fn markdown(page: &Page) -> String {
             md,
             "## Makespan: SJF-BCO against first-fit FIFO and the optimum\n\n\
              `converge-sim makespan-bench` (defaults), run inside the report; the \
-             offline scheduler and the exact search are in `allocator/src/makespan.rs`. Targets: \
+             offline scheduler and the exact search are in `sched/src/makespan.rs`. Targets: \
              SJF-BCO within 1.2× of the optimum on every small instance; makespan at least 20 % \
              below first-fit FIFO's.\n"
         );
@@ -635,7 +635,7 @@ fn markdown(page: &Page) -> String {
                 "### In the simulator\n\n\
                  The eight 1.0× Pollux workloads (multi-GPU jobs, gang at their requested \
                  size) with interference 0.5: `fifo` with first fit against `sjf-bco` with BCO \
-                 placement (`allocator/src/policies/sjf_bco.rs`: smallest estimated job first, \
+                 placement (`sched/src/policies/sjf_bco.rs`: smallest estimated job first, \
                  non-preemptive, backfilling; sizes from each job's throughput model and \
                  declared work). Makespan = last completion − first submission, mean over the \
                  workloads.\n\n\
@@ -667,7 +667,7 @@ fn markdown(page: &Page) -> String {
             md,
             "## Parameter-server jobs: LP relaxation and randomized rounding\n\n\
              `converge-sim ps-bench` (defaults), run inside the report; the planner is \
-             `allocator/src/ps_plan.rs` (workers, shards and their placement for one job, \
+             `sched/src/ps_plan.rs` (workers, shards and their placement for one job, \
              after Yu et al., IEEE TNSE 2021). Target: within 1.25× of the LP bound on small \
              instances.\n"
         );
@@ -1100,7 +1100,7 @@ fn prediction_section(md: &mut String, prediction: Option<&Prediction>) {
          the training and held-out loss recorded from converge-trainer runs, pooled here. \
          Method, predictors and the per-run tables: [prediction.md](prediction.md), written by \
          `converge-sim predict-bench` from the same code \
-         (`allocator/src/predict/bench.rs`); the report ran it in {:.1} s.\n",
+         (`sim/src/predict_bench.rs`); the report ran it in {:.1} s.\n",
         names.join(" / "),
         p.seconds
     );
@@ -1120,9 +1120,10 @@ fn scale_section(md: &mut String, scale: Option<&Scale>) {
     };
     let _ = writeln!(
         md,
-        "The time of one allocation decision as the service makes it: the quality policy \
-         (`quality_allocate`, default settings, objective `{}`), then placement (building the \
-         placement requests and `place`), on generated inputs (`allocator/src/benchgen.rs`, \
+        "The time of one allocation decision as the service makes it (`converge_sched::decide`, \
+         the total; timed on its own): the quality policy (`quality_allocate`, default \
+         settings, objective `{}`), then placement (building the placement requests and \
+         `place`), on generated inputs (`sched/src/benchgen.rs`, \
          seed {}): {} active jobs, {} running on {} GPUs, on {} nodes × {} GPUs = {} GPUs. \
          {} decisions, one after the other on one thread; the report runs them before the \
          simulations start, while nothing else of the report runs (inputs generated in \
@@ -1182,7 +1183,7 @@ const FIDELITY_NOTES: &str =
 - **Interpolation.** For placements not in `placements.csv` (5 to 16 nodes) Pollux calls
   scipy's `LinearNDInterpolator`. Our Delaunay interpolation matches it exactly on every
   measured placement, but a grid has no unique triangulation: compared once with scipy 1.17.1
-  on 29,639 random 5-16-node points (method and figures in `allocator/src/sim/apps.rs`), the
+  on 29,639 random 5-16-node points (method and figures in `sim/src/apps.rs`), the
   step time differs by a median of 0, 2.4 % at the 90th percentile and at most 30 %, with no
   bias (signed mean −0.06 %). Where scipy returns NaN (outside the measured
   hull; Pollux would stop) we clamp into the hull.
@@ -1195,7 +1196,7 @@ const FIDELITY_NOTES: &str =
 /// What the quality variants maximize.
 const QUALITY_NOTES: &str = "
 Reading the quality rows. The three variants are the service's quality policy
-(`allocator/src/policy.rs`, `docs/scheduling.md`) with the same settings; they differ only in
+(`sched/src/policies/quality.rs`, `docs/scheduling.md`) with the same settings; they differ only in
 what they maximize over the horizon, summed over jobs:
 - `loss` (SLAQ's objective): the predicted loss reduction, normalized per job by its loss
   range. A short job (cifar10, minutes) removes a large share of its range per horizon, a

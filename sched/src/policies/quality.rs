@@ -77,7 +77,7 @@ use serde::{Deserialize, Serialize};
 
 use converge_common::JobId;
 
-use super::{ClusterView, Decision, Policy, PolicyInputs, PolicyJob};
+use super::{ClusterView, Decision, Policy, PolicyInputs, PolicyJob, gpus, minimum_workers};
 use crate::fit::normalized_gain;
 
 /// Settings of the quality policy.
@@ -335,18 +335,6 @@ fn admission_order(a: &PolicyJob, b: &PolicyJob) -> Ordering {
         .cmp(&(b.current_workers == 0))
         .then(a.submitted_at.total_cmp(&b.submitted_at))
         .then_with(|| a.id.cmp(&b.id))
-}
-
-/// Workers the job is admitted with, or `None` if it can never run (no GPUs per worker, or
-/// a maximum below its minimum).
-fn minimum_workers(job: &PolicyJob) -> Option<u32> {
-    let min = job.min_workers.max(1);
-    (job.gpus_per_worker > 0 && min <= job.max_workers).then_some(min)
-}
-
-/// GPUs used by `workers` workers of `job`.
-fn gpus(job: &PolicyJob, workers: u32) -> u64 {
-    u64::from(workers) * u64::from(job.gpus_per_worker)
 }
 
 /// A candidate hand-out: give job `job` (index into the jobs) `workers_added` more workers.
