@@ -11,6 +11,14 @@ NATS_SERVER_BIN=$("$root/deploy/get-nats-server.sh")
 export NATS_SERVER_BIN
 "$NATS_SERVER_BIN" --version
 cargo build --workspace --bins --locked
+# The decision core stays pure: no async runtime, NATS client, logging, CSV or plotting crate
+# anywhere in converge-sched's dependency tree (ARCHITECTURE.md).
+if impure=$(cargo tree -p converge-sched -e normal --prefix none --locked |
+    grep -E '^(tokio|async-nats|tracing|csv|plotters|plotters-svg|futures)[ -]'); then
+    echo "converge-sched must stay pure; its dependency tree has:" >&2
+    echo "$impure" >&2
+    exit 1
+fi
 cargo test --workspace --locked "$@"
 
 # Container tier (tests/compose/run-all.sh): images built offline from the debug binaries

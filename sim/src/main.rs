@@ -58,7 +58,6 @@ enum Command {
 }
 
 fn main() -> std::process::ExitCode {
-    converge_bus::init_tracing("info");
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Simulate(args) => run_simulate(&args),
