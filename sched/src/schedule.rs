@@ -1769,6 +1769,34 @@ mod tests {
     }
 
     #[test]
+    fn tiresias_in_the_service_sees_attained_service_and_requested_sizes() {
+        let mut w = World::default();
+        w.settings.scheduler =
+            Arc::from(crate::policies::by_name("tiresias", w.settings.policy).unwrap());
+        // `veteran` arrived first but has had 17 GPU-hours (2 workers, 8.5 h apart reports);
+        // `fresh` has had none. One host of 2 GPUs: least attained service goes first.
+        let mut veteran = job("veteran", 1, 2, 1.0);
+        veteran.workers = Some(2);
+        let mut fresh = job("fresh", 1, 4, 2.0);
+        fresh.workers = Some(2);
+        w.specs.insert(JobId::new("veteran").unwrap(), veteran);
+        w.specs.insert(JobId::new("fresh").unwrap(), fresh);
+        let mut h = JobHistory::default();
+        for (samples, time) in [(100, 0.0), (200, 8.5 * 3600.0)] {
+            let mut r = progress("veteran", 1, 0, "h1", samples / 10, samples, 1.0, time);
+            r.workers = Some(2);
+            h.add(&r);
+        }
+        assert_eq!(h.attained_gpu_seconds(1), 17.0 * 3600.0);
+        w.histories.insert(JobId::new("veteran").unwrap(), h);
+        w.add_host(host("h1", 2, 40_000.0, vec![]));
+        w.step(40_000.0, true);
+        // `fresh` runs at the 2 workers it asked for (not its maximum of 4), `veteran` waits.
+        assert_eq!(w.status("fresh").world_size, 2);
+        assert_eq!(w.status("veteran").world_size, 0);
+    }
+
+    #[test]
     fn bco_placement_puts_a_job_that_fits_on_one_host_there() {
         // `small` (2 GPUs) goes first on h1; `wide` (2 workers × 2 GPUs) then fits on h2
         // alone. First fit fills h1's 2 free GPUs first and spans both hosts; BCO does not.
