@@ -195,7 +195,10 @@ pub fn step(
 
     // 1. Statuses for new and refused jobs; lifecycle of the known ones.
     let mut curves: BTreeMap<JobId, Curve> = BTreeMap::new();
-    let mut models: BTreeMap<JobId, ThroughputModel> = BTreeMap::new();
+    // Each active job's step observations (one per generation), its throughput model on all of
+    // them and the per-worker batch it last ran with: computed once per step.
+    let mut observed: BTreeMap<JobId, Vec<(u64, StepObservation)>> = BTreeMap::new();
+    let mut models: BTreeMap<JobId, (ThroughputModel, f64)> = BTreeMap::new();
     let refit = refits(inp, cache, settings.fit_budget);
     for (id, spec) in inp.specs {
         let mut status = inp
@@ -228,23 +231,25 @@ pub fn step(
                 &mut out.events,
             );
             let curve = history.and_then(|h| cache.curve(id, h, &settings.fit, refit.contains(id)));
+            let seen = history
+                .map(JobHistory::step_observations)
+                .unwrap_or_default();
             update_progress(
                 &mut status,
                 history,
                 curve.as_ref(),
                 settings.policy.horizon_s,
-                (cache, &settings.throughput_prior),
+                (&seen, cache, &settings.throughput_prior),
             );
             if let Some(c) = curve {
                 curves.insert(id.clone(), c);
             }
-            if let Some(model) = history.and_then(|h| {
-                let seen = observations(h, |_| true);
-                (!seen.is_empty())
-                    .then(|| cache.model(id, ModelScope::All, &seen, &settings.throughput_prior))
-            }) {
-                models.insert(id.clone(), model);
+            if let Some((_, last)) = seen.last() {
+                let all: Vec<StepObservation> = seen.iter().map(|(_, o)| *o).collect();
+                let model = cache.model(id, ModelScope::All, &all, &settings.throughput_prior);
+                models.insert(id.clone(), (model, last.local_batch));
             }
+            observed.insert(id.clone(), seen);
         }
         out.statuses.insert(id.clone(), status);
     }
@@ -275,7 +280,7 @@ pub fn step(
 
     // 2. The policy: how many workers each active job gets, and where.
     if run_policy {
-        let contention = measured_contention(&out.statuses, cache, inp.histories, settings);
+        let contention = measured_contention(&out.statuses, &observed, cache, settings);
         allocate(
             inp,
             settings,
@@ -309,15 +314,6 @@ pub fn step(
     out
 }
 
-/// The step observations of `h`'s generations that `keep` accepts, oldest first.
-fn observations(h: &JobHistory, keep: impl Fn(u64) -> bool) -> Vec<StepObservation> {
-    h.step_observations()
-        .into_iter()
-        .filter(|(g, _)| keep(*g))
-        .map(|(_, o)| o)
-        .collect()
-}
-
 /// A job's new generation: frees its master port in `taken_ports`, bumps the generation and
 /// takes a fresh port (`None` when the job has no workers). The one place a generation
 /// changes, so old and new workers never meet (generation fencing; see the module docs).
@@ -339,8 +335,8 @@ fn bump_generation(status: &mut JobStatus, taken_ports: &mut BTreeSet<u16>) {
 /// other multi-host jobs adds its extra step time as a fraction of its predicted compute time.
 fn measured_contention(
     statuses: &BTreeMap<JobId, JobStatus>,
+    observed: &BTreeMap<JobId, Vec<(u64, StepObservation)>>,
     cache: &mut FitCache,
-    histories: &BTreeMap<JobId, JobHistory>,
     settings: &Settings,
 ) -> f64 {
     let hosts_of = |s: &JobStatus| -> BTreeSet<HostId> {
@@ -358,11 +354,9 @@ fn measured_contention(
     let mut samples = ContentionSamples::default();
     for s in statuses.values().filter(|s| s.phase == JobPhase::Running) {
         let hosts = hosts_of(s);
-        let (Some(observed), Some(predicted), Some(h)) = (
-            s.step_time_s,
-            s.predicted_step_time_s,
-            histories.get(&s.job),
-        ) else {
+        let (Some(step_s), Some(predicted), Some(seen)) =
+            (s.step_time_s, s.predicted_step_time_s, observed.get(&s.job))
+        else {
             continue;
         };
         if hosts.len() < 2 {
@@ -373,7 +367,11 @@ fn measured_contention(
             .map(|h| multi_host_jobs.get(h).copied().unwrap_or(0))
             .max()
             .unwrap_or(0);
-        let earlier = observations(h, |g| g < s.generation);
+        let earlier: Vec<StepObservation> = seen
+            .iter()
+            .filter(|(g, _)| *g < s.generation)
+            .map(|(_, o)| *o)
+            .collect();
         let Some(last) = earlier.last() else { continue };
         let model = cache.model(
             &s.job,
@@ -383,7 +381,7 @@ fn measured_contention(
         );
         let compute = JobCost::from_model(&model, s.world_size, last.local_batch).compute_s;
         if compute > 0.0 {
-            samples.add((observed - predicted) / compute, sharing);
+            samples.add((step_s - predicted) / compute, sharing);
         }
     }
     samples.per_shared_job()
@@ -634,7 +632,7 @@ fn update_progress(
     history: Option<&JobHistory>,
     curve: Option<&Curve>,
     horizon_s: f64,
-    fits: (&mut FitCache, &ThroughputPrior),
+    fits: (&[(u64, StepObservation)], &mut FitCache, &ThroughputPrior),
 ) {
     let Some(h) = history else { return };
     if let Some(p) = h.latest() {
@@ -650,7 +648,7 @@ fn update_progress(
         c.predict(status.samples as f64 + rate * horizon_s)
     });
     status.curve = curve.map(|c| c.to_wire());
-    let (observed, predicted) = step_times(status, h, fits.0, fits.1);
+    let (observed, predicted) = step_times(status, fits.0, fits.1, fits.2);
     status.step_time_s = observed;
     status.predicted_step_time_s = predicted;
 }
@@ -659,11 +657,10 @@ fn update_progress(
 /// fitted on the earlier generations predicts for its world size and servers spanned.
 fn step_times(
     status: &JobStatus,
-    h: &JobHistory,
+    seen: &[(u64, StepObservation)],
     cache: &mut FitCache,
     prior: &ThroughputPrior,
 ) -> (Option<f64>, Option<f64>) {
-    let seen = h.step_observations();
     let current = seen
         .iter()
         .find(|(g, _)| *g == status.generation)
@@ -692,16 +689,11 @@ fn step_times(
 /// What the step fitted for [`allocate`].
 struct Fits<'a> {
     curves: &'a BTreeMap<JobId, Curve>,
-    /// Each active job's throughput model on all its generations.
-    models: &'a BTreeMap<JobId, ThroughputModel>,
+    /// Each active job's throughput model on all its generations, and the per-worker batch
+    /// it last ran with.
+    models: &'a BTreeMap<JobId, (ThroughputModel, f64)>,
     /// [`measured_contention`].
     contention: f64,
-}
-
-/// The per-worker batch the job last ran with: the latest generation's observed samples per
-/// worker per step.
-fn last_local_batch(h: Option<&JobHistory>) -> Option<f64> {
-    h?.step_observations().last().map(|(_, o)| o.local_batch)
 }
 
 /// The job as [`decide`] sees it.
@@ -728,6 +720,7 @@ fn job_view(
         Some(rate / f64::from(w))
     });
     let curve = fits.curves.get(&status.job).cloned();
+    let model = fits.models.get(&status.job);
     let remaining_work = remaining_samples(curve.as_ref(), spec.target_loss, status.samples as f64);
     JobView {
         id: status.job.clone(),
@@ -742,9 +735,9 @@ fn job_view(
         loss_scale: history.map_or(0.0, JobHistory::loss_scale),
         samples_per_s_per_worker: per_worker,
         attained_gpu_seconds: history.map_or(0.0, |h| h.attained_gpu_seconds(spec.gpus_per_worker)),
-        model: fits.models.get(&status.job).cloned(),
+        model: model.map(|(m, _)| m.clone()),
         batch: BatchSize::PerWorker(
-            last_local_batch(history).unwrap_or(crate::throughput::DEFAULT_PRIOR_LOCAL_BATCH),
+            model.map_or(crate::throughput::DEFAULT_PRIOR_LOCAL_BATCH, |(_, b)| *b),
         ),
         remaining_work,
         oracle: None,
@@ -790,16 +783,6 @@ fn allocate(
         settings.placement,
     );
     let mut placed = decision.placements;
-    let models: BTreeMap<JobId, (ThroughputModel, f64)> = views
-        .iter()
-        .filter_map(|v| {
-            let model = v.model.clone()?;
-            let b = match v.batch {
-                BatchSize::PerWorker(b) | BatchSize::Total(b) => b,
-            };
-            Some((v.id.clone(), (model, b)))
-        })
-        .collect();
     // Priority order, as the decision placed them: running jobs first, then by arrival.
     let mut active = active;
     active.sort_by(|(a, _), (b, _)| {
@@ -814,7 +797,7 @@ fn allocate(
             live,
             nics: &nics,
             histories: inp.histories,
-            models: &models,
+            models: fits.models,
         },
         &active,
         &mut placed,
@@ -1688,7 +1671,7 @@ mod tests {
         let prior = ThroughputPrior::default();
         let mut cache = FitCache::new();
         // Only one generation: observed, nothing to predict from.
-        let (observed, predicted) = step_times(&status, &h, &mut cache, &prior);
+        let (observed, predicted) = step_times(&status, &h.step_observations(), &mut cache, &prior);
         assert!((observed.unwrap() - 0.1).abs() < 1e-12);
         assert_eq!(predicted, None);
         // Generation 2: 4 ranks on h1 and h2, 0.2 s per step.
@@ -1707,7 +1690,7 @@ mod tests {
                 gpus: vec![rank as u32 % 2],
             })
             .collect();
-        let (observed, predicted) = step_times(&status, &h, &mut cache, &prior);
+        let (observed, predicted) = step_times(&status, &h.step_observations(), &mut cache, &prior);
         assert!((observed.unwrap() - 0.2).abs() < 1e-12);
         // Predicted from generation 1 alone: slower than 2 ranks on one host (the prior's
         // sync terms), finite.
