@@ -493,7 +493,10 @@ fn placement_section(md: &mut String, runs: &[PlacementRun]) {
          against the overhead of spanning nodes (`sched/src/placement.rs`, \
          `sched/src/contention.rs`, docs/scheduling.md). Interference is Pollux's rule: a \
          multi-node job runs at (1 − interference) of its speed while one of its nodes hosts \
-         another multi-node job. Target: at interference 0.5, BCO's mean JCT at least 15 % \
+         another multi-node job. Both placements run through `converge_sched::decide`, as in \
+         the service: under BCO a job's costs, and its throughput at sizes that share a node, \
+         include the contention measured so far on multi-node jobs (the service measures it \
+         from its running jobs' step times). Target: at interference 0.5, BCO's mean JCT at least 15 % \
          below first fit's (Pollux's own interference avoidance: 3,903 s → 2,751 s, about \
          30 %).\n"
     );
