@@ -20,7 +20,10 @@ fn simulator_subcommands_name_their_new_command() {
             .unwrap();
         assert_eq!(out.status.code(), Some(2), "{sub}");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains(&format!("`converge-sim {sub}`")), "{sub}: {err}");
+        assert!(
+            err.contains(&format!("`converge-sim {sub}`")),
+            "{sub}: {err}"
+        );
         assert!(out.stdout.is_empty(), "{sub}");
     }
     let help = Command::new(env!("CARGO_BIN_EXE_converge-allocator"))
