@@ -144,26 +144,11 @@ impl FitCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use converge_common::{HostId, ProgressReport};
+    use converge_common::ProgressReport;
 
+    /// Rank 0's report of `generation` (see [`crate::history::tests::report`]).
     fn report(generation: u64, samples: u64, loss: f64, time: f64) -> ProgressReport {
-        ProgressReport {
-            protocol: 1,
-            job: JobId::new("j").unwrap(),
-            generation,
-            rank: 0,
-            host: HostId::new("h").unwrap(),
-            step: samples / 10,
-            samples,
-            loss,
-            eval_loss: None,
-            epoch: None,
-            time,
-            workers: None,
-            hosts: None,
-            sync_time_s: None,
-            model_bytes: None,
-        }
+        crate::history::tests::report(generation, 0, samples, loss, time)
     }
 
     #[test]

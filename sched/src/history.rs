@@ -280,11 +280,18 @@ impl JobHistory {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use converge_common::{HostId, JobId};
 
-    fn report(generation: u64, rank: u32, samples: u64, loss: f64, time: f64) -> ProgressReport {
+    /// A report of job `j`'s `rank` on host `h` (step = samples / 10, no optional fields).
+    pub(crate) fn report(
+        generation: u64,
+        rank: u32,
+        samples: u64,
+        loss: f64,
+        time: f64,
+    ) -> ProgressReport {
         ProgressReport {
             protocol: 1,
             job: JobId::new("j").unwrap(),

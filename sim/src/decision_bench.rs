@@ -226,18 +226,14 @@ fn median(sorted: &[Duration]) -> Duration {
 mod tests {
     use super::*;
 
-    fn small() -> BenchConfig {
-        BenchConfig {
-            jobs: 300,
-            nodes: 300,
-            gpus_per_node: 8,
-            seed: 7,
-        }
-    }
-
     #[test]
     fn timed_decisions_report_ordered_times_and_the_outcome() {
-        let inputs = DecisionInputs::generate(&small());
+        // A small cluster: 300 jobs on 300 hosts of 8 GPUs.
+        let inputs = DecisionInputs::generate(&BenchConfig {
+            jobs: 300,
+            nodes: 300,
+            ..BenchConfig::default()
+        });
         let times = time_decisions(&inputs, 3);
         assert_eq!(times.repeat, 3);
         for part in [times.policy, times.placement, times.total] {

@@ -43,7 +43,7 @@ done
 
 # Project converge-hp-<pid>-<time>, secured NATS (one user per role, random passwords) on a
 # free port of 127.0.0.1, the CLI as `cli`, 2 fake GPUs per agent (so that one job must span
-# agents), the local cluster's short scheduling epoch and restart cost; teardown on exit.
+# agents), the local cluster's short scheduling interval and restart cost; teardown on exit.
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cv_init hp "${args[@]}"
 jobs_dir="$cv_root/tests/compose/jobs"

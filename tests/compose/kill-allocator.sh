@@ -66,10 +66,10 @@ decision_s=$(since "$started_at" "$t_decision")
 status_s=$(since "$started_at" "$t_status")
 log "restarted allocator: first decision $decision_s s, first status write $status_s s after its start (scheduling interval ${interval_s} s)"
 awk -v d="$decision_s" -v e="$interval_s" 'BEGIN { exit !(d <= e) }' \
-    || fail "the restarted allocator's first decision came $decision_s s after its start, more than one epoch ($interval_s s)"
+    || fail "the restarted allocator's first decision came $decision_s s after its start, more than one scheduling interval ($interval_s s)"
 [[ "$(cv_metric allocator converge_allocator_leader)" == 1 ]] || fail "the restarted allocator does not lead (converge_allocator_leader != 1)"
 
-# Two epochs with nothing to change: no plan written.
+# Two scheduling intervals with nothing to change: no plan written.
 sleep $(( 2 * interval_s ))
 read -r p1 g1 < <(cv_job ft-span phase generation)
 read -r p2 g2 < <(cv_job ft-small phase generation)
@@ -83,7 +83,7 @@ if [[ "$p1" == running && "$p2" == running ]]; then
     [[ "$writes" == 0 ]] || fail "the restarted allocator wrote $writes plan(s) while both jobs kept their allocation"
     log "$(since "$started_at") s after the restart: $steps policy decisions, 0 plan writes, generations $g1/$g2"
 else
-    log "a job finished within two epochs ($p1/$p2): plan writes ($writes) not checked"
+    log "a job finished within two scheduling intervals ($p1/$p2): plan writes ($writes) not checked"
 fi
 [[ "$g1" == "$gen_span" && "$g2" == "$gen_small" ]] || fail "a new generation started: ft-span $gen_span -> $g1, ft-small $gen_small -> $g2"
 
@@ -94,4 +94,4 @@ for j in ft-span ft-small; do
     [[ "$g" == "$want" ]] || fail "$j completed in generation $g, not $want (restarted)"
     log "$j completed in generation $g, JCT $jct s"
 done
-cv_pass "$decision_s s" "first decision $decision_s s and first status write $status_s s after the restart (epoch $interval_s s), 0 plan writes, lost 0 steps (same generation)"
+cv_pass "$decision_s s" "first decision $decision_s s and first status write $status_s s after the restart (scheduling interval $interval_s s), 0 plan writes, lost 0 steps (same generation)"

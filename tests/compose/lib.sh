@@ -10,7 +10,7 @@
 # What it sets up: a unique compose project (converge-<name>-<pid>-<time>), NATS published
 # on a free port of 127.0.0.1, a secured NATS (deploy/nats/compose-secrets.sh writes the
 # configuration and random passwords into a temporary directory, CONVERGE_SECRETS_DIR), the
-# host-side CLI authenticating as `cli`, 2 fake GPUs per agent, a 5 s epoch, a 10 s restart
+# host-side CLI authenticating as `cli`, 2 fake GPUs per agent, a 5 s scheduling interval, a 10 s restart
 # cost, allocator metrics on :9464 (reached at the container's IP). On exit (also on
 # failure or Ctrl-C) it prints the failure, the containers, their log tails and the worker
 # log tails, then removes everything (`down -v`) and the secrets, unless --keep.
