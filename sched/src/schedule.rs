@@ -244,7 +244,8 @@ pub fn step(
             if let Some(c) = curve {
                 curves.insert(id.clone(), c);
             }
-            if let Some((_, last)) = seen.last() {
+            // The decision's model, only on steps that decide (lifecycle steps need none).
+            if let Some((_, last)) = seen.last().filter(|_| run_policy) {
                 let all: Vec<StepObservation> = seen.iter().map(|(_, o)| *o).collect();
                 let model = cache.model(id, ModelScope::All, &all, &settings.throughput_prior);
                 models.insert(id.clone(), (model, last.local_batch));
