@@ -40,6 +40,13 @@ fn main() -> std::process::ExitCode {
         );
         return std::process::ExitCode::from(2);
     }
+    if std::env::var_os("CONVERGE_EPOCH").is_some() {
+        eprintln!(
+            "converge-allocator: CONVERGE_EPOCH was renamed CONVERGE_SCHEDULING_INTERVAL (same \
+             value, e.g. 10s); set that instead and unset CONVERGE_EPOCH"
+        );
+        return std::process::ExitCode::from(2);
+    }
     converge_bus::init_tracing("info");
     let cli = Cli::parse();
     match serve(cli.config) {

@@ -28,7 +28,8 @@ pub struct AllocatorConfig {
     pub nats: NatsArgs,
     /// Scheduling interval: how often the policy re-decides allocations (it also runs when a
     /// job is submitted or finishes and when hosts come or go). SLAQ uses 10 s. `--epoch`
-    /// is the old name, accepted for one release.
+    /// is the old name, accepted for one release (`CONVERGE_EPOCH` is refused with a message
+    /// naming the new variable).
     #[arg(
         long,
         visible_alias = "epoch",

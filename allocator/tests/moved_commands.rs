@@ -1,5 +1,6 @@
 //! The simulator's old subcommands on `converge-allocator` answer with an error that names
-//! the new command (`converge-sim`), kept for one release.
+//! the new command (`converge-sim`), and the old `CONVERGE_EPOCH` variable with one that names
+//! `CONVERGE_SCHEDULING_INTERVAL`; both kept for one release.
 
 use std::process::Command;
 
@@ -34,4 +35,15 @@ fn simulator_subcommands_name_their_new_command() {
     let text = String::from_utf8_lossy(&help.stdout);
     assert!(text.contains("converge-sim"), "{text}");
     assert!(text.contains("--scheduling-interval"), "{text}");
+}
+
+#[test]
+fn the_old_scheduling_period_variable_is_refused_with_its_new_name() {
+    let out = Command::new(env!("CARGO_BIN_EXE_converge-allocator"))
+        .env("CONVERGE_EPOCH", "5s")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("CONVERGE_SCHEDULING_INTERVAL"), "{err}");
 }

@@ -12,7 +12,7 @@ COPY bin/converge-allocator bin/converge /usr/local/bin/
 ENV NO_COLOR=1
 USER converge
 WORKDIR /var/lib/converge
-# Configuration comes from the environment (CONVERGE_NATS_URL, CONVERGE_EPOCH, ...; see
+# Configuration comes from the environment (CONVERGE_NATS_URL, CONVERGE_SCHEDULING_INTERVAL, ...; see
 # `converge-allocator --help`). tini is PID 1 so that SIGTERM from `docker stop` reaches
 # the allocator, which then exits cleanly.
 ENTRYPOINT ["/usr/bin/tini", "--", "/usr/local/bin/converge-allocator"]

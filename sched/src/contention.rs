@@ -241,14 +241,19 @@ pub fn host_nic(nics: &[NicSample]) -> HostNic {
     }
 }
 
+/// Largest slowdown one measurement may contribute to [`ContentionSamples`]: a step 10× its
+/// uncontended time.
+pub const MAX_SLOWDOWN: f64 = 9.0;
+
 /// Contention measured on the cluster: per job observed with `sharing ≥ 2` multi-host jobs on
-/// its busiest NIC, the extra seconds per step over its uncontended prediction as a fraction
-/// of its compute time, divided by the `sharing − 1` other jobs. Their mean
-/// ([`ContentionSamples::per_shared_job`]) is what [`crate::decide::ClusterState`] carries:
-/// BCO's costs then charge at least that much sync per shared job, and multi-host sizes that
-/// share a host expect it. The simulator adds its jobs' measured slowdowns; the service adds
-/// each running multi-host job's observed step time against the prediction of its throughput
-/// model fitted on its earlier generations.
+/// its busiest NIC, its slowdown (extra seconds per step over its uncontended step time, as a
+/// fraction of that step time) divided by the `sharing − 1` other jobs. Their mean, never
+/// below 0 ([`ContentionSamples::per_shared_job`]), is what
+/// [`crate::decide::ClusterState`] carries: multi-host sizes that share a host expect that
+/// slowdown, and BCO's costs charge at least that fraction of compute as sync per shared job.
+/// The simulator adds its jobs' measured slowdowns; the service adds each running multi-host
+/// job's observed step time against the step time predicted by its throughput model fitted
+/// on its earlier generations.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct ContentionSamples {
     sum: f64,
@@ -256,21 +261,23 @@ pub struct ContentionSamples {
 }
 
 impl ContentionSamples {
-    /// Adds one job's measured extra step time (a fraction of its compute time) while
-    /// `sharing` multi-host jobs, itself included, share one of its NICs. Ignored when
-    /// `sharing < 2` or the figure is not finite; negative figures count as 0.
-    pub fn add(&mut self, extra_fraction_of_compute: f64, sharing: u32) {
-        if sharing >= 2 && extra_fraction_of_compute.is_finite() {
-            self.sum += extra_fraction_of_compute.max(0.0) / f64::from(sharing - 1);
+    /// Adds one job's measured slowdown (extra step time as a fraction of its uncontended
+    /// step time) while `sharing` multi-host jobs, itself included, share one of its NICs.
+    /// Ignored when `sharing < 2` or the figure is not finite. A slowdown is clamped into
+    /// `[−1, MAX_SLOWDOWN]` (a job ran faster than predicted counts as negative, so noisy
+    /// predictions cancel instead of only pushing the mean up).
+    pub fn add(&mut self, slowdown: f64, sharing: u32) {
+        if sharing >= 2 && slowdown.is_finite() {
+            self.sum += slowdown.clamp(-1.0, MAX_SLOWDOWN) / f64::from(sharing - 1);
             self.count += 1;
         }
     }
 
-    /// Mean extra step time per additional shared job, as a fraction of compute; 0 when
-    /// nothing was measured.
+    /// Mean slowdown per additional shared job (a fraction of the step time); 0 when nothing
+    /// was measured or the mean is negative.
     pub fn per_shared_job(&self) -> f64 {
         if self.count > 0 {
-            self.sum / self.count as f64
+            (self.sum / self.count as f64).max(0.0)
         } else {
             0.0
         }

@@ -114,9 +114,9 @@ pub struct ClusterState<'a> {
     /// Every usable host with all its GPUs (placement keeps unchanged jobs where they are)
     /// and its NIC factor.
     pub hosts: &'a [HostFree],
-    /// Measured extra seconds per step, as a fraction of a job's compute time, per
-    /// additional multi-host job sharing one of its NICs (0 when nothing was measured); see
-    /// [`crate::contention::ContentionSamples`].
+    /// Measured slowdown of a multi-host job (extra step time as a fraction of its
+    /// uncontended step time) per additional multi-host job sharing one of its NICs (0 when
+    /// nothing was measured); see [`crate::contention::ContentionSamples`].
     pub contention_per_shared_job: f64,
 }
 

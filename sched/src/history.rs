@@ -53,8 +53,10 @@ pub struct JobHistory {
     /// keys on it ([`crate::fit_cache::FitCache`]).
     resets: u64,
     /// Worker-seconds of service received: per rank-0 report, the time since the previous
-    /// report of the same generation times that generation's world size.
+    /// rank-0 report of the same generation times that generation's world size.
     attained_worker_seconds: f64,
+    /// Generation and time of the latest rank-0 report (not affected by cuts).
+    last_report: Option<(u64, f64)>,
 }
 
 impl JobHistory {
@@ -108,8 +110,8 @@ impl JobHistory {
             self.added = self.points.len();
             self.resets += 1;
         }
-        if let Some(prev) = self.points.last().filter(|p| p.generation == r.generation) {
-            let dt = r.time - prev.time;
+        if let Some((_, prev)) = self.last_report.filter(|(g, _)| *g == r.generation) {
+            let dt = r.time - prev;
             let workers = self
                 .shapes
                 .get(&r.generation)
@@ -117,6 +119,9 @@ impl JobHistory {
             if dt.is_finite() && dt > 0.0 {
                 self.attained_worker_seconds += dt * f64::from(workers);
             }
+        }
+        if r.time.is_finite() && self.last_report.is_none_or(|(_, t)| r.time >= t) {
+            self.last_report = Some((r.generation, r.time));
         }
         self.added += 1;
         self.points.push(ProgressPoint {
@@ -165,8 +170,11 @@ impl JobHistory {
     /// GPU-seconds of service the job has received, as its reports show it: for each pair of
     /// consecutive rank-0 reports of one generation, the time between them times the
     /// generation's world size times `gpus_per_worker` (Tiresias's attained service). Time
-    /// before a generation's first report (start-up, restore) and lost points (a cut) still
-    /// count, since the total is kept as reports arrive.
+    /// before a generation's first report (start-up, restore) does not count; time whose
+    /// points were later cut (a resume from an earlier checkpoint) still does, once: the
+    /// total is kept as reports arrive. A history rebuilt from the progress stream counts
+    /// only the reports the stream still holds (its per-job limit), so after an allocator
+    /// restart a long job's figure can be lower than before.
     pub fn attained_gpu_seconds(&self, gpus_per_worker: u32) -> f64 {
         self.attained_worker_seconds * f64::from(gpus_per_worker)
     }
@@ -340,6 +348,15 @@ pub(crate) mod tests {
         h.add(&r);
         assert_eq!(h.resets(), 1);
         assert_eq!(h.attained_gpu_seconds(1), 55.0);
+        // A worker restarted within generation 3 resumes from an earlier checkpoint: the
+        // time since the previous report counts once, not again from an older point.
+        for (samples, time) in [(250, 70.0), (120, 75.0)] {
+            let mut r = report(3, 0, samples, 0.9, time);
+            r.workers = Some(3);
+            h.add(&r);
+        }
+        assert_eq!(h.resets(), 2);
+        assert_eq!(h.attained_gpu_seconds(1), 55.0 + 3.0 * 10.0 + 3.0 * 5.0);
     }
 
     #[test]

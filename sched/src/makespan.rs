@@ -112,7 +112,8 @@
 //! and 5.2 s (11.5 million nodes) at worst. [`optimal_with_limit`] caps the nodes visited
 //! and says whether the result is proven.
 //!
-//! Everything here except [`mod@bench`] is pure: no I/O, no clock, no randomness, deterministic.
+//! Everything here is pure: no I/O, no clock, no randomness, deterministic (the bench that
+//! prints and times is `converge-sim makespan-bench`).
 
 use std::cmp::Ordering;
 

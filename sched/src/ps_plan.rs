@@ -144,7 +144,7 @@
 //!
 //! Everything here is pure: no I/O, no clock, randomness only from the caller's seed (the LP
 //! solver, `good_lp` with the pure-Rust `microlp` backend, runs without a time limit and is
-//! deterministic). The [`mod@bench`] submodule (the `ps-bench` command) is the exception.
+//! deterministic). The bench that prints and times it is `converge-sim ps-bench`.
 
 use std::collections::HashSet;
 use std::ops::RangeInclusive;

@@ -195,9 +195,8 @@ pub fn step(
 
     // 1. Statuses for new and refused jobs; lifecycle of the known ones.
     let mut curves: BTreeMap<JobId, Curve> = BTreeMap::new();
-    // Each active job's step observations (one per generation), its throughput model on all of
-    // them and the per-worker batch it last ran with: computed once per step.
-    let mut observed: BTreeMap<JobId, Vec<(u64, StepObservation)>> = BTreeMap::new();
+    // Each active job's throughput model on all its step observations (computed once per
+    // step) and the per-worker batch it last ran with.
     let mut models: BTreeMap<JobId, (ThroughputModel, f64)> = BTreeMap::new();
     let refit = refits(inp, cache, settings.fit_budget);
     for (id, spec) in inp.specs {
@@ -250,7 +249,6 @@ pub fn step(
                 let model = cache.model(id, ModelScope::All, &all, &settings.throughput_prior);
                 models.insert(id.clone(), (model, last.local_batch));
             }
-            observed.insert(id.clone(), seen);
         }
         out.statuses.insert(id.clone(), status);
     }
@@ -281,7 +279,7 @@ pub fn step(
 
     // 2. The policy: how many workers each active job gets, and where.
     if run_policy {
-        let contention = measured_contention(&out.statuses, &observed, cache, settings);
+        let contention = measured_contention(&out.statuses);
         allocate(
             inp,
             settings,
@@ -332,19 +330,16 @@ fn bump_generation(status: &mut JobStatus, taken_ports: &mut BTreeSet<u16>) {
 
 /// Contention measured on the running jobs ([`ContentionSamples`]): each running multi-host
 /// job whose generation has an observed and an out-of-sample predicted step time
-/// ([`JobStatus::step_time_s`], [`JobStatus::predicted_step_time_s`]) and shares a host with
-/// other multi-host jobs adds its extra step time as a fraction of its predicted compute time.
-fn measured_contention(
-    statuses: &BTreeMap<JobId, JobStatus>,
-    observed: &BTreeMap<JobId, Vec<(u64, StepObservation)>>,
-    cache: &mut FitCache,
-    settings: &Settings,
-) -> f64 {
+/// ([`JobStatus::step_time_s`], [`JobStatus::predicted_step_time_s`], the latter from the
+/// model fitted on its earlier generations) and shares a host with other multi-host jobs adds
+/// its slowdown, `observed / predicted − 1`.
+fn measured_contention(statuses: &BTreeMap<JobId, JobStatus>) -> f64 {
+    let running = || statuses.values().filter(|s| s.phase == JobPhase::Running);
     let hosts_of = |s: &JobStatus| -> BTreeSet<HostId> {
         s.placement.iter().map(|p| p.host.clone()).collect()
     };
     let mut multi_host_jobs: BTreeMap<HostId, u32> = BTreeMap::new();
-    for s in statuses.values().filter(|s| s.phase == JobPhase::Running) {
+    for s in running() {
         let hosts = hosts_of(s);
         if hosts.len() > 1 {
             for h in hosts {
@@ -353,14 +348,12 @@ fn measured_contention(
         }
     }
     let mut samples = ContentionSamples::default();
-    for s in statuses.values().filter(|s| s.phase == JobPhase::Running) {
+    for s in running() {
         let hosts = hosts_of(s);
-        let (Some(step_s), Some(predicted), Some(seen)) =
-            (s.step_time_s, s.predicted_step_time_s, observed.get(&s.job))
-        else {
+        let (Some(step_s), Some(predicted)) = (s.step_time_s, s.predicted_step_time_s) else {
             continue;
         };
-        if hosts.len() < 2 {
+        if hosts.len() < 2 || predicted <= 0.0 {
             continue;
         }
         let sharing = hosts
@@ -368,22 +361,7 @@ fn measured_contention(
             .map(|h| multi_host_jobs.get(h).copied().unwrap_or(0))
             .max()
             .unwrap_or(0);
-        let earlier: Vec<StepObservation> = seen
-            .iter()
-            .filter(|(g, _)| *g < s.generation)
-            .map(|(_, o)| *o)
-            .collect();
-        let Some(last) = earlier.last() else { continue };
-        let model = cache.model(
-            &s.job,
-            ModelScope::Earlier,
-            &earlier,
-            &settings.throughput_prior,
-        );
-        let compute = JobCost::from_model(&model, s.world_size, last.local_batch).compute_s;
-        if compute > 0.0 {
-            samples.add((step_s - predicted) / compute, sharing);
-        }
+        samples.add(step_s / predicted - 1.0, sharing);
     }
     samples.per_shared_job()
 }
@@ -1778,6 +1756,56 @@ mod tests {
         // `fresh` runs at the 2 workers it asked for (not its maximum of 4), `veteran` waits.
         assert_eq!(w.status("fresh").world_size, 2);
         assert_eq!(w.status("veteran").world_size, 0);
+    }
+
+    #[test]
+    fn contention_is_measured_on_multi_host_jobs_that_share_a_host() {
+        let running = |id: &str, hosts: &[&str], observed: f64, predicted: f64| {
+            let job = JobId::new(id).unwrap();
+            let mut s = new_status(&job, 0.0, 0.0);
+            s.phase = JobPhase::Running;
+            s.generation = 2;
+            s.placement = hosts
+                .iter()
+                .enumerate()
+                .map(|(rank, h)| RankPlacement {
+                    rank: rank as u32,
+                    host: HostId::new(*h).unwrap(),
+                    gpus: vec![rank as u32],
+                })
+                .collect();
+            s.world_size = hosts.len() as u32;
+            s.step_time_s = Some(observed);
+            s.predicted_step_time_s = Some(predicted);
+            (job, s)
+        };
+        // Two rings share h2, each twice as slow as predicted: slowdown 1 per shared job.
+        let mut statuses: BTreeMap<JobId, JobStatus> = [
+            running("a", &["h1", "h2"], 2.0, 1.0),
+            running("b", &["h2", "h3"], 0.6, 0.3),
+        ]
+        .into_iter()
+        .collect();
+        assert!((measured_contention(&statuses) - 1.0).abs() < 1e-12);
+        // A single-host job and a ring alone on its hosts add nothing.
+        statuses.extend([
+            running("c", &["h4", "h4"], 9.0, 1.0),
+            running("d", &["h5", "h6"], 9.0, 1.0),
+        ]);
+        assert!((measured_contention(&statuses) - 1.0).abs() < 1e-12);
+        // Faster than predicted counts against the mean; the mean never goes below 0.
+        let (id, faster) = running("e", &["h1", "h3"], 0.5, 1.0);
+        statuses.insert(id, faster);
+        // h1: a, e; h2: a, b; h3: b, e → sharing 2 each: (1 + 1 − 0.5) / 3.
+        assert!((measured_contention(&statuses) - 0.5).abs() < 1e-12);
+        let calm: BTreeMap<JobId, JobStatus> = [
+            running("a", &["h1", "h2"], 0.5, 1.0),
+            running("b", &["h2", "h3"], 0.5, 1.0),
+        ]
+        .into_iter()
+        .collect();
+        assert_eq!(measured_contention(&calm), 0.0);
+        assert_eq!(measured_contention(&BTreeMap::new()), 0.0);
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! Four predictors of a loss curve from its history, compared by
-//! `converge-sim predict-bench` ([`mod@bench`], `docs/prediction.md`).
+//! `converge-sim predict-bench` ([`crate::predict_bench`], `docs/prediction.md`).
 //!
 //! All four are pure functions of the history (oldest point first) and never return a NaN
 //! or negative loss. Progress is in samples processed, or in epochs for curves measured per

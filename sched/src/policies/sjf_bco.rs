@@ -24,10 +24,10 @@
 //! GPU-seconds, at its requested size `w`: remaining time = `remaining_work /
 //! throughput[w − 1]` (the table's last entry beyond its end), when the job has both and
 //! they give a finite, non-negative time (a throughput that is not positive gives none).
-//! Jobs with a size go first, by size; jobs without one (today every job in the simulator,
-//! which hands `throughput` and `remaining_work` only to `optimus` and `quality`, and in the
-//! service) follow, by requested GPUs (`requested workers × gpus_per_worker`), the proxy
-//! for size that needs no estimate. Ties, in both groups, go by arrival (`submitted_at`, then
+//! Jobs with a size go first, by size; jobs without one (those without a fitted
+//! throughput model yet, or, in the service, without a `target_loss`: the policy declares
+//! `estimates`, [`crate::policies::PolicyInputs`]) follow, by requested GPUs (`requested
+//! workers × gpus_per_worker`), the proxy for size that needs no estimate. Ties, in both groups, go by arrival (`submitted_at`, then
 //! id). Attained service is deliberately not used: it measures what a job has had, not what
 //! it still needs.
 //!
