@@ -284,6 +284,40 @@ pub struct ProgressReport {
     pub model_bytes: Option<u64>,
 }
 
+impl ProgressReport {
+    /// A report of the current protocol with the required fields; every optional field
+    /// (`eval_loss`, `epoch`, `workers`, `hosts`, `sync_time_s`, `model_bytes`) absent.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        job: JobId,
+        generation: u64,
+        rank: u32,
+        host: HostId,
+        step: u64,
+        samples: u64,
+        loss: f64,
+        time: f64,
+    ) -> Self {
+        Self {
+            protocol: PROTOCOL_VERSION,
+            job,
+            generation,
+            rank,
+            host,
+            step,
+            samples,
+            loss,
+            eval_loss: None,
+            epoch: None,
+            time,
+            workers: None,
+            hosts: None,
+            sync_time_s: None,
+            model_bytes: None,
+        }
+    }
+}
+
 impl Message for ProgressReport {
     fn protocol(&self) -> u32 {
         self.protocol

@@ -32,7 +32,7 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::decide::{Allocation, BatchSize, ClusterState, JobView, decide};
+use crate::decide::{Allocation, BatchSize, ClusterState, JobView, decide, priority_order};
 use crate::fit::{Curve, CurveFamily};
 use crate::placement::PlacementKind;
 use crate::placement::{HostFree, PlacementRequest, place};
@@ -100,15 +100,7 @@ impl DecisionInputs {
             .collect();
         let current = place_running(&mut jobs, &hosts, cfg.gpus_per_node, &mut rng);
 
-        let mut priority: Vec<usize> = (0..jobs.len()).collect();
-        priority.sort_by(|&a, &b| {
-            let (a, b) = (&jobs[a], &jobs[b]);
-            (a.current_workers == 0)
-                .cmp(&(b.current_workers == 0))
-                .then(a.submitted_at.total_cmp(&b.submitted_at))
-                .then_with(|| a.id.cmp(&b.id))
-        });
-        let views = jobs
+        let views: Vec<JobView> = jobs
             .iter()
             .zip(&current)
             .map(|(job, placement)| JobView {
@@ -130,6 +122,7 @@ impl DecisionInputs {
                 oracle: None,
             })
             .collect();
+        let priority = priority_order(&views);
         Self {
             views,
             jobs,

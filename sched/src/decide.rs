@@ -149,6 +149,22 @@ impl Allocation {
     }
 }
 
+/// Indices of `jobs` in priority order, the order in which placement serves them: running
+/// jobs (a non-empty current placement) first, then pending ones, each by `submitted_at`,
+/// then id.
+pub fn priority_order(jobs: &[JobView]) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (a, b) = (&jobs[a], &jobs[b]);
+        a.placement
+            .is_empty()
+            .cmp(&b.placement.is_empty())
+            .then(a.submitted_at.total_cmp(&b.submitted_at))
+            .then_with(|| a.id.cmp(&b.id))
+    });
+    order
+}
+
 /// The job's throughput table (samples/s with 1..=max workers) from its model; see the module
 /// docs, step 2.
 fn estimated_table(
@@ -196,14 +212,7 @@ pub fn decide(
         0.0
     };
     let wants = policy.inputs();
-    let mut order: Vec<&JobView> = jobs.iter().collect();
-    order.sort_by(|a, b| {
-        a.placement
-            .is_empty()
-            .cmp(&b.placement.is_empty())
-            .then(a.submitted_at.total_cmp(&b.submitted_at))
-            .then(a.id.cmp(&b.id))
-    });
+    let order: Vec<&JobView> = priority_order(jobs).into_iter().map(|i| &jobs[i]).collect();
     let views: Vec<PolicyJob> = order
         .iter()
         .map(|job| {

@@ -300,23 +300,17 @@ pub(crate) mod tests {
         loss: f64,
         time: f64,
     ) -> ProgressReport {
-        ProgressReport {
-            protocol: 1,
-            job: JobId::new("j").unwrap(),
+        let (job, host) = (JobId::new("j").unwrap(), HostId::new("h").unwrap());
+        ProgressReport::new(
+            job,
             generation,
             rank,
-            host: HostId::new("h").unwrap(),
-            step: samples / 10,
+            host,
+            samples / 10,
             samples,
             loss,
-            eval_loss: None,
-            epoch: None,
             time,
-            workers: None,
-            hosts: None,
-            sync_time_s: None,
-            model_bytes: None,
-        }
+        )
     }
 
     fn on(mut r: ProgressReport, host: &str) -> ProgressReport {

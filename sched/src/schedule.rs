@@ -9,7 +9,7 @@
 //! the old generation checkpoints and exits before the new one starts (generation fencing).
 
 use crate::contention::{ContentionSamples, HostNic, JobCost, host_nic};
-use crate::decide::{BatchSize, ClusterState, JobView, decide};
+use crate::decide::{BatchSize, ClusterState, JobView, decide, priority_order};
 use crate::fit::{Curve, FitConfig, samples_to_reach};
 use crate::fit_cache::{FitCache, ModelScope};
 use crate::history::JobHistory;
@@ -762,14 +762,12 @@ fn allocate(
         settings.placement,
     );
     let mut placed = decision.placements;
-    // Priority order, as the decision placed them: running jobs first, then by arrival.
-    let mut active = active;
-    active.sort_by(|(a, _), (b, _)| {
-        (a.world_size == 0)
-            .cmp(&(b.world_size == 0))
-            .then(a.submitted_at.total_cmp(&b.submitted_at))
-            .then(a.job.cmp(&b.job))
-    });
+    // Priority order, as the decision placed them.
+    let mut slots: Vec<Option<(JobStatus, &JobSpec)>> = active.into_iter().map(Some).collect();
+    let active: Vec<(JobStatus, &JobSpec)> = priority_order(&views)
+        .into_iter()
+        .filter_map(|i| slots[i].take())
+        .collect();
     let shards = plan_ps_jobs(
         &PsContext {
             settings,
@@ -1128,23 +1126,8 @@ mod tests {
         loss: f64,
         time: f64,
     ) -> converge_common::ProgressReport {
-        converge_common::ProgressReport {
-            protocol: PROTOCOL_VERSION,
-            job: JobId::new(job).unwrap(),
-            generation,
-            rank,
-            host: HostId::new(host).unwrap(),
-            step,
-            samples,
-            loss,
-            eval_loss: None,
-            epoch: None,
-            time,
-            workers: None,
-            hosts: None,
-            sync_time_s: None,
-            model_bytes: None,
-        }
+        let (job, host) = (JobId::new(job).unwrap(), HostId::new(host).unwrap());
+        converge_common::ProgressReport::new(job, generation, rank, host, step, samples, loss, time)
     }
 
     fn worker(job: &str, generation: u64, rank: u32, phase: WorkerPhase) -> WorkerState {

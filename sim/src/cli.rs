@@ -39,6 +39,10 @@ pub struct ClusterArgs {
     /// baselines; the service defaults to `bco`.
     #[arg(long, value_enum, default_value_t = PlacementKind::FirstFit)]
     pub placement: PlacementKind,
+    /// Ablation: pass no measured contention to the decision (BCO then prices placements by
+    /// each job's throughput model alone), to see what the measurement is worth.
+    #[arg(long)]
+    pub ignore_contention: bool,
     /// Folder of the measured application traces.
     #[arg(long, default_value = "data/pollux/traces")]
     pub traces: PathBuf,
@@ -70,6 +74,7 @@ impl ClusterArgs {
             interference: self.interference,
             seed: self.seed,
             placement: self.placement,
+            ignore_contention: self.ignore_contention,
             ..SimConfig::default()
         })
     }

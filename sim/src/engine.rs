@@ -14,7 +14,7 @@
 
 use crate::apps::{Application, SimJob};
 use crate::workload::WorkloadJob;
-use converge_common::{HostId, JobId, PROTOCOL_VERSION, ProgressReport, RankPlacement};
+use converge_common::{HostId, JobId, ProgressReport, RankPlacement};
 use converge_sched::contention::ContentionSamples;
 use converge_sched::decide::{Allocation, BatchSize, ClusterState, JobView, Oracle, decide};
 use converge_sched::fit::FitConfig;
@@ -51,6 +51,9 @@ pub struct SimConfig {
     /// Keep every decision's inputs and result in [`SimResult::decisions`] (for tests that
     /// replay them through [`decide`]; memory grows with the run).
     pub record_decisions: bool,
+    /// Ablation: tell the decision that no contention was measured (as a cluster whose jobs
+    /// never share a host would), whatever the simulated jobs show.
+    pub ignore_contention: bool,
 }
 
 impl Default for SimConfig {
@@ -66,6 +69,7 @@ impl Default for SimConfig {
             max_time_s: 60.0 * 24.0 * 3600.0,
             placement: PlacementKind::FirstFit,
             record_decisions: false,
+            ignore_contention: false,
         }
     }
 }
@@ -320,23 +324,16 @@ pub fn simulate(
             if wants.curves && !t.placement.is_empty() {
                 let observed = (true_loss * (1.0 + noise.sample(&mut rng))).max(0.0);
                 t.reports += 1;
-                t.history.add(&ProgressReport {
-                    protocol: PROTOCOL_VERSION,
-                    job: t.id.clone(),
-                    generation: u64::from(t.job.restarts),
-                    rank: 0,
-                    host: t.placement[0].host.clone(),
-                    step: t.reports,
-                    samples: t.samples.round() as u64,
-                    loss: observed,
-                    eval_loss: None,
-                    epoch: None,
-                    time: now,
-                    workers: None,
-                    hosts: None,
-                    sync_time_s: None,
-                    model_bytes: None,
-                });
+                t.history.add(&ProgressReport::new(
+                    t.id.clone(),
+                    u64::from(t.job.restarts),
+                    0,
+                    t.placement[0].host.clone(),
+                    t.reports,
+                    t.samples.round() as u64,
+                    observed,
+                    now,
+                ));
             }
         }
         let active: Vec<usize> = (0..jobs.len())
@@ -407,15 +404,19 @@ pub fn simulate(
         let cluster = ClusterState {
             now,
             hosts: &hosts,
-            contention_per_shared_job: contention_seen.per_shared_job(),
+            contention_per_shared_job: if cfg.ignore_contention {
+                0.0
+            } else {
+                contention_seen.per_shared_job()
+            },
         };
         let allocation = decide(&cluster, &views, policy, cfg.placement);
         let decision_s = started.elapsed().as_secs_f64();
         if allocation.violates(&hosts) {
             policy_violations += 1;
         }
-        let placed = allocation.placements.clone();
-        if cfg.record_decisions {
+        let placed = if cfg.record_decisions {
+            let placed = allocation.placements.clone();
             decisions.push(RecordedDecision {
                 now,
                 hosts: hosts.clone(),
@@ -423,7 +424,10 @@ pub fn simulate(
                 jobs: views,
                 allocation,
             });
-        }
+            placed
+        } else {
+            allocation.placements
+        };
 
         // 4. Apply: every change of placement restarts the job.
         let mut allocated = 0u32;
@@ -625,6 +629,32 @@ mod tests {
         .unwrap();
         assert!(
             calm.decisions
+                .iter()
+                .all(|d| d.contention_per_shared_job == 0.0)
+        );
+        // The ablation flag passes none, whatever the jobs show. A cheaper policy suffices
+        // (the measurement does not depend on it); first fit shares nodes between multi-node
+        // jobs more often than BCO.
+        let tiresias = by_name("tiresias", PolicyParams::default()).unwrap();
+        let first_fit = SimConfig {
+            placement: PlacementKind::FirstFit,
+            ..cfg
+        };
+        let measured = simulate(apps(), &jobs, tiresias.as_ref(), &first_fit).unwrap();
+        assert!(
+            measured
+                .decisions
+                .iter()
+                .any(|d| d.contention_per_shared_job > 0.0)
+        );
+        let ignored = SimConfig {
+            ignore_contention: true,
+            ..first_fit
+        };
+        let ignored = simulate(apps(), &jobs, tiresias.as_ref(), &ignored).unwrap();
+        assert!(
+            ignored
+                .decisions
                 .iter()
                 .all(|d| d.contention_per_shared_job == 0.0)
         );
