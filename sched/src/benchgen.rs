@@ -120,6 +120,8 @@ impl DecisionInputs {
                 batch: BatchSize::PerWorker(crate::throughput::DEFAULT_PRIOR_LOCAL_BATCH),
                 remaining_work: job.remaining_work,
                 oracle: None,
+                restarts: 0,
+                adaptive: None,
             })
             .collect();
         let priority = priority_order(&views);
@@ -253,6 +255,9 @@ fn random_job(index: usize, rng: &mut ChaCha8Rng) -> PolicyJob {
         attained_gpu_seconds: 0.0,
         throughput: None,
         remaining_work: None,
+        restarts: 0,
+        goodput: None,
+        current_hosts: Vec::new(),
     }
 }
 

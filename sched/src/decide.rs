@@ -31,9 +31,10 @@ use converge_common::{JobId, RankPlacement};
 
 use crate::contention::JobCost;
 use crate::fit::Curve;
+use crate::goodput::{BatchLimits, BatchPlan, GoodputFn, GradientStats};
 use crate::placement::{HostFree, PlacementKind, PlacementRequest, place_with};
 pub use crate::policies::PolicyInputs;
-use crate::policies::{ClusterView, Policy, PolicyJob};
+use crate::policies::{ClusterView, HostDecision, Policy, PolicyJob};
 use crate::throughput::{ThroughputModel, packed_nodes};
 
 /// Largest world size a throughput table is computed for (beyond it the table's last entry
@@ -70,6 +71,15 @@ pub struct Oracle {
     pub remaining_work: f64,
 }
 
+/// A job whose batch size the decision may choose ([`crate::goodput`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdaptiveBatch {
+    pub limits: BatchLimits,
+    /// Its latest gradient statistics; `None` before any were reported (the job then runs
+    /// [`BatchLimits::initial_plan`]).
+    pub gradient: Option<GradientStats>,
+}
+
 /// Everything the decision knows of one active job, as the caller observed it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobView {
@@ -104,6 +114,12 @@ pub struct JobView {
     pub remaining_work: Option<f64>,
     /// The truth, where the caller has it.
     pub oracle: Option<Oracle>,
+    /// Restarts so far (allocation changes after the first start).
+    pub restarts: u32,
+    /// Set when the job's batch size may follow its allocation (its program applies the
+    /// plan's batch and reports gradient statistics); read by policies that declare
+    /// `goodput`.
+    pub adaptive: Option<AdaptiveBatch>,
 }
 
 /// The cluster at decision time.
@@ -130,6 +146,9 @@ pub struct Allocation {
     pub placements: BTreeMap<JobId, Vec<RankPlacement>>,
     /// The policy's views, in priority order (what it was given).
     pub views: Vec<PolicyJob>,
+    /// The batch plan of each placed adaptive job, for the allocation it got (only under a
+    /// policy that declares `goodput`).
+    pub batches: BTreeMap<JobId, BatchPlan>,
 }
 
 impl Allocation {
@@ -165,11 +184,12 @@ pub fn priority_order(jobs: &[JobView]) -> Vec<usize> {
     order
 }
 
-/// The job's throughput table (samples/s with 1..=max workers) from its model; see the module
+/// The job's throughput table (samples/s with 1..=max workers) from `rate(workers, nodes)`:
+/// samples/s from its model at its batch rule, or goodput at the best batch; see the module
 /// docs, step 2.
 fn estimated_table(
     job: &JobView,
-    model: &ThroughputModel,
+    rate: impl Fn(u32, u32) -> f64,
     gpus_per_node: u32,
     placement: PlacementKind,
     contention: f64,
@@ -179,7 +199,7 @@ fn estimated_table(
     (1..=most)
         .map(|w| {
             let nodes = packed_nodes(w, job.gpus_per_worker, per_node);
-            let rate = model.samples_per_s(w, nodes, job.batch.per_worker(w));
+            let rate = rate(w, nodes);
             let gpus = u64::from(w) * u64::from(job.gpus_per_worker);
             let partial = nodes > 1 && !gpus.is_multiple_of(u64::from(per_node));
             if placement == PlacementKind::Bco && partial && contention > 0.0 {
@@ -189,6 +209,83 @@ fn estimated_table(
             }
         })
         .collect()
+}
+
+/// Ranks for a policy's per-host decision: a job whose workers per host are unchanged keeps
+/// its ranks; the others take free GPUs on the hosts decided, in priority order, rank 0 on
+/// the first of them.
+fn realize(
+    hosts: &[HostFree],
+    order: &[&JobView],
+    views: &[PolicyJob],
+    decided: &HostDecision,
+) -> BTreeMap<JobId, Vec<RankPlacement>> {
+    let mut free: Vec<Vec<u32>> = hosts.iter().map(|h| h.gpus.clone()).collect();
+    let mut out = BTreeMap::new();
+    let mut later = Vec::new();
+    for (job, view) in order.iter().zip(views) {
+        let Some(want) = decided.hosts.get(&job.id) else {
+            continue;
+        };
+        let keeps = *want == view.current_hosts
+            && job.placement.iter().all(|r| {
+                hosts
+                    .iter()
+                    .position(|h| h.host == r.host)
+                    .is_some_and(|i| r.gpus.iter().all(|g| free[i].contains(g)))
+            });
+        if keeps {
+            for r in &job.placement {
+                if let Some(i) = hosts.iter().position(|h| h.host == r.host) {
+                    free[i].retain(|g| !r.gpus.contains(g));
+                }
+            }
+            out.insert(job.id.clone(), job.placement.clone());
+        } else {
+            later.push((job, want));
+        }
+    }
+    for (job, want) in later {
+        let gpw = job.gpus_per_worker.max(1) as usize;
+        let mut ranks = Vec::new();
+        for &(i, workers) in want {
+            let Some(gpus) = free.get_mut(i) else {
+                continue;
+            };
+            for _ in 0..workers {
+                if gpus.len() < gpw {
+                    break;
+                }
+                let taken: Vec<u32> = gpus.drain(..gpw).collect();
+                ranks.push(RankPlacement {
+                    rank: ranks.len() as u32,
+                    host: hosts[i].host.clone(),
+                    gpus: taken,
+                });
+            }
+        }
+        if !ranks.is_empty() && ranks.len() as u32 >= job.min_workers.max(1) {
+            out.insert(job.id.clone(), ranks);
+        } else {
+            for r in ranks {
+                if let Some(i) = hosts.iter().position(|h| h.host == r.host) {
+                    free[i].extend(r.gpus);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Workers per host of a placement, as `(index into hosts, workers)` in host order.
+fn per_host(hosts: &[HostFree], placement: &[RankPlacement]) -> Vec<(usize, u32)> {
+    let mut counts: BTreeMap<usize, u32> = BTreeMap::new();
+    for r in placement {
+        if let Some(i) = hosts.iter().position(|h| h.host == r.host) {
+            *counts.entry(i).or_default() += 1;
+        }
+    }
+    counts.into_iter().collect()
 }
 
 /// The decision for `jobs` on `cluster` by `policy`, placed by `placement`. Pure and
@@ -213,16 +310,39 @@ pub fn decide(
     };
     let wants = policy.inputs();
     let order: Vec<&JobView> = priority_order(jobs).into_iter().map(|i| &jobs[i]).collect();
+    let goodput_of = |job: &JobView| -> Option<GoodputFn> {
+        let adaptive = job.adaptive.as_ref().filter(|_| wants.goodput)?;
+        Some(GoodputFn {
+            model: job.model.clone()?,
+            gradient: adaptive.gradient,
+            limits: adaptive.limits,
+        })
+    };
     let views: Vec<PolicyJob> = order
         .iter()
         .map(|job| {
+            let goodput = goodput_of(job);
             let oracle = job.oracle.as_ref().filter(|_| wants.oracle);
             let (throughput, remaining_work) = match oracle {
                 Some(o) => (Some(o.throughput.clone()), Some(o.remaining_work)),
                 None if wants.estimates || wants.oracle => (
-                    job.model
-                        .as_ref()
-                        .map(|m| estimated_table(job, m, gpus_per_node, placement, contention)),
+                    match (&goodput, &job.model) {
+                        (Some(g), _) => Some(estimated_table(
+                            job,
+                            |w, n| g.best(w, n).map_or(0.0, |(_, v)| v),
+                            gpus_per_node,
+                            placement,
+                            contention,
+                        )),
+                        (None, Some(m)) => Some(estimated_table(
+                            job,
+                            |w, n| m.samples_per_s(w, n, job.batch.per_worker(w)),
+                            gpus_per_node,
+                            placement,
+                            contention,
+                        )),
+                        (None, None) => None,
+                    },
                     job.remaining_work,
                 ),
                 None => (None, None),
@@ -246,44 +366,82 @@ pub fn decide(
                 attained_gpu_seconds: job.attained_gpu_seconds,
                 throughput,
                 remaining_work,
+                restarts: job.restarts,
+                goodput,
+                current_hosts: if wants.hosts {
+                    per_host(cluster.hosts, &job.placement)
+                } else {
+                    Vec::new()
+                },
             }
         })
         .collect();
-    let decided = policy.allocate(
-        &ClusterView {
-            total_gpus,
-            gpus_per_node,
-            now: cluster.now,
-        },
-        &views,
-    );
-    let requests: Vec<PlacementRequest> = order
-        .iter()
-        .map(|job| PlacementRequest {
-            job: job.id.clone(),
-            workers: decided.workers.get(&job.id).copied().unwrap_or(0),
-            gpus_per_worker: job.gpus_per_worker,
-            min_workers: job.min_workers,
-            current: job.placement.clone(),
-        })
-        .collect();
-    let costs: BTreeMap<JobId, JobCost> = match placement {
-        PlacementKind::FirstFit => BTreeMap::new(),
-        PlacementKind::Bco => order
-            .iter()
-            .filter_map(|job| {
-                let workers = decided.workers.get(&job.id).copied().unwrap_or(0);
-                let model = job.model.as_ref().filter(|_| workers > 0)?;
-                let mut cost = JobCost::from_model(model, workers, job.batch.per_worker(workers));
-                cost.sync_s = cost.sync_s.max(contention * cost.compute_s);
-                Some((job.id.clone(), cost))
-            })
-            .collect(),
+    let view = ClusterView {
+        total_gpus,
+        gpus_per_node,
+        now: cluster.now,
     };
-    let placements = place_with(placement, cluster.hosts, &requests, &costs);
+    let host_gpus: Vec<u32> = cluster.hosts.iter().map(|h| h.gpus.len() as u32).collect();
+    let on_hosts = if wants.hosts {
+        policy.allocate_on_hosts(&view, &host_gpus, &views)
+    } else {
+        None
+    };
+    let (decided_workers, placements) = if let Some(decided) = on_hosts {
+        let placements = realize(cluster.hosts, &order, &views, &decided);
+        (decided.workers, placements)
+    } else {
+        let decided = policy.allocate(&view, &views);
+        let requests: Vec<PlacementRequest> = order
+            .iter()
+            .map(|job| PlacementRequest {
+                job: job.id.clone(),
+                workers: decided.workers.get(&job.id).copied().unwrap_or(0),
+                gpus_per_worker: job.gpus_per_worker,
+                min_workers: job.min_workers,
+                current: job.placement.clone(),
+            })
+            .collect();
+        let costs: BTreeMap<JobId, JobCost> = match placement {
+            PlacementKind::FirstFit => BTreeMap::new(),
+            PlacementKind::Bco => order
+                .iter()
+                .filter_map(|job| {
+                    let workers = decided.workers.get(&job.id).copied().unwrap_or(0);
+                    let model = job.model.as_ref().filter(|_| workers > 0)?;
+                    let mut cost =
+                        JobCost::from_model(model, workers, job.batch.per_worker(workers));
+                    cost.sync_s = cost.sync_s.max(contention * cost.compute_s);
+                    Some((job.id.clone(), cost))
+                })
+                .collect(),
+        };
+        let placements = place_with(placement, cluster.hosts, &requests, &costs);
+        (decided.workers, placements)
+    };
+    let mut batches = BTreeMap::new();
+    if wants.goodput {
+        for (job, view) in order.iter().zip(&views) {
+            let (Some(adaptive), Some(ranks)) = (&job.adaptive, placements.get(&job.id)) else {
+                continue;
+            };
+            let workers = ranks.len() as u32;
+            let mut nodes: Vec<&converge_common::HostId> = ranks.iter().map(|r| &r.host).collect();
+            nodes.sort();
+            nodes.dedup();
+            let plan = match &view.goodput {
+                Some(g) => g.best(workers, nodes.len() as u32).map(|(p, _)| p),
+                None => adaptive.limits.initial_plan(workers),
+            };
+            if let Some(plan) = plan {
+                batches.insert(job.id.clone(), plan);
+            }
+        }
+    }
     Allocation {
-        workers: decided.workers,
+        workers: decided_workers,
         placements,
         views,
+        batches,
     }
 }

@@ -13,6 +13,7 @@
 //! | [`fit_cache`] | the caller-owned cache of curve and throughput fits |
 //! | [`history`] | a job's progress history (rank 0's curve, generations' step times) |
 //! | [`throughput`] | per-job step-time model fitted by NNLS |
+//! | [`goodput`] | statistical efficiency and the best batch size per allocation |
 //! | [`contention`] | a job's step time on a placement under NIC contention |
 //! | [`policies`] | every policy behind the [`policies::Policy`] trait |
 //! | [`placement`] | first fit and BCO placement, master ports |
@@ -27,6 +28,7 @@ pub mod contention;
 pub mod decide;
 pub mod fit;
 pub mod fit_cache;
+pub mod goodput;
 pub mod history;
 pub mod makespan;
 pub mod placement;

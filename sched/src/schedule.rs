@@ -720,6 +720,9 @@ fn job_view(
         ),
         remaining_work,
         oracle: None,
+        // Generation 1 is the first start.
+        restarts: u32::try_from(status.generation.saturating_sub(1)).unwrap_or(u32::MAX),
+        adaptive: None,
     }
 }
 

@@ -302,6 +302,8 @@ pub struct ThroughputModel {
     theta: [f64; K],
     /// Usable observations the model was fitted on (0 for the plain prior).
     observations: usize,
+    /// Largest world size among them (0 for the prior or given coefficients).
+    max_workers: u32,
 }
 
 /// Ring all-reduce volume factor `2·(w−1)/w` (0 for 0 or 1 worker).
@@ -442,6 +444,7 @@ impl ThroughputModel {
             Self {
                 theta,
                 observations: 0,
+                max_workers: 0,
             }
         } else {
             // Only reachable with an extreme batch/throughput ratio: use the default prior at
@@ -451,6 +454,7 @@ impl ThroughputModel {
             Self {
                 theta: d.shape(DEFAULT_PRIOR_LOCAL_BATCH).map(|s| s * t1),
                 observations: 0,
+                max_workers: 0,
             }
         }
     }
@@ -461,6 +465,7 @@ impl ThroughputModel {
         Self {
             theta: theta.map(|v| if v.is_finite() && v > 0.0 { v } else { 0.0 }),
             observations,
+            max_workers: 0,
         }
     }
 
@@ -486,14 +491,17 @@ impl ThroughputModel {
             return Self::prior(&prior, b);
         };
         let n = usable.len();
+        let max_workers = usable.iter().map(|o| o.workers).max().unwrap_or(0);
         match fit_theta(&usable, &anchored, prior.weight) {
             Some(theta) => Self {
                 theta,
                 observations: n,
+                max_workers,
             },
             None if anchored.iter().all(|v| v.is_finite()) => Self {
                 theta: anchored,
                 observations: n,
+                max_workers,
             },
             None => Self::prior(&prior, b_ref),
         }
@@ -533,6 +541,17 @@ impl ThroughputModel {
         }
     }
 
+    /// Seconds of one forward/backward pass on `local_batch` samples with no synchronization,
+    /// `θ_c·b + θ_0` (what a gradient-accumulation step costs; see [`crate::goodput`]).
+    pub fn compute_time_s(&self, local_batch: f64) -> f64 {
+        let b = if local_batch.is_finite() && local_batch > 0.0 {
+            local_batch
+        } else {
+            0.0
+        };
+        (self.theta[0] * b + self.theta[1]).clamp(0.0, f64::MAX)
+    }
+
     /// `[θ_c (s/sample), θ_0 (s), θ_intra (s), θ_inter (s), θ_α (s)]`.
     pub fn coefficients(&self) -> [f64; K] {
         self.theta
@@ -541,6 +560,12 @@ impl ThroughputModel {
     /// Usable observations the model was fitted on (0 for the prior alone).
     pub fn observations(&self) -> usize {
         self.observations
+    }
+
+    /// Largest world size among the observations the model was fitted on (0 for the prior
+    /// or a model built from coefficients).
+    pub fn max_workers_observed(&self) -> u32 {
+        self.max_workers
     }
 }
 

@@ -1022,8 +1022,16 @@ impl SimJob {
     /// progress (Pollux: 30 s) and counts a restart (the first start counts 0, as Pollux's
     /// `num_restarts`). Every call with a non-empty placement is a restart, even if it equals
     /// the current one: call it only on a change. An empty placement stops the job (and
-    /// drops any restart delay left; the next placement starts a new one).
-    pub fn reallocate(&mut self, app: &Application, placement: Vec<u32>, restart_delay_s: f64) {
+    /// drops any restart delay left; the next placement starts a new one). The job runs
+    /// `batch` (per-GPU micro-batch, accumulation steps) when given, else its target batch
+    /// split by [`Application::batch_config`].
+    pub fn reallocate(
+        &mut self,
+        app: &Application,
+        placement: Vec<u32>,
+        restart_delay_s: f64,
+        batch: Option<(u32, u32)>,
+    ) {
         let mut placement = placement;
         placement.retain(|&g| g > 0);
         self.placement = placement;
@@ -1033,14 +1041,36 @@ impl SimJob {
             self.restarting_for_s = 0.0;
             return;
         }
-        let (atomic, accum) = app.batch_config(self.target_batch_size, self.replicas());
-        self.atomic_bsz = atomic;
-        self.accum_steps = accum;
+        self.set_batch(app, batch);
         self.restarting_for_s = restart_delay_s.max(0.0);
         if self.started {
             self.restarts += 1;
         }
         self.started = true;
+    }
+
+    /// Runs `batch` (per-GPU micro-batch, accumulation steps) from now on, without a restart
+    /// (an adaptive job re-tunes its batch in process, as AdaptDL's do), or the target batch
+    /// split over the current placement when `None`. The target batch becomes the new total.
+    pub fn set_batch(&mut self, app: &Application, batch: Option<(u32, u32)>) {
+        if self.placement.is_empty() {
+            return;
+        }
+        let (atomic, accum) = match batch {
+            Some((atomic, accum)) if atomic > 0 => (atomic, accum),
+            _ => app.batch_config(self.target_batch_size, self.replicas()),
+        };
+        self.atomic_bsz = atomic;
+        self.accum_steps = accum;
+        if batch.is_some() {
+            self.target_batch_size = self.batch_size();
+        }
+    }
+
+    /// Gradient statistics a worker would report now (`(grad_sqr, grad_var)` at the current
+    /// batch and epoch), `None` when not placed.
+    pub fn grad_stats(&self, app: &Application) -> Option<(f64, f64)> {
+        (!self.placement.is_empty()).then(|| app.grad_stats(self.batch_size(), self.epoch))
     }
 
     /// Advances the job from time `now` by `seconds` under `interference` (0..1, goodput ×
@@ -1800,7 +1830,7 @@ mod tests {
         let smooth = 1030.0 + bounds[99] * step;
         // One long step: every epoch crossing is rounded from its start, as above.
         let mut job = SimJob::new("c", app, 1000.0, 1, 128);
-        job.reallocate(app, vec![1], POLLUX_RESTART_DELAY_S);
+        job.reallocate(app, vec![1], POLLUX_RESTART_DELAY_S, None);
         job.step(app, 1000.0, 1e9, 0.0);
         let done = job.completed_at.expect("completed");
         assert!((done - exact).abs() < 1.0, "{done} vs {exact}");
@@ -1808,7 +1838,7 @@ mod tests {
         assert!((job.attained_gpu_seconds - (done - 1000.0)).abs() < 1e-6);
         // 60 s intervals: within half a second per epoch of the unrounded time.
         let mut job = SimJob::new("c", app, 1000.0, 1, 128);
-        job.reallocate(app, vec![1], POLLUX_RESTART_DELAY_S);
+        job.reallocate(app, vec![1], POLLUX_RESTART_DELAY_S, None);
         let done = run_alone(app, &mut job, 1000.0, 60.0);
         assert!((done - smooth).abs() <= 50.0, "{done} vs {smooth}");
         assert_eq!(done, done.round());
@@ -1827,7 +1857,7 @@ mod tests {
             let app = &apps()[name];
             let exact = expected_completion(app, &placement, batch, 30.0, true);
             let mut job = SimJob::new(name, app, 0.0, 1, batch);
-            job.reallocate(app, placement.clone(), 30.0);
+            job.reallocate(app, placement.clone(), 30.0, None);
             job.step(app, 0.0, 1e9, 0.0);
             let done = job.completed_at.expect("completed");
             assert!((done - exact).abs() < 1.0, "{name}: {done} vs {exact}");
@@ -1836,7 +1866,7 @@ mod tests {
             let slack = 0.5 * f64::from(app.max_epochs) + 1e-6;
             for interval in [60.0, 7.0] {
                 let mut job = SimJob::new(name, app, 0.0, 1, batch);
-                job.reallocate(app, placement.clone(), 30.0);
+                job.reallocate(app, placement.clone(), 30.0, None);
                 let done = run_alone(app, &mut job, 0.0, interval);
                 assert!((done - smooth).abs() <= slack, "{name}: {done} vs {smooth}");
             }
@@ -1847,15 +1877,15 @@ mod tests {
     fn restarts_cost_exactly_the_delay() {
         let app = &apps()["imagenet"];
         let mut a = SimJob::new("a", app, 0.0, 4, 800);
-        a.reallocate(app, vec![4], 30.0);
+        a.reallocate(app, vec![4], 30.0, None);
         let mut b = SimJob::new("b", app, 0.0, 4, 800);
-        b.reallocate(app, vec![0, 4, 0], 30.0);
+        b.reallocate(app, vec![0, 4, 0], 30.0, None);
         assert_eq!(b.placement, vec![4]);
         a.step(app, 0.0, 60.0, 0.0);
         b.step(app, 0.0, 60.0, 0.0);
         for k in 1..=5 {
             // Same placement again: a restart with nothing else changed.
-            b.reallocate(app, vec![4], 30.0);
+            b.reallocate(app, vec![4], 30.0, None);
             let now = 60.0 * f64::from(k);
             a.step(app, now, 60.0, 0.0);
             b.step(app, now, 60.0, 0.0);
@@ -1875,7 +1905,7 @@ mod tests {
         assert!((db - da - 150.0).abs() < 1.0, "{da} {db}");
         let app = &apps()["cifar10"];
         let mut c = SimJob::new("c", app, 0.0, 4, 512);
-        c.reallocate(app, vec![4], 30.0);
+        c.reallocate(app, vec![4], 30.0, None);
         let samples = c.step(app, 0.0, 20.0, 0.0);
         assert_eq!((samples, c.progress, c.restarting_for_s), (0.0, 0.0, 10.0));
         assert_eq!(c.attained_gpu_seconds, 80.0);
@@ -1884,7 +1914,7 @@ mod tests {
         let s = c.step(app, 30.0, 10.0, 0.0);
         let (rate, _) = c.observed_step(app).expect("placed");
         assert!((s - 10.0 * rate).abs() < 1e-9);
-        c.reallocate(app, vec![], 30.0);
+        c.reallocate(app, vec![], 30.0, None);
         assert_eq!(c.observed_step(app), None);
         assert_eq!(c.step(app, 40.0, 60.0, 0.0), 0.0);
         assert_eq!(c.restarts, 0);
@@ -1894,7 +1924,7 @@ mod tests {
     fn interference_slows_goodput() {
         let app = &apps()["cifar10"];
         let mut a = SimJob::new("a", app, 0.0, 8, 1024);
-        a.reallocate(app, vec![4, 4], 0.0);
+        a.reallocate(app, vec![4, 4], 0.0, None);
         let mut b = a.clone();
         let sa = a.step(app, 0.0, 50.0, 0.0);
         let sb = b.step(app, 0.0, 50.0, 0.5);
@@ -1907,7 +1937,7 @@ mod tests {
         let mut job = SimJob::new("i", app, 0.0, 16, 3200);
         assert!((job.remaining_progress(app) - app.progress(90)).abs() < 1e-9);
         let rate = job.progress_rate(app, 16, 4);
-        job.reallocate(app, vec![4, 4, 4, 4], 0.0);
+        job.reallocate(app, vec![4, 4, 4, 4], 0.0, None);
         job.step(app, 0.0, 100.0, 0.0);
         assert!((job.progress - 100.0 * rate).abs() < 1e-9 * job.progress);
         assert!((job.remaining_progress(app) - (app.progress(90) - job.progress)).abs() < 1e-6);

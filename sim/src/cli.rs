@@ -43,6 +43,10 @@ pub struct ClusterArgs {
     /// each job's throughput model alone), to see what the measurement is worth.
     #[arg(long)]
     pub ignore_contention: bool,
+    /// Ablation: every job keeps its submitted batch size, even under a policy that adapts
+    /// batch sizes to allocations (`quality`, `pollux`), to see what goodput is worth.
+    #[arg(long)]
+    pub fixed_batch: bool,
     /// Folder of the measured application traces.
     #[arg(long, default_value = "data/pollux/traces")]
     pub traces: PathBuf,
@@ -75,6 +79,7 @@ impl ClusterArgs {
             seed: self.seed,
             placement: self.placement,
             ignore_contention: self.ignore_contention,
+            fixed_batch: self.fixed_batch,
             ..SimConfig::default()
         })
     }
@@ -126,8 +131,11 @@ pub struct SimulateArgs {
     /// Workload file(s) in the Pollux format (`name,time,application,num_replicas,batch_size`).
     #[arg(long, required = true, num_args = 1..)]
     pub workload: Vec<PathBuf>,
-    /// Scheduling policy: fifo, fair, tiresias, optimus (Optimus+Oracle), quality or
-    /// sjf-bco (smallest estimated job first, for makespan; pair it with `--placement bco`).
+    /// Scheduling policy: fifo, fair, tiresias, optimus (Optimus+Oracle), quality (Converge's:
+    /// loss curves, remaining work and goodput with adaptive batch sizes), sjf-bco (smallest
+    /// estimated job first, for makespan; pair it with `--placement bco`) or pollux (the
+    /// Pollux baseline: goodput, a genetic search over job × node allocations; places jobs
+    /// itself, so `--placement` does not apply).
     #[arg(long, default_value = "quality")]
     pub policy: String,
     #[command(flatten)]

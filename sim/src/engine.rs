@@ -16,9 +16,12 @@ use crate::apps::{Application, SimJob};
 use crate::workload::WorkloadJob;
 use converge_common::{HostId, JobId, ProgressReport, RankPlacement};
 use converge_sched::contention::ContentionSamples;
-use converge_sched::decide::{Allocation, BatchSize, ClusterState, JobView, Oracle, decide};
+use converge_sched::decide::{
+    AdaptiveBatch, Allocation, BatchSize, ClusterState, JobView, Oracle, decide,
+};
 use converge_sched::fit::FitConfig;
 use converge_sched::fit_cache::{FitCache, ModelScope};
+use converge_sched::goodput::{BatchLimits, GradientStats};
 use converge_sched::history::JobHistory;
 use converge_sched::placement::{HostFree, PlacementKind};
 use converge_sched::policies::Policy;
@@ -54,6 +57,9 @@ pub struct SimConfig {
     /// Ablation: tell the decision that no contention was measured (as a cluster whose jobs
     /// never share a host would), whatever the simulated jobs show.
     pub ignore_contention: bool,
+    /// Ablation: every job keeps its submitted batch size, even under a policy that adapts
+    /// batch sizes (goodput).
+    pub fixed_batch: bool,
 }
 
 impl Default for SimConfig {
@@ -70,6 +76,7 @@ impl Default for SimConfig {
             placement: PlacementKind::FirstFit,
             record_decisions: false,
             ignore_contention: false,
+            fixed_batch: false,
         }
     }
 }
@@ -160,6 +167,11 @@ struct Tracked {
     time_to_95: Option<f64>,
     /// Step times observed per configuration (workers, nodes, per-worker batch).
     steps: Vec<StepObservation>,
+    /// Batch limits when the job's batch size may adapt (its program applies the decided
+    /// batch and reports gradient statistics).
+    limits: Option<BatchLimits>,
+    /// Its latest gradient statistics.
+    gradient: Option<GradientStats>,
 }
 
 fn host_name(node: u32) -> HostId {
@@ -212,9 +224,25 @@ pub fn simulate(
                 known: known.clone(),
             })?;
         let id = JobId::new(w.name.clone()).map_err(|_| SimError::BadName(w.name.clone()))?;
+        // Every application but ncf adapts its batch size under a goodput policy (the
+        // Pollux artifact runs ncf at a fixed batch of 32,768 on one GPU).
+        let limits = (!cfg.fixed_batch && w.application != "ncf")
+            .then(|| {
+                BatchLimits::new(
+                    app.init_batch_size,
+                    app.max_batch_size,
+                    app.min_local_bsz,
+                    app.max_local_bsz,
+                )
+                .ok()
+            })
+            .flatten()
+            .filter(|_| policy.inputs().goodput);
         let by_batch = (w.batch_size / app.min_local_bsz.max(1)).max(1);
         let max_workers = if w.application == "ncf" {
             1
+        } else if let Some(l) = &limits {
+            l.max_workers().min(total_gpus)
         } else {
             by_batch.max(w.num_replicas).min(total_gpus)
         };
@@ -233,6 +261,8 @@ pub fn simulate(
             time_to_90: None,
             time_to_95: None,
             steps: Vec::new(),
+            limits,
+            gradient: None,
         });
     }
     let hosts: Vec<HostFree> = (0..cfg.nodes)
@@ -369,6 +399,9 @@ pub fn simulate(
             {
                 t.steps.push(seen);
             }
+            if let Some((sqr, var)) = t.job.grad_stats(app) {
+                t.gradient = GradientStats::new(sqr, var).or(t.gradient);
+            }
             // Every job gets a throughput model: BCO placement prices placements with it.
             let model = (!t.steps.is_empty())
                 .then(|| fits.model(&t.id, ModelScope::All, &t.steps, &throughput_prior));
@@ -393,6 +426,11 @@ pub fn simulate(
                 batch: BatchSize::Total(f64::from(t.job.target_batch_size)),
                 remaining_work: (wants.estimates || wants.oracle)
                     .then(|| declared_samples_left(&t.job, app)),
+                restarts: t.job.restarts,
+                adaptive: t.limits.map(|limits| AdaptiveBatch {
+                    limits,
+                    gradient: t.gradient,
+                }),
                 oracle: wants.oracle.then(|| Oracle {
                     throughput: (1..=t.max_workers)
                         .map(|w| t.job.progress_rate(app, w, cfg.gpus_per_node))
@@ -415,6 +453,7 @@ pub fn simulate(
         if allocation.violates(&hosts) {
             policy_violations += 1;
         }
+        let batches = allocation.batches.clone();
         let placed = if cfg.record_decisions {
             let placed = allocation.placements.clone();
             decisions.push(RecordedDecision {
@@ -435,11 +474,16 @@ pub fn simulate(
             let t = &mut jobs[i];
             let new = placed.get(&t.id).cloned().unwrap_or_default();
             allocated += new.iter().map(|p| p.gpus.len() as u32).sum::<u32>();
+            let app = &apps[&t.job.app];
+            let batch = batches
+                .get(&t.id)
+                .map(|plan| (plan.per_worker, plan.accum_steps));
             if new != t.placement {
-                let app = &apps[&t.job.app];
                 t.job
-                    .reallocate(app, per_node(&new, cfg.nodes), cfg.restart_delay_s);
+                    .reallocate(app, per_node(&new, cfg.nodes), cfg.restart_delay_s, batch);
                 t.placement = new;
+            } else if batch.is_some() && batch != Some((t.job.atomic_bsz(), t.job.accum_steps())) {
+                t.job.set_batch(app, batch);
             }
         }
         intervals.push(IntervalRecord {
@@ -475,19 +519,23 @@ pub fn simulate(
     })
 }
 
-/// What an agent observes of a placed job's step: workers, nodes spanned, samples per worker
-/// per step (accumulation included) and seconds per step (no interference); `None` when not
-/// placed. No sync time: the applications' measured ones ([`Application::throughput`]) are
+/// What an agent observes of a placed job's step: workers, nodes spanned, the per-worker
+/// micro-batch and the seconds of one forward/backward pass with its synchronization (no
+/// interference; accumulation passes left out, as Pollux's profile records them); `None`
+/// when not placed. No sync time: the applications' measured ones ([`Application::throughput`]) are
 /// left out so the simulator's results stay those of the step-only fit, which on these
 /// measurements is about as good (`throughput::tests::pollux_sync_times_report`).
 fn observe_step(job: &SimJob, app: &Application) -> Option<StepObservation> {
-    let (samples_per_s, step_time_s) = job.observed_step(app)?;
+    if job.placement.is_empty() {
+        return None;
+    }
     let workers: u32 = job.placement.iter().sum();
     let nodes = job.placement.iter().filter(|&&g| g > 0).count() as u32;
+    let (step_time_s, _) = app.throughput(&job.placement, f64::from(job.atomic_bsz()));
     Some(StepObservation {
         workers,
         nodes,
-        local_batch: samples_per_s * step_time_s / f64::from(workers.max(1)),
+        local_batch: f64::from(job.atomic_bsz()),
         step_time_s,
         sync_time_s: None,
     })
@@ -677,7 +725,7 @@ mod tests {
         // completion epoch.
         let app = &apps()["cifar10"];
         let mut alone = SimJob::new("alone", app, 0.0, 2, 256);
-        alone.reallocate(app, vec![2], cfg.restart_delay_s);
+        alone.reallocate(app, vec![2], cfg.restart_delay_s, None);
         let mut t = 60.0;
         while alone.completed_at.is_none() {
             alone.step(app, t, 1.0, 0.0);

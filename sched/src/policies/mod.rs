@@ -28,10 +28,12 @@ use converge_common::JobId;
 use serde::{Deserialize, Serialize};
 
 use crate::fit::Curve;
+use crate::goodput::GoodputFn;
 
 pub mod fair;
 pub mod fifo;
 pub mod optimus;
+pub mod pollux;
 pub mod quality;
 pub mod sjf_bco;
 pub mod tiresias;
@@ -39,6 +41,7 @@ pub mod tiresias;
 pub use fair::Fair;
 pub use fifo::Fifo;
 pub use optimus::Optimus;
+pub use pollux::Pollux;
 pub use quality::{Objective, PolicyParams, Quality, quality_allocate};
 pub use sjf_bco::SjfBco;
 pub use tiresias::{TIRESIAS_QUEUE_THRESHOLD_GPU_SECONDS, Tiresias};
@@ -76,12 +79,30 @@ pub struct PolicyJob {
     pub throughput: Option<Vec<f64>>,
     /// Work left, in the same progress units as `throughput` (Optimus's oracle).
     pub remaining_work: Option<f64>,
+    /// Restarts so far (allocation changes after the first start).
+    pub restarts: u32,
+    /// The job's goodput model, when its batch size adapts and the policy declares
+    /// `goodput`: `throughput` then holds goodput (reference samples per second).
+    pub goodput: Option<GoodputFn>,
+    /// Workers per host now, as `(index into the hosts of`
+    /// [`Policy::allocate_on_hosts`]`, workers)`; filled only for policies that declare
+    /// `hosts`.
+    pub current_hosts: Vec<(usize, u32)>,
 }
 
 /// The policy's decision: workers per job; every job appears, 0 = not admitted or pending.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Decision {
     pub workers: BTreeMap<JobId, u32>,
+}
+
+/// A decision that places too (Pollux's): workers per job and per host.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HostDecision {
+    /// Every job; 0 = not running.
+    pub workers: BTreeMap<JobId, u32>,
+    /// `(host index, workers)` per running job, hosts in index order, no zero counts.
+    pub hosts: BTreeMap<JobId, Vec<(usize, u32)>>,
 }
 
 /// What every policy sees of the cluster.
@@ -108,6 +129,14 @@ pub struct PolicyInputs {
     /// The true throughput and work left, where the caller knows them ([`crate::decide::Oracle`]; only the
     /// simulator does). Takes the place of the estimates for jobs that have an oracle.
     pub oracle: bool,
+    /// Batch sizes that adapt: for a job that allows it
+    /// ([`crate::decide::JobView::adaptive`]), `throughput` is goodput at the best batch for
+    /// each world size and [`PolicyJob::goodput`] is set; the decision carries each placed
+    /// adaptive job's batch plan ([`crate::decide::Allocation::batches`]).
+    pub goodput: bool,
+    /// The hosts: the policy places as well as sizes ([`Policy::allocate_on_hosts`]) and
+    /// reads each job's [`PolicyJob::current_hosts`].
+    pub hosts: bool,
 }
 
 /// A scheduling policy: decides how many workers each job gets.
@@ -123,14 +152,29 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     fn inputs(&self) -> PolicyInputs {
         PolicyInputs::default()
     }
+    /// For policies that declare `hosts`: workers per job and per host, on hosts of
+    /// `host_gpus[i]` GPUs each (capacity and bounds as for [`Policy::allocate`]). `None`
+    /// (the default) leaves placement to [`crate::placement`].
+    fn allocate_on_hosts(
+        &self,
+        _cluster: &ClusterView,
+        _host_gpus: &[u32],
+        _jobs: &[PolicyJob],
+    ) -> Option<HostDecision> {
+        None
+    }
 }
 
 /// The names [`by_name`] accepts.
-pub const POLICY_NAMES: [&str; 6] = ["fifo", "fair", "tiresias", "optimus", "quality", "sjf-bco"];
+pub const POLICY_NAMES: [&str; 7] = [
+    "fifo", "fair", "tiresias", "optimus", "quality", "sjf-bco", "pollux",
+];
 
 /// A policy name that [`by_name`] does not know.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown policy {name:?}; valid policies: fifo, fair, tiresias, optimus, quality, sjf-bco")]
+#[error(
+    "unknown policy {name:?}; valid policies: fifo, fair, tiresias, optimus, quality, sjf-bco, pollux"
+)]
 pub struct UnknownPolicy {
     /// The name asked for.
     pub name: String,
@@ -146,6 +190,7 @@ pub fn by_name(name: &str, quality: PolicyParams) -> Result<Box<dyn Policy>, Unk
         "optimus" => Box::new(Optimus),
         "quality" => Box::new(Quality { params: quality }),
         "sjf-bco" => Box::new(SjfBco),
+        "pollux" => Box::new(Pollux::default()),
         _ => {
             return Err(UnknownPolicy {
                 name: name.to_owned(),
@@ -257,6 +302,9 @@ pub(crate) mod test_support {
             attained_gpu_seconds: 0.0,
             throughput: None,
             remaining_work: None,
+            restarts: 0,
+            goodput: None,
+            current_hosts: Vec::new(),
         }
     }
 
@@ -382,6 +430,9 @@ mod tests {
                     attained_gpu_seconds,
                     throughput,
                     remaining_work,
+                    restarts: 0,
+                    goodput: None,
+                    current_hosts: Vec::new(),
                 },
             )
     }
@@ -412,10 +463,19 @@ mod tests {
         })
     }
 
+    /// Every policy; Pollux with a short search (its cost grows with population ×
+    /// generations × jobs × hosts, and the properties hold for any search length).
     fn all_policies() -> Vec<Box<dyn Policy>> {
         POLICY_NAMES
             .iter()
-            .map(|name| by_name(name, PolicyParams::default()).unwrap())
+            .map(|&name| match name {
+                "pollux" => Box::new(Pollux {
+                    population: 8,
+                    generations: 4,
+                    ..Pollux::default()
+                }) as Box<dyn Policy>,
+                _ => by_name(name, PolicyParams::default()).unwrap(),
+            })
             .collect()
     }
 

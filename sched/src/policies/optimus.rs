@@ -116,9 +116,9 @@ impl Policy for Optimus {
 
     fn inputs(&self) -> PolicyInputs {
         PolicyInputs {
-            curves: false,
             estimates: true,
             oracle: true,
+            ..PolicyInputs::default()
         }
     }
 

@@ -426,7 +426,8 @@ impl Policy for Quality {
         PolicyInputs {
             curves: true,
             estimates: true,
-            oracle: false,
+            goodput: true,
+            ..PolicyInputs::default()
         }
     }
 
@@ -462,6 +463,9 @@ mod tests {
             attained_gpu_seconds: 0.0,
             throughput: None,
             remaining_work: None,
+            restarts: 0,
+            goodput: None,
+            current_hosts: Vec::new(),
         }
     }
 
@@ -746,6 +750,9 @@ mod tests {
                         attained_gpu_seconds: 0.0,
                         throughput,
                         remaining_work,
+                        restarts: 0,
+                        goodput: None,
+                        current_hosts: Vec::new(),
                     }
                 },
             )

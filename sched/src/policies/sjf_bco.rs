@@ -86,9 +86,8 @@ impl Policy for SjfBco {
 
     fn inputs(&self) -> PolicyInputs {
         PolicyInputs {
-            curves: false,
             estimates: true,
-            oracle: false,
+            ..PolicyInputs::default()
         }
     }
 
