@@ -570,6 +570,7 @@ mod tests {
     use crate::workload::read_workload;
     use converge_sched::policies::PolicyParams;
     use converge_sched::policies::{POLICY_NAMES, by_name};
+    use std::collections::BTreeSet;
     use std::path::Path;
     use std::sync::OnceLock;
 
@@ -586,9 +587,21 @@ mod tests {
         read_workload(&path).unwrap().into_iter().take(n).collect()
     }
 
-    fn run(policy: &str, jobs: &[WorkloadJob], cfg: &SimConfig) -> SimResult {
-        let p = by_name(policy, PolicyParams::default()).unwrap();
-        simulate(apps(), jobs, p.as_ref(), cfg).unwrap()
+    /// The policy called `name`; Pollux with a short search (what these tests check holds
+    /// for any search length, and the full one costs minutes here).
+    fn policy(name: &str) -> Box<dyn Policy> {
+        if name == "pollux" {
+            return Box::new(converge_sched::policies::Pollux {
+                population: 20,
+                generations: 10,
+                ..Default::default()
+            });
+        }
+        by_name(name, PolicyParams::default()).unwrap()
+    }
+
+    fn run(name: &str, jobs: &[WorkloadJob], cfg: &SimConfig) -> SimResult {
+        simulate(apps(), jobs, policy(name).as_ref(), cfg).unwrap()
     }
 
     #[test]
@@ -599,6 +612,7 @@ mod tests {
             ("tiresias", PlacementKind::FirstFit),
             ("optimus", PlacementKind::Bco),
             ("sjf-bco", PlacementKind::Bco),
+            ("pollux", PlacementKind::FirstFit),
         ] {
             let cfg = SimConfig {
                 nodes: 4,
@@ -607,7 +621,7 @@ mod tests {
                 record_decisions: true,
                 ..SimConfig::default()
             };
-            let policy = by_name(name, PolicyParams::default()).unwrap();
+            let policy = policy(name);
             let result = simulate(apps(), &jobs, policy.as_ref(), &cfg).unwrap();
             assert!(result.decisions.len() > 10, "{name}");
             for d in &result.decisions {
@@ -759,6 +773,45 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert_eq!(strip(&a), strip(&b));
+    }
+
+    #[test]
+    fn adaptive_jobs_get_batch_plans_within_their_limits_unless_batches_are_fixed() {
+        let jobs = workload(30);
+        for fixed_batch in [false, true] {
+            let cfg = SimConfig {
+                nodes: 4,
+                record_decisions: true,
+                fixed_batch,
+                ..SimConfig::default()
+            };
+            let result = run("quality", &jobs, &cfg);
+            assert!(result.finished);
+            let mut totals: BTreeMap<&JobId, BTreeSet<u32>> = BTreeMap::new();
+            for d in &result.decisions {
+                for (id, plan) in &d.allocation.batches {
+                    let view = d.jobs.iter().find(|j| &j.id == id).unwrap();
+                    let limits = view.adaptive.as_ref().unwrap().limits;
+                    let workers = d.allocation.placements[id].len() as u32;
+                    assert_eq!(
+                        plan.total,
+                        workers * plan.per_worker * (plan.accum_steps + 1)
+                    );
+                    assert!(plan.total >= limits.reference && plan.total <= limits.max_total);
+                    assert!(plan.per_worker >= limits.min_per_worker);
+                    assert!(plan.per_worker <= limits.max_per_worker);
+                    totals.entry(id).or_default().insert(plan.total);
+                }
+            }
+            if fixed_batch {
+                assert!(totals.is_empty(), "fixed batches got plans: {totals:?}");
+            } else {
+                // Batches follow allocations (and gradient statistics): several jobs run
+                // more than one batch size.
+                let changed = totals.values().filter(|t| t.len() > 1).count();
+                assert!(changed >= 2, "{totals:?}");
+            }
+        }
     }
 
     #[test]
