@@ -27,7 +27,7 @@
 
 use std::collections::BTreeMap;
 
-use converge_common::{JobId, RankPlacement};
+use converge_common::{HostId, JobId, RankPlacement};
 
 use crate::contention::JobCost;
 use crate::fit::Curve;
@@ -220,6 +220,7 @@ fn realize(
     views: &[PolicyJob],
     decided: &HostDecision,
 ) -> BTreeMap<JobId, Vec<RankPlacement>> {
+    let index = host_index(hosts);
     let mut free: Vec<Vec<u32>> = hosts.iter().map(|h| h.gpus.clone()).collect();
     let mut out = BTreeMap::new();
     let mut later = Vec::new();
@@ -229,16 +230,14 @@ fn realize(
         };
         let keeps = *want == view.current_hosts
             && job.placement.iter().all(|r| {
-                hosts
-                    .iter()
-                    .position(|h| h.host == r.host)
-                    .is_some_and(|i| r.gpus.iter().all(|g| free[i].contains(g)))
+                index
+                    .get(&r.host)
+                    .is_some_and(|&i| r.gpus.iter().all(|g| free[i].contains(g)))
             });
         if keeps {
             for r in &job.placement {
-                if let Some(i) = hosts.iter().position(|h| h.host == r.host) {
-                    free[i].retain(|g| !r.gpus.contains(g));
-                }
+                let i = index[&r.host];
+                free[i].retain(|g| !r.gpus.contains(g));
             }
             out.insert(job.id.clone(), job.placement.clone());
         } else {
@@ -268,20 +267,27 @@ fn realize(
             out.insert(job.id.clone(), ranks);
         } else {
             for r in ranks {
-                if let Some(i) = hosts.iter().position(|h| h.host == r.host) {
-                    free[i].extend(r.gpus);
-                }
+                free[index[&r.host]].extend(r.gpus);
             }
         }
     }
     out
 }
 
+/// Each host's index in `hosts` (the first, for a host listed twice).
+fn host_index(hosts: &[HostFree]) -> BTreeMap<&HostId, usize> {
+    let mut index = BTreeMap::new();
+    for (i, h) in hosts.iter().enumerate() {
+        index.entry(&h.host).or_insert(i);
+    }
+    index
+}
+
 /// Workers per host of a placement, as `(index into hosts, workers)` in host order.
-fn per_host(hosts: &[HostFree], placement: &[RankPlacement]) -> Vec<(usize, u32)> {
+fn per_host(index: &BTreeMap<&HostId, usize>, placement: &[RankPlacement]) -> Vec<(usize, u32)> {
     let mut counts: BTreeMap<usize, u32> = BTreeMap::new();
     for r in placement {
-        if let Some(i) = hosts.iter().position(|h| h.host == r.host) {
+        if let Some(&i) = index.get(&r.host) {
             *counts.entry(i).or_default() += 1;
         }
     }
@@ -310,6 +316,7 @@ pub fn decide(
     };
     let wants = policy.inputs();
     let order: Vec<&JobView> = priority_order(jobs).into_iter().map(|i| &jobs[i]).collect();
+    let index = wants.hosts.then(|| host_index(cluster.hosts));
     let goodput_of = |job: &JobView| -> Option<GoodputFn> {
         let adaptive = job.adaptive.as_ref().filter(|_| wants.goodput)?;
         Some(GoodputFn {
@@ -368,8 +375,8 @@ pub fn decide(
                 remaining_work,
                 restarts: job.restarts,
                 goodput,
-                current_hosts: if wants.hosts {
-                    per_host(cluster.hosts, &job.placement)
+                current_hosts: if let Some(index) = &index {
+                    per_host(index, &job.placement)
                 } else {
                     Vec::new()
                 },
@@ -426,7 +433,7 @@ pub fn decide(
                 continue;
             };
             let workers = ranks.len() as u32;
-            let mut nodes: Vec<&converge_common::HostId> = ranks.iter().map(|r| &r.host).collect();
+            let mut nodes: Vec<&HostId> = ranks.iter().map(|r| &r.host).collect();
             nodes.sort();
             nodes.dedup();
             let plan = match &view.goodput {

@@ -214,6 +214,7 @@ pub fn simulate(
         return Err(SimError::NoGpus);
     }
     let known = apps.keys().cloned().collect::<Vec<_>>().join(", ");
+    let wants = policy.inputs();
     let mut jobs = Vec::with_capacity(workload.len());
     for w in workload {
         let app = apps
@@ -237,7 +238,7 @@ pub fn simulate(
                 .ok()
             })
             .flatten()
-            .filter(|_| policy.inputs().goodput);
+            .filter(|_| wants.goodput);
         let by_batch = (w.batch_size / app.min_local_bsz.max(1)).max(1);
         let max_workers = if w.application == "ncf" {
             1
@@ -271,7 +272,6 @@ pub fn simulate(
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
     let noise = Normal::new(0.0, cfg.loss_noise.max(0.0)).expect("finite noise");
     let fit_cfg = FitConfig::default();
-    let wants = policy.inputs();
     let throughput_prior = ThroughputPrior::default();
     let mut fits = FitCache::new();
     let mut intervals = Vec::new();
@@ -453,9 +453,8 @@ pub fn simulate(
         if allocation.violates(&hosts) {
             policy_violations += 1;
         }
-        let batches = allocation.batches.clone();
-        let placed = if cfg.record_decisions {
-            let placed = allocation.placements.clone();
+        let (placed, batches) = if cfg.record_decisions {
+            let kept = (allocation.placements.clone(), allocation.batches.clone());
             decisions.push(RecordedDecision {
                 now,
                 hosts: hosts.clone(),
@@ -463,9 +462,9 @@ pub fn simulate(
                 jobs: views,
                 allocation,
             });
-            placed
+            kept
         } else {
-            allocation.placements
+            (allocation.placements, allocation.batches)
         };
 
         // 4. Apply: every change of placement restarts the job.
@@ -522,9 +521,10 @@ pub fn simulate(
 /// What an agent observes of a placed job's step: workers, nodes spanned, the per-worker
 /// micro-batch and the seconds of one forward/backward pass with its synchronization (no
 /// interference; accumulation passes left out, as Pollux's profile records them); `None`
-/// when not placed. No sync time: the applications' measured ones ([`Application::throughput`]) are
-/// left out so the simulator's results stay those of the step-only fit, which on these
-/// measurements is about as good (`throughput::tests::pollux_sync_times_report`).
+/// when not placed. No sync time: the applications' measured ones
+/// ([`Application::throughput`]) are left out so the simulator's results stay those of the
+/// step-only fit, which on these measurements is about as good
+/// (`throughput::tests::pollux_sync_times_report`).
 fn observe_step(job: &SimJob, app: &Application) -> Option<StepObservation> {
     if job.placement.is_empty() {
         return None;

@@ -349,8 +349,8 @@ impl Policy for Pollux {
     }
 
     fn inputs(&self) -> PolicyInputs {
+        // Its speedups come from `PolicyJob::goodput`; no throughput tables needed.
         PolicyInputs {
-            estimates: true,
             goodput: true,
             hosts: true,
             ..PolicyInputs::default()
