@@ -122,6 +122,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
             memory_total_bytes: h.memory_total_bytes,
             workers: Vec::new(),
             malformed_progress_lines: 0,
+            ignored_gradient_stats: 0,
         };
         println!("{}", serde_json::to_string_pretty(&sample)?);
         return Ok(());
@@ -231,6 +232,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
                 memory_total_bytes: h.memory_total_bytes,
                 workers,
                 malformed_progress_lines: sup.malformed_lines(),
+                ignored_gradient_stats: sup.ignored_gradient_stats(),
             };
             let stored = publish_telemetry(&bus, &telemetry).await;
             last_published = tokio::time::Instant::now();

@@ -148,6 +148,7 @@ mod tests {
             max_restarts: 3,
             num_ps: 0,
             hosts: 0,
+            batch: None,
         }
     }
 

@@ -7,8 +7,8 @@
 use crate::reconcile::{Action, WorkerKey, WorkerView, decide, restart_delay};
 use converge_bus::unix_now;
 use converge_common::{
-    Event, EventKind, HostId, PROTOCOL_VERSION, ProgressReport, WorkerAssignment, WorkerPhase,
-    WorkerProgressLine, WorkerState,
+    Event, EventKind, GradientReading, HostId, PROTOCOL_VERSION, ProgressReport, WorkerAssignment,
+    WorkerPhase, WorkerProgressLine, WorkerState,
 };
 use futures::StreamExt;
 use nix::sys::signal::{Signal, killpg};
@@ -79,6 +79,7 @@ pub struct Supervisor {
     exit_tx: mpsc::Sender<ExitNotice>,
     outbox: mpsc::Sender<Outgoing>,
     malformed_lines: Arc<AtomicU64>,
+    ignored_gradient_stats: Arc<AtomicU64>,
     dropped_reports: Arc<AtomicU64>,
     incarnations: u64,
 }
@@ -96,6 +97,7 @@ impl Supervisor {
             exit_tx,
             outbox,
             malformed_lines: Arc::new(AtomicU64::new(0)),
+            ignored_gradient_stats: Arc::new(AtomicU64::new(0)),
             dropped_reports: Arc::new(AtomicU64::new(0)),
             incarnations: 0,
         }
@@ -104,6 +106,12 @@ impl Supervisor {
     /// Malformed `CONVERGE_PROGRESS` lines seen so far.
     pub fn malformed_lines(&self) -> u64 {
         self.malformed_lines.load(Ordering::Relaxed)
+    }
+
+    /// Progress lines whose gradient statistics were dropped (one of the pair missing, not
+    /// a number, negative or both 0) so far; their other figures were reported.
+    pub fn ignored_gradient_stats(&self) -> u64 {
+        self.ignored_gradient_stats.load(Ordering::Relaxed)
     }
 
     /// Replaces the desired workers (the latest plan).
@@ -208,6 +216,7 @@ impl Supervisor {
             &assignment,
             self.outbox.clone(),
             self.malformed_lines.clone(),
+            self.ignored_gradient_stats.clone(),
             self.dropped_reports.clone(),
         ) {
             Ok(mut child) => {
@@ -363,11 +372,15 @@ fn log_path(cfg: &SupervisorConfig, a: &WorkerAssignment) -> PathBuf {
         .join(format!("gen{}-rank{}.log", a.generation, a.rank))
 }
 
-/// The report for one parsed progress line of a worker: the line's figures (the sync time
-/// and model size included, when the worker sends them) on the worker's `base` (job,
-/// generation, rank, host, workers, hosts), read at `time` (UNIX seconds).
+/// The report for one parsed progress line of a worker: the line's figures (the sync time,
+/// model size and gradient statistics included, when the worker sends them; the statistics
+/// only when both are valid) on the worker's `base` (job, generation, rank, host, workers,
+/// hosts), read at `time` (UNIX seconds).
 fn progress_report(base: &ProgressReport, p: WorkerProgressLine, time: f64) -> ProgressReport {
+    let gradient = p.gradient().valid();
     ProgressReport {
+        grad_sqr: gradient.map(|(s, _)| s),
+        grad_var: gradient.map(|(_, v)| v),
         step: p.step,
         samples: p.samples,
         loss: p.loss,
@@ -387,6 +400,7 @@ fn spawn_worker(
     a: &WorkerAssignment,
     outbox: mpsc::Sender<Outgoing>,
     malformed: Arc<AtomicU64>,
+    ignored_gradient: Arc<AtomicU64>,
     dropped: Arc<AtomicU64>,
 ) -> std::io::Result<tokio::process::Child> {
     let log_file = log_path(cfg, a);
@@ -418,6 +432,23 @@ fn spawn_worker(
         .stderr(Stdio::from(stderr_log))
         .process_group(0)
         .kill_on_drop(false);
+    // The batch of `[batch]` jobs (docs/protocol.md, worker contract); unset otherwise, so
+    // that the program keeps its own.
+    if let Some(b) = &a.batch {
+        cmd.env("CONVERGE_BATCH_SIZE", b.per_worker.to_string())
+            .env("CONVERGE_ACCUM_STEPS", b.accum_steps.to_string())
+            .env("CONVERGE_TOTAL_BATCH", b.total.to_string())
+            .env("CONVERGE_REFERENCE_BATCH", b.reference.to_string());
+    } else {
+        for k in [
+            "CONVERGE_BATCH_SIZE",
+            "CONVERGE_ACCUM_STEPS",
+            "CONVERGE_TOTAL_BATCH",
+            "CONVERGE_REFERENCE_BATCH",
+        ] {
+            cmd.env_remove(k);
+        }
+    }
     let mut child = cmd.spawn()?;
     let stdout = child.stdout.take().expect("stdout is piped");
     let report_base = ProgressReport {
@@ -436,6 +467,8 @@ fn spawn_worker(
         hosts: (a.hosts > 0).then_some(a.hosts),
         sync_time_s: None,
         model_bytes: None,
+        grad_sqr: None,
+        grad_var: None,
     };
     tokio::spawn(async move {
         let mut log = match tokio::fs::OpenOptions::new()
@@ -471,6 +504,10 @@ fn spawn_worker(
             match WorkerProgressLine::parse(&line) {
                 Ok(None) => {}
                 Ok(Some(p)) => {
+                    if p.gradient() == GradientReading::Invalid {
+                        let n = ignored_gradient.fetch_add(1, Ordering::Relaxed) + 1;
+                        tracing::warn!(job = %report_base.job, rank = report_base.rank, ignored_total = n, grad_sqr = ?p.grad_sqr, grad_var = ?p.grad_var, "progress line with bad gradient statistics (missing one, not a number, negative or both 0): statistics ignored, the rest reported");
+                    }
                     let report = progress_report(&report_base, p, unix_now());
                     if outbox.try_send(Outgoing::Progress(report)).is_err() {
                         dropped.fetch_add(1, Ordering::Relaxed);
@@ -514,6 +551,8 @@ mod tests {
             hosts: Some(2),
             sync_time_s: None,
             model_bytes: None,
+            grad_sqr: None,
+            grad_var: None,
         };
         let line = r#"CONVERGE_PROGRESS {"step":20,"samples":2560,"loss":0.4,"epoch":0.5,"sync_s":0.003,"model_bytes":5200}"#;
         let p = WorkerProgressLine::parse(line).unwrap().unwrap();
@@ -534,5 +573,22 @@ mod tests {
             .unwrap();
         let r = progress_report(&base, p, 1.0);
         assert_eq!((r.sync_time_s, r.model_bytes), (None, None));
+        assert_eq!((r.grad_sqr, r.grad_var), (None, None));
+        // Valid statistics are copied; bad ones are dropped and the rest is kept.
+        let p = WorkerProgressLine::parse(
+            r#"CONVERGE_PROGRESS {"step":1,"samples":8,"loss":0.9,"grad_sqr":0.25,"grad_var":4}"#,
+        )
+        .unwrap()
+        .unwrap();
+        let r = progress_report(&base, p, 1.0);
+        assert_eq!((r.grad_sqr, r.grad_var), (Some(0.25), Some(4.0)));
+        let p = WorkerProgressLine::parse(
+            r#"CONVERGE_PROGRESS {"step":1,"samples":8,"loss":0.9,"grad_sqr":NaN,"grad_var":4}"#,
+        )
+        .unwrap()
+        .unwrap();
+        let r = progress_report(&base, p, 1.0);
+        assert_eq!((r.loss, r.grad_sqr, r.grad_var), (0.9, None, None));
+        assert!(r.validate().is_ok());
     }
 }

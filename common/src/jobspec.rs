@@ -12,7 +12,7 @@ pub const MAX_WORKERS: u32 = 4096;
 /// Largest number of GPUs per worker (one worker never spans hosts).
 pub const MAX_GPUS_PER_WORKER: u32 = 16;
 /// Environment variables set by the agent (worker contract) that a spec may not override.
-pub const RESERVED_ENV: [&str; 11] = [
+pub const RESERVED_ENV: [&str; 15] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -24,7 +24,44 @@ pub const RESERVED_ENV: [&str; 11] = [
     "CONVERGE_GENERATION",
     "CONVERGE_CHECKPOINT_DIR",
     "CONVERGE_NUM_PS",
+    "CONVERGE_BATCH_SIZE",
+    "CONVERGE_ACCUM_STEPS",
+    "CONVERGE_TOTAL_BATCH",
+    "CONVERGE_REFERENCE_BATCH",
 ];
+
+/// Largest batch (total or per worker) a `[batch]` table may name, in samples.
+pub const MAX_BATCH: u32 = 1 << 24;
+
+/// Adaptive batch settings, the `[batch]` table of a job spec: the job lets the allocator
+/// choose its batch size with its allocation (Pollux's goodput, docs/scheduling.md
+/// "Adaptive batch sizes in the live cluster"). All sizes are in samples. A job without the
+/// table keeps the batch its command sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchSpec {
+    /// `B₀`: the total batch per optimizer step the job's learning rate was tuned for; the
+    /// smallest total the allocator gives it, and what it keeps while its program reports no
+    /// gradient statistics.
+    pub reference: u32,
+    /// Largest total batch per optimizer step (where the program's learning-rate scaling
+    /// still holds).
+    pub max_total: u32,
+    /// Smallest per-worker micro-batch worth running (default 1).
+    #[serde(default = "default_one")]
+    pub min_per_worker: u32,
+    /// Largest per-worker micro-batch (what fits in a worker's memory; default
+    /// `max_total`). Larger totals use gradient accumulation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_per_worker: Option<u32>,
+}
+
+impl BatchSpec {
+    /// The effective largest per-worker micro-batch.
+    pub fn max_per_worker(&self) -> u32 {
+        self.max_per_worker.unwrap_or(self.max_total)
+    }
+}
 
 /// How a job's workers synchronize.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -92,6 +129,9 @@ pub struct JobSpec {
     /// Non-zero exits of a worker tolerated (with capped backoff) before the job fails.
     #[serde(default = "default_max_restarts")]
     pub max_restarts: u32,
+    /// Adaptive batch settings (`[batch]`); `None`: the batch is the command's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<BatchSpec>,
     /// Free-form labels shown by the CLI (e.g. `model`, `dataset`).
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
@@ -132,6 +172,8 @@ pub enum JobSpecError {
     ReservedEnv(String),
     #[error("`env` key {0:?} is not a valid environment variable name")]
     BadEnvName(String),
+    #[error("`[batch]`: {0}")]
+    Batch(String),
     #[error("unsupported protocol version {0}")]
     Protocol(u32),
 }
@@ -196,6 +238,9 @@ impl JobSpec {
             }
             _ => {}
         }
+        if let Some(b) = &self.batch {
+            self.validate_batch(b)?;
+        }
         for key in self.env.keys() {
             if RESERVED_ENV.contains(&key.as_str()) {
                 return Err(JobSpecError::ReservedEnv(key.clone()));
@@ -206,6 +251,48 @@ impl JobSpec {
             if !valid {
                 return Err(JobSpecError::BadEnvName(key.clone()));
             }
+        }
+        Ok(())
+    }
+}
+
+impl JobSpec {
+    fn validate_batch(&self, b: &BatchSpec) -> Result<(), JobSpecError> {
+        let bad = |m: String| Err(JobSpecError::Batch(m));
+        if self.arch == SyncArch::Ps {
+            return bad("adaptive batch sizes are for `arch = \"ring\"` jobs only".into());
+        }
+        let max_per = b.max_per_worker();
+        for (name, v) in [
+            ("reference", b.reference),
+            ("max_total", b.max_total),
+            ("min_per_worker", b.min_per_worker),
+            ("max_per_worker", max_per),
+        ] {
+            if !(1..=MAX_BATCH).contains(&v) {
+                return bad(format!(
+                    "`{name}` is {v}; it must be between 1 and {MAX_BATCH} samples"
+                ));
+            }
+        }
+        if b.max_total < b.reference {
+            return bad(format!(
+                "`max_total` ({}) is below `reference` ({}): the reference batch must be allowed",
+                b.max_total, b.reference
+            ));
+        }
+        if b.min_per_worker > max_per {
+            return bad(format!(
+                "`min_per_worker` ({}) is above `max_per_worker` ({max_per})",
+                b.min_per_worker
+            ));
+        }
+        let smallest = u64::from(self.min_workers) * u64::from(b.min_per_worker);
+        if smallest > u64::from(b.max_total) {
+            return bad(format!(
+                "`min_workers` × `min_per_worker` ({smallest}) is above `max_total` ({}): the job could never run",
+                b.max_total
+            ));
         }
         Ok(())
     }
@@ -239,6 +326,52 @@ mod tests {
         let err =
             JobSpec::from_toml(&format!("{base}[env]\nCONVERGE_NUM_PS = \"3\"\n")).unwrap_err();
         assert!(err.to_string().contains("CONVERGE_NUM_PS"), "{err}");
+    }
+
+    #[test]
+    fn batch_tables_parse_and_are_checked() {
+        let base = "id = \"b\"\ncommand = [\"t\"]\nmax_workers = 4\n";
+        let s = JobSpec::from_toml(&format!(
+            "{base}[batch]\nreference = 64\nmax_total = 1024\n"
+        ))
+        .unwrap();
+        let b = s.batch.unwrap();
+        assert_eq!((b.reference, b.max_total, b.min_per_worker), (64, 1024, 1));
+        assert_eq!(b.max_per_worker(), 1024);
+        assert!(JobSpec::from_toml(base).unwrap().batch.is_none());
+        for (table, expect) in [
+            ("reference = 0\nmax_total = 8", "`reference` is 0"),
+            ("reference = 64\nmax_total = 32", "below `reference`"),
+            (
+                "reference = 64\nmax_total = 128\nmin_per_worker = 16\nmax_per_worker = 8",
+                "above `max_per_worker`",
+            ),
+            ("reference = 64\nmax_total = 99999999", "between 1 and"),
+            (
+                "reference = 64\nmax_total = 128\nmax_per_worker = 0",
+                "`max_per_worker` is 0",
+            ),
+            ("reference = 64", "missing field `max_total`"),
+            (
+                "reference = 64\nmax_total = 128\nsize = 3",
+                "unknown field `size`",
+            ),
+            ("reference = -1\nmax_total = 128", "invalid value"),
+        ] {
+            check(&format!("{base}[batch]\n{table}\n"), expect);
+        }
+        check(
+            "id = \"b\"\ncommand = [\"t\"]\nmin_workers = 4\n[batch]\nreference = 8\nmax_total = 16\nmin_per_worker = 8\n",
+            "could never run",
+        );
+        check(
+            "id = \"b\"\ncommand = [\"t\"]\narch = \"ps\"\n[batch]\nreference = 8\nmax_total = 16\n",
+            "jobs only",
+        );
+        check(
+            &format!("{base}[env]\nCONVERGE_BATCH_SIZE = \"3\"\n"),
+            "may not set CONVERGE_BATCH_SIZE",
+        );
     }
 
     #[test]

@@ -10,7 +10,7 @@ pub mod messages;
 pub mod subjects;
 
 pub use ids::{HostId, IdError, JobId};
-pub use jobspec::{JobSpec, JobSpecError, SyncArch};
+pub use jobspec::{BatchSpec, JobSpec, JobSpecError, SyncArch};
 pub use messages::*;
 
 /// Version carried by every message (`"protocol": 1`). A reader refuses any other value.

@@ -174,6 +174,11 @@ pub struct HostTelemetry {
     pub workers: Vec<WorkerState>,
     /// `CONVERGE_PROGRESS` lines this agent could not parse since it started.
     pub malformed_progress_lines: u64,
+    /// Progress lines whose gradient statistics (`grad_sqr`, `grad_var`) were missing one of
+    /// the two, not numbers, negative or both 0, since the agent started: the statistics
+    /// were dropped, the rest of the line reported (absent in older agents' telemetry).
+    #[serde(default)]
+    pub ignored_gradient_stats: u64,
 }
 
 impl Message for HostTelemetry {
@@ -221,6 +226,109 @@ pub struct WorkerProgressLine {
     /// Bytes of the parameters the job synchronizes (the model size), when known.
     #[serde(default)]
     pub model_bytes: Option<u64>,
+    /// Squared L2 norm of the true (mean per-sample) gradient, an unbiased estimate over the
+    /// steps since the previous line (AdaptDL's `grad_sqr`). With `grad_var`; see
+    /// [`GradientReading`]. `null`, `NaN` or `Infinity` read as not a number.
+    #[serde(default, deserialize_with = "number_or_nan")]
+    pub grad_sqr: Option<f64>,
+    /// Trace of the covariance of one sample's gradient (so a gradient averaged over `b`
+    /// samples has variance `grad_var / b`), same window; `grad_var / grad_sqr` is the
+    /// gradient noise scale in samples.
+    #[serde(default, deserialize_with = "number_or_nan")]
+    pub grad_var: Option<f64>,
+}
+
+/// What a bare `NaN`, `Infinity` or `-Infinity` of a progress line is read as (see
+/// [`WorkerProgressLine::parse`]): only the gradient statistics accept it.
+const NOT_A_NUMBER: &str = "\u{1}converge-not-a-number";
+
+/// A present field that is `null` (or a bare `NaN`/`Infinity`) reads as NaN, so that a
+/// worker's non-numeric statistics are told apart from absent ones (`#[serde(default)]`
+/// covers absence).
+fn number_or_nan<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+    use serde::de::Error;
+    match serde_json::Value::deserialize(d)? {
+        serde_json::Value::Number(n) => Ok(Some(n.as_f64().unwrap_or(f64::NAN))),
+        serde_json::Value::Null => Ok(Some(f64::NAN)),
+        serde_json::Value::String(s) if s == NOT_A_NUMBER => Ok(Some(f64::NAN)),
+        other => Err(D::Error::custom(format!("expected a number, got {other}"))),
+    }
+}
+
+/// What a progress line says about the gradient.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum GradientReading {
+    /// No statistics (neither field): the program does not report them.
+    Absent,
+    /// Both present, finite, `>= 0` and not both 0.
+    Valid { sqr: f64, var: f64 },
+    /// One missing, not a number, negative, infinite, or both 0: counted and ignored.
+    Invalid,
+}
+
+impl GradientReading {
+    /// Classifies a pair of optional statistics.
+    pub fn of(sqr: Option<f64>, var: Option<f64>) -> Self {
+        let ok = |v: f64| v.is_finite() && v >= 0.0;
+        match (sqr, var) {
+            (None, None) => GradientReading::Absent,
+            (Some(s), Some(v)) if ok(s) && ok(v) && s + v > 0.0 => {
+                GradientReading::Valid { sqr: s, var: v }
+            }
+            _ => GradientReading::Invalid,
+        }
+    }
+
+    /// The statistics if valid.
+    pub fn valid(self) -> Option<(f64, f64)> {
+        match self {
+            GradientReading::Valid { sqr, var } => Some((sqr, var)),
+            _ => None,
+        }
+    }
+}
+
+/// `s` with the bare JSON-incompatible tokens `NaN`, `Infinity` and `-Infinity` that
+/// Python's `json.dumps` writes (outside strings) replaced by the string [`NOT_A_NUMBER`],
+/// which only the gradient statistics accept; `None` if there are none.
+fn nan_tokens_to_null(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let (mut out, mut in_string, mut escaped, mut changed, mut i) =
+        (String::with_capacity(s.len()), false, false, false, 0);
+    while i < bytes.len() {
+        let c = bytes[i];
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if c == b'\\' {
+                escaped = true;
+            } else if c == b'"' {
+                in_string = false;
+            }
+        } else if c == b'"' {
+            in_string = true;
+        } else {
+            let rest = &s[i..];
+            if let Some(token) = ["-Infinity", "Infinity", "NaN"]
+                .into_iter()
+                .find(|t| rest.starts_with(t))
+            {
+                out.push_str(&serde_json::to_string(NOT_A_NUMBER).expect("a string serializes"));
+                i += token.len();
+                changed = true;
+                continue;
+            }
+        }
+        // Multi-byte characters are copied byte-wise through their `char`.
+        let ch = rest_char(s, i);
+        out.push(ch);
+        i += ch.len_utf8();
+    }
+    changed.then_some(out)
+}
+
+fn rest_char(s: &str, i: usize) -> char {
+    s[i..].chars().next().expect("index on a char boundary")
 }
 
 /// Prefix of a progress line on a worker's stdout.
@@ -235,8 +343,19 @@ impl WorkerProgressLine {
         if !(rest.is_empty() || rest.starts_with(char::is_whitespace)) {
             return Ok(None);
         }
-        let p: WorkerProgressLine =
-            serde_json::from_str(rest.trim()).map_err(|e| format!("bad progress JSON: {e}"))?;
+        let text = rest.trim();
+        let p: WorkerProgressLine = match serde_json::from_str(text) {
+            Ok(p) => p,
+            // Python's json.dumps writes NaN and Infinity bare: the gradient statistics read
+            // them as not a number (ignored and counted, the rest of the line intact); in
+            // any other field they still make the line malformed.
+            Err(e) => match nan_tokens_to_null(text) {
+                Some(fixed) => {
+                    serde_json::from_str(&fixed).map_err(|_| format!("bad progress JSON: {e}"))?
+                }
+                None => return Err(format!("bad progress JSON: {e}")),
+            },
+        };
         finite("loss", p.loss)?;
         if let Some(e) = p.eval_loss {
             finite("eval_loss", e)?;
@@ -245,6 +364,11 @@ impl WorkerProgressLine {
             sync_time("sync_s", s)?;
         }
         Ok(Some(p))
+    }
+
+    /// The line's gradient statistics, classified.
+    pub fn gradient(&self) -> GradientReading {
+        GradientReading::of(self.grad_sqr, self.grad_var)
     }
 }
 
@@ -282,6 +406,14 @@ pub struct ProgressReport {
     /// The worker's `model_bytes`: bytes of the parameters the job synchronizes.
     #[serde(default)]
     pub model_bytes: Option<u64>,
+    /// The worker's `grad_sqr` and `grad_var` (see [`WorkerProgressLine`]), copied by the
+    /// agent only when both are valid ([`GradientReading::Valid`]). A report whose pair is
+    /// not valid is still accepted: the allocator ignores and counts the pair, never the
+    /// loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_sqr: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_var: Option<f64>,
 }
 
 impl ProgressReport {
@@ -314,7 +446,14 @@ impl ProgressReport {
             hosts: None,
             sync_time_s: None,
             model_bytes: None,
+            grad_sqr: None,
+            grad_var: None,
         }
+    }
+
+    /// The report's gradient statistics, classified.
+    pub fn gradient(&self) -> GradientReading {
+        GradientReading::of(self.grad_sqr, self.grad_var)
     }
 }
 
@@ -378,6 +517,39 @@ pub struct WorkerAssignment {
     /// progress reports for the allocator's throughput model.
     #[serde(default)]
     pub hosts: u32,
+    /// The batch the worker runs (jobs with a `[batch]` table only; absent in older plans
+    /// and for other jobs). Passed as `CONVERGE_BATCH_SIZE`, `CONVERGE_ACCUM_STEPS`,
+    /// `CONVERGE_TOTAL_BATCH` and `CONVERGE_REFERENCE_BATCH`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<AssignedBatch>,
+}
+
+/// A generation's batch, in samples: `total = workers × per_worker × (accum_steps + 1)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AssignedBatch {
+    /// Samples per optimizer step over all workers.
+    pub total: u32,
+    /// Samples per worker per forward/backward pass (micro-batch).
+    pub per_worker: u32,
+    /// Extra micro-batches each worker accumulates per optimizer step (0 = none).
+    pub accum_steps: u32,
+    /// The job's `[batch] reference` (`B₀`), the total its learning rate was tuned for.
+    pub reference: u32,
+}
+
+impl AssignedBatch {
+    /// Whether the figures agree with `workers` data-parallel workers.
+    pub fn check(&self, workers: u32) -> Result<(), String> {
+        let expect =
+            u64::from(workers) * u64::from(self.per_worker) * (u64::from(self.accum_steps) + 1);
+        if self.per_worker == 0 || self.reference == 0 || u64::from(self.total) != expect {
+            return Err(format!(
+                "batch {} is not {workers} workers × {} × ({} + 1) with a positive reference",
+                self.total, self.per_worker, self.accum_steps
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The desired workers of one host (KV `converge-plans`, key = host id). Level-triggered:
@@ -413,6 +585,10 @@ impl Message for HostPlan {
                     "worker {}/{}: {} parameter-server shards leave no worker in a world of {}",
                     w.job, w.rank, w.num_ps, w.world_size
                 ));
+            }
+            if let Some(b) = &w.batch {
+                b.check(w.world_size - w.num_ps)
+                    .map_err(|e| format!("worker {}/{}: {e}", w.job, w.rank))?;
             }
         }
         let mut keys: Vec<_> = self.workers.iter().map(|w| (&w.job, w.rank)).collect();
@@ -548,6 +724,53 @@ pub struct JobStatus {
     pub updated_at: f64,
     /// Why the job is in its phase (failure reason, cancellation...), for humans.
     pub message: Option<String>,
+    /// The batch of a job with a `[batch]` table (absent for other jobs and in statuses
+    /// written before the field existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch: Option<JobBatch>,
+}
+
+/// How a `[batch]` job's batch is chosen, and what the allocator knows of its gradient.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobBatch {
+    /// `true` once the job has reported valid gradient statistics: its batch follows its
+    /// allocation (goodput). `false`: it keeps its reference batch and is scheduled by
+    /// throughput alone.
+    pub adaptive: bool,
+    /// The job's `[batch] reference` (`B₀`), samples.
+    pub reference: u32,
+    /// The batch of the current generation (`None` while no generation runs or before the
+    /// first placement).
+    pub plan: Option<AssignedBatch>,
+    /// Estimated gradient noise scale `grad_var / grad_sqr`, samples (smoothed over the
+    /// reports).
+    #[serde(default)]
+    pub noise_scale: Option<f64>,
+    /// Statistical efficiency of `plan.total` relative to `reference`, in (0, 1].
+    #[serde(default)]
+    pub efficiency: Option<f64>,
+    /// Rank-0 reports with valid gradient statistics so far.
+    #[serde(default)]
+    pub gradient_reports: u64,
+    /// Rank-0 reports whose gradient statistics were ignored (one missing, not a number,
+    /// negative or both 0).
+    #[serde(default)]
+    pub ignored_gradient_stats: u64,
+}
+
+impl JobBatch {
+    /// A `[batch]` job's batch before anything is known: not adaptive, no plan.
+    pub fn new(reference: u32) -> Self {
+        Self {
+            adaptive: false,
+            reference,
+            plan: None,
+            noise_scale: None,
+            efficiency: None,
+            gradient_reports: 0,
+            ignored_gradient_stats: 0,
+        }
+    }
 }
 
 impl Message for JobStatus {
@@ -728,6 +951,12 @@ mod tests {
                 max_restarts: 3,
                 num_ps: 0,
                 hosts: 0,
+                batch: Some(AssignedBatch {
+                    total: 128,
+                    per_worker: 32,
+                    accum_steps: 1,
+                    reference: 64,
+                }),
             }],
         }
     }
@@ -751,6 +980,8 @@ mod tests {
             hosts: Some(1),
             sync_time_s: Some(0.012),
             model_bytes: Some(5200),
+            grad_sqr: Some(0.25),
+            grad_var: Some(3.5),
         });
         round_trip(Event::new(
             1.0,
@@ -799,6 +1030,7 @@ mod tests {
                 gpus: vec![0],
             }],
             malformed_progress_lines: 0,
+            ignored_gradient_stats: 0,
         });
     }
 
@@ -916,6 +1148,8 @@ mod tests {
             hosts: Some(1),
             sync_time_s: Some(0.0),
             model_bytes: Some(5200),
+            grad_sqr: None,
+            grad_var: None,
         };
         assert!(base.validate().is_ok());
         for bad in [-1e-9, f64::NAN, f64::INFINITY] {
@@ -936,5 +1170,69 @@ mod tests {
         v["sync_time_s"] = (-0.5).into();
         let e = decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
         assert_eq!(e.kind(), "invalid", "{e}");
+    }
+
+    #[test]
+    fn gradient_statistics_in_progress_lines_are_classified_never_refused() {
+        let parse = |json: &str| {
+            WorkerProgressLine::parse(&format!("CONVERGE_PROGRESS {json}"))
+                .unwrap()
+                .unwrap()
+        };
+        let p = parse(r#"{"step":1,"samples":8,"loss":0.9,"grad_sqr":0.5,"grad_var":2.0}"#);
+        assert_eq!(p.gradient(), GradientReading::Valid { sqr: 0.5, var: 2.0 });
+        let p = parse(r#"{"step":1,"samples":8,"loss":0.9}"#);
+        assert_eq!(p.gradient(), GradientReading::Absent);
+        // Missing one, null, negative, both zero, and Python's bare NaN / Infinity: the
+        // line (its loss) stays, the statistics are invalid.
+        for json in [
+            r#"{"step":1,"samples":8,"loss":0.9,"grad_sqr":0.5}"#,
+            r#"{"step":1,"samples":8,"loss":0.9,"grad_var":0.5}"#,
+            r#"{"step":1,"samples":8,"loss":0.9,"grad_sqr":null,"grad_var":1.0}"#,
+            r#"{"step":1,"samples":8,"loss":0.9,"grad_sqr":-1.0,"grad_var":1.0}"#,
+            r#"{"step":1,"samples":8,"loss":0.9,"grad_sqr":0.0,"grad_var":0.0}"#,
+            r#"{"step":1,"samples":8,"loss":0.9,"grad_sqr":NaN,"grad_var":1.0}"#,
+            r#"{"step":1,"samples":8,"loss":0.9,"grad_sqr":1.0,"grad_var":Infinity}"#,
+            r#"{"step":1,"samples":8,"loss":0.9,"grad_sqr":-Infinity,"grad_var":NaN}"#,
+        ] {
+            let p = parse(json);
+            assert_eq!(
+                (p.loss, p.gradient()),
+                (0.9, GradientReading::Invalid),
+                "{json}"
+            );
+        }
+        // NaN inside a string is left alone; a NaN loss is still a malformed line.
+        let p = parse(
+            r#"{"step":1,"samples":8,"loss":0.9,"eval_loss":null,"grad_sqr":NaN,"grad_var":1}"#,
+        );
+        assert_eq!(p.gradient(), GradientReading::Invalid);
+        assert!(
+            WorkerProgressLine::parse(r#"CONVERGE_PROGRESS {"step":1,"samples":8,"loss":NaN}"#)
+                .is_err()
+        );
+        assert_eq!(
+            nan_tokens_to_null(r#"{"k":"NaN é","v":NaN}"#).unwrap(),
+            r#"{"k":"NaN é","v":"\u0001converge-not-a-number"}"#
+        );
+        assert_eq!(nan_tokens_to_null(r#"{"k":"NaN"}"#), None);
+        // A report with a bad pair on the wire is accepted; the pair reads as invalid.
+        let mut r = ProgressReport::new(job("j"), 1, 0, host("h"), 1, 8, 0.9, 1.0);
+        r.grad_sqr = Some(-1.0);
+        r.grad_var = Some(1.0);
+        let back: ProgressReport = decode(&encode(&r)).unwrap();
+        assert_eq!(back.gradient(), GradientReading::Invalid);
+    }
+
+    #[test]
+    fn plans_with_inconsistent_batches_are_refused_and_older_plans_have_none() {
+        let mut plan = sample_plan();
+        assert!(plan.validate().is_ok());
+        plan.workers[0].batch.as_mut().unwrap().total = 100;
+        assert!(plan.validate().unwrap_err().contains("batch 100"));
+        let mut v: serde_json::Value = serde_json::from_slice(&encode(&sample_plan())).unwrap();
+        v["workers"][0].as_object_mut().unwrap().remove("batch");
+        let old: HostPlan = decode(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!(old.workers[0].batch, None);
     }
 }

@@ -266,6 +266,7 @@ fn telemetry(host: &HostId, gpus: u32) -> HostTelemetry {
         memory_total_bytes: 512 << 30,
         workers: Vec::new(),
         malformed_progress_lines: 0,
+        ignored_gradient_stats: 0,
     }
 }
 
@@ -370,6 +371,8 @@ async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, u
                         hosts: Some(1),
                         sync_time_s: None,
                         model_bytes: None,
+                        grad_sqr: None,
+                        grad_var: None,
                     };
                     let publish = bus.js.publish(subjects[j].clone(), Bytes::from(encode(&report)));
                     counters.reports_sent.fetch_add(1, Ordering::Relaxed);

@@ -3,8 +3,9 @@
 //! Pure data structure: no I/O, no clock.
 
 use crate::fit::LossPoint;
+use crate::goodput::GradientStats;
 use crate::throughput::StepObservation;
-use converge_common::{HostId, ProgressReport};
+use converge_common::{GradientReading, HostId, ProgressReport};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// What is known of one generation: highest rank seen + 1, hosts seen reporting, and the
@@ -16,6 +17,27 @@ pub const MAX_GENERATIONS: usize = 64;
 
 /// Points kept per job; the fit uses only the most recent `FitConfig::window` of them.
 pub const MAX_POINTS: usize = 2_000;
+
+/// Gradient observations kept per job (rank 0's valid `grad_sqr`/`grad_var` pairs).
+pub const MAX_GRADIENT_POINTS: usize = 2_000;
+
+/// Smoothing of the gradient statistics per reference batch of samples, as AdaptDL's
+/// `GradientNoiseScale` (`0.999^(B/B₀)` per step of total batch `B`): an observation
+/// covering `n` samples decays the earlier ones by `0.999^(n/B₀)`, so the estimate
+/// remembers about the last thousand reference batches.
+pub const GRADIENT_SMOOTHING: f64 = 0.999;
+
+/// One valid gradient observation of rank 0: the worker's `grad_sqr` and `grad_var` (per
+/// sample) for the samples since its previous report.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GradientPoint {
+    /// The report's samples (job total).
+    pub samples: u64,
+    /// Samples the observation covers (since the previous rank-0 report; 0 when unknown).
+    pub covered: u64,
+    pub sqr: f64,
+    pub var: f64,
+}
 
 /// One progress report of rank 0.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,6 +79,13 @@ pub struct JobHistory {
     attained_worker_seconds: f64,
     /// Generation and time of the latest rank-0 report (not affected by cuts).
     last_report: Option<(u64, f64)>,
+    /// Rank 0's valid gradient statistics, oldest first (cut back with the points).
+    gradient: Vec<GradientPoint>,
+    /// Rank-0 reports with valid gradient statistics (not affected by cuts).
+    pub gradient_reports: u64,
+    /// Rank-0 reports whose gradient statistics were ignored: one of the pair missing, not
+    /// finite, negative or both 0 ([`GradientReading::Invalid`]). The report's loss counts.
+    pub ignored_gradient_stats: u64,
 }
 
 impl JobHistory {
@@ -109,6 +138,30 @@ impl JobHistory {
         if cut {
             self.added = self.points.len();
             self.resets += 1;
+        }
+        while self.gradient.last().is_some_and(|g| g.samples > r.samples) {
+            self.gradient.pop();
+        }
+        match r.gradient() {
+            GradientReading::Absent => {}
+            GradientReading::Invalid => self.ignored_gradient_stats += 1,
+            GradientReading::Valid { sqr, var } => {
+                self.gradient_reports += 1;
+                let covered = self
+                    .points
+                    .last()
+                    .map_or(0, |p| r.samples.saturating_sub(p.samples));
+                self.gradient.push(GradientPoint {
+                    samples: r.samples,
+                    covered,
+                    sqr,
+                    var,
+                });
+                if self.gradient.len() > MAX_GRADIENT_POINTS {
+                    let excess = self.gradient.len() - MAX_GRADIENT_POINTS;
+                    self.gradient.drain(..excess);
+                }
+            }
         }
         if let Some((_, prev)) = self.last_report.filter(|(g, _)| *g == r.generation) {
             let dt = r.time - prev;
@@ -278,6 +331,38 @@ impl JobHistory {
         (steps > 0 && mean.is_finite()).then_some(mean)
     }
 
+    /// The job's gradient statistics for a reference batch of `reference_batch` samples
+    /// ([`GradientStats`]: `sqr`, and `var` of a gradient averaged over `reference_batch`
+    /// samples, i.e. the reported per-sample `grad_var / reference_batch`): bias-corrected
+    /// exponential moving averages of rank 0's valid observations, each decaying the earlier
+    /// ones by [`GRADIENT_SMOOTHING`]`^(covered / reference_batch)` (an observation whose
+    /// coverage is unknown counts as one reference batch), as AdaptDL's
+    /// `GradientNoiseScale`. `None` before any valid observation.
+    pub fn gradient_estimate(&self, reference_batch: u32) -> Option<GradientStats> {
+        let b0 = f64::from(reference_batch.max(1));
+        let (mut sqr, mut var, mut unbias) = (0.0, 0.0, 0.0);
+        for g in &self.gradient {
+            let scale = if g.covered > 0 {
+                g.covered as f64 / b0
+            } else {
+                1.0
+            };
+            let theta = GRADIENT_SMOOTHING.powf(scale);
+            sqr = theta * sqr + (1.0 - theta) * g.sqr;
+            var = theta * var + (1.0 - theta) * g.var;
+            unbias = theta * unbias + (1.0 - theta);
+        }
+        if unbias <= 0.0 {
+            return None;
+        }
+        GradientStats::new(sqr / unbias, var / unbias / b0)
+    }
+
+    /// Rank 0's valid gradient observations kept, oldest first.
+    pub fn gradient_points(&self) -> &[GradientPoint] {
+        &self.gradient
+    }
+
     pub fn latest_rate(&self) -> Option<(u64, f64)> {
         let mut gens: Vec<u64> = self.points.iter().map(|p| p.generation).collect();
         gens.dedup();
@@ -311,6 +396,97 @@ pub(crate) mod tests {
             loss,
             time,
         )
+    }
+
+    fn with_gradient(mut r: ProgressReport, sqr: Option<f64>, var: Option<f64>) -> ProgressReport {
+        r.grad_sqr = sqr;
+        r.grad_var = var;
+        r
+    }
+
+    #[test]
+    fn gradient_statistics_are_smoothed_and_normalized_to_the_reference_batch() {
+        let mut h = JobHistory::default();
+        assert_eq!(h.gradient_estimate(64), None);
+        // Constant statistics: the bias-corrected average is exact from the first report.
+        for i in 1..=5u64 {
+            h.add(&with_gradient(
+                report(1, 0, i * 640, 1.0, i as f64),
+                Some(0.5),
+                Some(32.0),
+            ));
+        }
+        let g = h.gradient_estimate(64).unwrap();
+        assert!(
+            (g.sqr - 0.5).abs() < 1e-12 && (g.var - 0.5).abs() < 1e-12,
+            "{g:?}"
+        );
+        // Noise scale in samples: grad_var / grad_sqr, whatever the reference.
+        assert!((g.noise_scale(64.0) - 64.0).abs() < 1e-9);
+        assert!((h.gradient_estimate(16).unwrap().noise_scale(16.0) - 64.0).abs() < 1e-9);
+        assert_eq!((h.gradient_reports, h.ignored_gradient_stats), (5, 0));
+        // A change moves the estimate towards the new value, by more for more samples.
+        let mut a = h.clone();
+        let mut b = h.clone();
+        a.add(&with_gradient(
+            report(1, 0, 3840, 1.0, 6.0),
+            Some(1.5),
+            Some(32.0),
+        ));
+        b.add(&with_gradient(
+            report(1, 0, 3200 + 6400, 1.0, 6.0),
+            Some(1.5),
+            Some(32.0),
+        ));
+        let (ea, eb) = (
+            a.gradient_estimate(64).unwrap(),
+            b.gradient_estimate(64).unwrap(),
+        );
+        assert!(
+            0.5 < ea.sqr && ea.sqr < eb.sqr && eb.sqr < 1.5,
+            "{ea:?} {eb:?}"
+        );
+    }
+
+    #[test]
+    fn bad_gradient_statistics_are_counted_and_never_reach_the_estimate_or_the_curve() {
+        let mut h = JobHistory::default();
+        h.add(&with_gradient(
+            report(1, 0, 100, 2.0, 1.0),
+            Some(1.0),
+            Some(4.0),
+        ));
+        let before = h.gradient_estimate(10).unwrap();
+        let bad = [
+            (Some(f64::NAN), Some(1.0)),
+            (Some(-1.0), Some(1.0)),
+            (Some(1.0), None),
+            (None, Some(f64::INFINITY)),
+            (Some(0.0), Some(0.0)),
+        ];
+        for (i, (s, v)) in bad.into_iter().enumerate() {
+            let samples = 200 + 100 * i as u64;
+            h.add(&with_gradient(
+                report(1, 0, samples, 1.0, 2.0 + i as f64),
+                s,
+                v,
+            ));
+        }
+        assert_eq!(h.ignored_gradient_stats, 5);
+        assert_eq!(h.gradient_reports, 1);
+        assert_eq!(h.gradient_estimate(10).unwrap(), before);
+        // Their losses are kept.
+        assert_eq!(h.loss_points().len(), 6);
+        // Other ranks' statistics are not the job's (rank 0 sees the averaged gradient).
+        h.add(&with_gradient(
+            report(1, 1, 800, 1.0, 9.0),
+            Some(9.0),
+            Some(9.0),
+        ));
+        assert_eq!(h.gradient_reports, 1);
+        // A resume from an earlier checkpoint drops the observations beyond it.
+        h.add(&report(1, 0, 50, 2.0, 10.0));
+        assert_eq!(h.gradient_estimate(10), None);
     }
 
     fn on(mut r: ProgressReport, host: &str) -> ProgressReport {

@@ -9,17 +9,19 @@
 //! the old generation checkpoints and exits before the new one starts (generation fencing).
 
 use crate::contention::{ContentionSamples, HostNic, JobCost, host_nic};
-use crate::decide::{BatchSize, ClusterState, JobView, decide, priority_order};
+use crate::decide::{AdaptiveBatch, BatchSize, ClusterState, JobView, decide, priority_order};
 use crate::fit::{Curve, FitConfig, samples_to_reach};
 use crate::fit_cache::{FitCache, ModelScope};
+use crate::goodput::{BatchLimits, BatchPlan, GradientStats};
 use crate::history::JobHistory;
 use crate::placement::{HostFree, PlacementKind, master_port};
 use crate::policies::{Policy, PolicyParams, Quality};
 use crate::ps_plan::{PsHost, PsJob, PsPlan, plan_ps_job};
 use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior};
 use converge_common::{
-    Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobPhase, JobSpec, JobStatus,
-    PROTOCOL_VERSION, RankPlacement, SyncArch, WorkerAssignment, WorkerPhase,
+    AssignedBatch, BatchSpec, Event, EventKind, HostId, HostPlan, HostTelemetry, JobBatch, JobId,
+    JobPhase, JobSpec, JobStatus, PROTOCOL_VERSION, RankPlacement, SyncArch, WorkerAssignment,
+    WorkerPhase,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -198,6 +200,8 @@ pub fn step(
     // Each active job's throughput model on all its step observations (computed once per
     // step) and the per-worker batch it last ran with.
     let mut models: BTreeMap<JobId, (ThroughputModel, f64)> = BTreeMap::new();
+    // Each active `[batch]` job's gradient statistics at its reference batch.
+    let mut gradients: BTreeMap<JobId, GradientStats> = BTreeMap::new();
     let refit = refits(inp, cache, settings.fit_budget);
     for (id, spec) in inp.specs {
         let mut status = inp
@@ -243,6 +247,11 @@ pub fn step(
             if let Some(c) = curve {
                 curves.insert(id.clone(), c);
             }
+            if let (Some(b), Some(h)) = (&spec.batch, history)
+                && let Some(g) = h.gradient_estimate(b.reference)
+            {
+                gradients.insert(id.clone(), g);
+            }
             // The decision's model, only on steps that decide (lifecycle steps need none).
             if let Some((_, last)) = seen.last().filter(|_| run_policy) {
                 let all: Vec<StepObservation> = seen.iter().map(|(_, o)| *o).collect();
@@ -287,6 +296,7 @@ pub fn step(
             Fits {
                 curves: &curves,
                 models: &models,
+                gradients: &gradients,
                 contention,
             },
             &mut out,
@@ -307,10 +317,96 @@ pub fn step(
         }
     }
 
-    // 5. Plans follow from the statuses.
+    // 5. Each `[batch]` job's batch as the statuses now stand.
+    for status in out.statuses.values_mut() {
+        if let Some(spec) = inp.specs.get(&status.job) {
+            update_batch(
+                status,
+                spec,
+                inp.histories.get(&status.job),
+                gradients.get(&status.job),
+            );
+        }
+    }
+
+    // 6. Plans follow from the statuses.
     out.plans = plans(inp, &out.statuses, &live);
     cache.retain(|id| out.statuses.get(id).is_some_and(|s| !s.phase.is_terminal()));
     out
+}
+
+/// The batch limits of a `[batch]` table (`None` if they do not hold, which a validated
+/// spec rules out).
+pub fn batch_limits(b: &BatchSpec) -> Option<BatchLimits> {
+    BatchLimits::new(
+        b.reference,
+        b.max_total,
+        b.min_per_worker,
+        b.max_per_worker(),
+    )
+    .ok()
+}
+
+fn assigned(plan: BatchPlan, reference: u32) -> AssignedBatch {
+    AssignedBatch {
+        total: plan.total,
+        per_worker: plan.per_worker,
+        accum_steps: plan.accum_steps,
+        reference,
+    }
+}
+
+/// The batch of a `[batch]` job's new generation on `workers` workers: the decision's plan
+/// when it chose one (an adaptive job under a policy that reads goodput), else the smallest
+/// total the world size allows, `max(B₀, workers × min_per_worker)` (the reference batch:
+/// what a job without gradient statistics keeps).
+fn generation_batch(
+    spec: &JobSpec,
+    workers: u32,
+    decided: Option<&BatchPlan>,
+) -> Option<AssignedBatch> {
+    let b = spec.batch.as_ref()?;
+    if workers == 0 {
+        return None;
+    }
+    let plan = match decided {
+        Some(p) => *p,
+        None => batch_limits(b)?.initial_plan(workers)?,
+    };
+    Some(assigned(plan, b.reference))
+}
+
+/// Keeps a `[batch]` job's [`JobBatch`] up to date: adaptive once it has gradient
+/// statistics, the current generation's plan (none without workers), the noise scale, the
+/// plan's efficiency and the counts of used and ignored statistics. Jobs without a `[batch]`
+/// table have none.
+fn update_batch(
+    status: &mut JobStatus,
+    spec: &JobSpec,
+    history: Option<&JobHistory>,
+    gradient: Option<&GradientStats>,
+) {
+    let Some(b) = &spec.batch else {
+        status.batch = None;
+        return;
+    };
+    let batch = status.batch.get_or_insert(JobBatch::new(b.reference));
+    batch.reference = b.reference;
+    if status.world_size == 0 || status.phase.is_terminal() {
+        batch.plan = None;
+    }
+    let reference = f64::from(b.reference);
+    batch.adaptive = gradient.is_some();
+    batch.noise_scale = gradient
+        .map(|g| g.noise_scale(reference))
+        .filter(|n| n.is_finite());
+    batch.efficiency = gradient
+        .zip(batch.plan)
+        .map(|(g, p)| g.efficiency(reference, f64::from(p.total)));
+    if let Some(h) = history {
+        batch.gradient_reports = h.gradient_reports;
+        batch.ignored_gradient_stats = h.ignored_gradient_stats;
+    }
 }
 
 /// A job's new generation: frees its master port in `taken_ports`, bumps the generation and
@@ -462,6 +558,7 @@ fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
         finished_at: None,
         updated_at: now,
         message: None,
+        batch: None,
     }
 }
 
@@ -671,6 +768,8 @@ struct Fits<'a> {
     /// Each active job's throughput model on all its generations, and the per-worker batch
     /// it last ran with.
     models: &'a BTreeMap<JobId, (ThroughputModel, f64)>,
+    /// Each active `[batch]` job's gradient statistics (those with valid reports).
+    gradients: &'a BTreeMap<JobId, GradientStats>,
     /// [`measured_contention`].
     contention: f64,
 }
@@ -722,7 +821,17 @@ fn job_view(
         oracle: None,
         // Generation 1 is the first start.
         restarts: u32::try_from(status.generation.saturating_sub(1)).unwrap_or(u32::MAX),
-        adaptive: None,
+        // Adaptive only with a `[batch]` table and gradient statistics: a job whose program
+        // reports none keeps its reference batch and is valued by throughput alone.
+        adaptive: spec
+            .batch
+            .as_ref()
+            .and_then(batch_limits)
+            .zip(fits.gradients.get(&status.job))
+            .map(|(limits, g)| AdaptiveBatch {
+                limits,
+                gradient: Some(*g),
+            }),
     }
 }
 
@@ -765,6 +874,7 @@ fn allocate(
         settings.placement,
     );
     let mut placed = decision.placements;
+    let batches = decision.batches;
     // Priority order, as the decision placed them.
     let mut slots: Vec<Option<(JobStatus, &JobSpec)>> = active.into_iter().map(Some).collect();
     let active: Vec<(JobStatus, &JobSpec)> = priority_order(&views)
@@ -789,7 +899,7 @@ fn allocate(
         .filter(|s| !s.phase.is_terminal())
         .filter_map(|s| s.master_port)
         .collect();
-    for (s, _) in &active {
+    for (s, spec) in &active {
         let new_placement = placed.get(&s.job).cloned().unwrap_or_default();
         let new_shards = shards.get(&s.job).cloned().unwrap_or_default();
         if new_placement == s.placement && new_shards == s.ps_placement {
@@ -803,6 +913,16 @@ fn allocate(
         status.world_size = new_placement.len() as u32;
         status.placement = new_placement;
         status.ps_placement = new_shards;
+        // A batch changes only with a new generation (the workers read it when they start).
+        let batch = generation_batch(spec, status.world_size, batches.get(&s.job));
+        if let Some(b) = status.batch.as_mut() {
+            b.plan = batch;
+        } else if let Some(plan) = batch {
+            status.batch = Some(JobBatch {
+                plan: Some(plan),
+                ..JobBatch::new(plan.reference)
+            });
+        }
         bump_generation(status, &mut taken_ports);
         if status.world_size == 0 {
             status.phase = JobPhase::Pending;
@@ -1068,6 +1188,7 @@ fn plans(
                     max_restarts: spec.max_restarts,
                     num_ps,
                     hosts: worker_hosts,
+                    batch: status.batch.as_ref().and_then(|b| b.plan),
                 });
             }
         }
@@ -1114,6 +1235,7 @@ mod tests {
             memory_total_bytes: 0,
             workers,
             malformed_progress_lines: 0,
+            ignored_gradient_stats: 0,
         }
     }
 
@@ -1661,6 +1783,110 @@ mod tests {
         // sync terms), finite.
         let predicted = predicted.unwrap();
         assert!(predicted.is_finite() && predicted > 0.1, "{predicted}");
+    }
+
+    #[test]
+    fn batch_jobs_adapt_with_statistics_and_keep_their_reference_without() {
+        let mut w = World::default();
+        let batch =
+            "[batch]\nreference = 32\nmax_total = 1024\nmin_per_worker = 8\nmax_per_worker = 128\n";
+        for (id, table) in [("ad", batch), ("fx", batch), ("plain", "")] {
+            let mut spec = JobSpec::from_toml(&format!(
+                "id = \"{id}\"\ncommand = [\"train\"]\nmin_workers = 1\nmax_workers = 2\n{table}"
+            ))
+            .unwrap();
+            spec.submitted_at = 1.0;
+            w.specs.insert(spec.id.clone(), spec);
+        }
+        w.add_host(host("h1", 6, 10.0, vec![]));
+        let out = w.step(10.0, true);
+        // First generation: no statistics yet, so every `[batch]` job runs the smallest total
+        // its world size allows (32, or 8 per worker above 4 workers), the plan carries it.
+        for id in ["ad", "fx"] {
+            let s = w.status(id);
+            let b = s.batch.as_ref().unwrap();
+            assert!(!b.adaptive, "{id}");
+            let plan = b.plan.unwrap();
+            assert_eq!((plan.total, plan.reference), (32, 32), "{id}");
+            plan.check(s.world_size).unwrap();
+            for a in out.plans[&HostId::new("h1").unwrap()]
+                .workers
+                .iter()
+                .filter(|a| a.job.as_str() == id)
+            {
+                assert_eq!(a.batch, Some(plan));
+            }
+        }
+        assert_eq!(w.status("plain").batch, None);
+        assert!(
+            out.plans[&HostId::new("h1").unwrap()]
+                .workers
+                .iter()
+                .filter(|a| a.job.as_str() == "plain")
+                .all(|a| a.batch.is_none())
+        );
+        // Generation 1 runs: "ad" reports statistics with a large noise scale (10⁵
+        // samples), "fx" only bad ones.
+        for id in ["ad", "fx"] {
+            let generation = w.status(id).generation;
+            let workers = w.status(id).world_size;
+            let mut h = JobHistory::default();
+            for i in 0..20u64 {
+                let mut r = progress(
+                    id,
+                    generation,
+                    0,
+                    "h1",
+                    i * 10,
+                    i * 320,
+                    1.0 / (1.0 + i as f64),
+                    10.0 + i as f64,
+                );
+                r.workers = Some(workers);
+                r.hosts = Some(1);
+                if id == "ad" {
+                    (r.grad_sqr, r.grad_var) = (Some(1e-3), Some(100.0));
+                } else {
+                    (r.grad_sqr, r.grad_var) = (Some(f64::NAN), Some(-1.0));
+                }
+                h.add(&r);
+            }
+            w.histories.insert(JobId::new(id).unwrap(), h);
+        }
+        w.add_host(host("h1", 6, 31.0, vec![]));
+        w.step(31.0, false);
+        let ad = w.status("ad").batch.clone().unwrap();
+        assert!(ad.adaptive);
+        assert!((ad.noise_scale.unwrap() - 1e5).abs() < 1.0, "{ad:?}");
+        assert_eq!(ad.gradient_reports, 20);
+        // The batch does not change without a new generation.
+        assert_eq!(ad.plan.unwrap().total, 32);
+        let fx = w.status("fx").batch.clone().unwrap();
+        assert!(!fx.adaptive);
+        assert_eq!((fx.ignored_gradient_stats, fx.gradient_reports), (20, 0));
+        // h1 is lost, h2 (8 GPUs) appears: every job is placed again as a new generation.
+        w.add_host(host("h2", 8, 100.0, vec![]));
+        w.step(100.0, true);
+        let s = w.status("ad");
+        assert!(s.world_size > 0 && s.placement.iter().all(|p| p.host.as_str() == "h2"));
+        let plan = s.batch.as_ref().unwrap().plan.unwrap();
+        plan.check(s.world_size).unwrap();
+        // Almost no efficiency lost to larger batches: the goodput plan is above the
+        // reference, within the limits.
+        assert!(
+            plan.total > 32 && plan.total <= 1024 && plan.per_worker <= 128,
+            "{plan:?}"
+        );
+        let eff = s.batch.as_ref().unwrap().efficiency.unwrap();
+        assert!(eff > 0.9 && eff <= 1.0, "{eff}");
+        let s = w.status("fx");
+        let plan = s.batch.as_ref().unwrap().plan.unwrap();
+        assert_eq!(
+            plan.total,
+            32.max(8 * s.world_size),
+            "fx keeps its reference"
+        );
+        assert_eq!(w.status("plain").batch, None);
     }
 
     #[test]

@@ -34,6 +34,7 @@ fn worker(
         max_restarts: 2,
         num_ps: 0,
         hosts: 0,
+        batch: None,
     }
 }
 
