@@ -149,7 +149,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if cli.json {
                 let out: Vec<_> = rows
                     .iter()
-                    .map(|(spec, st)| serde_json::json!({"spec": spec, "status": st}))
+                    .map(|(spec, st)| {
+                        serde_json::json!({
+                            "spec": spec,
+                            "status": st,
+                            "batch_mode": tables::batch_mode(spec, *st),
+                        })
+                    })
                     .collect();
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {

@@ -28,6 +28,35 @@ pub struct GpuSample {
 }
 
 /// One job in the summary.
+/// A `[batch]` job's batch from time `t` (seconds since the monitor started) on: the
+/// current generation's plan (`total` 0 while no generation runs) and whether the job was
+/// adaptive (had gradient statistics) then.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct BatchSample {
+    pub t: f64,
+    pub generation: u64,
+    pub total: u32,
+    pub per_worker: u32,
+    pub accum_steps: u32,
+    pub adaptive: bool,
+}
+
+fn batch_sample(t: f64, status: Option<&JobStatus>) -> Option<BatchSample> {
+    let s = status?;
+    let b = s.batch.as_ref()?;
+    let (total, per_worker, accum_steps) = b
+        .plan
+        .map_or((0, 0, 0), |p| (p.total, p.per_worker, p.accum_steps));
+    Some(BatchSample {
+        t,
+        generation: s.generation,
+        total,
+        per_worker,
+        accum_steps,
+        adaptive: b.adaptive,
+    })
+}
+
 #[derive(Debug, Serialize)]
 pub struct JobSummary {
     pub id: String,
@@ -47,6 +76,9 @@ pub struct JobSummary {
     pub max_gpus: u32,
     /// Changes of the job's GPU count, seconds since the run started.
     pub gpus_over_time: Vec<GpuSample>,
+    /// `[batch]` jobs only: each change of batch plan or of adaptivity.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub batches_over_time: Vec<BatchSample>,
 }
 
 /// The run summary.
@@ -71,6 +103,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
     let started = Instant::now();
     let started_at = unix_now();
     let mut history: BTreeMap<String, Vec<GpuSample>> = BTreeMap::new();
+    let mut batches: BTreeMap<String, Vec<BatchSample>> = BTreeMap::new();
     let mut last: (Vec<JobSpec>, Vec<JobStatus>) = (Vec::new(), Vec::new());
     let mut tick = tokio::time::interval(opts.interval);
     let ctrl_c = tokio::signal::ctrl_c();
@@ -97,6 +130,21 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                     t: (t * 10.0).round() / 10.0,
                     gpus,
                 });
+            }
+            if let Some(sample) = batch_sample((t * 10.0).round() / 10.0, st) {
+                let b = batches.entry(spec.id.to_string()).or_default();
+                let changed = |l: &BatchSample| {
+                    (l.total, l.per_worker, l.accum_steps, l.adaptive)
+                        != (
+                            sample.total,
+                            sample.per_worker,
+                            sample.accum_steps,
+                            sample.adaptive,
+                        )
+                };
+                if b.last().is_none_or(changed) {
+                    b.push(sample);
+                }
             }
         }
         let rows: Vec<(&JobSpec, Option<&JobStatus>)> = specs
@@ -167,6 +215,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                     generations: st.map_or(0, |s| s.generation),
                     max_gpus: gpus_over_time.iter().map(|g| g.gpus).max().unwrap_or(0),
                     gpus_over_time,
+                    batches_over_time: batches.remove(spec.id.as_str()).unwrap_or_default(),
                 }
             })
             .collect();

@@ -57,6 +57,51 @@ fn placement(s: &JobStatus) -> String {
     }
 }
 
+/// How a job's batch is chosen: `adaptive` (a `[batch]` job with gradient statistics: its
+/// batch follows its allocation), `fixed (no gradient statistics)` (a `[batch]` job whose
+/// program reports none: it keeps its reference batch and is scheduled by throughput alone)
+/// or `fixed` (no `[batch]` table: the command's own batch).
+pub fn batch_mode(spec: &JobSpec, status: Option<&JobStatus>) -> &'static str {
+    match (&spec.batch, status.and_then(|s| s.batch.as_ref())) {
+        (None, _) => "fixed",
+        (Some(_), Some(b)) if b.adaptive => "adaptive",
+        (Some(_), _) => "fixed (no gradient statistics)",
+    }
+}
+
+/// The BATCH column: the mode, then the current generation's plan as
+/// `total (per-worker/worker ×micro-batches)`, the noise scale and ignored statistics.
+pub fn batch(spec: &JobSpec, status: Option<&JobStatus>) -> String {
+    let mode = batch_mode(spec, status);
+    let Some(b) = status.and_then(|s| s.batch.as_ref()) else {
+        return match &spec.batch {
+            Some(b) => format!("{mode}, ref {}", b.reference),
+            None => mode.into(),
+        };
+    };
+    let mut out = mode.to_string();
+    match &b.plan {
+        Some(p) if p.accum_steps > 0 => out.push_str(&format!(
+            " {} ({}/worker ×{})",
+            p.total,
+            p.per_worker,
+            p.accum_steps + 1
+        )),
+        Some(p) => out.push_str(&format!(" {} ({}/worker)", p.total, p.per_worker)),
+        None => out.push_str(&format!(", ref {}", b.reference)),
+    }
+    if let Some(phi) = b.noise_scale {
+        out.push_str(&format!(" φ≈{phi:.0}"));
+    }
+    if b.ignored_gradient_stats > 0 {
+        out.push_str(&format!(
+            " [{} bad stats ignored]",
+            b.ignored_gradient_stats
+        ));
+    }
+    out
+}
+
 /// The jobs table.
 pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
     let mut t = Table::new();
@@ -72,6 +117,7 @@ pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
         "LOSS (first→now)",
         "PREDICTED",
         "STEP s (obs/pred)",
+        "BATCH",
         "PLACEMENT",
         "AGE",
     ]);
@@ -95,6 +141,7 @@ pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
                 format!("{} → {}", loss(s.first_loss), loss(s.loss)),
                 loss(s.predicted_loss),
                 step_times(s.step_time_s, s.predicted_step_time_s),
+                batch(spec, Some(s)),
                 placement(s),
                 age(s.finished_at.unwrap_or(now) - s.submitted_at),
             ]),
@@ -110,6 +157,7 @@ pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
                 "-".into(),
                 "-".into(),
                 "-".into(),
+                batch(spec, None),
                 "-".into(),
                 age(now - spec.submitted_at),
             ]),
@@ -181,6 +229,59 @@ mod tests {
             host: HostId::new(host).unwrap(),
             gpus: gpus.to_vec(),
         }
+    }
+
+    #[test]
+    fn the_batch_column_says_how_the_batch_is_chosen() {
+        let spec = |table: &str| {
+            JobSpec::from_toml(&format!(
+                "id = \"j\"\ncommand = [\"t\"]\nmax_workers = 4\n{table}"
+            ))
+            .unwrap()
+        };
+        let plain = spec("");
+        let adaptive = spec("[batch]\nreference = 32\nmax_total = 512\n");
+        let mut s: JobStatus = serde_json::from_value(serde_json::json!({
+            "protocol": PROTOCOL_VERSION, "job": "j", "phase": "running", "generation": 1,
+            "world_size": 0, "placement": [], "master_port": null, "step": 0, "samples": 0,
+            "first_loss": null, "loss": null, "eval_loss": null, "curve": null,
+            "predicted_loss": null, "samples_per_s": null, "submitted_at": 0.0,
+            "started_at": null, "finished_at": null, "updated_at": 0.0, "message": null
+        }))
+        .unwrap();
+        assert_eq!(batch(&plain, Some(&s)), "fixed");
+        assert_eq!(
+            batch(&adaptive, None),
+            "fixed (no gradient statistics), ref 32"
+        );
+        let mut b = converge_common::JobBatch::new(32);
+        b.plan = Some(converge_common::AssignedBatch {
+            total: 32,
+            per_worker: 16,
+            accum_steps: 0,
+            reference: 32,
+        });
+        b.ignored_gradient_stats = 3;
+        s.batch = Some(b.clone());
+        assert_eq!(
+            batch(&adaptive, Some(&s)),
+            "fixed (no gradient statistics) 32 (16/worker) [3 bad stats ignored]"
+        );
+        b.adaptive = true;
+        b.noise_scale = Some(811.6);
+        b.ignored_gradient_stats = 0;
+        b.plan = Some(converge_common::AssignedBatch {
+            total: 256,
+            per_worker: 64,
+            accum_steps: 1,
+            reference: 32,
+        });
+        s.batch = Some(b);
+        assert_eq!(
+            batch(&adaptive, Some(&s)),
+            "adaptive 256 (64/worker ×2) φ≈812"
+        );
+        assert_eq!(batch_mode(&adaptive, Some(&s)), "adaptive");
     }
 
     #[test]

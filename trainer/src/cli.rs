@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
 
+use crate::batch::{ContractBatch, LrScaling};
 use crate::data::DatasetName;
 use crate::model::ModelKind;
 use crate::ps::Role;
@@ -29,6 +30,13 @@ Worker environment (torchrun-compatible, set by the node agent):
   CONVERGE_CHECKPOINT_DIR   where rank 0 keeps checkpoint.json; every rank resumes from it;
                             without it there is no checkpointing
   CONVERGE_NUM_PS           p >= 1 selects parameter-server mode (unset or 0: ring mode)
+  CONVERGE_BATCH_SIZE, CONVERGE_ACCUM_STEPS, CONVERGE_TOTAL_BATCH, CONVERGE_REFERENCE_BATCH
+                            the batch the allocator planned for a job with a [batch] table
+                            (samples per worker per micro-batch, extra micro-batches per step,
+                            samples per step over all workers, the total --lr is tuned for);
+                            they override --batch-size, and the learning rate follows
+                            --lr-scaling (default lr = --lr x sqrt(total / reference)).
+                            Ignored in parameter-server mode.
 
 Parameter-server mode (CONVERGE_NUM_PS=p): WORLD_SIZE counts every process. Ranks
 0..WORLD_SIZE-p are workers (the data-parallel world is WORLD_SIZE-p, the global batch
@@ -48,10 +56,14 @@ resumes in either mode and at any split of workers and shards. A rank that loses
 momentum of later steps was on the shards.
 
 Rank 0 prints progress lines on stdout:
-  CONVERGE_PROGRESS {\"step\":120,\"samples\":3840,\"loss\":0.53,\"epoch\":0.118,\"eval_loss\":0.55,\"sync_s\":0.0021,\"model_bytes\":5200}
+  CONVERGE_PROGRESS {\"step\":120,\"samples\":3840,\"loss\":0.53,\"epoch\":0.118,\"eval_loss\":0.55,\"sync_s\":0.0021,\"model_bytes\":5200,\"grad_sqr\":0.0153,\"grad_var\":2.41}
 sync_s is rank 0's mean time per step in the all-reduce (ring mode) or in the push and pull
 of its parameter slices (parameter-server mode) since the previous line, waiting for slower
 ranks included; 0 with a single rank. model_bytes is the parameter count x 8 (f64).
+grad_sqr (squared norm of the mean gradient) and grad_var (variance of one sample's
+gradient, trace of the covariance) are unbiased estimates from the step's micro-gradients
+(each worker computes each micro-batch as two halves), averaged since the previous line and
+clamped at 0 (ring mode only; --no-grad-stats leaves them out).
 Everything else goes to stderr.
 
 Exit codes: 0 finished, 1 failure (for example a peer failed), 2 refused (bad options or
@@ -82,9 +94,21 @@ pub struct Args {
     pub data_dir: PathBuf,
 
     /// Examples per worker per step; the global batch is WORLD_SIZE times this
-    /// (WORLD_SIZE - CONVERGE_NUM_PS times this in parameter-server mode).
+    /// (WORLD_SIZE - CONVERGE_NUM_PS times this in parameter-server mode). CONVERGE_BATCH_SIZE
+    /// overrides it.
     #[arg(long, default_value_t = 32, value_name = "N")]
     pub batch_size: usize,
+
+    /// How the learning rate follows the planned total batch (CONVERGE_TOTAL_BATCH) when
+    /// --lr was tuned at CONVERGE_REFERENCE_BATCH: sqrt (lr x sqrt(total/reference)), linear
+    /// (lr x total/reference) or none.
+    #[arg(long, value_enum, default_value_t = LrScaling::Sqrt)]
+    pub lr_scaling: LrScaling,
+
+    /// Leave the gradient statistics (grad_sqr, grad_var) out of the progress lines: a job
+    /// with a [batch] table then keeps its reference batch.
+    #[arg(long)]
+    pub no_grad_stats: bool,
 
     /// Learning rate [default: 0.05 for logreg, 0.01 for linreg, 0.05 for softmax, 0.02 for
     /// mlp].
@@ -213,6 +237,8 @@ pub struct WorkerEnv {
     /// `CONVERGE_NUM_PS`: parameter-server shards among the `world_size` ranks (0, the
     /// default, is ring mode).
     pub num_ps: usize,
+    /// The planned batch (`CONVERGE_BATCH_SIZE` and the rest), when set.
+    pub batch: Option<ContractBatch>,
 }
 
 impl WorkerEnv {
@@ -262,6 +288,7 @@ impl WorkerEnv {
             num_ps < world_size,
             "CONVERGE_NUM_PS={num_ps} leaves no worker among WORLD_SIZE={world_size} ranks: WORLD_SIZE counts workers and parameter-server shards"
         );
+        let batch = ContractBatch::from_lookup(get, world_size - num_ps)?;
         Ok(WorkerEnv {
             rank,
             world_size,
@@ -274,6 +301,7 @@ impl WorkerEnv {
             generation,
             checkpoint_dir: get("CONVERGE_CHECKPOINT_DIR").map(PathBuf::from),
             num_ps,
+            batch,
         })
     }
 
@@ -327,6 +355,26 @@ mod tests {
         assert_eq!(e.master_addr, "10.0.0.5");
         assert_eq!(e.checkpoint_dir, Some(PathBuf::from("/ckpt/job-1")));
         assert_eq!(e.job_id.as_deref(), Some("job-1"));
+        assert_eq!(e.batch, None);
+        let e = env(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "4"),
+            ("CONVERGE_BATCH_SIZE", "8"),
+            ("CONVERGE_ACCUM_STEPS", "2"),
+            ("CONVERGE_TOTAL_BATCH", "96"),
+            ("CONVERGE_REFERENCE_BATCH", "32"),
+        ])
+        .unwrap();
+        assert_eq!(e.batch.unwrap().total, 96);
+        assert!(
+            env(&[
+                ("RANK", "1"),
+                ("WORLD_SIZE", "4"),
+                ("CONVERGE_BATCH_SIZE", "8"),
+                ("CONVERGE_TOTAL_BATCH", "64"),
+            ])
+            .is_err()
+        );
     }
 
     #[test]

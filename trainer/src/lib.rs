@@ -7,6 +7,7 @@
 //! so that a job resumes at any world size and in either mode. See
 //! `converge-trainer --help` for the worker contract.
 
+pub mod batch;
 pub mod checkpoint;
 pub mod cli;
 pub mod data;

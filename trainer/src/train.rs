@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
+use crate::batch::{StatsWindow, significant, step_estimate};
 use crate::checkpoint::{self, Checkpoint};
 use crate::cli::{Args, WorkerEnv};
 use crate::data::{self, Dataset, Split, Task};
@@ -89,6 +90,13 @@ pub struct Progress {
     pub sync_s: Option<f64>,
     /// Bytes of the parameters the ranks synchronize (parameter count × 8: `f64`).
     pub model_bytes: u64,
+    /// Squared norm of the mean gradient, mean of the per-step estimates since the previous
+    /// line ([`crate::batch`]); absent without an estimate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_sqr: Option<f64>,
+    /// Variance of one sample's gradient (trace of the covariance), same window.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub grad_var: Option<f64>,
 }
 
 impl Progress {
@@ -254,6 +262,12 @@ struct Trainer<'a> {
     data: Dataset,
     model: Model,
     lr: f64,
+    /// Samples per worker per micro-batch (`CONVERGE_BATCH_SIZE`, else `--batch-size`).
+    per_worker: usize,
+    /// Extra micro-batches per optimizer step (`CONVERGE_ACCUM_STEPS`).
+    accum_steps: usize,
+    /// Whether the step computes gradient statistics (ring mode, not `--no-grad-stats`).
+    grad_stats: bool,
     eval_idx: Vec<usize>,
     ckpt_dir: Option<PathBuf>,
 }
@@ -263,14 +277,37 @@ impl<'a> Trainer<'a> {
         let who = who(env);
         args.validate().map_err(refuse)?;
         let kind = args.model_kind();
-        let lr = args.learning_rate();
+        let lr0 = args.learning_rate();
+        let (per_worker, accum_steps, lr) = match env.batch {
+            Some(b) if env.num_ps == 0 => {
+                let lr = args.lr_scaling.scale(lr0, b.total, b.reference);
+                eprintln!(
+                    "{who}: planned batch {} ({} per worker x {} micro-batch(es)), reference {}: lr {lr0} scaled to {lr} ({:?} rule)",
+                    b.total,
+                    b.per_worker,
+                    b.accum_steps + 1,
+                    b.reference,
+                    args.lr_scaling
+                );
+                (b.per_worker, b.accum_steps, lr)
+            }
+            Some(_) => {
+                eprintln!(
+                    "{who}: parameter-server mode ignores the planned batch (CONVERGE_BATCH_SIZE); using --batch-size"
+                );
+                (args.batch_size, 0, lr0)
+            }
+            None => (args.batch_size, 0, lr0),
+        };
+        let global = per_worker * (accum_steps + 1) * env.workers();
         eprintln!(
-            "{who} generation {}: job {}, dataset {}, model {kind}, batch size {} per worker ({} global), lr {lr}, momentum {}, seed {}, local rank {}, CUDA_VISIBLE_DEVICES {}",
+            "{who} generation {}: job {}, dataset {}, model {kind}, batch size {} per worker x {} micro-batch(es) ({} global), lr {lr}, momentum {}, seed {}, local rank {}, CUDA_VISIBLE_DEVICES {}",
             env.generation,
             env.job_id.as_deref().unwrap_or("(unset)"),
             args.dataset,
-            args.batch_size,
-            args.batch_size * env.workers(),
+            per_worker,
+            accum_steps + 1,
+            global,
             args.momentum,
             args.seed,
             env.local_rank.as_deref().unwrap_or("(unset)"),
@@ -315,6 +352,9 @@ impl<'a> Trainer<'a> {
             data,
             model,
             lr,
+            per_worker,
+            accum_steps,
+            grad_stats: env.num_ps == 0 && !args.no_grad_stats,
             eval_idx,
             ckpt_dir,
         })
@@ -451,14 +491,22 @@ impl<'a> Trainer<'a> {
         let rank0 = env.rank == 0;
         let n_train = self.data.train.rows;
         // The data-parallel world: every rank in ring mode, the workers in PS mode.
-        let global_batch = (env.workers() * args.batch_size) as u64;
+        let (per_worker, workers) = (self.per_worker, env.workers());
+        let global_batch = (workers * per_worker * (self.accum_steps + 1)) as u64;
         let target_samples = (args.epochs * n_train as f64).ceil() as u64;
         let done =
             |s: &State| s.samples >= target_samples || args.max_steps.is_some_and(|m| s.step >= m);
         let p = self.model.num_params();
-        // The buffer holds the gradient sum, then the loss sum, the example count and the
-        // stop votes, so one all-reduce carries them all.
-        let mut buf = vec![0.0; p + 3];
+        // The buffer holds the gradient sum, then the loss sum, the example count, the stop
+        // votes, the sum of the micro-gradients' squared norms and their count, so one
+        // all-reduce carries them all.
+        let mut buf = vec![0.0; p + 5];
+        let mut half = if self.grad_stats {
+            vec![0.0; p]
+        } else {
+            Vec::new()
+        };
+        let mut stats = StatsWindow::default();
         let mut order = DataOrder::new(state.seed, n_train);
         // Set when a parameter-server shard received a termination signal.
         let mut ps_stop_requested = false;
@@ -483,14 +531,17 @@ impl<'a> Trainer<'a> {
             }
             buf.fill(0.0);
             if !stopping {
-                let idx = order.rank_slice(state.samples, env.rank, args.batch_size);
-                let loss =
-                    self.model
-                        .loss_and_grad(&state.params, &self.data.train, &idx, &mut buf[..p]);
-                buf[p] = loss;
-                buf[p + 1] = idx.len() as f64;
+                // Micro-batch j of the step covers global positions
+                // [samples + j·W·b, samples + (j+1)·W·b); this rank takes its slice of each.
+                for j in 0..=self.accum_steps {
+                    let offset = state.samples + (j * workers * per_worker) as u64;
+                    let idx = order.rank_slice(offset, env.rank, per_worker);
+                    buf[p] += self.micro_batch(&state.params, &idx, &mut buf, &mut half);
+                    buf[p + 1] += idx.len() as f64;
+                }
                 if !delay.is_zero() {
-                    std::thread::sleep(delay);
+                    // Each micro-batch takes the emulated accelerator time.
+                    std::thread::sleep(delay * (self.accum_steps as u32 + 1));
                 }
             } else {
                 buf[p + 2] = 1.0;
@@ -583,6 +634,11 @@ impl<'a> Trainer<'a> {
                         state.step + 1
                     );
                 }
+                if self.grad_stats {
+                    let total_sqr: f64 = buf[..p].iter().map(|g| (g / count).powi(2)).sum();
+                    let micro = buf[p + 4];
+                    stats.add(step_estimate(total_sqr, buf[p + 3] / micro, micro, count));
+                }
                 let mu = args.momentum;
                 for ((w, m), g) in state
                     .params
@@ -611,7 +667,7 @@ impl<'a> Trainer<'a> {
                 let loss = window_loss / window_steps as f64;
                 let sync_s = window_sync.as_secs_f64() / window_steps as f64;
                 state.last_loss = Some(loss);
-                self.report(&state, loss, evaluate, Some(sync_s));
+                self.report(&state, loss, evaluate, Some(sync_s), stats.take());
                 window_loss = 0.0;
                 window_sync = Duration::ZERO;
                 window_steps = 0;
@@ -637,7 +693,7 @@ impl<'a> Trainer<'a> {
                         self.mean_loss(&state.params, &self.data.train, &strided(n_train, EVAL_CAP))
                     }
                 };
-                self.report(&state, loss, true, None);
+                self.report(&state, loss, true, None, None);
             }
             self.save(&state).context("final checkpoint failed")?;
         }
@@ -658,9 +714,50 @@ impl<'a> Trainer<'a> {
         self.model.loss(params, split, idx) / idx.len() as f64
     }
 
+    /// One micro-batch `idx` of this rank: adds its gradient sum to `buf[..p]` and returns
+    /// its loss sum. With gradient statistics it is computed as two halves, each half's
+    /// squared mean-gradient norm added to `buf[p + 3]` and counted in `buf[p + 4]`
+    /// (`half` is scratch space of `p`).
+    fn micro_batch(&self, params: &[f64], idx: &[usize], buf: &mut [f64], half: &mut [f64]) -> f64 {
+        let p = params.len();
+        if !self.grad_stats {
+            return self
+                .model
+                .loss_and_grad(params, &self.data.train, idx, &mut buf[..p]);
+        }
+        let (a, b) = idx.split_at(idx.len() / 2);
+        let mut loss = 0.0;
+        for part in [a, b] {
+            if part.is_empty() {
+                continue;
+            }
+            half.fill(0.0);
+            loss += self
+                .model
+                .loss_and_grad(params, &self.data.train, part, half);
+            let n = part.len() as f64;
+            let mut sqr = 0.0;
+            for (g, h) in buf[..p].iter_mut().zip(half.iter()) {
+                *g += h;
+                sqr += (h / n) * (h / n);
+            }
+            buf[p + 3] += sqr;
+            buf[p + 4] += 1.0;
+        }
+        loss
+    }
+
     /// Prints a progress line; `sync_s` is the mean synchronization time per step since the
-    /// previous line (`None` when no step ran since).
-    fn report(&self, state: &State, loss: f64, evaluate: bool, sync_s: Option<f64>) {
+    /// previous line (`None` when no step ran since), `grad` the window's gradient
+    /// statistics.
+    fn report(
+        &self,
+        state: &State,
+        loss: f64,
+        evaluate: bool,
+        sync_s: Option<f64>,
+        grad: Option<(f64, f64)>,
+    ) {
         let eval_loss = evaluate.then(|| {
             round_to(
                 self.mean_loss(&state.params, &self.data.test, &self.eval_idx),
@@ -682,6 +779,8 @@ impl<'a> Trainer<'a> {
                 }
             }),
             model_bytes: model_bytes(self.model.num_params()),
+            grad_sqr: grad.map(|(s, _)| significant(s)),
+            grad_var: grad.map(|(_, v)| significant(v)),
         }
         .line();
         let mut out = std::io::stdout().lock();
@@ -884,6 +983,8 @@ mod tests {
             eval_loss: Some(0.55),
             sync_s: Some(0.0123),
             model_bytes: 5200,
+            grad_sqr: None,
+            grad_var: None,
         };
         assert_eq!(
             p.line(),
@@ -899,6 +1000,17 @@ mod tests {
             r#"CONVERGE_PROGRESS {"step":120,"samples":3840,"loss":0.53,"epoch":0.118,"model_bytes":5200}"#
         );
         assert_eq!(model_bytes(650), 5200);
+        let p = Progress {
+            grad_sqr: Some(0.0153),
+            grad_var: Some(2.41),
+            ..p
+        };
+        assert!(
+            p.line()
+                .ends_with(r#""model_bytes":5200,"grad_sqr":0.0153,"grad_var":2.41}"#),
+            "{}",
+            p.line()
+        );
     }
 
     #[test]
