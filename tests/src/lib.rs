@@ -406,6 +406,10 @@ pub struct TrainerJob {
     pub checkpoint_every_s: u32,
     pub min_workers: u32,
     pub max_workers: u32,
+    /// The body of a `[batch]` table (adaptive batch sizes), if any.
+    pub batch: Option<String>,
+    /// Extra `converge-trainer` arguments.
+    pub args: Vec<String>,
 }
 
 impl TrainerJob {
@@ -418,7 +422,21 @@ impl TrainerJob {
             checkpoint_every_s: 1,
             min_workers: 1,
             max_workers: 1,
+            batch: None,
+            args: Vec::new(),
         }
+    }
+
+    /// With a `[batch]` table of this body (e.g. `reference = 32\nmax_total = 256`).
+    pub fn batch(mut self, table: &str) -> Self {
+        self.batch = Some(table.into());
+        self
+    }
+
+    /// With an extra trainer argument.
+    pub fn arg(mut self, arg: &str) -> Self {
+        self.args.push(arg.into());
+        self
     }
 
     /// With `min..=max` workers.
@@ -430,13 +448,18 @@ impl TrainerJob {
 
     /// The spec as TOML.
     pub fn toml(&self) -> String {
+        let extra: String = self.args.iter().map(|a| format!(", {a:?}")).collect();
+        let batch = self
+            .batch
+            .as_ref()
+            .map_or(String::new(), |b| format!("[batch]\n{b}\n"));
         format!(
             r#"id = "{}"
 command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--epochs", "{}",
-           "--step-delay-ms", "{}", "--log-every", "5", "--checkpoint-every", "{}"]
+           "--step-delay-ms", "{}", "--log-every", "5", "--checkpoint-every", "{}"{extra}]
 min_workers = {}
 max_workers = {}
-[labels]
+{batch}[labels]
 model = "softmax"
 dataset = "optdigits"
 "#,

@@ -3,8 +3,8 @@
 //! backoff and gives up after the limit.
 
 use converge_common::{
-    HostId, HostPlan, HostTelemetry, JobId, PROTOCOL_VERSION, ProgressReport, WorkerAssignment,
-    WorkerPhase, messages::decode, subjects,
+    AssignedBatch, HostId, HostPlan, HostTelemetry, JobId, PROTOCOL_VERSION, ProgressReport,
+    WorkerAssignment, WorkerPhase, messages::decode, subjects,
 };
 use converge_tests::*;
 use futures::StreamExt;
@@ -270,5 +270,81 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
             .iter()
             .any(|w| w.job.as_str() == "chatty" && w.phase == WorkerPhase::Running)
     );
+    agent.stop().await;
+}
+
+/// The plan's batch reaches the worker as contract variables; progress lines with missing,
+/// NaN or negative gradient statistics are counted in the telemetry and reported without
+/// them; valid statistics pass through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planned_batches_reach_workers_and_bad_gradient_statistics_are_counted_and_ignored() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
+    let agent = start_agent(agent_config(&nats, "n3", 2, work.path()));
+
+    // Samples are the planned total per step; grad_var echoes the per-worker batch and
+    // grad_sqr the accumulation steps + reference, so the report shows what the worker read.
+    let script = r#"
+T=$CONVERGE_TOTAL_BATCH
+echo "CONVERGE_PROGRESS {\"step\":1,\"samples\":$T,\"loss\":0.9,\"grad_sqr\":NaN,\"grad_var\":1}"
+echo "CONVERGE_PROGRESS {\"step\":2,\"samples\":$((2*T)),\"loss\":0.8,\"grad_sqr\":-1,\"grad_var\":1}"
+echo "CONVERGE_PROGRESS {\"step\":3,\"samples\":$((3*T)),\"loss\":0.7,\"grad_var\":1}"
+echo "CONVERGE_PROGRESS {\"step\":4,\"samples\":$((4*T)),\"loss\":0.6,\"grad_sqr\":$((CONVERGE_ACCUM_STEPS+CONVERGE_REFERENCE_BATCH)),\"grad_var\":$CONVERGE_BATCH_SIZE}"
+exec sleep 60"#;
+    let mut w = worker(
+        "adaptive",
+        1,
+        0,
+        2,
+        0,
+        vec!["sh".into(), "-c".into(), script.into()],
+    );
+    w.batch = Some(AssignedBatch {
+        total: 96,
+        per_worker: 16,
+        accum_steps: 2,
+        reference: 32,
+    });
+    let mut rank1 = worker("adaptive", 1, 1, 2, 1, vec!["sleep".into(), "60".into()]);
+    rank1.batch = w.batch;
+    bus.put(&bus.plans, "n3", &plan("n3", vec![w, rank1]))
+        .await
+        .unwrap();
+
+    let mut reports = Vec::new();
+    while reports.len() < 4 {
+        let msg = tokio::time::timeout(Duration::from_secs(20), progress.next())
+            .await
+            .expect("four reports")
+            .unwrap();
+        reports.push(decode::<ProgressReport>(&msg.payload).unwrap());
+    }
+    let samples: Vec<u64> = reports.iter().map(|r| r.samples).collect();
+    assert_eq!(
+        samples,
+        [96, 192, 288, 384],
+        "every line's loss is reported"
+    );
+    for r in &reports[..3] {
+        assert_eq!((r.grad_sqr, r.grad_var), (None, None), "bad pair dropped");
+    }
+    assert_eq!(
+        (reports[3].grad_sqr, reports[3].grad_var),
+        (Some(34.0), Some(16.0)),
+        "CONVERGE_ACCUM_STEPS + CONVERGE_REFERENCE_BATCH, CONVERGE_BATCH_SIZE"
+    );
+    let t = wait_for(
+        Duration::from_secs(10),
+        "three ignored statistics in the telemetry",
+        || async {
+            let t = telemetry(&bus, "n3").await?;
+            (t.ignored_gradient_stats == 3).then_some(t)
+        },
+    )
+    .await;
+    assert_eq!(t.malformed_progress_lines, 0, "no line was refused");
     agent.stop().await;
 }

@@ -359,3 +359,85 @@ max_workers = 2
     agent.stop().await;
     allocator.stop().await;
 }
+
+/// Two `[batch]` jobs through the allocator: the plan carries each generation's batch to
+/// the trainer, which applies it (with its scaled learning rate) and reports gradient
+/// statistics; the job that reports none (`--no-grad-stats`) keeps its reference batch,
+/// and `converge jobs` says which is which.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_jobs_get_their_batch_and_the_one_without_statistics_stays_fixed() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let _agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
+    let _allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
+    let table = "reference = 32\nmax_total = 256\nmin_per_worker = 8\nmax_per_worker = 64";
+    for job in [
+        TrainerJob::new("adapt", 1000).batch(table),
+        TrainerJob::new("fixed", 1000)
+            .batch(table)
+            .arg("--no-grad-stats"),
+    ] {
+        let out = converge(&nats, &["submit", job.write(work.path()).to_str().unwrap()]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let adapt = wait_for(
+        Duration::from_secs(60),
+        "adapt running with a plan and gradient statistics",
+        || async {
+            let s = job_status(&bus, "adapt").await?;
+            let b = s.batch.as_ref()?;
+            (s.phase == JobPhase::Running
+                && b.plan.is_some()
+                && b.adaptive
+                && b.gradient_reports >= 3)
+                .then_some(s)
+        },
+    )
+    .await;
+    let b = adapt.batch.as_ref().unwrap();
+    let plan = b.plan.unwrap();
+    plan.check(adapt.world_size).unwrap();
+    assert!(b.noise_scale.is_some_and(|n| n > 0.0), "{b:?}");
+    assert_eq!(b.ignored_gradient_stats, 0);
+    // The trainer read the plan: its log names the planned total.
+    let log = work
+        .path()
+        .join(format!("logs/adapt/gen{}-rank0.log", adapt.generation));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains(&format!("planned batch {} ", plan.total)),
+        "{text}"
+    );
+    let fixed = wait_for(
+        Duration::from_secs(30),
+        "fixed running with reports",
+        || async {
+            let s = job_status(&bus, "fixed").await?;
+            (s.phase == JobPhase::Running && s.step > 10).then_some(s)
+        },
+    )
+    .await;
+    let b = fixed.batch.as_ref().unwrap();
+    assert!(!b.adaptive && b.gradient_reports == 0, "{b:?}");
+    assert_eq!(b.plan.unwrap().total, 32, "keeps its reference batch");
+
+    let out = converge(&nats, &["jobs"]);
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(table.contains("adaptive"), "{table}");
+    assert!(table.contains("fixed (no gradient statistics)"), "{table}");
+    let out = converge(&nats, &["--json", "jobs"]);
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let modes: Vec<&str> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|j| j["batch_mode"].as_str().unwrap())
+        .collect();
+    assert!(modes.contains(&"adaptive") && modes.contains(&"fixed (no gradient statistics)"));
+}
