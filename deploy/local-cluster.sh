@@ -4,7 +4,7 @@
 # time; shows a live view of the jobs and stops everything cleanly on Ctrl-C, once every
 # job has finished, or after --duration seconds.
 #
-#   ./deploy/local-cluster.sh [--duration SECONDS] [--summary FILE] [--keep] [--debug]
+#   ./deploy/local-cluster.sh [--duration SECONDS] [--summary FILE] [--jobs "SPEC..."] [--keep] [--debug]
 #
 # Needs: Rust (cargo) and python3 with pip (to fetch the pinned nats-server). Builds in
 # release mode first. Logs and checkpoints live in a temporary directory, removed at the
@@ -20,6 +20,9 @@ Options:
                        GPUs over time)
   --scheduling-interval DURATION  allocator scheduling interval (default 5s; --epoch is the old name)
   --restart-cost DUR   allocator restart cost knob (default 10s)
+  --jobs "SPEC..."     submit these job specs instead of the six examples (space-separated
+                       paths, --spacing seconds apart)
+  --spacing SECONDS    seconds between submissions (default 15)
   --keep               keep the working directory (logs, checkpoints) and print its path
   --debug              build and run debug binaries instead of release
   -h, --help           this text
@@ -32,12 +35,16 @@ interval=5s
 restart_cost=10s
 keep=0
 profile=release
+job_list=""
+spacing=15
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --duration) duration="$2"; shift 2 ;;
         --summary) summary="$2"; shift 2 ;;
         --scheduling-interval|--epoch) interval="$2"; shift 2 ;;
         --restart-cost) restart_cost="$2"; shift 2 ;;
+        --jobs) job_list="$2"; shift 2 ;;
+        --spacing) spacing="$2"; shift 2 ;;
         --keep) keep=1; shift ;;
         --debug) profile=debug; shift ;;
         -h|--help) usage; exit 0 ;;
@@ -45,18 +52,24 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 [[ "$duration" =~ ^[0-9]+$ ]] || { echo "local-cluster.sh: --duration takes whole seconds" >&2; exit 2; }
+[[ "$spacing" =~ ^[0-9]+$ ]] || { echo "local-cluster.sh: --spacing takes whole seconds" >&2; exit 2; }
 if [[ -n "$summary" ]]; then
     summary=$(realpath -m "$summary")
+fi
+if [[ -n "$job_list" ]]; then
+    job_list=$(for spec in $job_list; do realpath -m "$spec"; done | tr '\n' ' ')
 fi
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 echo "==> building ($profile)"
+# Only the four binaries the cluster runs.
+packages=(-p converge-cli -p converge-agent -p converge-allocator -p converge-trainer)
 if [[ "$profile" == release ]]; then
-    cargo build --release --workspace --bins
+    cargo build --release "${packages[@]}"
 else
-    cargo build --workspace --bins
+    cargo build "${packages[@]}"
 fi
 bin="$root/target/$profile"
 export PATH="$bin:$PATH"
@@ -115,14 +128,24 @@ done
 echo "==> 3 agents x 4 fake GPUs; worker logs in $work/logs"
 
 # Jobs arrive over time: (seconds after the previous submission, spec).
-jobs=(
-    "0 examples/jobs/a9a-logreg.toml"
-    "15 examples/jobs/optdigits-softmax.toml"
-    "15 examples/jobs/millionsong-linreg.toml"
-    "15 examples/jobs/mnist-mlp.toml"
-    "15 examples/jobs/optdigits-mlp.toml"
-    "15 examples/jobs/optdigits-ps.toml"
-)
+if [[ -n "$job_list" ]]; then
+    jobs=()
+    delay=0
+    for spec in $job_list; do
+        [[ -f "$spec" ]] || { echo "local-cluster.sh: no job spec $spec" >&2; exit 2; }
+        jobs+=("$delay $spec")
+        delay=$spacing
+    done
+else
+    jobs=(
+        "0 examples/jobs/a9a-logreg.toml"
+        "$spacing examples/jobs/optdigits-softmax.toml"
+        "$spacing examples/jobs/millionsong-linreg.toml"
+        "$spacing examples/jobs/mnist-mlp.toml"
+        "$spacing examples/jobs/optdigits-mlp.toml"
+        "$spacing examples/jobs/optdigits-ps.toml"
+    )
+fi
 (
     for entry in "${jobs[@]}"; do
         read -r delay spec <<<"$entry"

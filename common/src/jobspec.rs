@@ -375,6 +375,19 @@ mod tests {
     }
 
     #[test]
+    fn the_example_specs_are_valid() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/jobs");
+        let mut adaptive = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let text = std::fs::read_to_string(&path).unwrap();
+            let spec = JobSpec::from_toml(&text).unwrap_or_else(|e| panic!("{path:?}: {e}"));
+            adaptive += usize::from(spec.batch.is_some());
+        }
+        assert!(adaptive >= 2, "at least two example jobs adapt their batch");
+    }
+
+    #[test]
     fn minimal_spec_gets_defaults() {
         let s = JobSpec::from_toml("id = \"j1\"\ncommand = [\"true\"]\n").unwrap();
         assert_eq!(

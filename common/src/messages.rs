@@ -742,6 +742,10 @@ pub struct JobBatch {
     /// The batch of the current generation (`None` while no generation runs or before the
     /// first placement).
     pub plan: Option<AssignedBatch>,
+    /// Whether `plan` was chosen with gradient statistics (goodput); a running job whose
+    /// plan was not restarts once with a goodput plan when its statistics arrive.
+    #[serde(default)]
+    pub planned_with_statistics: bool,
     /// Estimated gradient noise scale `grad_var / grad_sqr`, samples (smoothed over the
     /// reports).
     #[serde(default)]
@@ -765,6 +769,7 @@ impl JobBatch {
             adaptive: false,
             reference,
             plan: None,
+            planned_with_statistics: false,
             noise_scale: None,
             efficiency: None,
             gradient_reports: 0,

@@ -376,6 +376,25 @@ fn generation_batch(
     Some(assigned(plan, b.reference))
 }
 
+/// The total batch a running `[batch]` job restarts with although its placement stays: its
+/// current generation's batch was chosen without gradient statistics and the decision now
+/// plans another with them (`decided`). At most once per job: later batches change only
+/// with the allocation (docs/scheduling.md, "Adaptive batch sizes in the live cluster").
+fn first_statistics_batch(
+    status: &JobStatus,
+    spec: &JobSpec,
+    decided: Option<&BatchPlan>,
+) -> Option<u32> {
+    let plan = decided?;
+    let b = status.batch.as_ref()?;
+    let current = b.plan?;
+    let reference = spec.batch.as_ref()?.reference;
+    (status.phase == JobPhase::Running
+        && !b.planned_with_statistics
+        && assigned(*plan, reference) != current)
+        .then_some(plan.total)
+}
+
 /// Keeps a `[batch]` job's [`JobBatch`] up to date: adaptive once it has gradient
 /// statistics, the current generation's plan (none without workers), the noise scale, the
 /// plan's efficiency and the counts of used and ignored statistics. Jobs without a `[batch]`
@@ -902,7 +921,9 @@ fn allocate(
     for (s, spec) in &active {
         let new_placement = placed.get(&s.job).cloned().unwrap_or_default();
         let new_shards = shards.get(&s.job).cloned().unwrap_or_default();
-        if new_placement == s.placement && new_shards == s.ps_placement {
+        let decided = batches.get(&s.job);
+        let rebatch = first_statistics_batch(s, spec, decided);
+        if new_placement == s.placement && new_shards == s.ps_placement && rebatch.is_none() {
             continue;
         }
         let status = out
@@ -914,14 +935,16 @@ fn allocate(
         status.placement = new_placement;
         status.ps_placement = new_shards;
         // A batch changes only with a new generation (the workers read it when they start).
-        let batch = generation_batch(spec, status.world_size, batches.get(&s.job));
-        if let Some(b) = status.batch.as_mut() {
-            b.plan = batch;
-        } else if let Some(plan) = batch {
-            status.batch = Some(JobBatch {
-                plan: Some(plan),
-                ..JobBatch::new(plan.reference)
-            });
+        let batch = generation_batch(spec, status.world_size, decided);
+        let old_total = status.batch.as_ref().and_then(|b| b.plan).map(|p| p.total);
+        if let Some(plan) = batch {
+            let b = status
+                .batch
+                .get_or_insert_with(|| JobBatch::new(plan.reference));
+            b.plan = Some(plan);
+            b.planned_with_statistics = decided.is_some();
+        } else if let Some(b) = status.batch.as_mut() {
+            b.plan = None;
         }
         bump_generation(status, &mut taken_ports);
         if status.world_size == 0 {
@@ -939,10 +962,16 @@ fn allocate(
                 from_workers: from,
                 to_workers: status.world_size,
             },
-            format!(
-                "job {}: {from} -> {} workers (generation {})",
-                status.job, status.world_size, status.generation
-            ),
+            match (rebatch, old_total) {
+                (Some(total), Some(old)) if from == status.world_size => format!(
+                    "job {}: batch {old} -> {total} samples per step with its first gradient statistics, {from} workers (generation {})",
+                    status.job, status.generation
+                ),
+                _ => format!(
+                    "job {}: {from} -> {} workers (generation {})",
+                    status.job, status.world_size, status.generation
+                ),
+            },
         ));
     }
 }
@@ -1864,6 +1893,26 @@ mod tests {
         let fx = w.status("fx").batch.clone().unwrap();
         assert!(!fx.adaptive);
         assert_eq!((fx.ignored_gradient_stats, fx.gradient_reports), (20, 0));
+        // The next decision restarts "ad" once, on its placement, with a goodput batch.
+        let (gen_ad, gen_fx) = (w.status("ad").generation, w.status("fx").generation);
+        w.add_host(host("h1", 6, 32.0, vec![]));
+        let out = w.step(32.0, true);
+        let s = w.status("ad");
+        assert_eq!(s.generation, gen_ad + 1);
+        let b = s.batch.as_ref().unwrap();
+        assert!(b.planned_with_statistics && b.plan.unwrap().total > 32, "{b:?}");
+        assert!(
+            out.events
+                .iter()
+                .any(|e| e.message.contains("with its first gradient statistics")),
+            "{:?}",
+            out.events
+        );
+        assert_eq!(w.status("fx").generation, gen_fx, "fx has no statistics");
+        // Once is enough: the next decision keeps it.
+        w.add_host(host("h1", 6, 33.0, vec![]));
+        w.step(33.0, true);
+        assert_eq!(w.status("ad").generation, gen_ad + 1);
         // h1 is lost, h2 (8 GPUs) appears: every job is placed again as a new generation.
         w.add_host(host("h2", 8, 100.0, vec![]));
         w.step(100.0, true);
