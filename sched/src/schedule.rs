@@ -1900,7 +1900,10 @@ mod tests {
         let s = w.status("ad");
         assert_eq!(s.generation, gen_ad + 1);
         let b = s.batch.as_ref().unwrap();
-        assert!(b.planned_with_statistics && b.plan.unwrap().total > 32, "{b:?}");
+        assert!(
+            b.planned_with_statistics && b.plan.unwrap().total > 32,
+            "{b:?}"
+        );
         assert!(
             out.events
                 .iter()
