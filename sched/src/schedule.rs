@@ -397,8 +397,8 @@ fn first_statistics_batch(
 
 /// Keeps a `[batch]` job's [`JobBatch`] up to date: adaptive once it has gradient
 /// statistics, the current generation's plan (none without workers), the noise scale, the
-/// plan's efficiency and the counts of used and ignored statistics. Jobs without a `[batch]`
-/// table have none.
+/// plan's efficiency and the counts of used and ignored statistics (a finished job keeps
+/// them as they were). Jobs without a `[batch]` table have none.
 fn update_batch(
     status: &mut JobStatus,
     spec: &JobSpec,
@@ -413,6 +413,10 @@ fn update_batch(
     batch.reference = b.reference;
     if status.world_size == 0 || status.phase.is_terminal() {
         batch.plan = None;
+    }
+    if status.phase.is_terminal() {
+        // A finished job keeps what was known of it when it finished.
+        return;
     }
     let reference = f64::from(b.reference);
     batch.adaptive = gradient.is_some();
