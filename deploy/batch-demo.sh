@@ -4,8 +4,9 @@
 # twice through deploy/local-cluster.sh: once as submitted (their batch follows their
 # allocation), once with `--no-grad-stats` added to their command (no gradient statistics:
 # each keeps its reference batch of 64 and is scheduled by throughput alone). Prints, per
-# job, the loss at equal samples (the end of the same number of epochs) of both runs, their
-# completion times and the batches the adaptive run got over time.
+# job, the training loss of both runs at equal samples (25, 50, 75 and 100 % of the job's
+# epochs) and the final held-out loss, their completion times, and the batches each run got
+# over time.
 #
 #   ./deploy/batch-demo.sh [--debug] [--out DIR] [--spacing SECONDS] [--duration SECONDS]
 #
@@ -63,7 +64,14 @@ def fmt(x, spec="{:.4f}"):
 def jct(j):
     return None if j.get("finished_at") is None else j["finished_at"] - j["submitted_at"]
 
-def batches(j, t0):
+def loss_at(j, samples, width):
+    """Mean training loss reported in (samples - width, samples]: rank 0's loss (itself a
+    mean over 10 steps) as the monitor saw it every 2 s."""
+    pts = [p["loss"] for p in j.get("loss_over_samples", [])
+           if samples - width < p["samples"] <= samples]
+    return sum(pts) / len(pts) if pts else None
+
+def batches(j):
     seq = []
     for b in j.get("batches_over_time", []):
         if b["total"] == 0:
@@ -73,21 +81,34 @@ def batches(j, t0):
         seq.append(f"{b['total']} [{micro}/worker]{mode}@{b['t']:.0f}s")
     return " → ".join(seq) or "-"
 
+def rel(a, f):
+    return None if a is None or f is None or f == 0 else 100.0 * (a / f - 1.0)
+
 print(f"adaptive run: {runs[0]['duration_s']:.0f} s ({runs[0]['ended_because']}); "
       f"fixed run: {runs[1]['duration_s']:.0f} s ({runs[1]['ended_because']})\n")
-print("| job | run | samples | final train loss | final eval loss | eval loss vs fixed | JCT | generations | GPUs over time | batch over time (total [per worker × micro-batches]) |")
-print("|---|---|---|---|---|---|---|---|---|---|")
+print("Training loss at equal samples (mean of the losses reported in the last 10 % of samples before each mark), adaptive / fixed (difference):\n")
+print("| job | samples (adaptive / fixed) | 25 % | 50 % | 75 % | 100 % | final held-out loss |")
+print("|---|---|---|---|---|---|---|")
 for job in sorted(jobs[0]):
     a, f = jobs[0][job], jobs[1].get(job)
-    for name, j in (("adaptive", a), ("fixed", f)):
+    if f is None:
+        continue
+    n = min(a["final_samples"], f["final_samples"])
+    cells = []
+    for frac in (0.25, 0.5, 0.75, 1.0):
+        la, lf = loss_at(a, frac * n, 0.1 * n), loss_at(f, frac * n, 0.1 * n)
+        cells.append(f"{fmt(la)} / {fmt(lf)} ({fmt(rel(la, lf), '{:+.1f} %')})")
+    ea, ef = a["last_eval_loss"], f["last_eval_loss"]
+    cells.append(f"{fmt(ea)} / {fmt(ef)} ({fmt(rel(ea, ef), '{:+.1f} %')})")
+    print(f"| `{job}` | {a['final_samples']:,} / {f['final_samples']:,} | " + " | ".join(cells) + " |")
+print()
+print("| job | run | JCT | generations | GPUs over time | batch over time (total [per worker × micro-batches]) |")
+print("|---|---|---|---|---|---|")
+for job in sorted(jobs[0]):
+    for name, j in (("adaptive", jobs[0][job]), ("fixed", jobs[1].get(job))):
         if j is None:
             continue
-        rel = None
-        if name == "adaptive" and f and a["last_eval_loss"] and f["last_eval_loss"]:
-            rel = 100.0 * (a["last_eval_loss"] / f["last_eval_loss"] - 1.0)
         gpus = " → ".join(f"{g['gpus']}@{g['t']:.0f}s" for g in j["gpus_over_time"])
-        print(f"| `{job}` | {name} | {j['final_samples']:,} | {fmt(j['last_loss'])} | "
-              f"{fmt(j['last_eval_loss'])} | {fmt(rel, '{:+.1f} %')} | {fmt(jct(j), '{:.0f} s')} | "
-              f"{j['generations']} | {gpus} | {batches(j, 0)} |")
+        print(f"| `{job}` | {name} | {fmt(jct(j), '{:.0f} s')} | {j['generations']} | {gpus} | {batches(j)} |")
 PY
 echo "summaries and table in $out"

@@ -79,6 +79,17 @@ pub struct JobSummary {
     /// `[batch]` jobs only: each change of batch plan or of adaptivity.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub batches_over_time: Vec<BatchSample>,
+    /// The job's latest reported training loss at each refresh where its samples changed:
+    /// the loss curve against samples, for comparing runs at equal samples.
+    pub loss_over_samples: Vec<LossSample>,
+}
+
+/// The training loss rank 0 last reported, at `samples`, seen `t` seconds into the run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LossSample {
+    pub t: f64,
+    pub samples: u64,
+    pub loss: f64,
 }
 
 /// The run summary.
@@ -104,6 +115,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
     let started_at = unix_now();
     let mut history: BTreeMap<String, Vec<GpuSample>> = BTreeMap::new();
     let mut batches: BTreeMap<String, Vec<BatchSample>> = BTreeMap::new();
+    let mut losses: BTreeMap<String, Vec<LossSample>> = BTreeMap::new();
     let mut last: (Vec<JobSpec>, Vec<JobStatus>) = (Vec::new(), Vec::new());
     let mut tick = tokio::time::interval(opts.interval);
     let ctrl_c = tokio::signal::ctrl_c();
@@ -130,6 +142,18 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                     t: (t * 10.0).round() / 10.0,
                     gpus,
                 });
+            }
+            if let Some(s) = st
+                && let Some(loss) = s.loss
+            {
+                let l = losses.entry(spec.id.to_string()).or_default();
+                if l.last().is_none_or(|p| p.samples != s.samples) {
+                    l.push(LossSample {
+                        t: (t * 10.0).round() / 10.0,
+                        samples: s.samples,
+                        loss,
+                    });
+                }
             }
             if let Some(sample) = batch_sample((t * 10.0).round() / 10.0, st) {
                 let b = batches.entry(spec.id.to_string()).or_default();
@@ -216,6 +240,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                     max_gpus: gpus_over_time.iter().map(|g| g.gpus).max().unwrap_or(0),
                     gpus_over_time,
                     batches_over_time: batches.remove(spec.id.as_str()).unwrap_or_default(),
+                    loss_over_samples: losses.remove(spec.id.as_str()).unwrap_or_default(),
                 }
             })
             .collect();
