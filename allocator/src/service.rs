@@ -56,7 +56,7 @@ pub struct AllocatorConfig {
     #[arg(long, env = "CONVERGE_POLICY", default_value = "quality", value_parser = parse_policy)]
     pub policy: String,
     /// What the quality policy maximizes over the horizon: `both` (the sum of the two
-    /// others, the default), `jct` (fraction of each job's remaining work done, which favours
+    /// others, the default), `jct` (each job's speedup weighted by its rank by remaining time, which favours
     /// jobs close to completion) or `loss` (SLAQ's normalized loss reduction). A job's
     /// remaining work is known when it has a `target_loss` its fitted curve reaches; else it
     /// is guessed as the work it has done so far.

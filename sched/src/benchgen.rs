@@ -121,6 +121,7 @@ impl DecisionInputs {
                 remaining_work: job.remaining_work,
                 oracle: None,
                 restarts: 0,
+                restart_cost_s: None,
                 adaptive: None,
             })
             .collect();
@@ -256,6 +257,7 @@ fn random_job(index: usize, rng: &mut ChaCha8Rng) -> PolicyJob {
         throughput: None,
         remaining_work: None,
         restarts: 0,
+        restart_cost_s: None,
         goodput: None,
         current_hosts: Vec::new(),
     }

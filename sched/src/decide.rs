@@ -116,6 +116,9 @@ pub struct JobView {
     pub oracle: Option<Oracle>,
     /// Restarts so far (allocation changes after the first start).
     pub restarts: u32,
+    /// Seconds of progress one restart cost this job, measured from its own restarts (see
+    /// [`PolicyJob::restart_cost_s`]); `None` before it has restarted.
+    pub restart_cost_s: Option<f64>,
     /// Set when the job's batch size may follow its allocation (its program applies the
     /// plan's batch and reports gradient statistics); read by policies that declare
     /// `goodput`.
@@ -374,6 +377,7 @@ pub fn decide(
                 throughput,
                 remaining_work,
                 restarts: job.restarts,
+                restart_cost_s: job.restart_cost_s,
                 goodput,
                 current_hosts: if let Some(index) = &index {
                     per_host(index, &job.placement)

@@ -267,6 +267,45 @@ impl JobHistory {
             .then(|| (last.samples - first.samples) as f64 / dt)
     }
 
+    /// Seconds of progress one restart cost this job, measured on its own restarts: for each
+    /// change of generation between consecutive rank-0 points, the time between the last
+    /// report of the old generation and the first of the new one, less the time the steps
+    /// between them take at the new generation's step time (checkpoint, stop, start,
+    /// rendezvous and any work redone from an older checkpoint remain). The median over the
+    /// restarts kept in the history; `None` when no restart is measurable (a new generation
+    /// needs two reports for its step time).
+    pub fn restart_cost_s(&self) -> Option<f64> {
+        let mut costs: Vec<f64> = self
+            .points
+            .windows(2)
+            .filter(|w| w[1].generation > w[0].generation)
+            .filter_map(|w| {
+                let (old, new) = (&w[0], &w[1]);
+                let mut it = self
+                    .points
+                    .iter()
+                    .filter(|p| p.generation == new.generation);
+                let first = it.next()?;
+                let last = it.next_back()?;
+                let steps = last.step.checked_sub(first.step).filter(|&s| s > 0)?;
+                let step_s = (last.time - first.time) / steps as f64;
+                let between = new.step.saturating_sub(old.step) as f64;
+                let stall = (new.time - old.time) - between * step_s;
+                stall.is_finite().then_some(stall.max(0.0))
+            })
+            .collect();
+        if costs.is_empty() {
+            return None;
+        }
+        costs.sort_by(f64::total_cmp);
+        let n = costs.len();
+        Some(if n % 2 == 1 {
+            costs[n / 2]
+        } else {
+            0.5 * (costs[n / 2 - 1] + costs[n / 2])
+        })
+    }
+
     /// The generation of the most recent point that has a measurable throughput, and that
     /// throughput.
     /// One step-time observation per generation with at least two rank-0 reports that
@@ -603,6 +642,25 @@ pub(crate) mod tests {
         // A stale report (older generation) changes neither.
         h.add(&with(1, 1300, 40.0, Some(5.0), Some(1)));
         assert_eq!(h.model_bytes(), Some(6400));
+    }
+
+    #[test]
+    fn restart_cost_is_the_stall_between_generations_less_the_steps_made() {
+        let mut h = JobHistory::default();
+        for (samples, time) in [(100, 10.0), (200, 11.0), (300, 12.0)] {
+            h.add(&report(1, 0, samples, 1.0, time));
+        }
+        assert_eq!(h.restart_cost_s(), None, "no restart yet");
+        // Generation 2 reports 38 s later, 2 steps on; its step time is 0.1 s.
+        h.add(&report(2, 0, 320, 0.9, 50.0));
+        assert_eq!(h.restart_cost_s(), None, "one report gives no step time");
+        h.add(&report(2, 0, 420, 0.9, 51.0));
+        assert!((h.restart_cost_s().unwrap() - 37.8).abs() < 1e-9);
+        // Generation 3 after a 12 s stall with nothing redone (step time 0.05 s).
+        h.add(&report(3, 0, 420, 0.8, 63.0));
+        h.add(&report(3, 0, 620, 0.8, 64.0));
+        let median = 0.5 * (37.8 + 12.0);
+        assert!((h.restart_cost_s().unwrap() - median).abs() < 1e-9);
     }
 
     #[test]

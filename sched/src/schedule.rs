@@ -844,6 +844,7 @@ fn job_view(
         oracle: None,
         // Generation 1 is the first start.
         restarts: u32::try_from(status.generation.saturating_sub(1)).unwrap_or(u32::MAX),
+        restart_cost_s: history.and_then(JobHistory::restart_cost_s),
         // Adaptive only with a `[batch]` table and gradient statistics: a job whose program
         // reports none keeps its reference batch and is valued by throughput alone.
         adaptive: spec

@@ -89,7 +89,7 @@ impl ClusterArgs {
 #[derive(Debug, Clone, clap::Args)]
 pub struct QualityArgs {
     /// What the quality policy maximizes over the horizon: `both` (the sum of the other two),
-    /// `jct` (fraction of each job's remaining work done, completion-time-aware) or `loss`
+    /// `jct` (speedups weighted by rank of remaining time, after heSRPT: completion-time-aware) or `loss`
     /// (SLAQ's normalized loss reduction).
     #[arg(long, value_enum, default_value_t = Objective::default())]
     pub objective: Objective,

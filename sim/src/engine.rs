@@ -427,6 +427,9 @@ pub fn simulate(
                 remaining_work: (wants.estimates || wants.oracle)
                     .then(|| declared_samples_left(&t.job, app)),
                 restarts: t.job.restarts,
+                // Every restart stalls a simulated job for the restart delay: what a job
+                // that has restarted has measured.
+                restart_cost_s: (t.job.restarts > 0).then_some(cfg.restart_delay_s),
                 adaptive: t.limits.map(|limits| AdaptiveBatch {
                     limits,
                     gradient: t.gradient,

@@ -1205,9 +1205,10 @@ what they maximize over the horizon, summed over jobs:
   range. A short job (cifar10, minutes) removes a large share of its range per horizon, a
   long one (yolov3, imagenet: hours) a tiny share, so the long jobs give up GPUs at arrivals
   and get them back at departures, paying the restart cost each time.
-- `jct` (completion-time aware, after Optimus): the fraction of the job's remaining work done
-  over the horizon; its sum over jobs is the rate at which jobs complete, which
-  shortest-remaining-first maximizes.
+- `jct` (completion-time aware, after heSRPT): each job's speedup weighted by its rank by
+  remaining time, so that shorter jobs get more GPUs and long ones still get some; a change
+  of allocation pays the restart budget (a job spends at most about a tenth of its age
+  restarting).
 - `both`: the sum of the two (both dimensionless, per horizon).
 
 SLAQ measured its changes on its own Spark MLlib jobs against a fair scheduler; here the jobs

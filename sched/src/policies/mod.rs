@@ -81,6 +81,10 @@ pub struct PolicyJob {
     pub remaining_work: Option<f64>,
     /// Restarts so far (allocation changes after the first start).
     pub restarts: u32,
+    /// Seconds of progress one restart costs this job (checkpoint, restart, rendezvous,
+    /// until its first progress), measured from its own restarts; `None` before it has
+    /// restarted (policies then assume their configured restart cost).
+    pub restart_cost_s: Option<f64>,
     /// The job's goodput model, when its batch size adapts and the policy declares
     /// `goodput`: `throughput` then holds goodput (reference samples per second).
     pub goodput: Option<GoodputFn>,
@@ -303,6 +307,7 @@ pub(crate) mod test_support {
             throughput: None,
             remaining_work: None,
             restarts: 0,
+            restart_cost_s: None,
             goodput: None,
             current_hosts: Vec::new(),
         }
@@ -431,6 +436,7 @@ mod tests {
                     throughput,
                     remaining_work,
                     restarts: 0,
+                    restart_cost_s: None,
                     goodput: None,
                     current_hosts: Vec::new(),
                 },

@@ -15,21 +15,31 @@
 //!    and a running job that no longer fits (capacity shrank) is stopped.
 //! 2. **Value** of `w` workers over the horizon ([`job_value`]): the job progresses at
 //!    `X(w)` samples/s ([`throughput`]: the job's throughput table — in the service and the
-//!    simulator, from its fitted [`crate::throughput::ThroughputModel`] — else `w·r` with `r`
-//!    the measured throughput per worker, else the prior) for `T` seconds, where
-//!    `T = horizon_s` if `w == current_workers` and `max(0, horizon_s − restart_cost_s)`
-//!    otherwise, since any change of allocation pays a restart. What that progress is worth
-//!    depends on the [`Objective`]:
-//!    - `loss` (SLAQ): the predicted loss drop over those `X(w)·T` samples divided by the
+//!    simulator, from its fitted [`crate::throughput::ThroughputModel`], in goodput when its
+//!    batch size adapts — else `w·r` with `r` the measured throughput per worker, else the
+//!    prior). Keeping `w == current_workers` is productive for the whole horizon; any change
+//!    pays a restart and is productive for only a share `f` of it ([`JobTerms`]): under
+//!    `loss`, `f = max(0, horizon_s − δ)/horizon_s`; under `jct` and `both`, the *restart
+//!    budget* `f = max(age − restarts·δ/ρ, 0) / (age + δ/ρ)` (Pollux's restart penalty with
+//!    each restart charged `1/ρ` times, `ρ = restart_budget`, default 0.1: a job spends at
+//!    most about a tenth of its age restarting), where `δ` is the job's own measured restart
+//!    cost ([`PolicyJob::restart_cost_s`]) or else `restart_cost_s`, and `age` the time
+//!    since submission. What the progress is worth depends on the [`Objective`]:
+//!    - `loss` (SLAQ): the predicted loss drop over those `X(w)·f·T` samples divided by the
 //!      job's loss scale ([`normalized_gain`]); without a fitted curve,
-//!      `new_job_gain·(1 − 0.5^w)·T/horizon_s`;
-//!    - `jct` (after Optimus): `X(w)·T / R`, the fraction of the job's remaining work `R`
-//!      ([`remaining_work`]) done over the horizon; summed over jobs it is the rate at which
-//!      jobs complete, so GPUs go to jobs close to completion that scale (shortest remaining
-//!      time first);
+//!      `new_job_gain·(1 − 0.5^w)·f`;
+//!    - `jct` (completion-time-aware, after heSRPT: Berg, Vesilo, Harchol-Balter, "heSRPT:
+//!      Parallel Scheduling to Minimize Mean Slowdown", SIGMETRICS 2020 / Performance
+//!      2020): `weight·X(w)/X(1)·f`, the job's speedup times a weight from its rank by
+//!      remaining time at one worker ([`remaining_work`]` / X(1)`) among the decision's `m`
+//!      jobs ([`job_terms`]). heSRPT's optimum for speedups `k^p` gives the job of rank
+//!      `k` (1 = longest) the share `θ_k = (k/m)^c − ((k−1)/m)^c`, `c = 1/(1−p)`; the weight
+//!      `(m·θ_k)^(1/c)` makes maximizing `Σ weight·speedup` reproduce it (1 for an equal
+//!      share). Shorter jobs get more, but every job gets some: unlike a rate `X/R`, a long
+//!      job is not starved by many short ones. `p = speedup_exponent` (default 0.8);
 //!    - `both` (the default): the sum of the two.
 //!
-//!    `V(0) = 0`. The restart term puts a bump at `w == current_workers`: that bump is the
+//!    `V(0) = 0`. The restart share puts a bump at `w == current_workers`: that bump is the
 //!    hysteresis — an allocation changes only when the predicted gain beats the restart.
 //! 3. **Max-heap hand-out** (SLAQ). The remaining GPUs go, in steps, to the admitted job with
 //!    the largest marginal value per GPU. Because the bump makes `V` non-concave, each job's
@@ -66,7 +76,10 @@
 //!   favours running jobs, so arrivals do not preempt running work.
 //! - SLAQ's objective alone does not care when jobs finish: a long job's normalized gain
 //!   over a short horizon is tiny, so arrivals shrink it and departures regrow it, and mean
-//!   JCT suffers (docs/benchmarks.md). The `both` objective adds the completion term.
+//!   JCT suffers (docs/benchmarks.md). The `both` objective adds the completion term, and
+//!   with it the restart budget in place of the horizon's restart share: over a 60 s
+//!   horizon a 30 s restart halves any change, so a job alone in the tail of a workload
+//!   never grows into the idle cluster.
 //! - Throughput comes from a per-job model fitted on observed step times (design brief
 //!   §5.2), not linear scaling.
 
@@ -99,6 +112,14 @@ pub struct PolicyParams {
     /// Starvation guard: a pending job that has waited this long (seconds since submission)
     /// is admitted before running jobs, which may stop one to make room.
     pub max_wait_s: f64,
+    /// Restart budget `ρ` of the completion-aware objectives (`jct`, `both`): the share of
+    /// its age a job may spend restarting. A change of allocation is worth
+    /// `max(age − restarts·δ/ρ, 0) / (age + δ/ρ)` of its value (`δ` the job's restart cost),
+    /// Pollux's restart penalty with every restart counted `1/ρ` times.
+    pub restart_budget: f64,
+    /// Speedup exponent `p` (`speedup(k) ≈ k^p`) behind the completion weights of the
+    /// `jct` and `both` objectives (heSRPT, module docs); in `(0, 1)`.
+    pub speedup_exponent: f64,
 }
 
 /// What the quality policy maximizes over the horizon, summed over jobs.
@@ -109,16 +130,16 @@ pub enum Objective {
     /// SLAQ's: the predicted loss reduction, normalized per job by its loss scale
     /// (cluster-wide loss reduction).
     Loss,
-    /// Completion-time-aware, after Optimus: the fraction of the job's remaining work done,
-    /// `throughput(w)·T / remaining_work` (the sum over jobs is the rate at which jobs
-    /// complete, which shortest-remaining-first maximizes). A job whose remaining work is
-    /// unknown is assumed to have as much left as it has done (at least one horizon at its
-    /// current rate), the least-attained-service guess.
+    /// Completion-time-aware: each job's speedup weighted by its heSRPT rank by remaining
+    /// time (module docs, step 2), so that jobs closer to completion get more GPUs without
+    /// starving long ones. A job whose remaining work is unknown is assumed to have as much
+    /// left as it has done (at least one horizon at its current rate), the
+    /// least-attained-service guess.
     Jct,
     /// The sum of both values above: the loss objective's normalized loss reduction plus the
-    /// completion objective's fraction of remaining work (both dimensionless, per horizon).
-    /// The default: in the simulator it has the lowest mean JCT of the three, with SLAQ's loss
-    /// metrics at fair share's level (docs/benchmarks.md).
+    /// completion objective's weighted speedup (both dimensionless, per horizon). The
+    /// default: in the simulator it has the lowest mean JCT of the three
+    /// (docs/scheduling.md).
     #[default]
     Both,
 }
@@ -144,36 +165,130 @@ impl Default for PolicyParams {
             min_gain: 1e-6,
             objective: Objective::default(),
             max_wait_s: 1800.0,
+            restart_budget: 0.1,
+            speedup_exponent: 0.8,
         }
     }
 }
 
-/// Predicted normalized gain of running `job` with `workers` workers over the horizon,
-/// including the restart cost when `workers != job.current_workers` (see the module
-/// documentation, step 2). Finite and non-negative; 0 for 0 workers.
-pub fn job_value(job: &PolicyJob, workers: u32, params: &PolicyParams) -> f64 {
+/// What a job's value depends on beyond the job itself (computed once per decision by
+/// [`job_terms`]): its completion weight among the decision's jobs and what a change of its
+/// allocation leaves of the horizon.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JobTerms {
+    /// heSRPT weight of the job's rank by remaining time (module docs, step 2): 1 for an
+    /// equal share, more for jobs closer to completion. Dimensionless; unused by the `loss`
+    /// objective.
+    pub completion_weight: f64,
+    /// Share of the horizon a changed allocation is productive, in `[0, 1]`: under `loss`,
+    /// `max(0, horizon − δ)/horizon`; under `jct` and `both`, the restart budget's
+    /// `max(age − restarts·δ/ρ, 0)/(age + δ/ρ)` (`δ` the job's restart cost).
+    pub change_factor: f64,
+}
+
+/// The job's restart cost in seconds: its own measurement when the caller has one, else the
+/// policy's `restart_cost_s`. Finite and ≥ 0.
+pub fn restart_cost(job: &PolicyJob, params: &PolicyParams) -> f64 {
+    job.restart_cost_s
+        .filter(|c| c.is_finite() && *c >= 0.0)
+        .unwrap_or(params.restart_cost_s)
+        .max(0.0)
+}
+
+/// Every job's [`JobTerms`] at time `now` (same clock as `submitted_at`), in the order of
+/// `jobs`. Completion weights rank the jobs by remaining time at one worker,
+/// `t = remaining_work / throughput(1)`, longest first (`k = 1..m`, ties by id); with
+/// `c = 1/(1 − p)` (`p` = `speedup_exponent`), job `k` gets `θ_k = (k/m)^c − ((k−1)/m)^c`
+/// of the cluster in heSRPT's optimum, and its weight is `(m·θ_k)^(1/c)`, the weight under
+/// which maximizing `Σ weight·speedup` yields that optimum for `speedup(x) = x^p`.
+pub fn job_terms(jobs: &[&PolicyJob], now: f64, params: &PolicyParams) -> Vec<JobTerms> {
+    let p = if params.speedup_exponent.is_finite() {
+        params.speedup_exponent.clamp(0.01, 0.99)
+    } else {
+        0.8
+    };
+    let c = 1.0 / (1.0 - p);
+    let mut by_time: Vec<(f64, usize)> = jobs
+        .iter()
+        .enumerate()
+        .map(|(i, job)| {
+            let one = throughput(job, 1, params).max(f64::MIN_POSITIVE);
+            (remaining_work(job, params) / one, i)
+        })
+        .collect();
+    by_time.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then_with(|| jobs[a.1].id.cmp(&jobs[b.1].id))
+    });
+    let m = by_time.len().max(1) as f64;
+    let mut weights = vec![1.0; jobs.len()];
+    for (rank, &(_, i)) in by_time.iter().enumerate() {
+        let k = (rank + 1) as f64;
+        let theta = (k / m).powf(c) - ((k - 1.0) / m).powf(c);
+        weights[i] = (m * theta.max(0.0)).powf(1.0 / c);
+    }
+    let horizon_s = params.horizon_s.max(0.0);
+    jobs.iter()
+        .zip(weights)
+        .map(|(job, completion_weight)| {
+            let delta = restart_cost(job, params);
+            let change_factor = match params.objective {
+                Objective::Loss if horizon_s > 0.0 => (horizon_s - delta).max(0.0) / horizon_s,
+                Objective::Loss => 0.0,
+                Objective::Jct | Objective::Both => {
+                    let rho = if params.restart_budget.is_finite() {
+                        params.restart_budget.max(1e-9)
+                    } else {
+                        1.0
+                    };
+                    let charged = delta / rho;
+                    let age = (now - job.submitted_at).max(0.0);
+                    if age + charged > 0.0 {
+                        ((age - f64::from(job.restarts) * charged).max(0.0) / (age + charged))
+                            .min(1.0)
+                    } else {
+                        1.0
+                    }
+                }
+            };
+            JobTerms {
+                completion_weight,
+                change_factor,
+            }
+        })
+        .collect()
+}
+
+/// Predicted value of running `job` with `workers` workers over the horizon (module docs,
+/// step 2), `terms` from [`job_terms`]: a changed allocation (`workers != current_workers`)
+/// is productive for `change_factor` of the horizon. Dimensionless, finite and non-negative;
+/// 0 for 0 workers.
+pub fn job_value(job: &PolicyJob, workers: u32, params: &PolicyParams, terms: &JobTerms) -> f64 {
     if workers == 0 {
         return 0.0;
     }
     let horizon_s = params.horizon_s.max(0.0);
-    let productive_s = if workers == job.current_workers {
-        horizon_s
+    let productive_fraction = if workers == job.current_workers {
+        1.0
     } else {
-        (horizon_s - params.restart_cost_s.max(0.0)).max(0.0)
+        terms.change_factor.clamp(0.0, 1.0)
     };
-    let completion =
-        || throughput(job, workers, params) * productive_s / remaining_work(job, params);
+    let productive_s = horizon_s * productive_fraction;
+    let completion = || {
+        let one = throughput(job, 1, params);
+        let speedup = if one > 0.0 {
+            throughput(job, workers, params) / one
+        } else {
+            0.0
+        };
+        terms.completion_weight * speedup * productive_fraction
+    };
     let loss = || match &job.curve {
         Some(curve) => {
             let end = job.samples + throughput(job, workers, params) * productive_s;
             normalized_gain(curve, job.samples, end, job.loss_scale)
         }
         None => {
-            let productive_fraction = if horizon_s > 0.0 {
-                productive_s / horizon_s
-            } else {
-                0.0
-            };
             let shape = 1.0 - 0.5f64.powf(f64::from(workers));
             params.new_job_gain.max(0.0) * shape * productive_fraction
         }
@@ -248,6 +363,21 @@ pub fn quality_allocate(
 
     let mut workers = vec![0u32; jobs.len()];
     let mut free_gpus = u64::from(total_gpus);
+    // Terms over the jobs considered (duplicates dropped); indexed like `jobs`.
+    let considered: Vec<&PolicyJob> = order.iter().map(|&i| &jobs[i]).collect();
+    let mut terms = vec![
+        JobTerms {
+            completion_weight: 0.0,
+            change_factor: 0.0,
+        };
+        jobs.len()
+    ];
+    for (&i, t) in order
+        .iter()
+        .zip(job_terms(&considered, cluster.now, params))
+    {
+        terms[i] = t;
+    }
 
     // 1. Admission.
     for &i in &order {
@@ -266,7 +396,7 @@ pub fn quality_allocate(
     let mut heap: BinaryHeap<Step<'_>> = order
         .iter()
         .filter(|&&i| workers[i] > 0)
-        .filter_map(|&i| best_step(jobs, i, workers[i], free_gpus, params, threshold))
+        .filter_map(|&i| best_step(jobs, i, workers[i], free_gpus, params, threshold, &terms[i]))
         .collect();
     while let Some(step) = heap.pop() {
         let job = &jobs[step.job];
@@ -279,6 +409,7 @@ pub fn quality_allocate(
                 free_gpus,
                 params,
                 threshold,
+                &terms[step.job],
             ));
             continue;
         }
@@ -291,6 +422,7 @@ pub fn quality_allocate(
             free_gpus,
             params,
             threshold,
+            &terms[step.job],
         ));
     }
 
@@ -305,7 +437,8 @@ pub fn quality_allocate(
                 && workers[i] != current
                 && minimum_workers(job)
                     .is_some_and(|min| (min..=job.max_workers).contains(&current))
-                && job_value(job, workers[i], params) <= job_value(job, current, params)
+                && job_value(job, workers[i], params, &terms[i])
+                    <= job_value(job, current, params, &terms[i])
         })
         .collect();
     // Returns that free GPUs (current below the result) first, then those that need GPUs;
@@ -385,15 +518,16 @@ fn best_step<'a>(
     free_gpus: u64,
     params: &PolicyParams,
     threshold: f64,
+    terms: &JobTerms,
 ) -> Option<Step<'a>> {
     let job = &jobs[index];
     let by_gpus = free_gpus / u64::from(job.gpus_per_worker.max(1));
     let by_max = u64::from(job.max_workers.saturating_sub(current));
     let most = by_gpus.min(by_max) as u32;
-    let base = job_value(job, current, params);
+    let base = job_value(job, current, params, terms);
     let mut best: Option<(f64, u32)> = None;
     for added in 1..=most {
-        let gain = job_value(job, current + added, params) - base;
+        let gain = job_value(job, current + added, params, terms) - base;
         let per_gpu = gain / gpus(job, added) as f64;
         if best.is_none_or(|(b, _)| per_gpu > b) {
             best = Some((per_gpu, added));
@@ -442,6 +576,11 @@ mod tests {
     use crate::fit::{Curve, CurveFamily};
     use proptest::prelude::*;
 
+    /// `job_value` of a job decided alone at time 0.
+    fn value_alone(job: &PolicyJob, workers: u32, params: &PolicyParams) -> f64 {
+        job_value(job, workers, params, &job_terms(&[job], 0.0, params)[0])
+    }
+
     fn id(name: &str) -> JobId {
         JobId::new(name).unwrap()
     }
@@ -464,6 +603,7 @@ mod tests {
             throughput: None,
             remaining_work: None,
             restarts: 0,
+            restart_cost_s: None,
             goodput: None,
             current_hosts: Vec::new(),
         }
@@ -545,25 +685,25 @@ mod tests {
     fn value_is_zero_without_workers_and_pays_the_restart() {
         let params = slaq();
         for j in [job("new", 8), with_curve(job("fitted", 8), steep_curve())] {
-            assert_eq!(job_value(&j, 0, &params), 0.0);
-            let moving = job_value(&j, 2, &params);
-            let staying = job_value(&running(j.clone(), 2), 2, &params);
+            assert_eq!(value_alone(&j, 0, &params), 0.0);
+            let moving = value_alone(&j, 2, &params);
+            let staying = value_alone(&running(j.clone(), 2), 2, &params);
             assert!(moving > 0.0 && staying > moving, "{moving} {staying}");
         }
         // Without a curve the restart costs the fraction restart/horizon of the gain.
         let new = job("new", 8);
-        assert!((job_value(&new, 1, &params) - 0.5 * 0.5).abs() < 1e-12);
+        assert!((value_alone(&new, 1, &params) - 0.5 * 0.5).abs() < 1e-12);
         // With a curve the value is the normalized predicted drop over w·r·T samples.
         let fitted = running(with_curve(job("fitted", 8), steep_curve()), 2);
         let curve = steep_curve();
         let expected = (curve.predict(0.0) - curve.predict(2.0 * 100.0 * 60.0)) / 0.36;
-        assert!((job_value(&fitted, 2, &params) - expected).abs() < 1e-12);
+        assert!((value_alone(&fitted, 2, &params) - expected).abs() < 1e-12);
         // A restart as long as the horizon leaves nothing to gain by changing.
         let costly = PolicyParams {
             restart_cost_s: 60.0,
             ..params
         };
-        assert_eq!(job_value(&fitted, 3, &costly), 0.0);
+        assert_eq!(value_alone(&fitted, 3, &costly), 0.0);
     }
 
     #[test]
@@ -751,6 +891,7 @@ mod tests {
                         throughput,
                         remaining_work,
                         restarts: 0,
+                        restart_cost_s: None,
                         goodput: None,
                         current_hosts: Vec::new(),
                     }
@@ -785,6 +926,68 @@ mod tests {
         let decision = quality_allocate(&view(5), &[long, flat], &params);
         assert_eq!(workers_of(&decision, "flat"), 1);
         assert_eq!(workers_of(&decision, "long"), 4);
+    }
+
+    #[test]
+    fn completion_weights_follow_hesrpt_ranks() {
+        let params = PolicyParams {
+            objective: Objective::Jct,
+            ..PolicyParams::default()
+        };
+        let linear = [100.0, 200.0, 300.0, 400.0];
+        let jobs: Vec<PolicyJob> = [1e7, 1e5, 1e6, 1e4]
+            .iter()
+            .enumerate()
+            .map(|(i, &work)| sized(&format!("j{i}"), 4, &linear, work))
+            .collect();
+        let refs: Vec<&PolicyJob> = jobs.iter().collect();
+        let terms = job_terms(&refs, 0.0, &params);
+        let w: Vec<f64> = terms.iter().map(|t| t.completion_weight).collect();
+        // Less remaining time, more weight: j3 (1e4) > j1 (1e5) > j2 (1e6) > j0 (1e7).
+        assert!(w[3] > w[1] && w[1] > w[2] && w[2] > w[0], "{w:?}");
+        // The weights are heSRPT's shares: Σ weight^c / m = Σ θ = 1.
+        let c = 1.0 / (1.0 - params.speedup_exponent);
+        let sum: f64 = w.iter().map(|x| x.powf(c)).sum::<f64>() / w.len() as f64;
+        assert!((sum - 1.0).abs() < 1e-9, "{sum}");
+        // One job alone has an equal share: weight 1.
+        assert!((job_terms(&refs[..1], 0.0, &params)[0].completion_weight - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn the_restart_budget_limits_restarts_to_a_share_of_age() {
+        let params = PolicyParams::default();
+        let charged = params.restart_cost_s / params.restart_budget;
+        let mut j = running(sized("j", 8, &[100.0, 200.0, 300.0, 400.0], 1e7), 2);
+        let factor = |j: &PolicyJob, now: f64| job_terms(&[j], now, &params)[0].change_factor;
+        // Young: changing is worth little; old: nearly all of it.
+        assert_eq!(factor(&j, 0.0), 0.0);
+        assert!((factor(&j, 1e5) - 1e5 / (1e5 + charged)).abs() < 1e-12);
+        // Every restart is charged δ/ρ of age: past the budget, nothing.
+        j.restarts = 10;
+        assert_eq!(factor(&j, 10.0 * charged), 0.0);
+        // A job's own measured restart cost replaces the configured one.
+        j.restarts = 1;
+        j.restart_cost_s = Some(0.0);
+        assert!((factor(&j, 100.0) - 1.0).abs() < 1e-12);
+        // Past its budget a running job keeps its size even though growing would pay.
+        let mut busy = running(sized("busy", 4, &[100.0, 200.0, 300.0, 400.0], 1e7), 1);
+        busy.restarts = 3;
+        let cluster = ClusterView {
+            now: 3.0 * charged,
+            ..view(4)
+        };
+        assert_eq!(
+            workers_of(
+                &quality_allocate(&cluster, &[busy.clone()], &params),
+                "busy"
+            ),
+            1
+        );
+        busy.restarts = 0;
+        assert_eq!(
+            workers_of(&quality_allocate(&cluster, &[busy], &params), "busy"),
+            4
+        );
     }
 
     #[test]
@@ -828,11 +1031,12 @@ mod tests {
 
     #[test]
     fn both_adds_the_two_values() {
+        // At its current size, where no restart factor applies.
         let fitted = running(with_curve(job("fitted", 8), steep_curve()), 2);
         let value = |objective| {
-            job_value(
+            value_alone(
                 &fitted,
-                3,
+                2,
                 &PolicyParams {
                     objective,
                     ..slaq()
@@ -916,7 +1120,7 @@ mod tests {
             let cluster = ClusterView { now, ..view(total_gpus) };
             let decision = quality_allocate(&cluster, &jobs, &params);
             for job in &jobs {
-                let v = job_value(job, decision.workers[&job.id], &params);
+                let v = value_alone(job, decision.workers[&job.id], &params);
                 prop_assert!(v.is_finite() && v >= 0.0, "{} valued {}", job.id, v);
             }
             prop_assert_eq!(decision.workers.len(), jobs.len());
@@ -1039,10 +1243,11 @@ mod adapter_tests {
                 );
             }
         }
-        // The params reach the policy: a restart as long as the horizon freezes a running job.
+        // The params reach the policy: a restart that would take more than the restart budget
+        // of the job's age (1,000 s) freezes a running job.
         let frozen = Quality {
             params: PolicyParams {
-                restart_cost_s: 60.0,
+                restart_cost_s: 600.0,
                 ..PolicyParams::default()
             },
         };
