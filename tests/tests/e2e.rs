@@ -409,11 +409,16 @@ async fn batch_jobs_get_their_batch_and_the_one_without_statistics_stays_fixed()
     let log = work
         .path()
         .join(format!("logs/adapt/gen{}-rank0.log", adapt.generation));
-    let text = std::fs::read_to_string(&log).unwrap();
-    assert!(
-        text.contains(&format!("planned batch {} ", plan.total)),
-        "{text}"
-    );
+    let expect = format!("planned batch {} ", plan.total);
+    wait_for(
+        Duration::from_secs(30),
+        "the trainer's log names the planned batch",
+        || async {
+            let text = std::fs::read_to_string(&log).ok()?;
+            text.contains(&expect).then_some(())
+        },
+    )
+    .await;
     let fixed = wait_for(
         Duration::from_secs(30),
         "fixed running with reports",
