@@ -436,6 +436,10 @@ pub fn decide(
             let (Some(adaptive), Some(ranks)) = (&job.adaptive, placements.get(&job.id)) else {
                 continue;
             };
+            // Not placed (pending): no plan.
+            if ranks.is_empty() {
+                continue;
+            }
             let workers = ranks.len() as u32;
             let mut nodes: Vec<&HostId> = ranks.iter().map(|r| &r.host).collect();
             nodes.sort();

@@ -104,6 +104,11 @@ pub struct JobOutcome {
     pub submitted_at: f64,
     pub completed_at: Option<f64>,
     pub restarts: u32,
+    /// Restarts that changed the job's goodput by at most 10 % (its true progress rate with
+    /// the new worker count against the old, packed, at the time of the change): a job with
+    /// any is *thrashing* by the goodput issue's rule (more restarts than decisions that
+    /// changed its goodput by over 10 %).
+    pub low_gain_restarts: u32,
     /// Seconds from submission until the job's normalized loss first fell to 10 % / 5 %.
     pub time_to_90: Option<f64>,
     pub time_to_95: Option<f64>,
@@ -172,6 +177,8 @@ struct Tracked {
     limits: Option<BatchLimits>,
     /// Its latest gradient statistics.
     gradient: Option<GradientStats>,
+    /// See [`JobOutcome::low_gain_restarts`].
+    low_gain_restarts: u32,
 }
 
 fn host_name(node: u32) -> HostId {
@@ -264,6 +271,7 @@ pub fn simulate(
             steps: Vec::new(),
             limits,
             gradient: None,
+            low_gain_restarts: 0,
         });
     }
     let hosts: Vec<HostFree> = (0..cfg.nodes)
@@ -481,6 +489,20 @@ pub fn simulate(
                 .get(&t.id)
                 .map(|plan| (plan.per_worker, plan.accum_steps));
             if new != t.placement {
+                if !t.placement.is_empty() {
+                    let rate = |w: usize| {
+                        let w = u32::try_from(w).unwrap_or(u32::MAX);
+                        if w == 0 {
+                            0.0
+                        } else {
+                            t.job.progress_rate(app, w, cfg.gpus_per_node)
+                        }
+                    };
+                    let (before, after) = (rate(t.placement.len()), rate(new.len()));
+                    if before > 0.0 && (after / before - 1.0).abs() <= 0.1 {
+                        t.low_gain_restarts += 1;
+                    }
+                }
                 t.job
                     .reallocate(app, per_node(&new, cfg.nodes), cfg.restart_delay_s, batch);
                 t.placement = new;
@@ -509,6 +531,7 @@ pub fn simulate(
                 submitted_at: t.job.submitted_at,
                 completed_at: t.job.completed_at,
                 restarts: t.job.restarts,
+                low_gain_restarts: t.low_gain_restarts,
                 time_to_90: t.time_to_90,
                 time_to_95: t.time_to_95,
             })

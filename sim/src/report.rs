@@ -40,11 +40,12 @@ use std::path::{Path, PathBuf};
 /// The labels the report runs by default, in table order: the policies of
 /// [`POLICY_NAMES`], `quality` with the default [`Objective`], and the quality policy with
 /// each other objective (`quality-<objective>`; see [`policy_of`]).
-pub const REPORT_POLICIES: [&str; 7] = [
+pub const REPORT_POLICIES: [&str; 8] = [
     "fifo",
     "fair",
     "tiresias",
     "optimus",
+    "pollux",
     "quality",
     "quality-loss",
     "quality-jct",
@@ -59,7 +60,7 @@ pub struct ReportArgs {
     /// Markdown report to write; plots go next to it in `<stem>/`.
     #[arg(long, default_value = "docs/benchmarks.md")]
     pub out: PathBuf,
-    /// Policies to run (default: fifo fair tiresias optimus quality quality-loss
+    /// Policies to run (default: fifo fair tiresias optimus pollux quality quality-loss
     /// quality-jct). `quality` has the default objective; `quality-<objective>` (loss, jct,
     /// both) is the quality policy with that objective.
     #[arg(long, num_args = 1..)]
@@ -146,6 +147,31 @@ fn read_published(dir: &Path) -> anyhow::Result<Published> {
     Ok(out)
 }
 
+/// The label of the generated load in the report's tables.
+const PHILLY: &str = "philly";
+
+/// Seeds of the eight generated Philly workloads.
+pub const PHILLY_SEEDS: [u64; 8] = [1, 2, 3, 4, 5, 6, 7, 8];
+
+/// Eight workloads sampled from the Philly trace like the Pollux 1.0× ones (160 jobs over
+/// 8 hours from 02:00, configurations from the 1.0× workloads; `converge-sim workload
+/// --seed S` for S in [`PHILLY_SEEDS`]), written to `dir` as `philly-<seed>.csv`.
+fn philly_workloads(pollux: &Path, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let philly = crate::workload::read_philly(&pollux.join("traces/philly.csv"))?;
+    let configs = crate::workload::configurations(&pollux.join("workloads"))?;
+    std::fs::create_dir_all(dir)?;
+    PHILLY_SEEDS
+        .iter()
+        .map(|&seed| {
+            let jobs = crate::workload::generate(&philly, &configs, 160, 2, 8, seed)?;
+            let path = dir.join(format!("philly-{seed}.csv"));
+            std::fs::write(&path, crate::workload::to_csv(&jobs))
+                .with_context(|| format!("cannot write {}", path.display()))?;
+            Ok(path)
+        })
+        .collect()
+}
+
 fn workload_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot read {}", dir.display()))?
@@ -204,9 +230,15 @@ fn run_scale(repeat: usize) -> Scale {
 pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let published = read_published(&args.pollux)?;
+    let plot_dir = args.out.with_extension("");
+    std::fs::create_dir_all(&plot_dir)?;
     let loads = [
         ("1.0", workload_files(&args.pollux.join("workloads"))?),
         ("0.5", workload_files(&args.pollux.join("workloads-0.5"))?),
+        (
+            PHILLY,
+            philly_workloads(&args.pollux, &plot_dir.join("philly"))?,
+        ),
     ];
     let policies: Vec<String> = if args.policies.is_empty() {
         REPORT_POLICIES.iter().map(|s| s.to_string()).collect()
@@ -278,7 +310,13 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
                 .map(move |(load, files)| (p.clone(), *load, files))
         })
         .collect();
-    jobs.sort_by_key(|(p, load, _)| (objective_of(p, &args.cluster).is_none(), *load == "0.5"));
+    jobs.sort_by_key(|(p, load, _)| {
+        (
+            p != "pollux",
+            objective_of(p, &args.cluster).is_none(),
+            *load == "0.5",
+        )
+    });
     let threads = args
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
@@ -379,8 +417,6 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         }
     }
 
-    let plot_dir = args.out.with_extension("");
-    std::fs::create_dir_all(&plot_dir)?;
     let plot_rel = plot_dir
         .file_name()
         .map(|s| s.to_string_lossy().into_owned())
@@ -603,6 +639,7 @@ fn markdown(page: &Page) -> String {
         quality.max_wait_s,
     );
     mean_jct_section(&mut md, page);
+    against_pollux_section(&mut md, page);
     fidelity_section(&mut md, page);
     restarts_section(&mut md, page);
     slaq_section(&mut md, page);
@@ -732,9 +769,9 @@ fn mean_jct_section(md: &mut String, page: &Page) {
     let _ = writeln!(md, "### Mean JCT\n");
     let _ = writeln!(
         md,
-        "| policy | 1.0× (8 workloads) | 0.5× (8 workloads) | p50 / p99 JCT at 1.0× | makespan at 1.0× (mean) | restarts per job | GPU utilization | decision time p50 / max |"
+        "| policy | 1.0× (8 workloads) | 0.5× (8 workloads) | Philly, generated (8) | p50 / p99 JCT at 1.0× | makespan at 1.0× (mean) | restarts per job | GPU utilization | decision time p50 / p95 |"
     );
-    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|");
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|");
     for p in page.policies {
         let (Some(q), Some(b)) = (page.run(p, "1.0"), page.run(p, "0.5")) else {
             continue;
@@ -744,10 +781,13 @@ fn mean_jct_section(md: &mut String, page: &Page) {
         let makespan = q.makespan.values().sum::<f64>() / q.makespan.len().max(1) as f64;
         let dec = q
             .decision_ms
-            .map_or("-".into(), |d| format!("{:.2} / {:.1} ms", d.p50, d.max));
+            .map_or("-".into(), |d| format!("{:.2} / {:.2} ms", d.p50, d.p95));
+        let philly = page
+            .run(p, PHILLY)
+            .map_or("-".into(), |g| format!("{:.0}{}", g.mean, unfinished(g)));
         let _ = writeln!(
             md,
-            "| `{p}` | {:.0}{} | {:.0}{} | {p50:.0} / {p99:.0} | {makespan:.0} | {:.2} | {:.0} % | {dec} |",
+            "| `{p}` | {:.0}{} | {:.0}{} | {philly} | {p50:.0} / {p99:.0} | {makespan:.0} | {:.2} | {:.0} % | {dec} |",
             q.mean,
             unfinished(q),
             b.mean,
@@ -763,8 +803,81 @@ fn mean_jct_section(md: &mut String, page: &Page) {
     ] {
         let one = page.published[name]["1.0"].0;
         let half = page.published[name]["0.5"].0;
-        let _ = writeln!(md, "| {label} | {one:.0} | {half:.0} | | | | | |");
+        let _ = writeln!(md, "| {label} | {one:.0} | {half:.0} | | | | | | |");
     }
+}
+
+/// Mean over workloads of each workload's p99 JCT.
+fn mean_p99(s: &Summary) -> f64 {
+    s.jct.values().map(|q| q.p99).sum::<f64>() / s.jct.len().max(1) as f64
+}
+
+/// Converge's default policy (`quality`) against the `pollux` baseline on every set, and
+/// against Pollux's published means.
+fn against_pollux_section(md: &mut String, page: &Page) {
+    let _ = writeln!(
+        md,
+        "\n### Converge's policy against Pollux\n\n\
+         `quality` (the default objective) against the `pollux` baseline run here on the same \
+         workloads (`sched/src/policies/pollux.rs`), and against Pollux's published means. \
+         Targets: mean JCT at most 0.9× the baseline's on every set with a p99 JCT no worse \
+         (p99: mean over the workloads of each one's p99); below the published mean at 1.0× \
+         and 0.5× (milestone), at most 0.8× of it (goal). `philly`: eight workloads generated \
+         from the Philly trace (`converge-sim workload --seed S`, S = {}; written next to \
+         this page under `{}/philly/`).\n",
+        PHILLY_SEEDS.map(|s| s.to_string()).join(", "),
+        page.plot_rel
+    );
+    let _ = writeln!(
+        md,
+        "| set | `quality` | `pollux` | ratio | ≤ 0.9× | p99 `quality` / `pollux` | p99 no worse | published Pollux | vs published | milestone (below) | goal (≤ 0.8×) |"
+    );
+    let _ = writeln!(md, "|---|---|---|---|---|---|---|---|---|---|---|");
+    for load in ["1.0", "0.5", PHILLY] {
+        let (Some(q), Some(p)) = (page.run("quality", load), page.run("pollux", load)) else {
+            continue;
+        };
+        let ratio = q.mean / p.mean;
+        let comparable = q.finished && p.finished;
+        let yes_no = |ok: bool| {
+            if !comparable {
+                "not comparable (unfinished jobs)"
+            } else if ok {
+                "met"
+            } else {
+                "**missed**"
+            }
+        };
+        let (qp99, pp99) = (mean_p99(q), mean_p99(p));
+        let published = page
+            .published
+            .get("pollux")
+            .and_then(|m| m.get(load))
+            .map(|(mean, _)| *mean);
+        let (theirs, versus, milestone, goal) = match published {
+            Some(t) => (
+                format!("{t:.0}"),
+                pct(q.mean, t),
+                yes_no(q.mean < t).to_string(),
+                yes_no(q.mean <= 0.8 * t).to_string(),
+            ),
+            None => ("-".into(), "-".into(), "-".into(), "-".into()),
+        };
+        let set = if load == PHILLY {
+            "Philly, generated".to_string()
+        } else {
+            format!("Pollux {load}×")
+        };
+        let _ = writeln!(
+            md,
+            "| {set} | {:.0} | {:.0} | {ratio:.2} | {} | {qp99:.0} / {pp99:.0} | {} | {theirs} | {versus} | {milestone} | {goal} |",
+            q.mean,
+            p.mean,
+            yes_no(ratio <= 0.9),
+            yes_no(qp99 <= pp99),
+        );
+    }
+    md.push('\n');
 }
 
 fn unfinished(s: &Summary) -> &'static str {
@@ -782,7 +895,7 @@ fn fidelity_section(md: &mut String, page: &Page) {
         "| policy | load | ours | published | difference | within ±15 % |"
     );
     let _ = writeln!(md, "|---|---|---|---|---|---|");
-    for p in ["tiresias", "optimus"] {
+    for p in ["tiresias", "optimus", "pollux"] {
         for load in ["1.0", "0.5"] {
             if let Some(r) = page.run(p, load) {
                 let theirs = page.published[p][load].0;
@@ -798,8 +911,8 @@ fn fidelity_section(md: &mut String, page: &Page) {
         }
     }
     let _ = writeln!(md, "\nPer workload at 1.0× (ours / published):\n");
-    let _ = writeln!(md, "| workload | tiresias | optimus |");
-    let _ = writeln!(md, "|---|---|---|");
+    let _ = writeln!(md, "| workload | tiresias | optimus | pollux |");
+    let _ = writeln!(md, "|---|---|---|---|");
     for w in 1..=8 {
         let key = format!("workload-{w}");
         let cell = |p: &str| -> String {
@@ -810,9 +923,15 @@ fn fidelity_section(md: &mut String, page: &Page) {
                 _ => "-".into(),
             }
         };
-        let _ = writeln!(md, "| {key} | {} | {} |", cell("tiresias"), cell("optimus"));
+        let _ = writeln!(
+            md,
+            "| {key} | {} | {} | {} |",
+            cell("tiresias"),
+            cell("optimus"),
+            cell("pollux")
+        );
     }
-    let diffs: Vec<f64> = ["tiresias", "optimus"]
+    let diffs: Vec<f64> = ["tiresias", "optimus", "pollux"]
         .iter()
         .flat_map(|p| ["1.0", "0.5"].map(|load| (*p, load)))
         .filter_map(|(p, load)| change(page.run(p, load)?.mean, page.published[p][load].0))
@@ -1227,7 +1346,7 @@ fn color_of(policy: &str) -> RGBColor {
 }
 
 /// matplotlib's `tab10`, in order; the last is for labels outside [`REPORT_POLICIES`].
-const COLORS: [RGBColor; 8] = [
+const COLORS: [RGBColor; 9] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -1235,6 +1354,7 @@ const COLORS: [RGBColor; 8] = [
     RGBColor(148, 103, 189),
     RGBColor(140, 86, 75),
     RGBColor(227, 119, 194),
+    RGBColor(188, 189, 34),
     RGBColor(127, 127, 127),
 ];
 

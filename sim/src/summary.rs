@@ -11,6 +11,8 @@ use std::collections::BTreeMap;
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Quantiles {
     pub p50: f64,
+    #[serde(default)]
+    pub p95: f64,
     pub p99: f64,
     pub max: f64,
 }
@@ -25,6 +27,7 @@ pub fn quantiles(values: &[f64]) -> Option<Quantiles> {
     let rank = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
     Some(Quantiles {
         p50: rank(0.5),
+        p95: rank(0.95),
         p99: rank(0.99),
         max: v[v.len() - 1],
     })
@@ -48,6 +51,13 @@ pub struct Summary {
     /// Restarts (allocation changes after the first start) per job, per workload.
     pub restarts: BTreeMap<String, BTreeMap<String, u32>>,
     pub mean_restarts_per_job: f64,
+    /// Jobs with a restart that changed their goodput by at most 10 %
+    /// ([`crate::engine::JobOutcome::low_gain_restarts`]), over all workloads.
+    #[serde(default)]
+    pub thrashing_jobs: usize,
+    /// Such restarts, over all workloads.
+    #[serde(default)]
+    pub low_gain_restarts: u64,
     /// `[(time, fraction of GPUs allocated)]` per workload, one point per interval.
     pub utilization: BTreeMap<String, Vec<(f64, f64)>>,
     pub mean_utilization: f64,
@@ -83,6 +93,8 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
         makespan: BTreeMap::new(),
         restarts: BTreeMap::new(),
         mean_restarts_per_job: 0.0,
+        thrashing_jobs: 0,
+        low_gain_restarts: 0,
         utilization: BTreeMap::new(),
         mean_utilization: 0.0,
         avg_normalized_loss: BTreeMap::new(),
@@ -129,6 +141,12 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
                 .collect(),
         );
         all_restarts.extend(r.jobs.iter().map(|j| f64::from(j.restarts)));
+        s.thrashing_jobs += r.jobs.iter().filter(|j| j.low_gain_restarts > 0).count();
+        s.low_gain_restarts += r
+            .jobs
+            .iter()
+            .map(|j| u64::from(j.low_gain_restarts))
+            .sum::<u64>();
         t90.extend(r.jobs.iter().filter_map(|j| j.time_to_90));
         t95.extend(r.jobs.iter().filter_map(|j| j.time_to_95));
         let util: Vec<(f64, f64)> = r
@@ -169,6 +187,7 @@ mod tests {
             quantiles(&v),
             Some(Quantiles {
                 p50: 50.0,
+                p95: 95.0,
                 p99: 99.0,
                 max: 100.0
             })

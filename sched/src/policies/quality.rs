@@ -12,7 +12,12 @@
 //!    since submission (the starvation guard), then running jobs (`current_workers > 0`), then
 //!    other pending ones, each by `submitted_at`, then id. Each gets its minimum (`min_workers`, at
 //!    least 1) if that many GPUs are still free, else 0: a pending job that does not fit waits,
-//!    and a running job that no longer fits (capacity shrank) is stopped.
+//!    and a running job that no longer fits (capacity shrank) is stopped. Under `jct` and
+//!    `both`, the other pending jobs are not admitted here: they start in the hand-out (step
+//!    3), their start at the minimum competing on value with the growth of running jobs, so
+//!    an arrival shrinks a running job only when starting it is worth more than the running
+//!    job loses (restart included). Starting is no restart: a pending job's value at its
+//!    minimum has the whole horizon.
 //! 2. **Value** of `w` workers over the horizon ([`job_value`]): the job progresses at
 //!    `X(w)` samples/s ([`throughput`]: the job's throughput table — in the service and the
 //!    simulator, from its fitted [`crate::throughput::ThroughputModel`], in goodput when its
@@ -41,7 +46,8 @@
 //!
 //!    `V(0) = 0`. The restart share puts a bump at `w == current_workers`: that bump is the
 //!    hysteresis — an allocation changes only when the predicted gain beats the restart.
-//! 3. **Max-heap hand-out** (SLAQ). The remaining GPUs go, in steps, to the admitted job with
+//! 3. **Max-heap hand-out** (SLAQ). The remaining GPUs go, in steps, to the admitted job (or,
+//!    under `jct` and `both`, the pending job, whose first step is its minimum) with
 //!    the largest marginal value per GPU. Because the bump makes `V` non-concave, each job's
 //!    step looks ahead: from `w` workers it is the `k ≥ 1` (`w + k ≤ max_workers`, `k` workers'
 //!    GPUs free) maximizing `(V(w+k) − V(w)) / (k·gpus_per_worker)`, smallest `k` on ties.
@@ -268,7 +274,12 @@ pub fn job_value(job: &PolicyJob, workers: u32, params: &PolicyParams, terms: &J
         return 0.0;
     }
     let horizon_s = params.horizon_s.max(0.0);
-    let productive_fraction = if workers == job.current_workers {
+    // Starting a pending job at its minimum is no restart: nothing is lost.
+    let productive_fraction = if workers == job.current_workers
+        || (job.current_workers == 0
+            && params.objective != Objective::Loss
+            && Some(workers) == minimum_workers(job))
+    {
         1.0
     } else {
         terms.change_factor.clamp(0.0, 1.0)
@@ -380,7 +391,14 @@ pub fn quality_allocate(
     }
 
     // 1. Admission.
+    // Under the completion-aware objectives, other pending jobs start in the hand-out,
+    // competing on value with the growth of running jobs (step 3).
+    let start_in_handout = params.objective != Objective::Loss;
+    let deferred = |job: &PolicyJob| start_in_handout && job.current_workers == 0 && !starving(job);
     for &i in &order {
+        if deferred(&jobs[i]) {
+            continue;
+        }
         if let Some(min) = minimum_workers(&jobs[i]) {
             let need = gpus(&jobs[i], min);
             if need <= free_gpus {
@@ -395,7 +413,7 @@ pub fn quality_allocate(
     let threshold = params.min_gain.max(0.0);
     let mut heap: BinaryHeap<Step<'_>> = order
         .iter()
-        .filter(|&&i| workers[i] > 0)
+        .filter(|&&i| workers[i] > 0 || deferred(&jobs[i]))
         .filter_map(|&i| best_step(jobs, i, workers[i], free_gpus, params, threshold, &terms[i]))
         .collect();
     while let Some(step) = heap.pop() {
@@ -526,7 +544,13 @@ fn best_step<'a>(
     let most = by_gpus.min(by_max) as u32;
     let base = job_value(job, current, params, terms);
     let mut best: Option<(f64, u32)> = None;
-    for added in 1..=most {
+    // A job that is not running starts at its minimum (gang), or not at all.
+    let first = if current == 0 {
+        minimum_workers(job)?.max(1)
+    } else {
+        1
+    };
+    for added in first..=most {
         let gain = job_value(job, current + added, params, terms) - base;
         let per_gpu = gain / gpus(job, added) as f64;
         if best.is_none_or(|(b, _)| per_gpu > b) {
@@ -905,6 +929,33 @@ mod tests {
         j.throughput = Some(table.to_vec());
         j.remaining_work = Some(remaining);
         j
+    }
+
+    #[test]
+    fn an_arrival_shrinks_a_running_job_only_when_its_start_is_worth_the_restart() {
+        let params = PolicyParams::default();
+        let linear: Vec<f64> = (1..=4).map(|w| 100.0 * f64::from(w)).collect();
+        let mut long = running(sized("long", 4, &linear, 1e8), 4);
+        long.submitted_at = 0.0;
+        let mut short = sized("short", 4, &linear, 1e4);
+        short.submitted_at = 9_990.0;
+        let cluster = ClusterView {
+            now: 10_000.0,
+            ..view(4)
+        };
+        // An old job with no restarts pays little to give up a GPU; the much shorter arrival
+        // starts.
+        let d = quality_allocate(&cluster, &[long.clone(), short.clone()], &params);
+        assert_eq!(workers_of(&d, "short"), 1, "{d:?}");
+        assert_eq!(workers_of(&d, "long"), 3);
+        // The other way round, a long arrival waits rather than shrink a shorter running job.
+        let mut busy = running(sized("busy", 4, &linear, 1e4), 4);
+        busy.submitted_at = 0.0;
+        let mut late = sized("late", 4, &linear, 1e8);
+        late.submitted_at = 9_990.0;
+        let d = quality_allocate(&cluster, &[busy, late], &params);
+        assert_eq!(workers_of(&d, "late"), 0, "{d:?}");
+        assert_eq!(workers_of(&d, "busy"), 4);
     }
 
     #[test]
