@@ -972,8 +972,18 @@ fn restarts_section(md: &mut String, page: &Page) {
         "yolov3",
         "imagenet",
     ];
-    let _ = writeln!(md, "| policy | {} |", apps.join(" | "));
-    let _ = writeln!(md, "|---|{}", "---|".repeat(apps.len()));
+    let _ = writeln!(
+        md,
+        "Last two columns: jobs with at least one restart that changed their goodput by at most \
+         10 % (the true progress rate at the new worker count against the old), *thrashing* by \
+         the goodput issue's rule, out of all jobs; and such restarts out of all restarts.\n"
+    );
+    let _ = writeln!(
+        md,
+        "| policy | {} | thrashing jobs | low-gain restarts |",
+        apps.join(" | ")
+    );
+    let _ = writeln!(md, "|---|{}", "---|".repeat(apps.len() + 2));
     for p in page.policies {
         let Some(r) = page.run(p, "1.0") else {
             continue;
@@ -995,7 +1005,20 @@ fn restarts_section(md: &mut String, page: &Page) {
                 }
             })
             .collect();
-        let _ = writeln!(md, "| `{p}` | {} |", cells.join(" | "));
+        let jobs: usize = r.restarts.values().map(BTreeMap::len).sum();
+        let restarts: u64 = r
+            .restarts
+            .values()
+            .flat_map(|m| m.values())
+            .map(|&n| u64::from(n))
+            .sum();
+        let _ = writeln!(
+            md,
+            "| `{p}` | {} | {} / {jobs} | {} / {restarts} |",
+            cells.join(" | "),
+            r.thrashing_jobs,
+            r.low_gain_restarts
+        );
     }
 }
 
