@@ -21,6 +21,10 @@
 //! - Throughput per worker 30 to 3,000 samples/s (unknown for new pending jobs), progress up
 //!   to four half-lives, loss scale = the observed loss range (0 = unknown for 3 %).
 //!
+//! [`DecisionInputs::with_batches`] gives the same jobs throughput models (and, for
+//! [`BenchBatches::Adaptive`], batch limits and gradient statistics), so that the decision
+//! with batch-size choice is timed side by side with the same decision at fixed batches.
+//!
 //! The decision timed is what the service does in one step ([`crate::schedule`]):
 //! [`quality_allocate`] with the default [`PolicyParams`], then the placement requests in
 //! priority order (running jobs first, then by arrival, then id) and [`place`].
@@ -32,12 +36,16 @@ use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::decide::{Allocation, BatchSize, ClusterState, JobView, decide, priority_order};
+use crate::decide::{
+    AdaptiveBatch, Allocation, BatchSize, ClusterState, JobView, decide, priority_order,
+};
 use crate::fit::{Curve, CurveFamily};
+use crate::goodput::{BatchLimits, GradientStats};
 use crate::placement::PlacementKind;
 use crate::placement::{HostFree, PlacementRequest, place};
 use crate::policies::{ClusterView, Quality};
 use crate::policies::{Decision, PolicyJob, PolicyParams, quality_allocate};
+use crate::throughput::ThroughputModel;
 
 /// Size and seed of a generated cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +68,35 @@ impl Default for BenchConfig {
             nodes: 12_500,
             gpus_per_node: 8,
             seed: 1,
+        }
+    }
+}
+
+/// What the generated jobs' views carry about throughput and batch size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BenchBatches {
+    /// No throughput model (the policy scales each job's measured per-worker rate linearly):
+    /// the inputs of [`DecisionInputs::generate`].
+    #[default]
+    Unmodelled,
+    /// A throughput model per job (so the decision builds a throughput table for each) at a
+    /// fixed per-worker batch of 32.
+    Fixed,
+    /// The same models, plus batch limits and gradient statistics: the decision builds
+    /// goodput tables (the best batch at every world size) and a batch plan per placed job.
+    Adaptive,
+}
+
+impl BenchBatches {
+    /// All three, in table order.
+    pub const ALL: [BenchBatches; 3] = [Self::Unmodelled, Self::Fixed, Self::Adaptive];
+
+    /// A short name for tables.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Unmodelled => "no throughput model",
+            Self::Fixed => "throughput models, fixed batch",
+            Self::Adaptive => "throughput models, batch-size choice",
         }
     }
 }
@@ -135,6 +172,42 @@ impl DecisionInputs {
             params: PolicyParams::default(),
             priority,
         }
+    }
+
+    /// The same jobs with `mode`'s throughput and batch knowledge in their views
+    /// ([`BenchBatches`]); deterministic in `seed`. Per job: a step time of
+    /// `θ_c·b + θ_0 + θ_intra·r(w) + θ_inter·r(w) + θ_α·(n−1)` with the compute per sample
+    /// from its per-worker rate (30 to 3,000 samples/s at a batch of 32), a reference batch of
+    /// 32 to 512 samples, at most 16 times that in total, 8 to 256 per worker, and a gradient
+    /// noise scale of 10² to 10⁴ samples.
+    pub fn with_batches(&self, mode: BenchBatches, seed: u64) -> Self {
+        let mut out = self.clone();
+        if mode == BenchBatches::Unmodelled {
+            return out;
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x6261_7463_6865_7321);
+        for view in &mut out.views {
+            let rate = view
+                .samples_per_s_per_worker
+                .unwrap_or_else(|| 10f64.powf(rng.gen_range(1.5..3.5)));
+            let step = 32.0 / rate;
+            view.model = Some(ThroughputModel::from_coefficients(
+                [0.8 * step / 32.0, 0.2 * step, 0.05 * step, 0.3 * step, 0.01],
+                10,
+            ));
+            view.batch = BatchSize::PerWorker(32.0);
+            if mode == BenchBatches::Adaptive {
+                let reference = 32 * (1u32 << rng.gen_range(0..=4));
+                let limits = BatchLimits::new(reference, reference * 16, 8, 256)
+                    .expect("valid generated limits");
+                let noise = 10f64.powf(rng.gen_range(2.0..4.0));
+                view.adaptive = Some(AdaptiveBatch {
+                    limits,
+                    gradient: GradientStats::new(f64::from(reference), noise),
+                });
+            }
+        }
+        out
     }
 
     /// The policy step of the decision.

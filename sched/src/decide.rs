@@ -441,9 +441,13 @@ pub fn decide(
                 continue;
             }
             let workers = ranks.len() as u32;
-            let mut nodes: Vec<&HostId> = ranks.iter().map(|r| &r.host).collect();
-            nodes.sort();
-            nodes.dedup();
+            // Distinct hosts by linear scan: a job spans few.
+            let mut nodes: Vec<&HostId> = Vec::new();
+            for r in ranks {
+                if !nodes.contains(&&r.host) {
+                    nodes.push(&r.host);
+                }
+            }
             let plan = match &view.goodput {
                 Some(g) => g.best(workers, nodes.len() as u32).map(|(p, _)| p),
                 None => adaptive.limits.initial_plan(workers),

@@ -6,7 +6,9 @@
 //! Run with `cargo bench -p converge-sim --bench decision` (about half a minute of
 //! measurement). "decide" is `converge_sched::decide::decide`, the whole decision as the
 //! service and the simulator take it (policy, placement requests, placement); every output is
-//! dropped outside the timed region.
+//! dropped outside the timed region. "decide_fixed_batch" and "decide_batch_choice" are the
+//! same decision on the same jobs given throughput models, at fixed batches and with
+//! batch-size choice (goodput tables and batch plans; `DecisionInputs::with_batches`).
 //!
 //! [`quality_allocate`]: converge_sched::policies::quality_allocate
 //! [`place`]: converge_sched::placement::place
@@ -14,7 +16,7 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use converge_sched::benchgen::{BenchConfig, DecisionInputs};
+use converge_sched::benchgen::{BenchBatches, BenchConfig, DecisionInputs};
 use criterion::{Criterion, SamplingMode, criterion_group, criterion_main};
 
 fn decision(c: &mut Criterion) {
@@ -42,6 +44,14 @@ fn decision(c: &mut Criterion) {
             b.iter_with_large_drop(|| inputs.place(black_box(&requests)))
         });
         group.bench_function("decide", |b| b.iter_with_large_drop(|| inputs.decide()));
+        // The same jobs with throughput models, at fixed batches and with batch-size choice.
+        for (mode, name) in [
+            (BenchBatches::Fixed, "decide_fixed_batch"),
+            (BenchBatches::Adaptive, "decide_batch_choice"),
+        ] {
+            let modelled = inputs.with_batches(mode, 1);
+            group.bench_function(name, |b| b.iter_with_large_drop(|| modelled.decide()));
+        }
         group.finish();
     }
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use converge_common::{JobId, RankPlacement};
 
-use converge_sched::benchgen::{BenchConfig, DecisionInputs};
+use converge_sched::benchgen::{BenchBatches, BenchConfig, DecisionInputs};
 
 /// `converge-sim bench-decision`.
 #[derive(Debug, Clone, clap::Args)]
@@ -120,6 +120,47 @@ pub fn time_decisions(inputs: &DecisionInputs, repeat: usize) -> DecisionTimes {
     }
 }
 
+/// Median and 95th percentile (nearest rank) of one way of deciding over the repeats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MedianP95 {
+    pub median: Duration,
+    pub p95: Duration,
+}
+
+/// [`DecisionInputs::decide`] on the same jobs with each [`BenchBatches`] mode, the modes
+/// interleaved within every repeat (so that a slower stretch of the machine hits all of
+/// them), one after the other on the calling thread.
+pub fn time_batch_modes(inputs: &DecisionInputs, repeat: usize) -> Vec<(BenchBatches, MedianP95)> {
+    let variants: Vec<(BenchBatches, DecisionInputs)> = BenchBatches::ALL
+        .iter()
+        .map(|&mode| (mode, inputs.with_batches(mode, 1)))
+        .collect();
+    let mut times: Vec<Vec<Duration>> = vec![Vec::with_capacity(repeat); variants.len()];
+    for _ in 0..repeat.max(1) {
+        for (slot, (_, v)) in times.iter_mut().zip(&variants) {
+            let start = Instant::now();
+            let allocation = std::hint::black_box(v.decide());
+            slot.push(start.elapsed());
+            drop(allocation);
+        }
+    }
+    variants
+        .iter()
+        .zip(times)
+        .map(|((mode, _), mut t)| {
+            t.sort();
+            let rank = |q: f64| t[((q * t.len() as f64).ceil() as usize).clamp(1, t.len()) - 1];
+            (
+                *mode,
+                MedianP95 {
+                    median: median(&t),
+                    p95: rank(0.95),
+                },
+            )
+        })
+        .collect()
+}
+
 /// Runs `converge-sim bench-decision`: generates the inputs, times `repeat` decisions
 /// on the calling thread and prints the minimum and median of each part.
 pub fn run_bench_decision(args: &BenchDecisionArgs) -> anyhow::Result<()> {
@@ -172,6 +213,18 @@ pub fn run_bench_decision(args: &BenchDecisionArgs) -> anyhow::Result<()> {
             "  {name:<26} min {:>9.2} ms   median {:>9.2} ms",
             millis(part.min),
             millis(part.median),
+        );
+    }
+    println!(
+        "the whole decision (decide) side by side, same jobs, {} repeats interleaved:",
+        args.repeat
+    );
+    for (mode, t) in time_batch_modes(&inputs, args.repeat) {
+        println!(
+            "  {:<38} median {:>9.2} ms   p95 {:>9.2} ms",
+            mode.as_str(),
+            millis(t.median),
+            millis(t.p95)
         );
     }
     Ok(())

@@ -23,12 +23,12 @@
 //! the report runs; then the simulations run in parallel, one (policy, load) pair per thread.
 
 use crate::cli::{ClusterArgs, QualityArgs, run_policy};
-use crate::decision_bench::{DecisionTimes, millis, time_decisions};
+use crate::decision_bench::{DecisionTimes, MedianP95, millis, time_batch_modes, time_decisions};
 use crate::predict::Predictor;
 use crate::predict_bench::PredictionResults;
 use crate::summary::Summary;
 use anyhow::Context as _;
-use converge_sched::benchgen::{BenchConfig, DecisionInputs};
+use converge_sched::benchgen::{BenchBatches, BenchConfig, DecisionInputs};
 use converge_sched::placement::PlacementKind;
 use converge_sched::policies::POLICY_NAMES;
 use converge_sched::policies::{Objective, PolicyParams};
@@ -205,6 +205,8 @@ struct Scale {
     /// Generating the inputs and every timed decision.
     seconds: f64,
     times: DecisionTimes,
+    /// The whole decision with each [`BenchBatches`] mode, side by side.
+    modes: Vec<(BenchBatches, MedianP95)>,
 }
 
 /// Generates the default inputs of [`converge_sched::benchgen`] and times `repeat` decisions on the
@@ -215,6 +217,8 @@ fn run_scale(repeat: usize) -> Scale {
     let inputs = DecisionInputs::generate(&cfg);
     let generate_s = started.elapsed().as_secs_f64();
     let times = time_decisions(&inputs, repeat);
+    // At least 20 interleaved repeats, so that the 95th percentile is not the maximum.
+    let modes = time_batch_modes(&inputs, repeat.max(20));
     Scale {
         cfg,
         running: inputs.running(),
@@ -224,6 +228,7 @@ fn run_scale(repeat: usize) -> Scale {
         generate_s,
         seconds: started.elapsed().as_secs_f64(),
         times,
+        modes,
     }
 }
 
@@ -1316,6 +1321,50 @@ fn scale_section(md: &mut String, scale: Option<&Scale>) {
         o.placed_gpus,
         o.placed_anew,
     );
+    let _ = writeln!(
+        md,
+        "With batch-size choice, side by side: the same jobs given throughput models (each \
+         decision then builds every job's throughput table), at a fixed batch and with batch \
+         limits and gradient statistics (goodput tables: the best batch at every world size, \
+         and a batch plan per placed job); `DecisionInputs::with_batches`. The three ways \
+         interleaved within each of {} repeats:\n",
+        s.times.repeat.max(20)
+    );
+    let _ = writeln!(md, "| decision | median | p95 |");
+    let _ = writeln!(md, "|---|---|---|");
+    for (mode, t) in &s.modes {
+        let _ = writeln!(
+            md,
+            "| {} | {:.1} ms | {:.1} ms |",
+            mode.as_str(),
+            millis(t.median),
+            millis(t.p95)
+        );
+    }
+    let get = |m: BenchBatches| {
+        s.modes
+            .iter()
+            .find(|(mode, _)| *mode == m)
+            .map(|(_, t)| millis(t.median))
+    };
+    if let (Some(fixed), Some(adaptive)) = (get(BenchBatches::Fixed), get(BenchBatches::Adaptive)) {
+        let _ = writeln!(
+            md,
+            "\nTargets: batch-size choice no slower than the fixed-batch decision: {} \
+             ({adaptive:.1} vs {fixed:.1} ms, {}); under {TARGET_DECISION_MS:.0} ms p50: {}.\n",
+            if adaptive <= fixed * 1.05 {
+                "met"
+            } else {
+                "**missed**"
+            },
+            pct(adaptive, fixed),
+            if adaptive < TARGET_DECISION_MS {
+                "met"
+            } else {
+                "**missed**"
+            },
+        );
+    }
 }
 
 /// Why our baselines differ from the published numbers (checked causes, not fitted).
@@ -1728,6 +1777,7 @@ mod tests {
             generate_s: 0.0,
             seconds: 0.0,
             times,
+            modes: time_batch_modes(&inputs, 2),
         };
         let mut md = String::new();
         scale_section(&mut md, Some(&scale));

@@ -12,12 +12,7 @@
 //!    since submission (the starvation guard), then running jobs (`current_workers > 0`), then
 //!    other pending ones, each by `submitted_at`, then id. Each gets its minimum (`min_workers`, at
 //!    least 1) if that many GPUs are still free, else 0: a pending job that does not fit waits,
-//!    and a running job that no longer fits (capacity shrank) is stopped. Under `jct` and
-//!    `both`, the other pending jobs are not admitted here: they start in the hand-out (step
-//!    3), their start at the minimum competing on value with the growth of running jobs, so
-//!    an arrival shrinks a running job only when starting it is worth more than the running
-//!    job loses (restart included). Starting is no restart: a pending job's value at its
-//!    minimum has the whole horizon.
+//!    and a running job that no longer fits (capacity shrank) is stopped.
 //! 2. **Value** of `w` workers over the horizon ([`job_value`]): the job progresses at
 //!    `X(w)` samples/s ([`throughput`]: the job's throughput table — in the service and the
 //!    simulator, from its fitted [`crate::throughput::ThroughputModel`], in goodput when its
@@ -46,8 +41,7 @@
 //!
 //!    `V(0) = 0`. The restart share puts a bump at `w == current_workers`: that bump is the
 //!    hysteresis — an allocation changes only when the predicted gain beats the restart.
-//! 3. **Max-heap hand-out** (SLAQ). The remaining GPUs go, in steps, to the admitted job (or,
-//!    under `jct` and `both`, the pending job, whose first step is its minimum) with
+//! 3. **Max-heap hand-out** (SLAQ). The remaining GPUs go, in steps, to the admitted job with
 //!    the largest marginal value per GPU. Because the bump makes `V` non-concave, each job's
 //!    step looks ahead: from `w` workers it is the `k ≥ 1` (`w + k ≤ max_workers`, `k` workers'
 //!    GPUs free) maximizing `(V(w+k) − V(w)) / (k·gpus_per_worker)`, smallest `k` on ties.
@@ -203,7 +197,8 @@ pub fn restart_cost(job: &PolicyJob, params: &PolicyParams) -> f64 {
 
 /// Every job's [`JobTerms`] at time `now` (same clock as `submitted_at`), in the order of
 /// `jobs`. Completion weights rank the jobs by remaining time at one worker,
-/// `t = remaining_work / throughput(1)`, longest first (`k = 1..m`, ties by id); with
+/// `t = remaining_work / throughput(1)`, longest first (`k = 1..m`; jobs with equal `t`
+/// share their ranks' mean weight); with
 /// `c = 1/(1 − p)` (`p` = `speedup_exponent`), job `k` gets `θ_k = (k/m)^c − ((k−1)/m)^c`
 /// of the cluster in heSRPT's optimum, and its weight is `(m·θ_k)^(1/c)`, the weight under
 /// which maximizing `Σ weight·speedup` yields that optimum for `speedup(x) = x^p`.
@@ -228,10 +223,23 @@ pub fn job_terms(jobs: &[&PolicyJob], now: f64, params: &PolicyParams) -> Vec<Jo
     });
     let m = by_time.len().max(1) as f64;
     let mut weights = vec![1.0; jobs.len()];
-    for (rank, &(_, i)) in by_time.iter().enumerate() {
+    let weight_of = |rank: usize| {
         let k = (rank + 1) as f64;
         let theta = (k / m).powf(c) - ((k - 1.0) / m).powf(c);
-        weights[i] = (m * theta.max(0.0)).powf(1.0 / c);
+        (m * theta.max(0.0)).powf(1.0 / c)
+    };
+    // Jobs with equal remaining times share their ranks' mean weight: ties carry no order.
+    let mut start = 0;
+    while start < by_time.len() {
+        let mut end = start + 1;
+        while end < by_time.len() && by_time[end].0 == by_time[start].0 {
+            end += 1;
+        }
+        let mean = (start..end).map(weight_of).sum::<f64>() / (end - start) as f64;
+        for &(_, i) in &by_time[start..end] {
+            weights[i] = mean;
+        }
+        start = end;
     }
     let horizon_s = params.horizon_s.max(0.0);
     jobs.iter()
@@ -274,12 +282,7 @@ pub fn job_value(job: &PolicyJob, workers: u32, params: &PolicyParams, terms: &J
         return 0.0;
     }
     let horizon_s = params.horizon_s.max(0.0);
-    // Starting a pending job at its minimum is no restart: nothing is lost.
-    let productive_fraction = if workers == job.current_workers
-        || (job.current_workers == 0
-            && params.objective != Objective::Loss
-            && Some(workers) == minimum_workers(job))
-    {
+    let productive_fraction = if workers == job.current_workers {
         1.0
     } else {
         terms.change_factor.clamp(0.0, 1.0)
@@ -391,14 +394,7 @@ pub fn quality_allocate(
     }
 
     // 1. Admission.
-    // Under the completion-aware objectives, other pending jobs start in the hand-out,
-    // competing on value with the growth of running jobs (step 3).
-    let start_in_handout = params.objective != Objective::Loss;
-    let deferred = |job: &PolicyJob| start_in_handout && job.current_workers == 0 && !starving(job);
     for &i in &order {
-        if deferred(&jobs[i]) {
-            continue;
-        }
         if let Some(min) = minimum_workers(&jobs[i]) {
             let need = gpus(&jobs[i], min);
             if need <= free_gpus {
@@ -413,7 +409,7 @@ pub fn quality_allocate(
     let threshold = params.min_gain.max(0.0);
     let mut heap: BinaryHeap<Step<'_>> = order
         .iter()
-        .filter(|&&i| workers[i] > 0 || deferred(&jobs[i]))
+        .filter(|&&i| workers[i] > 0)
         .filter_map(|&i| best_step(jobs, i, workers[i], free_gpus, params, threshold, &terms[i]))
         .collect();
     while let Some(step) = heap.pop() {
@@ -929,33 +925,6 @@ mod tests {
         j.throughput = Some(table.to_vec());
         j.remaining_work = Some(remaining);
         j
-    }
-
-    #[test]
-    fn an_arrival_shrinks_a_running_job_only_when_its_start_is_worth_the_restart() {
-        let params = PolicyParams::default();
-        let linear: Vec<f64> = (1..=4).map(|w| 100.0 * f64::from(w)).collect();
-        let mut long = running(sized("long", 4, &linear, 1e8), 4);
-        long.submitted_at = 0.0;
-        let mut short = sized("short", 4, &linear, 1e4);
-        short.submitted_at = 9_990.0;
-        let cluster = ClusterView {
-            now: 10_000.0,
-            ..view(4)
-        };
-        // An old job with no restarts pays little to give up a GPU; the much shorter arrival
-        // starts.
-        let d = quality_allocate(&cluster, &[long.clone(), short.clone()], &params);
-        assert_eq!(workers_of(&d, "short"), 1, "{d:?}");
-        assert_eq!(workers_of(&d, "long"), 3);
-        // The other way round, a long arrival waits rather than shrink a shorter running job.
-        let mut busy = running(sized("busy", 4, &linear, 1e4), 4);
-        busy.submitted_at = 0.0;
-        let mut late = sized("late", 4, &linear, 1e8);
-        late.submitted_at = 9_990.0;
-        let d = quality_allocate(&cluster, &[busy, late], &params);
-        assert_eq!(workers_of(&d, "late"), 0, "{d:?}");
-        assert_eq!(workers_of(&d, "busy"), 4);
     }
 
     #[test]
