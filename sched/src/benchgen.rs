@@ -47,6 +47,11 @@ use crate::policies::{ClusterView, Quality};
 use crate::policies::{Decision, PolicyJob, PolicyParams, quality_allocate};
 use crate::throughput::ThroughputModel;
 
+/// The clock of the timed decision, seconds: the end of the submission window (running jobs
+/// were submitted in `[0, 900,000)`, pending ones in `[800,000, 1,000,000)`), so that jobs
+/// have their ages and the restart budget lets old jobs resize.
+pub const DECISION_TIME_S: f64 = 1_000_000.0;
+
 /// Size and seed of a generated cluster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BenchConfig {
@@ -216,7 +221,7 @@ impl DecisionInputs {
             &ClusterView {
                 total_gpus: self.total_gpus,
                 gpus_per_node: self.hosts.first().map_or(0, |h| h.gpus.len() as u32),
-                now: 0.0,
+                now: DECISION_TIME_S,
             },
             &self.jobs,
             &self.params,
@@ -251,7 +256,7 @@ impl DecisionInputs {
     pub fn decide(&self) -> Allocation {
         decide(
             &ClusterState {
-                now: 0.0,
+                now: DECISION_TIME_S,
                 hosts: &self.hosts,
                 contention_per_shared_job: 0.0,
             },

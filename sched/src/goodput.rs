@@ -313,7 +313,11 @@ pub fn best_plan(
             star.clamp(range_lo, range_hi.max(range_lo))
         };
         consider(target);
-        consider(range_hi.max(range_lo));
+        // Goodput with `accum` steps is unimodal with its peak at `star`: the range's top
+        // is the target when `star` lies above it and dominated when `star` lies within.
+        if star.is_nan() {
+            consider(range_hi.max(range_lo));
+        }
         // Goodput at a given total only falls with more accumulation steps (a larger fixed
         // cost per step), and with `accum` steps it falls beyond `star`: once `star` lies
         // within this range, a later range's totals are worth at most this range's top,
