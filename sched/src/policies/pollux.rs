@@ -197,6 +197,9 @@ impl Problem<'_> {
             let gpw = job.gpus_per_worker.max(1);
             for n in 0..h {
                 let c = &mut state[j * h + n];
+                if *c == 0 {
+                    continue;
+                }
                 let room = (self.host_gpus[n] - used[n]) / gpw;
                 *c = (*c).min(room);
                 used[n] += *c * gpw;
