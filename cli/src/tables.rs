@@ -223,6 +223,19 @@ mod tests {
     use super::*;
     use converge_common::{HostId, JobId, JobPhase, PROTOCOL_VERSION, RankPlacement};
 
+    /// Job `j`, running in generation 1, nothing placed or reported yet (a status as an
+    /// older allocator wrote it: no optional field present).
+    fn running_status() -> JobStatus {
+        serde_json::from_value(serde_json::json!({
+            "protocol": PROTOCOL_VERSION, "job": "j", "phase": "running", "generation": 1,
+            "world_size": 0, "placement": [], "master_port": null, "step": 0, "samples": 0,
+            "first_loss": null, "loss": null, "eval_loss": null, "curve": null,
+            "predicted_loss": null, "samples_per_s": null, "submitted_at": 0.0,
+            "started_at": null, "finished_at": null, "updated_at": 0.0, "message": null
+        }))
+        .unwrap()
+    }
+
     fn rank(rank: u32, host: &str, gpus: &[u32]) -> RankPlacement {
         RankPlacement {
             rank,
@@ -241,14 +254,7 @@ mod tests {
         };
         let plain = spec("");
         let adaptive = spec("[batch]\nreference = 32\nmax_total = 512\n");
-        let mut s: JobStatus = serde_json::from_value(serde_json::json!({
-            "protocol": PROTOCOL_VERSION, "job": "j", "phase": "running", "generation": 1,
-            "world_size": 0, "placement": [], "master_port": null, "step": 0, "samples": 0,
-            "first_loss": null, "loss": null, "eval_loss": null, "curve": null,
-            "predicted_loss": null, "samples_per_s": null, "submitted_at": 0.0,
-            "started_at": null, "finished_at": null, "updated_at": 0.0, "message": null
-        }))
-        .unwrap();
+        let mut s: JobStatus = running_status();
         assert_eq!(batch(&plain, Some(&s)), "fixed");
         assert_eq!(
             batch(&adaptive, None),
@@ -286,14 +292,7 @@ mod tests {
 
     #[test]
     fn placement_lists_workers_then_shards_per_host() {
-        let mut s: JobStatus = serde_json::from_value(serde_json::json!({
-            "protocol": PROTOCOL_VERSION, "job": "j", "phase": "running", "generation": 1,
-            "world_size": 0, "placement": [], "master_port": null, "step": 0, "samples": 0,
-            "first_loss": null, "loss": null, "eval_loss": null, "curve": null,
-            "predicted_loss": null, "samples_per_s": null, "submitted_at": 0.0,
-            "started_at": null, "finished_at": null, "updated_at": 0.0, "message": null
-        }))
-        .unwrap();
+        let mut s: JobStatus = running_status();
         assert_eq!(
             (s.job.clone(), s.phase),
             (JobId::new("j").unwrap(), JobPhase::Running)

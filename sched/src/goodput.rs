@@ -290,6 +290,17 @@ pub fn best_plan(
             }
         }
     };
+    // The largest total `accumulation_for` runs with `a` accumulation steps: `w·max_local`
+    // per step, except that one worker accumulates at least once beyond the reference
+    // batch (Pollux's rule), so its range without accumulation ends at `B₀`.
+    let top = |a: u32| {
+        let t = w * max_local * f64::from(a + 1);
+        if workers <= 1 && a == 0 {
+            t.min(f64::from(limits.reference))
+        } else {
+            t
+        }
+    };
     // Each accumulation count's range of totals, lowest first; at most MAX_ACCUM of them.
     let mut accum = limits.accumulation_for(workers, lo);
     let mut settled = 0;
@@ -298,9 +309,9 @@ pub fn best_plan(
         let range_lo = if accum == 0 {
             lo
         } else {
-            (w * max_local * f64::from(accum)).max(lo)
+            top(accum - 1).max(lo)
         };
-        let range_hi = (w * max_local * f64::from(accum + 1)).min(hi);
+        let range_hi = top(accum).min(hi);
         let k = f64::from(accum + 1) * theta_0 + sync;
         let star = if theta_c > 0.0 && phi.is_finite() {
             (k * phi * w / theta_c).sqrt()
@@ -329,16 +340,6 @@ pub fn best_plan(
             break;
         }
         accum += 1;
-    }
-    // One worker accumulates at least once beyond the reference batch (Pollux's rule, see
-    // `accumulation_for`), whatever its per-worker limit: its best total with one
-    // accumulation step may lie inside the range above, which assumed none.
-    if workers <= 1 && theta_c > 0.0 && phi.is_finite() {
-        let k = 2.0 * theta_0 + sync;
-        let star = (k * phi * w / theta_c).sqrt();
-        if star.is_finite() {
-            consider(star.clamp(lo, hi));
-        }
     }
     consider(lo);
     best

@@ -275,22 +275,22 @@ impl JobHistory {
     /// restarts kept in the history; `None` when no restart is measurable (a new generation
     /// needs two reports for its step time).
     pub fn restart_cost_s(&self) -> Option<f64> {
-        let mut costs: Vec<f64> = self
-            .points
+        // Per generation: its first and last point (points are in generation order).
+        let mut spans: Vec<(&ProgressPoint, &ProgressPoint)> = Vec::new();
+        for p in &self.points {
+            match spans.last_mut() {
+                Some((first, last)) if first.generation == p.generation => *last = p,
+                _ => spans.push((p, p)),
+            }
+        }
+        let mut costs: Vec<f64> = spans
             .windows(2)
-            .filter(|w| w[1].generation > w[0].generation)
             .filter_map(|w| {
-                let (old, new) = (&w[0], &w[1]);
-                let mut it = self
-                    .points
-                    .iter()
-                    .filter(|p| p.generation == new.generation);
-                let first = it.next()?;
-                let last = it.next_back()?;
+                let ((_, old), (first, last)) = (w[0], w[1]);
                 let steps = last.step.checked_sub(first.step).filter(|&s| s > 0)?;
                 let step_s = (last.time - first.time) / steps as f64;
-                let between = new.step.saturating_sub(old.step) as f64;
-                let stall = (new.time - old.time) - between * step_s;
+                let between = first.step.saturating_sub(old.step) as f64;
+                let stall = (first.time - old.time) - between * step_s;
                 stall.is_finite().then_some(stall.max(0.0))
             })
             .collect();

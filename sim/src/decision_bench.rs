@@ -120,7 +120,8 @@ pub fn time_decisions(inputs: &DecisionInputs, repeat: usize) -> DecisionTimes {
     }
 }
 
-/// Median and 95th percentile (nearest rank) of one way of deciding over the repeats.
+/// Median and 95th percentile (nearest rank, [`crate::summary::quantiles`]) of one way of
+/// deciding over the repeats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct MedianP95 {
     pub median: Duration,
@@ -147,14 +148,14 @@ pub fn time_batch_modes(inputs: &DecisionInputs, repeat: usize) -> Vec<(BenchBat
     variants
         .iter()
         .zip(times)
-        .map(|((mode, _), mut t)| {
-            t.sort();
-            let rank = |q: f64| t[((q * t.len() as f64).ceil() as usize).clamp(1, t.len()) - 1];
+        .map(|((mode, _), t)| {
+            let seconds: Vec<f64> = t.iter().map(Duration::as_secs_f64).collect();
+            let q = crate::summary::quantiles(&seconds).unwrap_or_default();
             (
                 *mode,
                 MedianP95 {
-                    median: median(&t),
-                    p95: rank(0.95),
+                    median: Duration::from_secs_f64(q.p50),
+                    p95: Duration::from_secs_f64(q.p95),
                 },
             )
         })

@@ -209,6 +209,10 @@ struct Scale {
     modes: Vec<(BenchBatches, MedianP95)>,
 }
 
+/// Fewest interleaved repeats of the batch-mode comparison, so that its 95th percentile is not
+/// its maximum.
+const MODE_REPEATS: usize = 20;
+
 /// Generates the default inputs of [`converge_sched::benchgen`] and times `repeat` decisions on the
 /// calling thread.
 fn run_scale(repeat: usize) -> Scale {
@@ -217,8 +221,7 @@ fn run_scale(repeat: usize) -> Scale {
     let inputs = DecisionInputs::generate(&cfg);
     let generate_s = started.elapsed().as_secs_f64();
     let times = time_decisions(&inputs, repeat);
-    // At least 20 interleaved repeats, so that the 95th percentile is not the maximum.
-    let modes = time_batch_modes(&inputs, repeat.max(20));
+    let modes = time_batch_modes(&inputs, repeat.max(MODE_REPEATS));
     Scale {
         cfg,
         running: inputs.running(),
@@ -1357,7 +1360,7 @@ fn scale_section(md: &mut String, scale: Option<&Scale>) {
          limits and gradient statistics (goodput tables: the best batch at every world size, \
          and a batch plan per placed job); `DecisionInputs::with_batches`. The three ways \
          interleaved within each of {} repeats:\n",
-        s.times.repeat.max(20)
+        s.times.repeat.max(MODE_REPEATS)
     );
     let _ = writeln!(md, "| decision | median | p95 |");
     let _ = writeln!(md, "|---|---|---|");

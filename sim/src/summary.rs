@@ -7,8 +7,8 @@ use crate::engine::SimResult;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// Median, 99th percentile and maximum of a sample (nearest rank).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+/// Median, 95th and 99th percentiles and maximum of a sample (nearest rank); all 0 for none.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub struct Quantiles {
     pub p50: f64,
     #[serde(default)]
