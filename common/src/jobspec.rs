@@ -77,6 +77,46 @@ pub enum SyncArch {
     Ps,
 }
 
+/// When the allocator ends a job before its program exits (the `[stop]` table): SLAQ's
+/// exploratory jobs, which people watch and kill once the loss flattens. Each criterion is
+/// optional; the first one met ends the job (status `completed`, with the reason, the loss
+/// at the end and the loss its fitted curve predicted it would reach). The agents stop the
+/// workers as for any resize (SIGTERM, checkpoint, exit). docs/scheduling.md "Stop criteria".
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct StopSpec {
+    /// Training loss (in the job's own units) at which the job has reached its target: the
+    /// fitted curve's loss at the job's progress, or the latest reported loss before a curve
+    /// is fitted. Must be below the job's first reported loss (a later check: the allocator
+    /// fails a job whose first loss is already at or below its target).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_loss: Option<f64>,
+    /// Plateau rule: the job has converged when its fitted curve predicts a relative loss
+    /// improvement per epoch below `min_improvement` over the next `window_epochs` epochs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plateau: Option<PlateauSpec>,
+    /// Seconds after submission at which the job is ended, whatever its loss.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub deadline_s: Option<f64>,
+    /// GPU-hours of service (GPUs × hours its workers ran and reported) after which the job
+    /// is ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_gpu_hours: Option<f64>,
+}
+
+/// The plateau rule of a `[stop]` table (`[stop.plateau]`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlateauSpec {
+    /// Relative improvement per epoch, `(L(k) − L(k + E)) / L(k)` with `E` the samples of one
+    /// epoch, below which the job counts as converged; in (0, 1). E.g. 0.01 = 1 % per epoch.
+    pub min_improvement: f64,
+    /// Epochs the improvement is judged over (ahead of the job's progress, on its fitted
+    /// curve); the rule applies only once the job has run this many epochs. At least 1
+    /// (fractions allowed).
+    pub window_epochs: f64,
+}
+
 /// Most parameter-server shards a job may ask for.
 pub const MAX_PS: u32 = 256;
 
@@ -129,6 +169,13 @@ pub struct JobSpec {
     /// Non-zero exits of a worker tolerated (with capped backoff) before the job fails.
     #[serde(default = "default_max_restarts")]
     pub max_restarts: u32,
+    /// Stop criteria (`[stop]`): when the allocator ends the job on its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop: Option<StopSpec>,
+    /// The sweep this job is a trial of (set by `converge submit sweep.toml`; same rules as
+    /// a job id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sweep: Option<JobId>,
     /// Adaptive batch settings (`[batch]`); `None`: the batch is the command's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<BatchSpec>,
@@ -172,6 +219,8 @@ pub enum JobSpecError {
     ReservedEnv(String),
     #[error("`env` key {0:?} is not a valid environment variable name")]
     BadEnvName(String),
+    #[error("`[stop]`: {0}")]
+    Stop(String),
     #[error("`[batch]`: {0}")]
     Batch(String),
     #[error("unsupported protocol version {0}")]
@@ -189,6 +238,11 @@ impl JobSpec {
     /// The effective maximum number of workers.
     pub fn max_workers(&self) -> u32 {
         self.max_workers.unwrap_or(self.min_workers)
+    }
+
+    /// The target loss: `[stop] target_loss`, else the top-level `target_loss`.
+    pub fn target_loss(&self) -> Option<f64> {
+        self.stop.and_then(|s| s.target_loss).or(self.target_loss)
     }
 
     /// Workers the user asked for: `workers`, else `max_workers()`.
@@ -241,6 +295,14 @@ impl JobSpec {
         if let Some(b) = &self.batch {
             self.validate_batch(b)?;
         }
+        if let Some(stop) = &self.stop {
+            stop.validate().map_err(JobSpecError::Stop)?;
+            if let (Some(a), Some(b)) = (self.target_loss, stop.target_loss) {
+                return Err(JobSpecError::Stop(format!(
+                    "`target_loss` is given twice ({a} at the top, {b} in `[stop]`): keep one"
+                )));
+            }
+        }
         for key in self.env.keys() {
             if RESERVED_ENV.contains(&key.as_str()) {
                 return Err(JobSpecError::ReservedEnv(key.clone()));
@@ -251,6 +313,60 @@ impl JobSpec {
             if !valid {
                 return Err(JobSpecError::BadEnvName(key.clone()));
             }
+        }
+        Ok(())
+    }
+}
+
+impl StopSpec {
+    /// Checks every criterion: finite, positive where a negative or zero value could never
+    /// be met (or is met at once), a plateau window of at least one epoch.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(t) = self.target_loss
+            && !t.is_finite()
+        {
+            return Err(format!("`target_loss` must be a finite number, got {t}"));
+        }
+        if let Some(p) = &self.plateau {
+            if !(p.min_improvement.is_finite()
+                && p.min_improvement > 0.0
+                && p.min_improvement < 1.0)
+            {
+                return Err(format!(
+                    "`plateau.min_improvement` is {}; it must be a relative improvement per epoch in (0, 1), e.g. 0.01",
+                    p.min_improvement
+                ));
+            }
+            if !(p.window_epochs.is_finite() && p.window_epochs >= 1.0) {
+                return Err(format!(
+                    "`plateau.window_epochs` is {}; it must be at least 1 epoch",
+                    p.window_epochs
+                ));
+            }
+        }
+        if let Some(d) = self.deadline_s
+            && !(d.is_finite() && d > 0.0)
+        {
+            return Err(format!(
+                "`deadline_s` is {d}; it must be a positive number of seconds after submission"
+            ));
+        }
+        if let Some(b) = self.max_gpu_hours
+            && !(b.is_finite() && b > 0.0)
+        {
+            return Err(format!(
+                "`max_gpu_hours` is {b}; the GPU-time budget must be a positive number of GPU-hours"
+            ));
+        }
+        if self.target_loss.is_none()
+            && self.plateau.is_none()
+            && self.deadline_s.is_none()
+            && self.max_gpu_hours.is_none()
+        {
+            return Err(
+                "the table is empty: give at least one of `target_loss`, `plateau`, `deadline_s`, `max_gpu_hours`"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -444,5 +560,61 @@ mod tests {
             "unknown variant `mesh`",
         );
         check("command = [\"t\"]\n", "missing field `id`");
+    }
+
+    #[test]
+    fn stop_tables_parse_and_impossible_criteria_are_refused() {
+        let base = "id = \"s\"\ncommand = [\"t\"]\n";
+        let s = JobSpec::from_toml(&format!(
+            "{base}[stop]\ntarget_loss = 0.3\ndeadline_s = 600\nmax_gpu_hours = 0.5\n[stop.plateau]\nmin_improvement = 0.01\nwindow_epochs = 3\n"
+        ))
+        .unwrap();
+        let stop = s.stop.unwrap();
+        assert_eq!(stop.target_loss, Some(0.3));
+        assert_eq!(s.target_loss(), Some(0.3));
+        assert_eq!(
+            stop.plateau,
+            Some(PlateauSpec {
+                min_improvement: 0.01,
+                window_epochs: 3.0
+            })
+        );
+        assert_eq!(
+            (stop.deadline_s, stop.max_gpu_hours),
+            (Some(600.0), Some(0.5))
+        );
+        let legacy = JobSpec::from_toml(&format!("{base}target_loss = 0.2\n")).unwrap();
+        assert_eq!(legacy.target_loss(), Some(0.2));
+        for (table, expect) in [
+            ("max_gpu_hours = -1", "`max_gpu_hours` is -1"),
+            ("max_gpu_hours = 0", "positive number of GPU-hours"),
+            ("deadline_s = 0", "`deadline_s` is 0"),
+            ("deadline_s = inf", "`deadline_s` is inf"),
+            ("target_loss = nan", "finite"),
+            (
+                "[stop.plateau]\nmin_improvement = 0.01\nwindow_epochs = 0",
+                "`plateau.window_epochs` is 0",
+            ),
+            (
+                "[stop.plateau]\nmin_improvement = 0\nwindow_epochs = 2",
+                "`plateau.min_improvement` is 0",
+            ),
+            (
+                "[stop.plateau]\nmin_improvement = 1.5\nwindow_epochs = 2",
+                "in (0, 1)",
+            ),
+            (
+                "[stop.plateau]\nmin_improvement = 0.1",
+                "missing field `window_epochs`",
+            ),
+            ("", "the table is empty"),
+            ("budget = 3", "unknown field `budget`"),
+        ] {
+            check(&format!("{base}[stop]\n{table}\n"), expect);
+        }
+        check(
+            &format!("{base}target_loss = 0.1\n[stop]\ntarget_loss = 0.2\n"),
+            "given twice",
+        );
     }
 }

@@ -8,9 +8,10 @@ pub mod ids;
 pub mod jobspec;
 pub mod messages;
 pub mod subjects;
+pub mod sweep;
 
 pub use ids::{HostId, IdError, JobId};
-pub use jobspec::{BatchSpec, JobSpec, JobSpecError, SyncArch};
+pub use jobspec::{BatchSpec, JobSpec, JobSpecError, PlateauSpec, StopSpec, SyncArch};
 pub use messages::*;
 
 /// Version carried by every message (`"protocol": 1`). A reader refuses any other value.

@@ -728,6 +728,52 @@ pub struct JobStatus {
     /// written before the field existed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<JobBatch>,
+    /// How a finished job ended, when it ended by the allocator's stop criteria or by its
+    /// program (absent while it runs, and for cancelled or failed jobs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end: Option<JobEnd>,
+}
+
+/// Why a job ended by itself or by one of its `[stop]` criteria.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EndReason {
+    /// Rank 0 exited with code 0: the program finished its own work.
+    Finished,
+    /// The plateau rule: the fitted curve predicts less than the rule's improvement per epoch.
+    Converged,
+    /// The target loss was reached.
+    TargetReached,
+    /// The GPU-time budget (`max_gpu_hours`) is spent.
+    Budget,
+    /// The deadline (`deadline_s` after submission) passed.
+    Deadline,
+}
+
+impl EndReason {
+    /// As written on the wire and shown by the CLI (`converged`, `target reached`, ...).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EndReason::Finished => "finished",
+            EndReason::Converged => "converged",
+            EndReason::TargetReached => "target reached",
+            EndReason::Budget => "budget",
+            EndReason::Deadline => "deadline",
+        }
+    }
+}
+
+/// How a completed job ended ([`JobStatus::end`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobEnd {
+    pub reason: EndReason,
+    /// Rank 0's latest reported training loss when the job ended.
+    pub loss: Option<f64>,
+    /// The loss the job's fitted curve predicts it would have reached had it run on
+    /// (the curve's asymptote); `None` without a fitted curve.
+    pub predicted_loss: Option<f64>,
+    /// GPU-hours of service the job received (its reports' attained service).
+    pub gpu_hours: f64,
 }
 
 /// How a `[batch]` job's batch is chosen, and what the allocator knows of its gradient.

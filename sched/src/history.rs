@@ -83,6 +83,9 @@ pub struct JobHistory {
     gradient: Vec<GradientPoint>,
     /// Rank-0 reports with valid gradient statistics (not affected by cuts).
     pub gradient_reports: u64,
+    /// Samples in one epoch of the job's training set: rank 0's latest report with an
+    /// `epoch` field, `samples / epoch` (the plateau rule of [`crate::stop`]).
+    epoch_samples: Option<f64>,
     /// Rank-0 reports whose gradient statistics were ignored: one of the pair missing, not
     /// finite, negative or both 0 ([`GradientReading::Invalid`]). The report's loss counts.
     pub ignored_gradient_stats: u64,
@@ -129,6 +132,14 @@ impl JobHistory {
         }
         if r.model_bytes.is_some() {
             self.model_bytes = r.model_bytes;
+        }
+        if let Some(e) = r.epoch.filter(|e| e.is_finite() && *e > 0.0)
+            && r.samples > 0
+        {
+            let per_epoch = r.samples as f64 / e;
+            if per_epoch.is_finite() && per_epoch >= 1.0 {
+                self.epoch_samples = Some(per_epoch);
+            }
         }
         let mut cut = false;
         while self.points.last().is_some_and(|p| p.samples > r.samples) {
@@ -208,6 +219,11 @@ impl JobHistory {
     /// the figure (`None` if no worker reported it).
     pub fn model_bytes(&self) -> Option<u64> {
         self.model_bytes
+    }
+
+    /// Samples in one epoch, from rank 0's reports of `epoch` (`None` if it sends none).
+    pub fn epoch_samples(&self) -> Option<f64> {
+        self.epoch_samples
     }
 
     /// Rank-0 points added since the history began or was last cut back.

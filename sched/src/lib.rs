@@ -19,6 +19,7 @@
 //! | [`placement`] | first fit and BCO placement, master ports |
 //! | [`decide`] | the decision: job views → policy → placements |
 //! | [`schedule`] | the service's lifecycle step around [`decide::decide`] |
+//! | [`stop`] | stop criteria: when the allocator ends a job (target, plateau, budget, deadline) |
 //! | [`ps_plan`] | parameter-server planner (LP relaxation + rounding) |
 //! | [`makespan`] | offline SJF-BCO makespan scheduling and exact optima |
 //! | [`benchgen`] | seeded synthetic clusters for the decision benchmarks |
@@ -35,4 +36,5 @@ pub mod placement;
 pub mod policies;
 pub mod ps_plan;
 pub mod schedule;
+pub mod stop;
 pub mod throughput;

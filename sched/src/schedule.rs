@@ -17,11 +17,12 @@ use crate::history::JobHistory;
 use crate::placement::{HostFree, PlacementKind, master_port};
 use crate::policies::{Policy, PolicyParams, Quality};
 use crate::ps_plan::{PsHost, PsJob, PsPlan, plan_ps_job};
+use crate::stop::{self, StopInputs, predicted_final_loss};
 use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior};
 use converge_common::{
-    AssignedBatch, BatchSpec, Event, EventKind, HostId, HostPlan, HostTelemetry, JobBatch, JobId,
-    JobPhase, JobSpec, JobStatus, PROTOCOL_VERSION, RankPlacement, SyncArch, WorkerAssignment,
-    WorkerPhase,
+    AssignedBatch, BatchSpec, EndReason, Event, EventKind, HostId, HostPlan, HostTelemetry,
+    JobBatch, JobEnd, JobId, JobPhase, JobSpec, JobStatus, PROTOCOL_VERSION, RankPlacement,
+    SyncArch, WorkerAssignment, WorkerPhase,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -234,6 +235,16 @@ pub fn step(
                 &mut out.events,
             );
             let curve = history.and_then(|h| cache.curve(id, h, &settings.fit, refit.contains(id)));
+            if !status.phase.is_terminal() {
+                apply_stop_criteria(
+                    &mut status,
+                    spec,
+                    history,
+                    curve.as_ref(),
+                    now,
+                    &mut out.events,
+                );
+            }
             let seen = history
                 .map(JobHistory::step_observations)
                 .unwrap_or_default();
@@ -582,6 +593,7 @@ fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
         updated_at: now,
         message: None,
         batch: None,
+        end: None,
     }
 }
 
@@ -652,22 +664,11 @@ fn advance(
         .iter()
         .any(|(_, w)| w.rank == 0 && w.phase == WorkerPhase::Succeeded)
     {
+        status.end = Some(job_end(EndReason::Finished, spec, history, None));
         finish(
             status,
             JobPhase::Completed,
             "rank 0 exited with code 0".into(),
-            now,
-            events,
-        );
-        return;
-    }
-    if let (Some(target), Some(latest)) = (spec.target_loss, history.and_then(JobHistory::latest))
-        && latest.loss <= target
-    {
-        finish(
-            status,
-            JobPhase::Completed,
-            format!("reached target loss {target} (loss {:.4})", latest.loss),
             now,
             events,
         );
@@ -712,6 +713,62 @@ fn advance(
             now,
             events,
         );
+    }
+}
+
+/// A finished job's [`JobEnd`]: its latest loss, the loss its curve predicts it would reach,
+/// and its GPU-hours.
+fn job_end(
+    reason: EndReason,
+    spec: &JobSpec,
+    history: Option<&JobHistory>,
+    curve: Option<&Curve>,
+) -> JobEnd {
+    JobEnd {
+        reason,
+        loss: history.and_then(JobHistory::latest).map(|p| p.loss),
+        predicted_loss: curve.map(predicted_final_loss),
+        gpu_hours: history.map_or(0.0, |h| h.attained_gpu_seconds(spec.gpus_per_worker)) / 3600.0,
+    }
+}
+
+/// Ends an active job whose stop criteria ([`crate::stop`]) hold, as `completed` with the
+/// reason; fails one whose first loss already meets its target (an impossible goal for a
+/// loss that falls).
+fn apply_stop_criteria(
+    status: &mut JobStatus,
+    spec: &JobSpec,
+    history: Option<&JobHistory>,
+    curve: Option<&Curve>,
+    now: f64,
+    events: &mut Vec<Event>,
+) {
+    let Some(stop) = stop::criteria(spec) else {
+        return;
+    };
+    if let (Some(target), Some(first)) =
+        (stop.target_loss, history.and_then(JobHistory::first_loss))
+        && let Some(reason) = stop::target_not_below_first_loss(target, first)
+    {
+        finish(status, JobPhase::Failed, reason, now, events);
+        return;
+    }
+    let inputs = StopInputs {
+        now,
+        submitted_at: status.submitted_at,
+        samples: status.samples.max(
+            history
+                .and_then(JobHistory::latest)
+                .map_or(0, |p| p.samples),
+        ) as f64,
+        epoch_samples: history.and_then(JobHistory::epoch_samples),
+        latest_loss: history.and_then(JobHistory::latest).map(|p| p.loss),
+        curve,
+        gpu_seconds: history.map_or(0.0, |h| h.attained_gpu_seconds(spec.gpus_per_worker)),
+    };
+    if let Some(verdict) = stop::stop_verdict(&stop, &inputs) {
+        status.end = Some(job_end(verdict.reason, spec, history, curve));
+        finish(status, JobPhase::Completed, verdict.message, now, events);
     }
 }
 
@@ -822,7 +879,8 @@ fn job_view(
     });
     let curve = fits.curves.get(&status.job).cloned();
     let model = fits.models.get(&status.job);
-    let remaining_work = remaining_samples(curve.as_ref(), spec.target_loss, status.samples as f64);
+    let remaining_work =
+        remaining_samples(curve.as_ref(), spec.target_loss(), status.samples as f64);
     JobView {
         id: status.job.clone(),
         gpus_per_worker: spec.gpus_per_worker,
@@ -1983,6 +2041,94 @@ mod tests {
         );
         assert_eq!((s.samples, s.loss), (960, Some(0.39)));
         assert!(out.plans.values().all(|p| p.workers.is_empty()));
+    }
+
+    #[test]
+    fn stop_criteria_end_jobs_with_their_reason() {
+        // Plateau: a curve that flattens ends the job as converged, with its end figures.
+        let mut w = World::default();
+        let mut spec = job("p", 1, 1, 1.0);
+        spec.stop = Some(converge_common::StopSpec {
+            plateau: Some(converge_common::PlateauSpec {
+                min_improvement: 0.01,
+                window_epochs: 2.0,
+            }),
+            ..Default::default()
+        });
+        let id = JobId::new("p").unwrap();
+        w.specs.insert(id.clone(), spec);
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        let mut ended_at = None;
+        for i in 1..=60u64 {
+            let samples = i * 320;
+            let mut r = progress(
+                "p",
+                1,
+                0,
+                "h1",
+                i * 10,
+                samples,
+                1.0 / (1.0 + samples as f64 / 500.0) + 0.2,
+                10.0 + i as f64,
+            );
+            // 1,000 samples per epoch.
+            r.epoch = Some(samples as f64 / 1000.0);
+            w.histories.entry(id.clone()).or_default().add(&r);
+            w.add_host(host("h1", 1, 10.0 + i as f64, vec![]));
+            w.step(10.0 + i as f64, false);
+            if w.status("p").phase.is_terminal() {
+                ended_at = Some(i);
+                break;
+            }
+        }
+        let s = w.status("p");
+        assert_eq!(s.phase, JobPhase::Completed, "{s:?}");
+        assert!(ended_at.unwrap() > 7, "not before two epochs have run");
+        let end = s.end.as_ref().unwrap();
+        assert_eq!(end.reason, EndReason::Converged);
+        assert!(end.loss.is_some() && end.gpu_hours > 0.0, "{end:?}");
+        let predicted = end.predicted_loss.unwrap();
+        assert!((predicted - 0.2).abs() < 0.05, "{predicted}");
+        assert!(s.message.as_ref().unwrap().contains("converged"));
+
+        // Deadline: ends a job even while it waits for GPUs (no host here).
+        let mut w = World::default();
+        let mut spec = job("d", 1, 1, 1.0);
+        spec.stop = Some(converge_common::StopSpec {
+            deadline_s: Some(30.0),
+            ..Default::default()
+        });
+        w.specs.insert(JobId::new("d").unwrap(), spec);
+        w.step(20.0, true);
+        assert_eq!(w.status("d").phase, JobPhase::Pending);
+        w.step(31.0, true);
+        let s = w.status("d");
+        assert_eq!(s.phase, JobPhase::Completed);
+        assert_eq!(s.end.as_ref().unwrap().reason, EndReason::Deadline);
+
+        // A target at or above the first loss is refused once that loss is known.
+        let mut w = World::default();
+        let mut spec = job("t", 1, 1, 1.0);
+        spec.target_loss = Some(0.9);
+        let id = JobId::new("t").unwrap();
+        w.specs.insert(id.clone(), spec);
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        w.histories
+            .entry(id)
+            .or_default()
+            .add(&progress("t", 1, 0, "h1", 10, 320, 0.8, 11.0));
+        w.step(11.0, false);
+        let s = w.status("t");
+        assert_eq!(s.phase, JobPhase::Failed);
+        assert!(
+            s.message
+                .as_ref()
+                .unwrap()
+                .contains("not below the job's first loss")
+        );
+        assert!(s.end.is_none());
     }
 
     #[test]
