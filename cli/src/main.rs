@@ -2,11 +2,13 @@
 //! hosts, streams events, and runs the live monitor the local cluster uses.
 
 mod monitor;
+mod sweeps;
 mod tables;
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
 use converge_bus::{Bus, NatsArgs, Rejects, unix_now};
+use converge_common::sweep::{self, Sweep};
 use converge_common::{Event, HostTelemetry, JobId, JobSpec, JobStatus, subjects};
 use futures::StreamExt;
 use std::path::PathBuf;
@@ -27,20 +29,35 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Submit a job spec (TOML). The spec is validated first; a bad spec is refused with
-    /// the reason and nothing is written.
+    /// Submit a job spec or a sweep file (TOML). A file with a `[sweep]` table is a sweep:
+    /// its `[job]` template is expanded into one trial job per combination of the
+    /// `[sweep.grid]` values (or per `[[sweep.trials]]` table), named `<sweep id>-<n>`.
+    /// Everything is validated first; a bad spec or sweep is refused with the reason and
+    /// nothing is written.
     Submit {
-        /// Path of the job spec, e.g. examples/jobs/a9a-logreg.toml.
+        /// Path of the job spec or sweep file, e.g. examples/jobs/a9a-logreg.toml or
+        /// examples/sweeps/optdigits.toml.
         file: PathBuf,
-        /// Override the spec's `id` (e.g. to submit the same spec twice).
+        /// Override the spec's `id`, or the sweep's id for a sweep file (e.g. to submit the
+        /// same file twice).
         #[arg(long)]
         id: Option<String>,
+        /// Sweep files only: the most trials the sweep may expand to. A sweep that expands to
+        /// more is refused (never truncated), with its number of trials.
+        #[arg(long, default_value_t = sweep::DEFAULT_MAX_TRIALS)]
+        max_trials: usize,
     },
-    /// List jobs: phase, workers, generation, progress, loss and the predicted loss.
+    /// List jobs: phase (with how a completed job ended), workers, generation, progress,
+    /// loss and the predicted loss.
     Jobs {
         /// Also list completed, failed and cancelled jobs.
         #[arg(long, short)]
         all: bool,
+        /// Only the trials of this sweep, finished ones included, ranked best first: by
+        /// predicted loss (the loss an ended trial's curve predicted it would reach, else the
+        /// current prediction), else by current loss.
+        #[arg(long, value_name = "SWEEP_ID")]
+        sweep: Option<String>,
     },
     /// List hosts: GPUs, utilization, NIC rates and workers, from their latest heartbeat.
     Hosts,
@@ -96,37 +113,131 @@ async fn open(nats: &NatsArgs) -> anyhow::Result<Bus> {
     }
 }
 
+/// What `converge submit` read: one job, or the trials of a sweep.
+enum Submission {
+    Job(Box<JobSpec>),
+    Sweep(Sweep),
+}
+
+/// Reads and validates the file given to `converge submit`.
+fn read_submission(
+    file: &std::path::Path,
+    id: Option<&str>,
+    max_trials: usize,
+) -> anyhow::Result<Submission> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("cannot read job spec {}", file.display()))?;
+    let now = unix_now();
+    if sweep::is_sweep_file(&text) {
+        let refused = || format!("sweep file {} refused", file.display());
+        let mut parsed = sweep::SweepFile::from_toml(&text).with_context(refused)?;
+        if let Some(id) = id {
+            parsed.id = JobId::new(id).with_context(|| format!("invalid --id {id:?}"))?;
+        }
+        let mut sweep = parsed.expand(max_trials).with_context(refused)?;
+        for t in &mut sweep.trials {
+            t.spec.submitted_at = now;
+        }
+        return Ok(Submission::Sweep(sweep));
+    }
+    let mut spec = JobSpec::from_toml(&text)
+        .with_context(|| format!("job spec {} refused", file.display()))?;
+    if let Some(id) = id {
+        spec.id = JobId::new(id).with_context(|| format!("invalid --id {id:?}"))?;
+    }
+    spec.submitted_at = now;
+    Ok(Submission::Job(Box::new(spec)))
+}
+
+/// Stores a new job spec; refuses an id already taken.
+async fn create_job(bus: &Bus, spec: &JobSpec) -> anyhow::Result<()> {
+    let bytes = converge_common::messages::encode(spec);
+    match bus.jobs.create(spec.id.as_str(), bytes.into()).await {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {
+            bail!(
+                "job {} already exists; choose another id (or pass --id)",
+                spec.id
+            )
+        }
+        Err(e) => Err(e).context("cannot store the job spec"),
+    }
+}
+
+/// Submits every trial of a sweep, after checking that none of its ids (nor the sweep id)
+/// is taken.
+async fn submit_sweep(bus: &Bus, sweep: &Sweep, json: bool) -> anyhow::Result<()> {
+    let (existing, _) = load_jobs(bus).await?;
+    sweep::check_unused(sweep, &existing)?;
+    for (i, t) in sweep.trials.iter().enumerate() {
+        if let Err(e) = create_job(bus, &t.spec).await {
+            let written: Vec<&str> = sweep.trials[..i]
+                .iter()
+                .map(|t| t.spec.id.as_str())
+                .collect();
+            return Err(e.context(format!(
+                "sweep {} stopped after {i} of {} trials (submitted: {}; cancel them or submit the rest with another --id)",
+                sweep.id,
+                sweep.trials.len(),
+                if written.is_empty() { "none".into() } else { written.join(", ") }
+            )));
+        }
+    }
+    if json {
+        let trials: Vec<_> = sweep
+            .trials
+            .iter()
+            .map(|t| {
+                let params: serde_json::Map<String, serde_json::Value> = t
+                    .params
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone().into()))
+                    .collect();
+                serde_json::json!({ "job": t.spec.id, "params": params })
+            })
+            .collect();
+        println!(
+            "{}",
+            serde_json::json!({ "sweep": sweep.id, "trials": trials })
+        );
+    } else {
+        println!(
+            "submitted sweep {}: {} trials",
+            sweep.id,
+            sweep.trials.len()
+        );
+        for t in &sweep.trials {
+            println!("  {}  {}", t.spec.id, sweep::describe(&t.params));
+        }
+        println!("ranked: converge jobs --sweep {}", sweep.id);
+    }
+    Ok(())
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
     // Validate input before touching the network.
-    let spec = match &cli.command {
-        Command::Submit { file, id } => {
-            let text = std::fs::read_to_string(file)
-                .with_context(|| format!("cannot read job spec {}", file.display()))?;
-            let mut spec = JobSpec::from_toml(&text)
-                .with_context(|| format!("job spec {} refused", file.display()))?;
-            if let Some(id) = id {
-                spec.id = JobId::new(id.clone()).with_context(|| format!("invalid --id {id:?}"))?;
-            }
-            spec.submitted_at = unix_now();
-            Some(spec)
-        }
+    let submission = match &cli.command {
+        Command::Submit {
+            file,
+            id,
+            max_trials,
+        } => Some(read_submission(file, id.as_deref(), *max_trials)?),
+        _ => None,
+    };
+    let sweep_id = match &cli.command {
+        Command::Jobs {
+            sweep: Some(id), ..
+        } => Some(JobId::new(id.clone()).with_context(|| format!("invalid sweep id {id:?}"))?),
         _ => None,
     };
     let bus = open(&cli.nats).await?;
     match cli.command {
         Command::Submit { .. } => {
-            let spec = spec.expect("parsed above");
-            let bytes = converge_common::messages::encode(&spec);
-            match bus.jobs.create(spec.id.as_str(), bytes.into()).await {
-                Ok(_) => {}
-                Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {
-                    bail!(
-                        "job {} already exists; choose another id (or pass --id)",
-                        spec.id
-                    )
-                }
-                Err(e) => return Err(e).context("cannot store the job spec"),
-            }
+            let spec = match submission.expect("parsed above") {
+                Submission::Job(spec) => *spec,
+                Submission::Sweep(sweep) => return submit_sweep(&bus, &sweep, cli.json).await,
+            };
+            create_job(&bus, &spec).await?;
             if cli.json {
                 println!("{}", serde_json::to_string(&spec)?);
             } else {
@@ -139,7 +250,20 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 );
             }
         }
-        Command::Jobs { all } => {
+        Command::Jobs { .. } if sweep_id.is_some() => {
+            let id = sweep_id.expect("checked");
+            let (specs, statuses) = load_jobs(&bus).await?;
+            let rows = sweeps::rank(&id, &specs, &statuses);
+            if rows.is_empty() {
+                bail!("no sweep {id}: no job is a trial of it");
+            }
+            if cli.json {
+                println!("{}", serde_json::to_string_pretty(&sweeps::json(&rows))?);
+            } else {
+                println!("{}", sweeps::table(&rows));
+            }
+        }
+        Command::Jobs { all, .. } => {
             let (specs, statuses) = load_jobs(&bus).await?;
             let rows: Vec<(&JobSpec, Option<&JobStatus>)> = specs
                 .iter()

@@ -3,6 +3,15 @@
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use converge_common::{HostTelemetry, JobSpec, JobStatus, WorkerPhase};
 
+/// The phase, with how the job ended when it did by itself or by a `[stop]` criterion:
+/// `completed (converged)`, `completed (target reached)`, `completed (finished)`.
+pub fn phase(s: &JobStatus) -> String {
+    match &s.end {
+        Some(end) => format!("{} ({})", s.phase.as_str(), end.reason.as_str()),
+        None => s.phase.as_str().into(),
+    }
+}
+
 fn loss(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{v:.4}"))
 }
@@ -132,7 +141,7 @@ pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
             Some(s) => t.add_row(vec![
                 spec.id.to_string(),
                 label,
-                s.phase.as_str().to_string(),
+                phase(s),
                 format!("{} ({range})", s.world_size),
                 s.generation.to_string(),
                 s.step.to_string(),
@@ -219,13 +228,13 @@ pub fn hosts(hosts: &[HostTelemetry], now: f64) -> Table {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use converge_common::{HostId, JobId, JobPhase, PROTOCOL_VERSION, RankPlacement};
 
     /// Job `j`, running in generation 1, nothing placed or reported yet (a status as an
     /// older allocator wrote it: no optional field present).
-    fn running_status() -> JobStatus {
+    pub(crate) fn running_status() -> JobStatus {
         serde_json::from_value(serde_json::json!({
             "protocol": PROTOCOL_VERSION, "job": "j", "phase": "running", "generation": 1,
             "world_size": 0, "placement": [], "master_port": null, "step": 0, "samples": 0,
@@ -307,5 +316,22 @@ mod tests {
         assert_eq!(placement(&s), "n2×2 n1×1");
         s.ps_placement = vec![rank(3, "n2", &[]), rank(4, "n2", &[])];
         assert_eq!(placement(&s), "n2×2 n1×1 ps: n2×2");
+    }
+
+    #[test]
+    fn the_jobs_table_shows_how_a_completed_job_ended() {
+        let spec = JobSpec::from_toml("id = \"j\"\ncommand = [\"t\"]\n").unwrap();
+        let mut s = running_status();
+        assert_eq!(phase(&s), "running");
+        s.phase = JobPhase::Completed;
+        s.end = Some(converge_common::JobEnd {
+            reason: converge_common::EndReason::TargetReached,
+            loss: Some(0.3),
+            predicted_loss: Some(0.28),
+            gpu_hours: 0.5,
+        });
+        assert_eq!(phase(&s), "completed (target reached)");
+        let text = jobs(&[(&spec, Some(&s))], 100.0).to_string();
+        assert!(text.contains("completed (target reached)"), "{text}");
     }
 }

@@ -125,7 +125,7 @@ pub enum SweepError {
     Trial {
         trial: JobId,
         params: String,
-        source: JobSpecError,
+        source: Box<JobSpecError>,
     },
     #[error("job {0} already exists: choose another sweep id (or pass --id)")]
     DuplicateId(JobId),
@@ -416,7 +416,7 @@ impl SweepFile {
                 .map_err(|source| SweepError::Trial {
                     trial: id.clone(),
                     params: describe(&params),
-                    source,
+                    source: Box::new(source),
                 })?;
             trials.push(Trial { spec, params });
         }
