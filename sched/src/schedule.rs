@@ -245,6 +245,12 @@ pub fn step(
                     &mut out.events,
                 );
             }
+            // A job that finished by itself this step gets its curve's prediction too.
+            if let (Some(end), Some(c)) = (status.end.as_mut(), curve.as_ref())
+                && end.predicted_loss.is_none()
+            {
+                end.predicted_loss = Some(predicted_final_loss(c));
+            }
             let seen = history
                 .map(JobHistory::step_observations)
                 .unwrap_or_default();

@@ -8,6 +8,8 @@ pub mod apps;
 pub mod cli;
 pub mod decision_bench;
 pub mod engine;
+pub mod explore;
+pub mod explore_report;
 pub mod makespan_bench;
 pub mod markdown;
 pub mod predict;

@@ -4,6 +4,10 @@
 use clap::{Parser, Subcommand};
 use converge_sim::cli::{SimulateArgs, WorkloadArgs, run_simulate, run_workload};
 use converge_sim::decision_bench::{BenchDecisionArgs, run_bench_decision};
+use converge_sim::explore_report::{
+    ExploreArgs, ExploreReportArgs, ExploreWorkloadArgs, run_explore, run_explore_report,
+    run_explore_workload,
+};
 use converge_sim::makespan_bench::{MakespanBenchArgs, run_makespan_bench};
 use converge_sim::predict_bench::{PredictBenchArgs, run_predict_bench};
 use converge_sim::ps_bench::{PsBenchArgs, run_ps_bench};
@@ -37,6 +41,18 @@ enum Command {
     /// and the scale benchmark (one decision for 10,000 jobs, as bench-decision), run on one
     /// thread before the simulations.
     Report(ReportArgs),
+    /// Sample an exploratory workload: sweeps of short trials (one per recorded run of a
+    /// model × dataset pair in data/curves/sweep) arriving as a Poisson process, sized by
+    /// Philly trace jobs scaled from hours to minutes.
+    ExploreWorkload(ExploreWorkloadArgs),
+    /// Simulate an exploratory workload under one or more policies; every trial ends by its
+    /// stop criteria (plateau rule) or at the end of its recorded curve. Prints SLAQ's
+    /// measures (average normalized loss, time to 80/90/95 % loss reduction).
+    Explore(ExploreArgs),
+    /// Write docs/exploratory.md: SLAQ's measures and sweep GPU-hours per policy over
+    /// several generated exploratory workloads, against fair share and against running
+    /// every trial to its end.
+    ExploreReport(ExploreReportArgs),
     /// Time one allocation decision (quality policy, then placement) on a generated cluster,
     /// single-threaded: by default 10,000 active jobs (about 70 % running) on 12,500 nodes ×
     /// 8 GPUs. Prints the minimum and median over the repeats of the policy, the placement
@@ -64,6 +80,9 @@ fn main() -> std::process::ExitCode {
         Command::Workload(args) => run_workload(&args),
         Command::Report(args) => run_report(&args),
         Command::PredictBench(args) => run_predict_bench(&args),
+        Command::ExploreWorkload(args) => run_explore_workload(&args),
+        Command::Explore(args) => run_explore(&args),
+        Command::ExploreReport(args) => run_explore_report(&args),
         Command::BenchDecision(args) => run_bench_decision(&args),
         Command::MakespanBench(args) => run_makespan_bench(&args),
         Command::PsBench(args) => run_ps_bench(&args),

@@ -21,6 +21,44 @@ pub fn emit(md: &str, out: Option<&Path>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A Markdown table built row by row.
+#[derive(Debug, Clone)]
+pub struct Table {
+    header: Vec<String>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    pub fn new(header: &[&str]) -> Self {
+        Self {
+            header: header.iter().map(|h| (*h).to_string()).collect(),
+            rows: Vec::new(),
+        }
+    }
+
+    /// Adds a row (missing cells render empty, extra cells are dropped).
+    pub fn row(&mut self, cells: Vec<String>) {
+        self.rows.push(cells);
+    }
+
+    /// The table, one line per row, ending with a newline.
+    pub fn render(&self) -> String {
+        let line = |cells: &[String]| {
+            let n = self.header.len();
+            let padded: Vec<&str> = (0..n)
+                .map(|i| cells.get(i).map_or("", String::as_str))
+                .collect();
+            format!("| {} |\n", padded.join(" | "))
+        };
+        let mut out = line(&self.header);
+        out.push_str(&format!("|{}\n", "---|".repeat(self.header.len())));
+        for r in &self.rows {
+            out.push_str(&line(r));
+        }
+        out
+    }
+}
+
 /// A command's arguments at their defaults, as if given no flag.
 pub fn defaults<A: clap::Args>() -> A {
     #[derive(clap::Parser)]
@@ -39,6 +77,14 @@ mod tests {
     struct Example {
         #[arg(long, default_value_t = 7)]
         count: u32,
+    }
+
+    #[test]
+    fn tables_render_rows_under_their_header() {
+        let mut t = Table::new(&["a", "b"]);
+        t.row(vec!["1".into(), "2".into()]);
+        t.row(vec!["3".into()]);
+        assert_eq!(t.render(), "| a | b |\n|---|---|\n| 1 | 2 |\n| 3 |  |\n");
     }
 
     #[test]

@@ -10,7 +10,13 @@
 //!
 //! 1. **Admission.** Jobs are taken in order — pending jobs that have waited `max_wait_s`
 //!    since submission (the starvation guard), then running jobs (`current_workers > 0`), then
-//!    other pending ones, each by `submitted_at`, then id. Each gets its minimum (`min_workers`, at
+//!    other pending ones, each by `submitted_at`, then id. Under `loss` (SLAQ's objective),
+//!    after the starvation guard, jobs are taken by the value per GPU of their minimum over
+//!    the horizon instead (a running job's as if kept, a pending job's after its restart;
+//!    step 2), so an arrival, valued at `new_job_gain` until its curve is fitted, displaces
+//!    a running job whose curve has flattened: SLAQ's exploratory setting, where most
+//!    of a job's loss reduction comes early. Running jobs without a fitted curve yet keep
+//!    their place ahead of that ranking, and running jobs come first on equal value. Each gets its minimum (`min_workers`, at
 //!    least 1) if that many GPUs are still free, else 0: a pending job that does not fit waits,
 //!    and a running job that no longer fits (capacity shrank) is stopped.
 //! 2. **Value** of `w` workers over the horizon ([`job_value`]): the job progresses at
@@ -278,15 +284,26 @@ pub fn job_terms(jobs: &[&PolicyJob], now: f64, params: &PolicyParams) -> Vec<Jo
 /// is productive for `change_factor` of the horizon. Dimensionless, finite and non-negative;
 /// 0 for 0 workers.
 pub fn job_value(job: &PolicyJob, workers: u32, params: &PolicyParams, terms: &JobTerms) -> f64 {
-    if workers == 0 {
-        return 0.0;
-    }
-    let horizon_s = params.horizon_s.max(0.0);
     let productive_fraction = if workers == job.current_workers {
         1.0
     } else {
         terms.change_factor.clamp(0.0, 1.0)
     };
+    value_with(job, workers, params, terms, productive_fraction)
+}
+
+/// [`job_value`] with the productive share of the horizon given.
+fn value_with(
+    job: &PolicyJob,
+    workers: u32,
+    params: &PolicyParams,
+    terms: &JobTerms,
+    productive_fraction: f64,
+) -> f64 {
+    if workers == 0 {
+        return 0.0;
+    }
+    let horizon_s = params.horizon_s.max(0.0);
     let productive_s = horizon_s * productive_fraction;
     let completion = || {
         let one = throughput(job, 1, params);
@@ -393,7 +410,24 @@ pub fn quality_allocate(
         terms[i] = t;
     }
 
-    // 1. Admission.
+    // 1. Admission. Under `loss` (SLAQ), jobs compete for their minimum on value: a job
+    //    with more loss to lose over the horizon per GPU goes first, so a new job displaces
+    //    a running one whose curve is flat (module docs, step 1).
+    if params.objective == Objective::Loss {
+        let value: Vec<f64> = (0..jobs.len())
+            .map(|i| admission_value(&jobs[i], params, &terms[i]))
+            .collect();
+        // Running jobs without a fitted curve keep their place: nothing is known yet that
+        // would make an arrival worth more.
+        let unknown = |j: &PolicyJob| j.current_workers > 0 && j.curve.is_none();
+        order.sort_by(|&a, &b| {
+            starving(&jobs[b])
+                .cmp(&starving(&jobs[a]))
+                .then(unknown(&jobs[b]).cmp(&unknown(&jobs[a])))
+                .then(value[b].total_cmp(&value[a]))
+                .then_with(|| admission_order(&jobs[a], &jobs[b]))
+        });
+    }
     for &i in &order {
         if let Some(min) = minimum_workers(&jobs[i]) {
             let need = gpus(&jobs[i], min);
@@ -474,6 +508,21 @@ pub fn quality_allocate(
             .map(|&i| (jobs[i].id.clone(), workers[i]))
             .collect(),
     }
+}
+
+/// Value per GPU of a job's minimum over the horizon, for admission under
+/// [`Objective::Loss`]: a running job's as if kept (its restart is already paid), a pending
+/// job's with the restart it would pay. 0 for a job that cannot run.
+fn admission_value(job: &PolicyJob, params: &PolicyParams, terms: &JobTerms) -> f64 {
+    let Some(min) = minimum_workers(job) else {
+        return 0.0;
+    };
+    let fraction = if job.current_workers > 0 {
+        1.0
+    } else {
+        terms.change_factor.clamp(0.0, 1.0)
+    };
+    value_with(job, min, params, terms, fraction) / gpus(job, min).max(1) as f64
 }
 
 /// Running jobs first, then by arrival, then by id.
@@ -804,6 +853,36 @@ mod tests {
         let decision = quality_allocate(&view(3), &[early_pending, old], &slaq());
         assert_eq!(workers_of(&decision, "old"), 0);
         assert_eq!(workers_of(&decision, "early"), 3);
+    }
+
+    #[test]
+    fn under_loss_an_arrival_displaces_a_running_job_whose_curve_is_flat() {
+        // `flat` runs on the only GPU and its curve predicts almost nothing more.
+        let flat_curve = Curve {
+            family: CurveFamily::InvLinear,
+            params: vec![1e-6, 1e-3, 0.1],
+            rmse: 0.0,
+            points: 50,
+        };
+        let mut flat = running(with_curve(job("flat", 1), flat_curve), 1);
+        flat.samples = 1e9;
+        flat.loss_scale = 1.0;
+        let arrival = job("new", 1);
+        let decision = quality_allocate(&view(1), &[flat.clone(), arrival.clone()], &slaq());
+        assert_eq!(workers_of(&decision, "new"), 1);
+        assert_eq!(workers_of(&decision, "flat"), 0);
+        // Deciding again on the applied decision changes nothing.
+        let (mut flat, mut arrival) = (flat, arrival);
+        flat.current_workers = 0;
+        arrival.current_workers = 1;
+        let again = quality_allocate(&view(1), &[flat.clone(), arrival.clone()], &slaq());
+        assert_eq!(workers_of(&again, "new"), 1);
+        // Under `both`, running jobs keep their place.
+        let both = PolicyParams::default();
+        flat.current_workers = 1;
+        arrival.current_workers = 0;
+        let decision = quality_allocate(&view(1), &[flat, arrival], &both);
+        assert_eq!(workers_of(&decision, "flat"), 1);
     }
 
     #[test]

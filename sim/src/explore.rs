@@ -1,0 +1,859 @@
+//! Exploratory jobs (SLAQ's setting): many short trials of hyperparameter sweeps that end by
+//! their stop criteria, on a simulated cluster, decided by the service's own
+//! [`converge_sched::decide::decide`] and ended by its own [`converge_sched::stop`].
+//!
+//! # Where the numbers come from
+//!
+//! - **Loss curves**: real `converge-trainer` runs of a sweep (`data/curves/sweep/`: five
+//!   model × dataset pairs × three learning rates × two batch sizes), one CSV per run
+//!   (`step,samples,loss,eval_loss,epoch`). A trial's position on its curve is in the
+//!   run's own samples; the loss its workers "report" is the recorded minibatch loss at
+//!   that position (real noise, linearly interpolated between rows), and its true loss,
+//!   used only by the metrics, is the recorded loss smoothed by a centred moving average.
+//! - **Sizes and durations**: a Philly trace job (`data/pollux/traces/philly.csv`) per sweep:
+//!   its GPUs are the trials' requested workers (elastic from 1 to [`ELASTIC_FACTOR`] times
+//!   that, at most 16), its GPU time scaled from hours to minutes ([`TIME_SCALE`]) is the
+//!   single-GPU time of running one trial's whole curve. Sweeps arrive as a Poisson process.
+//! - **Throughput**: measured step times of a Pollux application (`placements.csv`,
+//!   `scalability.csv`) chosen by the trace job's GPU time as the Pollux workloads chose
+//!   them, at the application's smallest measured per-GPU batch: the speedup of a
+//!   placement is the application's, scaled so that one GPU runs the curve in its
+//!   single-GPU time.
+//!
+//! # Metrics (SLAQ, Zhang et al. SoCC'17, §6)
+//!
+//! A trial's normalized loss is `(L(x) − L_min) / (L(0) − L_min)` clamped to `[0, 1]`, `L`
+//! its true loss at curve position `x`, `L_min` the lowest true loss of the whole recorded
+//! run (what running it to its end would reach at best). The cluster-wide average
+//! normalized loss is the mean over submitted trials that have not ended, per scheduling
+//! interval; time to 80/90/95 % of the loss reduction is the age at which the normalized
+//! loss first fell to 0.2/0.1/0.05. Per sweep: the GPU-hours all its trials held, and the
+//! true loss its best trial ended at.
+
+use crate::apps::Application;
+use anyhow::Context as _;
+use converge_common::{EndReason, HostId, JobId, ProgressReport, RankPlacement, StopSpec};
+use converge_sched::decide::{BatchSize, ClusterState, JobView, decide};
+use converge_sched::fit::FitConfig;
+use converge_sched::fit_cache::{FitCache, ModelScope};
+use converge_sched::history::JobHistory;
+use converge_sched::placement::{HostFree, PlacementKind};
+use converge_sched::policies::Policy;
+use converge_sched::stop::{StopInputs, stop_verdict};
+use converge_sched::throughput::{StepObservation, ThroughputPrior};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, Exp};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Instant;
+
+/// Trace GPU-hours become single-GPU minutes of a trial: seconds of trace GPU time per
+/// second of a trial's work.
+pub const TIME_SCALE: f64 = 60.0;
+/// A trial may grow to this many times the GPUs its trace job asked for (at most
+/// [`MAX_TRIAL_WORKERS`], at least 4): exploratory trainers are elastic data-parallel jobs.
+pub const ELASTIC_FACTOR: u32 = 4;
+/// Most workers of one trial.
+pub const MAX_TRIAL_WORKERS: u32 = 16;
+/// Shortest and longest single-GPU time of a trial's whole curve, seconds.
+pub const WORK_RANGE_S: (f64, f64) = (120.0, 3600.0);
+/// Rows on each side of the centred moving average behind a curve's true loss.
+pub const SMOOTHING_ROWS: usize = 5;
+
+/// One recorded loss curve (a `converge-trainer` run).
+#[derive(Debug, Clone)]
+pub struct RecordedCurve {
+    /// File stem, e.g. `optdigits-mlp-lrx4-b64`.
+    pub name: String,
+    /// Model × dataset pair: the stem before `-lr` (the sweep a trial belongs to).
+    pub pair: String,
+    samples: Vec<f64>,
+    loss: Vec<f64>,
+    truth: Vec<f64>,
+    /// Samples per epoch of the run's training set.
+    pub epoch_samples: f64,
+    /// Lowest true loss of the run.
+    pub floor: f64,
+}
+
+impl RecordedCurve {
+    /// Parses a curve CSV with at least the columns `samples`, `loss` and `epoch`. Rows with
+    /// a loss that is not finite (a diverged run) end the curve.
+    pub fn parse(name: &str, text: &str) -> anyhow::Result<Self> {
+        let mut reader = csv::Reader::from_reader(text.as_bytes());
+        let headers = reader.headers()?.clone();
+        let col = |n: &str| {
+            headers
+                .iter()
+                .position(|h| h == n)
+                .with_context(|| format!("{name}: no `{n}` column"))
+        };
+        let (cs, cl, ce) = (col("samples")?, col("loss")?, col("epoch")?);
+        let (mut samples, mut loss) = (Vec::new(), Vec::new());
+        let mut epoch_samples = None;
+        for row in reader.records() {
+            let row = row?;
+            let num = |i: usize| row.get(i).and_then(|v| v.trim().parse::<f64>().ok());
+            let (Some(s), Some(l)) = (num(cs), num(cl)) else {
+                anyhow::bail!("{name}: row {} lacks samples or loss", samples.len() + 1);
+            };
+            if !l.is_finite() {
+                break;
+            }
+            if let Some(e) = num(ce).filter(|e| *e > 0.0 && s > 0.0) {
+                epoch_samples = Some(s / e);
+            }
+            if samples.last().is_some_and(|&p| s <= p) {
+                anyhow::bail!("{name}: samples must increase (row {})", samples.len() + 1);
+            }
+            samples.push(s);
+            loss.push(l);
+        }
+        anyhow::ensure!(samples.len() >= 10, "{name}: fewer than 10 finite rows");
+        let epoch_samples = epoch_samples.with_context(|| format!("{name}: no epoch figures"))?;
+        let truth: Vec<f64> = (0..loss.len())
+            .map(|i| {
+                let lo = i.saturating_sub(SMOOTHING_ROWS);
+                let hi = (i + SMOOTHING_ROWS + 1).min(loss.len());
+                loss[lo..hi].iter().sum::<f64>() / (hi - lo) as f64
+            })
+            .collect();
+        let floor = truth.iter().copied().fold(f64::INFINITY, f64::min);
+        let pair = name.rfind("-lr").map_or(name, |i| &name[..i]).to_string();
+        Ok(Self {
+            name: name.to_string(),
+            pair,
+            samples,
+            loss,
+            truth,
+            epoch_samples,
+            floor,
+        })
+    }
+
+    /// Samples of the whole run.
+    pub fn total(&self) -> f64 {
+        self.samples[self.samples.len() - 1]
+    }
+
+    fn interpolate(&self, values: &[f64], x: f64) -> f64 {
+        let i = self.samples.partition_point(|&s| s < x);
+        if i == 0 {
+            return values[0];
+        }
+        if i >= self.samples.len() {
+            return values[values.len() - 1];
+        }
+        let (s0, s1) = (self.samples[i - 1], self.samples[i]);
+        let w = (x - s0) / (s1 - s0);
+        values[i - 1] * (1.0 - w) + values[i] * w
+    }
+
+    /// The recorded minibatch loss at position `x` (what a worker would print).
+    pub fn observed(&self, x: f64) -> f64 {
+        self.interpolate(&self.loss, x)
+    }
+
+    /// The smoothed (true) loss at position `x`.
+    pub fn true_loss(&self, x: f64) -> f64 {
+        self.interpolate(&self.truth, x)
+    }
+
+    /// SLAQ's normalized loss at `x` (module docs), in `[0, 1]`.
+    pub fn normalized(&self, x: f64) -> f64 {
+        let span = self.truth[0] - self.floor;
+        if span <= 1e-12 {
+            return 0.0;
+        }
+        ((self.true_loss(x) - self.floor) / span).clamp(0.0, 1.0)
+    }
+}
+
+/// Reads every `*.csv` of `dir` but `index.csv` as a [`RecordedCurve`], by file stem.
+pub fn load_curves(dir: &Path) -> anyhow::Result<BTreeMap<String, RecordedCurve>> {
+    let mut out = BTreeMap::new();
+    let entries =
+        std::fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    for e in entries {
+        let path = e?.path();
+        let Some(stem) = path.file_stem().and_then(|s| s.to_str()) else {
+            continue;
+        };
+        if path.extension().is_none_or(|x| x != "csv") || stem == "index" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        out.insert(stem.to_string(), RecordedCurve::parse(stem, &text)?);
+    }
+    anyhow::ensure!(!out.is_empty(), "no curves in {}", dir.display());
+    Ok(out)
+}
+
+/// One trial of an exploratory workload (a row of its CSV).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExploreTrial {
+    /// Trial (job) id.
+    pub name: String,
+    /// Submission, seconds from the start of the workload.
+    pub time: f64,
+    /// The sweep it belongs to.
+    pub sweep: String,
+    /// The recorded curve it follows (file stem).
+    pub curve: String,
+    /// The Pollux application whose step times it has.
+    pub application: String,
+    /// Workers it asks for (the trace job's GPUs).
+    pub workers: u32,
+    /// Most workers it can use.
+    pub max_workers: u32,
+    /// Seconds one GPU needs to run the whole curve.
+    pub work_s: f64,
+}
+
+/// Reads an exploratory workload CSV.
+pub fn read_trials(path: &Path) -> anyhow::Result<Vec<ExploreTrial>> {
+    let mut reader =
+        csv::Reader::from_path(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut out = Vec::new();
+    for (i, row) in reader.deserialize().enumerate() {
+        let t: ExploreTrial = row.with_context(|| format!("{}: row {}", path.display(), i + 2))?;
+        anyhow::ensure!(
+            t.workers >= 1 && t.max_workers >= t.workers && t.work_s > 0.0 && t.time >= 0.0,
+            "{}: row {}: workers, max_workers, work_s or time out of range",
+            path.display(),
+            i + 2
+        );
+        out.push(t);
+    }
+    Ok(out)
+}
+
+/// Writes an exploratory workload CSV.
+pub fn write_trials(path: &Path, trials: &[ExploreTrial]) -> anyhow::Result<()> {
+    let mut w =
+        csv::Writer::from_path(path).with_context(|| format!("cannot write {}", path.display()))?;
+    for t in trials {
+        w.serialize(t)?;
+    }
+    w.flush()?;
+    Ok(())
+}
+
+/// Samples an exploratory workload: `sweeps` sweeps arriving as a Poisson process over
+/// `hours`, each a model × dataset pair of `curves` (uniformly) with one trial per recorded
+/// run of that pair, sized by a uniformly drawn job of `philly` (module docs).
+/// Deterministic for `seed`.
+pub fn generate(
+    philly: &[crate::workload::PhillyJob],
+    curves: &BTreeMap<String, RecordedCurve>,
+    sweeps: usize,
+    hours: f64,
+    seed: u64,
+) -> anyhow::Result<Vec<ExploreTrial>> {
+    anyhow::ensure!(!philly.is_empty(), "the trace has no usable jobs");
+    anyhow::ensure!(hours > 0.0 && sweeps > 0, "need sweeps > 0 and hours > 0");
+    let mut pairs: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for c in curves.values() {
+        pairs.entry(&c.pair).or_default().push(&c.name);
+    }
+    let pairs: Vec<(&str, Vec<&str>)> = pairs.into_iter().collect();
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let gaps = Exp::new(sweeps as f64 / (hours * 3600.0)).context("arrival rate")?;
+    let mut t = 0.0;
+    let mut trials = Vec::new();
+    for s in 0..sweeps {
+        t += gaps.sample(&mut rng);
+        let (pair, runs) = &pairs[rng.gen_range(0..pairs.len())];
+        let job = &philly[rng.gen_range(0..philly.len())];
+        let workers = job.num_gpus.clamp(1, MAX_TRIAL_WORKERS);
+        let max_workers = (workers * ELASTIC_FACTOR).clamp(4, MAX_TRIAL_WORKERS);
+        let work_s = (job.gpu_time_s / TIME_SCALE).clamp(WORK_RANGE_S.0, WORK_RANGE_S.1);
+        let gpu_hours = job.gpu_time_s / 3600.0;
+        let application = if gpu_hours < 1.0 {
+            "cifar10"
+        } else if gpu_hours < 10.0 {
+            if rng.gen_bool(0.5) {
+                "deepspeech2"
+            } else {
+                "bert"
+            }
+        } else if gpu_hours < 100.0 {
+            "yolov3"
+        } else {
+            "imagenet"
+        };
+        let sweep = format!("s{s:03}-{pair}");
+        for (i, run) in runs.iter().enumerate() {
+            trials.push(ExploreTrial {
+                name: format!("{sweep}-{}", i + 1),
+                time: t.round(),
+                sweep: sweep.clone(),
+                curve: (*run).to_string(),
+                application: application.to_string(),
+                workers,
+                max_workers,
+                work_s: work_s.round(),
+            });
+        }
+        if t > hours * 3600.0 {
+            t = hours * 3600.0;
+        }
+    }
+    Ok(trials)
+}
+
+/// Settings of an exploratory simulation.
+#[derive(Debug, Clone)]
+pub struct ExploreConfig {
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+    /// How often the policy decides, seconds.
+    pub interval_s: f64,
+    /// Seconds without progress every allocation change costs (a small trainer's checkpoint
+    /// and restart).
+    pub restart_delay_s: f64,
+    /// Seconds of work between two progress reports of a trial.
+    pub report_every_s: f64,
+    /// Stop criteria of every trial; `None`: every trial runs its whole curve.
+    pub stop: Option<StopSpec>,
+    pub placement: PlacementKind,
+    /// Simulated time after which the run stops, seconds.
+    pub max_time_s: f64,
+}
+
+impl Default for ExploreConfig {
+    fn default() -> Self {
+        Self {
+            nodes: 8,
+            gpus_per_node: 4,
+            interval_s: 15.0,
+            restart_delay_s: 10.0,
+            report_every_s: 2.0,
+            stop: Some(default_stop()),
+            placement: PlacementKind::FirstFit,
+            max_time_s: 7.0 * 24.0 * 3600.0,
+        }
+    }
+}
+
+/// The stop criteria of the report's trials: converged when the fitted curve predicts under
+/// 1 % improvement per epoch over the next 2 epochs.
+pub fn default_stop() -> StopSpec {
+    StopSpec {
+        plateau: Some(converge_common::PlateauSpec {
+            min_improvement: 0.01,
+            window_epochs: 2.0,
+        }),
+        ..StopSpec::default()
+    }
+}
+
+/// How one trial did.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TrialOutcome {
+    pub name: String,
+    pub sweep: String,
+    pub curve: String,
+    pub submitted_at: f64,
+    pub ended_at: Option<f64>,
+    /// `None` while it had not ended when the run stopped.
+    pub reason: Option<EndReason>,
+    /// True (smoothed) loss where it ended.
+    pub final_loss: f64,
+    /// Normalized loss where it ended.
+    pub final_normalized: f64,
+    /// GPU-hours it held (restarts included).
+    pub gpu_hours: f64,
+    pub time_to_80: Option<f64>,
+    pub time_to_90: Option<f64>,
+    pub time_to_95: Option<f64>,
+    pub restarts: u32,
+}
+
+/// Everything an exploratory run produced.
+#[derive(Debug, Clone, Serialize)]
+pub struct ExploreResult {
+    pub policy: String,
+    pub trials: Vec<TrialOutcome>,
+    /// `(time, average normalized loss of active trials, active trials, GPUs allocated)`
+    /// per interval with at least one active trial.
+    pub intervals: Vec<(f64, f64, usize, u32)>,
+    pub finished: bool,
+    pub wall_s: f64,
+    /// Largest wall time of one decision (policy and placement), seconds.
+    pub max_decision_s: f64,
+}
+
+struct Trial<'a> {
+    spec: &'a ExploreTrial,
+    curve: &'a RecordedCurve,
+    app: &'a Application,
+    id: JobId,
+    x: f64,
+    placement: Vec<RankPlacement>,
+    stall_s: f64,
+    restarts: u32,
+    generation: u64,
+    history: JobHistory,
+    reports: u64,
+    gpu_seconds: f64,
+    ended: Option<(f64, Option<EndReason>)>,
+    times: [Option<f64>; 3],
+    steps: Vec<StepObservation>,
+    /// Curve samples per application sample (module docs: throughput).
+    unit: f64,
+}
+
+impl Trial<'_> {
+    fn local_batch(&self) -> f64 {
+        f64::from(self.app.min_local_bsz.max(1))
+    }
+
+    /// Step time and curve samples per second on `per_node` GPUs per node.
+    fn rate(&self, per_node: &[u32]) -> (f64, f64) {
+        let workers: u32 = per_node.iter().sum();
+        if workers == 0 {
+            return (f64::INFINITY, 0.0);
+        }
+        let (step, _) = self.app.throughput(per_node, self.local_batch());
+        let rate = f64::from(workers) * self.local_batch() / step * self.unit;
+        (step, if rate.is_finite() { rate } else { 0.0 })
+    }
+
+    fn active(&self, now: f64) -> bool {
+        self.spec.time <= now && self.ended.is_none()
+    }
+}
+
+fn per_node(placement: &[RankPlacement]) -> Vec<u32> {
+    let mut counts: BTreeMap<&HostId, u32> = BTreeMap::new();
+    for p in placement {
+        *counts.entry(&p.host).or_default() += p.gpus.len() as u32;
+    }
+    counts.into_values().collect()
+}
+
+/// Runs `trials` under `policy` (module docs). Deterministic (decision times aside).
+pub fn simulate(
+    curves: &BTreeMap<String, RecordedCurve>,
+    apps: &BTreeMap<String, Application>,
+    trials: &[ExploreTrial],
+    policy: &dyn Policy,
+    cfg: &ExploreConfig,
+) -> anyhow::Result<ExploreResult> {
+    let wall = Instant::now();
+    let wants = policy.inputs();
+    let mut state = Vec::with_capacity(trials.len());
+    for spec in trials {
+        let curve = curves
+            .get(&spec.curve)
+            .with_context(|| format!("trial {}: unknown curve {:?}", spec.name, spec.curve))?;
+        let app = apps.get(&spec.application).with_context(|| {
+            format!(
+                "trial {}: unknown application {:?}",
+                spec.name, spec.application
+            )
+        })?;
+        let id = JobId::new(spec.name.clone())
+            .map_err(|e| anyhow::anyhow!("trial {:?}: {e}", spec.name))?;
+        let mut t = Trial {
+            spec,
+            curve,
+            app,
+            id,
+            x: 0.0,
+            placement: Vec::new(),
+            stall_s: 0.0,
+            restarts: 0,
+            generation: 0,
+            history: JobHistory::default(),
+            reports: 0,
+            gpu_seconds: 0.0,
+            ended: None,
+            times: [None; 3],
+            steps: Vec::new(),
+            unit: 1.0,
+        };
+        let (_, one) = t.rate(&[1]);
+        anyhow::ensure!(one > 0.0, "trial {}: no throughput on one GPU", spec.name);
+        t.unit = curve.total() / spec.work_s / one;
+        state.push(t);
+    }
+    let hosts: Vec<HostFree> = (0..cfg.nodes)
+        .map(|n| {
+            HostFree::new(
+                HostId::new(format!("n{n:03}")).expect("valid host id"),
+                (0..cfg.gpus_per_node).collect(),
+            )
+        })
+        .collect();
+    let fit_cfg = FitConfig::default();
+    let prior = ThroughputPrior::default();
+    let mut fits = FitCache::new();
+    let mut intervals = Vec::new();
+    let mut max_decision_s: f64 = 0.0;
+    let dt = cfg.interval_s;
+    let mut now = 0.0;
+    loop {
+        // 1. Progress over the interval, with a report every `report_every_s` of work.
+        for t in state.iter_mut().filter(|t| t.active(now)) {
+            let workers = t.placement.len() as u32;
+            if workers == 0 {
+                continue;
+            }
+            t.gpu_seconds += f64::from(workers) * dt;
+            let stall = t.stall_s.min(dt);
+            t.stall_s -= stall;
+            let work = dt - stall;
+            let (step, rate) = t.rate(&per_node(&t.placement));
+            let nodes = per_node(&t.placement).len() as u32;
+            let seen = StepObservation {
+                workers,
+                nodes,
+                local_batch: t.local_batch() * t.unit,
+                step_time_s: step,
+                sync_time_s: None,
+            };
+            if !t.steps.contains(&seen) {
+                t.steps.push(seen);
+            }
+            let reports = (work / cfg.report_every_s).ceil().max(1.0) as u32;
+            for k in 1..=reports {
+                let elapsed = work * f64::from(k) / f64::from(reports);
+                let x = (t.x + rate * elapsed).min(t.curve.total());
+                t.reports += 1;
+                let mut r = ProgressReport::new(
+                    t.id.clone(),
+                    t.generation,
+                    0,
+                    t.placement[0].host.clone(),
+                    t.reports,
+                    x.round() as u64,
+                    t.curve.observed(x),
+                    now + stall + elapsed,
+                );
+                r.epoch = Some(x / t.curve.epoch_samples);
+                r.workers = Some(workers);
+                r.hosts = Some(nodes);
+                t.history.add(&r);
+            }
+            let before = t.x;
+            t.x = (t.x + rate * work).min(t.curve.total());
+            if t.x >= t.curve.total() {
+                let took = if rate > 0.0 {
+                    (t.curve.total() - before) / rate
+                } else {
+                    work
+                };
+                t.ended = Some((now + stall + took, Some(EndReason::Finished)));
+            }
+        }
+        now += dt;
+
+        // 2. Metrics: every submitted trial counts until the end of the interval it ends in.
+        let mut norm = Vec::new();
+        for t in state
+            .iter_mut()
+            .filter(|t| t.spec.time <= now && t.ended.is_none_or(|(e, _)| e > now - dt))
+        {
+            let n = t.curve.normalized(t.x);
+            let age = now - t.spec.time;
+            for (slot, level) in t.times.iter_mut().zip([0.2, 0.1, 0.05]) {
+                if n <= level {
+                    slot.get_or_insert(age);
+                }
+            }
+            norm.push(n);
+        }
+
+        // 3. Stop criteria, as the service's step applies them.
+        for t in state.iter_mut().filter(|t| t.active(now)) {
+            let Some(stop) = &cfg.stop else { break };
+            let curve = fits.curve(&t.id, &t.history, &fit_cfg, true);
+            let verdict = stop_verdict(
+                stop,
+                &StopInputs {
+                    now,
+                    submitted_at: t.spec.time,
+                    samples: t.x,
+                    epoch_samples: t.history.epoch_samples(),
+                    latest_loss: t.history.latest().map(|p| p.loss),
+                    curve: curve.as_ref(),
+                    gpu_seconds: t.history.attained_gpu_seconds(1),
+                },
+            );
+            if let Some(v) = verdict {
+                t.ended = Some((now, Some(v.reason)));
+                t.placement.clear();
+            }
+        }
+        let active: Vec<usize> = (0..state.len()).filter(|&i| state[i].active(now)).collect();
+        let allocated: u32 = active
+            .iter()
+            .map(|&i| state[i].placement.len() as u32)
+            .sum();
+        if !norm.is_empty() {
+            intervals.push((
+                now,
+                norm.iter().sum::<f64>() / norm.len() as f64,
+                norm.len(),
+                allocated,
+            ));
+        }
+        let pending_arrivals = state.iter().any(|t| t.spec.time > now);
+        if (active.is_empty() && !pending_arrivals) || now >= cfg.max_time_s {
+            break;
+        }
+        if active.is_empty() {
+            continue;
+        }
+
+        // 4. The decision, as the service takes it.
+        let started = Instant::now();
+        let mut views = Vec::with_capacity(active.len());
+        for &i in &active {
+            let t = &state[i];
+            let curve = if wants.curves {
+                fits.curve(&t.id, &t.history, &fit_cfg, true)
+            } else {
+                None
+            };
+            let model =
+                (!t.steps.is_empty()).then(|| fits.model(&t.id, ModelScope::All, &t.steps, &prior));
+            let workers = t.placement.len() as u32;
+            views.push(JobView {
+                id: t.id.clone(),
+                gpus_per_worker: 1,
+                min_workers: 1,
+                max_workers: t.spec.max_workers,
+                requested_workers: t.spec.workers.clamp(1, t.spec.max_workers),
+                submitted_at: t.spec.time,
+                placement: t.placement.clone(),
+                curve,
+                samples: t.x,
+                loss_scale: t.history.loss_scale(),
+                samples_per_s_per_worker: t
+                    .history
+                    .samples_per_s(t.generation)
+                    .map(|r| r / f64::from(workers.max(1))),
+                attained_gpu_seconds: t.history.attained_gpu_seconds(1),
+                model,
+                batch: BatchSize::PerWorker(t.local_batch() * t.unit),
+                remaining_work: None,
+                oracle: None,
+                restarts: t.restarts,
+                restart_cost_s: (t.restarts > 0).then_some(cfg.restart_delay_s),
+                adaptive: None,
+            });
+        }
+        let cluster = ClusterState {
+            now,
+            hosts: &hosts,
+            contention_per_shared_job: 0.0,
+        };
+        let decision = decide(&cluster, &views, policy, cfg.placement);
+        max_decision_s = max_decision_s.max(started.elapsed().as_secs_f64());
+        for &i in &active {
+            let t = &mut state[i];
+            let new = decision.placements.get(&t.id).cloned().unwrap_or_default();
+            if new != t.placement {
+                if !t.placement.is_empty() && !new.is_empty() {
+                    t.restarts += 1;
+                }
+                t.generation += 1;
+                t.stall_s = if new.is_empty() {
+                    0.0
+                } else {
+                    cfg.restart_delay_s
+                };
+                t.placement = new;
+            }
+        }
+    }
+    let finished = state.iter().all(|t| t.ended.is_some());
+    Ok(ExploreResult {
+        policy: policy.name().to_string(),
+        trials: state
+            .iter()
+            .map(|t| TrialOutcome {
+                name: t.spec.name.clone(),
+                sweep: t.spec.sweep.clone(),
+                curve: t.spec.curve.clone(),
+                submitted_at: t.spec.time,
+                ended_at: t.ended.map(|(e, _)| e),
+                reason: t.ended.and_then(|(_, r)| r),
+                final_loss: t.curve.true_loss(t.x),
+                final_normalized: t.curve.normalized(t.x),
+                gpu_hours: t.gpu_seconds / 3600.0,
+                time_to_80: t.times[0],
+                time_to_90: t.times[1],
+                time_to_95: t.times[2],
+                restarts: t.restarts,
+            })
+            .collect(),
+        intervals,
+        finished,
+        wall_s: wall.elapsed().as_secs_f64(),
+        max_decision_s,
+    })
+}
+
+/// SLAQ's measures of one run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ExploreSummary {
+    pub policy: String,
+    /// Time-average over the run of the average normalized loss of active trials.
+    pub avg_normalized_loss: f64,
+    /// Mean time to 80/90/95 % loss reduction over the trials that got there, seconds, and
+    /// the share of trials that got there.
+    pub time_to: [(Option<f64>, f64); 3],
+    /// Mean trial completion time (submission to end), seconds.
+    pub mean_jct: f64,
+    /// Mean normalized loss trials ended at.
+    pub mean_final_normalized: f64,
+    /// Per sweep: GPU-hours of all its trials, its best trial's final true loss.
+    pub sweeps: BTreeMap<String, (f64, f64)>,
+    /// How trials ended: reason (or `running`) → count.
+    pub ends: BTreeMap<String, usize>,
+    pub makespan_s: f64,
+}
+
+/// Summarizes a run.
+pub fn summarize(r: &ExploreResult) -> ExploreSummary {
+    let span = |w: &[(f64, f64, usize, u32)]| {
+        // Time-weighted: each record covers one interval.
+        w.iter().map(|i| i.1).sum::<f64>() / w.len().max(1) as f64
+    };
+    let n = r.trials.len().max(1) as f64;
+    let time_to = |f: fn(&TrialOutcome) -> Option<f64>| {
+        let got: Vec<f64> = r.trials.iter().filter_map(f).collect();
+        (
+            (!got.is_empty()).then(|| got.iter().sum::<f64>() / got.len() as f64),
+            got.len() as f64 / n,
+        )
+    };
+    let mut sweeps: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    let mut ends: BTreeMap<String, usize> = BTreeMap::new();
+    for t in &r.trials {
+        let e = sweeps
+            .entry(t.sweep.clone())
+            .or_insert((0.0, f64::INFINITY));
+        e.0 += t.gpu_hours;
+        e.1 = e.1.min(t.final_loss);
+        *ends
+            .entry(t.reason.map_or("running", EndReason::as_str).to_string())
+            .or_default() += 1;
+    }
+    let jcts: Vec<f64> = r
+        .trials
+        .iter()
+        .filter_map(|t| t.ended_at.map(|e| e - t.submitted_at))
+        .collect();
+    ExploreSummary {
+        policy: r.policy.clone(),
+        avg_normalized_loss: span(&r.intervals),
+        time_to: [
+            time_to(|t| t.time_to_80),
+            time_to(|t| t.time_to_90),
+            time_to(|t| t.time_to_95),
+        ],
+        mean_jct: jcts.iter().sum::<f64>() / jcts.len().max(1) as f64,
+        mean_final_normalized: r.trials.iter().map(|t| t.final_normalized).sum::<f64>() / n,
+        sweeps,
+        ends,
+        makespan_s: r
+            .trials
+            .iter()
+            .filter_map(|t| t.ended_at)
+            .fold(0.0, f64::max),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::apps::load_all;
+    use converge_sched::policies::{Fair, PolicyParams, Quality};
+    use std::path::PathBuf;
+
+    fn data() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data")
+    }
+
+    fn synthetic(name: &str, rows: usize, scale: f64) -> RecordedCurve {
+        let mut text = String::from("step,samples,loss,eval_loss,epoch\n");
+        for i in 1..=rows {
+            let s = (i * 100) as f64;
+            text.push_str(&format!(
+                "{i},{s},{},,{}\n",
+                scale / (1.0 + s / 500.0) + 0.05,
+                s / 1000.0
+            ));
+        }
+        RecordedCurve::parse(name, &text).unwrap()
+    }
+
+    #[test]
+    fn curves_parse_interpolate_and_normalize() {
+        let c = synthetic("opt-mlp-lrx1-b16", 100, 1.0);
+        assert_eq!(c.pair, "opt-mlp");
+        assert_eq!(c.epoch_samples, 1000.0);
+        assert_eq!(c.total(), 10_000.0);
+        assert!((c.normalized(0.0) - 1.0).abs() < 1e-12);
+        assert!(c.normalized(c.total()) < 1e-9);
+        let mid = c.normalized(2000.0);
+        assert!(mid > 0.0 && mid < 1.0, "{mid}");
+        assert!(c.observed(150.0) < c.observed(100.0));
+        assert!(RecordedCurve::parse("x", "samples,loss\n1,2\n").is_err());
+        let diverged = "samples,loss,epoch\n".to_string()
+            + &(1..=20)
+                .map(|i| {
+                    format!(
+                        "{i},{},0.1\n",
+                        if i > 12 {
+                            "NaN".into()
+                        } else {
+                            format!("{}", 1.0 / i as f64)
+                        }
+                    )
+                })
+                .collect::<String>();
+        assert!(RecordedCurve::parse("d", &diverged).is_ok());
+    }
+
+    #[test]
+    fn the_recorded_sweep_loads_and_a_workload_runs_under_quality_and_fair() {
+        let dir = data().join("curves/sweep");
+        if !dir.join("index.csv").exists() {
+            eprintln!("data/curves/sweep not recorded yet; skipping");
+            return;
+        }
+        let curves = load_curves(&dir).unwrap();
+        assert!(curves.len() >= 12);
+        let philly =
+            crate::workload::read_philly(&data().join("pollux/traces/philly.csv")).unwrap();
+        let trials = generate(&philly, &curves, 6, 0.5, 7).unwrap();
+        assert_eq!(trials, generate(&philly, &curves, 6, 0.5, 7).unwrap());
+        let apps = load_all(&data().join("pollux/traces")).unwrap();
+        let cfg = ExploreConfig::default();
+        let quality = Quality {
+            params: PolicyParams {
+                objective: converge_sched::policies::Objective::Loss,
+                ..PolicyParams::default()
+            },
+        };
+        for policy in [&quality as &dyn Policy, &Fair] {
+            let r = simulate(&curves, &apps, &trials, policy, &cfg).unwrap();
+            assert!(r.finished, "{}: every trial ends", r.policy);
+            assert!(r.trials.iter().all(|t| t.reason.is_some()));
+            let s = summarize(&r);
+            assert!(s.avg_normalized_loss > 0.0 && s.avg_normalized_loss < 1.0);
+            // Deterministic for the same inputs (decision times aside).
+            let again = simulate(&curves, &apps, &trials, policy, &cfg).unwrap();
+            assert_eq!(r.trials, again.trials);
+        }
+    }
+}

@@ -1,0 +1,547 @@
+//! `converge-sim explore-workload`, `converge-sim explore` and `converge-sim explore-report`:
+//! exploratory workloads (sweeps of short trials that end by their stop criteria, see
+//! [`crate::explore`]) and SLAQ's measures of them, per policy; the report writes
+//! `docs/exploratory.md`.
+
+use crate::apps::load_all;
+use crate::explore::{
+    ExploreConfig, ExploreResult, ExploreSummary, default_stop, generate, load_curves, read_trials,
+    simulate, summarize, write_trials,
+};
+use crate::markdown::Table;
+use crate::workload::read_philly;
+use anyhow::Context as _;
+use converge_common::{PlateauSpec, StopSpec};
+use converge_sched::placement::PlacementKind;
+use converge_sched::policies::{Objective, PolicyParams, by_name};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+
+/// Where the inputs are.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExploreData {
+    /// Folder of recorded loss curves (`step,samples,loss,eval_loss,epoch` CSVs).
+    #[arg(long, default_value = "data/curves/sweep")]
+    pub curves: PathBuf,
+    /// Folder of the measured application traces (step times).
+    #[arg(long, default_value = "data/pollux/traces")]
+    pub traces: PathBuf,
+}
+
+/// `converge-sim explore-workload`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExploreWorkloadArgs {
+    /// Sweeps to generate (each a model × dataset pair with one trial per recorded run).
+    #[arg(long, default_value_t = 30)]
+    pub sweeps: usize,
+    /// Hours over which the sweeps arrive (Poisson).
+    #[arg(long, default_value_t = 2.0)]
+    pub hours: f64,
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    #[command(flatten)]
+    pub data: ExploreData,
+    /// The output CSV (`name,time,sweep,curve,application,workers,max_workers,work_s`).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// Cluster, timing and stop settings of `explore` and `explore-report`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExploreClusterArgs {
+    #[arg(long, default_value_t = 8)]
+    pub nodes: u32,
+    #[arg(long, default_value_t = 4)]
+    pub gpus_per_node: u32,
+    /// How often the policy decides, seconds.
+    #[arg(long, default_value_t = 15.0)]
+    pub scheduling_interval: f64,
+    /// Seconds without progress every allocation change costs.
+    #[arg(long, default_value_t = 10.0)]
+    pub restart_delay: f64,
+    /// Plateau rule of every trial: converged below this relative improvement per epoch.
+    #[arg(long, default_value_t = 0.01)]
+    pub plateau_improvement: f64,
+    /// Plateau rule: epochs the improvement is judged over.
+    #[arg(long, default_value_t = 2.0)]
+    pub plateau_window: f64,
+    /// Run every trial to the end of its curve (no stop criteria).
+    #[arg(long)]
+    pub no_stop: bool,
+    /// How the quality policy's horizon values an allocation, seconds.
+    #[arg(long, default_value_t = 60.0)]
+    pub horizon: f64,
+    #[arg(long, value_enum, default_value_t = PlacementKind::FirstFit)]
+    pub placement: PlacementKind,
+}
+
+impl ExploreClusterArgs {
+    pub fn config(&self) -> anyhow::Result<ExploreConfig> {
+        anyhow::ensure!(
+            self.nodes > 0 && self.gpus_per_node > 0,
+            "the cluster needs at least one GPU"
+        );
+        anyhow::ensure!(
+            self.scheduling_interval > 0.0 && self.restart_delay >= 0.0,
+            "--scheduling-interval must be positive and --restart-delay not negative"
+        );
+        let stop = StopSpec {
+            plateau: Some(PlateauSpec {
+                min_improvement: self.plateau_improvement,
+                window_epochs: self.plateau_window,
+            }),
+            ..default_stop()
+        };
+        stop.validate()
+            .map_err(|e| anyhow::anyhow!("plateau rule: {e}"))?;
+        Ok(ExploreConfig {
+            nodes: self.nodes,
+            gpus_per_node: self.gpus_per_node,
+            interval_s: self.scheduling_interval,
+            restart_delay_s: self.restart_delay,
+            stop: (!self.no_stop).then_some(stop),
+            placement: self.placement,
+            ..ExploreConfig::default()
+        })
+    }
+
+    fn params(&self, objective: Objective) -> PolicyParams {
+        PolicyParams {
+            objective,
+            horizon_s: self.horizon,
+            restart_cost_s: self.restart_delay,
+            ..PolicyParams::default()
+        }
+    }
+}
+
+/// `converge-sim explore`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExploreArgs {
+    /// Workload CSV from `explore-workload`.
+    #[arg(long)]
+    pub workload: PathBuf,
+    /// Policies: fifo, fair, tiresias, optimus, quality-loss, quality-jct, quality-both
+    /// (the quality policy per objective).
+    #[arg(long, value_delimiter = ',', default_value = "quality-loss,fair")]
+    pub policies: Vec<String>,
+    #[command(flatten)]
+    pub cluster: ExploreClusterArgs,
+    #[command(flatten)]
+    pub data: ExploreData,
+    /// Write every trial's outcome and the intervals as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// `converge-sim explore-report`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ExploreReportArgs {
+    /// Seeds of the generated workloads.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4")]
+    pub seeds: Vec<u64>,
+    /// Sweeps per workload (200 in 2 hours on 32 GPUs: about as much single-GPU work as
+    /// the cluster has GPU time).
+    #[arg(long, default_value_t = 200)]
+    pub sweeps: usize,
+    /// Hours over which they arrive.
+    #[arg(long, default_value_t = 2.0)]
+    pub hours: f64,
+    /// Sweep counts of the sensitivity table (load), each with the plateau thresholds of
+    /// `--sensitivity-plateau` and without stop criteria.
+    #[arg(long, value_delimiter = ',', default_value = "100,200")]
+    pub sensitivity_sweeps: Vec<usize>,
+    /// Plateau thresholds (relative improvement per epoch) of the sensitivity table.
+    #[arg(long, value_delimiter = ',', default_value = "0.01,0.002")]
+    pub sensitivity_plateau: Vec<f64>,
+    #[command(flatten)]
+    pub cluster: ExploreClusterArgs,
+    #[command(flatten)]
+    pub data: ExploreData,
+    /// The Markdown report.
+    #[arg(long, default_value = "docs/exploratory.md")]
+    pub out: PathBuf,
+}
+
+/// The policies of the report, in its order.
+pub const REPORT_POLICIES: [&str; 6] = [
+    "quality-loss",
+    "quality-both",
+    "quality-jct",
+    "fair",
+    "fifo",
+    "tiresias",
+];
+
+fn policy(
+    name: &str,
+    cluster: &ExploreClusterArgs,
+) -> anyhow::Result<Box<dyn converge_sched::policies::Policy>> {
+    let objective = match name {
+        "quality-loss" => Some(Objective::Loss),
+        "quality-jct" => Some(Objective::Jct),
+        "quality-both" | "quality" => Some(Objective::Both),
+        _ => None,
+    };
+    let base = if objective.is_some() { "quality" } else { name };
+    by_name(base, cluster.params(objective.unwrap_or_default())).map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+pub fn run_explore_workload(args: &ExploreWorkloadArgs) -> anyhow::Result<()> {
+    let curves = load_curves(&args.data.curves)?;
+    let philly = read_philly(&args.data.traces.join("philly.csv"))?;
+    let trials = generate(&philly, &curves, args.sweeps, args.hours, args.seed)?;
+    write_trials(&args.out, &trials)?;
+    println!(
+        "{}: {} trials in {} sweeps",
+        args.out.display(),
+        trials.len(),
+        args.sweeps
+    );
+    Ok(())
+}
+
+pub fn run_explore(args: &ExploreArgs) -> anyhow::Result<()> {
+    let curves = load_curves(&args.data.curves)?;
+    let apps = load_all(&args.data.traces)?;
+    let trials = read_trials(&args.workload)?;
+    let cfg = args.cluster.config()?;
+    let mut results = Vec::new();
+    for name in &args.policies {
+        let p = policy(name, &args.cluster)?;
+        let mut r = simulate(&curves, &apps, &trials, p.as_ref(), &cfg)?;
+        r.policy = name.clone();
+        results.push(r);
+    }
+    let summaries: Vec<ExploreSummary> = results.iter().map(summarize).collect();
+    print!("{}", policy_table(std::slice::from_ref(&summaries)));
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&results)?)
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Means over workloads of each policy's summaries (`runs[workload][policy]`).
+fn policy_table(runs: &[Vec<ExploreSummary>]) -> String {
+    let policies: Vec<&str> = runs[0].iter().map(|s| s.policy.as_str()).collect();
+    let mean = |f: &dyn Fn(&ExploreSummary) -> Option<f64>, p: usize| {
+        let v: Vec<f64> = runs.iter().filter_map(|w| f(&w[p])).collect();
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    };
+    let fair = policies.iter().position(|&p| p == "fair");
+    let mut t = Table::new(&[
+        "policy",
+        "average normalized loss",
+        "vs fair",
+        "time to 80 % (s)",
+        "time to 90 % (s)",
+        "vs fair",
+        "time to 95 % (s)",
+        "reached 90 %",
+        "mean JCT (s)",
+        "final normalized loss",
+    ]);
+    let fmt = |v: Option<f64>, d: usize| v.map_or("—".into(), |v| format!("{v:.d$}"));
+    let change = |a: Option<f64>, b: Option<f64>| match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:+.1} %", (a / b - 1.0) * 100.0),
+        _ => "—".into(),
+    };
+    for (i, name) in policies.iter().enumerate() {
+        let loss = mean(&|s| Some(s.avg_normalized_loss), i);
+        let t90 = mean(&|s| s.time_to[1].0, i);
+        let fair_loss = fair.and_then(|f| mean(&|s| Some(s.avg_normalized_loss), f));
+        let fair_t90 = fair.and_then(|f| mean(&|s| s.time_to[1].0, f));
+        t.row(vec![
+            format!("`{name}`"),
+            fmt(loss, 3),
+            change(loss, fair_loss),
+            fmt(mean(&|s| s.time_to[0].0, i), 0),
+            fmt(t90, 0),
+            change(t90, fair_t90),
+            fmt(mean(&|s| s.time_to[2].0, i), 0),
+            fmt(mean(&|s| Some(s.time_to[1].1 * 100.0), i), 0) + " %",
+            fmt(mean(&|s| Some(s.mean_jct), i), 0),
+            fmt(mean(&|s| Some(s.mean_final_normalized), i), 3),
+        ]);
+    }
+    t.render()
+}
+
+pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
+    let curves = load_curves(&args.data.curves)?;
+    let apps = load_all(&args.data.traces)?;
+    let philly = read_philly(&args.data.traces.join("philly.csv"))?;
+    let cfg = args.cluster.config()?;
+    let to_end = ExploreConfig {
+        stop: None,
+        ..cfg.clone()
+    };
+    let mut runs: Vec<Vec<ExploreSummary>> = Vec::new();
+    let mut baseline: Vec<ExploreSummary> = Vec::new();
+    let mut first: Option<Vec<ExploreResult>> = None;
+    for &seed in &args.seeds {
+        let trials = generate(&philly, &curves, args.sweeps, args.hours, seed)?;
+        let mut per_policy = Vec::new();
+        let mut results = Vec::new();
+        for name in REPORT_POLICIES {
+            let p = policy(name, &args.cluster)?;
+            let mut r = simulate(&curves, &apps, &trials, p.as_ref(), &cfg)?;
+            r.policy = name.to_string();
+            eprintln!(
+                "seed {seed}: {name}: {} trials, {:.1} s",
+                r.trials.len(),
+                r.wall_s
+            );
+            per_policy.push(summarize(&r));
+            results.push(r);
+        }
+        let fair = policy("fair", &args.cluster)?;
+        let mut r = simulate(&curves, &apps, &trials, fair.as_ref(), &to_end)?;
+        r.policy = "fair, every trial to its end".into();
+        baseline.push(summarize(&r));
+        runs.push(per_policy);
+        first.get_or_insert(results);
+    }
+    // Sensitivity: quality-loss against fair at other loads and stop rules.
+    let mut sensitivity = Table::new(&[
+        "sweeps in 2 h (load)",
+        "stop rule",
+        "`quality-loss` avg normalized loss",
+        "`fair`",
+        "change",
+        "time to 90 %: `quality-loss`",
+        "`fair`",
+        "change",
+    ]);
+    for &sweeps in &args.sensitivity_sweeps {
+        let mut rules: Vec<Option<f64>> =
+            args.sensitivity_plateau.iter().copied().map(Some).collect();
+        rules.push(None);
+        for rule in rules {
+            let c = ExploreConfig {
+                stop: rule.map(|r| StopSpec {
+                    plateau: Some(PlateauSpec {
+                        min_improvement: r,
+                        window_epochs: args.cluster.plateau_window,
+                    }),
+                    ..StopSpec::default()
+                }),
+                ..cfg.clone()
+            };
+            let mut sums = [[0.0f64; 2]; 2];
+            for &seed in &args.seeds {
+                let trials = generate(&philly, &curves, sweeps, args.hours, seed)?;
+                for (k, name) in ["quality-loss", "fair"].iter().enumerate() {
+                    let p = policy(name, &args.cluster)?;
+                    let s = summarize(&simulate(&curves, &apps, &trials, p.as_ref(), &c)?);
+                    sums[k][0] += s.avg_normalized_loss;
+                    sums[k][1] += s.time_to[1].0.unwrap_or(0.0);
+                }
+            }
+            let pct = |a: f64, b: f64| format!("{:+.1} %", (a / b - 1.0) * 100.0);
+            let n = args.seeds.len() as f64;
+            sensitivity.row(vec![
+                format!(
+                    "{sweeps} ({:.2})",
+                    load(&philly, &curves, sweeps, args, &cfg)?
+                ),
+                rule.map_or("none (every trial to its end)".into(), |r| {
+                    format!("plateau below {} % per epoch", r * 100.0)
+                }),
+                format!("{:.3}", sums[0][0] / n),
+                format!("{:.3}", sums[1][0] / n),
+                pct(sums[0][0], sums[1][0]),
+                format!("{:.0}", sums[0][1] / n),
+                format!("{:.0}", sums[1][1] / n),
+                pct(sums[0][1], sums[1][1]),
+            ]);
+            eprintln!("sensitivity: {sweeps} sweeps, rule {rule:?} done");
+        }
+    }
+    let mut text = render(args, &runs, &baseline, &curves.len());
+    let _ = writeln!(
+        text,
+        "\n## Sensitivity: load and stop rule, `quality-loss` against `fair`\n\n\
+         Same seeds; load is the workload's single-GPU work divided by the cluster's GPU time \
+         over the arrival window (mean over seeds). Without stop criteria every trial runs \
+         its whole recorded curve (SLAQ's own setting: jobs run to completion).\n"
+    );
+    text.push_str(&sensitivity.render());
+    let text = text;
+    std::fs::write(&args.out, text)
+        .with_context(|| format!("cannot write {}", args.out.display()))?;
+    println!("wrote {}", args.out.display());
+    Ok(())
+}
+
+/// Offered load of the workloads of `sweeps` sweeps: single-GPU work over GPU time of the
+/// arrival window, mean over the report's seeds.
+fn load(
+    philly: &[crate::workload::PhillyJob],
+    curves: &BTreeMap<String, crate::explore::RecordedCurve>,
+    sweeps: usize,
+    args: &ExploreReportArgs,
+    cfg: &ExploreConfig,
+) -> anyhow::Result<f64> {
+    let mut total = 0.0;
+    for &seed in &args.seeds {
+        let work: f64 = generate(philly, curves, sweeps, args.hours, seed)?
+            .iter()
+            .map(|t| t.work_s)
+            .sum();
+        total += work / (f64::from(cfg.nodes * cfg.gpus_per_node) * args.hours * 3600.0);
+    }
+    Ok(total / args.seeds.len().max(1) as f64)
+}
+
+/// Per policy, over all sweeps of all workloads: GPU-hours against the fair run-to-end
+/// baseline, and the best trial's loss gap.
+fn sweep_table(runs: &[Vec<ExploreSummary>], baseline: &[ExploreSummary]) -> String {
+    let mut t = Table::new(&[
+        "policy",
+        "GPU-hours per sweep",
+        "vs every trial to its end (fair)",
+        "best trial's loss vs to-the-end best (mean)",
+        "sweeps within 1 %",
+        "worst gap",
+    ]);
+    let policies: Vec<&str> = runs[0].iter().map(|s| s.policy.as_str()).collect();
+    let base_hours: f64 = baseline
+        .iter()
+        .flat_map(|b| b.sweeps.values().map(|v| v.0))
+        .sum::<f64>();
+    let sweeps = baseline
+        .iter()
+        .map(|b| b.sweeps.len())
+        .sum::<usize>()
+        .max(1) as f64;
+    for (i, name) in policies.iter().enumerate() {
+        let mut hours = 0.0;
+        let mut gaps = Vec::new();
+        for (w, b) in runs.iter().zip(baseline) {
+            for (sweep, (h, best)) in &w[i].sweeps {
+                hours += h;
+                let (_, base_best) = b.sweeps[sweep];
+                gaps.push(if base_best > 0.0 {
+                    best / base_best - 1.0
+                } else {
+                    0.0
+                });
+            }
+        }
+        let within = gaps.iter().filter(|g| **g <= 0.01).count() as f64 / gaps.len().max(1) as f64;
+        let worst = gaps.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        t.row(vec![
+            format!("`{name}`"),
+            format!("{:.3}", hours / sweeps),
+            format!("{:.2}×", hours / base_hours.max(1e-12)),
+            format!(
+                "{:+.2} %",
+                gaps.iter().sum::<f64>() / gaps.len().max(1) as f64 * 100.0
+            ),
+            format!("{:.0} %", within * 100.0),
+            format!("{:+.1} %", worst * 100.0),
+        ]);
+    }
+    t.row(vec![
+        "`fair`, every trial to its end".into(),
+        format!("{:.3}", base_hours / sweeps),
+        "1.00×".into(),
+        "0 %".into(),
+        "100 %".into(),
+        "0 %".into(),
+    ]);
+    t.render()
+}
+
+fn ends_table(runs: &[Vec<ExploreSummary>]) -> String {
+    let policies: Vec<&str> = runs[0].iter().map(|s| s.policy.as_str()).collect();
+    let mut reasons: BTreeMap<String, ()> = BTreeMap::new();
+    for w in runs {
+        for s in w {
+            for r in s.ends.keys() {
+                reasons.insert(r.clone(), ());
+            }
+        }
+    }
+    let mut header = vec!["policy".to_string()];
+    header.extend(reasons.keys().cloned());
+    let refs: Vec<&str> = header.iter().map(String::as_str).collect();
+    let mut t = Table::new(&refs);
+    for (i, name) in policies.iter().enumerate() {
+        let mut row = vec![format!("`{name}`")];
+        for r in reasons.keys() {
+            let n: usize = runs
+                .iter()
+                .map(|w| w[i].ends.get(r).copied().unwrap_or(0))
+                .sum();
+            row.push(n.to_string());
+        }
+        t.row(row);
+    }
+    t.render()
+}
+
+fn render(
+    args: &ExploreReportArgs,
+    runs: &[Vec<ExploreSummary>],
+    baseline: &[ExploreSummary],
+    curves: &usize,
+) -> String {
+    let mut s = String::new();
+    let seeds: Vec<String> = args.seeds.iter().map(u64::to_string).collect();
+    let _ = writeln!(
+        s,
+        "# Exploratory jobs: SLAQ's measures on sweeps of short trials\n\n\
+         Generated by `converge-sim explore-report --seeds {}` (`--sweeps {} --hours {}`, {} nodes × {} GPUs, \
+         decisions every {} s, {} s per restart, plateau rule: below {} % per epoch over {} epochs). \
+         Do not edit by hand.\n",
+        seeds.join(","),
+        args.sweeps,
+        args.hours,
+        args.cluster.nodes,
+        args.cluster.gpus_per_node,
+        args.cluster.scheduling_interval,
+        args.cluster.restart_delay,
+        args.cluster.plateau_improvement * 100.0,
+        args.cluster.plateau_window,
+    );
+    let _ = writeln!(
+        s,
+        "Each workload: {} sweeps arriving as a Poisson process, each one model × dataset pair \
+         with one trial per recorded run of `data/curves/sweep` ({curves} real `converge-trainer` \
+         runs: 3 learning rates × 2 batch sizes per pair), sized by a Philly trace job (GPUs \
+         requested; GPU time scaled from hours to minutes), with the measured step times of a \
+         Pollux application. Every trial carries the same `[stop]` plateau rule, decided by \
+         `converge-sched`'s `stop` module on its fitted curve, as the service does; a trial \
+         also ends when it reaches the end of its recorded run. See `sim/src/explore.rs` for \
+         the model and docs/scheduling.md \"Stop criteria\" for the rule.\n",
+        args.sweeps
+    );
+    let _ = writeln!(
+        s,
+        "## SLAQ's measures, mean over {} workloads\n\n\
+         Average normalized loss: the mean over time of the mean normalized loss of the \
+         trials submitted and not yet ended (1 = where a trial started, 0 = the lowest loss \
+         its whole run reaches). Time to 80/90/95 %: seconds from submission until a trial's \
+         normalized loss first falls to 0.2/0.1/0.05, mean over the trials that got there \
+         (\"reached 90 %\": their share; a trial ended earlier by its plateau rule never \
+         gets there). Final normalized loss: where trials ended.\n",
+        runs.len()
+    );
+    s.push_str(&policy_table(runs));
+    let _ = writeln!(
+        s,
+        "\n## Sweeps: GPU-hours to find the best trial\n\n\
+         Per sweep, the GPU-hours all its trials held (restarts included) and the true \
+         (smoothed) training loss its best trial ended at, against running every trial to \
+         the end of its run under `fair` (no stop criteria). Target: at most half the \
+         GPU-hours with the best trial within 1 %.\n"
+    );
+    s.push_str(&sweep_table(runs, baseline));
+    let _ = writeln!(s, "\n## How trials ended (all workloads)\n");
+    s.push_str(&ends_table(runs));
+    s
+}
