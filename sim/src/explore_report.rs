@@ -5,8 +5,8 @@
 
 use crate::apps::load_all;
 use crate::explore::{
-    ExploreConfig, ExploreResult, ExploreSummary, default_stop, generate, load_curves, read_trials,
-    simulate, summarize, write_trials,
+    ExploreConfig, ExploreSummary, default_stop, generate, load_curves, read_trials, simulate,
+    summarize, write_trials,
 };
 use crate::markdown::Table;
 use crate::workload::read_philly;
@@ -280,31 +280,23 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
     };
     let mut runs: Vec<Vec<ExploreSummary>> = Vec::new();
     let mut baseline: Vec<ExploreSummary> = Vec::new();
-    let mut first: Option<Vec<ExploreResult>> = None;
     for &seed in &args.seeds {
         let trials = generate(&philly, &curves, args.sweeps, args.hours, seed)?;
         let mut per_policy = Vec::new();
-        let mut results = Vec::new();
         for name in REPORT_POLICIES {
-            let p = policy(name, &args.cluster)?;
-            let mut r = simulate(&curves, &apps, &trials, p.as_ref(), &cfg)?;
-            r.policy = name.to_string();
-            eprintln!(
-                "seed {seed}: {name}: {} trials, {:.1} s",
-                r.trials.len(),
-                r.wall_s
-            );
-            per_policy.push(summarize(&r));
-            results.push(r);
+            let s = run_one(name, &trials, &cfg, (&curves, &apps, args))?;
+            eprintln!("seed {seed}: {name}: {} trials", trials.len());
+            per_policy.push(s);
         }
-        let fair = policy("fair", &args.cluster)?;
-        let mut r = simulate(&curves, &apps, &trials, fair.as_ref(), &to_end)?;
-        r.policy = "fair, every trial to its end".into();
-        baseline.push(summarize(&r));
+        let mut s = run_one("fair", &trials, &to_end, (&curves, &apps, args))?;
+        s.policy = "fair, every trial to its end".into();
+        baseline.push(s);
         runs.push(per_policy);
-        first.get_or_insert(results);
     }
-    // Sensitivity: quality-loss against fair at other loads and stop rules.
+    // Sensitivity: quality-loss against fair at other loads and stop rules; the runs of the
+    // tables above are reused where the settings are theirs.
+    let column = |name: &str| REPORT_POLICIES.iter().position(|p| *p == name);
+    let (quality, fair) = (column("quality-loss"), column("fair"));
     let mut sensitivity = Table::new(&[
         "sweeps in 2 h (load)",
         "stop rule",
@@ -316,6 +308,15 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
         "change",
     ]);
     for &sweeps in &args.sensitivity_sweeps {
+        let workloads = args
+            .seeds
+            .iter()
+            .map(|&seed| generate(&philly, &curves, sweeps, args.hours, seed))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let work: f64 = workloads.iter().flatten().map(|t| t.work_s).sum();
+        let load = work
+            / (f64::from(cfg.nodes * cfg.gpus_per_node) * args.hours * 3600.0)
+            / workloads.len().max(1) as f64;
         let mut rules: Vec<Option<f64>> =
             args.sensitivity_plateau.iter().copied().map(Some).collect();
         rules.push(None);
@@ -330,37 +331,39 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
                 }),
                 ..cfg.clone()
             };
-            let mut sums = [[0.0f64; 2]; 2];
-            for &seed in &args.seeds {
-                let trials = generate(&philly, &curves, sweeps, args.hours, seed)?;
-                for (k, name) in ["quality-loss", "fair"].iter().enumerate() {
-                    let p = policy(name, &args.cluster)?;
-                    let s = summarize(&simulate(&curves, &apps, &trials, p.as_ref(), &c)?);
-                    sums[k][0] += s.avg_normalized_loss;
-                    sums[k][1] += s.time_to[1].0.unwrap_or(0.0);
-                }
+            let main = sweeps == args.sweeps && c.stop == cfg.stop;
+            let mut pairs: Vec<[ExploreSummary; 2]> = Vec::new();
+            for (w, trials) in workloads.iter().enumerate() {
+                pairs.push(match (main, quality, fair) {
+                    (true, Some(q), Some(f)) => [runs[w][q].clone(), runs[w][f].clone()],
+                    _ => [
+                        run_one("quality-loss", trials, &c, (&curves, &apps, args))?,
+                        run_one("fair", trials, &c, (&curves, &apps, args))?,
+                    ],
+                });
             }
+            let mean = |k: usize, f: fn(&ExploreSummary) -> f64| {
+                pairs.iter().map(|p| f(&p[k])).sum::<f64>() / pairs.len().max(1) as f64
+            };
+            let loss = |s: &ExploreSummary| s.avg_normalized_loss;
+            let t90 = |s: &ExploreSummary| s.time_to[1].0.unwrap_or(0.0);
             let pct = |a: f64, b: f64| format!("{:+.1} %", (a / b - 1.0) * 100.0);
-            let n = args.seeds.len() as f64;
             sensitivity.row(vec![
-                format!(
-                    "{sweeps} ({:.2})",
-                    load(&philly, &curves, sweeps, args, &cfg)?
-                ),
+                format!("{sweeps} ({load:.2})"),
                 rule.map_or("none (every trial to its end)".into(), |r| {
                     format!("plateau below {} % per epoch", r * 100.0)
                 }),
-                format!("{:.3}", sums[0][0] / n),
-                format!("{:.3}", sums[1][0] / n),
-                pct(sums[0][0], sums[1][0]),
-                format!("{:.0}", sums[0][1] / n),
-                format!("{:.0}", sums[1][1] / n),
-                pct(sums[0][1], sums[1][1]),
+                format!("{:.3}", mean(0, loss)),
+                format!("{:.3}", mean(1, loss)),
+                pct(mean(0, loss), mean(1, loss)),
+                format!("{:.0}", mean(0, t90)),
+                format!("{:.0}", mean(1, t90)),
+                pct(mean(0, t90), mean(1, t90)),
             ]);
             eprintln!("sensitivity: {sweeps} sweeps, rule {rule:?} done");
         }
     }
-    let mut text = render(args, &runs, &baseline, &curves.len());
+    let mut text = render(args, &runs, &baseline, curves.len());
     let _ = writeln!(
         text,
         "\n## Sensitivity: load and stop rule, `quality-loss` against `fair`\n\n\
@@ -369,31 +372,27 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
          its whole recorded curve (SLAQ's own setting: jobs run to completion).\n"
     );
     text.push_str(&sensitivity.render());
-    let text = text;
     std::fs::write(&args.out, text)
         .with_context(|| format!("cannot write {}", args.out.display()))?;
     println!("wrote {}", args.out.display());
     Ok(())
 }
 
-/// Offered load of the workloads of `sweeps` sweeps: single-GPU work over GPU time of the
-/// arrival window, mean over the report's seeds.
-fn load(
-    philly: &[crate::workload::PhillyJob],
-    curves: &BTreeMap<String, crate::explore::RecordedCurve>,
-    sweeps: usize,
-    args: &ExploreReportArgs,
+/// One policy (report name) on one workload, summarized.
+fn run_one(
+    name: &str,
+    trials: &[crate::explore::ExploreTrial],
     cfg: &ExploreConfig,
-) -> anyhow::Result<f64> {
-    let mut total = 0.0;
-    for &seed in &args.seeds {
-        let work: f64 = generate(philly, curves, sweeps, args.hours, seed)?
-            .iter()
-            .map(|t| t.work_s)
-            .sum();
-        total += work / (f64::from(cfg.nodes * cfg.gpus_per_node) * args.hours * 3600.0);
-    }
-    Ok(total / args.seeds.len().max(1) as f64)
+    (curves, apps, args): (
+        &BTreeMap<String, crate::explore::RecordedCurve>,
+        &BTreeMap<String, crate::apps::Application>,
+        &ExploreReportArgs,
+    ),
+) -> anyhow::Result<ExploreSummary> {
+    let p = policy(name, &args.cluster)?;
+    let mut r = simulate(curves, apps, trials, p.as_ref(), cfg)?;
+    r.policy = name.to_string();
+    Ok(summarize(&r))
 }
 
 /// Per policy, over all sweeps of all workloads: GPU-hours against the fair run-to-end
@@ -458,24 +457,18 @@ fn sweep_table(runs: &[Vec<ExploreSummary>], baseline: &[ExploreSummary]) -> Str
 
 fn ends_table(runs: &[Vec<ExploreSummary>]) -> String {
     let policies: Vec<&str> = runs[0].iter().map(|s| s.policy.as_str()).collect();
-    let mut reasons: BTreeMap<String, ()> = BTreeMap::new();
-    for w in runs {
-        for s in w {
-            for r in s.ends.keys() {
-                reasons.insert(r.clone(), ());
-            }
-        }
-    }
+    let reasons: std::collections::BTreeSet<&String> =
+        runs.iter().flatten().flat_map(|s| s.ends.keys()).collect();
     let mut header = vec!["policy".to_string()];
-    header.extend(reasons.keys().cloned());
+    header.extend(reasons.iter().map(|r| (*r).clone()));
     let refs: Vec<&str> = header.iter().map(String::as_str).collect();
     let mut t = Table::new(&refs);
     for (i, name) in policies.iter().enumerate() {
         let mut row = vec![format!("`{name}`")];
-        for r in reasons.keys() {
+        for r in &reasons {
             let n: usize = runs
                 .iter()
-                .map(|w| w[i].ends.get(r).copied().unwrap_or(0))
+                .map(|w| w[i].ends.get(r.as_str()).copied().unwrap_or(0))
                 .sum();
             row.push(n.to_string());
         }
@@ -488,7 +481,7 @@ fn render(
     args: &ExploreReportArgs,
     runs: &[Vec<ExploreSummary>],
     baseline: &[ExploreSummary],
-    curves: &usize,
+    curves: usize,
 ) -> String {
     let mut s = String::new();
     let seeds: Vec<String> = args.seeds.iter().map(u64::to_string).collect();
