@@ -4,7 +4,8 @@
 # time; shows a live view of the jobs and stops everything cleanly on Ctrl-C, once every
 # job has finished, or after --duration seconds.
 #
-#   ./deploy/local-cluster.sh [--duration SECONDS] [--summary FILE] [--jobs "SPEC..."] [--keep] [--debug]
+#   ./deploy/local-cluster.sh [--duration SECONDS] [--summary FILE] [--jobs "SPEC..."] [--agents N]
+#                             [--allocator-arg ARG]... [--until-done N] [--keep] [--debug]
 #
 # Needs: Rust (cargo) and python3 with pip (to fetch the pinned nats-server). Builds in
 # release mode first. Logs and checkpoints live in a temporary directory, removed at the
@@ -12,7 +13,7 @@
 set -euo pipefail
 
 usage() {
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
     cat <<'HELP'
 Options:
   --duration SECONDS   stop after this long even if jobs are still running (default 300)
@@ -23,6 +24,11 @@ Options:
   --jobs "SPEC..."     submit these job specs instead of the six examples (space-separated
                        paths, --spacing seconds apart)
   --spacing SECONDS    seconds between submissions (default 15)
+  --agents N           agents (hosts) with 4 fake GPUs each (default 3)
+  --allocator-arg ARG  pass ARG to converge-allocator (repeatable), e.g.
+                       --allocator-arg --policy --allocator-arg fair
+  --until-done N       stop once N jobs exist and all have finished (default: the number of
+                       specs; give the trial count when a spec is a sweep file)
   --keep               keep the working directory (logs, checkpoints) and print its path
   --debug              build and run debug binaries instead of release
   -h, --help           this text
@@ -37,6 +43,9 @@ keep=0
 profile=release
 job_list=""
 spacing=15
+agents=3
+allocator_args=()
+until_done=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --duration) duration="$2"; shift 2 ;;
@@ -45,6 +54,9 @@ while [[ $# -gt 0 ]]; do
         --restart-cost) restart_cost="$2"; shift 2 ;;
         --jobs) job_list="$2"; shift 2 ;;
         --spacing) spacing="$2"; shift 2 ;;
+        --agents) agents="$2"; shift 2 ;;
+        --allocator-arg) allocator_args+=("$2"); shift 2 ;;
+        --until-done) until_done="$2"; shift 2 ;;
         --keep) keep=1; shift ;;
         --debug) profile=debug; shift ;;
         -h|--help) usage; exit 0 ;;
@@ -53,6 +65,8 @@ while [[ $# -gt 0 ]]; do
 done
 [[ "$duration" =~ ^[0-9]+$ ]] || { echo "local-cluster.sh: --duration takes whole seconds" >&2; exit 2; }
 [[ "$spacing" =~ ^[0-9]+$ ]] || { echo "local-cluster.sh: --spacing takes whole seconds" >&2; exit 2; }
+[[ "$agents" =~ ^[1-9][0-9]*$ ]] || { echo "local-cluster.sh: --agents takes a positive count" >&2; exit 2; }
+[[ -z "$until_done" || "$until_done" =~ ^[1-9][0-9]*$ ]] || { echo "local-cluster.sh: --until-done takes a positive count" >&2; exit 2; }
 if [[ -n "$summary" ]]; then
     summary=$(realpath -m "$summary")
 fi
@@ -115,17 +129,17 @@ echo "    $CONVERGE_NATS_URL"
 
 echo "==> starting the allocator (scheduling interval $interval, restart cost $restart_cost)"
 setsid converge-allocator --scheduling-interval "$interval" --restart-cost "$restart_cost" --horizon 60s \
-    >"$work/allocator.log" 2>&1 &
+    "${allocator_args[@]}" >"$work/allocator.log" 2>&1 &
 allocator_pid=$!
 
 agent_pids=()
-for i in 1 2 3; do
+for i in $(seq "$agents"); do
     setsid converge-agent --host-id "node-$i" --fake-gpus 4 --advertise-addr 127.0.0.1 \
         --log-dir "$work/logs" --checkpoint-root "$work/checkpoints" --stop-grace 10s \
         >"$work/agent-$i.log" 2>&1 &
     agent_pids+=("$!")
 done
-echo "==> 3 agents x 4 fake GPUs; worker logs in $work/logs"
+echo "==> $agents agents x 4 fake GPUs; worker logs in $work/logs"
 
 # Jobs arrive over time: (seconds after the previous submission, spec).
 if [[ -n "$job_list" ]]; then
@@ -155,7 +169,7 @@ fi
 ) &
 submitter=$!
 
-monitor_args=(monitor --interval 2s --duration "${duration}s" --until-done "${#jobs[@]}")
+monitor_args=(monitor --interval 2s --duration "${duration}s" --until-done "${until_done:-${#jobs[@]}}")
 [[ -n "$summary" ]] && monitor_args+=(--summary "$summary")
 [[ -t 1 ]] || monitor_args+=(--no-clear)
 converge "${monitor_args[@]}" || true

@@ -79,6 +79,13 @@ pub struct JobSummary {
     /// `[batch]` jobs only: each change of batch plan or of adaptivity.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub batches_over_time: Vec<BatchSample>,
+    /// The sweep the job is a trial of.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sweep: Option<String>,
+    /// How a completed job ended (its status's `end`: reason, loss, predicted loss,
+    /// GPU-hours).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub end: Option<converge_common::JobEnd>,
     /// The job's latest reported training loss at each refresh where its samples changed:
     /// the loss curve against samples, for comparing runs at equal samples.
     pub loss_over_samples: Vec<LossSample>,
@@ -240,6 +247,8 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                     max_gpus: gpus_over_time.iter().map(|g| g.gpus).max().unwrap_or(0),
                     gpus_over_time,
                     batches_over_time: batches.remove(spec.id.as_str()).unwrap_or_default(),
+                    sweep: spec.sweep.as_ref().map(ToString::to_string),
+                    end: st.and_then(|s| s.end.clone()),
                     loss_over_samples: losses.remove(spec.id.as_str()).unwrap_or_default(),
                 }
             })

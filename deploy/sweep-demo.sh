@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# A live sweep on the local cluster, once under the quality policy with SLAQ's objective
+# (`--policy quality --objective loss`) and once under fair share (`--policy fair`):
+# examples/sweeps/optdigits.toml (12 real converge-trainer trials with a plateau rule and a
+# deadline) on --agents hosts of 4 fake GPUs (default 2: 8 GPUs for 12 trials, so trials
+# compete). Prints SLAQ's measures of both runs side by side (docs/exploratory.md "Live"):
+# average normalized loss over time, time to 80/90/95 % loss reduction, GPU-hours of the
+# sweep, its best trial's final loss, and how the trials ended.
+#
+#   ./deploy/sweep-demo.sh [--out DIR] [--agents N] [--duration SECONDS] [--debug]
+#
+# The run summaries (converge monitor --summary), logs and the table go to --out (default: a
+# new temporary directory). About twice --duration at most (default 900 s per run).
+set -euo pipefail
+
+out=""
+extra=()
+agents=2
+duration=900
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --debug) extra+=(--debug); shift ;;
+        --out) out="$2"; shift 2 ;;
+        --agents) agents="$2"; shift 2 ;;
+        --duration) duration="$2"; shift 2 ;;
+        -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "sweep-demo.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+[[ -n "$out" ]] || out=$(mktemp -d -t converge-sweep-demo.XXXXXX)
+mkdir -p "$out"
+out=$(realpath "$out")
+sweep="$root/examples/sweeps/optdigits.toml"
+trials=12
+
+run() {
+    local name="$1"; shift
+    echo "==> $name run ($agents agents x 4 GPUs, $trials trials)"
+    local args=()
+    for a in "$@"; do args+=(--allocator-arg "$a"); done
+    "$root/deploy/local-cluster.sh" "${extra[@]}" --agents "$agents" --duration "$duration" \
+        --until-done "$trials" --summary "$out/$name.json" --jobs "$sweep" "${args[@]}" \
+        >"$out/$name.log" 2>&1 || true
+    tail -n 3 "$out/$name.log"
+}
+run quality-loss --policy quality --objective loss
+run fair --policy fair
+
+python3 - "$out/quality-loss.json" "$out/fair.json" <<'PY' | tee "$out/table.md"
+import json, sys
+
+names = ["quality-loss", "fair"]
+runs = [json.load(open(p)) for p in sys.argv[1:3]]
+
+def smoothed(points, k=5):
+    """(t, loss) with each loss the mean of the last k reports (minibatch noise)."""
+    out = []
+    for i, p in enumerate(points):
+        window = points[max(0, i - k + 1): i + 1]
+        out.append((p["t"], sum(q["loss"] for q in window) / len(window)))
+    return out
+
+# Per trial, the loss it starts from and the lowest (smoothed) loss either run reached:
+# SLAQ's normalization, 1 at the start, 0 at the best known.
+curves = [{j["id"]: smoothed(j["loss_over_samples"]) for j in r["jobs"]} for r in runs]
+ids = sorted(set(curves[0]) & set(curves[1]))
+if len(ids) < 2:
+    sys.exit(f"sweep-demo: only {len(ids)} trials reported in both runs; see the logs in the output folder")
+start = {i: max(c[i][0][1] for c in curves if c[i]) for i in ids}
+floor = {i: min(l for c in curves for _, l in c[i]) for i in ids}
+
+def measures(run, curve):
+    jobs = {j["id"]: j for j in run["jobs"]}
+    t0 = run["started_at"]
+    end_of_run = run["duration_s"]
+    sub = {i: jobs[i]["submitted_at"] - t0 for i in ids}
+    end = {i: (jobs[i]["finished_at"] - t0) if jobs[i]["finished_at"] else end_of_run for i in ids}
+    def norm(i, l):
+        span = start[i] - floor[i]
+        return 1.0 if span <= 0 else min(1.0, max(0.0, (l - floor[i]) / span))
+    # Average over time (2 s grid) of the mean normalized loss of submitted, unfinished trials.
+    horizon = max(end.values())
+    samples, t = [], min(sub.values())
+    while t <= horizon:
+        active = [i for i in ids if sub[i] <= t < end[i]]
+        if active:
+            vals = []
+            for i in active:
+                seen = [l for (ti, l) in curve[i] if ti <= t]
+                vals.append(norm(i, seen[-1]) if seen else 1.0)
+            samples.append(sum(vals) / len(vals))
+        t += 2.0
+    avg = sum(samples) / len(samples)
+    times = []
+    for level in (0.2, 0.1, 0.05):
+        got = [next((ti - sub[i] for ti, l in curve[i] if norm(i, l) <= level), None) for i in ids]
+        got = [g for g in got if g is not None]
+        times.append((sum(got) / len(got) if got else None, len(got)))
+    # GPU-hours held: the GPU count over time, integrated until the trial ended.
+    gpu_h = 0.0
+    for i in ids:
+        g = jobs[i]["gpus_over_time"]
+        for a, b in zip(g, g[1:] + [{"t": end[i], "gpus": 0}]):
+            gpu_h += a["gpus"] * max(0.0, min(b["t"], end[i]) - a["t"]) / 3600.0
+    final = {i: curve[i][-1][1] for i in ids if curve[i]}
+    best = min(final, key=final.get)
+    ends = {}
+    for i in ids:
+        e = jobs[i].get("end")
+        key = e["reason"] if e else jobs[i]["phase"]
+        ends[key] = ends.get(key, 0) + 1
+    return dict(avg=avg, times=times, gpu_h=gpu_h, best=best, best_loss=final[best],
+                best_eval=jobs[best]["last_eval_loss"], makespan=max(end.values()) - min(sub.values()),
+                ends=ends)
+
+m = [measures(r, c) for r, c in zip(runs, curves)]
+fmt = lambda v, d=0: "—" if v is None else f"{v:.{d}f}"
+pct = lambda a, b: "—" if a is None or b in (None, 0) else f"{(a / b - 1) * 100:+.1f} %"
+print(f"| measure ({len(ids)} trials) | {names[0]} | {names[1]} | change |")
+print("|---|---|---|---|")
+print(f"| average normalized loss | {m[0]['avg']:.3f} | {m[1]['avg']:.3f} | {pct(m[0]['avg'], m[1]['avg'])} |")
+for k, level in enumerate((80, 90, 95)):
+    a, b = m[0]["times"][k], m[1]["times"][k]
+    print(f"| time to {level} % loss reduction, s (trials) | {fmt(a[0])} ({a[1]}) | {fmt(b[0])} ({b[1]}) | {pct(a[0], b[0])} |")
+print(f"| GPU-hours of the sweep | {m[0]['gpu_h']:.3f} | {m[1]['gpu_h']:.3f} | {pct(m[0]['gpu_h'], m[1]['gpu_h'])} |")
+print(f"| best trial (final training loss) | {m[0]['best']} ({m[0]['best_loss']:.4f}) | {m[1]['best']} ({m[1]['best_loss']:.4f}) | {pct(m[0]['best_loss'], m[1]['best_loss'])} |")
+print(f"| best trial's held-out loss | {fmt(m[0]['best_eval'], 4)} | {fmt(m[1]['best_eval'], 4)} | {pct(m[0]['best_eval'], m[1]['best_eval'])} |")
+print(f"| sweep makespan, s | {m[0]['makespan']:.0f} | {m[1]['makespan']:.0f} | {pct(m[0]['makespan'], m[1]['makespan'])} |")
+print(f"| how trials ended | {m[0]['ends']} | {m[1]['ends']} | |")
+PY
+echo "summaries, logs and table.md in $out"
