@@ -20,8 +20,8 @@ pub trait GpuSource: Send {
 pub const FAKE_GPU_MEMORY_BYTES: u64 = 16 * 1024 * 1024 * 1024;
 
 /// A host's pretend GPUs, for development and tests on machines without GPUs. A GPU with a
-/// running worker reports 90–99 % utilization, 60 % memory used and 250 W; an idle one 0 %,
-/// no memory and 50 W.
+/// running worker reports 90–99 % utilization, 60 % memory used, 250 W and an SM clock of
+/// 1,755 MHz; an idle one 0 %, no memory, 50 W and 210 MHz.
 #[derive(Debug)]
 pub struct FakeGpus {
     host: String,
@@ -65,6 +65,7 @@ impl GpuSource for FakeGpus {
                     },
                     utilization_pct: if is_busy { 90.0 + wobble } else { 0.0 },
                     power_mw: Some(if is_busy { 250_000 } else { 50_000 }),
+                    sm_clock_mhz: Some(if is_busy { 1_755 } else { 210 }),
                 }
             })
             .collect()
@@ -123,6 +124,9 @@ impl GpuSource for NvmlGpus {
                 memory_used_bytes: memory.as_ref().map_or(0, |m| m.used),
                 utilization_pct: device.utilization_rates().map_or(0.0, |u| f64::from(u.gpu)),
                 power_mw: device.power_usage().ok().map(u64::from),
+                sm_clock_mhz: device
+                    .clock_info(nvml_wrapper::enum_wrappers::device::Clock::SM)
+                    .ok(),
             });
         }
         out

@@ -101,6 +101,10 @@ pub struct GpuSample {
     pub utilization_pct: f64,
     /// Board power draw in milliwatts, when the source reports it.
     pub power_mw: Option<u64>,
+    /// Streaming-multiprocessor clock in MHz (DCGM_FI_DEV_SM_CLOCK), when the source reports
+    /// it; absent in telemetry from agents older than the field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sm_clock_mhz: Option<u32>,
 }
 
 /// One network interface.
@@ -1060,6 +1064,7 @@ mod tests {
                 memory_used_bytes: 0,
                 utilization_pct: 0.0,
                 power_mw: None,
+                sm_clock_mhz: None,
             }],
             nics: vec![NicSample {
                 name: "lo".into(),

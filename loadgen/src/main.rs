@@ -253,6 +253,7 @@ fn telemetry(host: &HostId, gpus: u32) -> HostTelemetry {
                 memory_used_bytes: 0,
                 utilization_pct: 0.0,
                 power_mw: None,
+                sm_clock_mhz: None,
             })
             .collect(),
         nics: vec![NicSample {

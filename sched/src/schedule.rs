@@ -1325,6 +1325,7 @@ mod tests {
                     memory_used_bytes: 0,
                     utilization_pct: 0.0,
                     power_mw: None,
+                    sm_clock_mhz: None,
                 })
                 .collect(),
             nics: vec![],
