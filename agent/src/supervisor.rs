@@ -14,6 +14,7 @@ use futures::StreamExt;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -393,6 +394,79 @@ fn progress_report(base: &ProgressReport, p: WorkerProgressLine, time: f64) -> P
     }
 }
 
+/// The batch variables of the worker contract, set for `[batch]` jobs only.
+const BATCH_VARS: [&str; 4] = [
+    "CONVERGE_BATCH_SIZE",
+    "CONVERGE_ACCUM_STEPS",
+    "CONVERGE_TOTAL_BATCH",
+    "CONVERGE_REFERENCE_BATCH",
+];
+
+/// The worker-contract environment of assignment `a` (docs/protocol.md, "Worker
+/// contract"): the variables to set, which override the job spec's `env`, and those to
+/// remove from the inherited environment.
+///
+/// torchrun's variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
+/// `MASTER_ADDR`, `MASTER_PORT`, `ROLE_RANK` (= `RANK`: every rank has the one role),
+/// `TORCHELASTIC_RUN_ID` (the job id), `TORCHELASTIC_RESTART_COUNT` (the generation) and
+/// `GROUP_RANK`. Plans carry no host index, so `GROUP_RANK` is the lowest rank on this
+/// host, `RANK − LOCAL_RANK`: placement gives each host a contiguous block of ranks with
+/// local ranks in rank order, so the value is 0 on rank 0's host and differs between hosts
+/// (it is torchrun's node index when each host runs one rank, and the index times
+/// `LOCAL_WORLD_SIZE` when every host runs the same number). `TORCH_NCCL_ASYNC_ERROR_HANDLING`
+/// is 1, so that NCCL errors abort the worker instead of hanging it; a job's own `env`
+/// cannot override the contract's variables but can set this one (it is left alone when
+/// the spec sets it).
+fn worker_env(
+    a: &WorkerAssignment,
+    checkpoint_dir: &std::path::Path,
+) -> (Vec<(&'static str, OsString)>, Vec<&'static str>) {
+    let gpus: Vec<String> = a.gpus.iter().map(u32::to_string).collect();
+    let mut set: Vec<(&'static str, OsString)> = [
+        ("RANK", a.rank.to_string()),
+        ("WORLD_SIZE", a.world_size.to_string()),
+        ("LOCAL_RANK", a.local_rank.to_string()),
+        ("LOCAL_WORLD_SIZE", a.local_world_size.to_string()),
+        (
+            "GROUP_RANK",
+            a.rank.saturating_sub(a.local_rank).to_string(),
+        ),
+        ("ROLE_RANK", a.rank.to_string()),
+        ("MASTER_ADDR", a.master_addr.clone()),
+        ("MASTER_PORT", a.master_port.to_string()),
+        ("TORCHELASTIC_RUN_ID", a.job.as_str().to_string()),
+        ("TORCHELASTIC_RESTART_COUNT", a.generation.to_string()),
+        ("CUDA_VISIBLE_DEVICES", gpus.join(",")),
+        ("CONVERGE_JOB_ID", a.job.as_str().to_string()),
+        ("CONVERGE_GENERATION", a.generation.to_string()),
+        ("CONVERGE_NUM_PS", a.num_ps.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k, OsString::from(v)))
+    .collect();
+    set.push((
+        "CONVERGE_CHECKPOINT_DIR",
+        checkpoint_dir.as_os_str().to_owned(),
+    ));
+    if !a.env.contains_key("TORCH_NCCL_ASYNC_ERROR_HANDLING") {
+        set.push(("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".into()));
+    }
+    // The batch of `[batch]` jobs; unset otherwise, so that the program keeps its own.
+    let unset = match &a.batch {
+        Some(b) => {
+            let values = [b.per_worker, b.accum_steps, b.total, b.reference];
+            set.extend(
+                BATCH_VARS
+                    .into_iter()
+                    .zip(values.map(|v| OsString::from(v.to_string()))),
+            );
+            Vec::new()
+        }
+        None => BATCH_VARS.to_vec(),
+    };
+    (set, unset)
+}
+
 /// Starts one worker process in its own process group, with the worker-contract
 /// environment, stderr appended to its log file and stdout read line by line.
 fn spawn_worker(
@@ -412,42 +486,18 @@ fn spawn_worker(
         .append(true)
         .open(&log_file)?;
 
-    let gpus: Vec<String> = a.gpus.iter().map(u32::to_string).collect();
     let mut cmd = tokio::process::Command::new(&a.command[0]);
     cmd.args(&a.command[1..])
         .envs(&a.env)
-        .env("RANK", a.rank.to_string())
-        .env("WORLD_SIZE", a.world_size.to_string())
-        .env("LOCAL_RANK", a.local_rank.to_string())
-        .env("LOCAL_WORLD_SIZE", a.local_world_size.to_string())
-        .env("MASTER_ADDR", &a.master_addr)
-        .env("MASTER_PORT", a.master_port.to_string())
-        .env("CUDA_VISIBLE_DEVICES", gpus.join(","))
-        .env("CONVERGE_JOB_ID", a.job.as_str())
-        .env("CONVERGE_GENERATION", a.generation.to_string())
-        .env("CONVERGE_CHECKPOINT_DIR", &checkpoint_dir)
-        .env("CONVERGE_NUM_PS", a.num_ps.to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::from(stderr_log))
         .process_group(0)
         .kill_on_drop(false);
-    // The batch of `[batch]` jobs (docs/protocol.md, worker contract); unset otherwise, so
-    // that the program keeps its own.
-    if let Some(b) = &a.batch {
-        cmd.env("CONVERGE_BATCH_SIZE", b.per_worker.to_string())
-            .env("CONVERGE_ACCUM_STEPS", b.accum_steps.to_string())
-            .env("CONVERGE_TOTAL_BATCH", b.total.to_string())
-            .env("CONVERGE_REFERENCE_BATCH", b.reference.to_string());
-    } else {
-        for k in [
-            "CONVERGE_BATCH_SIZE",
-            "CONVERGE_ACCUM_STEPS",
-            "CONVERGE_TOTAL_BATCH",
-            "CONVERGE_REFERENCE_BATCH",
-        ] {
-            cmd.env_remove(k);
-        }
+    let (set, unset) = worker_env(a, &checkpoint_dir);
+    cmd.envs(set);
+    for k in unset {
+        cmd.env_remove(k);
     }
     let mut child = cmd.spawn()?;
     let stdout = child.stdout.take().expect("stdout is piped");
@@ -532,6 +582,113 @@ fn spawn_worker(
 mod tests {
     use super::*;
     use converge_common::{JobId, Message};
+
+    fn assignment(rank: u32, local_rank: u32, local_world_size: u32) -> WorkerAssignment {
+        WorkerAssignment {
+            job: JobId::new("mnist-ddp").unwrap(),
+            generation: 7,
+            rank,
+            world_size: 4,
+            local_rank,
+            local_world_size,
+            gpus: vec![2, 3],
+            master_addr: "10.0.0.5".into(),
+            master_port: 23456,
+            command: vec!["python3".into()],
+            env: BTreeMap::new(),
+            max_restarts: 3,
+            num_ps: 0,
+            hosts: 2,
+            batch: None,
+        }
+    }
+
+    fn env_map(a: &WorkerAssignment) -> (BTreeMap<&'static str, String>, Vec<&'static str>) {
+        let (set, unset) = worker_env(a, std::path::Path::new("/ckpt/mnist-ddp"));
+        let map: BTreeMap<_, _> = set
+            .into_iter()
+            .map(|(k, v)| (k, v.into_string().unwrap()))
+            .collect();
+        (map, unset)
+    }
+
+    #[test]
+    fn worker_env_has_the_contract_and_torchruns_variables() {
+        let mut a = assignment(3, 1, 2);
+        a.batch = Some(converge_common::AssignedBatch {
+            total: 96,
+            per_worker: 12,
+            accum_steps: 1,
+            reference: 64,
+        });
+        let (env, unset) = env_map(&a);
+        let expect = [
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("GROUP_RANK", "2"),
+            ("ROLE_RANK", "3"),
+            ("MASTER_ADDR", "10.0.0.5"),
+            ("MASTER_PORT", "23456"),
+            ("TORCHELASTIC_RUN_ID", "mnist-ddp"),
+            ("TORCHELASTIC_RESTART_COUNT", "7"),
+            ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            ("CUDA_VISIBLE_DEVICES", "2,3"),
+            ("CONVERGE_JOB_ID", "mnist-ddp"),
+            ("CONVERGE_GENERATION", "7"),
+            ("CONVERGE_CHECKPOINT_DIR", "/ckpt/mnist-ddp"),
+            ("CONVERGE_NUM_PS", "0"),
+            ("CONVERGE_BATCH_SIZE", "12"),
+            ("CONVERGE_ACCUM_STEPS", "1"),
+            ("CONVERGE_TOTAL_BATCH", "96"),
+            ("CONVERGE_REFERENCE_BATCH", "64"),
+        ];
+        let got: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let mut want = expect.to_vec();
+        want.sort();
+        assert_eq!(got, want);
+        assert!(unset.is_empty());
+    }
+
+    #[test]
+    fn worker_env_unsets_the_batch_of_other_jobs_and_keeps_the_specs_nccl_setting() {
+        let mut a = assignment(0, 0, 1);
+        a.env
+            .insert("TORCH_NCCL_ASYNC_ERROR_HANDLING".into(), "3".into());
+        let (env, unset) = env_map(&a);
+        assert!(!env.contains_key("TORCH_NCCL_ASYNC_ERROR_HANDLING"));
+        assert!(!env.keys().any(|k| k.starts_with("CONVERGE_BATCH")));
+        assert_eq!(unset, BATCH_VARS);
+        assert_eq!(env["GROUP_RANK"], "0");
+    }
+
+    #[test]
+    fn group_rank_is_zero_on_rank_zeros_host_and_distinct_across_hosts() {
+        // Placements give each host a contiguous block of ranks (sched's placement): one
+        // rank then three, two and two, three then one.
+        for blocks in [&[1, 3][..], &[2, 2], &[3, 1], &[1, 1, 1, 1], &[4]] {
+            let mut by_host: Vec<BTreeSet<String>> = Vec::new();
+            let mut rank = 0;
+            for &n in blocks {
+                let mut groups = BTreeSet::new();
+                for local in 0..n {
+                    let (env, _) = env_map(&assignment(rank, local, n));
+                    groups.insert(env["GROUP_RANK"].clone());
+                    rank += 1;
+                }
+                assert_eq!(groups.len(), 1, "{blocks:?}: one GROUP_RANK per host");
+                by_host.push(groups);
+            }
+            assert!(by_host[0].contains("0"), "{blocks:?}");
+            let all: BTreeSet<_> = by_host.iter().flatten().collect();
+            assert_eq!(
+                all.len(),
+                blocks.len(),
+                "{blocks:?}: hosts share a GROUP_RANK"
+            );
+        }
+    }
 
     #[test]
     fn progress_reports_carry_the_line_and_the_assignment() {
