@@ -1,0 +1,130 @@
+import os
+import pickle
+import tempfile
+import unittest
+from pathlib import Path
+
+import _kit  # noqa: F401  (the kit from the source tree when not installed)
+
+from converge_worker import (
+    CheckpointError,
+    CheckpointFenced,
+    checkpoint_path,
+    load_checkpoint,
+    read_checkpoint_header,
+    save_checkpoint,
+)
+
+
+class Checkpoints(unittest.TestCase):
+    def setUp(self):
+        self._tmp = tempfile.TemporaryDirectory()
+        self.dir = Path(self._tmp.name) / "job"
+
+    def tearDown(self):
+        self._tmp.cleanup()
+
+    def test_absent_is_none(self):
+        self.assertIsNone(load_checkpoint(self.dir))
+        self.assertIsNone(load_checkpoint(None))
+        self.assertIsNone(read_checkpoint_header(self.dir))
+
+    def test_objects_round_trip_with_metadata(self):
+        state = {"step": 40, "params": [0.5, -1.25], "rng": (1, 2)}
+        path = save_checkpoint(state, self.dir, generation=3, metadata={"step": 40, "loss": 0.31})
+        self.assertEqual(path, self.dir / "checkpoint.ckpt")
+        got = load_checkpoint(self.dir, generation=3)
+        self.assertEqual((got.state, got.generation, got.path), (state, 3, path))
+        self.assertEqual(got.metadata, {"step": 40, "loss": 0.31})
+        self.assertEqual(read_checkpoint_header(self.dir)["encoding"], "pickle")
+        # Only the checkpoint remains: no temporary file is left behind.
+        self.assertEqual(os.listdir(self.dir), ["checkpoint.ckpt"])
+
+    def test_bytes_stay_bytes(self):
+        save_checkpoint(b"\x00raw\xff", self.dir)
+        self.assertEqual(load_checkpoint(self.dir).state, b"\x00raw\xff")
+
+    def test_custom_serializer_like_torch_save(self):
+        calls = []
+
+        def save(obj, f):  # the shape of torch.save(obj, f)
+            calls.append("save")
+            f.write(repr(obj).encode())
+
+        def load(f):  # the shape of torch.load(f)
+            calls.append("load")
+            return eval(f.read().decode())
+
+        save_checkpoint([1, 2, 3], self.dir, serializer=save, name="model.pt")
+        self.assertEqual(load_checkpoint(self.dir, deserializer=load, name="model.pt").state, [1, 2, 3])
+        self.assertEqual(calls, ["save", "load"])
+        with self.assertRaises(CheckpointError) as cm:
+            load_checkpoint(self.dir, name="model.pt")
+        self.assertIn("deserializer", str(cm.exception))
+
+    def test_overwrite_replaces(self):
+        save_checkpoint({"step": 1}, self.dir, generation=1)
+        save_checkpoint({"step": 2}, self.dir, generation=2)
+        got = load_checkpoint(self.dir, generation=2)
+        self.assertEqual((got.state, got.generation), ({"step": 2}, 2))
+
+    def test_an_older_generation_is_fenced(self):
+        save_checkpoint({"step": 9}, self.dir, generation=5)
+        with self.assertRaises(CheckpointFenced) as cm:
+            save_checkpoint({"step": 3}, self.dir, generation=4)
+        self.assertIn("fenced", str(cm.exception))
+        with self.assertRaises(CheckpointFenced):
+            load_checkpoint(self.dir, generation=4)
+        self.assertEqual(load_checkpoint(self.dir).state, {"step": 9})
+        # Generation 0 (run by hand) is never fenced.
+        save_checkpoint({"step": 0}, self.dir, generation=0)
+        self.assertEqual(load_checkpoint(self.dir, generation=0).generation, 0)
+
+    def test_a_failing_serializer_leaves_the_old_checkpoint(self):
+        save_checkpoint({"step": 1}, self.dir)
+
+        def broken(obj, f):
+            f.write(b"half")
+            raise RuntimeError("disk full")
+
+        with self.assertRaises(RuntimeError):
+            save_checkpoint({"step": 2}, self.dir, serializer=broken)
+        self.assertEqual(load_checkpoint(self.dir).state, {"step": 1})
+        self.assertEqual(os.listdir(self.dir), ["checkpoint.ckpt"])
+
+    def test_corrupt_truncated_and_foreign_files_are_errors(self):
+        save_checkpoint({"params": list(range(100))}, self.dir)
+        path = checkpoint_path(self.dir)
+        data = path.read_bytes()
+        path.write_bytes(data[:-10])
+        with self.assertRaises(CheckpointError) as cm:
+            load_checkpoint(self.dir)
+        self.assertIn("corrupt", str(cm.exception))
+        path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+        with self.assertRaises(CheckpointError):
+            load_checkpoint(self.dir)
+        path.write_bytes(pickle.dumps({"a": 1}))
+        with self.assertRaises(CheckpointError) as cm:
+            load_checkpoint(self.dir)
+        self.assertIn("not a Converge checkpoint", str(cm.exception))
+        path.write_bytes(b"CONVERGE-CHECKPOINT 9 {}\n")
+        with self.assertRaises(CheckpointError) as cm:
+            load_checkpoint(self.dir)
+        self.assertIn("format", str(cm.exception))
+        # A foreign file does not fence anyone: it is overwritten.
+        save_checkpoint({"ok": True}, self.dir, generation=2)
+        self.assertEqual(load_checkpoint(self.dir).state, {"ok": True})
+
+    def test_bad_arguments(self):
+        with self.assertRaises(ValueError):
+            save_checkpoint({}, self.dir, name="../escape")
+        with self.assertRaises(ValueError):
+            save_checkpoint({}, self.dir, generation=-1)
+        with self.assertRaises(ValueError) as cm:
+            save_checkpoint({}, self.dir, metadata={"loss": float("nan")})
+        self.assertIn("metadata", str(cm.exception))
+        self.assertFalse((self.dir / "checkpoint.ckpt").exists())
+
+
+if __name__ == "__main__":
+    unittest.main()
