@@ -736,6 +736,85 @@ pub struct JobStatus {
     /// program (absent while it runs, and for cancelled or failed jobs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub end: Option<JobEnd>,
+    /// The job's latest allocation changes, oldest first, at most
+    /// [`MAX_ALLOCATION_CHANGES`] (older ones are dropped): every new generation the
+    /// allocator gave it, with the reason. Empty in statuses written before the field existed.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub allocations: Vec<AllocationChange>,
+}
+
+/// Most entries kept in [`JobStatus::allocations`] (about 100 bytes each).
+pub const MAX_ALLOCATION_CHANGES: usize = 64;
+
+/// Why a job's allocation changed ([`AllocationChange::cause`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChangeCause {
+    /// First placement, or placed again after waiting preempted.
+    Started,
+    /// The policy gave it more workers.
+    Grown,
+    /// The policy gave it fewer workers (but at least one).
+    Shrunk,
+    /// The policy took all its workers (it waits, pending, for GPUs).
+    Preempted,
+    /// Same number of workers on other GPUs or hosts (placement).
+    Moved,
+    /// A host it ran on stopped reporting: its workers are gone (0 workers) until the policy
+    /// places it again.
+    HostLost,
+    /// Same workers, a new batch plan (its first gradient statistics).
+    Batch,
+    /// Rank 0's host answers at a new address; restarted with the same placement.
+    Address,
+}
+
+impl ChangeCause {
+    /// As written on the wire (`host_lost`, …).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChangeCause::Started => "started",
+            ChangeCause::Grown => "grown",
+            ChangeCause::Shrunk => "shrunk",
+            ChangeCause::Preempted => "preempted",
+            ChangeCause::Moved => "moved",
+            ChangeCause::HostLost => "host_lost",
+            ChangeCause::Batch => "batch",
+            ChangeCause::Address => "address",
+        }
+    }
+}
+
+/// One allocation change of a job: the generation it started, its size and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AllocationChange {
+    /// When the allocator decided it, unix seconds.
+    pub time: f64,
+    /// The new generation (for [`ChangeCause::HostLost`]: the generation that lost its host;
+    /// the job waits with 0 workers until it is placed again as the next one).
+    pub generation: u64,
+    /// Workers before the change.
+    pub from_workers: u32,
+    /// Workers of the new generation (0: preempted).
+    pub workers: u32,
+    /// Distinct hosts of the new generation's workers.
+    pub hosts: u32,
+    pub cause: ChangeCause,
+    /// One sentence for humans: the policy and what changed (the matching event's message).
+    pub reason: String,
+}
+
+impl JobStatus {
+    /// Appends `change` to [`JobStatus::allocations`], dropping the oldest entries beyond
+    /// [`MAX_ALLOCATION_CHANGES`].
+    pub fn record_allocation(&mut self, change: AllocationChange) {
+        self.allocations.push(change);
+        let extra = self
+            .allocations
+            .len()
+            .saturating_sub(MAX_ALLOCATION_CHANGES);
+        self.allocations.drain(..extra);
+    }
 }
 
 /// Why a job ended by itself or by one of its `[stop]` criteria.

@@ -20,9 +20,9 @@ use crate::ps_plan::{PsHost, PsJob, PsPlan, plan_ps_job};
 use crate::stop::{self, StopInputs, predicted_final_loss};
 use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior};
 use converge_common::{
-    AssignedBatch, BatchSpec, EndReason, Event, EventKind, HostId, HostPlan, HostTelemetry,
-    JobBatch, JobEnd, JobId, JobPhase, JobSpec, JobStatus, PROTOCOL_VERSION, RankPlacement,
-    SyncArch, WorkerAssignment, WorkerPhase,
+    AllocationChange, AssignedBatch, BatchSpec, ChangeCause, EndReason, Event, EventKind, HostId,
+    HostPlan, HostTelemetry, JobBatch, JobEnd, JobId, JobPhase, JobSpec, JobStatus,
+    PROTOCOL_VERSION, RankPlacement, SyncArch, WorkerAssignment, WorkerPhase,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -552,6 +552,25 @@ fn follow_master_addr(
                 let old = old.clone();
                 bump_generation(status, &mut taken_ports);
                 status.phase = JobPhase::Restarting;
+                let reason = format!(
+                    "job {}: rank 0's host now answers at {addr} (was {old}); restarting as generation {}",
+                    status.job, status.generation
+                );
+                let hosts = status
+                    .placement
+                    .iter()
+                    .map(|p| &p.host)
+                    .collect::<BTreeSet<_>>()
+                    .len() as u32;
+                status.record_allocation(AllocationChange {
+                    time: now,
+                    generation: status.generation,
+                    from_workers: status.world_size,
+                    workers: status.world_size,
+                    hosts,
+                    cause: ChangeCause::Address,
+                    reason: reason.clone(),
+                });
                 out.events.push(event(
                     now,
                     EventKind::AllocationChanged {
@@ -560,10 +579,7 @@ fn follow_master_addr(
                         from_workers: status.world_size,
                         to_workers: status.world_size,
                     },
-                    format!(
-                        "job {}: rank 0's host now answers at {addr} (was {old}); restarting as generation {}",
-                        status.job, status.generation
-                    ),
+                    reason,
                 ));
                 status.master_addr = Some(addr);
             }
@@ -600,6 +616,7 @@ fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
         message: None,
         batch: None,
         end: None,
+        allocations: Vec::new(),
     }
 }
 
@@ -697,6 +714,18 @@ fn advance(
                 status.job
             ),
         ));
+        status.record_allocation(AllocationChange {
+            time: now,
+            generation: status.generation,
+            from_workers: status.world_size,
+            workers: 0,
+            hosts: 0,
+            cause: ChangeCause::HostLost,
+            reason: format!(
+                "job {}: host {host} stopped reporting; waiting to be placed again from its checkpoint",
+                status.job
+            ),
+        });
         status.phase = JobPhase::Pending;
         status.world_size = 0;
         status.placement.clear();
@@ -1000,6 +1029,7 @@ fn allocate(
             .get_mut(&s.job)
             .expect("active jobs have statuses");
         let from = status.world_size;
+        let moved = new_placement != status.placement;
         status.world_size = new_placement.len() as u32;
         status.placement = new_placement;
         status.ps_placement = new_shards;
@@ -1023,24 +1053,68 @@ fn allocate(
             status.phase = JobPhase::Restarting;
             status.message = None;
         }
+        let to = status.world_size;
+        let policy = settings.scheduler.name();
+        let (cause, reason) = match (rebatch, old_total) {
+            (Some(total), Some(old)) if from == to && !moved => (
+                ChangeCause::Batch,
+                format!(
+                    "job {}: batch {old} -> {total} samples per step with its first gradient statistics, {from} workers (generation {})",
+                    status.job, status.generation
+                ),
+            ),
+            _ => {
+                let cause = if to == 0 {
+                    ChangeCause::Preempted
+                } else if from == 0 {
+                    ChangeCause::Started
+                } else if to > from {
+                    ChangeCause::Grown
+                } else if to < from {
+                    ChangeCause::Shrunk
+                } else {
+                    ChangeCause::Moved
+                };
+                let why = match cause {
+                    ChangeCause::Preempted => {
+                        format!("preempted by the {policy} policy (its GPUs went to other jobs)")
+                    }
+                    ChangeCause::Moved => "placement moved its workers".to_string(),
+                    _ => format!("{} by the {policy} policy", cause.as_str()),
+                };
+                (
+                    cause,
+                    format!(
+                        "job {}: {from} -> {to} workers (generation {}): {why}",
+                        status.job, status.generation
+                    ),
+                )
+            }
+        };
+        let hosts = status
+            .placement
+            .iter()
+            .map(|p| &p.host)
+            .collect::<BTreeSet<_>>()
+            .len() as u32;
+        status.record_allocation(AllocationChange {
+            time: now,
+            generation: status.generation,
+            from_workers: from,
+            workers: to,
+            hosts,
+            cause,
+            reason: reason.clone(),
+        });
         out.events.push(event(
             now,
             EventKind::AllocationChanged {
                 job: status.job.clone(),
                 generation: status.generation,
                 from_workers: from,
-                to_workers: status.world_size,
+                to_workers: to,
             },
-            match (rebatch, old_total) {
-                (Some(total), Some(old)) if from == status.world_size => format!(
-                    "job {}: batch {old} -> {total} samples per step with its first gradient statistics, {from} workers (generation {})",
-                    status.job, status.generation
-                ),
-                _ => format!(
-                    "job {}: {from} -> {} workers (generation {})",
-                    status.job, status.world_size, status.generation
-                ),
-            },
+            reason,
         ));
     }
 }
@@ -1297,7 +1371,7 @@ fn plans(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use converge_common::{GpuSample, WorkerState};
+    use converge_common::{GpuSample, MAX_ALLOCATION_CHANGES, WorkerState};
 
     fn job(id: &str, min: u32, max: u32, submitted_at: f64) -> JobSpec {
         let mut spec = JobSpec::from_toml(&format!(
@@ -1430,6 +1504,19 @@ mod tests {
                 .all(|p| &p.workers[0].master_addr == master)
         );
         assert_eq!(plan1.workers[0].master_port, s.master_port.unwrap());
+        // The status keeps the change and why, for the dashboard's timeline.
+        let started = &s.allocations[..];
+        assert_eq!(started.len(), 1, "{started:?}");
+        assert_eq!(
+            (
+                started[0].cause,
+                started[0].generation,
+                started[0].from_workers
+            ),
+            (ChangeCause::Started, 1, 0)
+        );
+        assert_eq!((started[0].workers, started[0].hosts), (2, 2));
+        assert!(started[0].reason.contains("quality policy"), "{started:?}");
 
         // Rank 0 exits 0: the job completes and leaves every plan.
         let h = rank0_host.clone();
@@ -1491,6 +1578,59 @@ mod tests {
         assert_eq!(moved.master_addr.as_deref(), Some("10.0.0.99"));
         assert_ne!(moved.master_port, s.master_port);
         assert!(out.events.iter().any(|e| e.message.contains("10.0.0.99")));
+        let last = moved.allocations.last().unwrap();
+        assert_eq!(
+            (last.cause, last.generation),
+            (ChangeCause::Address, moved.generation)
+        );
+        assert_eq!(moved.allocations.len(), 2);
+    }
+
+    #[test]
+    fn a_lost_host_and_the_cap_show_in_the_allocation_history() {
+        let mut w = World::default();
+        w.specs
+            .insert(JobId::new("a").unwrap(), job("a", 1, 1, 1.0));
+        w.add_host(host("h1", 1, 10.0, vec![]));
+        w.add_host(host("h2", 1, 10.0, vec![]));
+        w.step(10.0, true);
+        let first = w.status("a").placement[0].host.clone();
+        let other = if first.as_str() == "h1" { "h2" } else { "h1" };
+        // The job's host goes silent past the host timeout; the other one stays live.
+        w.add_host(host(other, 1, 40.0, vec![]));
+        w.step(40.0, true);
+        let s = w.status("a");
+        assert_eq!(s.placement[0].host.as_str(), other);
+        // Taken off the lost host (generation 1 ends), then placed again (generation 2).
+        let causes: Vec<_> = s
+            .allocations
+            .iter()
+            .map(|c| (c.cause, c.generation, c.workers))
+            .collect();
+        assert_eq!(
+            causes,
+            [
+                (ChangeCause::Started, 1, 1),
+                (ChangeCause::HostLost, 1, 0),
+                (ChangeCause::Started, 2, 1)
+            ]
+        );
+        let lost = &s.allocations[1];
+        assert!(lost.reason.contains(first.as_str()), "{}", lost.reason);
+        let last = s.allocations.last().unwrap();
+
+        let mut s = s.clone();
+        for g in 0..(MAX_ALLOCATION_CHANGES as u64 + 5) {
+            s.record_allocation(AllocationChange {
+                generation: 100 + g,
+                ..last.clone()
+            });
+        }
+        assert_eq!(s.allocations.len(), MAX_ALLOCATION_CHANGES);
+        assert_eq!(
+            s.allocations.last().unwrap().generation,
+            100 + MAX_ALLOCATION_CHANGES as u64 + 4
+        );
     }
 
     #[test]
