@@ -203,6 +203,24 @@ impl Curve {
         }
     }
 
+    /// The curve of a job status ([`Curve::to_wire`]'s inverse); `None` for an unknown
+    /// family name or a parameter count that does not match it.
+    pub fn from_wire(wire: &FittedCurve) -> Option<Curve> {
+        let family = CurveFamily::ALL
+            .into_iter()
+            .find(|f| f.wire_name() == wire.family)?;
+        let expected = match family {
+            CurveFamily::InvQuadratic => 4,
+            CurveFamily::InvLinear | CurveFamily::Exp => 3,
+        };
+        (wire.params.len() == expected).then(|| Curve {
+            family,
+            params: wire.params.clone(),
+            rmse: wire.rmse,
+            points: wire.points,
+        })
+    }
+
     /// The curve as published in the job status.
     pub fn to_wire(&self) -> FittedCurve {
         FittedCurve {

@@ -32,6 +32,7 @@ pub mod fit_cache;
 pub mod goodput;
 pub mod history;
 pub mod makespan;
+pub mod outlook;
 pub mod placement;
 pub mod policies;
 pub mod ps_plan;
