@@ -57,6 +57,9 @@ pub enum Kind {
     Counter,
 }
 
+/// A sample's labels: names in order, values unescaped.
+pub type Labels = Vec<(&'static str, String)>;
+
 /// One metric family of a [`Snapshot`]: name, help, type and its samples.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Family {
@@ -64,7 +67,7 @@ pub struct Family {
     pub help: &'static str,
     pub kind: Kind,
     /// Label sets (names in order, values unescaped) and values.
-    pub samples: Vec<(Vec<(&'static str, String)>, f64)>,
+    pub samples: Vec<(Labels, f64)>,
 }
 
 impl Family {
@@ -85,12 +88,12 @@ impl Family {
     }
 
     /// Adds one sample.
-    pub fn push(&mut self, labels: Vec<(&'static str, String)>, value: f64) {
+    pub fn push(&mut self, labels: Labels, value: f64) {
         self.samples.push((labels, value));
     }
 
     /// Adds one sample when there is a value: a missing reading has no series, never 0.
-    pub fn push_some(&mut self, labels: Vec<(&'static str, String)>, value: Option<f64>) {
+    pub fn push_some(&mut self, labels: Labels, value: Option<f64>) {
         if let Some(v) = value {
             self.push(labels, v);
         }
@@ -142,8 +145,8 @@ fn write_value(out: &mut String, v: f64) {
 /// one process, as in the tests), the first sample of a repeated label set kept, families
 /// without samples left out.
 pub fn render_snapshots<'a>(owners: impl IntoIterator<Item = &'a Snapshot>) -> String {
-    let mut merged: BTreeMap<&'static str, (&Family, Vec<&(Vec<(&'static str, String)>, f64)>)> =
-        BTreeMap::new();
+    type Merged<'f> = (&'f Family, Vec<&'f (Labels, f64)>);
+    let mut merged: BTreeMap<&'static str, Merged<'a>> = BTreeMap::new();
     for snapshot in owners {
         for family in snapshot {
             let entry = merged.entry(family.name).or_insert((family, Vec::new()));
