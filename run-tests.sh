@@ -10,6 +10,30 @@ cd "$root"
 NATS_SERVER_BIN=$("$root/deploy/get-nats-server.sh")
 export NATS_SERVER_BIN
 "$NATS_SERVER_BIN" --version
+# The Python worker kit (python/) and the numpy example worker: a virtualenv in target/py
+# with the kit and a pinned numpy, reused until python/ changes; its unit tests run here,
+# tests/tests/python_worker.rs runs the worker through CONVERGE_PYTHON. Without python3 or
+# PyPI the Python tests are skipped, unless CONVERGE_REQUIRE_PYTHON=1 (then they fail).
+if [[ -z "${CONVERGE_PYTHON:-}" ]]; then
+    py="$root/target/py"
+    stamp="numpy==2.2.6 $(cat python/pyproject.toml python/converge_worker/*.py | sha256sum | cut -c1-16)"
+    if [[ "$(cat "$py/.converge-stamp" 2>/dev/null)" != "$stamp" ]]; then
+        rm -rf "$py"
+        if python3 -m venv "$py" && "$py/bin/pip" install -q --disable-pip-version-check \
+            ./python "numpy==2.2.6"; then
+            echo "$stamp" >"$py/.converge-stamp"
+        else
+            echo "run-tests.sh: no Python test environment in $py; Python worker tests skipped" >&2
+            rm -rf "$py"
+        fi
+    fi
+    if [[ -x "$py/bin/python" ]]; then
+        export CONVERGE_PYTHON="$py/bin/python"
+    fi
+fi
+if [[ -n "${CONVERGE_PYTHON:-}" ]]; then
+    "$CONVERGE_PYTHON" -m unittest discover -s python/tests
+fi
 cargo build --workspace --bins --locked
 # The decision core stays pure: no async runtime, NATS client, logging, CSV or plotting crate
 # anywhere in converge-sched's dependency tree (ARCHITECTURE.md).
