@@ -4,6 +4,7 @@
 
 pub mod gpu;
 pub mod host;
+pub mod metrics;
 pub mod reconcile;
 pub mod supervisor;
 
@@ -85,6 +86,13 @@ pub struct AgentConfig {
     /// restart shorter than this leaves workers running. `0s` turns it off.
     #[arg(long, env = "CONVERGE_FENCE_AFTER", default_value = "10s", value_parser = humantime_duration)]
     pub fence_after: Duration,
+    /// Serve Prometheus metrics at `http://<addr>/metrics` (e.g. `0.0.0.0:9465`): the GPUs
+    /// under dcgm-exporter's names (`DCGM_FI_DEV_*`), the NICs under node_exporter's
+    /// (`node_network_*`), workers by phase, restarts, fencing, malformed progress lines,
+    /// heartbeat failures and the process's CPU and memory; refreshed with every telemetry
+    /// sample. Off when unset.
+    #[arg(long, env = "CONVERGE_METRICS_ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
     /// Print one telemetry sample (GPUs, NICs over one second, CPU, memory) as JSON and
     /// exit, without connecting to NATS: checks the GPU source on a new node.
     #[arg(long)]
@@ -128,6 +136,13 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
         return Ok(());
     }
     tracing::info!(%host, %addr, gpus = gpus.count(), source = gpus.kind(), "agent starting");
+    let mut agent_metrics = match cfg.metrics_addr {
+        Some(a) => {
+            converge_bus::metrics::serve(a, shutdown.clone()).await?;
+            Some(metrics::AgentMetrics::new(host.as_str()).map_err(anyhow::Error::msg)?)
+        }
+        None => None,
+    };
 
     // A secured server lets an agent open the buckets but not create or change them.
     let bus = Bus::connect(
@@ -270,6 +285,12 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
                 sup.set_plan(Vec::new());
                 sup.reconcile();
                 dirty = true;
+            }
+            if let Some(m) = agent_metrics.as_mut() {
+                if !stored {
+                    m.heartbeat_failed();
+                }
+                m.update(&telemetry, fenced);
             }
         }
     }

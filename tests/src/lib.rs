@@ -298,6 +298,7 @@ pub fn agent_config(
         backoff_base: Duration::from_millis(200),
         backoff_cap: Duration::from_secs(2),
         fence_after: Duration::from_secs(10),
+        metrics_addr: None,
         probe: false,
     }
 }
