@@ -174,6 +174,8 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         converge_bus::metrics::serve(addr, shutdown.clone()).await?;
     }
     describe_metrics();
+    // Per-job series, rebuilt after every step (only the leader's are exported).
+    let job_series = converge_bus::metrics::SnapshotGuard(format!("allocator/{}", cfg.replica_id));
     // The allocator owns the buckets and the stream: it creates and updates them.
     let bus = Bus::connect(
         &cfg.nats,
@@ -289,6 +291,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             // Followers keep their view current and wait; a leader whose lease ran out
             // stops writing until it renews.
             leading = false;
+            converge_bus::metrics::remove_snapshot(&job_series.0);
             continue;
         }
         let now = unix_now();
@@ -332,6 +335,8 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         metrics::gauge!("converge_allocator_hosts_live").set(last_live.len() as f64);
         metrics::gauge!("converge_allocator_refused_messages").set(rejects.total() as f64);
         record_job_phases(&outcome.statuses);
+        record_changes(&outcome.events, &outcome.statuses);
+        converge_bus::metrics::set_snapshot(&job_series.0, job_families(&outcome.statuses));
         if run_policy {
             tracing::debug!(?decision_time, jobs = outcome.statuses.len(), "policy step");
         }
@@ -394,6 +399,14 @@ fn describe_metrics() {
         "Hosts whose heartbeat is younger than the host timeout"
     );
     describe_gauge!("converge_allocator_jobs", "Jobs by phase");
+    describe_counter!(
+        "converge_allocator_allocation_changes_total",
+        "Allocation changes decided (new generations and preemptions), by cause: started, grown, shrunk, preempted, moved, host_lost, batch, address"
+    );
+    describe_counter!(
+        "converge_allocator_jobs_finished_total",
+        "Jobs that reached a final phase, by phase"
+    );
     describe_gauge!(
         "converge_allocator_refused_messages",
         "Messages refused since start (malformed, wrong version, invalid, too large)"
@@ -419,6 +432,87 @@ fn record_job_phases(statuses: &BTreeMap<JobId, JobStatus>) {
     for (phase, n) in counts {
         metrics::gauge!("converge_allocator_jobs", "phase" => phase).set(n as f64);
     }
+}
+
+/// Counts the step's allocation changes by cause (the status's record of the change; from
+/// the worker counts when the record is missing) and its finished jobs by phase.
+fn record_changes(events: &[Event], statuses: &BTreeMap<JobId, JobStatus>) {
+    for e in events {
+        match &e.kind {
+            EventKind::AllocationChanged {
+                job,
+                generation,
+                from_workers,
+                to_workers,
+            } => {
+                let recorded = statuses.get(job).and_then(|s| {
+                    s.allocations
+                        .iter()
+                        .rev()
+                        .find(|a| a.generation == *generation)
+                        .map(|a| a.cause.as_str())
+                });
+                let cause = recorded.unwrap_or(match (*from_workers, *to_workers) {
+                    (0, _) => "started",
+                    (_, 0) => "preempted",
+                    (f, t) if t > f => "grown",
+                    (f, t) if t < f => "shrunk",
+                    _ => "moved",
+                });
+                metrics::counter!("converge_allocator_allocation_changes_total", "cause" => cause)
+                    .increment(1);
+            }
+            EventKind::JobFinished { phase, .. } => {
+                metrics::counter!("converge_allocator_jobs_finished_total", "phase" => phase.as_str())
+                    .increment(1);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Per-job series of the jobs still pending, restarting or running, label `job` only:
+/// a finished job (or a deleted one) has no series from the next step on, so the number of
+/// series follows the number of active jobs, not every job ever submitted. Missing figures
+/// (no loss reported yet, no fitted curve) have no series.
+fn job_families(statuses: &BTreeMap<JobId, JobStatus>) -> converge_bus::metrics::Snapshot {
+    use converge_bus::metrics::Family;
+    use converge_common::JobPhase;
+    let mut loss = Family::gauge(
+        "converge_job_loss",
+        "Latest training loss rank 0 reported, per active job",
+    );
+    let mut predicted = Family::gauge(
+        "converge_job_predicted_loss",
+        "Loss the fitted curve predicts one horizon ahead at the current allocation",
+    );
+    let mut workers = Family::gauge(
+        "converge_job_workers",
+        "Workers of the job's current generation (0 while pending)",
+    );
+    let mut throughput = Family::gauge(
+        "converge_job_samples_per_second",
+        "Observed throughput of the current allocation, samples per second",
+    );
+    let mut generation = Family::gauge(
+        "converge_job_generation",
+        "The job's current generation (+1 on every allocation change)",
+    );
+    for s in statuses.values() {
+        if !matches!(
+            s.phase,
+            JobPhase::Pending | JobPhase::Restarting | JobPhase::Running
+        ) {
+            continue;
+        }
+        let job = || vec![("job", s.job.to_string())];
+        loss.push_some(job(), s.loss);
+        predicted.push_some(job(), s.predicted_loss);
+        workers.push(job(), f64::from(s.world_size));
+        throughput.push_some(job(), s.samples_per_s);
+        generation.push(job(), s.generation as f64);
+    }
+    vec![loss, predicted, workers, throughput, generation]
 }
 
 /// Applies one update to the view and says what it makes due.
@@ -745,5 +839,63 @@ async fn follow_progress_once(
             tx.send(Input::ProgressCaughtUp).await?;
             *caught_up = true;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_common::JobPhase;
+
+    fn status(job: &str, phase: JobPhase, loss: Option<f64>) -> JobStatus {
+        let mut s: JobStatus = serde_json::from_value(serde_json::json!({
+            "job": job, "phase": "pending", "generation": 3, "world_size": 2,
+            "placement": [], "step": 10, "samples": 100, "submitted_at": 1.0, "updated_at": 2.0
+        }))
+        .unwrap();
+        s.phase = phase;
+        s.loss = loss;
+        s
+    }
+
+    #[test]
+    fn only_active_jobs_carry_series_and_missing_figures_have_none() {
+        let mut statuses: BTreeMap<JobId, JobStatus> = BTreeMap::new();
+        for (id, phase, loss) in [
+            ("run", JobPhase::Running, Some(0.5)),
+            ("wait", JobPhase::Pending, None),
+            ("done", JobPhase::Completed, Some(0.1)),
+            ("bad", JobPhase::Failed, Some(0.2)),
+            ("gone", JobPhase::Cancelled, Some(0.3)),
+        ] {
+            statuses.insert(id.parse().unwrap(), status(id, phase, loss));
+        }
+        statuses
+            .get_mut(&"run".parse().unwrap())
+            .unwrap()
+            .predicted_loss = Some(0.4);
+        statuses
+            .get_mut(&"run".parse().unwrap())
+            .unwrap()
+            .samples_per_s = Some(250.0);
+        let text = converge_bus::metrics::render_snapshots([&job_families(&statuses)]);
+        for line in [
+            r#"converge_job_loss{job="run"} 0.5"#,
+            r#"converge_job_predicted_loss{job="run"} 0.4"#,
+            r#"converge_job_samples_per_second{job="run"} 250"#,
+            r#"converge_job_workers{job="run"} 2"#,
+            r#"converge_job_workers{job="wait"} 2"#,
+            r#"converge_job_generation{job="run"} 3"#,
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line}:\n{text}");
+        }
+        assert!(!text.contains(r#"converge_job_loss{job="wait"}"#), "{text}");
+        for finished in ["done", "bad", "gone"] {
+            assert!(!text.contains(&format!("job=\"{finished}\"")), "{text}");
+        }
+        // The job finishes: its series are gone from the next snapshot.
+        statuses.get_mut(&"run".parse().unwrap()).unwrap().phase = JobPhase::Completed;
+        let text = converge_bus::metrics::render_snapshots([&job_families(&statuses)]);
+        assert!(!text.contains(r#"job="run""#), "{text}");
     }
 }
