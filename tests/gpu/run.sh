@@ -1,0 +1,322 @@
+#!/usr/bin/env bash
+# GPU check for a real GPU host (NVIDIA driver, nvidia-smi, python3 with a CUDA torch).
+#
+# Uses PREBUILT RELEASE BINARIES ONLY: target/release/{converge-agent,converge-allocator,
+# converge} (cargo build --release --locked -p converge-agent -p converge-allocator
+# -p converge-cli, on a machine with crates.io, then copy the repository over) and the
+# nats-server of deploy/get-nats-server.sh (.tools/nats-server-*/nats-server, or
+# $NATS_SERVER_BIN). It builds and downloads nothing: GPU hosts often have no registry
+# access. python3 must already have torch (CUDA) and the converge-worker kit
+# (pip install ./python) for examples/pytorch/ddp_mnist.toml.
+#
+# What it checks, and writes to OUT/summary.md (OUT: --out DIR, else $OUT, else
+# ./gpu-check-<time>):
+#   a) NVML through the agent (`converge-agent --probe`) against
+#      `nvidia-smi --query-gpu=index,uuid,name,utilization.gpu,memory.used,memory.total,power.draw,clocks.sm`,
+#      idle and under load (a PyTorch matmul loop on every GPU, --load-seconds, 20 s),
+#      within tolerances (below);
+#   b) a one-agent cluster (nats-server, converge-allocator, converge-agent on NVML, all
+#      with --metrics-addr) running examples/pytorch/ddp_mnist.toml and
+#      examples/pytorch/plain_mnist.toml to completion (--job-timeout, 1800 s), the agent's
+#      /metrics (DCGM_FI_DEV_*) compared with nvidia-smi once while they run;
+#   c) the agent's CPU (% of one core) and RSS over that run, from /proc every 5 s.
+# Exit status 0 only when every check passed. --skip-jobs runs a) only.
+#
+# Tolerances (readings are taken within about a second of each other, and utilization is
+# averaged over different windows by the two tools): uuid, name and GPU count equal;
+# memory.total within 2 %; memory.used within max(256 MiB, 10 %); utilization within
+# 25 points (and at least 50 % on both under load); power within max(15 W, 15 %); SM clock
+# within max(150 MHz, 20 %).
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+out="${OUT:-}"
+load_s=20
+job_timeout=1800
+skip_jobs=0
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --out) out="$2"; shift 2 ;;
+        --load-seconds) load_s="$2"; shift 2 ;;
+        --job-timeout) job_timeout="$2"; shift 2 ;;
+        --skip-jobs) skip_jobs=1; shift ;;
+        -h | --help) sed -n '2,31p' "$0"; exit 0 ;;
+        *) echo "tests/gpu/run.sh: unknown argument $1 (--help)" >&2; exit 2 ;;
+    esac
+done
+[[ -n "$out" ]] || out="$PWD/gpu-check-$(date +%Y%m%d-%H%M%S)"
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+
+fail() { echo "tests/gpu/run.sh: $*" >&2; echo "**FAILED**: $*" >>"$out/summary.md"; exit 1; }
+log() { printf '==> %s\n' "$*" >&2; }
+
+: >"$out/summary.md"
+{
+    echo "# GPU check ($(date -u +%Y-%m-%dT%H:%M:%SZ), $(hostname))"
+    echo
+    echo "Prebuilt release binaries from \`target/release\` (commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown))."
+    echo
+} >>"$out/summary.md"
+
+# --- Prerequisites: say exactly what is missing. ---
+command -v nvidia-smi >/dev/null || fail "nvidia-smi not found: this check needs an NVIDIA GPU host with the driver installed"
+nvidia-smi -L >"$out/nvidia-smi-L.txt" 2>&1 || fail "nvidia-smi -L failed (no GPU or driver not loaded): $(head -n 3 "$out/nvidia-smi-L.txt")"
+ldconfig -p 2>/dev/null | grep -q 'libnvidia-ml.so.1' \
+    || [[ -e /usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1 ]] \
+    || log "warning: libnvidia-ml.so.1 not in the linker cache; the agent may not load NVML"
+for b in converge-agent converge-allocator converge; do
+    [[ -x "$root/target/release/$b" ]] \
+        || fail "target/release/$b missing: build it elsewhere (cargo build --release --locked -p converge-agent -p converge-allocator -p converge-cli) and copy it here"
+done
+agent_bin="$root/target/release/converge-agent"
+allocator_bin="$root/target/release/converge-allocator"
+cli_bin="$root/target/release/converge"
+nats_bin="${NATS_SERVER_BIN:-$(ls "$root"/.tools/nats-server-*/nats-server 2>/dev/null | head -n1 || true)}"
+command -v python3 >/dev/null || fail "python3 not found"
+python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>"$out/torch.err" \
+    || fail "python3 has no CUDA torch ($(tail -n1 "$out/torch.err")): needed for the load and the jobs"
+log "GPUs: $(nvidia-smi -L | wc -l); torch $(python3 -c 'import torch; print(torch.__version__)')"
+
+smi_query() {
+    nvidia-smi --query-gpu=index,uuid,name,utilization.gpu,memory.used,memory.total,power.draw,clocks.sm \
+        --format=csv,noheader,nounits
+}
+
+# Compares one probe JSON (HostTelemetry) or one /metrics page with one nvidia-smi CSV.
+# Args: kind (probe|metrics) file smi-file phase (idle|load|jobs). Appends a table to the
+# summary; exits 1 on a reading out of tolerance.
+compare() {
+    python3 - "$@" >>"$out/summary.md" <<'PY'
+import json, re, sys
+kind, path, smi_path, phase = sys.argv[1:5]
+MIB = 1024 * 1024
+def num(v):
+    v = v.strip()
+    try:
+        return float(v)
+    except ValueError:
+        return None  # [N/A], [Not Supported]
+smi = {}
+for line in open(smi_path):
+    f = [x.strip() for x in line.split(",")]
+    if len(f) < 8:
+        continue
+    smi[int(f[0])] = dict(uuid=f[1], name=f[2], util=num(f[3]), used=num(f[4]),
+                          total=num(f[5]), power=num(f[6]), clock=num(f[7]))
+agent = {}
+if kind == "probe":
+    t = json.load(open(path))
+    if t.get("gpu_source") != "nvml":
+        print(f"\n**FAILED**: the agent's GPU source is {t.get('gpu_source')!r}, not nvml")
+        sys.exit(1)
+    for g in t["gpus"]:
+        agent[g["index"]] = dict(uuid=g["uuid"], name=g["name"], util=g["utilization_pct"],
+                                 used=g["memory_used_bytes"] / MIB, total=g["memory_total_bytes"] / MIB,
+                                 power=None if g.get("power_mw") is None else g["power_mw"] / 1000,
+                                 clock=g.get("sm_clock_mhz"))
+else:
+    pat = re.compile(r'^(DCGM_FI_DEV_\w+)\{([^}]*)\} (\S+)$')
+    for line in open(path):
+        m = pat.match(line.strip())
+        if not m:
+            continue
+        labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2)))
+        g = agent.setdefault(int(labels["gpu"]), dict(uuid=labels["UUID"], name=labels["modelName"],
+                                                      util=None, used=None, total=None, power=None, clock=None))
+        v = float(m.group(3))
+        if m.group(1) == "DCGM_FI_DEV_GPU_UTIL": g["util"] = v
+        if m.group(1) == "DCGM_FI_DEV_FB_USED": g["used"] = v; g["total"] = (g["total"] or 0) + v
+        if m.group(1) == "DCGM_FI_DEV_FB_FREE": g["total"] = (g["total"] or 0) + v
+        if m.group(1) == "DCGM_FI_DEV_POWER_USAGE": g["power"] = v
+        if m.group(1) == "DCGM_FI_DEV_SM_CLOCK": g["clock"] = v
+bad = []
+if sorted(agent) != sorted(smi):
+    bad.append(f"GPU indices differ: agent {sorted(agent)}, nvidia-smi {sorted(smi)}")
+print(f"\n### {kind} vs nvidia-smi, {phase}\n")
+print("| gpu | reading | agent | nvidia-smi | tolerance | ok |\n|---|---|---|---|---|---|")
+def check(i, what, a, s, tol):
+    if a is None and s is None:
+        ok = True
+    elif a is None or s is None:
+        ok = False  # one tool has a reading the other lacks
+    else:
+        ok = abs(a - s) <= tol
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    print(f"| {i} | {what} | {fmt(a)} | {fmt(s)} | ±{tol:.0f} | {'yes' if ok else '**no**'} |")
+    if not ok:
+        bad.append(f"gpu {i} {what}: agent {a}, nvidia-smi {s}, tolerance {tol:.0f}")
+for i in sorted(set(agent) & set(smi)):
+    a, s = agent[i], smi[i]
+    if a["uuid"] != s["uuid"]: bad.append(f"gpu {i} uuid: {a['uuid']} vs {s['uuid']}")
+    if a["name"] != s["name"]: bad.append(f"gpu {i} name: {a['name']} vs {s['name']}")
+    check(i, "memory total (MiB)", a["total"], s["total"], 0.02 * (s["total"] or 0))
+    check(i, "memory used (MiB)", a["used"], s["used"], max(256, 0.10 * (s["used"] or 0)))
+    check(i, "utilization (%)", a["util"], s["util"], 25)
+    check(i, "power (W)", a["power"], s["power"], max(15, 0.15 * (s["power"] or 0)))
+    check(i, "SM clock (MHz)", a["clock"], s["clock"], max(150, 0.20 * (s["clock"] or 0)))
+    if phase == "load" and not ((a["util"] or 0) >= 50 and (s["util"] or 0) >= 50):
+        bad.append(f"gpu {i} under load: utilization agent {a['util']}, nvidia-smi {s['util']} (expected >= 50)")
+if bad:
+    print("\n**FAILED**:\n" + "\n".join(f"- {b}" for b in bad))
+    sys.exit(1)
+print("\nAll within tolerance.")
+PY
+}
+
+# One paired reading: the probe sleeps 1 s between its two samples; nvidia-smi runs meanwhile.
+probe_pair() {
+    local tag="$1"
+    "$agent_bin" --probe --nats-url nats://127.0.0.1:1 >"$out/probe-$tag.json" 2>"$out/probe-$tag.err" &
+    local p=$!
+    sleep 0.6
+    smi_query >"$out/smi-$tag.csv"
+    wait "$p" || fail "converge-agent --probe failed (NVML not loadable?): $(tail -n 3 "$out/probe-$tag.err")"
+}
+
+# --- a) idle and under load ---
+log "a) NVML through the agent vs nvidia-smi, idle"
+echo "## a) NVML readings (converge-agent --probe) vs nvidia-smi" >>"$out/summary.md"
+probe_pair idle
+status=0
+compare probe "$out/probe-idle.json" "$out/smi-idle.csv" idle || status=1
+
+log "a) under load: matmul loop on every GPU for ${load_s} s"
+python3 - "$load_s" >"$out/load.log" 2>&1 <<'PY' &
+import sys, time, torch
+end = time.time() + float(sys.argv[1])
+devs = [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())]
+mats = [(torch.randn(8192, 8192, device=d), torch.randn(8192, 8192, device=d)) for d in devs]
+n = 0
+while time.time() < end:
+    for a, b in mats:
+        a @ b
+    n += 1
+    if n % 10 == 0:
+        for d in devs:
+            torch.cuda.synchronize(d)
+print(f"{n} rounds of {len(devs)} 8192x8192 matmuls")
+PY
+load_pid=$!
+sleep "$(( load_s / 2 > 5 ? load_s / 2 : 5 ))"
+kill -0 "$load_pid" 2>/dev/null || fail "the load did not run: $(tail -n 5 "$out/load.log")"
+probe_pair load
+compare probe "$out/probe-load.json" "$out/smi-load.csv" load || status=1
+wait "$load_pid" || fail "the load failed: $(tail -n 5 "$out/load.log")"
+
+if [[ "$skip_jobs" == 1 ]]; then
+    [[ $status == 0 ]] || fail "readings out of tolerance (tables above)"
+    echo "PASSED (jobs skipped)" >>"$out/summary.md"
+    log "passed; summary in $out/summary.md"
+    exit 0
+fi
+
+# --- b) one-agent cluster with two PyTorch jobs ---
+[[ -n "$nats_bin" && -x "$nats_bin" ]] \
+    || fail "no nats-server: run deploy/get-nats-server.sh on a machine with PyPI and copy .tools/ here, or set NATS_SERVER_BIN"
+python3 -c 'import converge_worker' 2>/dev/null \
+    || fail "python3 lacks the converge-worker kit (pip install ./python), needed by examples/pytorch/ddp_mnist.py"
+for spec in examples/pytorch/ddp_mnist.toml examples/pytorch/plain_mnist.toml; do
+    [[ -f "$root/$spec" ]] || fail "$spec missing"
+done
+work="$out/cluster"
+mkdir -p "$work/nats/ports"
+pids=()
+cleanup() {
+    for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
+    for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+"$nats_bin" -a 127.0.0.1 -p -1 -js -sd "$work/nats/js" --ports_file_dir "$work/nats/ports" >"$work/nats.log" 2>&1 &
+pids+=($!)
+for _ in $(seq 100); do ls "$work"/nats/ports/*.ports >/dev/null 2>&1 && break; sleep 0.1; done
+ports=$(ls "$work"/nats/ports/*.ports 2>/dev/null | head -n1) || true
+[[ -n "$ports" ]] || fail "nats-server did not start (cluster/nats.log)"
+export CONVERGE_NATS_URL
+CONVERGE_NATS_URL=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["nats"][0])' "$ports")
+alloc_port=$(free_port)
+agent_port=$(free_port)
+"$allocator_bin" --scheduling-interval 10s --restart-cost 30s --metrics-addr "127.0.0.1:$alloc_port" \
+    >"$work/allocator.log" 2>&1 &
+pids+=($!)
+# The jobs' commands are relative to the repository: the agent runs there.
+(cd "$root" && exec "$agent_bin" --host-id gpu-check --advertise-addr 127.0.0.1 \
+    --metrics-addr "127.0.0.1:$agent_port" --log-dir "$work/logs" \
+    --checkpoint-root "$work/checkpoints" --stop-grace 30s) >"$work/agent.log" 2>&1 &
+agent_pid=$!
+pids+=("$agent_pid")
+for _ in $(seq 100); do
+    "$cli_bin" hosts 2>/dev/null | grep -q gpu-check && break
+    kill -0 "$agent_pid" 2>/dev/null || fail "the agent exited: $(tail -n 5 "$work/agent.log")"
+    sleep 0.2
+done
+log "b) cluster up (NATS $CONVERGE_NATS_URL, agent metrics :$agent_port, allocator metrics :$alloc_port)"
+for spec in examples/pytorch/ddp_mnist.toml examples/pytorch/plain_mnist.toml; do
+    "$cli_bin" submit "$root/$spec" >>"$work/submit.log" 2>&1 || fail "submit $spec failed: $(tail -n 3 "$work/submit.log")"
+done
+
+# c) the agent's CPU and RSS every 5 s, from /proc (clock ticks of utime + stime).
+hz=$(getconf CLK_TCK)
+echo "t_s,cpu_ticks,rss_kib" >"$work/agent-usage.csv"
+started=$(date +%s)
+compared=0
+phase_of() {  # phase of job $1 from `converge --json jobs --all`
+    "$cli_bin" --json jobs --all 2>/dev/null | python3 -c '
+import json, sys
+want = sys.argv[1]
+def walk(v):
+    if isinstance(v, dict):
+        if want in (v.get("job"), v.get("id")) and "phase" in v:
+            print(v["phase"]); sys.exit(0)
+        for x in v.values(): walk(x)
+    elif isinstance(v, list):
+        for x in v: walk(x)
+walk(json.load(sys.stdin))' "$1" || true
+}
+while :; do
+    now=$(( $(date +%s) - started ))
+    stat=$(cat "/proc/$agent_pid/stat" 2>/dev/null) || fail "the agent exited during the jobs: $(tail -n 5 "$work/agent.log")"
+    ticks=$(awk '{ sub(/^.*\) /, ""); print $12 + $13 }' <<<"$stat")
+    rss=$(awk '/^VmRSS:/ { print $2 }' "/proc/$agent_pid/status")
+    echo "$now,$ticks,$rss" >>"$work/agent-usage.csv"
+    ddp=$(phase_of ddp-mnist); plain=$(phase_of plain-mnist)
+    if [[ $compared == 0 && ( "$ddp" == running || "$plain" == running ) && $now -ge 30 ]]; then
+        curl -fsS "http://127.0.0.1:$agent_port/metrics" >"$out/metrics-jobs.txt" 2>/dev/null \
+            || python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())' \
+                "http://127.0.0.1:$agent_port/metrics" >"$out/metrics-jobs.txt"
+        smi_query >"$out/smi-jobs.csv"
+        echo "## b) the agent's /metrics vs nvidia-smi while the jobs run" >>"$out/summary.md"
+        compare metrics "$out/metrics-jobs.txt" "$out/smi-jobs.csv" jobs || status=1
+        compared=1
+    fi
+    case "$ddp/$plain" in
+        completed/completed) break ;;
+        failed/* | */failed | cancelled/* | */cancelled)
+            "$cli_bin" jobs --all >"$work/jobs.txt" 2>&1 || true
+            fail "a job did not complete (ddp-mnist: $ddp, plain-mnist: $plain); see $work/logs and cluster/jobs.txt" ;;
+    esac
+    [[ $now -lt $job_timeout ]] || fail "jobs not complete after ${job_timeout}s (ddp-mnist: $ddp, plain-mnist: $plain)"
+    sleep 5
+done
+"$cli_bin" jobs --all >"$work/jobs.txt" 2>&1 || true
+[[ $compared == 1 ]] || echo "(the jobs ended before a /metrics comparison was due)" >>"$out/summary.md"
+{
+    echo
+    echo "## b) jobs"
+    echo
+    echo '```'
+    cat "$work/jobs.txt"
+    echo '```'
+    echo
+    echo "## c) the agent's footprint over the run (/proc every 5 s)"
+    echo
+    awk -F, -v hz="$hz" 'NR == 2 { t0 = $1; c0 = $2 } NR > 1 { t = $1; c = $2; if ($3 > max) max = $3; sum += $3; n++ }
+        END { if (t > t0) printf "- CPU: %.2f %% of one core on average over %d s\n", 100 * (c - c0) / hz / (t - t0), t - t0;
+              printf "- RSS: %.1f MiB at most, %.1f MiB on average (%d samples)\n", max / 1024, sum / n / 1024, n }' \
+        "$work/agent-usage.csv"
+    echo
+} >>"$out/summary.md"
+[[ $status == 0 ]] || fail "readings out of tolerance (tables above)"
+echo "PASSED" >>"$out/summary.md"
+log "passed; summary in $out/summary.md"
