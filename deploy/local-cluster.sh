@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs a whole Converge cluster on this machine: NATS with JetStream, the allocator, three
 # agents with 4 fake GPUs each, and six real training jobs (four datasets, one through a parameter server) submitted over
-# time; shows a live view of the jobs and stops everything cleanly on Ctrl-C, once every
-# job has finished, or after --duration seconds.
+# time; serves the web dashboard (its URL is printed), shows a live view of the jobs in the
+# terminal and stops everything cleanly on Ctrl-C, once every job has finished, or after
+# --duration seconds.
 #
 #   ./deploy/local-cluster.sh [--duration SECONDS] [--summary FILE] [--jobs "SPEC..."] [--agents N]
-#                             [--allocator-arg ARG]... [--until-done N] [--keep] [--debug]
+#                             [--allocator-arg ARG]... [--until-done N] [--dashboard ADDR]
+#                             [--keep] [--debug]
 #
 # Needs: Rust (cargo) and python3 with pip (to fetch the pinned nats-server). Builds in
 # release mode first. Logs and checkpoints live in a temporary directory, removed at the
@@ -13,7 +15,7 @@
 set -euo pipefail
 
 usage() {
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
     cat <<'HELP'
 Options:
   --duration SECONDS   stop after this long even if jobs are still running (default 300)
@@ -29,6 +31,8 @@ Options:
                        --allocator-arg --policy --allocator-arg fair
   --until-done N       stop once N jobs exist and all have finished (default: the number of
                        specs; give the trial count when a spec is a sweep file)
+  --dashboard ADDR     serve `converge dashboard` on ADDR (default 127.0.0.1:8080; a port
+                       in use falls back to a free one; `off` for none)
   --keep               keep the working directory (logs, checkpoints) and print its path
   --debug              build and run debug binaries instead of release
   -h, --help           this text
@@ -46,6 +50,7 @@ spacing=15
 agents=3
 allocator_args=()
 until_done=""
+dashboard=127.0.0.1:8080
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --duration) duration="$2"; shift 2 ;;
@@ -57,6 +62,7 @@ while [[ $# -gt 0 ]]; do
         --agents) agents="$2"; shift 2 ;;
         --allocator-arg) allocator_args+=("$2"); shift 2 ;;
         --until-done) until_done="$2"; shift 2 ;;
+        --dashboard) dashboard="$2"; shift 2 ;;
         --keep) keep=1; shift ;;
         --debug) profile=debug; shift ;;
         -h|--help) usage; exit 0 ;;
@@ -98,6 +104,7 @@ cleanup() {
     echo
     echo "==> stopping"
     [[ -n "$submitter" ]] && kill "$submitter" 2>/dev/null || true
+    [[ -n "${dashboard_pid:-}" ]] && { kill -TERM "$dashboard_pid" 2>/dev/null || true; wait "$dashboard_pid" 2>/dev/null || true; }
     # Agents first: they stop their workers (SIGTERM, checkpoint, exit).
     for pid in "${agent_pids[@]:-}"; do [[ -n "$pid" ]] && kill -TERM "$pid" 2>/dev/null || true; done
     for pid in "${agent_pids[@]:-}"; do [[ -n "$pid" ]] && wait "$pid" 2>/dev/null || true; done
@@ -140,6 +147,27 @@ for i in $(seq "$agents"); do
     agent_pids+=("$!")
 done
 echo "==> $agents agents x 4 fake GPUs; worker logs in $work/logs"
+
+# The dashboard: on the address asked for, else (port in use) on a free one.
+start_dashboard() {
+    setsid converge dashboard --listen "$1" >"$work/dashboard.out" 2>"$work/dashboard.log" &
+    dashboard_pid=$!
+    for _ in $(seq 50); do
+        url=$(sed -n 's/^dashboard: //p' "$work/dashboard.out")
+        [[ -n "$url" ]] && return 0
+        kill -0 "$dashboard_pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    dashboard_pid=""
+    return 1
+}
+if [[ "$dashboard" != off ]]; then
+    if start_dashboard "$dashboard" || start_dashboard 127.0.0.1:0; then
+        echo "==> dashboard: $url"
+    else
+        echo "==> the dashboard did not start; see $work/dashboard.log" >&2
+    fi
+fi
 
 # Jobs arrive over time: (seconds after the previous submission, spec).
 if [[ -n "$job_list" ]]; then

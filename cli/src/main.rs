@@ -1,6 +1,8 @@
 //! `converge`: the operator and user command line. Submits and cancels jobs, lists jobs and
-//! hosts, streams events, and runs the live monitor the local cluster uses.
+//! hosts, streams events, runs the live monitor the local cluster uses, and serves the web
+//! dashboard.
 
+mod dashboard;
 mod monitor;
 mod sweeps;
 mod tables;
@@ -46,6 +48,24 @@ enum Command {
         /// more is refused (never truncated), with its number of trials.
         #[arg(long, default_value_t = sweep::DEFAULT_MAX_TRIALS)]
         max_trials: usize,
+    },
+    /// Serve the web dashboard: hosts (GPUs, utilization, memory, NICs, lost hosts), jobs
+    /// (state, placement, generation, batch, throughput), each job's loss curve with the
+    /// fitted curve, the prediction ahead and its band, the allocation timeline with the
+    /// allocator's reasons, and the queue with estimated starts; updated live. Read-only: it
+    /// only reads NATS, with the credentials given, and serves GET requests. Prints
+    /// `dashboard: http://ADDR/` once listening; runs until Ctrl-C.
+    Dashboard {
+        /// Address to serve on (`127.0.0.1:0` picks a free port). Keep it on loopback or
+        /// behind your proxy: the page has no login of its own.
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+        /// Telemetry older than this marks a host lost; use the allocator's --host-timeout.
+        #[arg(long, default_value = "15s", value_parser = converge_bus::humantime_duration)]
+        host_timeout: Duration,
+        /// Ended jobs shown, most recent first.
+        #[arg(long, default_value_t = 50)]
+        max_ended: usize,
     },
     /// List jobs: phase (with how a completed job ended), workers, generation, progress,
     /// loss and the predicted loss.
@@ -341,6 +361,21 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     );
                 }
             }
+        }
+        Command::Dashboard {
+            listen,
+            host_timeout,
+            max_ended,
+        } => {
+            dashboard::run(
+                &bus,
+                dashboard::Options {
+                    listen,
+                    host_timeout,
+                    max_ended,
+                },
+            )
+            .await?;
         }
         Command::Monitor {
             interval,

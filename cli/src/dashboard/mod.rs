@@ -1,0 +1,390 @@
+//! `converge dashboard`: a read-only web page of the cluster, served by the CLI.
+//!
+//! It follows the same NATS state as `converge jobs` and `converge hosts` (KV
+//! `converge-jobs`, `converge-job-status`, `converge-hosts`) plus the progress stream (rank
+//! 0's loss reports, for the curves), keeps the latest picture in memory ([`view::Model`]),
+//! and serves:
+//!
+//! | path | what |
+//! |---|---|
+//! | `GET /` | the page (HTML, script and style embedded in the binary: no CDN) |
+//! | `GET /api/state` | the picture as JSON ([`view::State`]) |
+//! | `GET /api/events` | server-sent events: one `state` event (the same JSON) at connect and after every change, at most one per [`REBUILD_EVERY`] |
+//!
+//! Every other path answers 404 and every other method 405: nothing can be written through
+//! the dashboard. It runs apart from the allocator, with the CLI's credentials, so a slow or
+//! hostile browser cannot delay a scheduling decision; inside the dashboard, event streams
+//! are capped at [`MAX_EVENT_CLIENTS`] and requests with oversized headers are refused by
+//! the HTTP layer (hyper's limits).
+
+pub mod view;
+
+use anyhow::Context as _;
+use async_nats::jetstream::{self, consumer::push, kv};
+use axum::Router;
+use axum::extract::State as AxumState;
+use axum::http::{StatusCode, header};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::get;
+use converge_bus::{Bus, unix_now};
+use converge_common::{
+    HostId, HostTelemetry, JobId, JobSpec, JobStatus, ProgressReport, decode, subjects,
+};
+use futures::StreamExt;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::{Semaphore, mpsc, watch};
+use view::{LossPoint, Model};
+
+/// Shortest time between two rebuilds of the picture (and two events to each browser).
+pub const REBUILD_EVERY: Duration = Duration::from_millis(500);
+
+/// The picture is rebuilt at least this often even without news, so that hosts turn
+/// *lost* when their telemetry stops.
+pub const REFRESH_EVERY: Duration = Duration::from_secs(5);
+
+/// Most browsers following `/api/events` at once; more get 503.
+pub const MAX_EVENT_CLIENTS: usize = 64;
+
+/// Most loss points kept per job (the oldest go first).
+pub const MAX_POINTS_KEPT: usize = 5_000;
+
+const INDEX_HTML: &str = include_str!("assets/index.html");
+const APP_JS: &str = include_str!("assets/app.js");
+const APP_CSS: &str = include_str!("assets/app.css");
+
+/// Settings of `converge dashboard`.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub listen: SocketAddr,
+    /// Telemetry older than this marks a host lost (the allocator's `--host-timeout`).
+    pub host_timeout: Duration,
+    /// Ended jobs shown (most recent first).
+    pub max_ended: usize,
+}
+
+enum Input {
+    Spec(JobId, Option<JobSpec>),
+    Status(JobId, Option<JobStatus>),
+    Host(HostId, Option<HostTelemetry>),
+    Progress(ProgressReport),
+    Refused,
+}
+
+#[derive(Clone)]
+struct Shared {
+    state: watch::Receiver<Arc<String>>,
+    clients: Arc<Semaphore>,
+}
+
+/// Follows the cluster and serves the page until Ctrl-C or SIGTERM. Prints
+/// `dashboard: http://ADDR/` on stdout once listening.
+///
+/// # Errors
+/// The listen address cannot be bound, or NATS cannot be read at start.
+pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(opts.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", opts.listen))?;
+    let bound = listener.local_addr()?;
+    let (tx, rx) = mpsc::channel::<Input>(4096);
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(follow_kv(bus.jobs.clone(), tx.clone(), |key, value| {
+        let id = JobId::new(key).ok()?;
+        Some(match value {
+            None => Input::Spec(id, None),
+            Some(v) => match decode::<JobSpec>(v) {
+                Ok(spec) if spec.id == id => Input::Spec(id, Some(spec)),
+                _ => Input::Refused,
+            },
+        })
+    }));
+    tasks.spawn(follow_kv(bus.status.clone(), tx.clone(), |key, value| {
+        let id = JobId::new(key).ok()?;
+        Some(match value {
+            None => Input::Status(id, None),
+            Some(v) => match decode::<JobStatus>(v) {
+                Ok(s) if s.job == id => Input::Status(id, Some(s)),
+                _ => Input::Refused,
+            },
+        })
+    }));
+    tasks.spawn(follow_kv(bus.hosts.clone(), tx.clone(), |key, value| {
+        let id = HostId::new(key).ok()?;
+        Some(match value {
+            None => Input::Host(id, None),
+            Some(v) => match decode::<HostTelemetry>(v) {
+                Ok(t) if t.host == id => Input::Host(id, Some(t)),
+                _ => Input::Refused,
+            },
+        })
+    }));
+    tasks.spawn(follow_progress(bus.client.clone(), bus.js.clone(), tx));
+    let (state_tx, state_rx) = watch::channel(Arc::new(String::new()));
+    tasks.spawn(keep_picture(rx, state_tx, opts.clone()));
+
+    let shared = Shared {
+        state: state_rx,
+        clients: Arc::new(Semaphore::new(MAX_EVENT_CLIENTS)),
+    };
+    let app = router(shared);
+    println!("dashboard: http://{bound}/");
+    tracing::info!(%bound, "serving the dashboard");
+    tokio::select! {
+        served = axum::serve(listener, app) => served.context("dashboard server stopped")?,
+        () = converge_bus::shutdown_signal() => {}
+    }
+    tasks.abort_all();
+    Ok(())
+}
+
+fn router(shared: Shared) -> Router {
+    Router::new()
+        .route("/", get(|| async { Html(INDEX_HTML) }))
+        .route(
+            "/app.js",
+            get(|| async {
+                (
+                    [(header::CONTENT_TYPE, "text/javascript; charset=utf-8")],
+                    APP_JS,
+                )
+            }),
+        )
+        .route(
+            "/app.css",
+            get(|| async { ([(header::CONTENT_TYPE, "text/css; charset=utf-8")], APP_CSS) }),
+        )
+        .route("/api/state", get(state_json))
+        .route("/api/events", get(events))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "no such page\n") })
+        .with_state(shared)
+}
+
+async fn state_json(AxumState(shared): AxumState<Shared>) -> Response {
+    let body = shared.state.borrow().clone();
+    if body.is_empty() {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "still reading the cluster\n",
+        )
+            .into_response();
+    }
+    (
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::CACHE_CONTROL, "no-store"),
+        ],
+        body.as_str().to_owned(),
+    )
+        .into_response()
+}
+
+async fn events(AxumState(shared): AxumState<Shared>) -> Response {
+    let Ok(permit) = shared.clients.clone().try_acquire_owned() else {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many dashboards open\n",
+        )
+            .into_response();
+    };
+    let mut rx = shared.state.clone();
+    rx.mark_changed();
+    let stream = futures::stream::unfold((rx, permit), |(mut rx, permit)| async move {
+        loop {
+            rx.changed().await.ok()?;
+            let body = rx.borrow_and_update().clone();
+            if !body.is_empty() {
+                let event = SseEvent::default().event("state").data(body.as_str());
+                return Some((Ok::<_, std::convert::Infallible>(event), (rx, permit)));
+            }
+        }
+    });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}
+
+/// Owns the model: applies inputs, rebuilds the JSON at most every [`REBUILD_EVERY`] when
+/// something changed, and every [`REFRESH_EVERY`] anyway.
+async fn keep_picture(
+    mut rx: mpsc::Receiver<Input>,
+    out: watch::Sender<Arc<String>>,
+    opts: Options,
+) {
+    let mut model = Model::default();
+    let mut version = 0u64;
+    let mut dirty = true;
+    let mut last_build = tokio::time::Instant::now() - REFRESH_EVERY;
+    let mut tick = tokio::time::interval(REBUILD_EVERY);
+    loop {
+        tokio::select! {
+            input = rx.recv() => {
+                let Some(input) = input else { return };
+                apply(&mut model, input);
+                dirty = true;
+                // Drain what is queued before building.
+                while let Ok(input) = rx.try_recv() {
+                    apply(&mut model, input);
+                }
+            }
+            _ = tick.tick() => {}
+        }
+        let since = last_build.elapsed();
+        if (dirty && since >= REBUILD_EVERY) || since >= REFRESH_EVERY {
+            version += 1;
+            let state = view::build(
+                &model,
+                version,
+                unix_now(),
+                opts.host_timeout.as_secs_f64(),
+                opts.max_ended,
+            );
+            match serde_json::to_string(&state) {
+                Ok(json) => {
+                    out.send_replace(Arc::new(json));
+                }
+                Err(e) => tracing::warn!("dashboard state not serialized: {e}"),
+            }
+            dirty = false;
+            last_build = tokio::time::Instant::now();
+        }
+    }
+}
+
+fn apply(model: &mut Model, input: Input) {
+    match input {
+        Input::Spec(id, Some(spec)) => {
+            model.specs.insert(id, spec);
+        }
+        Input::Spec(id, None) => {
+            model.specs.remove(&id);
+        }
+        Input::Status(id, Some(status)) => {
+            model.statuses.insert(id, status);
+        }
+        Input::Status(id, None) => {
+            model.statuses.remove(&id);
+            model.points.remove(&id);
+        }
+        Input::Host(id, Some(t)) => {
+            model.hosts.insert(id, t);
+        }
+        Input::Host(id, None) => {
+            model.hosts.remove(&id);
+        }
+        Input::Progress(r) => {
+            let points = model.points.entry(r.job.clone()).or_default();
+            points.push(LossPoint {
+                time: r.time,
+                samples: r.samples as f64,
+                loss: r.loss,
+                generation: r.generation,
+            });
+            if points.len() > MAX_POINTS_KEPT {
+                let extra = points.len() - MAX_POINTS_KEPT;
+                points.drain(..extra);
+            }
+        }
+        Input::Refused => model.refused += 1,
+    }
+}
+
+/// Follows a KV bucket: current values first, then updates; `read(key, value)` turns an
+/// entry into an input (`value` `None` for a delete or purge). Starts again after an error.
+async fn follow_kv(
+    store: kv::Store,
+    tx: mpsc::Sender<Input>,
+    read: impl Fn(String, Option<&[u8]>) -> Option<Input> + Send + 'static,
+) {
+    loop {
+        match store.watch_with_history(">").await {
+            Ok(mut watch) => {
+                while let Some(entry) = watch.next().await {
+                    match entry {
+                        Ok(e) => {
+                            let value = (e.operation == kv::Operation::Put).then_some(&e.value[..]);
+                            if let Some(input) = read(e.key.clone(), value) {
+                                if matches!(input, Input::Refused) {
+                                    tracing::warn!(bucket = %store.name, key = %e.key, "unreadable value; skipped");
+                                }
+                                if tx.send(input).await.is_err() {
+                                    return;
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(bucket = %store.name, "watch error: {e}");
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(bucket = %store.name, "cannot watch: {e}"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Follows the progress stream from its start (rank 0's reports only), through an ordered
+/// push consumer on the connection's inbox; after an error it goes on from the report after
+/// the last one read.
+async fn follow_progress(
+    client: async_nats::Client,
+    js: jetstream::Context,
+    tx: mpsc::Sender<Input>,
+) {
+    let mut last_seq = 0u64;
+    loop {
+        if let Err(e) = follow_progress_once(&client, &js, &tx, &mut last_seq).await {
+            tracing::warn!("progress stream: {e}; following again after report {last_seq}");
+        }
+        if tx.is_closed() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+async fn follow_progress_once(
+    client: &async_nats::Client,
+    js: &jetstream::Context,
+    tx: &mpsc::Sender<Input>,
+    last_seq: &mut u64,
+) -> anyhow::Result<()> {
+    let stream = js.get_stream(subjects::PROGRESS_STREAM).await?;
+    let consumer = stream
+        .create_consumer(push::OrderedConfig {
+            deliver_subject: client.new_inbox(),
+            filter_subject: subjects::PROGRESS_ALL.to_string(),
+            deliver_policy: if *last_seq == 0 {
+                jetstream::consumer::DeliverPolicy::All
+            } else {
+                jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: *last_seq + 1,
+                }
+            },
+            replay_policy: jetstream::consumer::ReplayPolicy::Instant,
+            description: Some("converge dashboard".into()),
+            ..Default::default()
+        })
+        .await?;
+    let mut messages = consumer.messages().await?;
+    while let Some(msg) = messages.next().await {
+        let msg = msg?;
+        if let Ok(info) = msg.info() {
+            *last_seq = info.stream_sequence;
+        }
+        let input = match decode::<ProgressReport>(&msg.payload) {
+            Ok(r) if msg.subject.as_str() != subjects::progress(&r.job) => Input::Refused,
+            Ok(r) if r.rank != 0 => continue,
+            Ok(r) => Input::Progress(r),
+            Err(_) => Input::Refused,
+        };
+        if tx.send(input).await.is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,501 @@
+//! The dashboard's picture of the cluster, built from what it read off NATS: pure, so it is
+//! tested without a browser. `GET /api/state` and every server-sent event carry one
+//! [`State`] as JSON.
+//!
+//! Units: times in unix seconds, sizes in bytes, rates in bytes or samples per second, GPU
+//! utilization in percent. A host is *lost* when its latest telemetry is older than the
+//! host timeout (the allocator's `--host-timeout`, 15 s by default): the allocator has taken
+//! its GPUs out of the pool and its agent stops its workers (fencing).
+
+use converge_common::{
+    AllocationChange, HostId, HostTelemetry, JobBatch, JobEnd, JobId, JobPhase, JobSpec, JobStatus,
+    WorkerPhase,
+};
+use converge_sched::fit::Curve;
+use converge_sched::outlook::{self, BandPoint};
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Most loss points sent per job (evenly thinned beyond; the latest point is always kept).
+pub const MAX_POINTS_SENT: usize = 240;
+
+/// Points of the drawn fit and of the prediction ahead.
+pub const CURVE_POINTS: usize = 40;
+
+/// One rank-0 progress report, as the dashboard keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LossPoint {
+    pub time: f64,
+    pub samples: f64,
+    pub loss: f64,
+    pub generation: u64,
+}
+
+/// Everything the dashboard has read.
+#[derive(Debug, Default, Clone)]
+pub struct Model {
+    pub specs: BTreeMap<JobId, JobSpec>,
+    pub statuses: BTreeMap<JobId, JobStatus>,
+    pub hosts: BTreeMap<HostId, HostTelemetry>,
+    /// Rank 0's reports per job, in stream order.
+    pub points: BTreeMap<JobId, Vec<LossPoint>>,
+    /// Messages the dashboard could not read (malformed KV values or reports), by source.
+    pub refused: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct State {
+    pub version: u64,
+    pub generated_at: f64,
+    pub host_timeout_s: f64,
+    pub cluster: ClusterSummary,
+    pub hosts: Vec<HostView>,
+    pub jobs: Vec<JobView>,
+    /// Messages the dashboard could not read.
+    pub refused: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClusterSummary {
+    pub gpus_total: u32,
+    pub gpus_busy: u32,
+    pub hosts_live: u32,
+    pub hosts_lost: u32,
+    pub jobs_by_phase: BTreeMap<&'static str, u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuView {
+    pub index: u32,
+    pub name: String,
+    pub utilization_pct: f64,
+    pub memory_used_bytes: u64,
+    pub memory_total_bytes: u64,
+    pub power_w: Option<f64>,
+    /// The job whose running worker holds it, if any.
+    pub job: Option<JobId>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HostView {
+    pub host: HostId,
+    pub addr: String,
+    pub gpu_source: String,
+    pub gpus_total: u32,
+    /// GPUs with non-zero utilization (as `converge hosts` counts them).
+    pub gpus_busy: u32,
+    pub gpu_utilization_pct: f64,
+    pub gpu_memory_used_bytes: u64,
+    pub gpu_memory_total_bytes: u64,
+    /// Sum over the host's NICs.
+    pub rx_bytes_per_s: f64,
+    pub tx_bytes_per_s: f64,
+    pub last_seen: f64,
+    /// Seconds since the latest telemetry.
+    pub age_s: f64,
+    pub lost: bool,
+    pub workers: u32,
+    pub gpus: Vec<GpuView>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CurveView {
+    pub family: String,
+    pub rmse: f64,
+    /// Rank 0's reports `(samples, loss)`, thinned to [`MAX_POINTS_SENT`].
+    pub points: Vec<(f64, f64)>,
+    /// Generations' first samples, to mark restarts on the curve.
+    pub restarts: Vec<(f64, u64)>,
+    /// The fitted curve over the history, `(samples, loss)`.
+    pub fit: Vec<(f64, f64)>,
+    /// The prediction ahead, with its p90 band (see `converge_sched::outlook`).
+    pub ahead: Vec<BandPoint>,
+    pub asymptote: f64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PlacementView {
+    pub rank: u32,
+    pub host: HostId,
+    pub gpus: Vec<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JobView {
+    pub job: JobId,
+    pub phase: JobPhase,
+    pub message: Option<String>,
+    pub sweep: Option<JobId>,
+    pub workers: u32,
+    pub min_workers: u32,
+    pub max_workers: Option<u32>,
+    pub gpus_per_worker: u32,
+    pub generation: u64,
+    pub placement: Vec<PlacementView>,
+    pub samples: u64,
+    pub samples_per_s: Option<f64>,
+    pub loss: Option<f64>,
+    pub predicted_loss: Option<f64>,
+    pub batch: Option<JobBatch>,
+    pub end: Option<JobEnd>,
+    pub submitted_at: f64,
+    pub started_at: Option<f64>,
+    pub finished_at: Option<f64>,
+    /// 1-based position among pending jobs (submission order), pending jobs only.
+    pub queue_position: Option<u32>,
+    pub gpus_needed: Option<u32>,
+    /// Estimated start of a pending job (see `converge_sched::outlook`).
+    pub estimated_start: Option<f64>,
+    pub curve: Option<CurveView>,
+    pub allocations: Vec<AllocationChange>,
+}
+
+fn phase_name(p: JobPhase) -> &'static str {
+    match p {
+        JobPhase::Pending => "pending",
+        JobPhase::Running => "running",
+        JobPhase::Restarting => "restarting",
+        JobPhase::Completed => "completed",
+        JobPhase::Failed => "failed",
+        JobPhase::Cancelled => "cancelled",
+    }
+}
+
+/// Evenly thins `points` to at most `max`, keeping the first and the last.
+pub fn thin<T: Copy>(points: &[T], max: usize) -> Vec<T> {
+    if points.len() <= max || max < 2 {
+        return points.to_vec();
+    }
+    let last = points.len() - 1;
+    (0..max)
+        .map(|i| points[(i * last + (max - 1) / 2) / (max - 1)])
+        .collect()
+}
+
+fn curve_view(status: &JobStatus, points: &[LossPoint]) -> Option<CurveView> {
+    let wire = status.curve.as_ref()?;
+    let curve = Curve::from_wire(wire)?;
+    let first = points.first()?;
+    let latest = points.iter().map(|p| p.samples).fold(0.0, f64::max);
+    let o = outlook::curve_outlook(&curve, first.samples, latest, CURVE_POINTS)?;
+    let mut restarts = Vec::new();
+    for w in points.windows(2) {
+        if w[1].generation != w[0].generation {
+            restarts.push((w[1].samples, w[1].generation));
+        }
+    }
+    Some(CurveView {
+        family: wire.family.clone(),
+        rmse: wire.rmse,
+        points: thin(points, MAX_POINTS_SENT)
+            .iter()
+            .map(|p| (p.samples, p.loss))
+            .collect(),
+        restarts,
+        fit: o.fit,
+        ahead: o.ahead,
+        asymptote: o.asymptote,
+    })
+}
+
+fn host_view(t: &HostTelemetry, now: f64, host_timeout_s: f64) -> HostView {
+    let mut holders: BTreeMap<u32, JobId> = BTreeMap::new();
+    for w in &t.workers {
+        if w.phase == WorkerPhase::Running {
+            for g in &w.gpus {
+                holders.insert(*g, w.job.clone());
+            }
+        }
+    }
+    let n = t.gpus.len().max(1) as f64;
+    let age = (now - t.time).max(0.0);
+    HostView {
+        host: t.host.clone(),
+        addr: t.addr.clone(),
+        gpu_source: t.gpu_source.clone(),
+        gpus_total: t.gpus.len() as u32,
+        gpus_busy: t.gpus.iter().filter(|g| g.utilization_pct > 0.0).count() as u32,
+        gpu_utilization_pct: t.gpus.iter().map(|g| g.utilization_pct).sum::<f64>() / n,
+        gpu_memory_used_bytes: t.gpus.iter().map(|g| g.memory_used_bytes).sum(),
+        gpu_memory_total_bytes: t.gpus.iter().map(|g| g.memory_total_bytes).sum(),
+        rx_bytes_per_s: t.nics.iter().map(|n| n.rx_bytes_per_s).sum(),
+        tx_bytes_per_s: t.nics.iter().map(|n| n.tx_bytes_per_s).sum(),
+        last_seen: t.time,
+        age_s: age,
+        lost: age > host_timeout_s,
+        workers: t
+            .workers
+            .iter()
+            .filter(|w| w.phase == WorkerPhase::Running)
+            .count() as u32,
+        gpus: t
+            .gpus
+            .iter()
+            .map(|g| GpuView {
+                index: g.index,
+                name: g.name.clone(),
+                utilization_pct: g.utilization_pct,
+                memory_used_bytes: g.memory_used_bytes,
+                memory_total_bytes: g.memory_total_bytes,
+                power_w: g.power_mw.map(|mw| mw as f64 / 1e3),
+                job: holders.get(&g.index).cloned(),
+            })
+            .collect(),
+    }
+}
+
+/// The picture at `now`: hosts by id; jobs active first (running, restarting, then pending
+/// in queue order), then ended ones, most recent first, at most `max_ended` of those.
+pub fn build(
+    model: &Model,
+    version: u64,
+    now: f64,
+    host_timeout_s: f64,
+    max_ended: usize,
+) -> State {
+    let hosts: Vec<HostView> = model
+        .hosts
+        .values()
+        .map(|t| host_view(t, now, host_timeout_s))
+        .collect();
+    let live_gpus: u32 = hosts.iter().filter(|h| !h.lost).map(|h| h.gpus_total).sum();
+    let queue: BTreeMap<JobId, outlook::QueueEntry> =
+        outlook::queue_estimates(&model.specs, &model.statuses, live_gpus, now)
+            .into_iter()
+            .map(|e| (e.job.clone(), e))
+            .collect();
+    let mut jobs: Vec<JobView> = model
+        .statuses
+        .values()
+        .filter_map(|s| {
+            let spec = model.specs.get(&s.job)?;
+            let points = model.points.get(&s.job).map_or(&[][..], Vec::as_slice);
+            let q = queue.get(&s.job);
+            Some(JobView {
+                job: s.job.clone(),
+                phase: s.phase,
+                message: s.message.clone(),
+                sweep: spec.sweep.clone(),
+                workers: s.world_size,
+                min_workers: spec.min_workers,
+                max_workers: spec.max_workers,
+                gpus_per_worker: spec.gpus_per_worker,
+                generation: s.generation,
+                placement: s
+                    .placement
+                    .iter()
+                    .map(|p| PlacementView {
+                        rank: p.rank,
+                        host: p.host.clone(),
+                        gpus: p.gpus.clone(),
+                    })
+                    .collect(),
+                samples: s.samples,
+                samples_per_s: s.samples_per_s,
+                loss: s.loss,
+                predicted_loss: s.predicted_loss,
+                batch: s.batch.clone(),
+                end: s.end.clone(),
+                submitted_at: s.submitted_at,
+                started_at: s.started_at,
+                finished_at: s.finished_at,
+                queue_position: q.map(|e| e.position),
+                gpus_needed: q.map(|e| e.gpus_needed),
+                estimated_start: q.and_then(|e| e.estimated_start),
+                curve: curve_view(s, points),
+                allocations: s.allocations.clone(),
+            })
+        })
+        .collect();
+    let rank = |j: &JobView| match j.phase {
+        JobPhase::Running => 0,
+        JobPhase::Restarting => 1,
+        JobPhase::Pending => 2,
+        _ => 3,
+    };
+    jobs.sort_by(|a, b| {
+        rank(a).cmp(&rank(b)).then_with(|| match rank(a) {
+            2 => a.queue_position.cmp(&b.queue_position),
+            3 => b
+                .finished_at
+                .unwrap_or(0.0)
+                .total_cmp(&a.finished_at.unwrap_or(0.0)),
+            _ => a.submitted_at.total_cmp(&b.submitted_at),
+        })
+    });
+    let active = jobs.iter().filter(|j| rank(j) < 3).count();
+    jobs.truncate(active + max_ended);
+    let mut jobs_by_phase = BTreeMap::new();
+    for s in model.statuses.values() {
+        *jobs_by_phase.entry(phase_name(s.phase)).or_insert(0) += 1;
+    }
+    State {
+        version,
+        generated_at: now,
+        host_timeout_s,
+        cluster: ClusterSummary {
+            gpus_total: live_gpus,
+            gpus_busy: hosts.iter().filter(|h| !h.lost).map(|h| h.gpus_busy).sum(),
+            hosts_live: hosts.iter().filter(|h| !h.lost).count() as u32,
+            hosts_lost: hosts.iter().filter(|h| h.lost).count() as u32,
+            jobs_by_phase,
+        },
+        hosts,
+        jobs,
+        refused: model.refused,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_common::{FittedCurve, GpuSample, RankPlacement, WorkerState};
+
+    fn status(id: &str, phase: JobPhase, workers: u32, submitted: f64) -> JobStatus {
+        let mut s: JobStatus = serde_json::from_value(serde_json::json!({
+            "job": id, "phase": "pending", "generation": 0, "world_size": 0, "placement": [],
+            "master_port": null, "step": 0, "samples": 0, "first_loss": null, "loss": null,
+            "eval_loss": null, "curve": null, "predicted_loss": null, "samples_per_s": null,
+            "submitted_at": submitted, "started_at": null, "finished_at": null,
+            "updated_at": submitted, "message": null
+        }))
+        .unwrap();
+        s.phase = phase;
+        s.world_size = workers;
+        s
+    }
+
+    fn spec(id: &str) -> JobSpec {
+        JobSpec::from_toml(&format!("id = \"{id}\"\ncommand = [\"true\"]\n")).unwrap()
+    }
+
+    fn telemetry(host: &str, time: f64, busy: &[u32]) -> HostTelemetry {
+        HostTelemetry {
+            protocol: 1,
+            host: HostId::new(host).unwrap(),
+            addr: "10.0.0.1".into(),
+            time,
+            agent_version: "t".into(),
+            gpu_source: "fake".into(),
+            gpus: (0..4)
+                .map(|index| GpuSample {
+                    index,
+                    uuid: format!("GPU-{index}"),
+                    name: "fake".into(),
+                    memory_total_bytes: 100,
+                    memory_used_bytes: if busy.contains(&index) { 60 } else { 0 },
+                    utilization_pct: if busy.contains(&index) { 90.0 } else { 0.0 },
+                    power_mw: Some(250_000),
+                    sm_clock_mhz: None,
+                })
+                .collect(),
+            nics: vec![],
+            cpu_pct: 0.0,
+            memory_used_bytes: 0,
+            memory_total_bytes: 0,
+            workers: vec![WorkerState {
+                job: JobId::new("a").unwrap(),
+                generation: 1,
+                rank: 0,
+                phase: WorkerPhase::Running,
+                pid: Some(1),
+                restarts: 0,
+                last_exit_code: None,
+                gpus: busy.to_vec(),
+            }],
+            malformed_progress_lines: 0,
+            ignored_gradient_stats: 0,
+        }
+    }
+
+    #[test]
+    fn hosts_jobs_curves_and_the_queue_are_drawn_from_the_model() {
+        let mut m = Model::default();
+        m.hosts
+            .insert(HostId::new("h1").unwrap(), telemetry("h1", 100.0, &[0, 1]));
+        m.hosts
+            .insert(HostId::new("h2").unwrap(), telemetry("h2", 50.0, &[]));
+        for id in ["a", "p", "done"] {
+            m.specs.insert(JobId::new(id).unwrap(), spec(id));
+        }
+        let mut a = status("a", JobPhase::Running, 2, 1.0);
+        a.generation = 2;
+        a.placement = vec![RankPlacement {
+            rank: 0,
+            host: HostId::new("h1").unwrap(),
+            gpus: vec![0],
+        }];
+        a.curve = Some(FittedCurve {
+            family: "inv_linear".into(),
+            params: vec![1e-3, 1.0, 0.1],
+            rmse: 0.01,
+            points: 10,
+        });
+        a.samples = 1000;
+        a.samples_per_s = Some(10.0);
+        m.statuses.insert(a.job.clone(), a);
+        m.statuses.insert(
+            JobId::new("p").unwrap(),
+            status("p", JobPhase::Pending, 0, 5.0),
+        );
+        let mut done = status("done", JobPhase::Completed, 0, 0.5);
+        done.finished_at = Some(90.0);
+        m.statuses.insert(done.job.clone(), done);
+        m.points.insert(
+            JobId::new("a").unwrap(),
+            (1..=1000)
+                .map(|i| LossPoint {
+                    time: i as f64,
+                    samples: i as f64,
+                    loss: 1.0 / (1e-3 * i as f64 + 1.0) + 0.1,
+                    generation: if i < 500 { 1 } else { 2 },
+                })
+                .collect(),
+        );
+        let s = build(&m, 7, 100.0, 15.0, 10);
+        assert_eq!(s.version, 7);
+        // h2 is 50 s old: lost; its GPUs leave the total.
+        assert_eq!(
+            (
+                s.cluster.gpus_total,
+                s.cluster.gpus_busy,
+                s.cluster.hosts_lost
+            ),
+            (4, 2, 1)
+        );
+        let h1 = &s.hosts[0];
+        assert_eq!((h1.gpus_busy, h1.gpus_total, h1.lost), (2, 4, false));
+        assert_eq!(h1.gpus[0].job.as_ref().map(JobId::as_str), Some("a"));
+        assert_eq!(h1.gpus[0].power_w, Some(250.0));
+        assert!(s.hosts[1].lost);
+        // Running first, then pending, then ended.
+        let order: Vec<&str> = s.jobs.iter().map(|j| j.job.as_str()).collect();
+        assert_eq!(order, ["a", "p", "done"]);
+        let c = s.jobs[0].curve.as_ref().unwrap();
+        assert_eq!(c.points.len(), MAX_POINTS_SENT);
+        assert_eq!(c.points.last().unwrap().0, 1000.0);
+        assert_eq!(c.restarts, [(500.0, 2)]);
+        assert_eq!((c.fit.len(), c.ahead.len()), (CURVE_POINTS, CURVE_POINTS));
+        assert!(c.ahead.iter().all(|p| p.low <= p.loss && p.loss <= p.high));
+        // "p" needs 1 GPU and 2 of 4 are free: it could start now.
+        let p = &s.jobs[1];
+        assert_eq!(
+            (p.queue_position, p.gpus_needed, p.estimated_start),
+            (Some(1), Some(1), Some(100.0))
+        );
+        // Ended jobs beyond the limit are left out.
+        let s = build(&m, 8, 100.0, 15.0, 0);
+        assert_eq!(s.jobs.len(), 2);
+        assert_eq!(s.cluster.jobs_by_phase["completed"], 1);
+    }
+
+    #[test]
+    fn thinning_keeps_the_ends_and_the_order() {
+        let v: Vec<u32> = (0..1000).collect();
+        let t = thin(&v, 10);
+        assert_eq!(t.len(), 10);
+        assert_eq!((t[0], t[9]), (0, 999));
+        assert!(t.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(thin(&v[..5], 10), v[..5]);
+    }
+}
