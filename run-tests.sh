@@ -33,6 +33,9 @@ if [[ -z "${CONVERGE_PYTHON:-}" ]]; then
 fi
 if [[ -n "${CONVERGE_PYTHON:-}" ]]; then
     "$CONVERGE_PYTHON" -m unittest discover -s python/tests
+    # The PyTorch examples where CONVERGE_TORCH_PYTHON (or CONVERGE_PYTHON) has torch;
+    # otherwise they print why they are skipped.
+    "$CONVERGE_PYTHON" -m unittest -v examples/pytorch/test_examples.py
 fi
 cargo build --workspace --bins --locked
 # The decision core stays pure: no async runtime, NATS client, logging, CSV or plotting crate

@@ -357,3 +357,40 @@ async fn a_batch_jobs_planned_batch_reaches_the_numpy_worker() {
     a1.stop().await;
     allocator.stop().await;
 }
+
+/// The PyTorch examples' job specs (submitted on GPU hosts by tests/gpu/run.sh) are valid,
+/// run on one GPU, and name scripts that exist relative to the repository root, where
+/// the agent runs them from. Needs no Python.
+#[test]
+fn pytorch_example_specs_are_valid_and_fit_one_gpu() {
+    for (file, id, script) in [
+        (
+            "ddp_mnist.toml",
+            "ddp-mnist",
+            "examples/pytorch/ddp_mnist.py",
+        ),
+        (
+            "plain_mnist.toml",
+            "plain-mnist",
+            "examples/pytorch/plain_mnist.py",
+        ),
+    ] {
+        let path = repo_root().join("examples/pytorch").join(file);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let spec = JobSpec::from_toml(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert_eq!(spec.id.as_str(), id);
+        assert_eq!((spec.gpus_per_worker, spec.min_workers), (1, 1), "{file}");
+        assert_eq!(
+            spec.command[..2],
+            ["python3".to_string(), script.to_string()]
+        );
+        assert!(repo_root().join(script).is_file(), "{script} is missing");
+        let data = spec.command.iter().position(|a| a == "--data-dir").unwrap();
+        assert!(
+            repo_root()
+                .join(&spec.command[data + 1])
+                .join("mnist_subset")
+                .is_dir()
+        );
+    }
+}
