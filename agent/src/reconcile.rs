@@ -149,6 +149,7 @@ mod tests {
             num_ps: 0,
             hosts: 0,
             batch: None,
+            node_rank: None,
         }
     }
 

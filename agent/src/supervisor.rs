@@ -409,11 +409,11 @@ const BATCH_VARS: [&str; 4] = [
 /// torchrun's variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 /// `MASTER_ADDR`, `MASTER_PORT`, `ROLE_RANK` (= `RANK`: every rank has the one role),
 /// `TORCHELASTIC_RUN_ID` (the job id), `TORCHELASTIC_RESTART_COUNT` (the generation) and
-/// `GROUP_RANK`. Plans carry no host index, so `GROUP_RANK` is the lowest rank on this
-/// host, `RANK − LOCAL_RANK`: placement gives each host a contiguous block of ranks with
-/// local ranks in rank order, so the value is 0 on rank 0's host and differs between hosts
-/// (it is torchrun's node index when each host runs one rank, and the index times
-/// `LOCAL_WORLD_SIZE` when every host runs the same number). `TORCH_NCCL_ASYNC_ERROR_HANDLING`
+/// `GROUP_RANK`, the plan's node rank (this host's index among the job's hosts, by the
+/// lowest rank each runs, as torchrun numbers nodes). A plan from an allocator older than
+/// the field gives none; `GROUP_RANK` is then the lowest rank on this host, `RANK −
+/// LOCAL_RANK` (0 on rank 0's host and distinct between hosts, as placement gives each host
+/// a contiguous block of ranks). `TORCH_NCCL_ASYNC_ERROR_HANDLING`
 /// is 1, so that NCCL errors abort the worker instead of hanging it; a job's own `env`
 /// cannot override the contract's variables but can set this one (it is left alone when
 /// the spec sets it).
@@ -429,7 +429,9 @@ fn worker_env(
         ("LOCAL_WORLD_SIZE", a.local_world_size.to_string()),
         (
             "GROUP_RANK",
-            a.rank.saturating_sub(a.local_rank).to_string(),
+            a.node_rank
+                .unwrap_or_else(|| a.rank.saturating_sub(a.local_rank))
+                .to_string(),
         ),
         ("ROLE_RANK", a.rank.to_string()),
         ("MASTER_ADDR", a.master_addr.clone()),
@@ -600,6 +602,7 @@ mod tests {
             num_ps: 0,
             hosts: 2,
             batch: None,
+            node_rank: None,
         }
     }
 
@@ -661,6 +664,10 @@ mod tests {
         assert!(!env.keys().any(|k| k.starts_with("CONVERGE_BATCH")));
         assert_eq!(unset, BATCH_VARS);
         assert_eq!(env["GROUP_RANK"], "0");
+        // The plan's node rank wins over the fallback.
+        let mut b = assignment(3, 1, 2);
+        b.node_rank = Some(1);
+        assert_eq!(env_map(&b).0["GROUP_RANK"], "1");
     }
 
     #[test]

@@ -12,11 +12,15 @@ pub const MAX_WORKERS: u32 = 4096;
 /// Largest number of GPUs per worker (one worker never spans hosts).
 pub const MAX_GPUS_PER_WORKER: u32 = 16;
 /// Environment variables set by the agent (worker contract) that a spec may not override.
-pub const RESERVED_ENV: [&str; 15] = [
+pub const RESERVED_ENV: [&str; 19] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
     "MASTER_ADDR",
     "MASTER_PORT",
     "CUDA_VISIBLE_DEVICES",

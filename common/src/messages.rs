@@ -526,6 +526,10 @@ pub struct WorkerAssignment {
     /// `CONVERGE_TOTAL_BATCH` and `CONVERGE_REFERENCE_BATCH`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<AssignedBatch>,
+    /// Index of this host among the job's hosts, ordered by the lowest rank each runs (0 on
+    /// rank 0's host): torchrun's node rank, passed as `GROUP_RANK`. Absent in older plans.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_rank: Option<u32>,
 }
 
 /// A generation's batch, in samples: `total = workers × per_worker × (accum_steps + 1)`.
@@ -1091,6 +1095,7 @@ mod tests {
                     accum_steps: 1,
                     reference: 64,
                 }),
+                node_rank: Some(0),
             }],
         }
     }

@@ -1338,7 +1338,20 @@ fn plans(
         for p in status.placement.iter().chain(&shards) {
             by_host.entry(&p.host).or_default().push(p);
         }
+        // Hosts in order of the lowest rank each runs: torchrun's node rank.
+        let mut node_order: Vec<(u32, &HostId)> = by_host
+            .iter()
+            .map(|(h, ranks)| (ranks.iter().map(|p| p.rank).min().unwrap_or(0), *h))
+            .collect();
+        node_order.sort();
+        let node_rank = |h: &HostId| {
+            node_order
+                .iter()
+                .position(|(_, x)| *x == h)
+                .map(|i| i as u32)
+        };
         for (host, ranks) in by_host {
+            let node_rank = node_rank(host);
             let plan = plans.entry(host.clone()).or_insert_with(|| HostPlan {
                 protocol: PROTOCOL_VERSION,
                 host: host.clone(),
@@ -1361,6 +1374,7 @@ fn plans(
                     num_ps,
                     hosts: worker_hosts,
                     batch: status.batch.as_ref().and_then(|b| b.plan),
+                    node_rank,
                 });
             }
         }
@@ -1504,6 +1518,13 @@ mod tests {
                 .all(|p| &p.workers[0].master_addr == master)
         );
         assert_eq!(plan1.workers[0].master_port, s.master_port.unwrap());
+        // torchrun's node rank: 0 on rank 0's host, 1 on the other.
+        assert_eq!(out.plans[rank0_host].workers[0].node_rank, Some(0));
+        assert!(
+            out.plans
+                .values()
+                .all(|p| p.workers[0].node_rank == Some(u32::from(p.workers[0].rank != 0)))
+        );
         // The status keeps the change and why, for the dashboard's timeline.
         let started = &s.allocations[..];
         assert_eq!(started.len(), 1, "{started:?}");

@@ -35,6 +35,7 @@ fn worker(
         num_ps: 0,
         hosts: 0,
         batch: None,
+        node_rank: None,
     }
 }
 

@@ -65,11 +65,12 @@ pub struct Options {
     pub max_ended: usize,
 }
 
+/// One thing read off NATS (boxed: the messages are large).
 enum Input {
-    Spec(JobId, Option<JobSpec>),
-    Status(JobId, Option<JobStatus>),
-    Host(HostId, Option<HostTelemetry>),
-    Progress(ProgressReport),
+    Spec(JobId, Option<Box<JobSpec>>),
+    Status(JobId, Option<Box<JobStatus>>),
+    Host(HostId, Option<Box<HostTelemetry>>),
+    Progress(Box<ProgressReport>),
     Refused,
 }
 
@@ -96,7 +97,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
         Some(match value {
             None => Input::Spec(id, None),
             Some(v) => match decode::<JobSpec>(v) {
-                Ok(spec) if spec.id == id => Input::Spec(id, Some(spec)),
+                Ok(spec) if spec.id == id => Input::Spec(id, Some(Box::new(spec))),
                 _ => Input::Refused,
             },
         })
@@ -106,7 +107,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
         Some(match value {
             None => Input::Status(id, None),
             Some(v) => match decode::<JobStatus>(v) {
-                Ok(s) if s.job == id => Input::Status(id, Some(s)),
+                Ok(s) if s.job == id => Input::Status(id, Some(Box::new(s))),
                 _ => Input::Refused,
             },
         })
@@ -116,7 +117,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
         Some(match value {
             None => Input::Host(id, None),
             Some(v) => match decode::<HostTelemetry>(v) {
-                Ok(t) if t.host == id => Input::Host(id, Some(t)),
+                Ok(t) if t.host == id => Input::Host(id, Some(Box::new(t))),
                 _ => Input::Refused,
             },
         })
@@ -256,20 +257,20 @@ async fn keep_picture(
 fn apply(model: &mut Model, input: Input) {
     match input {
         Input::Spec(id, Some(spec)) => {
-            model.specs.insert(id, spec);
+            model.specs.insert(id, *spec);
         }
         Input::Spec(id, None) => {
             model.specs.remove(&id);
         }
         Input::Status(id, Some(status)) => {
-            model.statuses.insert(id, status);
+            model.statuses.insert(id, *status);
         }
         Input::Status(id, None) => {
             model.statuses.remove(&id);
             model.points.remove(&id);
         }
         Input::Host(id, Some(t)) => {
-            model.hosts.insert(id, t);
+            model.hosts.insert(id, *t);
         }
         Input::Host(id, None) => {
             model.hosts.remove(&id);
@@ -379,7 +380,7 @@ async fn follow_progress_once(
         let input = match decode::<ProgressReport>(&msg.payload) {
             Ok(r) if msg.subject.as_str() != subjects::progress(&r.job) => Input::Refused,
             Ok(r) if r.rank != 0 => continue,
-            Ok(r) => Input::Progress(r),
+            Ok(r) => Input::Progress(Box::new(r)),
             Err(_) => Input::Refused,
         };
         if tx.send(input).await.is_err() {
