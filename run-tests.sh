@@ -10,6 +10,19 @@ cd "$root"
 NATS_SERVER_BIN=$("$root/deploy/get-nats-server.sh")
 export NATS_SERVER_BIN
 "$NATS_SERVER_BIN" --version
+# Headless Chromium for the dashboard's browser tests (tests/tests/dashboard.rs): Debian's
+# `chromium`, installed when missing (as root, as in CI). Without it those tests are
+# skipped, unless CONVERGE_REQUIRE_BROWSER=1 (CI), which makes them fail.
+if [[ -z "${CONVERGE_CHROMIUM:-}" ]]; then
+    if ! command -v chromium >/dev/null && [[ $EUID == 0 ]] && command -v apt-get >/dev/null; then
+        { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium ||
+            { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+                --no-install-recommends chromium; }; } >/dev/null ||
+            echo "run-tests.sh: cannot install chromium; the browser tests are skipped" >&2
+    fi
+    CONVERGE_CHROMIUM=$(command -v chromium || true)
+    export CONVERGE_CHROMIUM
+fi
 # The Python worker kit (python/) and the numpy example worker: a virtualenv in target/py
 # with the kit and a pinned numpy, reused until python/ changes; its unit tests run here,
 # tests/tests/python_worker.rs runs the worker through CONVERGE_PYTHON. Without python3 or
