@@ -996,6 +996,35 @@ fn scale_status(j: &ScaleJob, phase: &str, now: f64) -> JobStatus {
             _ => None,
         },
     });
+    // One allocation change per generation: started, then grown, shrunk or moved, 8
+    // minutes apart.
+    let causes = ["grown", "shrunk", "moved"];
+    let allocations: Vec<Value> = (1..=j.generation)
+        .map(|g| {
+            let workers = if g == j.generation {
+                j.workers.max(1)
+            } else {
+                1 + (g as u32 % 3)
+            };
+            let cause = if g == 1 {
+                "started"
+            } else {
+                causes[g as usize % 3]
+            };
+            json!({
+                "time": now - 3000.0 + 480.0 * (g - 1) as f64,
+                "generation": g,
+                "from_workers": if g == 1 { 0 } else { 1 + ((g - 1) as u32 % 3) },
+                "workers": workers,
+                "hosts": 1,
+                "cause": cause,
+                "reason": format!("job {}: {cause} by the quality policy (generation {g})", j.id),
+            })
+        })
+        .collect();
+    if !allocations.is_empty() {
+        s["allocations"] = allocations.into();
+    }
     if phase == "completed" {
         s["end"] = json!({
             "reason": "converged",
