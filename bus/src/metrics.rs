@@ -268,6 +268,20 @@ pub async fn serve_with(
     let app = Router::new()
         .route("/metrics", get(metrics_page))
         .with_state(());
+    serve_router(listener, app, limits, shutdown);
+    tracing::info!(%bound, "serving Prometheus metrics at /metrics");
+    Ok(bound)
+}
+
+/// Serves `app` on `listener` in a spawned task until `shutdown` is cancelled, within
+/// `limits` (HTTP/1.1 through hyper: connections, request-head time and size, connection
+/// age). The metrics endpoint and `converge dashboard` both serve through it.
+pub fn serve_router(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    limits: ServeLimits,
+    shutdown: CancellationToken,
+) {
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
     tokio::spawn(async move {
         loop {
@@ -277,14 +291,14 @@ pub async fn serve_with(
                     Ok(a) => a,
                     Err(e) => {
                         // Out of file descriptors and the like: let it pass, don't spin.
-                        tracing::warn!("metrics endpoint cannot accept: {e}");
+                        tracing::warn!("HTTP endpoint cannot accept: {e}");
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }
                 },
             };
             let Ok(slot) = slots.clone().try_acquire_owned() else {
-                tracing::debug!(%peer, "metrics endpoint busy: connection closed");
+                tracing::debug!(%peer, "HTTP endpoint busy: connection closed");
                 continue;
             };
             let service = hyper_util::service::TowerToHyperService::new(app.clone());
@@ -301,7 +315,7 @@ pub async fn serve_with(
                 tokio::select! {
                     served = conn.as_mut() => {
                         if let Err(e) = served {
-                            tracing::debug!(%peer, "metrics connection: {e}");
+                            tracing::debug!(%peer, "HTTP connection: {e}");
                         }
                         return;
                     }
@@ -313,8 +327,6 @@ pub async fn serve_with(
             });
         }
     });
-    tracing::info!(%bound, "serving Prometheus metrics at /metrics");
-    Ok(bound)
 }
 
 #[cfg(test)]

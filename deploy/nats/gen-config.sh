@@ -92,7 +92,8 @@ done
 P=converge.v1
 B_JOBS=converge-jobs B_STATUS=converge-job-status B_PLANS=converge-plans B_HOSTS=converge-hosts
 B_LEADER=converge-leader
-STREAMS=("KV_$B_JOBS" "KV_$B_STATUS" "KV_$B_PLANS" "KV_$B_HOSTS" CONVERGE_PROGRESS)
+PROGRESS_STREAM=CONVERGE_PROGRESS
+STREAMS=("KV_$B_JOBS" "KV_$B_STATUS" "KV_$B_PLANS" "KV_$B_HOSTS" "$PROGRESS_STREAM")
 
 mkdir -p "$out"
 umask 077
@@ -148,7 +149,8 @@ EOF
 )
 allocator_sub="_INBOX.allocator.>"
 
-# cli: writes job specs; reads specs, statuses and hosts; follows events and telemetry.
+# cli: writes job specs; reads specs, statuses and hosts; follows events, telemetry and
+# the progress stream (converge dashboard).
 cli_pub=$(
     stream_info
     for b in $B_JOBS $B_STATUS $B_HOSTS; do
@@ -160,6 +162,12 @@ cli_pub=$(
         echo "\$JS.FC.KV_$b.>"
     done
     echo "\$KV.$B_JOBS.*"
+    # The progress stream, read only (converge dashboard's loss curves).
+    echo "\$JS.API.CONSUMER.CREATE.$PROGRESS_STREAM"
+    echo "\$JS.API.CONSUMER.CREATE.$PROGRESS_STREAM.>"
+    echo "\$JS.API.CONSUMER.INFO.$PROGRESS_STREAM.*"
+    echo "\$JS.API.CONSUMER.DELETE.$PROGRESS_STREAM.*"
+    echo "\$JS.FC.$PROGRESS_STREAM.>"
 )
 cli_sub=$(printf '%s\n' "_INBOX.cli.>" "$P.events.>" "$P.telemetry.*")
 

@@ -317,10 +317,59 @@ async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
     );
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed[0]["status"]["phase"], "completed");
+    dashboard_reads_the_cluster_as_cli(&s).await;
 
     agent1.stop().await;
     agent2.stop().await;
     allocator.stop().await;
+}
+
+/// `converge dashboard` with the cli user's credentials reads the job's status and its
+/// progress reports (the cli user may follow the progress stream, nothing more).
+async fn dashboard_reads_the_cluster_as_cli(s: &SecuredNats) {
+    use std::io::{BufRead as _, Read as _, Write as _};
+    let mut child = Command::new(bin_path("converge"))
+        .env("CONVERGE_NATS_URL", &s.nats.url)
+        .env("CONVERGE_NATS_USER", "cli")
+        .env("CONVERGE_NATS_PASSWORD_FILE", s.password_file("cli"))
+        .env_remove("CONVERGE_NATS_PASSWORD")
+        .env_remove("CONVERGE_NATS_CREDS")
+        .args(["dashboard", "--listen", "127.0.0.1:0"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("run converge dashboard");
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("dashboard: http://")
+        .and_then(|a| a.strip_suffix('/'))
+        .unwrap_or_else(|| panic!("no dashboard address in {line:?}"))
+        .to_string();
+    let state = wait_for(Duration::from_secs(20), "the dashboard's state", || {
+        let addr = addr.clone();
+        async move {
+            let mut conn = std::net::TcpStream::connect(&addr).ok()?;
+            conn.write_all(b"GET /api/state HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .ok()?;
+            let mut page = String::new();
+            conn.read_to_string(&mut page).ok()?;
+            let body = page.split_once("\r\n\r\n")?.1;
+            let state: serde_json::Value = serde_json::from_str(body).ok()?;
+            let job = state["jobs"]
+                .as_array()?
+                .iter()
+                .find(|j| j["job"] == "secure")?
+                .clone();
+            (job["reports"].as_u64()? > 0).then_some(state)
+        }
+    })
+    .await;
+    assert_eq!(state["hosts"].as_array().unwrap().len(), 2, "{state}");
+    let _ = child.kill();
+    let _ = child.wait();
 }
 
 /// Requests an agent could craft by hand to read another host's plan through the subjects

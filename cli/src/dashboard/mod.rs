@@ -13,9 +13,8 @@
 //!
 //! Every other path answers 404 and every other method 405: nothing can be written through
 //! the dashboard. It runs apart from the allocator, with the CLI's credentials, so a slow or
-//! hostile browser cannot delay a scheduling decision; inside the dashboard, event streams
-//! are capped at [`MAX_EVENT_CLIENTS`] and requests with oversized headers are refused by
-//! the HTTP layer (hyper's limits).
+//! hostile browser cannot delay a scheduling decision; inside the dashboard, connections are
+//! bounded by [`LIMITS`] and event streams capped at [`MAX_EVENT_CLIENTS`].
 
 pub mod view;
 
@@ -27,6 +26,7 @@ use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
+use converge_bus::metrics::ServeLimits;
 use converge_bus::{Bus, unix_now};
 use converge_common::{
     HostId, HostTelemetry, JobId, JobSpec, JobStatus, ProgressReport, decode, subjects,
@@ -47,6 +47,16 @@ pub const REFRESH_EVERY: Duration = Duration::from_secs(5);
 
 /// Most browsers following `/api/events` at once; more get 503.
 pub const MAX_EVENT_CLIENTS: usize = 64;
+
+/// What one client can hold of the dashboard: 128 connections, 5 s to send a request head
+/// of at most 16 KiB (a larger one gets 431), connections closed after 10 minutes (a
+/// browser's event stream then reconnects by itself).
+pub const LIMITS: ServeLimits = ServeLimits {
+    max_connections: 128,
+    header_read_timeout: Duration::from_secs(5),
+    max_header_bytes: 16 * 1024,
+    max_connection_age: Duration::from_secs(600),
+};
 
 /// Most loss points kept per job (the oldest go first).
 pub const MAX_POINTS_KEPT: usize = 5_000;
@@ -72,7 +82,17 @@ enum Input {
     Host(HostId, Option<Box<HostTelemetry>>),
     Progress(Box<ProgressReport>),
     Refused,
+    /// A source has delivered what it held at start (one per KV bucket and the stream).
+    CaughtUp,
 }
+
+/// Sources that must catch up before the first picture is published: three KV buckets and
+/// the progress stream.
+const SOURCES: usize = 4;
+
+/// The first picture is published after this long even if a source has not caught up (a
+/// source that cannot be read is logged; the page then shows what the others hold).
+pub const FIRST_PICTURE_WITHIN: Duration = Duration::from_secs(15);
 
 #[derive(Clone)]
 struct Shared {
@@ -130,13 +150,12 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
         state: state_rx,
         clients: Arc::new(Semaphore::new(MAX_EVENT_CLIENTS)),
     };
-    let app = router(shared);
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    converge_bus::metrics::serve_router(listener, router(shared), LIMITS, shutdown.clone());
     println!("dashboard: http://{bound}/");
     tracing::info!(%bound, "serving the dashboard");
-    tokio::select! {
-        served = axum::serve(listener, app) => served.context("dashboard server stopped")?,
-        () = converge_bus::shutdown_signal() => {}
-    }
+    converge_bus::shutdown_signal().await;
+    shutdown.cancel();
     tasks.abort_all();
     Ok(())
 }
@@ -217,20 +236,29 @@ async fn keep_picture(
     let mut model = Model::default();
     let mut version = 0u64;
     let mut dirty = true;
+    let mut caught_up = 0usize;
+    let started = tokio::time::Instant::now();
     let mut last_build = tokio::time::Instant::now() - REFRESH_EVERY;
     let mut tick = tokio::time::interval(REBUILD_EVERY);
     loop {
         tokio::select! {
             input = rx.recv() => {
                 let Some(input) = input else { return };
+                caught_up += usize::from(matches!(input, Input::CaughtUp));
                 apply(&mut model, input);
                 dirty = true;
                 // Drain what is queued before building.
                 while let Ok(input) = rx.try_recv() {
+                    caught_up += usize::from(matches!(input, Input::CaughtUp));
                     apply(&mut model, input);
                 }
             }
             _ = tick.tick() => {}
+        }
+        // Nothing is published before every source has delivered what it held at start:
+        // until then /api/state answers 503 and the page waits.
+        if caught_up < SOURCES && started.elapsed() < FIRST_PICTURE_WITHIN {
+            continue;
         }
         let since = last_build.elapsed();
         if (dirty && since >= REBUILD_EVERY) || since >= REFRESH_EVERY {
@@ -289,6 +317,7 @@ fn apply(model: &mut Model, input: Input) {
             }
         }
         Input::Refused => model.refused += 1,
+        Input::CaughtUp => {}
     }
 }
 
@@ -299,18 +328,33 @@ async fn follow_kv(
     tx: mpsc::Sender<Input>,
     read: impl Fn(String, Option<&[u8]>) -> Option<Input> + Send + 'static,
 ) {
+    let mut caught_up = false;
     loop {
+        // An empty bucket has nothing to deliver: caught up at once.
+        if !caught_up && store.status().await.is_ok_and(|s| s.values() == 0) {
+            caught_up = true;
+            if tx.send(Input::CaughtUp).await.is_err() {
+                return;
+            }
+        }
         match store.watch_with_history(">").await {
             Ok(mut watch) => {
                 while let Some(entry) = watch.next().await {
                     match entry {
                         Ok(e) => {
+                            let last_of_start = !caught_up && e.delta == 0;
                             let value = (e.operation == kv::Operation::Put).then_some(&e.value[..]);
                             if let Some(input) = read(e.key.clone(), value) {
                                 if matches!(input, Input::Refused) {
                                     tracing::warn!(bucket = %store.name, key = %e.key, "unreadable value; skipped");
                                 }
                                 if tx.send(input).await.is_err() {
+                                    return;
+                                }
+                            }
+                            if last_of_start {
+                                caught_up = true;
+                                if tx.send(Input::CaughtUp).await.is_err() {
                                     return;
                                 }
                             }
@@ -337,8 +381,10 @@ async fn follow_progress(
     tx: mpsc::Sender<Input>,
 ) {
     let mut last_seq = 0u64;
+    let mut caught_up = false;
     loop {
-        if let Err(e) = follow_progress_once(&client, &js, &tx, &mut last_seq).await {
+        if let Err(e) = follow_progress_once(&client, &js, &tx, &mut last_seq, &mut caught_up).await
+        {
             tracing::warn!("progress stream: {e}; following again after report {last_seq}");
         }
         if tx.is_closed() {
@@ -353,8 +399,15 @@ async fn follow_progress_once(
     js: &jetstream::Context,
     tx: &mpsc::Sender<Input>,
     last_seq: &mut u64,
+    caught_up: &mut bool,
 ) -> anyhow::Result<()> {
-    let stream = js.get_stream(subjects::PROGRESS_STREAM).await?;
+    let mut stream = js.get_stream(subjects::PROGRESS_STREAM).await?;
+    if !*caught_up && stream.info().await?.state.messages == 0 {
+        *caught_up = true;
+        if tx.send(Input::CaughtUp).await.is_err() {
+            return Ok(());
+        }
+    }
     let consumer = stream
         .create_consumer(push::OrderedConfig {
             deliver_subject: client.new_inbox(),
@@ -374,17 +427,27 @@ async fn follow_progress_once(
     let mut messages = consumer.messages().await?;
     while let Some(msg) = messages.next().await {
         let msg = msg?;
+        let mut last_of_start = false;
         if let Ok(info) = msg.info() {
             *last_seq = info.stream_sequence;
+            last_of_start = !*caught_up && info.pending == 0;
         }
         let input = match decode::<ProgressReport>(&msg.payload) {
-            Ok(r) if msg.subject.as_str() != subjects::progress(&r.job) => Input::Refused,
-            Ok(r) if r.rank != 0 => continue,
-            Ok(r) => Input::Progress(Box::new(r)),
-            Err(_) => Input::Refused,
+            Ok(r) if msg.subject.as_str() != subjects::progress(&r.job) => Some(Input::Refused),
+            Ok(r) if r.rank != 0 => None,
+            Ok(r) => Some(Input::Progress(Box::new(r))),
+            Err(_) => Some(Input::Refused),
         };
-        if tx.send(input).await.is_err() {
+        if let Some(input) = input
+            && tx.send(input).await.is_err()
+        {
             return Ok(());
+        }
+        if last_of_start {
+            *caught_up = true;
+            if tx.send(Input::CaughtUp).await.is_err() {
+                return Ok(());
+            }
         }
     }
     Ok(())

@@ -87,9 +87,9 @@ pub struct HostView {
     pub gpu_utilization_pct: f64,
     pub gpu_memory_used_bytes: u64,
     pub gpu_memory_total_bytes: u64,
-    /// Sum over the host's NICs.
-    pub rx_bytes_per_s: f64,
-    pub tx_bytes_per_s: f64,
+    /// Sum over the host's NICs; `None` for a lost host (its last rates are stale).
+    pub rx_bytes_per_s: Option<f64>,
+    pub tx_bytes_per_s: Option<f64>,
     pub last_seen: f64,
     /// Seconds since the latest telemetry.
     pub age_s: f64,
@@ -146,6 +146,8 @@ pub struct JobView {
     pub gpus_needed: Option<u32>,
     /// Estimated start of a pending job (see `converge_sched::outlook`).
     pub estimated_start: Option<f64>,
+    /// Rank 0's progress reports the dashboard has read for the job.
+    pub reports: usize,
     pub curve: Option<CurveView>,
     pub allocations: Vec<AllocationChange>,
 }
@@ -172,12 +174,20 @@ pub fn thin<T: Copy>(points: &[T], max: usize) -> Vec<T> {
         .collect()
 }
 
+/// The job's curve: its reports, the fit over them and, while the job is active, the
+/// prediction ahead with its band (an ended job has no future to predict).
 fn curve_view(status: &JobStatus, points: &[LossPoint]) -> Option<CurveView> {
     let wire = status.curve.as_ref()?;
     let curve = Curve::from_wire(wire)?;
-    let first = points.first()?;
-    let latest = points.iter().map(|p| p.samples).fold(0.0, f64::max);
-    let o = outlook::curve_outlook(&curve, first.samples, latest, CURVE_POINTS)?;
+    let first = points.first().map_or(0.0, |p| p.samples);
+    let latest = points
+        .iter()
+        .map(|p| p.samples)
+        .fold(status.samples as f64, f64::max);
+    let mut o = outlook::curve_outlook(&curve, first, latest, CURVE_POINTS)?;
+    if status.phase.is_terminal() {
+        o.ahead.clear();
+    }
     let mut restarts = Vec::new();
     for w in points.windows(2) {
         if w[1].generation != w[0].generation {
@@ -209,6 +219,7 @@ fn host_view(t: &HostTelemetry, now: f64, host_timeout_s: f64) -> HostView {
     }
     let n = t.gpus.len().max(1) as f64;
     let age = (now - t.time).max(0.0);
+    let lost = age > host_timeout_s;
     HostView {
         host: t.host.clone(),
         addr: t.addr.clone(),
@@ -218,16 +229,12 @@ fn host_view(t: &HostTelemetry, now: f64, host_timeout_s: f64) -> HostView {
         gpu_utilization_pct: t.gpus.iter().map(|g| g.utilization_pct).sum::<f64>() / n,
         gpu_memory_used_bytes: t.gpus.iter().map(|g| g.memory_used_bytes).sum(),
         gpu_memory_total_bytes: t.gpus.iter().map(|g| g.memory_total_bytes).sum(),
-        rx_bytes_per_s: t.nics.iter().map(|n| n.rx_bytes_per_s).sum(),
-        tx_bytes_per_s: t.nics.iter().map(|n| n.tx_bytes_per_s).sum(),
+        rx_bytes_per_s: (!lost).then(|| t.nics.iter().map(|n| n.rx_bytes_per_s).sum()),
+        tx_bytes_per_s: (!lost).then(|| t.nics.iter().map(|n| n.tx_bytes_per_s).sum()),
         last_seen: t.time,
         age_s: age,
-        lost: age > host_timeout_s,
-        workers: t
-            .workers
-            .iter()
-            .filter(|w| w.phase == WorkerPhase::Running)
-            .count() as u32,
+        lost,
+        workers: t.workers.iter().filter(|w| w.phase.is_alive()).count() as u32,
         gpus: t
             .gpus
             .iter()
@@ -302,6 +309,7 @@ pub fn build(
                 queue_position: q.map(|e| e.position),
                 gpus_needed: q.map(|e| e.gpus_needed),
                 estimated_start: q.and_then(|e| e.estimated_start),
+                reports: points.len(),
                 curve: curve_view(s, points),
                 allocations: s.allocations.clone(),
             })
@@ -468,9 +476,12 @@ mod tests {
         assert_eq!(h1.gpus[0].job.as_ref().map(JobId::as_str), Some("a"));
         assert_eq!(h1.gpus[0].power_w, Some(250.0));
         assert!(s.hosts[1].lost);
+        assert_eq!(s.hosts[1].rx_bytes_per_s, None);
+        assert_eq!(h1.workers, 1);
         // Running first, then pending, then ended.
         let order: Vec<&str> = s.jobs.iter().map(|j| j.job.as_str()).collect();
         assert_eq!(order, ["a", "p", "done"]);
+        assert_eq!((s.jobs[0].reports, s.jobs[1].reports), (1000, 0));
         let c = s.jobs[0].curve.as_ref().unwrap();
         assert_eq!(c.points.len(), MAX_POINTS_SENT);
         assert_eq!(c.points.last().unwrap().0, 1000.0);
@@ -483,6 +494,17 @@ mod tests {
             (p.queue_position, p.gpus_needed, p.estimated_start),
             (Some(1), Some(1), Some(100.0))
         );
+        // An ended job keeps its fit but predicts nothing ahead; a job whose reports are not
+        // (yet) read still gets its curve over its samples.
+        let mut m2 = m.clone();
+        let a = m2.statuses.get_mut(&JobId::new("a").unwrap()).unwrap();
+        a.phase = JobPhase::Completed;
+        m2.points.clear();
+        let s2 = build(&m2, 9, 100.0, 15.0, 10);
+        let c = s2.jobs.iter().find(|j| j.job.as_str() == "a").unwrap();
+        let c = c.curve.as_ref().unwrap();
+        assert!(c.ahead.is_empty() && c.points.is_empty());
+        assert_eq!(c.fit.last().unwrap().0, 1000.0);
         // Ended jobs beyond the limit are left out.
         let s = build(&m, 8, 100.0, 15.0, 0);
         assert_eq!(s.jobs.len(), 2);

@@ -4,7 +4,17 @@
 
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) =>
   ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" }[c]));
-const num = (x, digits = 3) => (x == null || !isFinite(x) ? "—" : Number(x).toPrecision(digits));
+// Significant digits without trailing zeros; tiny values (a curve's asymptote near 0) as ≈0.
+const num = (x, digits = 3) => {
+  if (x == null || !isFinite(x)) return "—";
+  if (x !== 0 && Math.abs(x) < 1e-6) return "≈0";
+  const a = Math.abs(x);
+  if (a >= Math.pow(10, digits)) return Math.round(x).toLocaleString("en");
+  return String(parseFloat(Number(x).toPrecision(digits)));
+};
+const plural = (n, word) => `${n} ${word}${n === 1 ? "" : "s"}`;
+// The allocator's sentences name the job and use "->": the row already names it.
+const reasonText = (job, r) => String(r ?? "").replace(`job ${job}: `, "").replace(/ -> /g, " → ");
 const int = (x) => (x == null ? "—" : Math.round(x).toLocaleString("en"));
 const bytes = (b) => {
   if (b == null) return "—";
@@ -37,7 +47,7 @@ function renderHosts(st) {
       (g.power_w != null ? `, ${num(g.power_w, 3)} W` : "") + (g.job ? `, job ${esc(g.job)}` : ", idle") +
       `">${g.utilization_pct > 0 ? "▮" : "▯"}</span>`).join("");
     return `<tr data-host="${esc(h.host)}" class="${h.lost ? "lost" : ""}">
-      <th scope="row">${esc(h.host)}<br><small>${esc(h.addr)} · ${esc(h.gpu_source)}</small></th>
+      <th scope="row" title="${esc(h.addr)} · GPUs from ${esc(h.gpu_source)}">${esc(h.host)}</th>
       <td data-field="state">${h.lost ? "lost" : "live"}</td>
       <td data-field="gpus" class="num">${h.gpus_busy}/${h.gpus_total}</td>
       <td><span class="bar" aria-hidden="true"><span style="width:${util}%"></span></span>${util.toFixed(0)} %</td>
@@ -45,7 +55,7 @@ function renderHosts(st) {
       <td class="gpus">${gpus}</td>
       <td>${rate(h.rx_bytes_per_s)} / ${rate(h.tx_bytes_per_s)}</td>
       <td class="num">${h.workers}</td>
-      <td>${ago(h.age_s)}${h.lost ? " (fenced)" : ""}</td></tr>`;
+      <td>${ago(h.age_s)}</td></tr>`;
   });
   document.querySelector("#hosts tbody").innerHTML =
     rows.join("") || `<tr><td colspan="9">No host has reported yet.</td></tr>`;
@@ -63,7 +73,7 @@ function placementText(j) {
 function queueText(j, now) {
   if (j.queue_position == null) return "—";
   const eta = j.estimated_start == null ? "start unknown" : `est. start ${inS(j.estimated_start - now)}`;
-  return `#${j.queue_position} (${j.gpus_needed} GPUs), ${eta}`;
+  return `#${j.queue_position} (${plural(j.gpus_needed, "GPU")}), ${eta}`;
 }
 
 function whyText(j) {
@@ -71,7 +81,7 @@ function whyText(j) {
   if (j.end) {
     return `ended: ${j.end.reason.replace("_", " ")}, ${num(j.end.gpu_hours, 3)} GPU-hours`;
   }
-  return j.message || (last ? last.reason : "");
+  return j.message || (last ? reasonText(j.job, last.reason) : "");
 }
 
 function renderJobs(st) {
@@ -83,12 +93,12 @@ function renderJobs(st) {
       <td data-field="phase" class="phase ${esc(j.phase)}">${esc(j.phase)}</td>
       <td data-field="workers" class="num" title="allowed ${workers}">${j.workers}</td>
       <td data-field="generation" class="num">${j.generation}</td>
-      <td>${esc(placementText(j)) || "—"}</td>
+      <td class="wrap">${esc(placementText(j)) || "—"}</td>
       <td>${b}</td>
       <td class="num">${num(j.samples_per_s, 4)}</td>
       <td class="num">${num(j.loss, 4)}</td>
       <td class="num">${num(j.predicted_loss, 4)}</td>
-      <td data-field="queue">${esc(queueText(j, st.generated_at))}</td>
+      <td data-field="queue" class="wrap">${esc(queueText(j, st.generated_at))}</td>
       <td class="why">${esc(whyText(j))}</td></tr>`;
   });
   document.querySelector("#jobs tbody").innerHTML =
@@ -115,7 +125,7 @@ const path = (pts, x, y) => pts.map((p, i) => `${i ? "L" : "M"}${x(p[0]).toFixed
 function curveSvg(j) {
   const c = j.curve;
   const W = 320, H = 170, L = 44, R = 8, T = 8, B = 24;
-  const xs = c.points.map((p) => p[0]).concat(c.ahead.map((p) => p.samples));
+  const xs = c.points.map((p) => p[0]).concat(c.fit.map((p) => p[0]), c.ahead.map((p) => p.samples));
   const ys = c.points.map((p) => p[1]).concat(c.fit.map((p) => p[1]), c.ahead.map((p) => p.low), c.ahead.map((p) => p.high));
   const x0 = Math.min(...xs), x1 = Math.max(...xs);
   let y0 = Math.min(...ys), y1 = Math.max(...ys);
@@ -123,70 +133,86 @@ function curveSvg(j) {
   const x = scale(x0, x1, L, W - R), y = scale(y0, y1, H - B, T);
   const grid = ticks(y0, y1, 4).map((v) => `<line class="grid" x1="${L}" x2="${W - R}" y1="${y(v).toFixed(1)}" y2="${y(v).toFixed(1)}"/><text x="${L - 4}" y="${(y(v) + 3).toFixed(1)}" text-anchor="end">${short(v)}</text>`).join("");
   const xt = ticks(x0, x1, 4).map((v) => `<text x="${x(v).toFixed(1)}" y="${H - B + 12}" text-anchor="middle">${short(v)}</text>`).join("");
-  const band = c.ahead.map((p, i) => `${i ? "L" : "M"}${x(p.samples).toFixed(1)},${y(p.high).toFixed(1)}`).join("") +
-    c.ahead.slice().reverse().map((p) => `L${x(p.samples).toFixed(1)},${y(p.low).toFixed(1)}`).join("") + "Z";
+  const band = c.ahead.length ? c.ahead.map((p, i) => `${i ? "L" : "M"}${x(p.samples).toFixed(1)},${y(p.high).toFixed(1)}`).join("") +
+    c.ahead.slice().reverse().map((p) => `L${x(p.samples).toFixed(1)},${y(p.low).toFixed(1)}`).join("") + "Z" : "";
   const dots = c.points.length <= 80 ? c.points.map((p) => `<circle class="dot" r="1.6" cx="${x(p[0]).toFixed(1)}" cy="${y(p[1]).toFixed(1)}"/>`).join("") : "";
   const restarts = c.restarts.map(([s, g]) => `<line class="restart" x1="${x(s).toFixed(1)}" x2="${x(s).toFixed(1)}" y1="${T}" y2="${H - B}"><title>generation ${g} starts</title></line><text x="${(x(s) + 2).toFixed(1)}" y="${T + 9}">g${g}</text>`).join("");
   const asym = c.asymptote >= y0 && c.asymptote <= y1 ? `<line class="asymptote" x1="${L}" x2="${W - R}" y1="${y(c.asymptote).toFixed(1)}" y2="${y(c.asymptote).toFixed(1)}"><title>asymptote ${num(c.asymptote, 4)}</title></line>` : "";
   return `<svg viewBox="0 0 ${W} ${H}" width="100%" data-curve="${esc(j.job)}" role="img" aria-label="Loss of ${esc(j.job)} against samples">
-    <defs><pattern id="hatch" width="5" height="5" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="5" height="5" fill="#e3edf8"/><line x1="0" y1="0" x2="0" y2="5" stroke="#9dbbe0" stroke-width="1.5"/></pattern></defs>
     ${grid}${xt}<path class="axis" d="M${L},${T}V${H - B}H${W - R}"/>
     <text x="${W - R}" y="${H - 2}" text-anchor="end">samples</text>
-    <path class="band" d="${band}"><title>p90 band of measured prediction errors</title></path>
+    ${band ? `<path class="band" d="${band}"><title>p90 band of measured prediction errors</title></path>` : ""}
     ${asym}<path class="observed" d="${path(c.points, x, y)}"><title>reported loss</title></path>${dots}
     <path class="fit" d="${path(c.fit, x, y)}"><title>fitted ${esc(c.family)} curve, rmse ${num(c.rmse, 3)}</title></path>
-    <path class="prediction" d="${path(c.ahead.map((p) => [p.samples, p.loss]), x, y)}"><title>prediction ahead</title></path>
+    ${c.ahead.length ? `<path class="prediction" d="${path(c.ahead.map((p) => [p.samples, p.loss]), x, y)}"><title>prediction ahead</title></path>` : ""}
     ${restarts}</svg>`;
 }
 
 function renderCurves(st) {
   const cards = st.jobs.filter((j) => j.curve).map((j) => `<div class="card">
-      <h3>${esc(j.job)} <small class="phase ${esc(j.phase)}">${esc(j.phase)} · ${j.workers} workers</small></h3>
+      <h3>${esc(j.job)} <small class="phase ${esc(j.phase)}">${esc(j.phase)} · ${plural(j.workers, "worker")}</small></h3>
       ${curveSvg(j)}
-      <p>loss ${num(j.loss, 4)} · predicted ${num(j.predicted_loss, 4)} · asymptote ${num(j.curve.asymptote, 4)} · ${esc(j.curve.family)} fit</p></div>`);
+      <p>loss ${num(j.loss, 4)} · asymptote ${num(j.curve.asymptote, 4)} · ${esc(j.curve.family)} fit, rmse ${num(j.curve.rmse, 2)}${j.curve.ahead.length ? ` · prediction drawn ${plural(j.curve.ahead.length ? Math.round(j.curve.ahead[j.curve.ahead.length - 1].samples - j.curve.ahead[0].samples) : 0, "sample")} ahead` : " · ended: no prediction"}</p></div>`);
   const waiting = st.jobs.filter((j) => !j.curve && (j.phase === "running" || j.phase === "restarting")).map((j) => j.job);
   document.getElementById("curves").innerHTML = cards.join("") +
     (waiting.length ? `<p class="legend">No curve fitted yet (fewer than 5 reports): ${waiting.map(esc).join(", ")}</p>` : "") +
     (!cards.length && !waiting.length ? `<p class="legend">No curves yet.</p>` : "");
 }
 
+// Clock ticks at whole steps of 1 s up to 1 day, about n of them.
+function timeTicks(t0, t1, n) {
+  const steps = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400];
+  const step = steps.find((s) => (t1 - t0) / s <= n) ?? 86400;
+  const out = [];
+  for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) out.push(t);
+  return out;
+}
+
+// Most lanes drawn: active jobs first, then the most recently ended.
+const MAX_LANES = 40;
+
 function renderTimeline(st) {
   const svg = document.getElementById("timeline");
-  const jobs = st.jobs.filter((j) => j.allocations.length);
+  const changesTable = document.getElementById("changes");
+  const jobs = st.jobs.filter((j) => j.allocations.length).slice(0, MAX_LANES);
   const now = st.generated_at;
-  const W = Math.max(600, svg.clientWidth || 900), lane = 22, L = 150, R = 10, T = 18;
-  const H = T + Math.max(1, jobs.length) * lane + 6;
+  const W = Math.max(600, svg.clientWidth || 900), lane = 24, L = 160, R = 40, T = 6, axis = 18;
+  const H = T + Math.max(1, jobs.length) * lane + axis;
   svg.setAttribute("viewBox", `0 0 ${W} ${H}`);
   svg.setAttribute("height", H);
   if (!jobs.length) {
-    svg.innerHTML = `<text x="10" y="20">No allocation changes yet.</text>`;
-    document.querySelector("#changes tbody").innerHTML = "";
+    svg.setAttribute("height", 40);
+    svg.setAttribute("viewBox", `0 0 ${W} 40`);
+    svg.innerHTML = `<text x="12" y="24" style="font-size:14px">No allocation changes yet: jobs appear here once the allocator places them.</text>`;
+    changesTable.classList.add("empty");
     return;
   }
-  const t0 = Math.min(...jobs.map((j) => Math.min(j.submitted_at, j.allocations[0].time)));
-  const x = scale(t0, now, L, W - R);
+  changesTable.classList.remove("empty");
+  const t0 = Math.min(...jobs.map((j) => j.allocations[0].time));
+  const x = scale(t0, Math.max(now, t0 + 1), L, W - R);
   const maxW = Math.max(1, ...jobs.flatMap((j) => j.allocations.map((a) => a.workers)));
-  let out = ticks(t0, now, 6).map((t) => `<text x="${x(t).toFixed(1)}" y="12" text-anchor="middle">${clock(t)}</text>`).join("");
+  const bottom = T + jobs.length * lane;
+  let out = timeTicks(t0, now, 6).map((t) => `<line class="grid" x1="${x(t).toFixed(1)}" x2="${x(t).toFixed(1)}" y1="${T}" y2="${bottom}"/><text x="${x(t).toFixed(1)}" y="${bottom + 13}" text-anchor="middle">${clock(t)}</text>`).join("");
   const changes = [];
   jobs.forEach((j, i) => {
     const top = T + i * lane, h = lane - 4;
-    out += `<rect class="lane" x="${L}" y="${top}" width="${W - R - L}" height="${h}"/><text x="${L - 6}" y="${top + h - 5}" text-anchor="end">${esc(j.job)}</text>`;
+    out += `<rect class="lane" x="${L}" y="${top}" width="${W - R - L}" height="${h}"/><text x="${L - 6}" y="${top + h - 6}" text-anchor="end">${esc(j.job)}</text>`;
     const end = j.finished_at ?? now;
     j.allocations.forEach((a, k) => {
       const next = k + 1 < j.allocations.length ? j.allocations[k + 1].time : end;
       if (a.workers > 0) {
-        const bh = Math.max(2, (h * a.workers) / maxW);
-        out += `<rect class="alloc" x="${x(a.time).toFixed(1)}" y="${(top + h - bh).toFixed(1)}" width="${Math.max(1, x(next) - x(a.time)).toFixed(1)}" height="${bh.toFixed(1)}"><title>${esc(j.job)}: ${a.workers} workers on ${a.hosts} hosts (generation ${a.generation})</title></rect>`;
+        const bh = Math.max(5, (h * a.workers) / maxW);
+        out += `<rect class="alloc" x="${x(a.time).toFixed(1)}" y="${(top + h - bh).toFixed(1)}" width="${Math.max(1, x(next) - x(a.time)).toFixed(1)}" height="${bh.toFixed(1)}"><title>${esc(j.job)}: ${plural(a.workers, "worker")} on ${plural(a.hosts, "host")} (generation ${a.generation})</title></rect>`;
       }
       const glyph = a.workers === 0 ? "✕" : "▲";
-      out += `<text class="change ${a.cause === "host_lost" ? "lost" : ""}" x="${x(a.time).toFixed(1)}" y="${top + 10}" text-anchor="middle">${glyph}<title>${esc(clock(a.time))} ${esc(a.reason)}</title></text>`;
+      out += `<text class="change ${a.cause === "host_lost" ? "lost" : ""}" x="${x(a.time).toFixed(1)}" y="${top + 11}" text-anchor="middle">${glyph}<title>${esc(clock(a.time))} ${esc(reasonText(j.job, a.reason))}</title></text>`;
       changes.push({ job: j.job, a });
     });
   });
   svg.innerHTML = out;
   changes.sort((p, q) => q.a.time - p.a.time);
-  document.querySelector("#changes tbody").innerHTML = changes.slice(0, 30).map(({ job, a }) =>
-    `<tr><td>${clock(a.time)}</td><td>${esc(job)}</td><td class="num">${a.from_workers} → ${a.workers}</td><td>${esc(a.cause.replace("_", " "))}</td><td class="why">${esc(a.reason)}</td></tr>`).join("");
+  changesTable.querySelector("tbody").innerHTML = changes.slice(0, 30).map(({ job, a }) =>
+    `<tr><td>${clock(a.time)}</td><td>${esc(job)}</td><td class="num">${a.from_workers} → ${a.workers}</td><td>${esc(a.cause.replace("_", " "))}</td><td class="why">${esc(reasonText(job, a.reason))}</td></tr>`).join("");
 }
 
 function render(st) {
