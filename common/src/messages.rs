@@ -809,9 +809,60 @@ pub struct AllocationChange {
 }
 
 impl JobStatus {
-    /// Appends `change` to [`JobStatus::allocations`], dropping the oldest entries beyond
-    /// [`MAX_ALLOCATION_CHANGES`].
-    pub fn record_allocation(&mut self, change: AllocationChange) {
+    /// The status of a job just admitted: pending, generation 0, nothing placed or reported.
+    pub fn pending(job: JobId, submitted_at: f64, now: f64) -> Self {
+        Self {
+            protocol: PROTOCOL_VERSION,
+            job,
+            phase: JobPhase::Pending,
+            generation: 0,
+            world_size: 0,
+            placement: Vec::new(),
+            ps_placement: Vec::new(),
+            master_addr: None,
+            master_port: None,
+            step: 0,
+            samples: 0,
+            first_loss: None,
+            loss: None,
+            eval_loss: None,
+            curve: None,
+            predicted_loss: None,
+            samples_per_s: None,
+            step_time_s: None,
+            predicted_step_time_s: None,
+            submitted_at,
+            started_at: None,
+            finished_at: None,
+            updated_at: now,
+            message: None,
+            batch: None,
+            end: None,
+            allocations: Vec::new(),
+        }
+    }
+
+    /// Records the change that gave the job its current generation, world size and
+    /// placement (call it after setting them): appends to [`JobStatus::allocations`],
+    /// dropping the oldest entries beyond [`MAX_ALLOCATION_CHANGES`].
+    pub fn record_allocation(
+        &mut self,
+        time: f64,
+        from_workers: u32,
+        cause: ChangeCause,
+        reason: String,
+    ) {
+        let hosts: std::collections::BTreeSet<&HostId> =
+            self.placement.iter().map(|p| &p.host).collect();
+        let change = AllocationChange {
+            time,
+            generation: self.generation,
+            from_workers,
+            workers: self.world_size,
+            hosts: hosts.len() as u32,
+            cause,
+            reason,
+        };
         self.allocations.push(change);
         let extra = self
             .allocations

@@ -20,9 +20,9 @@ use crate::ps_plan::{PsHost, PsJob, PsPlan, plan_ps_job};
 use crate::stop::{self, StopInputs, predicted_final_loss};
 use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior};
 use converge_common::{
-    AllocationChange, AssignedBatch, BatchSpec, ChangeCause, EndReason, Event, EventKind, HostId,
-    HostPlan, HostTelemetry, JobBatch, JobEnd, JobId, JobPhase, JobSpec, JobStatus,
-    PROTOCOL_VERSION, RankPlacement, SyncArch, WorkerAssignment, WorkerPhase,
+    AssignedBatch, BatchSpec, ChangeCause, EndReason, Event, EventKind, HostId, HostPlan,
+    HostTelemetry, JobBatch, JobEnd, JobId, JobPhase, JobSpec, JobStatus, PROTOCOL_VERSION,
+    RankPlacement, SyncArch, WorkerAssignment, WorkerPhase,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -556,21 +556,8 @@ fn follow_master_addr(
                     "job {}: rank 0's host now answers at {addr} (was {old}); restarting as generation {}",
                     status.job, status.generation
                 );
-                let hosts = status
-                    .placement
-                    .iter()
-                    .map(|p| &p.host)
-                    .collect::<BTreeSet<_>>()
-                    .len() as u32;
-                status.record_allocation(AllocationChange {
-                    time: now,
-                    generation: status.generation,
-                    from_workers: status.world_size,
-                    workers: status.world_size,
-                    hosts,
-                    cause: ChangeCause::Address,
-                    reason: reason.clone(),
-                });
+                let workers = status.world_size;
+                status.record_allocation(now, workers, ChangeCause::Address, reason.clone());
                 out.events.push(event(
                     now,
                     EventKind::AllocationChanged {
@@ -589,35 +576,7 @@ fn follow_master_addr(
 }
 
 fn new_status(id: &JobId, submitted_at: f64, now: f64) -> JobStatus {
-    JobStatus {
-        protocol: PROTOCOL_VERSION,
-        job: id.clone(),
-        phase: JobPhase::Pending,
-        generation: 0,
-        world_size: 0,
-        placement: Vec::new(),
-        ps_placement: Vec::new(),
-        master_addr: None,
-        master_port: None,
-        step: 0,
-        samples: 0,
-        first_loss: None,
-        loss: None,
-        eval_loss: None,
-        curve: None,
-        predicted_loss: None,
-        samples_per_s: None,
-        step_time_s: None,
-        predicted_step_time_s: None,
-        submitted_at,
-        started_at: None,
-        finished_at: None,
-        updated_at: now,
-        message: None,
-        batch: None,
-        end: None,
-        allocations: Vec::new(),
-    }
+    JobStatus::pending(id.clone(), submitted_at, now)
 }
 
 fn finish(
@@ -714,24 +673,18 @@ fn advance(
                 status.job
             ),
         ));
-        status.record_allocation(AllocationChange {
-            time: now,
-            generation: status.generation,
-            from_workers: status.world_size,
-            workers: 0,
-            hosts: 0,
-            cause: ChangeCause::HostLost,
-            reason: format!(
-                "job {}: host {host} stopped reporting; waiting to be placed again from its checkpoint",
-                status.job
-            ),
-        });
+
+        let from = status.world_size;
         status.phase = JobPhase::Pending;
         status.world_size = 0;
         status.placement.clear();
         status.ps_placement.clear();
         status.master_port = None;
         status.message = Some(format!("host {host} stopped reporting"));
+        status.record_allocation(now, from, ChangeCause::HostLost, format!(
+                "job {}: host {host} stopped reporting; waiting to be placed again from its checkpoint",
+                status.job
+            ));
         return;
     }
     if let Some((host, w)) = current.iter().find(|(_, w)| w.phase == WorkerPhase::Failed) {
@@ -1091,21 +1044,7 @@ fn allocate(
                 )
             }
         };
-        let hosts = status
-            .placement
-            .iter()
-            .map(|p| &p.host)
-            .collect::<BTreeSet<_>>()
-            .len() as u32;
-        status.record_allocation(AllocationChange {
-            time: now,
-            generation: status.generation,
-            from_workers: from,
-            workers: to,
-            hosts,
-            cause,
-            reason: reason.clone(),
-        });
+        status.record_allocation(now, from, cause, reason.clone());
         out.events.push(event(
             now,
             EventKind::AllocationChanged {
@@ -1642,10 +1581,8 @@ mod tests {
 
         let mut s = s.clone();
         for g in 0..(MAX_ALLOCATION_CHANGES as u64 + 5) {
-            s.record_allocation(AllocationChange {
-                generation: 100 + g,
-                ..last.clone()
-            });
+            s.generation = 100 + g;
+            s.record_allocation(50.0, 1, ChangeCause::Moved, "moved".into());
         }
         assert_eq!(s.allocations.len(), MAX_ALLOCATION_CHANGES);
         assert_eq!(

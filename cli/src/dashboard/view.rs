@@ -360,14 +360,7 @@ mod tests {
     use converge_common::{FittedCurve, GpuSample, RankPlacement, WorkerState};
 
     fn status(id: &str, phase: JobPhase, workers: u32, submitted: f64) -> JobStatus {
-        let mut s: JobStatus = serde_json::from_value(serde_json::json!({
-            "job": id, "phase": "pending", "generation": 0, "world_size": 0, "placement": [],
-            "master_port": null, "step": 0, "samples": 0, "first_loss": null, "loss": null,
-            "eval_loss": null, "curve": null, "predicted_loss": null, "samples_per_s": null,
-            "submitted_at": submitted, "started_at": null, "finished_at": null,
-            "updated_at": submitted, "message": null
-        }))
-        .unwrap();
+        let mut s = JobStatus::pending(JobId::new(id).unwrap(), submitted, submitted);
         s.phase = phase;
         s.world_size = workers;
         s
