@@ -32,13 +32,17 @@ trap 'rm -rf "$work"' EXIT
 # apt-get download writes as the _apt user where it can; a world-writable folder avoids
 # its "unsandboxed" warning.
 mkdir -m 0777 "$work/deb"
-(cd "$work/deb" && apt-get download prometheus >/dev/null) \
+# Stale or missing package lists (a fresh CI machine): refresh them once, as root.
+(cd "$work/deb" && apt-get download prometheus >/dev/null 2>&1) \
+    || { [[ $EUID -eq 0 ]] && apt-get update -qq >/dev/null \
+        && (cd "$work/deb" && apt-get download prometheus >/dev/null); } \
     || die "apt-get download prometheus failed (apt-get update first?)"
 deb=$(ls "$work"/deb/prometheus_*.deb)
 version=$(dpkg-deb -f "$deb" Version)          # e.g. 2.42.0+ds-5+deb12u1
 tag="converge/prometheus:${version%%+*}"       # converge/prometheus:2.42.0
 if docker image inspect "$tag" >/dev/null 2>&1 && [[ $rebuild -eq 0 ]]; then
     echo "==> $tag exists (--rebuild to remake it)" >&2
+    echo "$tag"
     exit 0
 fi
 dpkg-deb -x "$deb" "$work/x"

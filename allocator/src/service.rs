@@ -471,7 +471,9 @@ fn record_changes(events: &[Event], statuses: &BTreeMap<JobId, JobStatus>) {
     }
 }
 
-/// Per-job series of the jobs still pending, restarting or running, label `job` only:
+/// Per-job series of the jobs still pending, restarting or running, label `job_id` only
+/// (not `job`: Prometheus gives every scraped series its target's `job` label, and would
+/// rename ours to `exported_job`):
 /// a finished job (or a deleted one) has no series from the next step on, so the number of
 /// series follows the number of active jobs, not every job ever submitted. Missing figures
 /// (no loss reported yet, no fitted curve) have no series.
@@ -505,7 +507,7 @@ fn job_families(statuses: &BTreeMap<JobId, JobStatus>) -> converge_bus::metrics:
         ) {
             continue;
         }
-        let job = || vec![("job", s.job.to_string())];
+        let job = || vec![("job_id", s.job.to_string())];
         loss.push_some(job(), s.loss);
         predicted.push_some(job(), s.predicted_loss);
         workers.push(job(), f64::from(s.world_size));
@@ -880,12 +882,12 @@ mod tests {
             .samples_per_s = Some(250.0);
         let text = converge_bus::metrics::render_snapshots([&job_families(&statuses)]);
         for line in [
-            r#"converge_job_loss{job="run"} 0.5"#,
-            r#"converge_job_predicted_loss{job="run"} 0.4"#,
-            r#"converge_job_samples_per_second{job="run"} 250"#,
-            r#"converge_job_workers{job="run"} 2"#,
-            r#"converge_job_workers{job="wait"} 2"#,
-            r#"converge_job_generation{job="run"} 3"#,
+            r#"converge_job_loss{job_id="run"} 0.5"#,
+            r#"converge_job_predicted_loss{job_id="run"} 0.4"#,
+            r#"converge_job_samples_per_second{job_id="run"} 250"#,
+            r#"converge_job_workers{job_id="run"} 2"#,
+            r#"converge_job_workers{job_id="wait"} 2"#,
+            r#"converge_job_generation{job_id="run"} 3"#,
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line}:\n{text}");
         }

@@ -3,9 +3,9 @@
 #
 #   1. deploy/build-images.sh (once; skips what is up to date)
 #   2. with --skip-build each: happy-path.sh, agent-restart.sh, nats-restart.sh,
-#      kill-allocator.sh, partition.sh, two-allocators.sh (compose, secured NATS, each its
-#      own project), systemd-verify.sh, systemd-container.sh (--no-systemd-container
-#      leaves it out)
+#      kill-allocator.sh, partition.sh, two-allocators.sh, monitoring.sh (compose, secured
+#      NATS, each its own project), systemd-verify.sh, systemd-container.sh
+#      (--no-systemd-container leaves it out)
 #   3. a summary table: each test's result, recovery time and figures; exit status 1 if
 #      any failed
 #
@@ -46,7 +46,7 @@ docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null \
     || no_docker "neither 'docker compose' nor 'docker-compose' is available"
 command -v python3 >/dev/null || { echo "run-all.sh: python3 is required" >&2; exit 1; }
 
-tests=(happy-path agent-restart nats-restart kill-allocator partition two-allocators systemd-verify)
+tests=(happy-path agent-restart nats-restart kill-allocator partition two-allocators monitoring systemd-verify)
 [[ $systemd_container -eq 0 ]] || tests+=(systemd-container)
 if [[ ${#only[@]} -gt 0 ]]; then
     for t in "${only[@]}"; do [[ -x "$here/$t.sh" ]] || { echo "run-all.sh: no test $t" >&2; exit 2; }; done

@@ -122,7 +122,7 @@ fn series<'a>(samples: &'a [Sample], name: &str) -> Vec<&'a Sample> {
 fn job_value(samples: &[Sample], name: &str, job: &str) -> Option<f64> {
     samples
         .iter()
-        .find(|s| s.name == name && s.labels.get("job").map(String::as_str) == Some(job))
+        .find(|s| s.name == name && s.labels.get("job_id").map(String::as_str) == Some(job))
         .map(|s| s.value)
 }
 
@@ -282,7 +282,7 @@ async fn agent_and_allocator_metrics_over_http() {
         .iter()
         .filter(|s| s.name.starts_with("converge_job_"))
     {
-        assert_eq!(s.labels.keys().collect::<Vec<_>>(), ["job"], "{s:?}");
+        assert_eq!(s.labels.keys().collect::<Vec<_>>(), ["job_id"], "{s:?}");
     }
     assert!(
         running
@@ -321,7 +321,7 @@ async fn agent_and_allocator_metrics_over_http() {
         || async {
             let s = scrape(alloc_addr).await;
             (!s.iter()
-                .any(|s| s.labels.get("job").map(String::as_str) == Some("metrics-job")))
+                .any(|s| s.labels.get("job_id").map(String::as_str) == Some("metrics-job")))
             .then_some(())
         },
     )
