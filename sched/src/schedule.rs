@@ -1577,7 +1577,6 @@ mod tests {
         );
         let lost = &s.allocations[1];
         assert!(lost.reason.contains(first.as_str()), "{}", lost.reason);
-        let last = s.allocations.last().unwrap();
 
         let mut s = s.clone();
         for g in 0..(MAX_ALLOCATION_CHANGES as u64 + 5) {
