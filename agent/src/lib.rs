@@ -4,6 +4,7 @@
 
 pub mod gpu;
 pub mod host;
+pub mod labels;
 pub mod metrics;
 pub mod reconcile;
 pub mod supervisor;
@@ -93,6 +94,11 @@ pub struct AgentConfig {
     /// sample. Off when unset.
     #[arg(long, env = "CONVERGE_METRICS_ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// A custom label of this host, `key=value` (repeatable; the environment variable takes
+    /// a comma-separated list), which job selectors match; `gpu.*` keys are reserved for the
+    /// labels the agent sets itself (`gpu.model`, `gpu.memory`, `gpu.count`).
+    #[arg(long = "label", value_name = "KEY=VALUE", env = "CONVERGE_AGENT_LABELS", value_delimiter = ',', value_parser = labels::parse_label_arg)]
+    pub labels: Vec<String>,
     /// Print one telemetry sample (GPUs, NICs over one second, CPU, memory) as JSON and
     /// exit, without connecting to NATS: checks the GPU source on a new node.
     #[arg(long)]
@@ -108,6 +114,8 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     };
     let mut gpus =
         gpu::open_gpu_source(host.as_str(), cfg.fake_gpus).map_err(anyhow::Error::msg)?;
+    let host_labels = labels::host_labels(&cfg.labels, &gpus.sample(&Default::default()))
+        .map_err(|e| anyhow::anyhow!("invalid --label: {e}"))?;
     let mut host_sampler = host::HostSampler::new().map_err(anyhow::Error::msg)?;
     let addr = cfg
         .advertise_addr
@@ -131,6 +139,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
             workers: Vec::new(),
             malformed_progress_lines: 0,
             ignored_gradient_stats: 0,
+            labels: host_labels,
         };
         println!("{}", serde_json::to_string_pretty(&sample)?);
         return Ok(());
@@ -248,6 +257,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
                 workers,
                 malformed_progress_lines: sup.malformed_lines(),
                 ignored_gradient_stats: sup.ignored_gradient_stats(),
+                labels: host_labels.clone(),
             };
             let stored = publish_telemetry(&bus, &telemetry).await;
             last_published = tokio::time::Instant::now();

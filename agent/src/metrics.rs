@@ -335,6 +335,7 @@ mod tests {
             }],
             malformed_progress_lines: 4,
             ignored_gradient_stats: 5,
+            labels: Default::default(),
         }
     }
 

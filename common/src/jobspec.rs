@@ -186,6 +186,12 @@ pub struct JobSpec {
     /// Free-form labels shown by the CLI (e.g. `model`, `dataset`).
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// Node selector (`[selector]`): the job's workers (and parameter-server shards) go only
+    /// to hosts whose labels ([`crate::HostTelemetry::labels`]) have every pair, each with
+    /// exactly this value (e.g. `"gpu.model" = "NVIDIA-H100-80GB-HBM3"`, `zone = "a"`).
+    /// Empty: any host. Same syntax and bounds as host labels ([`crate::labels`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub selector: BTreeMap<String, String>,
     /// Submission time (UNIX seconds); set by `converge submit`.
     #[serde(default)]
     pub submitted_at: f64,
@@ -227,6 +233,8 @@ pub enum JobSpecError {
     Stop(String),
     #[error("`[batch]`: {0}")]
     Batch(String),
+    #[error("`[selector]`: {0}")]
+    Selector(String),
     #[error("unsupported protocol version {0}")]
     Protocol(u32),
 }
@@ -307,6 +315,7 @@ impl JobSpec {
                 )));
             }
         }
+        crate::labels::validate(&self.selector).map_err(JobSpecError::Selector)?;
         for key in self.env.keys() {
             if RESERVED_ENV.contains(&key.as_str()) {
                 return Err(JobSpecError::ReservedEnv(key.clone()));
@@ -564,6 +573,38 @@ mod tests {
             "unknown variant `mesh`",
         );
         check("command = [\"t\"]\n", "missing field `id`");
+    }
+
+    #[test]
+    fn selectors_parse_and_bad_pairs_are_refused() {
+        let base = "id = \"s\"\ncommand = [\"t\"]\n";
+        let plain = JobSpec::from_toml(base).unwrap();
+        assert!(plain.selector.is_empty());
+        let json = serde_json::to_value(&plain).unwrap();
+        assert!(
+            json.get("selector").is_none(),
+            "an empty selector is not written (older readers refuse unknown fields)"
+        );
+        let s = JobSpec::from_toml(&format!(
+            "{base}[selector]\nzone = \"a\"\n\"gpu.model\" = \"NVIDIA-H100-80GB-HBM3\"\n"
+        ))
+        .unwrap();
+        assert_eq!(s.selector["zone"], "a");
+        assert_eq!(s.selector["gpu.model"], "NVIDIA-H100-80GB-HBM3");
+        let back: JobSpec = serde_json::from_value(serde_json::to_value(&s).unwrap()).unwrap();
+        assert_eq!(back, s);
+        for (table, expect) in [
+            ("\"bad key\" = \"a\"", "label key \"bad key\" is not valid"),
+            ("zone = \"a b\"", "value \"a b\" is not valid"),
+            ("zone = 3", "invalid type"),
+        ] {
+            check(&format!("{base}[selector]\n{table}\n"), expect);
+        }
+        let many: String = (0..65).map(|i| format!("k{i} = \"v\"\n")).collect();
+        check(
+            &format!("{base}[selector]\n{many}"),
+            "`[selector]`: 65 labels",
+        );
     }
 
     #[test]

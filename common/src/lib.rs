@@ -6,6 +6,7 @@
 
 pub mod ids;
 pub mod jobspec;
+pub mod labels;
 pub mod messages;
 pub mod subjects;
 pub mod sweep;

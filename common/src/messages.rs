@@ -183,6 +183,12 @@ pub struct HostTelemetry {
     /// were dropped, the rest of the line reported (absent in older agents' telemetry).
     #[serde(default)]
     pub ignored_gradient_stats: u64,
+    /// The host's labels (`gpu.model`, `gpu.memory`, `gpu.count` and the agent's custom
+    /// `--label`s), which job selectors match ([`crate::labels`]); absent from older
+    /// agents' telemetry (no labels). Checked: a bad key or value, or more than
+    /// [`crate::labels::MAX_LABELS`], refuses the message.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
 }
 
 impl Message for HostTelemetry {
@@ -199,6 +205,7 @@ impl Message for HostTelemetry {
             finite("rx_bytes_per_s", n.rx_bytes_per_s)?;
             finite("tx_bytes_per_s", n.tx_bytes_per_s)?;
         }
+        crate::labels::validate(&self.labels).map_err(|e| format!("labels: {e}"))?;
         Ok(())
     }
 }
@@ -1184,7 +1191,11 @@ mod tests {
             },
             "grew".into(),
         ));
-        round_trip(HostTelemetry {
+        round_trip(sample_telemetry());
+    }
+
+    fn sample_telemetry() -> HostTelemetry {
+        HostTelemetry {
             protocol: 1,
             host: host("h"),
             addr: "127.0.0.1".into(),
@@ -1222,7 +1233,39 @@ mod tests {
             }],
             malformed_progress_lines: 0,
             ignored_gradient_stats: 0,
-        });
+            labels: [("gpu.count", "1"), ("zone", "a")]
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn telemetry_labels_are_optional_and_checked() {
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&encode(&sample_telemetry())).unwrap();
+        assert_eq!(v["labels"]["zone"], "a");
+        v.as_object_mut().unwrap().remove("labels");
+        let old = decode::<HostTelemetry>(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert!(
+            old.labels.is_empty(),
+            "an older agent's telemetry has no labels"
+        );
+        for (key, value) in [("bad key", "a"), ("zone", "a b"), ("-x", "1")] {
+            v["labels"] = serde_json::json!({ key: value });
+            let e = decode::<HostTelemetry>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+            assert_eq!(e.kind(), "invalid", "{key}={value}: {e}");
+            assert!(e.to_string().contains("labels"), "{e}");
+        }
+        let many: serde_json::Map<String, serde_json::Value> = (0..65)
+            .map(|i| (format!("k{i}"), serde_json::Value::from("v")))
+            .collect();
+        v["labels"] = many.into();
+        let e = decode::<HostTelemetry>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), "invalid", "{e}");
+        v["labels"] = serde_json::json!({ "zone": 3 });
+        let e = decode::<HostTelemetry>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), "malformed", "{e}");
     }
 
     #[test]

@@ -268,6 +268,7 @@ fn telemetry(host: &HostId, gpus: u32) -> HostTelemetry {
         workers: Vec::new(),
         malformed_progress_lines: 0,
         ignored_gradient_stats: 0,
+        labels: Default::default(),
     }
 }
 

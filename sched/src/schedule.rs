@@ -1362,6 +1362,7 @@ mod tests {
             workers,
             malformed_progress_lines: 0,
             ignored_gradient_stats: 0,
+            labels: BTreeMap::new(),
         }
     }
 

@@ -300,6 +300,7 @@ pub fn agent_config(
         fence_after: Duration::from_secs(10),
         metrics_addr: None,
         probe: false,
+        labels: Vec::new(),
     }
 }
 

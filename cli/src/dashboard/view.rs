@@ -406,6 +406,7 @@ mod tests {
             }],
             malformed_progress_lines: 0,
             ignored_gradient_stats: 0,
+            labels: Default::default(),
         }
     }
 
