@@ -165,6 +165,7 @@ impl DecisionInputs {
                 restarts: 0,
                 restart_cost_s: None,
                 adaptive: None,
+                hosts: None,
             })
             .collect();
         let priority = priority_order(&views);
@@ -240,6 +241,7 @@ impl DecisionInputs {
                     gpus_per_worker: job.gpus_per_worker,
                     min_workers: job.min_workers,
                     current: self.current[i].clone(),
+                    hosts: None,
                 }
             })
             .collect()
@@ -338,6 +340,7 @@ fn random_job(index: usize, rng: &mut ChaCha8Rng) -> PolicyJob {
         restart_cost_s: None,
         goodput: None,
         current_hosts: Vec::new(),
+        eligible_hosts: None,
     }
 }
 

@@ -25,7 +25,7 @@
 //!    decided size (from its model; the sync term at least the measured contention times the
 //!    compute term), and [`place_with`].
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use converge_common::{HostId, JobId, RankPlacement};
 
@@ -123,6 +123,11 @@ pub struct JobView {
     /// plan's batch and reports gradient statistics); read by policies that declare
     /// `goodput`.
     pub adaptive: Option<AdaptiveBatch>,
+    /// The hosts the job may run on (its spec's `[selector]` matched against the hosts'
+    /// labels); `None`: any host. A job with a set gets GPUs of those hosts only: its
+    /// `max_workers` is capped at the workers they can hold before the policy sizes it,
+    /// and placement (or the policy's own per-host allocation) uses no other host.
+    pub hosts: Option<BTreeSet<HostId>>,
 }
 
 /// The cluster at decision time.
@@ -231,11 +236,13 @@ fn realize(
         let Some(want) = decided.hosts.get(&job.id) else {
             continue;
         };
+        let allowed = |host: &HostId| job.hosts.as_ref().is_none_or(|set| set.contains(host));
         let keeps = *want == view.current_hosts
             && job.placement.iter().all(|r| {
-                index
-                    .get(&r.host)
-                    .is_some_and(|&i| r.gpus.iter().all(|g| free[i].contains(g)))
+                allowed(&r.host)
+                    && index
+                        .get(&r.host)
+                        .is_some_and(|&i| r.gpus.iter().all(|g| free[i].contains(g)))
             });
         if keeps {
             for r in &job.placement {
@@ -251,6 +258,13 @@ fn realize(
         let gpw = job.gpus_per_worker.max(1) as usize;
         let mut ranks = Vec::new();
         for &(i, workers) in want {
+            // A policy's host outside the job's selector gets none of its workers.
+            if hosts
+                .get(i)
+                .is_some_and(|h| job.hosts.as_ref().is_some_and(|set| !set.contains(&h.host)))
+            {
+                continue;
+            }
             let Some(gpus) = free.get_mut(i) else {
                 continue;
             };
@@ -275,6 +289,19 @@ fn realize(
         }
     }
     out
+}
+
+/// The most workers of `job` its eligible hosts can hold (all their GPUs, as if free);
+/// `None` for a job that may run anywhere.
+fn eligible_capacity(job: &JobView, hosts: &[HostFree]) -> Option<u32> {
+    let allowed = job.hosts.as_ref()?;
+    let per_worker = job.gpus_per_worker.max(1) as usize;
+    let mut gpus: BTreeMap<&HostId, BTreeSet<u32>> = BTreeMap::new();
+    for h in hosts.iter().filter(|h| allowed.contains(&h.host)) {
+        gpus.entry(&h.host).or_default().extend(&h.gpus);
+    }
+    let workers: usize = gpus.values().map(|g| g.len() / per_worker).sum();
+    Some(u32::try_from(workers).unwrap_or(u32::MAX))
 }
 
 /// Each host's index in `hosts` (the first, for a host listed twice).
@@ -361,7 +388,10 @@ pub fn decide(
                 id: job.id.clone(),
                 gpus_per_worker: job.gpus_per_worker,
                 min_workers: job.min_workers,
-                max_workers: job.max_workers,
+                // A selector job never gets more workers than its hosts hold (none, and
+                // so 0 from every policy, when they cannot hold its minimum).
+                max_workers: eligible_capacity(job, cluster.hosts)
+                    .map_or(job.max_workers, |cap| job.max_workers.min(cap)),
                 current_workers: job.placement.len() as u32,
                 submitted_at: job.submitted_at,
                 curve: if wants.curves {
@@ -383,6 +413,18 @@ pub fn decide(
                     per_host(index, &job.placement)
                 } else {
                     Vec::new()
+                },
+                eligible_hosts: match (&index, &job.hosts) {
+                    (Some(_), Some(allowed)) => Some(
+                        cluster
+                            .hosts
+                            .iter()
+                            .enumerate()
+                            .filter(|(_, h)| allowed.contains(&h.host))
+                            .map(|(i, _)| i)
+                            .collect(),
+                    ),
+                    _ => None,
                 },
             }
         })
@@ -411,6 +453,7 @@ pub fn decide(
                 gpus_per_worker: job.gpus_per_worker,
                 min_workers: job.min_workers,
                 current: job.placement.clone(),
+                hosts: job.hosts.clone(),
             })
             .collect();
         let costs: BTreeMap<JobId, JobCost> = match placement {
@@ -462,5 +505,130 @@ pub fn decide(
         placements,
         views,
         batches,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::benchgen::{BenchBatches, BenchConfig, DECISION_TIME_S, DecisionInputs};
+    use crate::policies::{POLICY_NAMES, PolicyParams, by_name};
+    use proptest::prelude::*;
+
+    /// Small generated clusters (adaptive jobs, so Pollux has goodput), with each job's
+    /// bounds clamped to what the whole cluster holds.
+    fn inputs(seed: u64, jobs: usize, nodes: u32, gpus_per_node: u32) -> DecisionInputs {
+        let mut inputs = DecisionInputs::generate(&BenchConfig {
+            jobs,
+            nodes,
+            gpus_per_node,
+            seed,
+        })
+        .with_batches(BenchBatches::Adaptive, seed);
+        for view in &mut inputs.views {
+            let per_node = gpus_per_node / view.gpus_per_worker.max(1);
+            let cap = per_node * nodes;
+            view.max_workers = view.max_workers.min(cap);
+            view.min_workers = view.min_workers.min(view.max_workers);
+            view.requested_workers = view.requested_workers.min(view.max_workers);
+        }
+        inputs
+    }
+
+    fn run(
+        inputs: &DecisionInputs,
+        views: &[JobView],
+        policy: &str,
+        placement: PlacementKind,
+    ) -> Allocation {
+        let policy = by_name(policy, PolicyParams::default()).unwrap();
+        decide(
+            &ClusterState {
+                now: DECISION_TIME_S,
+                hosts: &inputs.hosts,
+                contention_per_shared_job: 0.0,
+            },
+            views,
+            policy.as_ref(),
+            placement,
+        )
+    }
+
+    fn setup() -> impl Strategy<Value = (u64, usize, u32, u32, Vec<Option<Vec<bool>>>)> {
+        (any::<u64>(), 2usize..10, 2u32..6, 2u32..9).prop_flat_map(|(seed, jobs, nodes, gpus)| {
+            let selectors = prop::collection::vec(
+                prop::option::weighted(0.5, prop::collection::vec(any::<bool>(), nodes as usize)),
+                jobs,
+            );
+            (Just(seed), Just(jobs), Just(nodes), Just(gpus), selectors)
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(12))]
+
+        /// Every policy and placement: a selector job's workers are on its hosts only, never
+        /// more than they hold, and the decision keeps its contract.
+        #[test]
+        fn never_a_worker_on_a_host_outside_the_selector(
+            (seed, jobs, nodes, gpus, selectors) in setup()
+        ) {
+            let inputs = inputs(seed, jobs, nodes, gpus);
+            let mut views = inputs.views.clone();
+            for (view, selector) in views.iter_mut().zip(&selectors) {
+                view.hosts = selector.as_ref().map(|marks| {
+                    inputs
+                        .hosts
+                        .iter()
+                        .zip(marks)
+                        .filter(|(_, m)| **m)
+                        .map(|(h, _)| h.host.clone())
+                        .collect()
+                });
+            }
+            for policy in POLICY_NAMES {
+                for placement in [PlacementKind::FirstFit, PlacementKind::Bco] {
+                    let what = format!("{policy} with {placement:?}");
+                    let d = run(&inputs, &views, policy, placement);
+                    prop_assert!(!d.violates(&inputs.hosts), "{}", what);
+                    for view in &views {
+                        let Some(allowed) = &view.hosts else { continue };
+                        let ranks = d.placements.get(&view.id).map_or(&[][..], Vec::as_slice);
+                        for r in ranks {
+                            prop_assert!(
+                                allowed.contains(&r.host),
+                                "{}: {} on {} outside {:?}", what, view.id, r.host, allowed
+                            );
+                        }
+                        let cap = eligible_capacity(view, &inputs.hosts).unwrap();
+                        let decided = d.workers.get(&view.id).copied().unwrap_or(0);
+                        prop_assert!(decided <= cap, "{}: {} got {} > {}", what, view.id, decided, cap);
+                    }
+                }
+            }
+        }
+
+        /// A selector every host matches changes nothing: the decision is the one without
+        /// selectors.
+        #[test]
+        fn a_selector_matching_every_host_changes_nothing(
+            (seed, jobs, nodes, gpus, _selectors) in setup()
+        ) {
+            let inputs = inputs(seed, jobs, nodes, gpus);
+            let everywhere: BTreeSet<HostId> = inputs.hosts.iter().map(|h| h.host.clone()).collect();
+            let mut views = inputs.views.clone();
+            for view in &mut views {
+                view.hosts = Some(everywhere.clone());
+            }
+            for policy in POLICY_NAMES {
+                for placement in [PlacementKind::FirstFit, PlacementKind::Bco] {
+                    let plain = run(&inputs, &inputs.views, policy, placement);
+                    let matched = run(&inputs, &views, policy, placement);
+                    prop_assert_eq!(&plain.workers, &matched.workers, "{} {:?}", policy, placement);
+                    prop_assert_eq!(&plain.placements, &matched.placements, "{} {:?}", policy, placement);
+                    prop_assert_eq!(&plain.batches, &matched.batches, "{} {:?}", policy, placement);
+                }
+            }
+        }
     }
 }

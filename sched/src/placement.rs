@@ -63,6 +63,16 @@ pub struct PlacementRequest {
     pub min_workers: u32,
     /// Where the job runs now (empty when not running).
     pub current: Vec<RankPlacement>,
+    /// The only hosts it may use (its selector's matches); `None`: any host. A current
+    /// placement on another host is not kept.
+    pub hosts: Option<BTreeSet<HostId>>,
+}
+
+impl PlacementRequest {
+    /// Whether the job may use `host`.
+    pub fn allows(&self, host: &HostId) -> bool {
+        self.hosts.as_ref().is_none_or(|set| set.contains(host))
+    }
 }
 
 /// Places every request on `hosts` and returns, for each requested job, its ranks
@@ -78,7 +88,8 @@ pub struct PlacementRequest {
 ///    `min_workers`, otherwise none.
 ///
 /// So every job gets no ranks or between `min_workers` and `workers` of them (a request for
-/// fewer workers than its minimum gets none).
+/// fewer workers than its minimum gets none). A request with `hosts` gets GPUs of those
+/// hosts only, in both passes (a host it may not use is skipped as if it were full).
 ///
 /// No GPU is ever given twice. Hosts listed twice count once with the union of their GPUs;
 /// a job requested twice is placed for its first request only.
@@ -241,7 +252,8 @@ impl<'a> FreeGpus<'a> {
             let host = match last {
                 Some((id, host)) if *id == rank.host => host,
                 _ => {
-                    let Some(host) = self.find(&rank.host) else {
+                    let Some(host) = self.find(&rank.host).filter(|_| request.allows(&rank.host))
+                    else {
                         return false;
                     };
                     last = Some((&rank.host, host));
@@ -283,6 +295,7 @@ impl<'a> FreeGpus<'a> {
         let mut preferred: Vec<usize> = request
             .current
             .iter()
+            .filter(|rank| request.allows(&rank.host))
             .filter_map(|rank| self.find(&rank.host))
             .collect();
         preferred.sort_unstable();
@@ -309,7 +322,7 @@ impl<'a> FreeGpus<'a> {
                 break;
             };
             from = host + 1;
-            if preferred.binary_search(&host).is_err() {
+            if preferred.binary_search(&host).is_err() && request.allows(self.hosts[host].host) {
                 take(host, &mut count);
             }
         }
@@ -372,7 +385,8 @@ pub fn place_with(
 /// whose `workers` equals its current number of ranks keeps its current placement if that
 /// is still valid.
 ///
-/// A request for fewer workers than its minimum gets none.
+/// A request for fewer workers than its minimum gets none. A request with `hosts` sees only
+/// those hosts in every step below (capacity, best fit, candidates).
 ///
 /// The other requests are placed in request order (the caller's priority), each with its
 /// cost from `costs` ([`JobCost::default`] when missing: compute 1 s, overhead 0.05 s per
@@ -526,12 +540,22 @@ impl<'a> BcoIndex<'a> {
         }
     }
 
-    /// Workers of `per_worker` GPUs that fit in the whole cluster.
-    fn capacity(&self, per_worker: usize) -> usize {
-        self.free_counts
-            .range(per_worker..)
-            .map(|(&free, &hosts)| free / per_worker * hosts)
-            .sum()
+    /// Workers of `per_worker` GPUs that fit in the whole cluster (on the hosts `allowed`
+    /// marks, when given).
+    fn capacity(&self, per_worker: usize, allowed: Option<&[bool]>) -> usize {
+        match allowed {
+            None => self
+                .free_counts
+                .range(per_worker..)
+                .map(|(&free, &hosts)| free / per_worker * hosts)
+                .sum(),
+            Some(allowed) => self
+                .by_free
+                .range((per_worker, 0)..)
+                .filter(|&&(_, host)| allowed[host])
+                .map(|&(free, _)| free / per_worker)
+                .sum(),
+        }
     }
 
     /// Places one request (see [`place_bco`]), taking its GPUs.
@@ -541,10 +565,21 @@ impl<'a> BcoIndex<'a> {
         if per_worker == 0 || wanted == 0 || request.workers < request.min_workers {
             return Vec::new();
         }
+        // The hosts a selector allows, by index (`None`: all).
+        let allowed: Option<Vec<bool>> = request.hosts.as_ref().map(|_| {
+            self.free
+                .hosts
+                .iter()
+                .map(|slot| request.allows(slot.host))
+                .collect()
+        });
+        let allowed = allowed.as_deref();
+        let ok = |host: usize| allowed.is_none_or(|a| a[host]);
         let mut preferred: Vec<usize> = request
             .current
             .iter()
             .filter_map(|rank| self.free.find(&rank.host))
+            .filter(|&host| ok(host))
             .collect();
         preferred.sort_unstable();
         preferred.dedup();
@@ -555,7 +590,7 @@ impl<'a> BcoIndex<'a> {
                 host,
             )
         };
-        let capacity = self.capacity(per_worker);
+        let capacity = self.capacity(per_worker, allowed);
         let picks: Vec<(usize, usize)> = if capacity < wanted {
             if capacity < request.min_workers as usize || capacity == 0 {
                 return Vec::new();
@@ -564,22 +599,32 @@ impl<'a> BcoIndex<'a> {
                 .by_free
                 .range((per_worker, 0)..)
                 .map(|&(_, host)| host)
+                .filter(|&host| ok(host))
                 .collect();
             all.sort_unstable_by_key(|&host| key(self, host));
             all.into_iter()
                 .map(|host| (host, self.free_len(host) / per_worker))
                 .collect()
-        } else if let Some(host) = self.best_fit(wanted * per_worker, &preferred) {
+        } else if let Some(host) = self.best_fit(wanted * per_worker, &preferred, allowed) {
             vec![(host, wanted)]
         } else {
-            self.spread(wanted, per_worker, &preferred, cost, key)
+            self.spread(wanted, per_worker, (&preferred, allowed), cost, key)
         };
         self.take(&picks, per_worker)
     }
 
-    /// The host with the fewest free GPUs, at least `need` (ties: preferred, then lowest).
-    fn best_fit(&self, need: usize, preferred: &[usize]) -> Option<usize> {
-        let &(fewest, first) = self.by_free.range((need, 0)..).next()?;
+    /// The host with the fewest free GPUs, at least `need` (ties: preferred, then lowest),
+    /// among those `allowed` marks (all when `None`).
+    fn best_fit(
+        &self,
+        need: usize,
+        preferred: &[usize],
+        allowed: Option<&[bool]>,
+    ) -> Option<usize> {
+        let &(fewest, first) = self
+            .by_free
+            .range((need, 0)..)
+            .find(|&&(_, host)| allowed.is_none_or(|a| a[host]))?;
         Some(
             preferred
                 .iter()
@@ -590,12 +635,13 @@ impl<'a> BcoIndex<'a> {
     }
 
     /// The κ search of [`place_bco`] for a job that needs several servers; `wanted` workers
-    /// fit in the cluster. Returns `(host, workers)` in placement order.
+    /// fit in the cluster (on the hosts `allowed` marks, the only candidates when given).
+    /// Returns `(host, workers)` in placement order.
     fn spread(
         &self,
         wanted: usize,
         per_worker: usize,
-        preferred: &[usize],
+        (preferred, allowed): (&[usize], Option<&[bool]>),
         cost: &JobCost,
         key: impl Fn(&Self, usize) -> (Reverse<usize>, bool, usize),
     ) -> Vec<(usize, usize)> {
@@ -607,6 +653,7 @@ impl<'a> BcoIndex<'a> {
                 level
                     .iter()
                     .take_while(|(Reverse(free), _)| *free >= per_worker)
+                    .filter(|&&(_, host)| allowed.is_none_or(|a| a[host]))
                     .take(wanted)
                     .map(|&(_, host)| host),
             );
@@ -769,7 +816,8 @@ mod tests {
         ) -> bool {
             let mut claimed: BTreeSet<(&HostId, u32)> = BTreeSet::new();
             for (index, rank) in request.current.iter().enumerate() {
-                let Some(host_free) = free.get(&rank.host) else {
+                let Some(host_free) = free.get(&rank.host).filter(|_| request.allows(&rank.host))
+                else {
                     return false;
                 };
                 let well_formed = rank.rank as usize == index
@@ -806,6 +854,7 @@ mod tests {
             let (preferred, others): (Vec<&HostId>, Vec<&HostId>) = free
                 .keys()
                 .copied()
+                .filter(|h| request.allows(h))
                 .partition(|h| current_hosts.contains(h));
             let mut ranks: Vec<RankPlacement> = Vec::new();
             for host in preferred.into_iter().chain(others) {
@@ -908,7 +957,7 @@ mod tests {
             // Hosts with room for a worker, and their free GPUs.
             let room: Vec<(HostId, usize)> = free
                 .iter()
-                .filter(|(_, gpus)| gpus.len() >= per_worker)
+                .filter(|(host, gpus)| gpus.len() >= per_worker && request.allows(host))
                 .map(|(host, gpus)| ((*host).clone(), gpus.len()))
                 .collect();
             let order = |(host, free): &(HostId, usize)| {
@@ -1013,6 +1062,7 @@ mod tests {
             gpus_per_worker,
             min_workers,
             current: Vec::new(),
+            hosts: None,
         }
     }
 
@@ -1116,6 +1166,58 @@ mod tests {
     }
 
     #[test]
+    fn selector_jobs_get_gpus_of_their_hosts_only() {
+        let hosts = [
+            host("a", &[0, 1, 2, 3]),
+            host("b", &[0, 1]),
+            host("c", &[0, 1]),
+        ];
+        let only = |r: PlacementRequest, names: &[&str]| PlacementRequest {
+            hosts: Some(names.iter().map(|n| HostId::new(*n).unwrap()).collect()),
+            ..r
+        };
+        for kind in [PlacementKind::FirstFit, PlacementKind::Bco] {
+            let placed = place_with(
+                kind,
+                &hosts,
+                &[
+                    only(request("on-c", 2, 1, 1), &["c"]),
+                    only(request("on-b-c", 4, 1, 1), &["b", "c"]),
+                    request("anywhere", 2, 1, 1),
+                ],
+                &BTreeMap::new(),
+            );
+            assert_eq!(servers_of(&placed[&job_id("on-c")]), ["c"], "{kind:?}");
+            // Only b is left of its hosts: 2 of its 4 workers.
+            assert_eq!(servers_of(&placed[&job_id("on-b-c")]), ["b"], "{kind:?}");
+            assert_eq!(servers_of(&placed[&job_id("anywhere")]), ["a"], "{kind:?}");
+            // No matching host, or too few GPUs on the matching ones for the minimum: nothing.
+            let placed = place_with(
+                kind,
+                &hosts,
+                &[
+                    only(request("nowhere", 1, 1, 1), &["gone"]),
+                    only(request("too-small", 3, 1, 3), &["b"]),
+                ],
+                &BTreeMap::new(),
+            );
+            assert!(placed[&job_id("nowhere")].is_empty(), "{kind:?}");
+            assert!(placed[&job_id("too-small")].is_empty(), "{kind:?}");
+            // A running job whose host no longer matches is moved, not kept.
+            let moved = currently(
+                only(request("moved", 1, 1, 1), &["b"]),
+                vec![rank(0, "a", &[0])],
+            );
+            let placed = place_with(kind, &hosts, &[moved], &BTreeMap::new());
+            assert_eq!(
+                placed[&job_id("moved")],
+                vec![rank(0, "b", &[0])],
+                "{kind:?}"
+            );
+        }
+    }
+
+    #[test]
     fn zero_workers_or_zero_gpus_place_nothing() {
         let hosts = [host("a", &[0, 1])];
         let placed = place(
@@ -1169,12 +1271,13 @@ mod tests {
             1u32..=4,
             0u32..=6,
             prop::collection::vec((0usize..7, prop::collection::vec(0u32..10, 0..4)), 0..4),
+            selector_hosts(),
         );
         prop::collection::vec(one, 0..8).prop_map(|raw| {
             raw.into_iter()
                 .enumerate()
                 .map(
-                    |(i, (workers, gpus_per_worker, min, current))| PlacementRequest {
+                    |(i, (workers, gpus_per_worker, min, current, hosts))| PlacementRequest {
                         job: job_id(&format!("job-{i}")),
                         workers,
                         gpus_per_worker,
@@ -1184,10 +1287,23 @@ mod tests {
                             .enumerate()
                             .map(|(r, (h, gpus))| rank(r as u32, &format!("host-{h}"), &gpus))
                             .collect(),
+                        hosts,
                     },
                 )
                 .collect()
         })
+    }
+
+    /// No selector (most often), or the hosts a selector matched among `host-0..7`.
+    fn selector_hosts() -> impl Strategy<Value = Option<BTreeSet<HostId>>> {
+        prop_oneof![
+            2 => Just(None),
+            1 => prop::collection::btree_set(0usize..7, 0..4).prop_map(|set| Some(
+                set.into_iter()
+                    .map(|h| HostId::new(format!("host-{h}")).unwrap())
+                    .collect()
+            )),
+        ]
     }
 
     fn check_valid(
@@ -1207,6 +1323,12 @@ mod tests {
                 prop_assert_eq!(rank.gpus.len(), request.gpus_per_worker as usize);
                 let host = hosts.iter().find(|h| h.host == rank.host);
                 prop_assert!(host.is_some(), "unknown host {}", rank.host);
+                prop_assert!(
+                    request.allows(&rank.host),
+                    "{} placed on {}, outside its selector",
+                    request.job,
+                    rank.host
+                );
                 for gpu in &rank.gpus {
                     prop_assert!(
                         host.unwrap().gpus.contains(gpu),
@@ -1246,10 +1368,11 @@ mod tests {
             0u32..=6,
             prop::collection::vec((0usize..8, prop::collection::vec(0u32..10, 0..4)), 0..6),
             any::<bool>(),
+            selector_hosts(),
         );
         prop::collection::vec(one, 0..12).prop_map(|raw| {
             raw.into_iter()
-                .map(|(j, workers, gpus_per_worker, min, current, tidy)| {
+                .map(|(j, workers, gpus_per_worker, min, current, tidy, hosts)| {
                     // Tidy current placements have the right shape, so more of them are kept.
                     let current = current
                         .into_iter()
@@ -1267,6 +1390,7 @@ mod tests {
                         gpus_per_worker,
                         min_workers: min,
                         current,
+                        hosts,
                     }
                 })
                 .collect()

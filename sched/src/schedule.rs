@@ -318,6 +318,7 @@ pub fn step(
             },
             &mut out,
         );
+        note_unmatched_selectors(inp, &live, &mut out.statuses);
     }
 
     // 3. A job whose rank 0 host now answers at another address restarts as a new
@@ -842,12 +843,62 @@ struct Fits<'a> {
     contention: f64,
 }
 
+/// The live hosts whose labels match the spec's `[selector]`; `None` when it has none (any
+/// host will do).
+fn eligible_hosts(
+    spec: &JobSpec,
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+) -> Option<BTreeSet<HostId>> {
+    if spec.selector.is_empty() {
+        return None;
+    }
+    Some(
+        live.iter()
+            .filter(|(_, t)| converge_common::labels::matches(&spec.selector, &t.labels))
+            .map(|(h, _)| (*h).clone())
+            .collect(),
+    )
+}
+
+/// The status message of a job whose selector no live host matches.
+fn unmatched_selector_message(spec: &JobSpec) -> String {
+    format!(
+        "no live host matches selector {}",
+        converge_common::labels::format(&spec.selector)
+    )
+}
+
+/// Keeps the reason on pending jobs whose selector no live host matches (and takes it off
+/// once one does).
+fn note_unmatched_selectors(
+    inp: Inputs<'_>,
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+    statuses: &mut BTreeMap<JobId, JobStatus>,
+) {
+    for status in statuses.values_mut() {
+        if status.phase != JobPhase::Pending {
+            continue;
+        }
+        let Some(spec) = inp.specs.get(&status.job) else {
+            continue;
+        };
+        let unmatched = eligible_hosts(spec, live).is_some_and(|hosts| hosts.is_empty());
+        let message = unmatched_selector_message(spec);
+        if unmatched {
+            status.message = Some(message);
+        } else if status.message.as_deref() == Some(message.as_str()) {
+            status.message = None;
+        }
+    }
+}
+
 /// The job as [`decide`] sees it.
 fn job_view(
     status: &JobStatus,
     spec: &JobSpec,
     history: Option<&JobHistory>,
     fits: &Fits<'_>,
+    hosts: Option<BTreeSet<HostId>>,
 ) -> JobView {
     let per_worker = history.and_then(|h| {
         let (g, rate) = h.latest_rate()?;
@@ -902,6 +953,7 @@ fn job_view(
                 limits,
                 gradient: Some(*g),
             }),
+        hosts,
     }
 }
 
@@ -921,7 +973,10 @@ fn allocate(
         .collect();
     let views: Vec<JobView> = active
         .iter()
-        .map(|(s, spec)| job_view(s, spec, inp.histories.get(&s.job), &fits))
+        .map(|(s, spec)| {
+            let hosts = eligible_hosts(spec, live);
+            job_view(s, spec, inp.histories.get(&s.job), &fits, hosts)
+        })
         .collect();
     let nics: BTreeMap<&HostId, HostNic> =
         live.iter().map(|(h, t)| (*h, host_nic(&t.nics))).collect();
@@ -1122,9 +1177,15 @@ fn plan_ps_jobs(
                 }
             }
         }
+        // A selector job's workers and shards stay on the hosts it matches.
+        let allowed = eligible_hosts(spec, cx.live);
+        let allows = |h: &HostId| allowed.as_ref().is_none_or(|set| set.contains(h));
         let free: Vec<Vec<u32>> = hosts
             .iter()
             .map(|h| {
+                if !allows(h) {
+                    return Vec::new();
+                }
                 let taken = used.get(h);
                 cx.live[h]
                     .gpus
@@ -1141,9 +1202,13 @@ fn plan_ps_jobs(
                 let nic = cx.nics[h];
                 PsHost::new(
                     gpus.len() as u32,
-                    cx.settings
-                        .ps_shards_per_host
-                        .saturating_sub(slots_used.get(h).copied().unwrap_or(0)),
+                    if allows(h) {
+                        cx.settings
+                            .ps_shards_per_host
+                            .saturating_sub(slots_used.get(h).copied().unwrap_or(0))
+                    } else {
+                        0
+                    },
                     2.0 * nic.link_bytes_per_s.unwrap_or(DEFAULT_LINK_BYTES_PER_S) * nic.factor,
                 )
             })
@@ -2234,6 +2299,123 @@ mod tests {
                 .contains("not below the job's first loss")
         );
         assert!(s.end.is_none());
+    }
+
+    #[test]
+    fn selector_jobs_run_only_on_matching_hosts_or_wait_with_the_reason() {
+        let labelled = |id: &str, gpus: u32, time: f64, zone: &str| {
+            let mut t = host(id, gpus, time, vec![]);
+            t.labels.insert("zone".into(), zone.into());
+            t.labels.insert("gpu.count".into(), gpus.to_string());
+            t
+        };
+        let hosts_of = |s: &JobStatus| -> BTreeSet<String> {
+            s.placement.iter().map(|p| p.host.to_string()).collect()
+        };
+        for (policy, placement) in [
+            ("quality", PlacementKind::FirstFit),
+            ("quality", PlacementKind::Bco),
+            ("pollux", PlacementKind::FirstFit),
+            ("fifo", PlacementKind::Bco),
+            ("fair", PlacementKind::FirstFit),
+        ] {
+            let what = format!("{policy} with {placement:?}");
+            let mut w = World::default();
+            w.settings.scheduler =
+                Arc::from(crate::policies::by_name(policy, w.settings.policy).unwrap());
+            w.settings.placement = placement;
+            w.add_host(labelled("h1", 4, 10.0, "a"));
+            w.add_host(labelled("h2", 4, 10.0, "b"));
+            let mut picky = job("picky", 1, 8, 1.0);
+            picky.selector.insert("zone".into(), "b".into());
+            let mut waiting = job("waiting", 1, 2, 2.0);
+            waiting.selector.insert("zone".into(), "c".into());
+            waiting.selector.insert("gpu.count".into(), "2".into());
+            for spec in [picky, waiting, job("free", 1, 2, 3.0)] {
+                w.specs.insert(spec.id.clone(), spec);
+            }
+            w.step(10.0, true);
+            let picky = w.status("picky");
+            assert!(picky.world_size >= 1, "{what}: {picky:?}");
+            assert!(picky.world_size <= 4, "{what}: {picky:?}");
+            assert_eq!(
+                hosts_of(picky),
+                BTreeSet::from(["h2".to_string()]),
+                "{what}"
+            );
+            let waiting = w.status("waiting");
+            assert_eq!(
+                (waiting.phase, waiting.world_size),
+                (JobPhase::Pending, 0),
+                "{what}"
+            );
+            assert_eq!(
+                waiting.message.as_deref(),
+                Some("no live host matches selector gpu.count=2,zone=c"),
+                "{what}"
+            );
+            assert!(w.status("free").world_size >= 1, "{what}");
+
+            // A matching host appears: the waiting job goes there, and the reason goes.
+            w.add_host(labelled("h3", 2, 11.0, "c"));
+            w.step(11.0, true);
+            let waiting = w.status("waiting");
+            assert!(waiting.world_size >= 1, "{what}: {waiting:?}");
+            assert_eq!(
+                hosts_of(waiting),
+                BTreeSet::from(["h3".to_string()]),
+                "{what}"
+            );
+            assert_eq!(waiting.message, None, "{what}");
+            assert_eq!(
+                hosts_of(w.status("picky")),
+                BTreeSet::from(["h2".to_string()])
+            );
+
+            // Its host is relabelled: the running job is taken off it and waits again.
+            w.add_host(labelled("h3", 2, 12.0, "d"));
+            w.step(12.0, true);
+            let waiting = w.status("waiting");
+            assert_eq!(
+                (waiting.phase, waiting.world_size),
+                (JobPhase::Pending, 0),
+                "{what}"
+            );
+            assert!(
+                waiting
+                    .message
+                    .as_deref()
+                    .unwrap()
+                    .starts_with("no live host matches"),
+                "{what}: {waiting:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn selector_parameter_server_jobs_keep_workers_and_shards_on_matching_hosts() {
+        let mut w = World::default();
+        for (id, zone) in [("h1", "a"), ("h2", "b"), ("h3", "b")] {
+            let mut t = host(id, 2, 10.0, vec![]);
+            t.labels.insert("zone".into(), zone.into());
+            w.add_host(t);
+        }
+        let mut spec = JobSpec::from_toml(
+            "id = \"ps\"\ncommand = [\"t\"]\narch = \"ps\"\nmin_workers = 2\nmax_workers = 4\n[selector]\nzone = \"b\"\n",
+        )
+        .unwrap();
+        spec.submitted_at = 1.0;
+        w.specs.insert(spec.id.clone(), spec);
+        w.step(10.0, true);
+        let s = w.status("ps");
+        assert!(s.world_size >= 2, "{s:?}");
+        assert!(
+            s.placement
+                .iter()
+                .chain(&s.ps_placement)
+                .all(|p| p.host.as_str() != "h1"),
+            "{s:?}"
+        );
     }
 
     #[test]

@@ -448,6 +448,7 @@ pub fn simulate(
                         .collect(),
                     remaining_work: t.job.remaining_progress(app),
                 }),
+                hosts: None,
             });
         }
         let cluster = ClusterState {

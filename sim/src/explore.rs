@@ -650,6 +650,7 @@ pub fn simulate(
                 restarts: t.restarts,
                 restart_cost_s: (t.restarts > 0).then_some(cfg.restart_delay_s),
                 adaptive: None,
+                hosts: None,
             });
         }
         let cluster = ClusterState {

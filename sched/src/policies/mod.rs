@@ -92,6 +92,11 @@ pub struct PolicyJob {
     /// [`Policy::allocate_on_hosts`]`, workers)`; filled only for policies that declare
     /// `hosts`.
     pub current_hosts: Vec<(usize, u32)>,
+    /// The hosts the job may use (its selector), as indices into the hosts of
+    /// [`Policy::allocate_on_hosts`]; `None`: any host. Filled only for policies that
+    /// declare `hosts` (the others get `max_workers` already capped at what these hosts
+    /// hold, and placement keeps to them).
+    pub eligible_hosts: Option<Vec<usize>>,
 }
 
 /// The policy's decision: workers per job; every job appears, 0 = not admitted or pending.
@@ -310,6 +315,7 @@ pub(crate) mod test_support {
             restart_cost_s: None,
             goodput: None,
             current_hosts: Vec::new(),
+            eligible_hosts: None,
         }
     }
 
@@ -439,6 +445,7 @@ mod tests {
                     restart_cost_s: None,
                     goodput: None,
                     current_hosts: Vec::new(),
+                    eligible_hosts: None,
                 },
             )
     }

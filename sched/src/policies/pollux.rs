@@ -89,6 +89,16 @@ struct JobInfo<'a> {
     gpus_per_worker: u32,
     /// Restart penalty factor (1 = none).
     restart_factor: f64,
+    /// Hosts the job may use (its selector), by host index; `None`: all.
+    allowed: Option<Vec<bool>>,
+}
+
+impl JobInfo<'_> {
+    fn allows(&self, host: usize) -> bool {
+        self.allowed
+            .as_ref()
+            .is_none_or(|a| a.get(host).copied().unwrap_or(false))
+    }
 }
 
 impl JobInfo<'_> {
@@ -148,6 +158,16 @@ impl Problem<'_> {
     fn repair(&self, state: &mut [u32], rng: &mut ChaCha8Rng) {
         let h = self.hosts();
         let n_jobs = self.jobs.len();
+        // Nothing on a host outside a job's selector.
+        for (j, job) in self.jobs.iter().enumerate() {
+            if job.allowed.is_some() {
+                for (n, c) in state[j * h..(j + 1) * h].iter_mut().enumerate() {
+                    if !job.allows(n) {
+                        *c = 0;
+                    }
+                }
+            }
+        }
         // At most one multi-host job per host, earlier jobs first.
         let mut taken = vec![false; h];
         for j in 0..n_jobs {
@@ -247,7 +267,7 @@ impl Problem<'_> {
             fit_only.clear();
             fit_used.clear();
             for n in 0..h {
-                if used[n] + gpw <= self.host_gpus[n] {
+                if used[n] + gpw <= self.host_gpus[n] && job.allows(n) {
                     if state[j * h + n] > 0 {
                         fit_used.push(n);
                     } else {
@@ -310,6 +330,7 @@ impl Pollux {
         cluster: &ClusterView,
         job: &'a PolicyJob,
         fair: (u32, u32),
+        hosts: usize,
     ) -> JobInfo<'a> {
         let (fair_workers, fair_nodes) = fair;
         let measured = job
@@ -342,6 +363,15 @@ impl Pollux {
             min_workers: job.min_workers.max(1),
             gpus_per_worker: job.gpus_per_worker,
             restart_factor,
+            allowed: job.eligible_hosts.as_ref().map(|list| {
+                let mut allowed = vec![false; hosts];
+                for &n in list {
+                    if let Some(a) = allowed.get_mut(n) {
+                        *a = true;
+                    }
+                }
+                allowed
+            }),
         }
     }
 }
@@ -370,6 +400,7 @@ impl Policy for Pollux {
         let mut jobs = jobs.to_vec();
         for j in &mut jobs {
             j.current_hosts.clear();
+            j.eligible_hosts = None;
         }
         let decision = self
             .allocate_on_hosts(cluster, &hosts, &jobs)
@@ -416,7 +447,7 @@ impl Policy for Pollux {
         let fair_nodes = (h as f64 * share).ceil().max(1.0) as u32;
         let infos: Vec<JobInfo> = order
             .iter()
-            .map(|&i| self.job_info(cluster, &jobs[i], (fair_workers.max(1), fair_nodes)))
+            .map(|&i| self.job_info(cluster, &jobs[i], (fair_workers.max(1), fair_nodes), h))
             .collect();
         let mut base = vec![0u32; order.len() * h];
         for (j, &i) in order.iter().enumerate() {
@@ -562,6 +593,33 @@ mod tests {
             16,
             "{d:?}"
         );
+    }
+
+    #[test]
+    fn a_selector_job_gets_workers_on_its_hosts_only() {
+        let (c, hosts) = hosts_cluster();
+        for eligible in [vec![1], vec![0, 3], vec![]] {
+            let mut jobs: Vec<PolicyJob> = (0..3)
+                .map(|i| scaling_job(&format!("j{i}"), f64::from(i), 100.0))
+                .collect();
+            jobs[0].eligible_hosts = Some(eligible.clone());
+            // Its current allocation on a host it may no longer use is dropped too.
+            jobs[0].current_hosts = vec![(2, 2)];
+            jobs[0].current_workers = 2;
+            let d = Pollux::default()
+                .allocate_on_hosts(&c, &hosts, &jobs)
+                .unwrap();
+            let placed = d.hosts.get(&jobs[0].id).cloned().unwrap_or_default();
+            assert!(
+                placed.iter().all(|(n, _)| eligible.contains(n)),
+                "{eligible:?}: {placed:?}"
+            );
+            let workers: u32 = placed.iter().map(|(_, w)| w).sum();
+            assert_eq!(d.workers[&jobs[0].id], workers);
+            if !eligible.is_empty() {
+                assert!(workers >= 1, "{eligible:?}: {d:?}");
+            }
+        }
     }
 
     #[test]

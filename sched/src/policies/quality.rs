@@ -675,6 +675,7 @@ mod tests {
             restart_cost_s: None,
             goodput: None,
             current_hosts: Vec::new(),
+            eligible_hosts: None,
         }
     }
 
@@ -993,6 +994,7 @@ mod tests {
                         restart_cost_s: None,
                         goodput: None,
                         current_hosts: Vec::new(),
+                        eligible_hosts: None,
                     }
                 },
             )
