@@ -4,6 +4,7 @@
 
 mod dashboard;
 mod monitor;
+mod selector;
 mod sweeps;
 mod tables;
 
@@ -169,6 +170,35 @@ fn read_submission(
     Ok(Submission::Job(Box::new(spec)))
 }
 
+/// Refuses specs whose `[selector]` no known host satisfies (see [`selector::refusal`]);
+/// reads the hosts only when a spec has a selector.
+async fn check_selectors<'a>(
+    bus: &Bus,
+    specs: impl IntoIterator<Item = &'a JobSpec>,
+) -> anyhow::Result<()> {
+    let specs: Vec<&JobSpec> = specs
+        .into_iter()
+        .filter(|s| !s.selector.is_empty())
+        .collect();
+    if specs.is_empty() {
+        return Ok(());
+    }
+    let rejects = Rejects::default();
+    let hosts: Vec<HostTelemetry> = bus
+        .load_all::<HostTelemetry>(&bus.hosts, &rejects)
+        .await
+        .context("cannot read the hosts' labels")?
+        .into_values()
+        .map(|(t, _)| t)
+        .collect();
+    for spec in specs {
+        if let Some(why) = selector::refusal(spec, &hosts) {
+            bail!("job spec {} refused: {why}", spec.id);
+        }
+    }
+    Ok(())
+}
+
 /// Stores a new job spec; refuses an id already taken.
 async fn create_job(bus: &Bus, spec: &JobSpec) -> anyhow::Result<()> {
     let bytes = converge_common::messages::encode(spec);
@@ -189,6 +219,7 @@ async fn create_job(bus: &Bus, spec: &JobSpec) -> anyhow::Result<()> {
 async fn submit_sweep(bus: &Bus, sweep: &Sweep, json: bool) -> anyhow::Result<()> {
     let (existing, _) = load_jobs(bus).await?;
     sweep::check_unused(sweep, &existing)?;
+    check_selectors(bus, sweep.trials.iter().map(|t| &t.spec)).await?;
     for (i, t) in sweep.trials.iter().enumerate() {
         if let Err(e) = create_job(bus, &t.spec).await {
             let written: Vec<&str> = sweep.trials[..i]
@@ -257,6 +288,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 Submission::Job(spec) => *spec,
                 Submission::Sweep(sweep) => return submit_sweep(&bus, &sweep, cli.json).await,
             };
+            check_selectors(&bus, [&spec]).await?;
             create_job(&bus, &spec).await?;
             if cli.json {
                 println!("{}", serde_json::to_string(&spec)?);

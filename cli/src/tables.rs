@@ -1,7 +1,7 @@
 //! Human tables for `converge jobs`, `converge hosts` and the monitor (comfy-table).
 
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
-use converge_common::{HostTelemetry, JobSpec, JobStatus, WorkerPhase};
+use converge_common::{HostTelemetry, JobPhase, JobSpec, JobStatus, WorkerPhase};
 
 /// The phase, with how the job ended when it did by itself or by a `[stop]` criterion:
 /// `completed (converged)`, `completed (target reached)`, `completed (finished)`.
@@ -9,6 +9,17 @@ pub fn phase(s: &JobStatus) -> String {
     match &s.end {
         Some(end) => format!("{} ({})", s.phase.as_str(), end.reason.as_str()),
         None => s.phase.as_str().into(),
+    }
+}
+
+/// The PHASE column: [`phase`], and for a pending or failed job the allocator's reason
+/// (`pending: no live host matches selector zone=a`).
+pub fn phase_with_reason(s: &JobStatus) -> String {
+    match (&s.message, s.phase) {
+        (Some(m), JobPhase::Pending | JobPhase::Failed) if !m.is_empty() => {
+            format!("{}: {m}", phase(s))
+        }
+        _ => phase(s),
     }
 }
 
@@ -141,7 +152,7 @@ pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
             Some(s) => t.add_row(vec![
                 spec.id.to_string(),
                 label,
-                phase(s),
+                phase_with_reason(s),
                 format!("{} ({range})", s.world_size),
                 s.generation.to_string(),
                 s.step.to_string(),
@@ -187,6 +198,7 @@ pub fn hosts(hosts: &[HostTelemetry], now: f64) -> Table {
         "MEMORY",
         "NET RX/TX MiB/s",
         "WORKERS",
+        "LABELS",
         "SEEN",
     ]);
     for h in hosts {
@@ -221,6 +233,7 @@ pub fn hosts(hosts: &[HostTelemetry], now: f64) -> Table {
                 tx / (1u64 << 20) as f64
             ),
             format!("{running} running / {}", h.workers.len()),
+            converge_common::labels::format(&h.labels),
             format!("{} ago", age(now - h.time)),
         ]);
     }
@@ -230,7 +243,7 @@ pub fn hosts(hosts: &[HostTelemetry], now: f64) -> Table {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use converge_common::{HostId, JobId, JobPhase, PROTOCOL_VERSION, RankPlacement};
+    use converge_common::{HostId, JobId, PROTOCOL_VERSION, RankPlacement};
 
     /// Job `j`, running in generation 1, nothing placed or reported yet (a status as an
     /// older allocator wrote it: no optional field present).
@@ -333,5 +346,37 @@ pub(crate) mod tests {
         assert_eq!(phase(&s), "completed (target reached)");
         let text = jobs(&[(&spec, Some(&s))], 100.0).to_string();
         assert!(text.contains("completed (target reached)"), "{text}");
+    }
+
+    #[test]
+    fn the_jobs_table_shows_why_a_job_waits_and_hosts_show_their_labels() {
+        let spec = JobSpec::from_toml("id = \"j\"\ncommand = [\"t\"]\n").unwrap();
+        let mut s = running_status();
+        s.phase = JobPhase::Pending;
+        s.message = Some("no live host matches selector zone=c".into());
+        assert_eq!(
+            phase_with_reason(&s),
+            "pending: no live host matches selector zone=c"
+        );
+        let text = jobs(&[(&spec, Some(&s))], 100.0).to_string();
+        assert!(
+            text.contains("no live host matches selector zone=c"),
+            "{text}"
+        );
+        s.phase = JobPhase::Running;
+        assert_eq!(phase_with_reason(&s), "running");
+
+        let mut h: HostTelemetry = serde_json::from_value(serde_json::json!({
+            "protocol": 1, "host": "n1", "addr": "127.0.0.1", "time": 0.0,
+            "agent_version": "t", "gpu_source": "fake", "gpus": [], "nics": [],
+            "cpu_pct": 0.0, "memory_used_bytes": 0, "memory_total_bytes": 0,
+            "workers": [], "malformed_progress_lines": 0
+        }))
+        .unwrap();
+        h.labels.insert("zone".into(), "a".into());
+        h.labels.insert("gpu.count".into(), "0".into());
+        let text = hosts(&[h], 1.0).to_string();
+        assert!(text.contains("LABELS"), "{text}");
+        assert!(text.contains("gpu.count=0,zone=a"), "{text}");
     }
 }
