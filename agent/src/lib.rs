@@ -7,6 +7,8 @@ pub mod host;
 pub mod labels;
 pub mod metrics;
 pub mod reconcile;
+pub mod shim;
+pub mod strays;
 pub mod supervisor;
 
 use anyhow::Context as _;
@@ -70,6 +72,16 @@ pub struct AgentConfig {
         default_value = "converge-work/checkpoints"
     )]
     pub checkpoint_root: PathBuf,
+    /// Directory of the agent's own state: the process groups of the workers it runs
+    /// (`<dir>/workers-<host id>.state`), read on start so that workers left by an earlier
+    /// run of the agent (killed with its shims, say) are stopped before anything starts.
+    /// Local disk; one file per host id, so agents of one machine may share it.
+    #[arg(
+        long,
+        env = "CONVERGE_STATE_DIR",
+        default_value = "converge-work/state"
+    )]
+    pub state_dir: PathBuf,
     /// Time a worker gets between SIGTERM and SIGKILL to checkpoint and exit.
     #[arg(long, env = "CONVERGE_STOP_GRACE", default_value = DEFAULT_STOP_GRACE, value_parser = humantime_duration)]
     pub stop_grace: Duration,
@@ -103,6 +115,11 @@ pub struct AgentConfig {
     /// exit, without connecting to NATS: checks the GPU source on a new node.
     #[arg(long)]
     pub probe: bool,
+    /// The program workers start through (`converge-agent worker-shim`, see [`shim`]): the
+    /// binary sets its own; `None` starts workers directly, without a lifeline (library
+    /// use only: such workers outlive a killed agent).
+    #[arg(skip)]
+    pub worker_shim: Option<PathBuf>,
 }
 
 /// Runs the agent until `shutdown` is cancelled, then stops its workers (SIGTERM, grace,
@@ -145,6 +162,20 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
         return Ok(());
     }
     tracing::info!(%host, %addr, gpus = gpus.count(), source = gpus.kind(), "agent starting");
+    // Workers left by an earlier run go before anything else happens.
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("cannot create --state-dir {}", cfg.state_dir.display()))?;
+    let state_file = strays::state_path(&cfg.state_dir, host.as_str());
+    strays::stop_strays(&state_file, cfg.stop_grace).await;
+    strays::StateFile {
+        boot_id: strays::boot_id(),
+        workers: Vec::new(),
+    }
+    .write(&state_file)
+    .with_context(|| format!("cannot write {}", state_file.display()))?;
+    if cfg.worker_shim.is_none() {
+        tracing::warn!("workers start without the worker shim: they outlive a killed agent");
+    }
     let mut agent_metrics = match cfg.metrics_addr {
         Some(a) => {
             converge_bus::metrics::serve(a, shutdown.clone()).await?;
@@ -183,6 +214,8 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
             stop_grace: cfg.stop_grace,
             backoff_base: cfg.backoff_base,
             backoff_cap: cfg.backoff_cap,
+            worker_shim: cfg.worker_shim.clone(),
+            state_file: Some(state_file),
         },
         exit_tx,
         out_tx.clone(),

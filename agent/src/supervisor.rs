@@ -3,6 +3,13 @@
 //! capped backoff, writes one log file per worker, and turns `CONVERGE_PROGRESS` lines into
 //! progress reports. Decisions come from [`crate::reconcile::decide`]; this module only
 //! carries them out.
+//!
+//! Each worker starts through the worker shim ([`crate::shim`]) when one is configured (the
+//! binary always does): the shim leads the worker's process group, holds the read end of
+//! the worker's lifeline (the agent keeps the write end until the worker is reaped) and
+//! ends the group when the agent dies. The pid the supervisor knows, reports and signals
+//! (`killpg`) is the shim's, which is the process group id. Every start and exit rewrites
+//! the state file ([`crate::strays`]) that a restarted agent reads to stop strays.
 
 use crate::reconcile::{Action, WorkerKey, WorkerView, decide, restart_delay};
 use converge_bus::unix_now;
@@ -41,6 +48,10 @@ pub struct SupervisorConfig {
     /// First restart delay of a crashed worker; doubles per restart up to `backoff_cap`.
     pub backoff_base: Duration,
     pub backoff_cap: Duration,
+    /// The agent binary to start workers through (`worker-shim` mode); `None`: directly.
+    pub worker_shim: Option<PathBuf>,
+    /// Where the live workers' process groups are recorded; `None`: nowhere.
+    pub state_file: Option<PathBuf>,
 }
 
 /// Something for the outbox task to publish.
@@ -64,6 +75,8 @@ struct Worker {
     assignment: WorkerAssignment,
     phase: WorkerPhase,
     pid: Option<u32>,
+    /// Start time of `pid` (clock ticks after boot), for the state file.
+    start_ticks: Option<u64>,
     restarts: u32,
     last_exit_code: Option<i32>,
     restart_at: Option<Instant>,
@@ -83,6 +96,7 @@ pub struct Supervisor {
     ignored_gradient_stats: Arc<AtomicU64>,
     dropped_reports: Arc<AtomicU64>,
     incarnations: u64,
+    boot_id: String,
 }
 
 impl Supervisor {
@@ -101,6 +115,7 @@ impl Supervisor {
             ignored_gradient_stats: Arc::new(AtomicU64::new(0)),
             dropped_reports: Arc::new(AtomicU64::new(0)),
             incarnations: 0,
+            boot_id: crate::strays::boot_id(),
         }
     }
 
@@ -199,6 +214,7 @@ impl Supervisor {
             assignment: assignment.clone(),
             phase: WorkerPhase::Running,
             pid: None,
+            start_ticks: None,
             restarts: 0,
             last_exit_code: None,
             restart_at: None,
@@ -211,6 +227,7 @@ impl Supervisor {
         entry.kill_at = None;
         entry.incarnation = incarnation;
         entry.pid = None;
+        entry.start_ticks = None;
 
         match spawn_worker(
             &self.cfg,
@@ -220,9 +237,10 @@ impl Supervisor {
             self.ignored_gradient_stats.clone(),
             self.dropped_reports.clone(),
         ) {
-            Ok(mut child) => {
+            Ok((mut child, lifeline)) => {
                 let pid = child.id().unwrap_or(0);
                 entry.pid = Some(pid);
+                entry.start_ticks = crate::strays::read_stat(pid).map(|s| s.start_ticks);
                 tracing::info!(worker = %key, pid, gpus = ?assignment.gpus, "worker started");
                 self.emit(
                     EventKind::WorkerStarted {
@@ -236,6 +254,8 @@ impl Supervisor {
                 let exit_tx = self.exit_tx.clone();
                 tokio::spawn(async move {
                     let status = child.wait().await;
+                    // The shim has exited: its lifeline can close.
+                    drop(lifeline);
                     let _ = exit_tx
                         .send(ExitNotice {
                             key,
@@ -244,6 +264,7 @@ impl Supervisor {
                         })
                         .await;
                 });
+                self.save_state();
             }
             Err(e) => {
                 tracing::error!(worker = %key, command = ?assignment.command, "cannot start worker: {e}");
@@ -301,6 +322,7 @@ impl Supervisor {
         };
         let key = notice.key;
         w.pid = None;
+        w.start_ticks = None;
         w.last_exit_code = code;
         let exited = EventKind::WorkerExited {
             job: key.job.clone(),
@@ -351,6 +373,33 @@ impl Supervisor {
                     format!("{key} failed ({how}) after {restarts} restarts"),
                 );
             }
+        }
+        self.save_state();
+    }
+
+    /// Rewrites the state file with the workers alive now.
+    fn save_state(&self) {
+        let Some(path) = &self.cfg.state_file else {
+            return;
+        };
+        let file = crate::strays::StateFile {
+            boot_id: self.boot_id.clone(),
+            workers: self
+                .workers
+                .iter()
+                .filter_map(|(k, w)| {
+                    Some(crate::strays::Recorded {
+                        job: k.job.as_str().to_string(),
+                        generation: k.generation,
+                        rank: k.rank,
+                        pid: w.pid.filter(|&p| p > 1)?,
+                        start_ticks: w.start_ticks?,
+                    })
+                })
+                .collect(),
+        };
+        if let Err(e) = file.write(path) {
+            tracing::error!(path = %path.display(), "cannot write the worker state file: {e}; a restarted agent will not find these workers");
         }
     }
 
@@ -469,8 +518,10 @@ fn worker_env(
     (set, unset)
 }
 
-/// Starts one worker process in its own process group, with the worker-contract
-/// environment, stderr appended to its log file and stdout read line by line.
+/// Starts one worker process in its own process group (through the shim, which leads the
+/// group, when configured), with the worker-contract environment, stderr appended to its
+/// log file and stdout read line by line. Returns the child (the shim, or the worker) and
+/// the write end of its lifeline, to hold until the child is reaped.
 fn spawn_worker(
     cfg: &SupervisorConfig,
     a: &WorkerAssignment,
@@ -478,7 +529,7 @@ fn spawn_worker(
     malformed: Arc<AtomicU64>,
     ignored_gradient: Arc<AtomicU64>,
     dropped: Arc<AtomicU64>,
-) -> std::io::Result<tokio::process::Child> {
+) -> std::io::Result<(tokio::process::Child, Option<std::io::PipeWriter>)> {
     let log_file = log_path(cfg, a);
     std::fs::create_dir_all(log_file.parent().expect("log path has a parent"))?;
     let checkpoint_dir = cfg.checkpoint_root.join(a.job.as_str());
@@ -488,10 +539,23 @@ fn spawn_worker(
         .append(true)
         .open(&log_file)?;
 
-    let mut cmd = tokio::process::Command::new(&a.command[0]);
-    cmd.args(&a.command[1..])
-        .envs(&a.env)
-        .stdin(Stdio::null())
+    let (mut cmd, lifeline) = match &cfg.worker_shim {
+        Some(shim) => {
+            let mut cmd = tokio::process::Command::new(shim);
+            cmd.arg0("converge-agent")
+                .args(crate::shim::shim_args(cfg.stop_grace, &a.command));
+            // Close-on-exec on both ends: no other child inherits the write end.
+            let (read, write) = std::io::pipe()?;
+            cmd.stdin(Stdio::from(read));
+            (cmd, Some(write))
+        }
+        None => {
+            let mut cmd = tokio::process::Command::new(&a.command[0]);
+            cmd.args(&a.command[1..]).stdin(Stdio::null());
+            (cmd, None)
+        }
+    };
+    cmd.envs(&a.env)
         .stdout(Stdio::piped())
         .stderr(Stdio::from(stderr_log))
         .process_group(0)
@@ -502,6 +566,7 @@ fn spawn_worker(
         cmd.env_remove(k);
     }
     let mut child = cmd.spawn()?;
+    drop(cmd);
     let stdout = child.stdout.take().expect("stdout is piped");
     let report_base = ProgressReport {
         protocol: PROTOCOL_VERSION,
@@ -577,7 +642,7 @@ fn spawn_worker(
             let _ = f.flush().await;
         }
     });
-    Ok(child)
+    Ok((child, lifeline))
 }
 
 #[cfg(test)]

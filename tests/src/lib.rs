@@ -294,6 +294,7 @@ pub fn agent_config(
         telemetry_interval: Duration::from_millis(300),
         log_dir: work.join("logs"),
         checkpoint_root: work.join("checkpoints"),
+        state_dir: work.join("state"),
         stop_grace: Duration::from_secs(10),
         backoff_base: Duration::from_millis(200),
         backoff_cap: Duration::from_secs(2),
@@ -301,6 +302,8 @@ pub fn agent_config(
         metrics_addr: None,
         probe: false,
         labels: Vec::new(),
+        // Workers start through the built agent's shim, as the binary starts them.
+        worker_shim: Some(bin_path("converge-agent")),
     }
 }
 
