@@ -1,0 +1,374 @@
+//! No orphan workers, with the real `converge-agent` binary and real processes: a SIGKILLed
+//! agent takes its workers down (SIGTERM through the worker shim's lifeline, SIGKILL after
+//! the stop grace for a worker that ignores it); a worker left alive by an agent killed
+//! together with its shim is stopped by the restarted agent before it starts that rank
+//! again, never two copies at once; the state file's pid-reuse check spares a process that
+//! only shares a recorded pid.
+
+use converge_agent::strays::{self, ProcStat, Recorded, StateFile};
+use converge_common::{HostId, HostPlan, HostTelemetry, JobId, PROTOCOL_VERSION, WorkerAssignment};
+use converge_tests::*;
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+/// A shell loop printing a progress line every 100 ms; `ignore_term` makes it ignore SIGTERM
+/// (and SIGPIPE, which its next line would get once the agent is gone).
+fn looping(ignore_term: bool) -> Vec<String> {
+    let trap = if ignore_term {
+        "trap '' TERM PIPE; "
+    } else {
+        ""
+    };
+    let script = format!(
+        "{trap}i=0; while :; do i=$((i+1)); \
+         echo \"CONVERGE_PROGRESS {{\\\"step\\\":$i,\\\"samples\\\":$((i*8)),\\\"loss\\\":0.5}}\"; \
+         sleep 0.1; done"
+    );
+    vec!["sh".into(), "-c".into(), script]
+}
+
+fn worker(job: &str, rank: u32, world: u32, command: Vec<String>) -> WorkerAssignment {
+    WorkerAssignment {
+        job: JobId::new(job).unwrap(),
+        generation: 1,
+        rank,
+        world_size: world,
+        local_rank: rank,
+        local_world_size: world,
+        gpus: vec![rank],
+        master_addr: "127.0.0.1".into(),
+        master_port: 21900,
+        command,
+        env: BTreeMap::new(),
+        max_restarts: 3,
+        num_ps: 0,
+        hosts: 1,
+        batch: None,
+        node_rank: Some(0),
+    }
+}
+
+async fn put_plan(bus: &converge_bus::Bus, host: &str, workers: Vec<WorkerAssignment>) {
+    let plan = HostPlan {
+        protocol: PROTOCOL_VERSION,
+        host: HostId::new(host).unwrap(),
+        workers,
+    };
+    bus.put(&bus.plans, host, &plan).await.unwrap();
+}
+
+/// The real agent binary as a child process; its log goes to `<work>/agent-<n>.log`.
+fn spawn_agent(nats: &NatsServer, host: &str, work: &Path, n: u32) -> (Child, PathBuf) {
+    let log = work.join(format!("agent-{n}.log"));
+    let child = Command::new(bin_path("converge-agent"))
+        .args(["--nats-url", &nats.url, "--host-id", host])
+        .args(["--advertise-addr", "127.0.0.1", "--fake-gpus", "2"])
+        .args(["--telemetry-interval", "300ms", "--stop-grace", "2s"])
+        .args(["--backoff-base", "200ms", "--backoff-cap", "1s"])
+        .arg("--log-dir")
+        .arg(work.join("logs"))
+        .arg("--checkpoint-root")
+        .arg(work.join("checkpoints"))
+        .arg("--state-dir")
+        .arg(work.join("state"))
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    (child, log)
+}
+
+fn kill9(pid: u32) {
+    let ok = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -KILL {pid}");
+}
+
+/// Live (not zombie) processes of process group `pgid`.
+fn group(pgid: u32) -> Vec<u32> {
+    strays::scan_proc()
+        .into_iter()
+        .filter(|p| p.pgrp == pgid && !p.zombie)
+        .map(|p| p.pid)
+        .collect()
+}
+
+/// Process groups of live processes whose environment carries `CONVERGE_JOB_ID=job` and
+/// `RANK=rank`: one per running copy of that rank (shim and worker share it).
+fn rank_groups(job: &str, rank: u32) -> BTreeSet<u32> {
+    let want = [format!("CONVERGE_JOB_ID={job}"), format!("RANK={rank}")];
+    strays::scan_proc()
+        .into_iter()
+        .filter(|p: &ProcStat| !p.zombie)
+        .filter(|p| {
+            std::fs::read(format!("/proc/{}/environ", p.pid)).is_ok_and(|env| {
+                want.iter()
+                    .all(|w| env.split(|&b| b == 0).any(|v| v == w.as_bytes()))
+            })
+        })
+        .map(|p| p.pgrp)
+        .collect()
+}
+
+/// The running workers' pids (= process groups) by rank, from the heartbeat.
+async fn running(bus: &converge_bus::Bus, host: &str, job: &str) -> BTreeMap<u32, u32> {
+    let Ok(Some((t, _))) = bus.get::<HostTelemetry>(&bus.hosts, host).await else {
+        return BTreeMap::new();
+    };
+    t.workers
+        .iter()
+        .filter(|w| w.job.as_str() == job && w.phase == converge_common::WorkerPhase::Running)
+        .filter_map(|w| Some((w.rank, w.pid?)))
+        .collect()
+}
+
+async fn wait_gone(pids: &[u32], within: Duration) -> Duration {
+    let start = Instant::now();
+    loop {
+        let left: Vec<u32> = pids.iter().copied().filter(|&p| pid_alive(p)).collect();
+        if left.is_empty() {
+            return start.elapsed();
+        }
+        assert!(
+            start.elapsed() < within,
+            "still alive after {within:?}: {left:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_agent_takes_its_workers_down() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let (mut agent, agent_log) = spawn_agent(&nats, "o1", work.path(), 1);
+    // Rank 0 stops on SIGTERM; rank 1 ignores it and needs the SIGKILL after the grace.
+    put_plan(
+        &bus,
+        "o1",
+        vec![
+            worker("orph", 0, 2, looping(false)),
+            worker("orph", 1, 2, looping(true)),
+        ],
+    )
+    .await;
+    let groups = wait_for(Duration::from_secs(20), "both workers running", || async {
+        let r = running(&bus, "o1", "orph").await;
+        (r.len() == 2).then_some(r)
+    })
+    .await;
+    // Each worker runs under its shim, in the shim's process group.
+    let mut members = BTreeMap::new();
+    for (&rank, &pgid) in &groups {
+        let m = wait_for(Duration::from_secs(5), "shim and worker", || async {
+            let g = group(pgid);
+            (g.len() >= 2).then_some(g)
+        })
+        .await;
+        assert!(m.contains(&pgid), "rank {rank}: the shim leads the group");
+        members.insert(rank, m);
+    }
+    // stdout still reaches the agent: it copies the progress lines into the log file.
+    let log0 = work.path().join("logs/orph/gen1-rank0.log");
+    wait_for(
+        Duration::from_secs(5),
+        "progress lines in the log",
+        || async {
+            let text = std::fs::read_to_string(&log0).unwrap_or_default();
+            (text.matches("CONVERGE_PROGRESS").count() >= 3).then_some(())
+        },
+    )
+    .await;
+
+    agent.kill().unwrap(); // SIGKILL
+    agent.wait().unwrap();
+    let killed = Instant::now();
+    wait_gone(&members[&0], Duration::from_secs(2)).await;
+    let t0 = killed.elapsed();
+    wait_gone(&members[&1], Duration::from_secs(6)).await;
+    let t1 = killed.elapsed();
+    println!(
+        "after the agent's SIGKILL: rank 0 (stops on SIGTERM) gone in {t0:?}, rank 1 (ignores it) in {t1:?}"
+    );
+    assert!(
+        t1 >= Duration::from_millis(1500),
+        "rank 1 was killed before the 2 s grace: {t1:?}"
+    );
+    for pgid in groups.values() {
+        assert!(group(*pgid).is_empty(), "group {pgid} left");
+    }
+    assert!(rank_groups("orph", 0).is_empty() && rank_groups("orph", 1).is_empty());
+    let shim_said = std::fs::read_to_string(work.path().join("logs/orph/gen1-rank1.log")).unwrap();
+    assert!(
+        shim_said.contains("the agent is gone") && shim_said.contains("SIGKILL"),
+        "{shim_said}"
+    );
+    let said = std::fs::read_to_string(agent_log).unwrap();
+    assert!(said.contains("worker started"), "{said}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_agent_stops_strays_before_starting_the_rank_again() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let (mut agent, _) = spawn_agent(&nats, "o2", work.path(), 1);
+    put_plan(&bus, "o2", vec![worker("stray", 0, 1, looping(true))]).await;
+    let old = wait_for(Duration::from_secs(20), "worker running", || async {
+        running(&bus, "o2", "stray").await.get(&0).copied()
+    })
+    .await;
+    let members = wait_for(Duration::from_secs(5), "shim and worker", || async {
+        let g = group(old);
+        (g.len() >= 2).then_some(g)
+    })
+    .await;
+    let state = std::fs::read_to_string(work.path().join("state/workers-o2.state")).unwrap();
+    assert!(
+        state.contains(&format!("worker {old} ")),
+        "state file: {state}"
+    );
+
+    // The agent and its shim die together: the worker (which ignores SIGTERM) is left over.
+    agent.kill().unwrap();
+    kill9(old);
+    agent.wait().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let left: Vec<u32> = members
+        .iter()
+        .copied()
+        .filter(|&p| p != old && pid_alive(p))
+        .collect();
+    assert!(!left.is_empty(), "no stray left to test with");
+    assert_eq!(rank_groups("stray", 0), BTreeSet::from([old]));
+
+    // Watch every 10 ms that no two copies of the rank run at once.
+    let most = Arc::new(AtomicUsize::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let watcher = {
+        let (most, stop) = (most.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                most.fetch_max(rank_groups("stray", 0).len(), Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+    };
+    let restarted = Instant::now();
+    let (mut again, log) = spawn_agent(&nats, "o2", work.path(), 2);
+    let new = wait_for(
+        Duration::from_secs(20),
+        "the rank running again",
+        || async {
+            running(&bus, "o2", "stray")
+                .await
+                .get(&0)
+                .copied()
+                .filter(|&p| p != old)
+        },
+    )
+    .await;
+    let took = restarted.elapsed();
+    stop.store(true, Ordering::SeqCst);
+    watcher.join().unwrap();
+    assert!(left.iter().all(|&p| !pid_alive(p)), "the stray survived");
+    assert_eq!(rank_groups("stray", 0), BTreeSet::from([new]));
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        1,
+        "two copies of the rank ran at once (or none was seen)"
+    );
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        said.contains("stray worker of an earlier run") && said.contains("SIGKILL"),
+        "{said}"
+    );
+    println!(
+        "the restarted agent stopped the stray (SIGTERM ignored, SIGKILL after 2 s) and ran the rank again {took:?} after its start"
+    );
+    again.kill().unwrap();
+    again.wait().unwrap();
+    wait_gone(&group(new), Duration::from_secs(5)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_state_file_check_spares_a_reused_pid() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    // Two process groups of `sleep`: the state file records one with its start time, the
+    // other with another start time (as if its pid had been reused).
+    let sleeper = || {
+        Command::new("sleep")
+            .arg("300")
+            .process_group(0)
+            .spawn()
+            .unwrap()
+    };
+    let (mut ours, mut other) = (sleeper(), sleeper());
+    let start = |c: &Child| strays::read_stat(c.id()).unwrap().start_ticks;
+    let record = |c: &Child, start_ticks: u64| Recorded {
+        job: "old".into(),
+        generation: 1,
+        rank: 0,
+        pid: c.id(),
+        start_ticks,
+    };
+    std::fs::create_dir_all(work.path().join("state")).unwrap();
+    StateFile {
+        boot_id: strays::boot_id(),
+        workers: vec![
+            record(&ours, start(&ours)),
+            record(&other, start(&other) + 1),
+        ],
+    }
+    .write(&work.path().join("state/workers-o3.state"))
+    .unwrap();
+
+    let (mut agent, log) = spawn_agent(&nats, "o3", work.path(), 1);
+    // Strays are stopped before the agent connects: its first heartbeat comes after.
+    wait_for(Duration::from_secs(15), "the agent's heartbeat", || async {
+        bus.get::<HostTelemetry>(&bus.hosts, "o3")
+            .await
+            .ok()
+            .flatten()
+    })
+    .await;
+    let status = ours.try_wait().unwrap();
+    assert!(
+        status.is_some_and(|s| std::os::unix::process::ExitStatusExt::signal(&s) == Some(15)),
+        "the recorded group was not stopped: {status:?}"
+    );
+    assert!(
+        other.try_wait().unwrap().is_none(),
+        "a reused pid was killed"
+    );
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(said.contains(&format!("pgid={}", ours.id())), "{said}");
+    assert!(!said.contains(&format!("pgid={}", other.id())), "{said}");
+    // The state file now lists the agent's own workers: none.
+    let state = StateFile::parse(
+        &std::fs::read_to_string(work.path().join("state/workers-o3.state")).unwrap(),
+    )
+    .unwrap();
+    assert!(state.workers.is_empty(), "{state:?}");
+    other.kill().unwrap();
+    other.wait().unwrap();
+    agent.kill().unwrap();
+    agent.wait().unwrap();
+}
