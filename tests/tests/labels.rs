@@ -1,0 +1,202 @@
+//! Node labels and selectors end to end: two agents with different custom labels, a job
+//! that selects one of them, `converge submit` refusing a selector no host satisfies,
+//! `converge jobs` showing why a job waits and `converge hosts` the labels.
+
+use converge_common::{HostTelemetry, JobPhase, JobSpec, WorkerPhase, messages::encode};
+use converge_tests::*;
+use std::process::Command;
+use std::time::Duration;
+
+fn converge(nats: &NatsServer, args: &[&str]) -> std::process::Output {
+    Command::new(bin_path("converge"))
+        .arg("--nats-url")
+        .arg(&nats.url)
+        .args(args)
+        .output()
+        .expect("run converge")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A trainer job's spec with a `[selector]` table of `selector` (TOML lines).
+fn with_selector(job: &TrainerJob, selector: &str, dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join(format!("{}.toml", job.id));
+    std::fs::write(&path, format!("{}[selector]\n{selector}\n", job.toml())).unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_runs_only_on_hosts_its_selector_matches() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut a = agent_config(&nats, "n1", 2, work.path());
+    a.labels = vec!["zone=a".into(), "rack=r1".into()];
+    let mut b = agent_config(&nats, "n2", 2, work.path());
+    b.labels = vec!["zone=b,rack=r1".into()];
+    let agents = [start_agent(a), start_agent(b)];
+    let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
+
+    // Both hosts report their labels, GPU labels included.
+    for (host, zone) in [("n1", "a"), ("n2", "b")] {
+        let t = wait_for(Duration::from_secs(20), "labelled telemetry", || async {
+            bus.get::<HostTelemetry>(&bus.hosts, host)
+                .await
+                .ok()
+                .flatten()
+                .map(|(t, _)| t)
+        })
+        .await;
+        assert_eq!(t.labels["zone"], zone, "{t:?}");
+        assert_eq!(t.labels["rack"], "r1");
+        assert_eq!(t.labels["gpu.count"], "2");
+        assert_eq!(t.labels["gpu.memory"], "16");
+        assert_eq!(t.labels["gpu.model"], "Converge-fake-GPU");
+    }
+    let out = converge(&nats, &["hosts"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(table.contains("LABELS"), "{table}");
+    assert!(table.contains("rack=r1,zone=a"), "{table}");
+    assert!(table.contains("rack=r1,zone=b"), "{table}");
+
+    // Four workers asked for, only zone b's two GPUs may be used: two workers, both on n2.
+    let job = TrainerJob::new("picky", 1000).workers(1, 4);
+    let spec = with_selector(&job, "zone = \"b\"", work.path());
+    let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = wait_for(Duration::from_secs(30), "picky running", || async {
+        let s = job_status(&bus, "picky").await?;
+        (s.phase == JobPhase::Running && s.world_size >= 1).then_some(s)
+    })
+    .await;
+    assert!(
+        s.placement.iter().all(|p| p.host.as_str() == "n2"),
+        "{:?}",
+        s.placement
+    );
+    assert!(s.world_size <= 2, "{s:?}");
+    wait_for(
+        Duration::from_secs(30),
+        "picky's workers running on n2 and none on n1",
+        || async {
+            let (n2, _) = bus.get::<HostTelemetry>(&bus.hosts, "n2").await.ok()??;
+            let (n1, _) = bus.get::<HostTelemetry>(&bus.hosts, "n1").await.ok()??;
+            let running = n2
+                .workers
+                .iter()
+                .filter(|w| w.job.as_str() == "picky" && w.phase == WorkerPhase::Running)
+                .count();
+            let elsewhere = n1.workers.iter().any(|w| w.job.as_str() == "picky");
+            assert!(!elsewhere, "a picky worker on n1: {:?}", n1.workers);
+            (running == s.world_size as usize).then_some(())
+        },
+    )
+    .await;
+    // A job without a selector may use the other host.
+    let free = TrainerJob::new("free", 1000).write(work.path());
+    let out = converge(&nats, &["submit", free.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let f = wait_for(Duration::from_secs(30), "free running", || async {
+        let s = job_status(&bus, "free").await?;
+        (s.phase == JobPhase::Running).then_some(s)
+    })
+    .await;
+    assert_eq!(f.placement[0].host.as_str(), "n1", "{f:?}");
+    let again = job_status(&bus, "picky").await.unwrap();
+    assert!(again.placement.iter().all(|p| p.host.as_str() == "n2"));
+
+    // A selector no known host satisfies is refused at submit, with the labels hosts have.
+    let nowhere = with_selector(
+        &TrainerJob::new("nowhere", 10),
+        "zone = \"c\"\n\"gpu.count\" = \"2\"",
+        work.path(),
+    );
+    let out = converge(&nats, &["submit", nowhere.to_str().unwrap()]);
+    assert!(!out.status.success(), "submit should be refused");
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(
+            "job spec nowhere refused: `[selector]` gpu.count=2,zone=c matches none of the 2 known hosts"
+        ),
+        "{err}"
+    );
+    assert!(err.contains("zone=a (1 host), zone=b (1 host)"), "{err}");
+    assert!(err.contains("n1: gpu.count=2,"), "{err}");
+    assert!(
+        job_status(&bus, "nowhere").await.is_none()
+            && bus
+                .get::<JobSpec>(&bus.jobs, "nowhere")
+                .await
+                .unwrap()
+                .is_none(),
+        "a refused spec is not written"
+    );
+
+    // Written past the CLI (or before its hosts left), such a job waits with the reason.
+    let mut spec = JobSpec::from_toml(&format!(
+        "{}[selector]\nzone = \"c\"\n",
+        TrainerJob::new("waiting", 10).toml()
+    ))
+    .unwrap();
+    spec.submitted_at = converge_bus::unix_now();
+    bus.jobs
+        .create("waiting", encode(&spec).into())
+        .await
+        .unwrap();
+    let s = wait_for(Duration::from_secs(30), "waiting job's reason", || async {
+        let s = job_status(&bus, "waiting").await?;
+        s.message.is_some().then_some(s)
+    })
+    .await;
+    assert_eq!(s.phase, JobPhase::Pending);
+    assert_eq!(
+        s.message.as_deref(),
+        Some("no live host matches selector zone=c")
+    );
+    let out = converge(&nats, &["jobs"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(
+        table.contains("pending: no live host matches selector zone=c"),
+        "{table}"
+    );
+
+    for a in agents {
+        a.stop().await;
+    }
+    allocator.stop().await;
+}
+
+#[test]
+fn the_agent_refuses_malformed_or_reserved_labels_at_start() {
+    for (label, expect) in [
+        ("gpu.model=fast", "label gpu.model is reserved"),
+        ("zone", "not of the form key=value"),
+        ("zone=a b", "value \"a b\" is not valid"),
+    ] {
+        let out = Command::new(bin_path("converge-agent"))
+            .args(["--fake-gpus", "1", "--label", label])
+            .env("CONVERGE_NATS_URL", "nats://127.0.0.1:1")
+            .output()
+            .expect("run converge-agent");
+        assert!(!out.status.success(), "{label}: started");
+        let err = text(&out.stderr);
+        assert!(err.contains(expect), "{label}: {err}");
+    }
+    let out = Command::new(bin_path("converge-agent"))
+        .args(["--fake-gpus", "1"])
+        .env("CONVERGE_AGENT_LABELS", "zone=a,gpu.count=9")
+        .env("CONVERGE_NATS_URL", "nats://127.0.0.1:1")
+        .output()
+        .expect("run converge-agent");
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("reserved"),
+        "{}",
+        text(&out.stderr)
+    );
+}
