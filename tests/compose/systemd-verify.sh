@@ -87,7 +87,8 @@ else
         fail "TimeoutStopSec=$timeout_stop is under CONVERGE_STOP_GRACE=$stop_grace + 15 s"
     fi
 fi
-grep -q '^KillMode=mixed$' "$unit" || fail "the unit must use KillMode=mixed (the agent stops its workers itself)"
+grep -q '^KillMode=control-group$' "$unit" \
+    || fail "the unit must use KillMode=control-group (leftover workers of a dead agent get SIGTERM, not an immediate SIGKILL)"
 
 # 3. env file
 bad=$(grep -vnE '^[[:space:]]*(#.*)?$|^[A-Z_][A-Z0-9_]*=' "$envfile" || true)
