@@ -142,7 +142,8 @@ allocator_pid=$!
 agent_pids=()
 for i in $(seq "$agents"); do
     setsid converge-agent --host-id "node-$i" --fake-gpus 4 --advertise-addr 127.0.0.1 \
-        --log-dir "$work/logs" --checkpoint-root "$work/checkpoints" --stop-grace 10s \
+        --log-dir "$work/logs" --checkpoint-root "$work/checkpoints" --state-dir "$work/state" \
+        --stop-grace 10s \
         >"$work/agent-$i.log" 2>&1 &
     agent_pids+=("$!")
 done

@@ -243,7 +243,8 @@ pids+=($!)
 # The jobs' commands are relative to the repository: the agent runs there.
 (cd "$root" && exec "$agent_bin" --host-id gpu-check --advertise-addr 127.0.0.1 \
     --metrics-addr "127.0.0.1:$agent_port" --log-dir "$work/logs" \
-    --checkpoint-root "$work/checkpoints" --stop-grace 30s) >"$work/agent.log" 2>&1 &
+    --checkpoint-root "$work/checkpoints" --state-dir "$work/state" --stop-grace 30s) \
+    >"$work/agent.log" 2>&1 &
 agent_pid=$!
 pids+=("$agent_pid")
 for _ in $(seq 100); do
