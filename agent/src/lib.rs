@@ -195,7 +195,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
 
     let (exit_tx, mut exit_rx) = mpsc::channel::<ExitNotice>(1024);
     let (out_tx, out_rx) = mpsc::channel::<Outgoing>(10_000);
-    let outbox = tokio::spawn(run_outbox(bus.clone(), out_rx));
+    let outbox = tokio::spawn(run_outbox(bus.clone(), host.clone(), out_rx));
 
     let (plan_tx, mut plan_rx) = watch::channel::<Option<Vec<WorkerAssignment>>>(None);
     let plan_task = tokio::spawn(watch_plan(
@@ -394,12 +394,15 @@ fn emit(out: &mpsc::Sender<Outgoing>, host: &HostId, kind: EventKind, message: S
     )));
 }
 
-/// Publishes progress reports (JetStream, acknowledged, retried) and events (core NATS).
-async fn run_outbox(bus: Bus, mut rx: mpsc::Receiver<Outgoing>) {
+/// Publishes progress reports (JetStream, acknowledged, retried) on this host's subject of
+/// each job (`converge.v1.progress.<job>.<host>`: the only ones a secured server lets this
+/// agent publish to) and events (core NATS).
+async fn run_outbox(bus: Bus, host: HostId, mut rx: mpsc::Receiver<Outgoing>) {
     while let Some(item) = rx.recv().await {
         match item {
             Outgoing::Progress(report) => {
-                let subject = subjects::progress(&report.job);
+                debug_assert_eq!(report.host, host, "reports name the agent's host");
+                let subject = subjects::progress(&report.job, &host);
                 let mut attempt = 0u32;
                 loop {
                     match bus.publish_acked(subject.clone(), &report).await {

@@ -3,6 +3,7 @@
 //! follows updates, runs a step on every trigger and writes only the statuses and plans
 //! that changed. It keeps no local state: kill it at any time and start it anywhere.
 
+use crate::reporters::Reporters;
 use async_nats::jetstream::{self, kv};
 use converge_bus::{Bus, NatsArgs, Rejects, humantime_duration, unix_now};
 use converge_common::{
@@ -148,9 +149,24 @@ enum Input {
     SpecDeleted(JobId),
     Host(HostTelemetry),
     HostDeleted(HostId),
-    /// A report and when the stream stored it (UNIX seconds, the server's clock).
-    Progress(ProgressReport, Option<f64>),
+    /// A job status as stored (by this replica or another): where each generation runs.
+    Status(Box<JobStatus>),
+    StatusDeleted(JobId),
+    Progress(Box<Progress>),
     ProgressCaughtUp,
+}
+
+/// A decoded progress report as read from the stream, not yet checked against the job's
+/// placement ([`Reporters::check`]).
+struct Progress {
+    report: ProgressReport,
+    subject: String,
+    /// Its sequence in the stream (0 when unknown).
+    seq: u64,
+    /// When the stream stored it (UNIX seconds, the server's clock).
+    stored_at: Option<f64>,
+    /// It was in the stream when the allocator started (the history's replay).
+    replay: bool,
 }
 
 /// The allocator's view, rebuilt from NATS.
@@ -166,6 +182,8 @@ struct View {
     fits: FitCache,
     /// The plans as stored in KV (to write only what changes).
     plans: BTreeMap<HostId, HostPlan>,
+    /// The hosts of each job's current and previous generation: who may report progress.
+    reporters: Reporters,
 }
 
 /// Runs the allocator until `shutdown` is cancelled.
@@ -202,6 +220,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     let mut view = View::default();
     for (key, (status, _)) in bus.load_all::<JobStatus>(&bus.status, &rejects).await? {
         if let Ok(id) = JobId::new(key) {
+            view.reporters.note(&status);
             view.statuses.insert(id, status);
         }
     }
@@ -225,6 +244,17 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         ctl_tx.clone(),
         rejects.clone(),
     ));
+    // Followers learn new generations' placements from here (the leader also from its own
+    // steps): who may report progress.
+    tasks.spawn(watch_statuses(
+        bus.status.clone(),
+        ctl_tx.clone(),
+        rejects.clone(),
+    ));
+    // Reports the leader refused for good are deleted from the stream (bounded queue; a
+    // report not deleted is refused again when read again).
+    let (refused_tx, refused_rx) = mpsc::channel::<u64>(1_024);
+    tasks.spawn(delete_refused(bus.js.clone(), refused_rx));
     tasks.spawn(follow_progress(
         bus.client.clone(),
         bus.js.clone(),
@@ -273,11 +303,20 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             }
             input = rx.recv() => {
                 let Some(input) = input else { break };
-                if matches!(input, Input::ProgressCaughtUp) {
-                    caught_up = true;
-                    tracing::info!(jobs = view.histories.len(), "progress history rebuilt");
-                } else {
-                    apply(&mut view, input, &mut policy_due, &mut lifecycle_due, caught_up);
+                match input {
+                    Input::ProgressCaughtUp => {
+                        caught_up = true;
+                        tracing::info!(jobs = view.histories.len(), "progress history rebuilt");
+                    }
+                    Input::Progress(p) => {
+                        let refused = ingest(&mut view, p, &rejects, &mut lifecycle_due, caught_up);
+                        if let Some(seq) = refused
+                            && leadership.borrow().is_valid()
+                        {
+                            let _ = refused_tx.try_send(seq);
+                        }
+                    }
+                    input => apply(&mut view, input, &mut policy_due, &mut lifecycle_due, caught_up),
                 }
             }
             _ = scheduling.tick() => policy_due = true,
@@ -333,10 +372,20 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             .record(decision_time.as_secs_f64());
         metrics::gauge!("converge_allocator_input_queue").set(rx.len() as f64);
         metrics::gauge!("converge_allocator_hosts_live").set(last_live.len() as f64);
-        metrics::gauge!("converge_allocator_refused_messages").set(rejects.total() as f64);
+        let mut refused = rejects.by_kind();
+        for kind in REFUSAL_KINDS {
+            refused.entry(kind).or_insert(0);
+        }
+        for (kind, n) in refused {
+            metrics::gauge!("converge_allocator_refused_messages", "kind" => kind).set(n as f64);
+        }
         record_job_phases(&outcome.statuses);
         record_changes(&outcome.events, &outcome.statuses);
         converge_bus::metrics::set_snapshot(&job_series.0, job_families(&outcome.statuses));
+        for status in outcome.statuses.values() {
+            // Before the plans are written: the new generation's workers report at once.
+            view.reporters.note(status);
+        }
         if run_policy {
             tracing::debug!(?decision_time, jobs = outcome.statuses.len(), "policy step");
         }
@@ -364,6 +413,17 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     tracing::info!(refused_messages = rejects.total(), "allocator stopped");
     Ok(())
 }
+
+/// The labels of `converge_allocator_refused_messages`: why a message was refused (each
+/// exported from the start, 0 until it happens).
+const REFUSAL_KINDS: [&str; 6] = [
+    "malformed",
+    "wrong_version",
+    "invalid",
+    "too_large",
+    "wrong_subject",
+    "not_placed",
+];
 
 /// Describes the allocator's metrics (names, units, help) to the recorder.
 fn describe_metrics() {
@@ -409,7 +469,7 @@ fn describe_metrics() {
     );
     describe_gauge!(
         "converge_allocator_refused_messages",
-        "Messages refused since start (malformed, wrong version, invalid, too large)"
+        "Messages refused since start, by kind: malformed, wrong_version, invalid, too_large (not decodable), wrong_subject (a progress report on another job's or host's subject), not_placed (a progress report from a host outside the job's placement)"
     );
 }
 
@@ -551,16 +611,48 @@ fn apply(
             view.hosts.remove(&h);
             *policy_due = true;
         }
-        Input::Progress(r, stored_at) => {
+        Input::Status(status) => view.reporters.note(&status),
+        Input::StatusDeleted(job) => view.reporters.forget(&job),
+        Input::Progress(p) => {
             metrics::counter!("converge_allocator_progress_reports_total").increment(1);
-            if caught_up && let Some(at) = stored_at {
+            if caught_up && let Some(at) = p.stored_at {
                 metrics::histogram!("converge_allocator_ingest_lag_seconds")
                     .record((unix_now() - at).max(0.0));
             }
-            view.histories.entry(r.job.clone()).or_default().add(&r);
+            let r = &p.report;
+            view.histories.entry(r.job.clone()).or_default().add(r);
             *lifecycle_due = true;
         }
         Input::ProgressCaughtUp => {}
+    }
+}
+
+/// A progress report from the stream: applied to its job's history if its host may report
+/// for the job ([`Reporters::check`]), else counted in `rejects`. Returns the stream
+/// sequence of a report refused for good, which the leader deletes from the stream.
+fn ingest(
+    view: &mut View,
+    p: Box<Progress>,
+    rejects: &Rejects,
+    lifecycle_due: &mut bool,
+    caught_up: bool,
+) -> Option<u64> {
+    match view.reporters.check(&p.subject, &p.report, p.replay) {
+        Ok(()) => {
+            let mut policy_due = false;
+            apply(
+                view,
+                Input::Progress(p),
+                &mut policy_due,
+                lifecycle_due,
+                caught_up,
+            );
+            None
+        }
+        Err(refusal) => {
+            rejects.refuse(&p.subject, "", refusal.kind, &refusal.reason);
+            (refusal.certain && p.seq != 0).then_some(p.seq)
+        }
     }
 }
 
@@ -573,6 +665,9 @@ async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects) {
                 .into_iter()
                 .filter_map(|(k, (s, _))| Some((JobId::new(k).ok()?, s)))
                 .collect();
+            for s in view.statuses.values() {
+                view.reporters.note(s);
+            }
         }
         Err(e) => tracing::warn!("cannot re-read job statuses: {e}"),
     }
@@ -706,6 +801,41 @@ async fn watch_hosts(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rej
     .await
 }
 
+/// Follows KV `converge-job-status`: the placements of every job's generations, whoever
+/// wrote them (the leader's own writes come back too and change nothing).
+async fn watch_statuses(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
+    let source = format!("kv:{}", subjects::BUCKET_JOB_STATUS);
+    follow_kv(
+        store,
+        |entry| {
+            let id = JobId::new(entry.key.clone()).ok()?;
+            if entry.operation != kv::Operation::Put {
+                return Some(Input::StatusDeleted(id));
+            }
+            let s: JobStatus = rejects.decode(&source, id.as_str(), &entry.value)?;
+            (s.job == id).then(|| Input::Status(Box::new(s)))
+        },
+        tx,
+    )
+    .await
+}
+
+/// Deletes the progress reports the leader refused for good ([`crate::reporters::Refusal`]'s
+/// `certain`) from the stream, so that no later replay and no reader of the stream sees them.
+async fn delete_refused(js: jetstream::Context, mut rx: mpsc::Receiver<u64>) {
+    let mut stream = None;
+    while let Some(seq) = rx.recv().await {
+        if stream.is_none() {
+            stream = js.get_stream(subjects::PROGRESS_STREAM).await.ok();
+        }
+        let Some(s) = &stream else { continue };
+        match s.delete_message(seq).await {
+            Ok(_) => tracing::debug!(seq, "refused progress report deleted from the stream"),
+            Err(e) => tracing::debug!(seq, "refused progress report not deleted: {e}"),
+        }
+    }
+}
+
 async fn follow_kv(
     store: kv::Store,
     mut on_entry: impl FnMut(kv::Entry) -> Option<Input>,
@@ -830,11 +960,15 @@ async fn follow_progress_once(
         if let Some(report) =
             rejects.decode::<ProgressReport>(msg.subject.as_str(), "", &msg.payload)
         {
-            if msg.subject.as_str() == subjects::progress(&report.job) {
-                tx.send(Input::Progress(report, stored_at)).await?;
-            } else {
-                tracing::warn!(subject = %msg.subject, job = %report.job, "progress report on another job's subject; ignored");
-            }
+            // Checked against the job's placement by the receiver (`Reporters::check`).
+            let progress = Progress {
+                report,
+                subject: msg.subject.to_string(),
+                seq,
+                stored_at,
+                replay: !*caught_up,
+            };
+            tx.send(Input::Progress(Box::new(progress))).await?;
         }
         *last_seq = (*last_seq).max(seq);
         if !*caught_up && seq >= last_at_start {
@@ -858,6 +992,77 @@ mod tests {
         s.phase = phase;
         s.loss = loss;
         s
+    }
+
+    fn report(generation: u64, host: &str, samples: u64, loss: f64) -> ProgressReport {
+        serde_json::from_value(serde_json::json!({
+            "protocol": 1, "job": "j", "generation": generation, "rank": 0, "host": host,
+            "step": samples / 10, "samples": samples, "loss": loss, "time": samples as f64
+        }))
+        .unwrap()
+    }
+
+    fn progress(r: ProgressReport, seq: u64) -> Box<Progress> {
+        Box::new(Progress {
+            subject: subjects::progress(&r.job, &r.host),
+            report: r,
+            seq,
+            stored_at: None,
+            replay: false,
+        })
+    }
+
+    #[test]
+    fn a_forged_report_is_counted_and_leaves_history_and_fit_unchanged() {
+        let mut view = View::default();
+        let mut placed = status("j", JobPhase::Running, None);
+        placed.generation = 1;
+        placed.placement = vec![
+            serde_json::from_value(serde_json::json!({"rank": 0, "host": "n2", "gpus": [0]}))
+                .unwrap(),
+        ];
+        view.reporters.note(&placed);
+        let rejects = Rejects::default();
+        let mut due = false;
+        for i in 1..=30u64 {
+            let r = report(1, "n2", i * 100, 2.0 / (1.0 + i as f64) + 0.1);
+            assert_eq!(
+                ingest(&mut view, progress(r, i), &rejects, &mut due, true),
+                None
+            );
+        }
+        let job: JobId = "j".parse().unwrap();
+        let before = view.histories[&job].clone();
+        let fit = |h: &JobHistory| {
+            converge_sched::fit::fit_loss_curve(&h.loss_points(), &Default::default())
+                .map(|c| format!("{c:?}"))
+        };
+        let fit_before = fit(&before);
+        assert!(fit_before.is_some());
+        // n1 runs nothing of the job: its reports, on its own subject, go nowhere; so does
+        // one of n2's for a generation not placed yet, and one on a subject naming n1.
+        let forged = [
+            (report(1, "n1", 1_000_000, 1e-6), None),
+            (report(2, "n2", 1_000_000, 1e-6), None),
+            (
+                report(1, "n2", 1_000_000, 1e-6),
+                Some(subjects::progress(&job, &"n1".parse().unwrap())),
+            ),
+        ];
+        for (seq, (r, subject)) in forged.into_iter().enumerate() {
+            let mut p = progress(r, 100 + seq as u64);
+            if let Some(subject) = subject {
+                p.subject = subject;
+            }
+            let deleted = ingest(&mut view, p, &rejects, &mut due, true);
+            assert_eq!(deleted, Some(100 + seq as u64), "refused for good");
+        }
+        assert_eq!(view.histories[&job], before);
+        assert_eq!(fit(&view.histories[&job]), fit_before);
+        assert_eq!(
+            rejects.by_kind().into_iter().collect::<Vec<_>>(),
+            [("not_placed", 2), ("wrong_subject", 1)]
+        );
     }
 
     #[test]

@@ -402,7 +402,14 @@ impl std::fmt::Debug for Bus {
     }
 }
 
-fn kv_config(bucket: &str) -> kv::Config {
+/// The stream behind KV `bucket`: what async-nats' `kv::Config` would make of the bucket's
+/// settings (history, age, value size, direct gets, `deny_delete`, discard new), except that
+/// **rollups are refused** (`allow_rollup_hdrs: false`). A KV bucket created by a client
+/// allows a message with the header `Nats-Rollup: all` on any key the publisher may write to
+/// purge every other key of the bucket: an agent could drop every host's heartbeat, the CLI
+/// every job spec. No Converge process purges a key (`kv.purge` is the one KV operation that
+/// needs a rollup; deletes are `KV-Operation: DEL` markers), so the buckets need none.
+pub fn kv_stream_config(bucket: &str) -> stream::Config {
     let (description, history, max_age) = match bucket {
         subjects::BUCKET_HOSTS => (
             "latest telemetry per host (heartbeat)",
@@ -413,24 +420,34 @@ fn kv_config(bucket: &str) -> kv::Config {
         subjects::BUCKET_JOBS => ("job specs", 5, Duration::ZERO),
         _ => ("job statuses", 5, Duration::ZERO),
     };
-    kv::Config {
-        bucket: bucket.to_string(),
-        description: description.to_string(),
-        history,
+    stream::Config {
+        name: format!("KV_{bucket}"),
+        description: Some(description.to_string()),
+        subjects: vec![format!("$KV.{bucket}.>")],
+        max_messages_per_subject: history,
         max_age,
-        max_value_size: converge_common::MAX_MESSAGE_BYTES as i32,
+        max_message_size: converge_common::MAX_MESSAGE_BYTES as i32,
+        allow_rollup: false,
+        deny_delete: true,
+        deny_purge: false,
+        allow_direct: true,
+        num_replicas: 1,
+        discard: stream::DiscardPolicy::New,
         ..Default::default()
     }
 }
 
-fn progress_stream_config() -> stream::Config {
+/// The progress stream: one subject per job and host ([`subjects::PROGRESS_ALL`]), at most
+/// [`subjects::PROGRESS_MAX_PER_JOB_AND_HOST`] reports per subject, 7 days; no rollups.
+pub fn progress_stream_config() -> stream::Config {
     stream::Config {
         name: subjects::PROGRESS_STREAM.to_string(),
         description: Some("training progress reports, one per worker progress line".into()),
         subjects: vec![subjects::PROGRESS_ALL.to_string()],
-        max_messages_per_subject: subjects::PROGRESS_MAX_PER_JOB,
+        max_messages_per_subject: subjects::PROGRESS_MAX_PER_JOB_AND_HOST,
         max_age: Duration::from_secs(subjects::PROGRESS_MAX_AGE_S),
         max_message_size: converge_common::MAX_MESSAGE_BYTES as i32,
+        allow_rollup: false,
         ..Default::default()
     }
 }
@@ -479,14 +496,22 @@ impl Bus {
         for bucket in subjects::ALL_BUCKETS {
             let what = format!("KV bucket {bucket}");
             let store = match setup {
-                Setup::CreateOrUpdate => denials
-                    .guard(is_js_api, js.create_or_update_key_value(kv_config(bucket)))
-                    .await
-                    .map_err(|denial| BusError::Denied {
-                        action: format!("creating or updating {what}"),
-                        denial,
-                    })?
-                    .map_err(|e| setup_err(what.clone(), e.to_string()))?,
+                Setup::CreateOrUpdate => {
+                    denials
+                        .guard(
+                            is_js_api,
+                            js.create_or_update_stream(kv_stream_config(bucket)),
+                        )
+                        .await
+                        .map_err(|denial| BusError::Denied {
+                            action: format!("creating or updating {what}"),
+                            denial,
+                        })?
+                        .map_err(|e| setup_err(what.clone(), e.to_string()))?;
+                    js.get_key_value(bucket)
+                        .await
+                        .map_err(|e| setup_err(what.clone(), e.to_string()))?
+                }
                 Setup::OpenOrCreate => {
                     let found = denials
                         .guard(is_js_api, js.get_stream(format!("KV_{bucket}")))
@@ -500,14 +525,19 @@ impl Bus {
                             .get_key_value(bucket)
                             .await
                             .map_err(|e| setup_err(what.clone(), e.to_string()))?,
-                        Err(e) if stream_not_found(&e) => denials
-                            .guard(is_js_api, js.create_key_value(kv_config(bucket)))
-                            .await
-                            .map_err(|denial| BusError::Missing {
-                                what: what.clone(),
-                                denial,
-                            })?
-                            .map_err(|e| setup_err(what.clone(), e.to_string()))?,
+                        Err(e) if stream_not_found(&e) => {
+                            denials
+                                .guard(is_js_api, js.create_stream(kv_stream_config(bucket)))
+                                .await
+                                .map_err(|denial| BusError::Missing {
+                                    what: what.clone(),
+                                    denial,
+                                })?
+                                .map_err(|e| setup_err(what.clone(), e.to_string()))?;
+                            js.get_key_value(bucket)
+                                .await
+                                .map_err(|e| setup_err(what.clone(), e.to_string()))?
+                        }
                         Err(e) => return Err(setup_err(what, e.to_string())),
                     }
                 }
@@ -515,33 +545,45 @@ impl Bus {
             stores.push(store);
         }
         let what = format!("stream {}", subjects::PROGRESS_STREAM);
-        let found = denials
-            .guard(is_js_api, js.get_stream(subjects::PROGRESS_STREAM))
-            .await
-            .map_err(|denial| BusError::Denied {
-                action: format!("reading the configuration of {what}"),
-                denial,
-            })?;
-        match found {
-            Ok(_) => {}
-            Err(e) if stream_not_found(&e) => {
-                let refused = |denial| match setup {
-                    Setup::CreateOrUpdate => BusError::Denied {
-                        action: format!("creating {what}"),
-                        denial,
-                    },
-                    Setup::OpenOrCreate => BusError::Missing {
-                        what: what.clone(),
-                        denial,
-                    },
-                };
+        match setup {
+            // Also moves a stream of an older release to this one's subjects and limits in
+            // place: the reports it holds stay.
+            Setup::CreateOrUpdate => {
                 denials
-                    .guard(is_js_api, js.get_or_create_stream(progress_stream_config()))
+                    .guard(
+                        is_js_api,
+                        js.create_or_update_stream(progress_stream_config()),
+                    )
                     .await
-                    .map_err(refused)?
+                    .map_err(|denial| BusError::Denied {
+                        action: format!("creating or updating {what}"),
+                        denial,
+                    })?
                     .map_err(|e| setup_err(what.clone(), e.to_string()))?;
             }
-            Err(e) => return Err(setup_err(what, e.to_string())),
+            Setup::OpenOrCreate => {
+                let found = denials
+                    .guard(is_js_api, js.get_stream(subjects::PROGRESS_STREAM))
+                    .await
+                    .map_err(|denial| BusError::Denied {
+                        action: format!("reading the configuration of {what}"),
+                        denial,
+                    })?;
+                match found {
+                    Ok(_) => {}
+                    Err(e) if stream_not_found(&e) => {
+                        denials
+                            .guard(is_js_api, js.get_or_create_stream(progress_stream_config()))
+                            .await
+                            .map_err(|denial| BusError::Missing {
+                                what: what.clone(),
+                                denial,
+                            })?
+                            .map_err(|e| setup_err(what.clone(), e.to_string()))?;
+                    }
+                    Err(e) => return Err(setup_err(what, e.to_string())),
+                }
+            }
         }
         let mut it = stores.into_iter();
         let mut next = || it.next().expect("four buckets");
@@ -813,11 +855,21 @@ pub struct Rejects {
 impl Rejects {
     /// Records one refused message from `source` (a subject or `kv:<bucket>`).
     pub fn record(&self, source: &str, key: &str, error: &DecodeError) {
-        tracing::warn!(source, key, kind = error.kind(), "refused message: {error}");
+        self.refuse(source, key, error.kind(), error);
+    }
+
+    /// Records one message from `source` that decoded but is refused for what it says or
+    /// where it came from, under `kind` (a fixed label, e.g. `wrong_subject`).
+    pub fn refuse(
+        &self,
+        source: &str,
+        key: &str,
+        kind: &'static str,
+        reason: &dyn std::fmt::Display,
+    ) {
+        tracing::warn!(source, key, kind, "refused message: {reason}");
         let mut counts = self.counts.lock().expect("not poisoned");
-        *counts
-            .entry((source.to_string(), error.kind()))
-            .or_default() += 1;
+        *counts.entry((source.to_string(), kind)).or_default() += 1;
     }
 
     /// Decodes `bytes`, recording a refusal on error.
@@ -839,6 +891,15 @@ impl Rejects {
     /// Refusals by (source, kind).
     pub fn snapshot(&self) -> BTreeMap<(String, &'static str), u64> {
         self.counts.lock().expect("not poisoned").clone()
+    }
+
+    /// Refusals by kind, all sources together (bounded labels for metrics).
+    pub fn by_kind(&self) -> BTreeMap<&'static str, u64> {
+        let mut out = BTreeMap::new();
+        for ((_, kind), n) in self.counts.lock().expect("not poisoned").iter() {
+            *out.entry(*kind).or_default() += n;
+        }
+        out
     }
 }
 
@@ -874,6 +935,34 @@ pub fn unix_now() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rejects_count_by_kind() {
+        let rejects = Rejects::default();
+        rejects.refuse("a", "k", "not_placed", &"x");
+        rejects.refuse("b", "k", "not_placed", &"x");
+        rejects.refuse("b", "k", "wrong_subject", &"x");
+        assert_eq!(rejects.total(), 3);
+        assert_eq!(
+            rejects.by_kind().into_iter().collect::<Vec<_>>(),
+            [("not_placed", 2), ("wrong_subject", 1)]
+        );
+    }
+
+    #[test]
+    fn buckets_and_stream_refuse_rollups() {
+        for bucket in subjects::ALL_BUCKETS {
+            let c = kv_stream_config(bucket);
+            assert!(
+                !c.allow_rollup && c.deny_delete && c.allow_direct,
+                "{bucket}"
+            );
+            assert_eq!(c.subjects, [format!("$KV.{bucket}.>")]);
+        }
+        let c = progress_stream_config();
+        assert!(!c.allow_rollup);
+        assert_eq!(c.subjects, [subjects::PROGRESS_ALL]);
+    }
 
     #[test]
     fn durations() {

@@ -125,8 +125,11 @@ mod tests {
         #[test]
         fn valid_ids_are_single_subject_tokens(s in "[A-Za-z0-9][A-Za-z0-9_-]{0,63}") {
             prop_assert!(validate_id(&s).is_ok());
-            let subject = crate::subjects::progress(&JobId::new(s).unwrap());
-            prop_assert_eq!(subject.split('.').count(), 4);
+            let subject = crate::subjects::progress(
+                &JobId::new(s.clone()).unwrap(),
+                &HostId::new(s).unwrap(),
+            );
+            prop_assert_eq!(subject.split('.').count(), 5);
         }
 
         #[test]

@@ -13,16 +13,26 @@ pub fn telemetry(host: &HostId) -> String {
 /// Wildcard over all hosts' telemetry.
 pub const TELEMETRY_ALL: &str = "converge.v1.telemetry.*";
 
-/// JetStream subject of a job's progress reports: `converge.v1.progress.<job>`.
-pub fn progress(job: &JobId) -> String {
-    format!("{PREFIX}.progress.{job}")
+/// JetStream subject of the progress reports of a job's workers on one host:
+/// `converge.v1.progress.<job>.<host>`. An agent publishes only on its own host's subjects
+/// (the NATS permissions of a secured server say so), so the host token names the sender;
+/// the report's `host` field must equal it.
+pub fn progress(job: &JobId, host: &HostId) -> String {
+    format!("{PREFIX}.progress.{job}.{host}")
 }
-/// Wildcard over all jobs' progress.
-pub const PROGRESS_ALL: &str = "converge.v1.progress.*";
+/// Wildcard over one job's progress, all hosts: `converge.v1.progress.<job>.*`.
+pub fn progress_of_job(job: &JobId) -> String {
+    format!("{PREFIX}.progress.{job}.*")
+}
+/// Wildcard over all jobs' and hosts' progress: the subjects of [`PROGRESS_STREAM`].
+pub const PROGRESS_ALL: &str = "converge.v1.progress.*.*";
 /// JetStream stream holding progress reports.
 pub const PROGRESS_STREAM: &str = "CONVERGE_PROGRESS";
-/// Progress reports kept per job (per subject) in the stream.
-pub const PROGRESS_MAX_PER_JOB: i64 = 5_000;
+/// Progress reports kept per subject, i.e. per job and host, in the stream. A job's
+/// history is bounded by this times the hosts it has run on; rank 0's host keeps at least
+/// as many of rank 0's reports as the per-job bound of 5,000 did before the subjects named
+/// the host (the host's other ranks share its subject, no other host's do).
+pub const PROGRESS_MAX_PER_JOB_AND_HOST: i64 = 5_000;
 /// Age after which progress reports leave the stream, in seconds (7 days).
 pub const PROGRESS_MAX_AGE_S: u64 = 7 * 24 * 3600;
 
@@ -54,3 +64,17 @@ pub const LEADER_KEY: &str = "allocator";
 
 /// All KV buckets of protocol v1.
 pub const ALL_BUCKETS: [&str; 4] = [BUCKET_JOBS, BUCKET_JOB_STATUS, BUCKET_PLANS, BUCKET_HOSTS];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_subjects_name_job_and_host() {
+        let job: JobId = "mnist-1".parse().unwrap();
+        let host: HostId = "node_2".parse().unwrap();
+        let subject = progress(&job, &host);
+        assert_eq!(subject, "converge.v1.progress.mnist-1.node_2");
+        assert_eq!(progress_of_job(&job), "converge.v1.progress.mnist-1.*");
+    }
+}

@@ -171,9 +171,10 @@ cli_pub=$(
 )
 cli_sub=$(printf '%s\n' "_INBOX.cli.>" "$P.events.>" "$P.telemetry.*")
 
-# agent-<host>: its own heartbeat, telemetry and host events; progress and events of any
-# job (the subjects name the job, not the host: see docs/security.md); reads and watches
-# its own plan only.
+# agent-<host>: its own heartbeat, telemetry and host events; progress of any job on its
+# own host's subjects only (converge.v1.progress.<job>.<host>: the allocator refuses
+# reports of jobs not placed on the host); events of any job (see docs/security.md);
+# reads and watches its own plan only.
 agent_pub() {
     local h=$1
     stream_info
@@ -185,7 +186,7 @@ agent_pub() {
 $P.telemetry.$h
 $P.events.host.$h
 $P.events.job.*
-$P.progress.*
+$P.progress.*.$h
 EOF
 }
 

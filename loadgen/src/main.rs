@@ -8,7 +8,10 @@
 //!   the allocator places them on the simulated hosts.
 //! - **Progress:** `--reports-per-s` progress reports in all (every rank of every job in
 //!   turn, `--ranks-per-job` ranks, a falling loss with noise), published to the JetStream progress stream with
-//!   acknowledgement, at most `--max-in-flight` unacknowledged.
+//!   acknowledgement, at most `--max-in-flight` unacknowledged. Each report comes from a
+//!   host the allocator placed the job on, with the job's current generation, as the job
+//!   statuses say (followed by a KV watch: the allocator refuses reports from other
+//!   hosts); a job not placed yet sends none.
 //! - **Measured:** every `--scrape-every` the allocator's `/metrics` (`--metrics-url`):
 //!   step (decision) time, ingest lag (stream → allocator), reports applied, input queue and
 //!   resident memory. After `--duration` it stops sending and waits until the allocator has
@@ -27,11 +30,11 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use bytes::Bytes;
 use clap::Parser;
-use converge_bus::{Bus, NatsArgs, humantime_duration, unix_now};
+use converge_bus::{Bus, NatsArgs, Rejects, humantime_duration, unix_now};
 use converge_common::messages::encode;
 use converge_common::{
-    GpuSample, HostId, HostTelemetry, JobId, JobSpec, NicSample, PROTOCOL_VERSION, ProgressReport,
-    subjects,
+    GpuSample, HostId, HostTelemetry, JobId, JobSpec, JobStatus, NicSample, PROTOCOL_VERSION,
+    ProgressReport, subjects,
 };
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -327,10 +330,43 @@ async fn run_agents(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, unt
     }
 }
 
-/// Progress reports at the target rate, in 10 ms batches, acknowledged by JetStream.
+/// Each placed job's generation and the host of each of its ranks, by rank.
+type Placements = std::sync::Mutex<BTreeMap<JobId, (u64, Vec<HostId>)>>;
+
+/// Follows every job's placement in the job statuses (a KV watch, re-created after an
+/// error) until `until`.
+async fn follow_placements(bus: Arc<Bus>, placed: Arc<Placements>, until: Instant) {
+    let rejects = Rejects::default();
+    while Instant::now() < until {
+        match bus.status.watch_with_history(">").await {
+            Ok(mut watch) => {
+                while let Some(Ok(entry)) = watch.next().await {
+                    let Some(mut s) = rejects.decode::<JobStatus>("kv", &entry.key, &entry.value)
+                    else {
+                        continue;
+                    };
+                    let mut map = placed.lock().expect("not poisoned");
+                    if s.generation == 0 || s.placement.is_empty() {
+                        map.remove(&s.job);
+                        continue;
+                    }
+                    s.placement.sort_by_key(|p| p.rank);
+                    let hosts = s.placement.into_iter().map(|p| p.host).collect();
+                    map.insert(s.job, (s.generation, hosts));
+                }
+            }
+            Err(e) => tracing::warn!("cannot watch job statuses: {e}"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Progress reports at the target rate, in 10 ms batches, acknowledged by JetStream, each
+/// from a host the job is placed on.
 async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, until: Instant) {
     let jobs: Vec<JobId> = (0..args.jobs).map(|j| job_id(&args.prefix, j)).collect();
-    let subjects: Vec<String> = jobs.iter().map(subjects::progress).collect();
+    let placed = Arc::new(Placements::default());
+    tokio::spawn(follow_placements(bus.clone(), placed.clone(), until));
     let mut steps = vec![0u64; jobs.len()];
     let per_tick = f64::from(args.reports_per_s) / 100.0;
     let mut owed = 0.0;
@@ -348,6 +384,14 @@ async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, u
                     let ranks = args.ranks_per_job.max(1) as usize;
                     let (j, rank) = (next / ranks, (next % ranks) as u32);
                     next = (next + 1) % (jobs.len() * ranks).max(1);
+                    let Some((generation, host)) = placed
+                        .lock()
+                        .expect("not poisoned")
+                        .get(&jobs[j])
+                        .map(|(g, hosts)| (*g, hosts[rank as usize % hosts.len()].clone()))
+                    else {
+                        continue; // not placed yet
+                    };
                     if rank == 0 {
                         steps[j] += 1;
                     }
@@ -360,9 +404,9 @@ async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, u
                     let report = ProgressReport {
                         protocol: PROTOCOL_VERSION,
                         job: jobs[j].clone(),
-                        generation: 1,
+                        generation,
                         rank,
-                        host: host_id(&args.prefix, j as u32 % args.agents.max(1)),
+                        host,
                         step,
                         samples: step * 64,
                         loss: 2.0 / (1.0 + step as f64 / 500.0) + 0.1 + jitter,
@@ -376,7 +420,8 @@ async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, u
                         grad_sqr: None,
                         grad_var: None,
                     };
-                    let publish = bus.js.publish(subjects[j].clone(), Bytes::from(encode(&report)));
+                    let subject = subjects::progress(&report.job, &report.host);
+                    let publish = bus.js.publish(subject, Bytes::from(encode(&report)));
                     counters.reports_sent.fetch_add(1, Ordering::Relaxed);
                     acks.push(async move { publish.await?.await.map(|_| ()).map_err(anyhow::Error::from) });
                 }

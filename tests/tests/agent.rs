@@ -125,6 +125,8 @@ async fn agent_starts_resizes_and_stops_real_workers() {
             .unwrap();
         let r: ProgressReport = decode(&msg.payload).unwrap();
         assert_eq!((r.job.as_str(), r.generation), ("opt", 1));
+        // On this host's subject of the job, the only one its NATS user may publish to.
+        assert_eq!(msg.subject.as_str(), "converge.v1.progress.opt.n1");
         if r.step >= 60 {
             last_gen1 = Some(r);
             break;

@@ -1110,7 +1110,7 @@ async fn write_scale_cluster(bus: &Bus, jobs: &[ScaleJob]) {
                 now - 2.0 * (SCALE_POINTS - n) as f64,
             );
             r.eval_loss = Some(loss * 1.05);
-            bus.publish_acked(subjects::progress(&r.job), &r)
+            bus.publish_acked(subjects::progress(&r.job, &r.host), &r)
                 .await
                 .unwrap();
         }

@@ -34,7 +34,7 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
     let bus = nats.bus().await;
     let mut progress = bus
         .client
-        .subscribe(subjects::progress(&"opt".parse().unwrap()))
+        .subscribe(subjects::progress_of_job(&"opt".parse().unwrap()))
         .await
         .unwrap();
     let a1 = start_agent(agent_config(&nats, "n1", 1, work.path()));
@@ -279,7 +279,7 @@ async fn parameter_server_job_trains_with_a_shard_next_to_its_workers() {
     let bus = nats.bus().await;
     let mut progress = bus
         .client
-        .subscribe(subjects::progress(&"ps".parse().unwrap()))
+        .subscribe(subjects::progress_of_job(&"ps".parse().unwrap()))
         .await
         .unwrap();
     let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));

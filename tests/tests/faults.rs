@@ -32,11 +32,15 @@ fn submit(nats: &NatsServer, dir: &std::path::Path, id: &str) {
     );
 }
 
-/// The highest step in the progress stream for `job`.
+/// The highest step in the progress stream for `job` (its last report from n1, the tests'
+/// one host).
 async fn last_step(bus: &converge_bus::Bus, job: &str) -> Option<u64> {
     let stream = bus.js.get_stream(subjects::PROGRESS_STREAM).await.ok()?;
     let msg = stream
-        .get_last_raw_message_by_subject(&subjects::progress(&job.parse().ok()?))
+        .get_last_raw_message_by_subject(&subjects::progress(
+            &job.parse().ok()?,
+            &"n1".parse().ok()?,
+        ))
         .await
         .ok()?;
     let r: converge_common::ProgressReport =

@@ -144,7 +144,7 @@ async fn numpy_worker_trains_grows_to_a_second_host_resumes_and_completes() {
     let job = "py-numpy";
     let mut progress = bus
         .client
-        .subscribe(subjects::progress(&job.parse().unwrap()))
+        .subscribe(subjects::progress_of_job(&job.parse().unwrap()))
         .await
         .unwrap();
     let a1 = start_agent(agent_config(&nats, "n1", 1, work.path()));

@@ -433,7 +433,9 @@ async fn follow_progress_once(
             last_of_start = !*caught_up && info.pending == 0;
         }
         let input = match decode::<ProgressReport>(&msg.payload) {
-            Ok(r) if msg.subject.as_str() != subjects::progress(&r.job) => Some(Input::Refused),
+            Ok(r) if msg.subject.as_str() != subjects::progress(&r.job, &r.host) => {
+                Some(Input::Refused)
+            }
             Ok(r) if r.rank != 0 => None,
             Ok(r) => Some(Input::Progress(Box::new(r))),
             Err(_) => Some(Input::Refused),

@@ -1,0 +1,279 @@
+//! Which hosts may report a job's progress: the acceptance rule of the progress stream.
+//! Pure: the service feeds it the statuses it reads and writes and asks it about each
+//! report before the report reaches the job's history (and so its fit).
+//!
+//! On a secured server an agent may publish progress only on its own host's subjects
+//! (`converge.v1.progress.<job>.<host>`), so the subject's host token names the sender. A
+//! report is **accepted** when
+//!
+//! 1. its subject is `converge.v1.progress.<report.job>.<report.host>` (else `wrong_subject`),
+//!    and
+//! 2. its generation is one whose placement the allocator knows — the job's current
+//!    generation or the one before it (workers of the previous generation keep reporting
+//!    while they stop) — and its host is among that generation's hosts: the workers'
+//!    (`placement`) and the parameter-server shards' (`ps_placement`), every host any status
+//!    of that generation placed something on (else `not_placed`); or
+//! 3. during the start-up replay only (the reports that were already in the stream when the
+//!    allocator started), its generation is older than every generation whose placement the
+//!    allocator knows: those placements are gone from the statuses, so such reports are
+//!    taken as the history they are (see [`Refusal::certain`] for why a forged one is no
+//!    longer there).
+//!
+//! Everything else is refused with `not_placed`: a job without a placed status, a generation
+//! newer than the job's current one (not placed yet: a forged one would make every real
+//! report stale), and, after the replay, a generation older than the known ones.
+
+use converge_common::{HostId, JobId, JobStatus, ProgressReport, subjects};
+use std::collections::{BTreeMap, BTreeSet};
+
+/// Generations remembered per job: the current one and the one before.
+const GENERATIONS: usize = 2;
+
+/// Why a report was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// The label it is counted under: `wrong_subject` or `not_placed`.
+    pub kind: &'static str,
+    /// For the log.
+    pub reason: String,
+    /// The refusal holds whatever the allocator learns later, so the leader deletes the
+    /// report from the stream: a subject that does not match the report, a host outside the
+    /// placement of a known generation, a generation not placed yet, a job never placed. Not
+    /// certain: a generation older than the known ones after the replay (after a restart
+    /// the allocator knows only the current generation's hosts, so the previous
+    /// generation's last reports may be real). Deleting the certain ones is what makes rule
+    /// 3 safe: a report the leader refused is not in the stream to be replayed later.
+    pub certain: bool,
+}
+
+/// The hosts of each job's latest generations, from the statuses the allocator reads (at
+/// start, from its status watch) and writes (its steps' outcomes).
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Reporters {
+    jobs: BTreeMap<JobId, BTreeMap<u64, BTreeSet<HostId>>>,
+}
+
+impl Reporters {
+    /// Learns the hosts of `status`'s generation (added to what earlier statuses of the same
+    /// generation placed: a generation that lost a host keeps it). Generation 0 (never
+    /// placed) adds nothing; only the [`GENERATIONS`] newest generations are kept.
+    pub fn note(&mut self, status: &JobStatus) {
+        if status.generation == 0 {
+            return;
+        }
+        let gens = self.jobs.entry(status.job.clone()).or_default();
+        if gens.len() >= GENERATIONS
+            && gens
+                .first_key_value()
+                .is_some_and(|(&oldest, _)| status.generation < oldest)
+        {
+            return;
+        }
+        gens.entry(status.generation).or_default().extend(
+            status
+                .placement
+                .iter()
+                .chain(&status.ps_placement)
+                .map(|p| p.host.clone()),
+        );
+        while gens.len() > GENERATIONS {
+            gens.pop_first();
+        }
+    }
+
+    /// Forgets a job (its status was deleted).
+    pub fn forget(&mut self, job: &JobId) {
+        self.jobs.remove(job);
+    }
+
+    /// Whether `report`, read from `subject`, may reach the job's history; `replay`: it was
+    /// in the stream when the allocator started. See the module's documentation.
+    pub fn check(
+        &self,
+        subject: &str,
+        report: &ProgressReport,
+        replay: bool,
+    ) -> Result<(), Refusal> {
+        let refuse = |kind, reason: String, certain| {
+            Err(Refusal {
+                kind,
+                reason,
+                certain,
+            })
+        };
+        if subject != subjects::progress(&report.job, &report.host) {
+            return refuse(
+                "wrong_subject",
+                format!(
+                    "report of job {} from host {} on subject {subject}",
+                    report.job, report.host
+                ),
+                true,
+            );
+        }
+        let what = || {
+            format!(
+                "report of job {} generation {} rank {} from host {}",
+                report.job, report.generation, report.rank, report.host
+            )
+        };
+        let Some(gens) = self.jobs.get(&report.job) else {
+            return refuse(
+                "not_placed",
+                format!("{}: the job was never placed", what()),
+                true,
+            );
+        };
+        let (&newest, _) = gens.last_key_value().expect("no empty entries");
+        let (&oldest, _) = gens.first_key_value().expect("no empty entries");
+        if report.generation > newest {
+            return refuse(
+                "not_placed",
+                format!("{}: the job's generation is {newest}", what()),
+                true,
+            );
+        }
+        if let Some(hosts) = gens.get(&report.generation) {
+            if hosts.contains(&report.host) {
+                return Ok(());
+            }
+            return refuse(
+                "not_placed",
+                format!(
+                    "{}: generation {} is placed on {}",
+                    what(),
+                    report.generation,
+                    join(hosts)
+                ),
+                true,
+            );
+        }
+        if replay && report.generation < oldest {
+            return Ok(());
+        }
+        refuse(
+            "not_placed",
+            format!(
+                "{}: only generations {} are known",
+                what(),
+                gens.keys()
+                    .map(u64::to_string)
+                    .collect::<Vec<_>>()
+                    .join(" and ")
+            ),
+            false,
+        )
+    }
+}
+
+fn join(hosts: &BTreeSet<HostId>) -> String {
+    if hosts.is_empty() {
+        return "no host".into();
+    }
+    hosts
+        .iter()
+        .map(HostId::as_str)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(generation: u64, hosts: &[&str], shards: &[&str]) -> JobStatus {
+        let place = |hosts: &[&str], first: usize| {
+            hosts
+                .iter()
+                .enumerate()
+                .map(|(i, h)| serde_json::json!({"rank": first + i, "host": h, "gpus": []}))
+                .collect::<Vec<_>>()
+        };
+        serde_json::from_value(serde_json::json!({
+            "job": "j", "phase": "running", "generation": generation,
+            "world_size": hosts.len(), "placement": place(hosts, 0),
+            "ps_placement": place(shards, hosts.len()),
+            "step": 0, "samples": 0, "submitted_at": 1.0, "updated_at": 2.0
+        }))
+        .unwrap()
+    }
+
+    fn report(job: &str, generation: u64, host: &str) -> ProgressReport {
+        serde_json::from_value(serde_json::json!({
+            "protocol": 1, "job": job, "generation": generation, "rank": 0, "host": host,
+            "step": 1, "samples": 10, "loss": 0.5, "time": 1.0
+        }))
+        .unwrap()
+    }
+
+    fn check(r: &Reporters, generation: u64, host: &str, replay: bool) -> Result<(), Refusal> {
+        let rep = report("j", generation, host);
+        r.check(&subjects::progress(&rep.job, &rep.host), &rep, replay)
+    }
+
+    #[test]
+    fn current_and_previous_generations_from_their_hosts_only() {
+        let mut r = Reporters::default();
+        r.note(&status(3, &["a", "b"], &["s"]));
+        r.note(&status(4, &["c"], &[]));
+        for (generation, host) in [(4, "c"), (3, "a"), (3, "b"), (3, "s")] {
+            assert_eq!(
+                check(&r, generation, host, false),
+                Ok(()),
+                "{generation} {host}"
+            );
+        }
+        for (generation, host) in [(4, "a"), (3, "c"), (5, "c"), (2, "a")] {
+            for replay in [false, true] {
+                let e = check(&r, generation, host, replay);
+                let ok_in_replay = replay && generation == 2;
+                assert_eq!(
+                    e.is_ok(),
+                    ok_in_replay,
+                    "{generation} {host} {replay}: {e:?}"
+                );
+                if let Err(e) = e {
+                    assert_eq!(e.kind, "not_placed");
+                    assert_eq!(e.certain, generation != 2, "{e:?}");
+                }
+            }
+        }
+        // A third generation pushes the first out; an old status changes nothing.
+        r.note(&status(5, &["d"], &[]));
+        r.note(&status(3, &["x"], &[]));
+        assert!(check(&r, 3, "a", false).is_err());
+        assert!(check(&r, 4, "c", false).is_ok() && check(&r, 5, "d", false).is_ok());
+        assert!(check(&r, 3, "x", false).is_err());
+    }
+
+    #[test]
+    fn a_generation_keeps_every_host_it_was_placed_on() {
+        let mut r = Reporters::default();
+        r.note(&status(2, &["a", "b"], &[]));
+        // The generation lost host b: the job waits with no placement.
+        r.note(&status(2, &[], &[]));
+        assert!(check(&r, 2, "b", false).is_ok());
+        // Never placed: nothing known, every report refused.
+        r.note(&status(0, &[], &[]));
+        let rep = report("other", 1, "a");
+        let e = r
+            .check(&subjects::progress(&rep.job, &rep.host), &rep, true)
+            .unwrap_err();
+        assert!(e.certain && e.reason.contains("never placed"), "{e:?}");
+        r.forget(&"j".parse().unwrap());
+        assert!(check(&r, 2, "a", true).is_err());
+    }
+
+    #[test]
+    fn the_subject_must_name_the_reports_job_and_host() {
+        let mut r = Reporters::default();
+        r.note(&status(1, &["a", "b"], &[]));
+        let rep = report("j", 1, "a");
+        let other_host = subjects::progress(&rep.job, &"b".parse().unwrap());
+        let other_job = subjects::progress(&"k".parse().unwrap(), &rep.host);
+        for subject in [other_host.as_str(), &other_job, "converge.v1.progress.j"] {
+            let e = r.check(subject, &rep, true).unwrap_err();
+            assert_eq!((e.kind, e.certain), ("wrong_subject", true), "{subject}");
+        }
+    }
+}
