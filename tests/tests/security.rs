@@ -2,7 +2,9 @@
 //! one user per role, the permissions of docs/security.md), the allocator, two agents and
 //! the `converge` CLI each with its own user. A job runs end to end while the server refuses
 //! what each role may not do; refusals are the server's permissions violations, reported at
-//! once, not timeouts; nothing refused stops a process.
+//! once, not timeouts; nothing refused stops a process. Progress the server lets an agent
+//! publish is still refused by the allocator unless the job is placed on the agent's host,
+//! and no client can purge a bucket with a rollup header.
 
 use converge_bus::{Bus, BusError, DenialKind, NatsArgs, Setup};
 use converge_common::{HostPlan, HostTelemetry, JobPhase, JobSpec, PROTOCOL_VERSION, subjects};
@@ -370,6 +372,306 @@ async fn dashboard_reads_the_cluster_as_cli(s: &SecuredNats) {
     assert_eq!(state["hosts"].as_array().unwrap().len(), 2, "{state}");
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// The allocator's refusals of `kind` from the process's metrics registry.
+fn refused_by_allocator(kind: &str) -> f64 {
+    let prefix = format!("converge_allocator_refused_messages{{kind=\"{kind}\"}} ");
+    converge_bus::metrics::render()
+        .lines()
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Thirty progress lines at once (loss falling with the samples), then nothing: the job's
+/// fit settles and stays as it is unless another report arrives.
+const QUIET_JOB: &str = r#"id = "victim"
+command = ["/bin/sh", "-c", 'i=1; while [ $i -le 30 ]; do echo "CONVERGE_PROGRESS {\"step\":$i,\"samples\":$((i*32)),\"loss\":$((1000/(i+1))).5}"; i=$((i+1)); done; exec sleep 600']
+min_workers = 1
+max_workers = 1
+"#;
+
+/// A compromised agent (`agent-n1`) against a job placed on n2 only: progress on n2's
+/// subject is refused by the server; progress on its own subject for the job is refused by
+/// the allocator (counted, deleted from the stream, the job's fit unchanged); a rollup
+/// header on its own heartbeat key cannot purge the hosts bucket. The allocator still
+/// deletes and purges keys through the stream API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compromised_agent_cannot_forge_progress_or_purge_heartbeats() {
+    init_tracing();
+    converge_bus::metrics::recorder();
+    let s = SecuredNats::start(&["n1", "n2"]);
+    let work = tempfile::tempdir().unwrap();
+    let allocator = start_allocator(converge_allocator::service::AllocatorConfig {
+        nats: s.args_as("allocator"),
+        ..allocator_config(&s.nats, Duration::ZERO)
+    });
+    let cli = wait_for(Duration::from_secs(20), "buckets created", || async {
+        s.bus_as("cli", Setup::OpenOrCreate).await.ok()
+    })
+    .await;
+    let mut cfg = agent_config(&s.nats, "n2", 1, work.path());
+    cfg.nats = s.args_as("agent-n2");
+    let agent2 = start_agent(cfg);
+    let spec = work.path().join("victim.toml");
+    std::fs::write(&spec, QUIET_JOB).unwrap();
+    let out = converge_as(&s, "cli", &["submit", spec.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Placed on n2, all thirty reports in, a curve fitted and no longer changing.
+    let settled = |a: &converge_common::JobStatus| {
+        (
+            a.phase,
+            a.generation,
+            a.step,
+            a.samples,
+            a.loss,
+            a.first_loss,
+            serde_json::to_string(&a.curve).unwrap(),
+            a.placement.clone(),
+        )
+    };
+    let before = wait_for(Duration::from_secs(60), "the job's fit settles", || async {
+        let a = job_status(&cli, "victim").await?;
+        if a.phase != JobPhase::Running || a.samples != 960 || a.curve.is_none() {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let b = job_status(&cli, "victim").await?;
+        (settled(&a) == settled(&b)).then_some(b)
+    })
+    .await;
+    let hosts: Vec<&str> = before.placement.iter().map(|p| p.host.as_str()).collect();
+    assert_eq!(hosts, ["n2"]);
+
+    let a1 = s.bus_as("agent-n1", Setup::OpenOrCreate).await.unwrap();
+    let forged = |generation: u64, host: &str| -> converge_common::ProgressReport {
+        serde_json::from_value(serde_json::json!({
+            "protocol": PROTOCOL_VERSION, "job": "victim", "generation": generation,
+            "rank": 0, "host": host, "step": 1_000_000, "samples": 1_000_000_000u64,
+            "loss": 1e-6, "time": converge_bus::unix_now()
+        }))
+        .unwrap()
+    };
+    let victim: converge_common::JobId = "victim".parse().unwrap();
+    let (n1, n2) = (
+        "n1".parse::<converge_common::HostId>().unwrap(),
+        "n2".parse::<converge_common::HostId>().unwrap(),
+    );
+    // n2's subject: the server refuses it.
+    let own_subject = subjects::progress(&victim, &n1);
+    let n2_subject = subjects::progress(&victim, &n2);
+    refused(
+        "agent-n1 publishes progress on n2's subject",
+        &n2_subject,
+        a1.publish_acked(n2_subject.clone(), &forged(before.generation, "n2")),
+    )
+    .await;
+    // Its own subject: stored, then refused by the allocator (n1 is not in the placement,
+    // and the next generation is not placed yet), counted and deleted from the stream.
+    let refused_before = refused_by_allocator("not_placed");
+    for generation in [before.generation, before.generation + 1] {
+        a1.publish_acked(own_subject.clone(), &forged(generation, "n1"))
+            .await
+            .expect("an agent may publish on its own subject");
+    }
+    // Read as the allocator (the cli user may follow the stream, not get messages).
+    let alloc = s.bus_as("allocator", Setup::CreateOrUpdate).await.unwrap();
+    let stream = alloc
+        .js
+        .get_stream(subjects::PROGRESS_STREAM)
+        .await
+        .unwrap();
+    wait_for(
+        Duration::from_secs(10),
+        "the forged reports deleted from the stream",
+        || async {
+            use async_nats::jetstream::stream::LastRawMessageErrorKind;
+            match stream.get_last_raw_message_by_subject(&own_subject).await {
+                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Some(()),
+                Err(e) => panic!("reading the stream: {e}"),
+                Ok(_) => None,
+            }
+        },
+    )
+    .await;
+    wait_for(Duration::from_secs(10), "the refusals counted", || async {
+        (refused_by_allocator("not_placed") >= refused_before + 2.0).then_some(())
+    })
+    .await;
+    // A few steps later the job is as it was: same progress, same fit.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = job_status(&cli, "victim").await.unwrap();
+    assert_eq!(settled(&after), settled(&before), "{after:?}");
+
+    // The rollup attack: a message on its own heartbeat key with `Nats-Rollup: all` would
+    // purge every host's heartbeat; the bucket refuses rollups.
+    let (mut t, _) = cli
+        .get::<HostTelemetry>(&cli.hosts, "n2")
+        .await
+        .unwrap()
+        .expect("n2's heartbeat");
+    t.host = n1.clone();
+    for rollup in ["all", "sub"] {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Rollup", rollup);
+        let ack = a1
+            .js
+            .publish_with_headers(
+                "$KV.converge-hosts.n1",
+                headers,
+                converge_common::messages::encode(&t).into(),
+            )
+            .await
+            .expect("published")
+            .await;
+        let e = ack.expect_err("a rollup was accepted");
+        assert!(e.to_string().contains("rollup"), "{rollup}: {e}");
+    }
+    a1.hosts.purge("n1").await.expect_err("a KV purge rolls up");
+    let info = a1.js.get_stream("KV_converge-hosts").await.unwrap();
+    assert!(!info.cached_info().config.allow_rollup);
+    assert!(
+        cli.get::<HostTelemetry>(&cli.hosts, "n2")
+            .await
+            .unwrap()
+            .is_some(),
+        "n2's heartbeat survives"
+    );
+    assert!(
+        cli.get::<HostTelemetry>(&cli.hosts, "n1")
+            .await
+            .unwrap()
+            .is_none(),
+        "nothing of the attack was stored"
+    );
+
+    // The allocator's user still deletes a key (a KV delete marker) and purges one through
+    // the stream API; it never needs a rollup.
+    alloc
+        .put(&alloc.plans, "n9", &plan("n9", "x"))
+        .await
+        .unwrap();
+    alloc.plans.delete("n9").await.expect("KV delete");
+    assert!(
+        alloc
+            .get::<HostPlan>(&alloc.plans, "n9")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    alloc
+        .js
+        .get_stream("KV_converge-plans")
+        .await
+        .unwrap()
+        .purge()
+        .filter("$KV.converge-plans.n9")
+        .await
+        .expect("stream purge of one key");
+
+    assert!(allocator.is_running() && agent2.is_running());
+    let still = job_status(&cli, "victim").await.unwrap();
+    assert_eq!(still.phase, JobPhase::Running, "{still:?}");
+    agent2.stop().await;
+    allocator.stop().await;
+}
+
+/// A cluster of the previous release: the progress stream on `converge.v1.progress.<job>`
+/// and KV buckets that allow rollups (async-nats' defaults), where a rollup header purges
+/// the hosts bucket. `Bus::open` (the allocator's `CreateOrUpdate`) updates both in place:
+/// the stream takes the per-host subjects and keeps its reports, the buckets keep their
+/// keys and refuse rollups.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_existing_stream_and_buckets_are_updated_in_place() {
+    use async_nats::jetstream::{kv, stream};
+    init_tracing();
+    let nats = NatsServer::start();
+    let client = converge_bus::connect(&nats.args(), "converge-test")
+        .await
+        .unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    js.create_stream(stream::Config {
+        name: subjects::PROGRESS_STREAM.into(),
+        subjects: vec!["converge.v1.progress.*".into()],
+        max_messages_per_subject: 5_000,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let hosts = js
+        .create_key_value(kv::Config {
+            bucket: subjects::BUCKET_HOSTS.into(),
+            history: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let rollup_all = |key: &str| {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Nats-Rollup", "all");
+        let js = js.clone();
+        let subject = format!("$KV.{}.{key}", subjects::BUCKET_HOSTS);
+        async move {
+            js.publish_with_headers(subject, headers, "x".into())
+                .await
+                .unwrap()
+                .await
+        }
+    };
+    // The hole, before the update: a's rollup purges b.
+    hosts.put("a", "1".into()).await.unwrap();
+    hosts.put("b", "2".into()).await.unwrap();
+    rollup_all("a").await.expect("rollups allowed");
+    assert!(hosts.get("b").await.unwrap().is_none(), "b purged");
+    hosts.put("b", "2".into()).await.unwrap();
+    js.publish("converge.v1.progress.old-job", "{}".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let bus = Bus::open(client).await.expect("updated in place");
+    let mut progress = bus.js.get_stream(subjects::PROGRESS_STREAM).await.unwrap();
+    let info = progress.info().await.unwrap();
+    assert_eq!(info.config.subjects, [subjects::PROGRESS_ALL]);
+    assert_eq!(
+        info.config.max_messages_per_subject,
+        subjects::PROGRESS_MAX_PER_JOB_AND_HOST
+    );
+    assert_eq!(info.state.messages, 1, "the old report is kept");
+    let mut kv_stream = bus.js.get_stream("KV_converge-hosts").await.unwrap();
+    assert!(!kv_stream.info().await.unwrap().config.allow_rollup);
+    let e = rollup_all("a").await.expect_err("rollups refused");
+    assert!(e.to_string().contains("rollup"), "{e}");
+    assert_eq!(
+        bus.hosts.get("b").await.unwrap().as_deref(),
+        Some(&b"2"[..])
+    );
+    // New reports go to the per-host subjects only.
+    bus.js
+        .publish("converge.v1.progress.new-job.h1", "{}".into())
+        .await
+        .unwrap()
+        .await
+        .expect("a per-host subject is stored");
+    let old = bus
+        .js
+        .publish("converge.v1.progress.old-job", "{}".into())
+        .await;
+    assert!(
+        match old {
+            Ok(ack) => ack.await.is_err(),
+            Err(_) => true,
+        },
+        "the old subject is no longer the stream's"
+    );
+    // Opening again changes nothing.
+    Bus::open(bus.client.clone()).await.expect("idempotent");
 }
 
 /// Requests an agent could craft by hand to read another host's plan through the subjects
