@@ -518,6 +518,19 @@ fn worker_env(
     (set, unset)
 }
 
+/// The program to start the shim as: `/proc/self/exe` (the binary's choice) is replaced by
+/// the file it names, so that the shim's `comm` (`ps`, `top`) reads `converge-agent`, not
+/// `exe`, unless that file was deleted or replaced (an upgrade) since the agent started.
+fn shim_program(shim: &std::path::Path) -> PathBuf {
+    if shim == std::path::Path::new("/proc/self/exe")
+        && let Ok(target) = std::fs::read_link(shim)
+        && !target.to_string_lossy().ends_with(" (deleted)")
+    {
+        return target;
+    }
+    shim.to_path_buf()
+}
+
 /// Starts one worker process in its own process group (through the shim, which leads the
 /// group, when configured), with the worker-contract environment, stderr appended to its
 /// log file and stdout read line by line. Returns the child (the shim, or the worker) and
@@ -541,7 +554,7 @@ fn spawn_worker(
 
     let (mut cmd, lifeline) = match &cfg.worker_shim {
         Some(shim) => {
-            let mut cmd = tokio::process::Command::new(shim);
+            let mut cmd = tokio::process::Command::new(shim_program(shim));
             cmd.arg0("converge-agent")
                 .args(crate::shim::shim_args(cfg.stop_grace, &a.command));
             // Close-on-exec on both ends: no other child inherits the write end.
