@@ -6,8 +6,11 @@
 //! (`converge.v1.progress.<job>.<host>`), so the subject's host token names the sender. A
 //! report is **accepted** when
 //!
-//! 1. its subject is `converge.v1.progress.<report.job>.<report.host>` (else `wrong_subject`),
-//!    and
+//! 1. its subject is `converge.v1.progress.<report.job>.<report.host>` (else `wrong_subject`;
+//!    in the start-up replay, a report of an older release on the job's subject without a
+//!    host, `converge.v1.progress.<report.job>`, is taken by its `host` field: the updated
+//!    stream no longer stores that subject, so such reports predate the upgrade and keep
+//!    the curves of jobs that run across it), and
 //! 2. its generation is one whose placement the allocator knows — the job's current
 //!    generation or the one before it (workers of the previous generation keep reporting
 //!    while they stop) — and its host is among that generation's hosts: the workers'
@@ -101,7 +104,8 @@ impl Reporters {
                 certain,
             })
         };
-        if subject != subjects::progress(&report.job, &report.host) {
+        let before_hosts = replay && subject == subjects::progress_without_host(&report.job);
+        if subject != subjects::progress(&report.job, &report.host) && !before_hosts {
             return refuse(
                 "wrong_subject",
                 format!(
@@ -271,9 +275,23 @@ mod tests {
         let rep = report("j", 1, "a");
         let other_host = subjects::progress(&rep.job, &"b".parse().unwrap());
         let other_job = subjects::progress(&"k".parse().unwrap(), &rep.host);
-        for subject in [other_host.as_str(), &other_job, "converge.v1.progress.j"] {
+        for subject in [other_host.as_str(), &other_job, "converge.v1.progress.k"] {
             let e = r.check(subject, &rep, true).unwrap_err();
             assert_eq!((e.kind, e.certain), ("wrong_subject", true), "{subject}");
         }
+        // The subject of an older release, without the host: in the replay only, and
+        // still by the placement.
+        let old = subjects::progress_without_host(&rep.job);
+        assert_eq!(old, "converge.v1.progress.j");
+        assert_eq!(r.check(&old, &rep, true), Ok(()));
+        assert_eq!(
+            r.check(&old, &rep, false).unwrap_err().kind,
+            "wrong_subject"
+        );
+        let elsewhere = report("j", 1, "c");
+        assert_eq!(
+            r.check(&old, &elsewhere, true).unwrap_err().kind,
+            "not_placed"
+        );
     }
 }

@@ -24,6 +24,12 @@ pub fn progress(job: &JobId, host: &HostId) -> String {
 pub fn progress_of_job(job: &JobId) -> String {
     format!("{PREFIX}.progress.{job}.*")
 }
+/// The progress subject of releases before [`progress`] named the host,
+/// `converge.v1.progress.<job>`: no longer one of the stream's subjects, read only in the
+/// reports an updated stream still holds.
+pub fn progress_without_host(job: &JobId) -> String {
+    format!("{PREFIX}.progress.{job}")
+}
 /// Wildcard over all jobs' and hosts' progress: the subjects of [`PROGRESS_STREAM`].
 pub const PROGRESS_ALL: &str = "converge.v1.progress.*.*";
 /// JetStream stream holding progress reports.
