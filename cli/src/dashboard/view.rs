@@ -95,6 +95,9 @@ pub struct HostView {
     pub age_s: f64,
     pub lost: bool,
     pub workers: u32,
+    /// The host's labels (`gpu.model`, `gpu.memory`, `gpu.count` and its agent's own), which
+    /// job selectors match.
+    pub labels: BTreeMap<String, String>,
     pub gpus: Vec<GpuView>,
 }
 
@@ -132,6 +135,8 @@ pub struct JobView {
     pub gpus_per_worker: u32,
     pub generation: u64,
     pub placement: Vec<PlacementView>,
+    /// Labels a host must have to run the job (its spec's `[selector]`).
+    pub selector: BTreeMap<String, String>,
     pub samples: u64,
     pub samples_per_s: Option<f64>,
     pub loss: Option<f64>,
@@ -235,6 +240,7 @@ fn host_view(t: &HostTelemetry, now: f64, host_timeout_s: f64) -> HostView {
         age_s: age,
         lost,
         workers: t.workers.iter().filter(|w| w.phase.is_alive()).count() as u32,
+        labels: t.labels.clone(),
         gpus: t
             .gpus
             .iter()
@@ -297,6 +303,7 @@ pub fn build(
                         gpus: p.gpus.clone(),
                     })
                     .collect(),
+                selector: spec.selector.clone(),
                 samples: s.samples,
                 samples_per_s: s.samples_per_s,
                 loss: s.loss,
@@ -413,8 +420,9 @@ mod tests {
     #[test]
     fn hosts_jobs_curves_and_the_queue_are_drawn_from_the_model() {
         let mut m = Model::default();
-        m.hosts
-            .insert(HostId::new("h1").unwrap(), telemetry("h1", 100.0, &[0, 1]));
+        let mut h1 = telemetry("h1", 100.0, &[0, 1]);
+        h1.labels.insert("zone".into(), "a".into());
+        m.hosts.insert(HostId::new("h1").unwrap(), h1);
         m.hosts
             .insert(HostId::new("h2").unwrap(), telemetry("h2", 50.0, &[]));
         for id in ["a", "p", "done"] {
@@ -469,6 +477,7 @@ mod tests {
         assert_eq!((h1.gpus_busy, h1.gpus_total, h1.lost), (2, 4, false));
         assert_eq!(h1.gpus[0].job.as_ref().map(JobId::as_str), Some("a"));
         assert_eq!(h1.gpus[0].power_w, Some(250.0));
+        assert_eq!(h1.labels["zone"], "a");
         assert!(s.hosts[1].lost);
         assert_eq!(s.hosts[1].rx_bytes_per_s, None);
         assert_eq!(h1.workers, 1);

@@ -46,8 +46,9 @@ function renderHosts(st) {
       `<span title="GPU ${g.index} (${esc(g.name)}): ${num(g.utilization_pct, 3)} %, ${bytes(g.memory_used_bytes)} of ${bytes(g.memory_total_bytes)}` +
       (g.power_w != null ? `, ${num(g.power_w, 3)} W` : "") + (g.job ? `, job ${esc(g.job)}` : ", idle") +
       `">${g.utilization_pct > 0 ? "▮" : "▯"}</span>`).join("");
+    const labels = Object.entries(h.labels || {}).map(([k, v]) => `${k}=${v}`).join("\n");
     return `<tr data-host="${esc(h.host)}" class="${h.lost ? "lost" : ""}">
-      <th scope="row" title="${esc(h.addr)} · GPUs from ${esc(h.gpu_source)}">${esc(h.host)}</th>
+      <th scope="row" title="${esc(h.addr)} · GPUs from ${esc(h.gpu_source)}${labels ? `\nlabels:\n${esc(labels)}` : ""}">${esc(h.host)}</th>
       <td data-field="state">${h.lost ? "lost" : "live"}</td>
       <td data-field="gpus" class="num">${h.gpus_busy}/${h.gpus_total}</td>
       <td><span class="bar" aria-hidden="true"><span style="width:${util}%"></span></span>${util.toFixed(0)} %</td>
@@ -89,7 +90,7 @@ function renderJobs(st) {
     const b = j.batch && j.batch.plan ? `${j.batch.plan.total} (${j.batch.plan.per_worker}×${j.batch.plan.accum_steps})` : "—";
     const workers = j.max_workers != null ? `${j.min_workers}–${j.max_workers}` : `≥${j.min_workers}`;
     return `<tr data-job="${esc(j.job)}">
-      <th scope="row">${esc(j.job)}${j.sweep ? `<br><small>sweep ${esc(j.sweep)}</small>` : ""}</th>
+      <th scope="row">${esc(j.job)}${j.sweep ? `<br><small>sweep ${esc(j.sweep)}</small>` : ""}${Object.keys(j.selector || {}).length ? `<br><small>on ${esc(Object.entries(j.selector).map(([k, v]) => `${k}=${v}`).join(", "))}</small>` : ""}</th>
       <td data-field="phase" class="phase ${esc(j.phase)}">${esc(j.phase)}</td>
       <td data-field="workers" class="num" title="allowed ${workers}">${j.workers}</td>
       <td data-field="generation" class="num">${j.generation}</td>
