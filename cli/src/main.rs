@@ -322,6 +322,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .map(|s| (s, statuses.iter().find(|st| st.job == s.id)))
                 .filter(|(_, st)| all || st.is_none_or(|st| !st.phase.is_terminal()))
                 .collect();
+            let now = unix_now();
+            let queue = queue_estimates(&bus, &specs, &statuses, now).await?;
             if cli.json {
                 let out: Vec<_> = rows
                     .iter()
@@ -330,12 +332,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             "spec": spec,
                             "status": st,
                             "batch_mode": tables::batch_mode(spec, *st),
+                            "queue": queue.get(&spec.id),
                         })
                     })
                     .collect();
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
-                println!("{}", tables::jobs(&rows, unix_now()));
+                println!("{}", tables::jobs(&rows, now, &queue));
             }
         }
         Command::Hosts => {
@@ -431,6 +434,39 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Telemetry older than this marks a host lost (the allocator's default `--host-timeout`).
+pub(crate) const HOST_TIMEOUT_S: f64 = 15.0;
+
+/// Queue positions and estimated starts of the pending jobs on the live hosts' GPUs
+/// (`converge_sched::outlook`: submission order, running jobs ending at their target or
+/// after as much again as done, no arrivals).
+pub(crate) async fn queue_estimates(
+    bus: &Bus,
+    specs: &[JobSpec],
+    statuses: &[JobStatus],
+    now: f64,
+) -> anyhow::Result<std::collections::BTreeMap<JobId, converge_sched::outlook::QueueEntry>> {
+    let rejects = Rejects::default();
+    let live_gpus: u32 = bus
+        .load_all::<HostTelemetry>(&bus.hosts, &rejects)
+        .await?
+        .into_values()
+        .filter(|(t, _)| now - t.time <= HOST_TIMEOUT_S)
+        .map(|(t, _)| t.gpus.len() as u32)
+        .sum();
+    let specs = specs.iter().map(|s| (s.id.clone(), s.clone())).collect();
+    let statuses = statuses
+        .iter()
+        .map(|s| (s.job.clone(), s.clone()))
+        .collect();
+    Ok(
+        converge_sched::outlook::queue_estimates(&specs, &statuses, live_gpus, now)
+            .into_iter()
+            .map(|e| (e.job.clone(), e))
+            .collect(),
+    )
 }
 
 /// Job specs and statuses, each sorted by submission time.

@@ -205,7 +205,11 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                     tables::age(d.as_secs_f64())
                 ))
             );
-            println!("{}", tables::jobs(&rows, unix_now()));
+            let now = unix_now();
+            let queue = crate::queue_estimates(bus, &specs, &statuses, now)
+                .await
+                .unwrap_or_default();
+            println!("{}", tables::jobs(&rows, now, &queue));
         }
         let all_done = !statuses.is_empty()
             && specs.iter().all(|spec| {

@@ -1,7 +1,9 @@
 //! Human tables for `converge jobs`, `converge hosts` and the monitor (comfy-table).
 
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
-use converge_common::{HostTelemetry, JobPhase, JobSpec, JobStatus, WorkerPhase};
+use converge_common::{HostTelemetry, JobId, JobPhase, JobSpec, JobStatus, WorkerPhase};
+use converge_sched::outlook::QueueEntry;
+use std::collections::BTreeMap;
 
 /// The phase, with how the job ended when it did by itself or by a `[stop]` criterion:
 /// `completed (converged)`, `completed (target reached)`, `completed (finished)`.
@@ -14,6 +16,20 @@ pub fn phase(s: &JobStatus) -> String {
 
 /// The PHASE column: [`phase`], and for a pending or failed job the allocator's reason
 /// (`pending: no live host matches selector zone=a`).
+/// A pending job's place in the queue and estimated start (`converge_sched::outlook`), e.g.
+/// `queue #2 of GPUs, est. start in 3m05s`.
+pub fn queue_note(entry: &QueueEntry, now: f64) -> String {
+    let eta = match entry.estimated_start {
+        Some(t) if t <= now + 1.0 => "could start now".to_string(),
+        Some(t) => format!("est. start in {}", age(t - now)),
+        None => "start unknown".to_string(),
+    };
+    format!(
+        "queue #{}, needs {} GPUs, {eta}",
+        entry.position, entry.gpus_needed
+    )
+}
+
 pub fn phase_with_reason(s: &JobStatus) -> String {
     match (&s.message, s.phase) {
         (Some(m), JobPhase::Pending | JobPhase::Failed) if !m.is_empty() => {
@@ -123,7 +139,13 @@ pub fn batch(spec: &JobSpec, status: Option<&JobStatus>) -> String {
 }
 
 /// The jobs table.
-pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
+/// The jobs table; `queue` holds the pending jobs' queue entries (their PHASE cell adds the
+/// position and estimated start).
+pub fn jobs(
+    rows: &[(&JobSpec, Option<&JobStatus>)],
+    now: f64,
+    queue: &BTreeMap<JobId, QueueEntry>,
+) -> Table {
     let mut t = Table::new();
     t.load_preset(UTF8_BORDERS_ONLY).set_header(vec![
         "JOB",
@@ -152,7 +174,12 @@ pub fn jobs(rows: &[(&JobSpec, Option<&JobStatus>)], now: f64) -> Table {
             Some(s) => t.add_row(vec![
                 spec.id.to_string(),
                 label,
-                phase_with_reason(s),
+                match queue.get(&s.job) {
+                    Some(q) if s.phase == JobPhase::Pending => {
+                        format!("{} ({})", phase_with_reason(s), queue_note(q, now))
+                    }
+                    _ => phase_with_reason(s),
+                },
                 format!("{} ({range})", s.world_size),
                 s.generation.to_string(),
                 s.step.to_string(),
@@ -344,7 +371,7 @@ pub(crate) mod tests {
             gpu_hours: 0.5,
         });
         assert_eq!(phase(&s), "completed (target reached)");
-        let text = jobs(&[(&spec, Some(&s))], 100.0).to_string();
+        let text = jobs(&[(&spec, Some(&s))], 100.0, &BTreeMap::new()).to_string();
         assert!(text.contains("completed (target reached)"), "{text}");
     }
 
@@ -358,10 +385,29 @@ pub(crate) mod tests {
             phase_with_reason(&s),
             "pending: no live host matches selector zone=c"
         );
-        let text = jobs(&[(&spec, Some(&s))], 100.0).to_string();
+        let entry = QueueEntry {
+            job: s.job.clone(),
+            position: 2,
+            gpus_needed: 4,
+            estimated_start: Some(285.0),
+        };
+        let queue = BTreeMap::from([(s.job.clone(), entry.clone())]);
+        let text = jobs(&[(&spec, Some(&s))], 100.0, &queue).to_string();
         assert!(
             text.contains("no live host matches selector zone=c"),
             "{text}"
+        );
+        assert!(
+            text.contains("queue #2, needs 4 GPUs, est. start in 3m05s"),
+            "{text}"
+        );
+        let unknown = QueueEntry {
+            estimated_start: None,
+            ..entry
+        };
+        assert_eq!(
+            queue_note(&unknown, 100.0),
+            "queue #2, needs 4 GPUs, start unknown"
         );
         s.phase = JobPhase::Running;
         assert_eq!(phase_with_reason(&s), "running");
