@@ -467,6 +467,59 @@ fn stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
     }
 }
 
+/// Makes sure the stream `config` describes exists as `setup` says: created or updated to
+/// `config` ([`Setup::CreateOrUpdate`]), or opened as it is and created only when missing
+/// ([`Setup::OpenOrCreate`]). `what` names it in errors; a permissions violation becomes
+/// [`BusError::Denied`] (or [`BusError::Missing`] when a missing stream may not be created).
+async fn ensure_stream(
+    js: &jetstream::Context,
+    denials: &Denials,
+    setup: Setup,
+    config: stream::Config,
+    what: &str,
+) -> Result<(), BusError> {
+    let setup_err = |message: String| BusError::Setup {
+        what: what.to_string(),
+        message,
+    };
+    match setup {
+        Setup::CreateOrUpdate => {
+            denials
+                .guard(is_js_api, js.create_or_update_stream(config))
+                .await
+                .map_err(|denial| BusError::Denied {
+                    action: format!("creating or updating {what}"),
+                    denial,
+                })?
+                .map_err(|e| setup_err(e.to_string()))?;
+        }
+        Setup::OpenOrCreate => {
+            let found = denials
+                .guard(is_js_api, js.get_stream(config.name.clone()))
+                .await
+                .map_err(|denial| BusError::Denied {
+                    action: format!("reading the configuration of {what}"),
+                    denial,
+                })?;
+            match found {
+                Ok(_) => {}
+                Err(e) if stream_not_found(&e) => {
+                    denials
+                        .guard(is_js_api, js.get_or_create_stream(config))
+                        .await
+                        .map_err(|denial| BusError::Missing {
+                            what: what.to_string(),
+                            denial,
+                        })?
+                        .map_err(|e| setup_err(e.to_string()))?;
+                }
+                Err(e) => return Err(setup_err(e.to_string())),
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Bus {
     /// Creates (or opens, if they exist) the four KV buckets and the progress stream,
     /// updating existing buckets to this build's configuration ([`Setup::CreateOrUpdate`]).
@@ -495,96 +548,17 @@ impl Bus {
         let mut stores = Vec::new();
         for bucket in subjects::ALL_BUCKETS {
             let what = format!("KV bucket {bucket}");
-            let store = match setup {
-                Setup::CreateOrUpdate => {
-                    denials
-                        .guard(
-                            is_js_api,
-                            js.create_or_update_stream(kv_stream_config(bucket)),
-                        )
-                        .await
-                        .map_err(|denial| BusError::Denied {
-                            action: format!("creating or updating {what}"),
-                            denial,
-                        })?
-                        .map_err(|e| setup_err(what.clone(), e.to_string()))?;
-                    js.get_key_value(bucket)
-                        .await
-                        .map_err(|e| setup_err(what.clone(), e.to_string()))?
-                }
-                Setup::OpenOrCreate => {
-                    let found = denials
-                        .guard(is_js_api, js.get_stream(format!("KV_{bucket}")))
-                        .await
-                        .map_err(|denial| BusError::Denied {
-                            action: format!("reading the configuration of {what}"),
-                            denial,
-                        })?;
-                    match found {
-                        Ok(_) => js
-                            .get_key_value(bucket)
-                            .await
-                            .map_err(|e| setup_err(what.clone(), e.to_string()))?,
-                        Err(e) if stream_not_found(&e) => {
-                            denials
-                                .guard(is_js_api, js.create_stream(kv_stream_config(bucket)))
-                                .await
-                                .map_err(|denial| BusError::Missing {
-                                    what: what.clone(),
-                                    denial,
-                                })?
-                                .map_err(|e| setup_err(what.clone(), e.to_string()))?;
-                            js.get_key_value(bucket)
-                                .await
-                                .map_err(|e| setup_err(what.clone(), e.to_string()))?
-                        }
-                        Err(e) => return Err(setup_err(what, e.to_string())),
-                    }
-                }
-            };
+            ensure_stream(&js, &denials, setup, kv_stream_config(bucket), &what).await?;
+            let store = js
+                .get_key_value(bucket)
+                .await
+                .map_err(|e| setup_err(what, e.to_string()))?;
             stores.push(store);
         }
+        // Also moves a stream of an older release to this one's subjects and limits in place
+        // (with `Setup::CreateOrUpdate`): the reports it holds stay.
         let what = format!("stream {}", subjects::PROGRESS_STREAM);
-        match setup {
-            // Also moves a stream of an older release to this one's subjects and limits in
-            // place: the reports it holds stay.
-            Setup::CreateOrUpdate => {
-                denials
-                    .guard(
-                        is_js_api,
-                        js.create_or_update_stream(progress_stream_config()),
-                    )
-                    .await
-                    .map_err(|denial| BusError::Denied {
-                        action: format!("creating or updating {what}"),
-                        denial,
-                    })?
-                    .map_err(|e| setup_err(what.clone(), e.to_string()))?;
-            }
-            Setup::OpenOrCreate => {
-                let found = denials
-                    .guard(is_js_api, js.get_stream(subjects::PROGRESS_STREAM))
-                    .await
-                    .map_err(|denial| BusError::Denied {
-                        action: format!("reading the configuration of {what}"),
-                        denial,
-                    })?;
-                match found {
-                    Ok(_) => {}
-                    Err(e) if stream_not_found(&e) => {
-                        denials
-                            .guard(is_js_api, js.get_or_create_stream(progress_stream_config()))
-                            .await
-                            .map_err(|denial| BusError::Missing {
-                                what: what.clone(),
-                                denial,
-                            })?
-                            .map_err(|e| setup_err(what.clone(), e.to_string()))?;
-                    }
-                    Err(e) => return Err(setup_err(what, e.to_string())),
-                }
-            }
-        }
+        ensure_stream(&js, &denials, setup, progress_stream_config(), &what).await?;
         let mut it = stores.into_iter();
         let mut next = || it.next().expect("four buckets");
         Ok(Self {
