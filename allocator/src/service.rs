@@ -758,8 +758,9 @@ async fn publish_event(bus: &Bus, e: &Event) {
 /// Follows KV `converge-jobs`: current values first, then updates.
 async fn watch_jobs(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
     let source = format!("kv:{}", subjects::BUCKET_JOBS);
-    follow_kv(
+    converge_bus::follow_kv(
         store,
+        tx,
         |entry| {
             let Ok(id) = JobId::new(entry.key.clone()) else {
                 tracing::warn!(key = %entry.key, "job key is not a valid job id; ignored");
@@ -778,7 +779,7 @@ async fn watch_jobs(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Reje
             };
             Some(Input::Spec(id, spec))
         },
-        tx,
+        || None,
     )
     .await
 }
@@ -786,8 +787,9 @@ async fn watch_jobs(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Reje
 /// Follows KV `converge-hosts` (heartbeats).
 async fn watch_hosts(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
     let source = format!("kv:{}", subjects::BUCKET_HOSTS);
-    follow_kv(
+    converge_bus::follow_kv(
         store,
+        tx,
         |entry| {
             let id = HostId::new(entry.key.clone()).ok()?;
             if entry.operation != kv::Operation::Put {
@@ -796,7 +798,7 @@ async fn watch_hosts(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rej
             let t: HostTelemetry = rejects.decode(&source, id.as_str(), &entry.value)?;
             (t.host == id).then_some(Input::Host(t))
         },
-        tx,
+        || None,
     )
     .await
 }
@@ -805,8 +807,9 @@ async fn watch_hosts(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rej
 /// wrote them (the leader's own writes come back too and change nothing).
 async fn watch_statuses(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
     let source = format!("kv:{}", subjects::BUCKET_JOB_STATUS);
-    follow_kv(
+    converge_bus::follow_kv(
         store,
+        tx,
         |entry| {
             let id = JobId::new(entry.key.clone()).ok()?;
             if entry.operation != kv::Operation::Put {
@@ -815,7 +818,7 @@ async fn watch_statuses(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<
             let s: JobStatus = rejects.decode(&source, id.as_str(), &entry.value)?;
             (s.job == id).then(|| Input::Status(Box::new(s)))
         },
-        tx,
+        || None,
     )
     .await
 }
@@ -833,36 +836,6 @@ async fn delete_refused(js: jetstream::Context, mut rx: mpsc::Receiver<u64>) {
             Ok(_) => tracing::debug!(seq, "refused progress report deleted from the stream"),
             Err(e) => tracing::debug!(seq, "refused progress report not deleted: {e}"),
         }
-    }
-}
-
-async fn follow_kv(
-    store: kv::Store,
-    mut on_entry: impl FnMut(kv::Entry) -> Option<Input>,
-    tx: mpsc::Sender<Input>,
-) {
-    loop {
-        match store.watch_with_history(">").await {
-            Ok(mut watch) => {
-                while let Some(entry) = watch.next().await {
-                    match entry {
-                        Ok(entry) => {
-                            if let Some(input) = on_entry(entry)
-                                && tx.send(input).await.is_err()
-                            {
-                                return;
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(bucket = %store.name, "watch error: {e}");
-                            break;
-                        }
-                    }
-                }
-            }
-            Err(e) => tracing::warn!(bucket = %store.name, "cannot watch: {e}"),
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 

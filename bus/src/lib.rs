@@ -520,6 +520,64 @@ async fn ensure_stream(
     Ok(())
 }
 
+/// Follows a KV bucket until `tx` closes: every key's current value first, then each
+/// change, each entry turned into a message by `read` (`None`: nothing to send). Once the
+/// values the bucket held when the follower started have been read (at once for an empty
+/// bucket), `caught_up()` is sent, if it gives a message. After a watch error it watches
+/// again a second later (from the current values: what `read` builds must tolerate seeing
+/// an entry twice).
+pub async fn follow_kv<T>(
+    store: kv::Store,
+    tx: tokio::sync::mpsc::Sender<T>,
+    mut read: impl FnMut(kv::Entry) -> Option<T>,
+    caught_up: impl Fn() -> Option<T>,
+) {
+    let mut done = false;
+    let signal = async |tx: &tokio::sync::mpsc::Sender<T>, done: &mut bool| {
+        *done = true;
+        match caught_up() {
+            Some(m) => tx.send(m).await.is_ok(),
+            None => true,
+        }
+    };
+    loop {
+        if !done
+            && store.status().await.is_ok_and(|s| s.values() == 0)
+            && !signal(&tx, &mut done).await
+        {
+            return;
+        }
+        match store.watch_with_history(">").await {
+            Ok(mut watch) => {
+                while let Some(entry) = watch.next().await {
+                    match entry {
+                        Ok(entry) => {
+                            let last_of_start = !done && entry.delta == 0;
+                            if let Some(m) = read(entry)
+                                && tx.send(m).await.is_err()
+                            {
+                                return;
+                            }
+                            if last_of_start && !signal(&tx, &mut done).await {
+                                return;
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(bucket = %store.name, "watch error: {e}");
+                            break;
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(bucket = %store.name, "cannot watch: {e}"),
+        }
+        if tx.is_closed() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 impl Bus {
     /// Creates (or opens, if they exist) the four KV buckets and the progress stream,
     /// updating existing buckets to this build's configuration ([`Setup::CreateOrUpdate`]).

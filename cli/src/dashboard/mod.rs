@@ -321,55 +321,23 @@ fn apply(model: &mut Model, input: Input) {
     }
 }
 
-/// Follows a KV bucket: current values first, then updates; `read(key, value)` turns an
-/// entry into an input (`value` `None` for a delete or purge). Starts again after an error.
+/// Follows a KV bucket ([`converge_bus::follow_kv`]): `read(key, value)` turns an entry
+/// into an input (`value` `None` for a delete or purge); an unreadable value is logged.
 async fn follow_kv(
     store: kv::Store,
     tx: mpsc::Sender<Input>,
     read: impl Fn(String, Option<&[u8]>) -> Option<Input> + Send + 'static,
 ) {
-    let mut caught_up = false;
-    loop {
-        // An empty bucket has nothing to deliver: caught up at once.
-        if !caught_up && store.status().await.is_ok_and(|s| s.values() == 0) {
-            caught_up = true;
-            if tx.send(Input::CaughtUp).await.is_err() {
-                return;
-            }
+    let bucket = store.name.clone();
+    let read_entry = move |e: kv::Entry| {
+        let value = (e.operation == kv::Operation::Put).then_some(&e.value[..]);
+        let input = read(e.key.clone(), value);
+        if matches!(input, Some(Input::Refused)) {
+            tracing::warn!(%bucket, key = %e.key, "unreadable value; skipped");
         }
-        match store.watch_with_history(">").await {
-            Ok(mut watch) => {
-                while let Some(entry) = watch.next().await {
-                    match entry {
-                        Ok(e) => {
-                            let last_of_start = !caught_up && e.delta == 0;
-                            let value = (e.operation == kv::Operation::Put).then_some(&e.value[..]);
-                            if let Some(input) = read(e.key.clone(), value) {
-                                if matches!(input, Input::Refused) {
-                                    tracing::warn!(bucket = %store.name, key = %e.key, "unreadable value; skipped");
-                                }
-                                if tx.send(input).await.is_err() {
-                                    return;
-                                }
-                            }
-                            if last_of_start {
-                                caught_up = true;
-                                if tx.send(Input::CaughtUp).await.is_err() {
-                                    return;
-                                }
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(bucket = %store.name, "watch error: {e}");
-                            break;
-                        }
-                    }
-                }
-            }
-            Err(e) => tracing::warn!(bucket = %store.name, "cannot watch: {e}"),
-        }
-        tokio::time::sleep(Duration::from_secs(1)).await;
-    }
+        input
+    };
+    converge_bus::follow_kv(store, tx, read_entry, || Some(Input::CaughtUp)).await;
 }
 
 /// Follows the progress stream from its start (rank 0's reports only), through an ordered
