@@ -90,6 +90,10 @@ id_type!(
     /// A host's id (by default its hostname), chosen by the agent's operator.
     HostId
 );
+id_type!(
+    /// A queue's name (`converge queue create NAME`, `queue = "NAME"` in a job spec).
+    QueueId
+);
 
 #[cfg(test)]
 mod tests {

@@ -3,7 +3,8 @@
 //! the CLI refuses a bad spec with the same reason the allocator would.
 
 use crate::PROTOCOL_VERSION;
-use crate::ids::JobId;
+use crate::ids::{JobId, QueueId};
+use crate::queues::PriorityClass;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -133,6 +134,9 @@ fn default_max_restarts() -> u32 {
 fn default_protocol() -> u32 {
     PROTOCOL_VERSION
 }
+fn is_normal(p: &PriorityClass) -> bool {
+    *p == PriorityClass::Normal
+}
 
 /// A training job.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -192,6 +196,15 @@ pub struct JobSpec {
     /// Empty: any host. Same syntax and bounds as host labels ([`crate::labels`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub selector: BTreeMap<String, String>,
+    /// The queue the job is scheduled in (`queue = "team-a"`; see [`crate::queues`]).
+    /// `None`: the [`crate::DEFAULT_QUEUE`]. `converge submit` refuses a queue that does not
+    /// exist; a job whose queue is deleted later waits, pending, with the reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue: Option<QueueId>,
+    /// Priority class within its queue (`priority = "high"`; default `normal`): a pending
+    /// job may preempt whole running jobs of lower classes of its queue.
+    #[serde(default, skip_serializing_if = "is_normal")]
+    pub priority: PriorityClass,
     /// Submission time (UNIX seconds); set by `converge submit`.
     #[serde(default)]
     pub submitted_at: f64,
@@ -255,6 +268,13 @@ impl JobSpec {
     /// The target loss: `[stop] target_loss`, else the top-level `target_loss`.
     pub fn target_loss(&self) -> Option<f64> {
         self.stop.and_then(|s| s.target_loss).or(self.target_loss)
+    }
+
+    /// The name of the job's queue: `queue`, else [`crate::DEFAULT_QUEUE`].
+    pub fn queue_name(&self) -> &str {
+        self.queue
+            .as_ref()
+            .map_or(crate::queues::DEFAULT_QUEUE, QueueId::as_str)
     }
 
     /// Workers the user asked for: `workers`, else `max_workers()`.
@@ -441,6 +461,34 @@ mod tests {
                 expect
             ),
         }
+    }
+
+    #[test]
+    fn queue_and_priority_parse_with_defaults_and_bad_ones_are_refused() {
+        let base = "id = \"q\"\ncommand = [\"t\"]\n";
+        let plain = JobSpec::from_toml(base).unwrap();
+        assert_eq!(
+            (plain.queue_name(), plain.priority),
+            ("default", PriorityClass::Normal)
+        );
+        let json = serde_json::to_string(&plain).unwrap();
+        assert!(
+            !json.contains("queue") && !json.contains("priority"),
+            "{json}"
+        );
+        let s = JobSpec::from_toml(&format!("{base}queue = \"team-a\"\npriority = \"high\"\n"))
+            .unwrap();
+        assert_eq!(
+            (s.queue_name(), s.priority),
+            ("team-a", PriorityClass::High)
+        );
+        let back: JobSpec = serde_json::from_str(&serde_json::to_string(&s).unwrap()).unwrap();
+        assert_eq!(back, s);
+        check(&format!("{base}queue = \"team a\"\n"), "only ASCII letters");
+        check(
+            &format!("{base}priority = \"urgent\"\n"),
+            "unknown variant `urgent`",
+        );
     }
 
     #[test]

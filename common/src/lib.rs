@@ -8,12 +8,14 @@ pub mod ids;
 pub mod jobspec;
 pub mod labels;
 pub mod messages;
+pub mod queues;
 pub mod subjects;
 pub mod sweep;
 
-pub use ids::{HostId, IdError, JobId};
+pub use ids::{HostId, IdError, JobId, QueueId};
 pub use jobspec::{BatchSpec, JobSpec, JobSpecError, PlateauSpec, StopSpec, SyncArch};
 pub use messages::*;
+pub use queues::{DEFAULT_QUEUE, PriorityClass, QueueSpec, QueueStatus};
 
 /// Version carried by every message (`"protocol": 1`). A reader refuses any other value.
 pub const PROTOCOL_VERSION: u32 = 1;

@@ -62,6 +62,13 @@ pub const BUCKET_PLANS: &str = "converge-plans";
 /// KV bucket of the latest telemetry per host, key = host id. Written by each agent.
 pub const BUCKET_HOSTS: &str = "converge-hosts";
 
+/// KV bucket of queues ([`crate::QueueSpec`]), key = queue name. Written by the CLI
+/// (`converge queue create|set|delete`), read by the allocator.
+pub const BUCKET_QUEUES: &str = "converge-queues";
+/// KV bucket of what each queue holds ([`crate::QueueStatus`]), key = queue name. Written
+/// by the allocator only; read by the CLI and the allocator's next leader (decayed usage).
+pub const BUCKET_QUEUE_STATUS: &str = "converge-queue-status";
+
 /// KV bucket of the allocator leader's lease ([`crate::LeaderLease`]), key [`LEADER_KEY`].
 /// Written by allocator replicas only; created by the allocator.
 pub const BUCKET_LEADER: &str = "converge-leader";
