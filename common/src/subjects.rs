@@ -75,8 +75,11 @@ pub const BUCKET_LEADER: &str = "converge-leader";
 /// The key of the lease in [`BUCKET_LEADER`].
 pub const LEADER_KEY: &str = "allocator";
 
-/// All KV buckets of protocol v1.
+/// The KV buckets every process opens (`converge_bus::Bus::open_with`).
 pub const ALL_BUCKETS: [&str; 4] = [BUCKET_JOBS, BUCKET_JOB_STATUS, BUCKET_PLANS, BUCKET_HOSTS];
+/// The queue buckets: created by the allocator with the others, opened by the allocator
+/// and the CLI only (`converge_bus::Bus::open_queues`); agents have no permission on them.
+pub const QUEUE_BUCKETS: [&str; 2] = [BUCKET_QUEUES, BUCKET_QUEUE_STATUS];
 
 #[cfg(test)]
 mod tests {

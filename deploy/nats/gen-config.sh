@@ -92,8 +92,11 @@ done
 P=converge.v1
 B_JOBS=converge-jobs B_STATUS=converge-job-status B_PLANS=converge-plans B_HOSTS=converge-hosts
 B_LEADER=converge-leader
+B_QUEUES=converge-queues B_QUEUE_STATUS=converge-queue-status
 PROGRESS_STREAM=CONVERGE_PROGRESS
 STREAMS=("KV_$B_JOBS" "KV_$B_STATUS" "KV_$B_PLANS" "KV_$B_HOSTS" "$PROGRESS_STREAM")
+# Opened by the allocator and the CLI only: agents have no right on the queue buckets.
+QUEUE_STREAMS=("KV_$B_QUEUES" "KV_$B_QUEUE_STATUS")
 
 mkdir -p "$out"
 umask 077
@@ -136,24 +139,27 @@ stream_info() {
 }
 
 # allocator (every replica): owns the buckets and the stream (creates and updates them,
-# reads everything through the JetStream API), writes plans, job statuses and the leader
-# lease, publishes events.
+# reads everything through the JetStream API), writes plans, job statuses, queue statuses
+# and the leader lease, publishes events. It reads queues, never writes them.
 allocator_pub=$(cat <<EOF
 \$JS.API.>
 \$JS.FC.>
 \$KV.$B_PLANS.>
 \$KV.$B_STATUS.>
+\$KV.$B_QUEUE_STATUS.>
 \$KV.$B_LEADER.>
 $P.events.>
 EOF
 )
 allocator_sub="_INBOX.allocator.>"
 
-# cli: writes job specs; reads specs, statuses and hosts; follows events, telemetry and
-# the progress stream (converge dashboard).
+# cli: writes job specs and queues (converge queue create|set|delete); reads specs,
+# statuses, hosts, queues and queue statuses; follows events, telemetry and the progress
+# stream (converge dashboard). It cannot write a queue status.
 cli_pub=$(
     stream_info
-    for b in $B_JOBS $B_STATUS $B_HOSTS; do
+    for s in "${QUEUE_STREAMS[@]}"; do echo "\$JS.API.STREAM.INFO.$s"; done
+    for b in $B_JOBS $B_STATUS $B_HOSTS $B_QUEUES $B_QUEUE_STATUS; do
         echo "\$JS.API.DIRECT.GET.KV_$b.>"
         echo "\$JS.API.CONSUMER.CREATE.KV_$b"
         echo "\$JS.API.CONSUMER.CREATE.KV_$b.>"
@@ -162,6 +168,7 @@ cli_pub=$(
         echo "\$JS.FC.KV_$b.>"
     done
     echo "\$KV.$B_JOBS.*"
+    echo "\$KV.$B_QUEUES.*"
     # The progress stream, read only (converge dashboard's loss curves).
     echo "\$JS.API.CONSUMER.CREATE.$PROGRESS_STREAM"
     echo "\$JS.API.CONSUMER.CREATE.$PROGRESS_STREAM.>"
