@@ -61,6 +61,15 @@ if impure=$(cargo tree -p converge-sched -e normal --prefix none --locked |
 fi
 cargo test --workspace --locked "$@"
 
+# Shaped-cluster tier (tests/netns/run.sh, about a minute): agents in network namespaces
+# on tc-shaped veth links (deploy/netns-cluster.sh): traffic between hosts is held to the
+# shaped rate, the agents report a ring job's NIC traffic, teardown leaves nothing. Needs
+# root; skipped without it or without network namespaces unless CONVERGE_REQUIRE_NETNS=1;
+# skipped when a test filter is given or CONVERGE_SKIP_NETNS=1.
+if [[ $# -eq 0 && "${CONVERGE_SKIP_NETNS:-0}" != 1 ]]; then
+    "$root/tests/netns/run.sh"
+fi
+
 # Container tier (tests/compose/run-all.sh): images built offline from the debug binaries
 # just built, then the compose cluster with secured NATS and its fault tests (happy path,
 # agent restart, NATS restart, allocator kill -9, two allocators, an agent cut off the

@@ -111,6 +111,13 @@ pub struct AgentConfig {
     /// labels the agent sets itself (`gpu.model`, `gpu.memory`, `gpu.count`).
     #[arg(long = "label", value_name = "KEY=VALUE", env = "CONVERGE_AGENT_LABELS", value_delimiter = ',', value_parser = labels::parse_label_arg)]
     pub labels: Vec<String>,
+    /// Link speed of a NIC in Mbit/s, `NIC=MBITS` (repeatable; the environment variable takes
+    /// a comma-separated list), reported instead of the speed the kernel gives: for virtual
+    /// NICs (a veth says 10000 whatever shapes it), links shaped with `tc`, or NICs that
+    /// report none. The allocator's contention model measures each host's NIC load against
+    /// this speed.
+    #[arg(long = "link-speed", value_name = "NIC=MBITS", env = "CONVERGE_LINK_SPEED", value_delimiter = ',', value_parser = host::parse_link_speed)]
+    pub link_speeds: Vec<(String, u64)>,
     /// Print one telemetry sample (GPUs, NICs over one second, CPU, memory) as JSON and
     /// exit, without connecting to NATS: checks the GPU source on a new node.
     #[arg(long)]
@@ -133,7 +140,8 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
         gpu::open_gpu_source(host.as_str(), cfg.fake_gpus).map_err(anyhow::Error::msg)?;
     let host_labels = labels::host_labels(&cfg.labels, &gpus.sample(&Default::default()))
         .map_err(|e| anyhow::anyhow!("invalid --label: {e}"))?;
-    let mut host_sampler = host::HostSampler::new().map_err(anyhow::Error::msg)?;
+    let mut host_sampler =
+        host::HostSampler::with_link_speeds(&cfg.link_speeds).map_err(anyhow::Error::msg)?;
     let addr = cfg
         .advertise_addr
         .clone()

@@ -302,6 +302,7 @@ pub fn agent_config(
         metrics_addr: None,
         probe: false,
         labels: Vec::new(),
+        link_speeds: Vec::new(),
         // Workers start through the built agent's shim, as the binary starts them.
         worker_shim: Some(bin_path("converge-agent")),
     }
