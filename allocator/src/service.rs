@@ -8,7 +8,7 @@ use async_nats::jetstream::{self, kv};
 use converge_bus::{Bus, NatsArgs, Rejects, humantime_duration, unix_now};
 use converge_common::{
     Event, EventKind, HostId, HostPlan, HostTelemetry, JobId, JobSpec, JobStatus, ProgressReport,
-    messages::decode, subjects,
+    QueueId, QueueSpec, QueueStatus, messages::decode, subjects,
 };
 use converge_sched::fit_cache::FitCache;
 use converge_sched::history::JobHistory;
@@ -184,6 +184,11 @@ struct View {
     plans: BTreeMap<HostId, HostPlan>,
     /// The hosts of each job's current and previous generation: who may report progress.
     reporters: Reporters,
+    /// The queues (KV `converge-queues`).
+    queues: BTreeMap<QueueId, QueueSpec>,
+    /// Each queue's status as last stored (KV `converge-queue-status`): the decayed usage
+    /// the next step continues from.
+    queue_statuses: BTreeMap<QueueId, QueueStatus>,
 }
 
 /// Runs the allocator until `shutdown` is cancelled.
@@ -359,6 +364,8 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                 statuses: &view.statuses,
                 hosts: &view.hosts,
                 histories: &view.histories,
+                queues: &view.queues,
+                queue_statuses: &view.queue_statuses,
             },
             &settings,
             &mut view.fits,

@@ -166,6 +166,9 @@ impl DecisionInputs {
                 restart_cost_s: None,
                 adaptive: None,
                 hosts: None,
+                queue: crate::queues::default_queue(),
+                priority: converge_common::PriorityClass::Normal,
+                started_at: None,
             })
             .collect();
         let priority = priority_order(&views);

@@ -27,14 +27,17 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use converge_common::{HostId, JobId, RankPlacement};
+use converge_common::{
+    HostId, JobId, PriorityClass, QueueId, QueueSpec, QueueStatus, RankPlacement,
+};
 
 use crate::contention::JobCost;
 use crate::fit::Curve;
 use crate::goodput::{BatchLimits, BatchPlan, GoodputFn, GradientStats};
 use crate::placement::{HostFree, PlacementKind, PlacementRequest, place_with};
 pub use crate::policies::PolicyInputs;
-use crate::policies::{ClusterView, HostDecision, Policy, PolicyJob};
+use crate::policies::{ClusterView, Decision, HostDecision, Policy, PolicyJob};
+use crate::queues::{self, Held, QueueDemand, Running, Share};
 use crate::throughput::{ThroughputModel, packed_nodes};
 
 /// Largest world size a throughput table is computed for (beyond it the table's last entry
@@ -128,6 +131,14 @@ pub struct JobView {
     /// `max_workers` is capped at the workers they can hold before the policy sizes it,
     /// and placement (or the policy's own per-host allocation) uses no other host.
     pub hosts: Option<BTreeSet<HostId>>,
+    /// Its queue (its spec's `queue`, else [`converge_common::DEFAULT_QUEUE`]); read by
+    /// [`decide_queued`] only.
+    pub queue: QueueId,
+    /// Its priority class within its queue; read by [`decide_queued`] only.
+    pub priority: PriorityClass,
+    /// When its current run started (same clock as `now`; `None` when pending or unknown):
+    /// of the jobs a queue must preempt, the most recently started go first.
+    pub started_at: Option<f64>,
 }
 
 /// The cluster at decision time.
@@ -332,6 +343,22 @@ pub fn decide(
     policy: &dyn Policy,
     placement: PlacementKind,
 ) -> Allocation {
+    let order: Vec<&JobView> = priority_order(jobs).into_iter().map(|i| &jobs[i]).collect();
+    decide_in_order(cluster, &order, policy, placement, None)
+}
+
+/// How [`decide_in_order`] sizes jobs: `None`, the policy on every job at once (its own
+/// placement when it declares `hosts`); `Some`, this function of the policy's views.
+type Sizing<'s> = Option<&'s mut dyn FnMut(&ClusterView, &[PolicyJob]) -> Decision>;
+
+/// [`decide`] on jobs already in the order placement serves them.
+fn decide_in_order(
+    cluster: &ClusterState<'_>,
+    order: &[&JobView],
+    policy: &dyn Policy,
+    placement: PlacementKind,
+    sizing: Sizing<'_>,
+) -> Allocation {
     let total_gpus: u32 = cluster.hosts.iter().map(|h| h.gpus.len() as u32).sum();
     let gpus_per_node = cluster
         .hosts
@@ -345,7 +372,6 @@ pub fn decide(
         0.0
     };
     let wants = policy.inputs();
-    let order: Vec<&JobView> = priority_order(jobs).into_iter().map(|i| &jobs[i]).collect();
     let index = wants.hosts.then(|| host_index(cluster.hosts));
     let goodput_of = |job: &JobView| -> Option<GoodputFn> {
         let adaptive = job.adaptive.as_ref().filter(|_| wants.goodput)?;
@@ -435,16 +461,19 @@ pub fn decide(
         now: cluster.now,
     };
     let host_gpus: Vec<u32> = cluster.hosts.iter().map(|h| h.gpus.len() as u32).collect();
-    let on_hosts = if wants.hosts {
+    let on_hosts = if wants.hosts && sizing.is_none() {
         policy.allocate_on_hosts(&view, &host_gpus, &views)
     } else {
         None
     };
     let (decided_workers, placements) = if let Some(decided) = on_hosts {
-        let placements = realize(cluster.hosts, &order, &views, &decided);
+        let placements = realize(cluster.hosts, order, &views, &decided);
         (decided.workers, placements)
     } else {
-        let decided = policy.allocate(&view, &views);
+        let decided = match sizing {
+            Some(size) => size(&view, &views),
+            None => policy.allocate(&view, &views),
+        };
         let requests: Vec<PlacementRequest> = order
             .iter()
             .map(|job| PlacementRequest {
@@ -508,6 +537,289 @@ pub fn decide(
     }
 }
 
+/// The queues a decision shares the cluster among (see [`crate::queues`]).
+#[derive(Debug, Clone, Copy)]
+pub struct QueueSetup<'a> {
+    /// The queues that exist (KV `converge-queues`); the implicit default queue is added
+    /// when absent ([`queues::with_default`]).
+    pub specs: &'a BTreeMap<QueueId, QueueSpec>,
+    /// Each queue's status after the previous decision: its decayed usage, the GPUs it held
+    /// since and when ([`queues::decayed_usage`]).
+    pub previous: &'a BTreeMap<QueueId, QueueStatus>,
+    /// Half-life of the usage decay, seconds ([`queues::DEFAULT_USAGE_HALF_LIFE_S`]).
+    pub half_life_s: f64,
+}
+
+/// What [`decide_queued`] returns.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct QueuedAllocation {
+    pub allocation: Allocation,
+    /// Every queue's status after this decision (the next decision's `previous`).
+    pub statuses: BTreeMap<QueueId, QueueStatus>,
+    /// Jobs whose queue does not exist: not scheduled (pending, or preempted if running).
+    pub unknown_queue: BTreeMap<JobId, QueueId>,
+    /// Running jobs the queues preempted whole (to give a higher class of their queue its
+    /// GPUs, or to hand borrowed GPUs back to their quota's queue), with the reason.
+    pub preempted: BTreeMap<JobId, String>,
+}
+
+/// The most workers the job may get: `max_workers`, capped by what its selector's hosts hold.
+fn capped_max(job: &JobView, hosts: &[HostFree]) -> u32 {
+    eligible_capacity(job, hosts).map_or(job.max_workers, |cap| job.max_workers.min(cap))
+}
+
+/// GPUs a job could use under `policy`: its largest size under a policy that resizes running
+/// jobs, its requested size under one that does not; 0 for a job that can never run.
+fn demand_gpus(job: &JobView, hosts: &[HostFree], resizes: bool) -> u64 {
+    let max = capped_max(job, hosts);
+    let min = job.min_workers.max(1);
+    if job.gpus_per_worker == 0 || min > max {
+        return 0;
+    }
+    let workers = if resizes {
+        max
+    } else {
+        job.requested_workers.clamp(min, max)
+    };
+    u64::from(workers) * u64::from(job.gpus_per_worker)
+}
+
+/// The order placement serves jobs in under queues: running jobs first (by `submitted_at`,
+/// then id, as [`priority_order`]), then pending ones by class, highest first, then
+/// `submitted_at`, then id.
+fn queued_order<'a>(jobs: &[&'a JobView]) -> Vec<&'a JobView> {
+    let mut order = jobs.to_vec();
+    order.sort_by(|a, b| {
+        let pending = a.placement.is_empty().cmp(&b.placement.is_empty());
+        let class = if a.placement.is_empty() && b.placement.is_empty() {
+            b.priority.cmp(&a.priority)
+        } else {
+            std::cmp::Ordering::Equal
+        };
+        pending
+            .then(class)
+            .then(a.submitted_at.total_cmp(&b.submitted_at))
+            .then_with(|| a.id.cmp(&b.id))
+    });
+    order
+}
+
+/// The decision with queues (docs/scheduling.md, "Queues, fair share and priorities"):
+///
+/// 1. Jobs whose queue does not exist are left out ([`QueuedAllocation::unknown_queue`]).
+/// 2. Each queue's budget for this step ([`queues::shares`]): its quota while its jobs need
+///    it, plus its fair share of the GPUs others leave idle, by weight and decayed usage.
+/// 3. When one queue has every job, all of one class, and its budget is the whole cluster
+///    (a cluster without queues: everything in the implicit default queue), this is exactly
+///    [`decide`].
+/// 4. Otherwise each queue, in name order, sizes its classes highest first, each on what
+///    the higher classes left of the queue's budget: the running jobs of the class whose
+///    floors (minimum size under a policy that resizes running jobs, current size under one
+///    that does not) no longer fit are preempted whole, most recently started first and no
+///    more than needed ([`queues::victims`]); the policy ([`Policy::allocate`]) sizes the
+///    others and the class's pending jobs within what is left, so an elastic job may be
+///    shrunk rather than preempted. Placement then places every job, running ones first,
+///    pending ones highest class first. A policy that places jobs itself (Pollux) sizes
+///    through [`Policy::allocate`] here and [`crate::placement`] places.
+/// 5. Each queue's new [`QueueStatus`]: GPUs held, borrowed and lent, fair share, usage.
+pub fn decide_queued(
+    cluster: &ClusterState<'_>,
+    jobs: &[JobView],
+    policy: &dyn Policy,
+    placement: PlacementKind,
+    setup: &QueueSetup<'_>,
+) -> QueuedAllocation {
+    let specs = queues::with_default(setup.specs);
+    let total_gpus: u32 = cluster.hosts.iter().map(|h| h.gpus.len() as u32).sum();
+    let resizes = policy.resizes_running_jobs();
+    let mut unknown_queue = BTreeMap::new();
+    let mut known: Vec<&JobView> = Vec::new();
+    for job in jobs {
+        if specs.contains_key(&job.queue) {
+            known.push(job);
+        } else {
+            unknown_queue.insert(job.id.clone(), job.queue.clone());
+        }
+    }
+    let names: Vec<&QueueId> = specs.keys().collect();
+    let demands: Vec<QueueDemand> = specs
+        .values()
+        .map(|spec| {
+            let demand = known
+                .iter()
+                .filter(|j| j.queue == spec.name)
+                .map(|j| demand_gpus(j, cluster.hosts, resizes))
+                .sum();
+            let usage = queues::decayed_usage(
+                setup.previous.get(&spec.name),
+                cluster.now,
+                setup.half_life_s,
+            );
+            QueueDemand::new(spec, demand, usage)
+        })
+        .collect();
+    let shares = queues::shares(&demands, total_gpus, setup.half_life_s);
+    let budget: BTreeMap<&QueueId, Share> =
+        names.iter().copied().zip(shares.iter().copied()).collect();
+    let with_jobs: BTreeSet<&QueueId> = known.iter().map(|j| &j.queue).collect();
+    let classes: BTreeSet<PriorityClass> = known.iter().map(|j| j.priority).collect();
+    let mut preempted = BTreeMap::new();
+    let allocation = match with_jobs.iter().next() {
+        None => {
+            let none: Vec<&JobView> = Vec::new();
+            decide_in_order(cluster, &none, policy, placement, None)
+        }
+        Some(only)
+            if with_jobs.len() == 1
+                && classes.len() <= 1
+                && specs[*only].max_gpus() >= total_gpus =>
+        {
+            let kept: Vec<JobView> = known.iter().map(|j| (*j).clone()).collect();
+            decide(cluster, &kept, policy, placement)
+        }
+        Some(_) => {
+            let order = queued_order(&known);
+            let by_id: BTreeMap<&JobId, &JobView> = known.iter().map(|j| (&j.id, *j)).collect();
+            let mut size = |view: &ClusterView, jobs: &[PolicyJob]| -> Decision {
+                size_by_queue(view, jobs, &by_id, &budget, policy, resizes, &mut preempted)
+            };
+            decide_in_order(cluster, &order, policy, placement, Some(&mut size))
+        }
+    };
+    // Each queue's holdings after the decision.
+    let mut held: BTreeMap<&QueueId, Held> = BTreeMap::new();
+    for job in &known {
+        let h = held.entry(&job.queue).or_default();
+        match allocation.placements.get(&job.id).filter(|r| !r.is_empty()) {
+            Some(ranks) => {
+                h.gpus += ranks.iter().map(|r| r.gpus.len() as u32).sum::<u32>();
+                h.running_jobs += 1;
+            }
+            None => h.pending_jobs += 1,
+        }
+    }
+    let held: Vec<Held> = names
+        .iter()
+        .map(|n| held.get(n).copied().unwrap_or_default())
+        .collect();
+    let statuses = queues::statuses(
+        &demands,
+        &shares,
+        &held,
+        total_gpus,
+        cluster.now,
+        setup.half_life_s,
+    )
+    .into_iter()
+    .map(|s| (s.queue.clone(), s))
+    .collect();
+    QueuedAllocation {
+        allocation,
+        statuses,
+        unknown_queue,
+        preempted,
+    }
+}
+
+/// Sizes the jobs queue by queue and class by class within each queue's budget (step 4 of
+/// [`decide_queued`]); the decision lists every job of `jobs`.
+fn size_by_queue(
+    view: &ClusterView,
+    jobs: &[PolicyJob],
+    by_id: &BTreeMap<&JobId, &JobView>,
+    budget: &BTreeMap<&QueueId, Share>,
+    policy: &dyn Policy,
+    resizes: bool,
+    preempted: &mut BTreeMap<JobId, String>,
+) -> Decision {
+    let mut decision = Decision::default();
+    let mut groups: BTreeMap<(&QueueId, std::cmp::Reverse<PriorityClass>), Vec<&PolicyJob>> =
+        BTreeMap::new();
+    for job in jobs {
+        let Some(v) = by_id.get(&job.id) else {
+            decision.workers.insert(job.id.clone(), 0);
+            continue;
+        };
+        groups
+            .entry((&v.queue, std::cmp::Reverse(v.priority)))
+            .or_default()
+            .push(job);
+    }
+    let floor = |job: &PolicyJob| -> u64 {
+        let valid = job.current_workers > 0
+            && job.gpus_per_worker > 0
+            && job.min_workers.max(1) <= job.max_workers
+            && job.current_workers <= job.max_workers;
+        if !valid {
+            return 0;
+        }
+        let workers = if resizes {
+            job.min_workers.max(1)
+        } else {
+            job.current_workers
+        };
+        u64::from(workers) * u64::from(job.gpus_per_worker)
+    };
+    let mut remaining: BTreeMap<&QueueId, u64> = BTreeMap::new();
+    for ((queue, _), members) in &groups {
+        let share = budget.get(queue).copied();
+        let full = u64::from(share.map_or(0, |s| s.budget));
+        let left = *remaining.entry(queue).or_insert(full);
+        let running: Vec<Running> = members
+            .iter()
+            .filter(|j| j.current_workers > 0)
+            .map(|j| Running {
+                id: j.id.clone(),
+                floor_gpus: floor(j),
+                started_at: by_id.get(&j.id).and_then(|v| v.started_at),
+            })
+            .collect();
+        let out = queues::victims(&running, left);
+        if !out.is_empty() {
+            // Reclaim when the queue's running jobs no longer fit its whole budget; else a
+            // higher class of the queue took the GPUs.
+            let queue_floor: u64 = groups
+                .iter()
+                .filter(|((q, _), _)| q == queue)
+                .flat_map(|(_, m)| m.iter())
+                .map(|j| floor(j))
+                .sum();
+            let reason = if queue_floor > full {
+                format!(
+                    "preempted: queue {queue} is over its fair share of {:.1} GPUs; its borrowed GPUs went back to the queues that lent them",
+                    share.map_or(0.0, |s| s.fair_share)
+                )
+            } else {
+                format!("preempted by higher-priority jobs of queue {queue}")
+            };
+            for id in &out {
+                preempted.insert(id.clone(), reason.clone());
+            }
+        }
+        let kept: Vec<PolicyJob> = members
+            .iter()
+            .filter(|j| !out.contains(&j.id))
+            .map(|j| (*j).clone())
+            .collect();
+        let group_view = ClusterView {
+            total_gpus: u32::try_from(left).unwrap_or(u32::MAX),
+            ..*view
+        };
+        let sized = policy.allocate(&group_view, &kept);
+        let mut used = 0u64;
+        for job in &kept {
+            let w = sized.workers.get(&job.id).copied().unwrap_or(0);
+            used += u64::from(w) * u64::from(job.gpus_per_worker);
+            decision.workers.insert(job.id.clone(), w);
+        }
+        for id in out {
+            decision.workers.insert(id, 0);
+        }
+        remaining.insert(queue, left.saturating_sub(used));
+    }
+    decision
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -564,6 +876,198 @@ mod tests {
         })
     }
 
+    fn queued(
+        inputs: &DecisionInputs,
+        views: &[JobView],
+        policy: &str,
+        placement: PlacementKind,
+        specs: &BTreeMap<QueueId, QueueSpec>,
+        previous: &BTreeMap<QueueId, QueueStatus>,
+    ) -> QueuedAllocation {
+        let policy = by_name(policy, PolicyParams::default()).unwrap();
+        decide_queued(
+            &ClusterState {
+                now: DECISION_TIME_S,
+                hosts: &inputs.hosts,
+                contention_per_shared_job: 0.0,
+            },
+            views,
+            policy.as_ref(),
+            placement,
+            &QueueSetup {
+                specs,
+                previous,
+                half_life_s: queues::DEFAULT_USAGE_HALF_LIFE_S,
+            },
+        )
+    }
+
+    fn spec(name: &str, quota: u32, borrow: Option<u32>) -> (QueueId, QueueSpec) {
+        let id: QueueId = name.parse().unwrap();
+        (
+            id.clone(),
+            QueueSpec {
+                name: id,
+                quota_gpus: quota,
+                borrowing_limit_gpus: borrow,
+                ..QueueSpec::implicit_default()
+            },
+        )
+    }
+
+    /// A pending or running 1-GPU-per-worker job of `queue`, fixed at `workers`.
+    fn gang(id: &str, queue: &str, priority: PriorityClass, workers: u32, at: f64) -> JobView {
+        let base = inputs(1, 2, 2, 4).views[0].clone();
+        JobView {
+            id: id.parse().unwrap(),
+            gpus_per_worker: 1,
+            min_workers: workers,
+            max_workers: workers,
+            requested_workers: workers,
+            submitted_at: at,
+            placement: Vec::new(),
+            hosts: None,
+            queue: queue.parse().unwrap(),
+            priority,
+            started_at: None,
+            ..base
+        }
+    }
+
+    /// Applies a decision: each job's placement becomes what was placed.
+    fn apply(views: &mut [JobView], d: &Allocation, now: f64) {
+        for v in views.iter_mut() {
+            let new = d.placements.get(&v.id).cloned().unwrap_or_default();
+            if new != v.placement {
+                v.started_at = (!new.is_empty()).then_some(now);
+            }
+            v.placement = new;
+        }
+    }
+
+    fn gpus_of(d: &Allocation, views: &[JobView], queue: &str) -> u32 {
+        views
+            .iter()
+            .filter(|v| v.queue.as_str() == queue)
+            .filter_map(|v| d.placements.get(&v.id))
+            .map(|r| r.iter().map(|p| p.gpus.len() as u32).sum::<u32>())
+            .sum()
+    }
+
+    #[test]
+    fn idle_quota_is_lent_then_reclaimed_by_preempting_whole_borrower_jobs() {
+        let inputs = inputs(3, 2, 2, 4); // 2 hosts × 4 GPUs
+        let specs: BTreeMap<_, _> = [spec("a", 4, None), spec("b", 4, None)].into();
+        let none = BTreeMap::new();
+        let mut views: Vec<JobView> = (0..4)
+            .map(|i| {
+                gang(
+                    &format!("a{i}"),
+                    "a",
+                    PriorityClass::Normal,
+                    2,
+                    f64::from(i),
+                )
+            })
+            .collect();
+        for policy in ["fifo", "quality"] {
+            let mut views = views.clone();
+            let d = queued(
+                &inputs,
+                &views,
+                policy,
+                PlacementKind::FirstFit,
+                &specs,
+                &none,
+            );
+            assert_eq!(
+                gpus_of(&d.allocation, &views, "a"),
+                8,
+                "{policy}: b's quota is lent"
+            );
+            assert_eq!(d.statuses[&"b".parse::<QueueId>().unwrap()].lent_gpus, 4);
+            apply(&mut views, &d.allocation, 60.0);
+            // b needs its quota back: exactly two of a's 2-GPU jobs go, the newest.
+            views.push(gang("b0", "b", PriorityClass::Normal, 4, 100.0));
+            let d = queued(
+                &inputs,
+                &views,
+                policy,
+                PlacementKind::FirstFit,
+                &specs,
+                &d.statuses,
+            );
+            assert_eq!(gpus_of(&d.allocation, &views, "b"), 4, "{policy}");
+            assert_eq!(gpus_of(&d.allocation, &views, "a"), 4, "{policy}");
+            let out: BTreeSet<&str> = d.preempted.keys().map(JobId::as_str).collect();
+            assert_eq!(out.len(), 2, "{policy}: {out:?}");
+        }
+        // A queue that does not exist: its job waits, the others are untouched.
+        views.push(gang("x0", "gone", PriorityClass::High, 1, 0.5));
+        let d = queued(
+            &inputs,
+            &views,
+            "fifo",
+            PlacementKind::FirstFit,
+            &specs,
+            &none,
+        );
+        assert_eq!(d.unknown_queue.len(), 1);
+        assert!(
+            d.allocation
+                .placements
+                .get(&JobId::new("x0").unwrap())
+                .is_none_or(Vec::is_empty)
+        );
+    }
+
+    #[test]
+    fn a_high_priority_job_preempts_the_newest_lower_jobs_of_its_queue_only() {
+        let inputs = inputs(3, 2, 2, 4);
+        let specs: BTreeMap<_, _> = [spec("a", 4, Some(0)), spec("b", 4, Some(0))].into();
+        let none = BTreeMap::new();
+        let mut views = vec![
+            gang("a-old", "a", PriorityClass::Normal, 2, 0.0),
+            gang("a-new", "a", PriorityClass::Normal, 2, 1.0),
+            gang("b-low", "b", PriorityClass::Low, 4, 2.0),
+        ];
+        let d = queued(
+            &inputs,
+            &views,
+            "fifo",
+            PlacementKind::FirstFit,
+            &specs,
+            &none,
+        );
+        apply(&mut views, &d.allocation, 60.0);
+        views[1].started_at = Some(70.0);
+        views.push(gang("a-high", "a", PriorityClass::High, 2, 100.0));
+        let d = queued(
+            &inputs,
+            &views,
+            "fifo",
+            PlacementKind::FirstFit,
+            &specs,
+            &d.statuses,
+        );
+        let ran = |id: &str| {
+            d.allocation
+                .placements
+                .get(&JobId::new(id).unwrap())
+                .is_some_and(|r| !r.is_empty())
+        };
+        assert!(
+            ran("a-high") && ran("a-old") && ran("b-low"),
+            "{:?}",
+            d.allocation.placements
+        );
+        assert!(!ran("a-new"));
+        assert_eq!(
+            d.preempted.keys().map(JobId::as_str).collect::<Vec<_>>(),
+            vec!["a-new"]
+        );
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(12))]
 
@@ -603,6 +1107,81 @@ mod tests {
                         let cap = eligible_capacity(view, &inputs.hosts).unwrap();
                         let decided = d.workers.get(&view.id).copied().unwrap_or(0);
                         prop_assert!(decided <= cap, "{}: {} got {} > {}", what, view.id, decided, cap);
+                    }
+                }
+            }
+        }
+
+        /// Everything in the implicit default queue (or in one queue that may borrow
+        /// without limit) is exactly today's decision.
+        #[test]
+        fn one_queue_without_limits_is_exactly_the_decision_without_queues(
+            (seed, jobs, nodes, gpus, _selectors) in setup()
+        ) {
+            let inputs = inputs(seed, jobs, nodes, gpus);
+            let none: BTreeMap<QueueId, QueueStatus> = BTreeMap::new();
+            let no_queues: BTreeMap<QueueId, QueueSpec> = BTreeMap::new();
+            let team: BTreeMap<_, _> = [spec("team-a", 3, None)].into();
+            let mut in_team = inputs.views.clone();
+            for v in &mut in_team {
+                v.queue = "team-a".parse().unwrap();
+            }
+            for policy in POLICY_NAMES {
+                for placement in [PlacementKind::FirstFit, PlacementKind::Bco] {
+                    let plain = run(&inputs, &inputs.views, policy, placement);
+                    let q = queued(&inputs, &inputs.views, policy, placement, &no_queues, &none);
+                    prop_assert_eq!(&plain, &q.allocation, "{} {:?}", policy, placement);
+                    prop_assert!(q.preempted.is_empty());
+                    let t = queued(&inputs, &in_team, policy, placement, &team, &none);
+                    prop_assert_eq!(&plain, &t.allocation, "{} {:?}", policy, placement);
+                }
+            }
+        }
+
+        /// Any queues and classes: the decision keeps its contract, no queue holds more
+        /// than its quota plus borrowing limit, and a queue that gets less than its quota
+        /// (and its demand) lost nothing to another queue's borrowing.
+        #[test]
+        fn queues_never_lose_their_quota_to_borrowers(
+            (seed, jobs, nodes, gpus, _selectors) in setup(),
+            marks in prop::collection::vec((0usize..3, 0usize..3), 10),
+            quotas in prop::collection::vec((0u32..8, prop::option::of(0u32..6)), 3),
+        ) {
+            let inputs = inputs(seed, jobs, nodes, gpus);
+            let names = ["qa", "qb", "qc"];
+            let specs: BTreeMap<_, _> = names
+                .iter()
+                .zip(&quotas)
+                .map(|(n, (q, b))| spec(n, *q, *b))
+                .collect();
+            let mut views = inputs.views.clone();
+            for (v, (q, c)) in views.iter_mut().zip(&marks) {
+                v.queue = names[*q].parse().unwrap();
+                v.priority = PriorityClass::ALL[*c];
+            }
+            let none = BTreeMap::new();
+            for policy in ["fifo", "quality", "tiresias", "fair"] {
+                let d = queued(&inputs, &views, policy, PlacementKind::FirstFit, &specs, &none);
+                prop_assert!(!d.allocation.violates(&inputs.hosts), "{}", policy);
+                let total: u32 = inputs.hosts.iter().map(|h| h.gpus.len() as u32).sum();
+                let quota_sum: u32 = specs.values().map(|s| s.quota_gpus).sum();
+                for (name, s) in &specs {
+                    let held = gpus_of(&d.allocation, &views, name.as_str());
+                    prop_assert!(held <= s.max_gpus(), "{}: {} holds {}", policy, name, held);
+                    let status = &d.statuses[name];
+                    prop_assert_eq!(status.gpus_in_use, held);
+                    if quota_sum <= total {
+                        // Its guarantee (quota while needed) never went to another queue.
+                        let others: u32 = specs
+                            .iter()
+                            .filter(|(n, _)| *n != name)
+                            .map(|(n, o)| gpus_of(&d.allocation, &views, n.as_str()).saturating_sub(o.quota_gpus))
+                            .sum();
+                        let guaranteed = status.fair_share_gpus.min(f64::from(s.quota_gpus));
+                        prop_assert!(
+                            others == 0 || f64::from(total - others) + 1e-9 >= guaranteed,
+                            "{}: {} borrowed into {}'s quota", policy, others, name
+                        );
                     }
                 }
             }

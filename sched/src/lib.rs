@@ -21,6 +21,7 @@
 //! | [`schedule`] | the service's lifecycle step around [`decide::decide`] |
 //! | [`stop`] | stop criteria: when the allocator ends a job (target, plateau, budget, deadline) |
 //! | [`ps_plan`] | parameter-server planner (LP relaxation + rounding) |
+//! | [`queues`] | queues: quotas, lending, fair share with usage decay, gang preemption |
 //! | [`makespan`] | offline SJF-BCO makespan scheduling and exact optima |
 //! | [`benchgen`] | seeded synthetic clusters for the decision benchmarks |
 
@@ -36,6 +37,7 @@ pub mod outlook;
 pub mod placement;
 pub mod policies;
 pub mod ps_plan;
+pub mod queues;
 pub mod schedule;
 pub mod stop;
 pub mod throughput;

@@ -8,8 +8,12 @@
 //! An allocation change bumps the job's generation and goes through `restarting` again, so
 //! the old generation checkpoints and exits before the new one starts (generation fencing).
 
-use crate::contention::{ContentionSamples, HostNic, JobCost, host_nic};
-use crate::decide::{AdaptiveBatch, BatchSize, ClusterState, JobView, decide, priority_order};
+use crate::contention::{
+    ContentionSamples, HostNic, JobCost, host_nic_background, ring_nic_bytes_per_s,
+};
+use crate::decide::{
+    AdaptiveBatch, BatchSize, ClusterState, JobView, QueueSetup, decide_queued, priority_order,
+};
 use crate::fit::{Curve, FitConfig, samples_to_reach};
 use crate::fit_cache::{FitCache, ModelScope};
 use crate::goodput::{BatchLimits, BatchPlan, GradientStats};
@@ -22,7 +26,7 @@ use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior};
 use converge_common::{
     AssignedBatch, BatchSpec, ChangeCause, EndReason, Event, EventKind, HostId, HostPlan,
     HostTelemetry, JobBatch, JobEnd, JobId, JobPhase, JobSpec, JobStatus, PROTOCOL_VERSION,
-    RankPlacement, SyncArch, WorkerAssignment, WorkerPhase,
+    QueueId, QueueSpec, QueueStatus, RankPlacement, SyncArch, WorkerAssignment, WorkerPhase,
 };
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -50,7 +54,13 @@ pub struct Settings {
     /// points (then never fitted, then by id) first. Bounds a step's time when many jobs
     /// report at once.
     pub fit_budget: usize,
+    /// Half-life of each queue's decayed usage, seconds, in the fair share of lent GPUs
+    /// ([`crate::queues`]; default [`DEFAULT_USAGE_HALF_LIFE_S`], one hour). Not positive:
+    /// usage is forgotten at once.
+    pub usage_half_life_s: f64,
 }
+
+pub use crate::queues::DEFAULT_USAGE_HALF_LIFE_S;
 
 /// Default of [`Settings::fit_budget`]: 100 refits (about 0.1–0.3 s on one core).
 pub const DEFAULT_FIT_BUDGET: usize = 100;
@@ -83,6 +93,7 @@ impl Default for Settings {
             scheduler: Arc::new(Quality { params: policy }),
             ps_shards_per_host: DEFAULT_PS_SHARDS_PER_HOST,
             fit_budget: DEFAULT_FIT_BUDGET,
+            usage_half_life_s: DEFAULT_USAGE_HALF_LIFE_S,
         }
     }
 }
@@ -148,6 +159,11 @@ pub struct Inputs<'a> {
     pub statuses: &'a BTreeMap<JobId, JobStatus>,
     pub hosts: &'a BTreeMap<HostId, HostTelemetry>,
     pub histories: &'a BTreeMap<JobId, JobHistory>,
+    /// The queues (KV `converge-queues`); the implicit default queue need not be listed.
+    pub queues: &'a BTreeMap<QueueId, QueueSpec>,
+    /// Each queue's status as the previous step left it (KV `converge-queue-status`): the
+    /// decayed usage the fair share continues from.
+    pub queue_statuses: &'a BTreeMap<QueueId, QueueStatus>,
 }
 
 /// What a step decided.
@@ -159,6 +175,10 @@ pub struct Outcome {
     /// workers when they return).
     pub plans: BTreeMap<HostId, HostPlan>,
     pub events: Vec<Event>,
+    /// Every queue's status after this step's decision (empty in steps that do not run the
+    /// policy: the previous ones stand). The caller stores them and passes them back as
+    /// [`Inputs::queue_statuses`].
+    pub queue_statuses: BTreeMap<QueueId, QueueStatus>,
 }
 
 const SOURCE: &str = "allocator";
@@ -501,6 +521,34 @@ fn measured_contention(statuses: &BTreeMap<JobId, JobStatus>) -> f64 {
         samples.add(step_s / predicted - 1.0, sharing);
     }
     samples.per_shared_job()
+}
+
+/// Each host's NIC traffic, bytes/s each way, from the running multi-host ring jobs placed
+/// on it ([`ring_nic_bytes_per_s`] of their observed step time and reported model size):
+/// [`host_nic_background`] takes it off the load the host's agent measures, since placement
+/// counts those jobs as contention already. Parameter-server jobs stay in the measured load.
+fn ring_nic_traffic(
+    statuses: &BTreeMap<JobId, JobStatus>,
+    specs: &BTreeMap<JobId, JobSpec>,
+    histories: &BTreeMap<JobId, JobHistory>,
+) -> BTreeMap<HostId, f64> {
+    let mut traffic: BTreeMap<HostId, f64> = BTreeMap::new();
+    for s in statuses.values().filter(|s| s.phase == JobPhase::Running) {
+        let hosts: BTreeSet<&HostId> = s.placement.iter().map(|p| &p.host).collect();
+        let ring = specs
+            .get(&s.job)
+            .is_some_and(|spec| spec.arch == SyncArch::Ring);
+        let bytes = histories.get(&s.job).and_then(JobHistory::model_bytes);
+        let (true, Some(step_s), Some(bytes)) = (ring && hosts.len() > 1, s.step_time_s, bytes)
+        else {
+            continue;
+        };
+        let rate = ring_nic_bytes_per_s(s.world_size, bytes as f64, step_s);
+        for h in hosts {
+            *traffic.entry(h.clone()).or_default() += rate;
+        }
+    }
+    traffic
 }
 
 /// The active jobs whose curve is refitted in this step: those with a refit due, most new
@@ -954,7 +1002,20 @@ fn job_view(
                 gradient: Some(*g),
             }),
         hosts,
+        queue: spec
+            .queue
+            .clone()
+            .unwrap_or_else(crate::queues::default_queue),
+        priority: spec.priority,
+        started_at: (!status.placement.is_empty())
+            .then_some(status.started_at)
+            .flatten(),
     }
+}
+
+/// The status message of a job whose queue does not exist.
+pub fn unknown_queue_message(queue: &QueueId) -> String {
+    format!("queue \"{queue}\" does not exist")
 }
 
 fn allocate(
@@ -978,8 +1039,14 @@ fn allocate(
             job_view(s, spec, inp.histories.get(&s.job), &fits, hosts)
         })
         .collect();
-    let nics: BTreeMap<&HostId, HostNic> =
-        live.iter().map(|(h, t)| (*h, host_nic(&t.nics))).collect();
+    let ours = ring_nic_traffic(&out.statuses, inp.specs, inp.histories);
+    let nics: BTreeMap<&HostId, HostNic> = live
+        .iter()
+        .map(|(h, t)| {
+            let scheduled = ours.get(*h).copied().unwrap_or(0.0);
+            (*h, host_nic_background(&t.nics, scheduled))
+        })
+        .collect();
     let hosts: Vec<HostFree> = live
         .iter()
         .map(|(h, t)| HostFree {
@@ -988,7 +1055,7 @@ fn allocate(
             nic_factor: nics[h].factor,
         })
         .collect();
-    let decision = decide(
+    let queued = decide_queued(
         &ClusterState {
             now,
             hosts: &hosts,
@@ -997,7 +1064,16 @@ fn allocate(
         &views,
         settings.scheduler.as_ref(),
         settings.placement,
+        &QueueSetup {
+            specs: inp.queues,
+            previous: inp.queue_statuses,
+            half_life_s: settings.usage_half_life_s,
+        },
     );
+    out.queue_statuses = queued.statuses;
+    let preempted = queued.preempted;
+    let unknown_queue = queued.unknown_queue;
+    let decision = queued.allocation;
     let mut placed = decision.placements;
     let batches = decision.batches;
     // Priority order, as the decision placed them.
@@ -1030,6 +1106,13 @@ fn allocate(
         let decided = batches.get(&s.job);
         let rebatch = first_statistics_batch(s, spec, decided);
         if new_placement == s.placement && new_shards == s.ps_placement && rebatch.is_none() {
+            if let Some(queue) = unknown_queue.get(&s.job) {
+                let status = out
+                    .statuses
+                    .get_mut(&s.job)
+                    .expect("active jobs have statuses");
+                status.message = Some(unknown_queue_message(queue));
+            }
             continue;
         }
         let status = out
@@ -1056,7 +1139,11 @@ fn allocate(
         bump_generation(status, &mut taken_ports);
         if status.world_size == 0 {
             status.phase = JobPhase::Pending;
-            status.message = Some("preempted: waiting for GPUs".into());
+            status.message = Some(match (unknown_queue.get(&s.job), preempted.get(&s.job)) {
+                (Some(queue), _) => unknown_queue_message(queue),
+                (None, Some(why)) => format!("{why}; waiting for GPUs"),
+                (None, None) => "preempted: waiting for GPUs".into(),
+            });
         } else {
             status.phase = JobPhase::Restarting;
             status.message = None;
@@ -1085,7 +1172,13 @@ fn allocate(
                 };
                 let why = match cause {
                     ChangeCause::Preempted => {
-                        format!("preempted by the {policy} policy (its GPUs went to other jobs)")
+                        match (unknown_queue.get(&status.job), preempted.get(&status.job)) {
+                            (Some(queue), _) => unknown_queue_message(queue),
+                            (None, Some(why)) => why.clone(),
+                            (None, None) => format!(
+                                "preempted by the {policy} policy (its GPUs went to other jobs)"
+                            ),
+                        }
                     }
                     ChangeCause::Moved => "placement moved its workers".to_string(),
                     _ => format!("{} by the {policy} policy", cause.as_str()),
@@ -1470,6 +1563,8 @@ mod tests {
         histories: BTreeMap<JobId, JobHistory>,
         settings: Settings,
         cache: FitCache,
+        queues: BTreeMap<QueueId, QueueSpec>,
+        queue_statuses: BTreeMap<QueueId, QueueStatus>,
     }
 
     impl World {
@@ -1485,12 +1580,17 @@ mod tests {
                     statuses: &self.statuses,
                     hosts: &self.hosts,
                     histories: &self.histories,
+                    queues: &self.queues,
+                    queue_statuses: &self.queue_statuses,
                 },
                 &self.settings,
                 &mut self.cache,
                 run_policy,
             );
             self.statuses = out.statuses.clone();
+            if run_policy {
+                self.queue_statuses = out.queue_statuses.clone();
+            }
             out
         }
         fn status(&self, id: &str) -> &JobStatus {
@@ -2631,6 +2731,8 @@ mod tests {
                         statuses: &w.statuses,
                         hosts: &w.hosts,
                         histories: &w.histories,
+                        queues: &w.queues,
+                        queue_statuses: &w.queue_statuses,
                     }
                 }
                 let out_c = step(inputs(&b), &b.settings, &mut c, true);

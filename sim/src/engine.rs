@@ -449,6 +449,9 @@ pub fn simulate(
                     remaining_work: t.job.remaining_progress(app),
                 }),
                 hosts: None,
+                queue: converge_sched::queues::default_queue(),
+                priority: converge_common::PriorityClass::Normal,
+                started_at: None,
             });
         }
         let cluster = ClusterState {

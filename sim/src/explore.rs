@@ -651,6 +651,9 @@ pub fn simulate(
                 restart_cost_s: (t.restarts > 0).then_some(cfg.restart_delay_s),
                 adaptive: None,
                 hosts: None,
+                queue: converge_sched::queues::default_queue(),
+                priority: converge_common::PriorityClass::Normal,
+                started_at: None,
             });
         }
         let cluster = ClusterState {

@@ -32,6 +32,9 @@ use super::{ClusterView, Policy, arrival_order, decision, gpus, keep_running, re
 pub struct Fifo;
 
 impl Policy for Fifo {
+    fn resizes_running_jobs(&self) -> bool {
+        false
+    }
     fn name(&self) -> &'static str {
         "fifo"
     }

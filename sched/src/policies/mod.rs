@@ -161,6 +161,13 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     fn inputs(&self) -> PolicyInputs {
         PolicyInputs::default()
     }
+    /// Whether the policy may give a running job another size than it has (elastic
+    /// resizing). Queues ([`crate::decide::decide_queued`]) shrink such a job towards its
+    /// minimum before they preempt it; a policy that runs jobs at their requested size
+    /// (fifo, tiresias, sjf-bco) keeps a job at its size or preempts it whole. Default: true.
+    fn resizes_running_jobs(&self) -> bool {
+        true
+    }
     /// For policies that declare `hosts`: workers per job and per host, on hosts of
     /// `host_gpus[i]` GPUs each (capacity and bounds as for [`Policy::allocate`]). `None`
     /// (the default) leaves placement to [`crate::placement`].

@@ -80,6 +80,9 @@ impl SjfBco {
 }
 
 impl Policy for SjfBco {
+    fn resizes_running_jobs(&self) -> bool {
+        false
+    }
     fn name(&self) -> &'static str {
         "sjf-bco"
     }

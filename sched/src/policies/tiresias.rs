@@ -57,6 +57,9 @@ impl Tiresias {
 }
 
 impl Policy for Tiresias {
+    fn resizes_running_jobs(&self) -> bool {
+        false
+    }
     fn name(&self) -> &'static str {
         "tiresias"
     }
