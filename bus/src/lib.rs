@@ -379,6 +379,22 @@ pub enum Setup {
     OpenOrCreate,
 }
 
+/// Handles on the queue buckets ([`Bus::open_queues`]): the allocator and the CLI open them,
+/// agents never do (their NATS users have no permission on them).
+#[derive(Clone)]
+pub struct QueueBuckets {
+    /// KV `converge-queues`: queue specs, key = queue name (written by `converge queue`).
+    pub queues: kv::Store,
+    /// KV `converge-queue-status`: what each queue holds (written by the allocator only).
+    pub status: kv::Store,
+}
+
+impl std::fmt::Debug for QueueBuckets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueueBuckets").finish_non_exhaustive()
+    }
+}
+
 /// Handles on the protocol's JetStream objects.
 #[derive(Clone)]
 pub struct Bus {
@@ -418,6 +434,16 @@ pub fn kv_stream_config(bucket: &str) -> stream::Config {
         ),
         subjects::BUCKET_PLANS => ("desired workers per host", 5, Duration::ZERO),
         subjects::BUCKET_JOBS => ("job specs", 5, Duration::ZERO),
+        subjects::BUCKET_QUEUES => (
+            "queues: quota, borrowing limit, weight (converge queue)",
+            5,
+            Duration::ZERO,
+        ),
+        subjects::BUCKET_QUEUE_STATUS => (
+            "what each queue holds, written by the allocator",
+            5,
+            Duration::ZERO,
+        ),
         _ => ("job statuses", 5, Duration::ZERO),
     };
     stream::Config {
@@ -617,6 +643,14 @@ impl Bus {
         // (with `Setup::CreateOrUpdate`): the reports it holds stay.
         let what = format!("stream {}", subjects::PROGRESS_STREAM);
         ensure_stream(&js, &denials, setup, progress_stream_config(), &what).await?;
+        // The allocator owns the queue buckets too: it creates them at start, so that the
+        // CLI of a secured cluster finds them. Agents never open them.
+        if setup == Setup::CreateOrUpdate {
+            for bucket in subjects::QUEUE_BUCKETS {
+                let what = format!("KV bucket {bucket}");
+                ensure_stream(&js, &denials, setup, kv_stream_config(bucket), &what).await?;
+            }
+        }
         let mut it = stores.into_iter();
         let mut next = || it.next().expect("four buckets");
         Ok(Self {
@@ -627,6 +661,34 @@ impl Bus {
             client,
             js,
             denials,
+        })
+    }
+
+    /// Opens the queue buckets (KV `converge-queues` and `converge-queue-status`) as `setup`
+    /// says: the allocator with [`Setup::CreateOrUpdate`] (which [`Bus::open_with`] has
+    /// already done for it), the CLI with [`Setup::OpenOrCreate`]. On a secured server a
+    /// missing bucket is [`BusError::Missing`] for the CLI (start the allocator first).
+    pub async fn open_queues(&self, setup: Setup) -> Result<QueueBuckets, BusError> {
+        let mut stores = Vec::new();
+        for bucket in subjects::QUEUE_BUCKETS {
+            let what = format!("KV bucket {bucket}");
+            ensure_stream(&self.js, &self.denials, setup, kv_stream_config(bucket), &what)
+                .await?;
+            let store = self
+                .js
+                .get_key_value(bucket)
+                .await
+                .map_err(|e| BusError::Setup {
+                    what,
+                    message: e.to_string(),
+                })?;
+            stores.push(store);
+        }
+        let mut it = stores.into_iter();
+        let mut next = || it.next().expect("two buckets");
+        Ok(QueueBuckets {
+            queues: next(),
+            status: next(),
         })
     }
 
@@ -983,7 +1045,7 @@ mod tests {
 
     #[test]
     fn buckets_and_stream_refuse_rollups() {
-        for bucket in subjects::ALL_BUCKETS {
+        for bucket in subjects::ALL_BUCKETS.into_iter().chain(subjects::QUEUE_BUCKETS) {
             let c = kv_stream_config(bucket);
             assert!(
                 !c.allow_rollup && c.deny_delete && c.allow_direct,
