@@ -97,6 +97,20 @@ pub struct AllocatorConfig {
     /// 1⅓ of it; a leader that stops cleanly hands over within a third of it.
     #[arg(long, env = "CONVERGE_LEASE_TTL", default_value = "10s", value_parser = humantime_duration)]
     pub lease_ttl: Duration,
+    /// Half-life of each queue's decayed GPU usage in the fair share of lent GPUs: a queue
+    /// that borrowed heavily gets less of what is lent for about this long. Not 0 (that
+    /// would forget usage at once; see docs/scheduling.md, "Queues, fair share and
+    /// priorities").
+    #[arg(long, env = "CONVERGE_USAGE_HALF_LIFE", default_value = "1h", value_parser = parse_half_life)]
+    pub usage_half_life: Duration,
+}
+
+fn parse_half_life(s: &str) -> Result<Duration, String> {
+    let d = humantime_duration(s)?;
+    if d.is_zero() {
+        return Err("the usage half-life must be above 0 (e.g. 1h)".into());
+    }
+    Ok(d)
 }
 
 /// The host name, or `allocator` when it cannot be read.
@@ -134,6 +148,7 @@ impl AllocatorConfig {
             scheduler,
             ps_shards_per_host: self.ps_shards_per_host,
             fit_budget: self.fit_budget,
+            usage_half_life_s: self.usage_half_life.as_secs_f64(),
             ..Settings::default()
         }
     }
@@ -154,6 +169,11 @@ enum Input {
     StatusDeleted(JobId),
     Progress(Box<Progress>),
     ProgressCaughtUp,
+    Queue(QueueSpec),
+    QueueDeleted(QueueId),
+    /// A queue status as stored (by this replica or another): the usage to continue from.
+    QueueStatus(Box<QueueStatus>),
+    QueueStatusDeleted(QueueId),
 }
 
 /// A decoded progress report as read from the stream, not yet checked against the job's
@@ -234,6 +254,23 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             view.plans.insert(id, plan);
         }
     }
+    let queue_buckets = bus.open_queues(converge_bus::Setup::CreateOrUpdate).await?;
+    for (key, (spec, _)) in bus
+        .load_all::<QueueSpec>(&queue_buckets.queues, &rejects)
+        .await?
+    {
+        if spec.name.as_str() == key {
+            view.queues.insert(spec.name.clone(), spec);
+        }
+    }
+    for (key, (status, _)) in bus
+        .load_all::<QueueStatus>(&queue_buckets.status, &rejects)
+        .await?
+    {
+        if status.queue.as_str() == key {
+            view.queue_statuses.insert(status.queue.clone(), status);
+        }
+    }
     // Specs and heartbeats go ahead of progress reports: under a flood of reports, a host
     // must not look lost because its heartbeat waits behind them.
     let (ctl_tx, mut ctl_rx) = mpsc::channel::<Input>(16_384);
@@ -253,6 +290,16 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     // steps): who may report progress.
     tasks.spawn(watch_statuses(
         bus.status.clone(),
+        ctl_tx.clone(),
+        rejects.clone(),
+    ));
+    tasks.spawn(watch_queues(
+        queue_buckets.queues.clone(),
+        ctl_tx.clone(),
+        rejects.clone(),
+    ));
+    tasks.spawn(watch_queue_statuses(
+        queue_buckets.status.clone(),
         ctl_tx.clone(),
         rejects.clone(),
     ));
@@ -302,6 +349,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                 if now_leading && !leading {
                     // Another replica may have written since this one last read.
                     reload_written(&bus, &mut view, &rejects).await;
+                    reload_queue_statuses(&bus, &queue_buckets, &mut view, &rejects).await;
                     policy_due = true;
                 }
                 leading = now_leading;
@@ -406,6 +454,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         }
         if leadership.borrow().is_valid() {
             write_changes(&bus, &mut view, outcome.statuses, outcome.plans, now).await;
+            write_queue_statuses(&bus, &queue_buckets, &mut view, outcome.queue_statuses).await;
         }
     }
     lease_stop.cancel();
@@ -631,6 +680,23 @@ fn apply(
             *lifecycle_due = true;
         }
         Input::ProgressCaughtUp => {}
+        Input::Queue(spec) => {
+            if view.queues.get(&spec.name) != Some(&spec) {
+                *policy_due = true;
+            }
+            view.queues.insert(spec.name.clone(), spec);
+        }
+        Input::QueueDeleted(name) => {
+            if view.queues.remove(&name).is_some() {
+                *policy_due = true;
+            }
+        }
+        Input::QueueStatus(status) => {
+            view.queue_statuses.insert(status.queue.clone(), *status);
+        }
+        Input::QueueStatusDeleted(name) => {
+            view.queue_statuses.remove(&name);
+        }
     }
 }
 
@@ -744,6 +810,101 @@ async fn write_changes(
             Err(e) => tracing::warn!(job = %id, "status not written: {e}"),
         }
     }
+}
+
+/// A queue status stored at most this long ago is rewritten only when more than its usage
+/// changed: the usage between two writes follows exactly from the stored one (the queue held
+/// the same GPUs since), so skipping writes loses nothing; this bounds how stale the usage
+/// `converge queue list` shows can get.
+pub const QUEUE_STATUS_REFRESH_S: f64 = 60.0;
+
+/// Whether `new` says more than `old` beyond the usage's natural growth and decay.
+fn queue_status_changed(old: &QueueStatus, new: &QueueStatus) -> bool {
+    let mut same = new.clone();
+    same.usage_gpu_seconds = old.usage_gpu_seconds;
+    same.updated_at = old.updated_at;
+    same != *old || new.updated_at - old.updated_at >= QUEUE_STATUS_REFRESH_S
+}
+
+/// Writes the queue statuses that changed ([`queue_status_changed`]); leader only.
+async fn write_queue_statuses(
+    bus: &Bus,
+    buckets: &converge_bus::QueueBuckets,
+    view: &mut View,
+    statuses: BTreeMap<QueueId, QueueStatus>,
+) {
+    for (name, status) in statuses {
+        if view
+            .queue_statuses
+            .get(&name)
+            .is_some_and(|old| !queue_status_changed(old, &status))
+        {
+            continue;
+        }
+        match bus.put(&buckets.status, name.as_str(), &status).await {
+            Ok(_) => {
+                view.queue_statuses.insert(name, status);
+            }
+            Err(e) => tracing::warn!(queue = %name, "queue status not written: {e}"),
+        }
+    }
+}
+
+/// Re-reads the queue statuses in KV (when this replica becomes the leader).
+async fn reload_queue_statuses(
+    bus: &Bus,
+    buckets: &converge_bus::QueueBuckets,
+    view: &mut View,
+    rejects: &Rejects,
+) {
+    match bus.load_all::<QueueStatus>(&buckets.status, rejects).await {
+        Ok(all) => {
+            view.queue_statuses = all
+                .into_iter()
+                .filter(|(k, (s, _))| s.queue.as_str() == k)
+                .map(|(_, (s, _))| (s.queue.clone(), s))
+                .collect();
+        }
+        Err(e) => tracing::warn!("cannot re-read queue statuses: {e}"),
+    }
+}
+
+/// Follows KV `converge-queues`: current values first, then updates.
+async fn watch_queues(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
+    let source = format!("kv:{}", subjects::BUCKET_QUEUES);
+    converge_bus::follow_kv(
+        store,
+        tx,
+        |entry| {
+            let name = QueueId::new(entry.key.clone()).ok()?;
+            if entry.operation != kv::Operation::Put {
+                return Some(Input::QueueDeleted(name));
+            }
+            let spec: QueueSpec = rejects.decode(&source, name.as_str(), &entry.value)?;
+            (spec.name == name).then_some(Input::Queue(spec))
+        },
+        || None,
+    )
+    .await
+}
+
+/// Follows KV `converge-queue-status` (the leader's own writes come back and change nothing).
+async fn watch_queue_statuses(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
+    let source = format!("kv:{}", subjects::BUCKET_QUEUE_STATUS);
+    converge_bus::follow_kv(
+        store,
+        tx,
+        |entry| {
+            let name = QueueId::new(entry.key.clone()).ok()?;
+            if entry.operation != kv::Operation::Put {
+                return Some(Input::QueueStatusDeleted(name));
+            }
+            let s: QueueStatus = rejects.decode(&source, name.as_str(), &entry.value)?;
+            (s.queue == name).then(|| Input::QueueStatus(Box::new(s)))
+        },
+        || None,
+    )
+    .await
 }
 
 async fn publish_event(bus: &Bus, e: &Event) {
@@ -962,6 +1123,56 @@ async fn follow_progress_once(
 mod tests {
     use super::*;
     use converge_common::JobPhase;
+
+    #[test]
+    fn a_queue_status_is_rewritten_when_more_than_its_usage_changed_or_once_a_minute() {
+        let old = QueueStatus {
+            protocol: converge_common::PROTOCOL_VERSION,
+            queue: "team-a".parse().unwrap(),
+            gpus_in_use: 4,
+            borrowed_gpus: 0,
+            lent_gpus: 0,
+            fair_share_gpus: 4.0,
+            usage_gpu_seconds: 100.0,
+            half_life_s: 3600.0,
+            running_jobs: 1,
+            pending_jobs: 0,
+            updated_at: 1000.0,
+        };
+        let later = QueueStatus {
+            usage_gpu_seconds: 140.0,
+            updated_at: 1010.0,
+            ..old.clone()
+        };
+        assert!(!queue_status_changed(&old, &later));
+        let grown = QueueStatus {
+            gpus_in_use: 6,
+            borrowed_gpus: 2,
+            ..later.clone()
+        };
+        assert!(queue_status_changed(&old, &grown));
+        let stale = QueueStatus {
+            updated_at: 1000.0 + QUEUE_STATUS_REFRESH_S,
+            ..later
+        };
+        assert!(queue_status_changed(&old, &stale));
+    }
+
+    #[test]
+    fn the_usage_half_life_defaults_to_an_hour_and_refuses_zero() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            cfg: AllocatorConfig,
+        }
+        let cli = Cli::try_parse_from(["converge-allocator"]).unwrap();
+        assert_eq!(cli.cfg.usage_half_life, Duration::from_secs(3600));
+        assert_eq!(cli.cfg.settings().usage_half_life_s, 3600.0);
+        let cli = Cli::try_parse_from(["converge-allocator", "--usage-half-life", "20m"]).unwrap();
+        assert_eq!(cli.cfg.settings().usage_half_life_s, 1200.0);
+        assert!(Cli::try_parse_from(["converge-allocator", "--usage-half-life", "0s"]).is_err());
+    }
 
     fn status(job: &str, phase: JobPhase, loss: Option<f64>) -> JobStatus {
         let mut s: JobStatus = serde_json::from_value(serde_json::json!({
