@@ -1,9 +1,10 @@
 //! `converge`: the operator and user command line. Submits and cancels jobs, lists jobs and
-//! hosts, streams events, runs the live monitor the local cluster uses, and serves the web
+//! hosts, manages queues, streams events, runs the live monitor the local cluster uses, and serves the web
 //! dashboard.
 
 mod dashboard;
 mod monitor;
+mod queues;
 mod selector;
 mod sweeps;
 mod tables;
@@ -36,7 +37,8 @@ enum Command {
     /// its `[job]` template is expanded into one trial job per combination of the
     /// `[sweep.grid]` values (or per `[[sweep.trials]]` table), named `<sweep id>-<n>`.
     /// Everything is validated first; a bad spec or sweep is refused with the reason and
-    /// nothing is written.
+    /// nothing is written: also a `queue` that does not exist (see `converge queue`; the
+    /// `default` queue always exists) and a `[selector]` no known host satisfies.
     Submit {
         /// Path of the job spec or sweep file, e.g. examples/jobs/a9a-logreg.toml or
         /// examples/sweeps/optdigits.toml.
@@ -68,8 +70,9 @@ enum Command {
         #[arg(long, default_value_t = 50)]
         max_ended: usize,
     },
-    /// List jobs: phase (with how a completed job ended), workers, generation, progress,
-    /// loss and the predicted loss.
+    /// List jobs: queue and priority, phase (with how a completed job ended, or why a
+    /// pending job waits: its queue's quota, a deleted queue, a selector no live host
+    /// matches), workers, generation, progress, loss and the predicted loss.
     Jobs {
         /// Also list completed, failed and cancelled jobs.
         #[arg(long, short)]
@@ -82,6 +85,13 @@ enum Command {
     },
     /// List hosts: GPUs, utilization, NIC rates and workers, from their latest heartbeat.
     Hosts,
+    /// Manage the queues teams share the cluster through: each has a GPU quota it is
+    /// guaranteed, a borrowing limit beyond it and a weight in the fair share of idle GPUs.
+    /// A job names its queue with `queue = "NAME"` (else it is in `default`).
+    Queue {
+        #[command(subcommand)]
+        action: queues::QueueCommand,
+    },
     /// Cancel a job: its workers are stopped and it is marked cancelled.
     Cancel {
         /// The job id.
@@ -219,6 +229,7 @@ async fn create_job(bus: &Bus, spec: &JobSpec) -> anyhow::Result<()> {
 async fn submit_sweep(bus: &Bus, sweep: &Sweep, json: bool) -> anyhow::Result<()> {
     let (existing, _) = load_jobs(bus).await?;
     sweep::check_unused(sweep, &existing)?;
+    queues::check_submitted(bus, sweep.trials.iter().map(|t| &t.spec)).await?;
     check_selectors(bus, sweep.trials.iter().map(|t| &t.spec)).await?;
     for (i, t) in sweep.trials.iter().enumerate() {
         if let Err(e) = create_job(bus, &t.spec).await {
@@ -281,13 +292,22 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         } => Some(JobId::new(id.clone()).with_context(|| format!("invalid sweep id {id:?}"))?),
         _ => None,
     };
+    let queue_cmd = match &cli.command {
+        Command::Queue { action } => Some(queues::check(action, unix_now())?),
+        _ => None,
+    };
     let bus = open(&cli.nats).await?;
     match cli.command {
+        Command::Queue { .. } => {
+            let cmd = queue_cmd.expect("checked above");
+            queues::run(&bus, cmd, cli.json, unix_now()).await?;
+        }
         Command::Submit { .. } => {
             let spec = match submission.expect("parsed above") {
                 Submission::Job(spec) => *spec,
                 Submission::Sweep(sweep) => return submit_sweep(&bus, &sweep, cli.json).await,
             };
+            queues::check_submitted(&bus, [&spec]).await?;
             check_selectors(&bus, [&spec]).await?;
             create_job(&bus, &spec).await?;
             if cli.json {
@@ -324,6 +344,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .collect();
             let now = unix_now();
             let queue = queue_estimates(&bus, &specs, &statuses, now).await?;
+            let known = known_queues(&bus, rows.iter().map(|(s, _)| *s)).await?;
             if cli.json {
                 let out: Vec<_> = rows
                     .iter()
@@ -333,12 +354,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             "status": st,
                             "batch_mode": tables::batch_mode(spec, *st),
                             "queue": queue.get(&spec.id),
+                            "queue_name": spec.queue_name(),
+                            "queue_exists": known.as_ref().is_none_or(|k| {
+                                spec.queue_name() == converge_common::DEFAULT_QUEUE
+                                    || k.contains(spec.queue_name())
+                            }),
+                            "priority": spec.priority,
                         })
                     })
                     .collect();
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
-                println!("{}", tables::jobs(&rows, now, &queue));
+                println!("{}", tables::jobs(&rows, now, &queue, known.as_ref()));
             }
         }
         Command::Hosts => {
@@ -434,6 +461,21 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The queues that exist, read only when one of `specs` names a queue other than
+/// `default` (`None` otherwise: every such job's queue exists).
+async fn known_queues<'a>(
+    bus: &Bus,
+    mut specs: impl Iterator<Item = &'a JobSpec>,
+) -> anyhow::Result<Option<std::collections::BTreeSet<String>>> {
+    if !specs.any(|s| s.queue_name() != converge_common::DEFAULT_QUEUE) {
+        return Ok(None);
+    }
+    let buckets = queues::open(bus).await?;
+    Ok(Some(queues::known_names(
+        &queues::load(bus, &buckets).await?,
+    )))
 }
 
 /// Telemetry older than this marks a host lost (the allocator's default `--host-timeout`).

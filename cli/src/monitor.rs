@@ -209,7 +209,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
             let queue = crate::queue_estimates(bus, &specs, &statuses, now)
                 .await
                 .unwrap_or_default();
-            println!("{}", tables::jobs(&rows, now, &queue));
+            println!("{}", tables::jobs(&rows, now, &queue, None));
         }
         let all_done = !statuses.is_empty()
             && specs.iter().all(|spec| {

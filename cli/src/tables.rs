@@ -141,14 +141,18 @@ pub fn batch(spec: &JobSpec, status: Option<&JobStatus>) -> String {
 /// The jobs table.
 /// The jobs table; `queue` holds the pending jobs' queue entries (their PHASE cell adds the
 /// position and estimated start).
+/// `known` lists the queues that exist (`None`: not read, every job's queue exists); a job
+/// whose queue does not shows `(missing)` in QUEUE/PRIO.
 pub fn jobs(
     rows: &[(&JobSpec, Option<&JobStatus>)],
     now: f64,
     queue: &BTreeMap<JobId, QueueEntry>,
+    known: Option<&std::collections::BTreeSet<String>>,
 ) -> Table {
     let mut t = Table::new();
     t.load_preset(UTF8_BORDERS_ONLY).set_header(vec![
         "JOB",
+        "QUEUE/PRIO",
         "MODEL/DATA",
         "PHASE",
         "WORKERS",
@@ -173,6 +177,7 @@ pub fn jobs(
         match st {
             Some(s) => t.add_row(vec![
                 spec.id.to_string(),
+                crate::queues::cell(spec, known),
                 label,
                 match queue.get(&s.job) {
                     Some(q) if s.phase == JobPhase::Pending => {
@@ -194,6 +199,7 @@ pub fn jobs(
             ]),
             None => t.add_row(vec![
                 spec.id.to_string(),
+                crate::queues::cell(spec, known),
                 label,
                 "submitted".into(),
                 format!("0 ({range})"),
@@ -371,7 +377,7 @@ pub(crate) mod tests {
             gpu_hours: 0.5,
         });
         assert_eq!(phase(&s), "completed (target reached)");
-        let text = jobs(&[(&spec, Some(&s))], 100.0, &BTreeMap::new()).to_string();
+        let text = jobs(&[(&spec, Some(&s))], 100.0, &BTreeMap::new(), None).to_string();
         assert!(text.contains("completed (target reached)"), "{text}");
     }
 
@@ -392,7 +398,7 @@ pub(crate) mod tests {
             estimated_start: Some(285.0),
         };
         let queue = BTreeMap::from([(s.job.clone(), entry.clone())]);
-        let text = jobs(&[(&spec, Some(&s))], 100.0, &queue).to_string();
+        let text = jobs(&[(&spec, Some(&s))], 100.0, &queue, None).to_string();
         assert!(
             text.contains("no live host matches selector zone=c"),
             "{text}"
