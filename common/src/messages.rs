@@ -247,6 +247,16 @@ pub struct WorkerProgressLine {
     /// gradient noise scale in samples.
     #[serde(default, deserialize_with = "number_or_nan")]
     pub grad_var: Option<f64>,
+    /// ShadowSync workers (trainer `--shadow`): background synchronization rounds completed
+    /// per second since the previous line; their step time excludes synchronization, so
+    /// contention shows here instead. Finite and >= 0 when present.
+    #[serde(default)]
+    pub sync_rounds_per_s: Option<f64>,
+    /// ShadowSync workers: mean relative distance `||local - synchronized|| /
+    /// ||synchronized||` between the worker's model and the synchronized one over those
+    /// rounds. Finite and >= 0 when present.
+    #[serde(default)]
+    pub model_gap: Option<f64>,
 }
 
 /// What a bare `NaN`, `Infinity` or `-Infinity` of a progress line is read as (see
@@ -373,6 +383,12 @@ impl WorkerProgressLine {
         }
         if let Some(s) = p.sync_s {
             sync_time("sync_s", s)?;
+        }
+        if let Some(r) = p.sync_rounds_per_s {
+            sync_time("sync_rounds_per_s", r)?;
+        }
+        if let Some(g) = p.model_gap {
+            sync_time("model_gap", g)?;
         }
         Ok(Some(p))
     }
@@ -1351,6 +1367,16 @@ mod tests {
         .unwrap()
         .unwrap();
         assert_eq!(zero.sync_s, Some(0.0));
+        assert_eq!((zero.sync_rounds_per_s, zero.model_gap), (None, None));
+        let shadow = WorkerProgressLine::parse(
+            r#"CONVERGE_PROGRESS {"step":10,"samples":640,"loss":0.5,"sync_s":0,"sync_rounds_per_s":42.5,"model_gap":0.012}"#,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (shadow.sync_rounds_per_s, shadow.model_gap),
+            (Some(42.5), Some(0.012))
+        );
         for bad in [
             r#"{"step":1,"samples":1,"loss":0.5,"sync_s":-0.1}"#,
             r#"{"step":1,"samples":1,"loss":0.5,"sync_s":NaN}"#,
@@ -1358,6 +1384,10 @@ mod tests {
             r#"{"step":1,"samples":1,"loss":0.5,"sync_s":1e999}"#,
             r#"{"step":1,"samples":1,"loss":0.5,"model_bytes":-1}"#,
             r#"{"step":1,"samples":1,"loss":0.5,"model_bytes":1.5}"#,
+            r#"{"step":1,"samples":1,"loss":0.5,"sync_rounds_per_s":-1}"#,
+            r#"{"step":1,"samples":1,"loss":0.5,"sync_rounds_per_s":"many"}"#,
+            r#"{"step":1,"samples":1,"loss":0.5,"model_gap":-0.5}"#,
+            r#"{"step":1,"samples":1,"loss":0.5,"model_gap":1e999}"#,
         ] {
             let line = format!("CONVERGE_PROGRESS {bad}");
             assert!(WorkerProgressLine::parse(&line).is_err(), "{line}");

@@ -50,6 +50,10 @@ pub struct Checkpoint {
     pub params: Vec<f64>,
     /// The SGD momentum buffer, same length as `params`.
     pub momentum: Vec<f64>,
+    /// S-BMUF's block velocity, same length as `params`, when a ShadowSync S-BMUF job wrote
+    /// the checkpoint ([`crate::shadow`]); other modes ignore it and write none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_velocity: Option<Vec<f64>>,
 }
 
 /// The checkpoint's path inside `dir`.
@@ -82,10 +86,18 @@ impl Checkpoint {
             self.params.len(),
             self.momentum.len()
         );
+        if let Some(v) = &self.block_velocity {
+            ensure!(
+                v.len() == n,
+                "the checkpoint holds {} block-velocity values, but the model has {n} parameters",
+                v.len()
+            );
+        }
         ensure!(
             self.params
                 .iter()
                 .chain(&self.momentum)
+                .chain(self.block_velocity.iter().flatten())
                 .all(|v| v.is_finite()),
             "the checkpoint holds non-finite values"
         );
@@ -151,6 +163,7 @@ mod tests {
                 .map(|i| (i as f64 + 0.1).sqrt() / 3.0 - 1e-300)
                 .collect(),
             momentum: (0..n).map(|i| -(i as f64) * 1e-7 / 7.0).collect(),
+            block_velocity: None,
         }
     }
 
@@ -206,6 +219,17 @@ mod tests {
                 .check_compatible(DatasetName::Optdigits, &model)
                 .is_err()
         );
+        let mut velocity = ckpt.clone();
+        velocity.block_velocity = Some(vec![0.0; model.num_params() - 1]);
+        assert!(
+            velocity
+                .check_compatible(DatasetName::Optdigits, &model)
+                .is_err()
+        );
+        velocity.block_velocity = Some(vec![0.5; model.num_params()]);
+        velocity
+            .check_compatible(DatasetName::Optdigits, &model)
+            .unwrap();
         let mut future = ckpt;
         future.format_version = 99;
         assert!(

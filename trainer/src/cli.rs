@@ -3,12 +3,13 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail, ensure};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 
 use crate::batch::{ContractBatch, LrScaling};
 use crate::data::DatasetName;
 use crate::model::ModelKind;
 use crate::ps::Role;
+use crate::shadow::{self, ShadowAlgo};
 
 const ABOUT: &str = "Converge's reference data-parallel trainer: SGD with momentum on real \
 datasets, gradients averaged by ring all-reduce or parameter servers over TCP, checkpoint and \
@@ -54,6 +55,8 @@ ranks exit 143; at the end shards exit 0. The checkpoint is the same as in ring 
 resumes in either mode and at any split of workers and shards. A rank that loses a peer exits 1
 (after the I/O timeout of 60 s at most); worker 0 then keeps its last checkpoint, since the
 momentum of later steps was on the shards.
+
+ShadowSync mode (--shadow ma|bmuf|easgd; see the trainer's shadow module docs): workers train their own copy of the model with local SGD steps (--hogwild-threads lock-free threads each) and never wait for a peer; a background thread per worker synchronizes the copy round after round: S-MA averages the models by ring all-reduce, S-BMUF applies block momentum (--block-momentum, --block-lr, --block-nesterov) to the average, S-EASGD moves each model and a central copy on CONVERGE_NUM_PS >= 1 shards toward each other (--elastic-alpha). Peers are reached as in ring mode (or parameter-server mode for S-EASGD). A peer that fails or sends malformed data is dropped (logged) and the worker trains on alone. Progress lines add sync_rounds_per_s and model_gap (the relative distance between the local and the synchronized model); sync_s is 0, the step time is a local step's.
 
 Rank 0 prints progress lines on stdout:
   CONVERGE_PROGRESS {\"step\":120,\"samples\":3840,\"loss\":0.53,\"epoch\":0.118,\"eval_loss\":0.55,\"sync_s\":0.0021,\"model_bytes\":5200,\"grad_sqr\":0.0153,\"grad_var\":2.41}
@@ -163,6 +166,37 @@ pub struct Args {
     /// workers to the parameter-server shards).
     #[arg(long, default_value_t = 120.0, value_name = "SECONDS")]
     pub rendezvous_timeout: f64,
+
+    /// ShadowSync: synchronize in a background thread with this algorithm instead of in
+    /// every step: ma (model averaging, S-MA), bmuf (block momentum, S-BMUF) or easgd
+    /// (elastic averaging against the CONVERGE_NUM_PS shards, S-EASGD).
+    #[arg(long, value_enum, value_name = "ALGORITHM")]
+    pub shadow: Option<ShadowAlgo>,
+
+    /// S-BMUF block momentum η, in [0, 1) [default: 1 - 1/workers].
+    #[arg(long, value_name = "ETA")]
+    pub block_momentum: Option<f64>,
+
+    /// S-BMUF block learning rate ζ (> 0).
+    #[arg(long, default_value_t = 1.0, value_name = "ZETA")]
+    pub block_lr: f64,
+
+    /// S-BMUF: workers restart each block from x + η v (Nesterov block momentum).
+    #[arg(long)]
+    pub block_nesterov: bool,
+
+    /// S-EASGD moving rate α, in (0, 1] [default: 0.9 / workers].
+    #[arg(long, value_name = "ALPHA")]
+    pub elastic_alpha: Option<f64>,
+
+    /// ShadowSync: training threads per worker updating its model lock-free (Hogwild).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub hogwild_threads: usize,
+
+    /// ShadowSync: least time between two synchronization rounds of a worker's background
+    /// thread (0: back to back).
+    #[arg(long, default_value_t = 0, value_name = "MS")]
+    pub sync_interval_ms: u64,
 }
 
 impl Args {
@@ -206,6 +240,62 @@ impl Args {
         );
         if self.model_kind() == ModelKind::Mlp {
             ensure!(self.hidden >= 1, "--hidden must be at least 1");
+        }
+        self.validate_shadow()
+    }
+
+    /// Refuses ShadowSync options out of range or without their algorithm.
+    fn validate_shadow(&self) -> Result<()> {
+        if let Some(eta) = self.block_momentum {
+            shadow::check_block_momentum(eta)?;
+        }
+        if let Some(alpha) = self.elastic_alpha {
+            shadow::check_alpha(alpha)?;
+        }
+        ensure!(
+            self.block_lr.is_finite() && self.block_lr > 0.0,
+            "--block-lr must be a positive number, not {}",
+            self.block_lr
+        );
+        ensure!(
+            (1..=64).contains(&self.hogwild_threads),
+            "--hogwild-threads must be in 1..=64, not {}",
+            self.hogwild_threads
+        );
+        let algo = self.shadow;
+        let bmuf_only =
+            self.block_momentum.is_some() || self.block_lr != 1.0 || self.block_nesterov;
+        ensure!(
+            !bmuf_only || algo == Some(ShadowAlgo::Bmuf),
+            "--block-momentum, --block-lr and --block-nesterov apply to --shadow bmuf only"
+        );
+        ensure!(
+            self.elastic_alpha.is_none() || algo == Some(ShadowAlgo::Easgd),
+            "--elastic-alpha applies to --shadow easgd only"
+        );
+        ensure!(
+            algo.is_some() || (self.hogwild_threads == 1 && self.sync_interval_ms == 0),
+            "--hogwild-threads and --sync-interval-ms apply to --shadow only"
+        );
+        Ok(())
+    }
+
+    /// Refuses a ShadowSync algorithm that does not fit the job's ranks.
+    pub fn check_shadow_env(&self, env: &WorkerEnv) -> Result<()> {
+        match self.shadow {
+            Some(ShadowAlgo::Easgd) => ensure!(
+                env.num_ps >= 1,
+                "--shadow easgd keeps the central copy on parameter-server shards: set CONVERGE_NUM_PS to 1 or more (WORLD_SIZE counts the workers and the shards)"
+            ),
+            Some(a @ (ShadowAlgo::Ma | ShadowAlgo::Bmuf)) => ensure!(
+                env.num_ps == 0,
+                "--shadow {} synchronizes the workers among themselves: unset CONVERGE_NUM_PS (it is {}) or use --shadow easgd",
+                a.to_possible_value()
+                    .map(|v| v.get_name().to_string())
+                    .unwrap_or_default(),
+                env.num_ps
+            ),
+            None => {}
         }
         Ok(())
     }
@@ -466,5 +556,46 @@ mod tests {
         assert!(err.contains("logreg is for a9a"), "{err}");
         assert!(Args::try_parse_from(["converge-trainer"]).is_err());
         assert!(Args::try_parse_from(["converge-trainer", "--dataset", "cifar"]).is_err());
+    }
+
+    #[test]
+    fn shadow_options_are_checked() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["converge-trainer", "--dataset", "optdigits"];
+            argv.extend_from_slice(extra);
+            Args::try_parse_from(argv).unwrap()
+        };
+        let err = |extra: &[&str]| parse(extra).validate().unwrap_err().to_string();
+        parse(&["--shadow", "bmuf", "--block-momentum", "0.5"])
+            .validate()
+            .unwrap();
+        parse(&["--shadow", "easgd", "--elastic-alpha", "1"])
+            .validate()
+            .unwrap();
+        for bad in ["1", "1.5", "-0.1", "NaN"] {
+            let e = err(&["--shadow", "bmuf", &format!("--block-momentum={bad}")]);
+            assert!(e.contains("--block-momentum must be in [0, 1)"), "{e}");
+        }
+        for bad in ["0", "1.01", "-1", "inf"] {
+            let e = err(&["--shadow", "easgd", &format!("--elastic-alpha={bad}")]);
+            assert!(e.contains("--elastic-alpha must be in (0, 1]"), "{e}");
+        }
+        assert!(err(&["--shadow", "ma", "--block-momentum", "0.5"]).contains("bmuf only"));
+        assert!(err(&["--elastic-alpha", "0.5"]).contains("easgd only"));
+        assert!(err(&["--hogwild-threads", "2"]).contains("--shadow only"));
+        assert!(err(&["--shadow", "ma", "--hogwild-threads", "0"]).contains("1..=64"));
+        let ps = env(&[("WORLD_SIZE", "3"), ("RANK", "0"), ("CONVERGE_NUM_PS", "1")]).unwrap();
+        let ring = env(&[("WORLD_SIZE", "3"), ("RANK", "0")]).unwrap();
+        let e = parse(&["--shadow", "easgd"])
+            .check_shadow_env(&ring)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("CONVERGE_NUM_PS to 1 or more"), "{e}");
+        parse(&["--shadow", "easgd"]).check_shadow_env(&ps).unwrap();
+        let e = parse(&["--shadow", "ma"])
+            .check_shadow_env(&ps)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unset CONVERGE_NUM_PS"), "{e}");
     }
 }

@@ -15,4 +15,5 @@ pub mod model;
 pub mod order;
 pub mod ps;
 pub mod ring;
+pub mod shadow;
 pub mod train;

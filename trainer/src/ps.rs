@@ -79,7 +79,7 @@ use crate::ring::{self, IoBuf, POLL, RingConfig, check_cancel, connect_with_retr
 /// Magic bytes that open a worker's connection to a shard.
 const PS_MAGIC: &[u8; 4] = b"CVPS";
 /// Bytes of the handshake: magic, worker index, generation, workers, model size.
-const HANDSHAKE_LEN: usize = 4 + 4 + 8 + 4 + 8;
+pub(crate) const HANDSHAKE_LEN: usize = 4 + 4 + 8 + 4 + 8;
 /// Bytes of a frame header.
 const HEADER_LEN: usize = 32;
 /// Most metadata words a frame may carry.
@@ -159,11 +159,11 @@ pub struct PsConfig {
 }
 
 impl PsConfig {
-    fn workers(&self) -> usize {
+    pub(crate) fn workers(&self) -> usize {
         self.world_size - self.num_ps
     }
 
-    fn ring_config(&self) -> RingConfig {
+    pub(crate) fn ring_config(&self) -> RingConfig {
         RingConfig {
             rank: self.rank,
             world_size: self.world_size,
@@ -175,7 +175,7 @@ impl PsConfig {
         }
     }
 
-    fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         ensure!(
             self.num_ps >= 1 && self.num_ps < self.world_size,
             "CONVERGE_NUM_PS={} needs WORLD_SIZE of at least {} (one worker or more), not {}",
@@ -245,16 +245,16 @@ pub enum StepResult {
 
 /// A frame as it travels on the wire.
 #[derive(Debug, Clone, PartialEq)]
-struct Frame {
-    kind: u8,
-    flags: u64,
-    seq: u64,
-    meta: Vec<u64>,
-    values: Vec<f64>,
+pub(crate) struct Frame {
+    pub(crate) kind: u8,
+    pub(crate) flags: u64,
+    pub(crate) seq: u64,
+    pub(crate) meta: Vec<u64>,
+    pub(crate) values: Vec<f64>,
 }
 
 impl Frame {
-    fn new(kind: u8, seq: u64) -> Frame {
+    pub(crate) fn new(kind: u8, seq: u64) -> Frame {
         Frame {
             kind,
             flags: 0,
@@ -299,20 +299,20 @@ fn kind_name(kind: u8) -> &'static str {
     }
 }
 
-fn u64_at(b: &[u8], k: usize) -> u64 {
+pub(crate) fn u64_at(b: &[u8], k: usize) -> u64 {
     u64::from_le_bytes(b[8 * k..8 * k + 8].try_into().expect("8 bytes"))
 }
 
 /// I/O on one connection with the timeout, termination and abort rules of the ring.
-struct Link<'a> {
-    stream: &'a TcpStream,
-    timeout: Duration,
-    cancel: &'a AtomicBool,
-    failed: &'a AtomicU8,
+pub(crate) struct Link<'a> {
+    pub(crate) stream: &'a TcpStream,
+    pub(crate) timeout: Duration,
+    pub(crate) cancel: &'a AtomicBool,
+    pub(crate) failed: &'a AtomicU8,
 }
 
 impl Link<'_> {
-    fn write(&self, frame: &Frame) -> Result<()> {
+    pub(crate) fn write(&self, frame: &Frame) -> Result<()> {
         io_loop(
             self.stream,
             &mut IoBuf::Write(&frame.encode()),
@@ -323,7 +323,7 @@ impl Link<'_> {
     }
 
     /// Reads one frame of at most `max_values` values.
-    fn read(&self, max_values: usize) -> Result<Frame> {
+    pub(crate) fn read(&self, max_values: usize) -> Result<Frame> {
         let mut header = [0u8; HEADER_LEN];
         self.read_exact(&mut header)?;
         let tag = u64_at(&header, 0);
@@ -363,7 +363,7 @@ impl Link<'_> {
 /// results in order. The first failure sets `failed`, which makes the other threads'
 /// socket loops give up within [`POLL`] instead of waiting for their timeout; the error
 /// returned is the first one that happened.
-fn on_each<T: Send>(
+pub(crate) fn on_each<T: Send>(
     n: usize,
     failed: &AtomicU8,
     f: impl Fn(usize) -> Result<T> + Sync,
@@ -400,21 +400,21 @@ fn on_each<T: Send>(
         .collect()
 }
 
-fn configure(stream: &TcpStream) -> Result<()> {
+pub(crate) fn configure(stream: &TcpStream) -> Result<()> {
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(POLL))?;
     stream.set_write_timeout(Some(POLL))?;
     Ok(())
 }
 
-fn loss_meta(last_loss: Option<f64>) -> [u64; 2] {
+pub(crate) fn loss_meta(last_loss: Option<f64>) -> [u64; 2] {
     [
         u64::from(last_loss.is_some()),
         last_loss.unwrap_or(0.0).to_bits(),
     ]
 }
 
-fn meta_loss(present: u64, bits: u64) -> Option<f64> {
+pub(crate) fn meta_loss(present: u64, bits: u64) -> Option<f64> {
     (present != 0).then(|| f64::from_bits(bits))
 }
 
@@ -728,10 +728,10 @@ pub enum ShardOutcome {
     Terminated,
 }
 
-struct WorkerLink {
-    stream: TcpStream,
-    index: usize,
-    peer: SocketAddr,
+pub(crate) struct WorkerLink {
+    pub(crate) stream: TcpStream,
+    pub(crate) index: usize,
+    pub(crate) peer: SocketAddr,
 }
 
 /// Runs parameter-server shard `cfg.rank - workers` until the workers finish (`Completed`),
@@ -749,7 +749,7 @@ pub fn run_shard(cfg: &PsConfig, cancel: &std::sync::Arc<AtomicBool>) -> Result<
     let port = listener.local_addr()?.port();
     eprintln!("{who}: listening on port {port}");
     ring::rendezvous(&cfg.ring_config(), cfg.num_ps, None, port, cancel)?;
-    let (links, num_params) = accept_workers(&listener, cfg, &who, deadline, cancel)?;
+    let (links, num_params) = accept_workers(&listener, cfg, PS_MAGIC, &who, deadline, cancel)?;
     let range = shard_range(num_params, shard, cfg.num_ps);
     let len = range.len();
     let failed = AtomicU8::new(0);
@@ -912,11 +912,12 @@ fn worker_link<'a>(
     }
 }
 
-/// Accepts one connection from every worker of this generation; returns them in worker
-/// order with the model size they agree on.
-fn accept_workers(
+/// Accepts one connection from every worker of this generation whose handshake opens with
+/// `magic`; returns them in worker order with the model size they agree on.
+pub(crate) fn accept_workers(
     listener: &TcpListener,
     cfg: &PsConfig,
+    magic: &[u8; 4],
     who: &str,
     deadline: Instant,
     cancel: &AtomicBool,
@@ -957,8 +958,11 @@ fn accept_workers(
         let generation = u64::from_le_bytes(hs[8..16].try_into()?);
         let their_workers = u32::from_le_bytes(hs[16..20].try_into()?) as usize;
         let num_params = u64::from_le_bytes(hs[20..28].try_into()?);
-        let problem = if &hs[..4] != PS_MAGIC {
-            Some("not a parameter-server handshake".to_string())
+        let problem = if &hs[..4] != magic {
+            Some(format!(
+                "not a {} handshake",
+                String::from_utf8_lossy(magic)
+            ))
         } else if generation != cfg.generation {
             Some(format!("generation {generation}, not {}", cfg.generation))
         } else if their_workers != workers || index >= workers {

@@ -25,6 +25,9 @@ use crate::ps::{
     self, InitState, PsConfig, PsWorker, Push, Role, ShardOutcome, Snapshot, StepResult,
 };
 use crate::ring::{Interrupted, Ring, RingConfig};
+use crate::shadow::ShadowAlgo;
+
+mod shadow_run;
 
 /// Exit code after finishing.
 pub const EXIT_OK: i32 = 0;
@@ -97,6 +100,14 @@ pub struct Progress {
     /// Variance of one sample's gradient (trace of the covariance), same window.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub grad_var: Option<f64>,
+    /// ShadowSync: synchronization rounds rank 0's background thread completed per second
+    /// since the previous line ([`crate::shadow`]); absent in the other modes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_rounds_per_s: Option<f64>,
+    /// ShadowSync: mean over those rounds of `||local - synchronized|| / ||synchronized||`;
+    /// absent without a round.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_gap: Option<f64>,
 }
 
 impl Progress {
@@ -136,6 +147,9 @@ pub fn main_with_args(args: Args) -> i32 {
 pub fn run(args: &Args, env: &WorkerEnv, stop: Arc<AtomicBool>) -> i32 {
     let who = who(env);
     let result = match env.role() {
+        Role::Shard { .. } if args.shadow == Some(ShadowAlgo::Easgd) => {
+            shadow_run::serve_easgd_shard(args, env, &stop)
+        }
         Role::Shard { .. } => serve_shard(args, env, &stop),
         Role::Worker { .. } => Trainer::new(args, env, stop).and_then(|t| t.train()),
     };
@@ -276,9 +290,16 @@ impl<'a> Trainer<'a> {
     fn new(args: &'a Args, env: &'a WorkerEnv, stop: Arc<AtomicBool>) -> Result<Trainer<'a>> {
         let who = who(env);
         args.validate().map_err(refuse)?;
+        args.check_shadow_env(env).map_err(refuse)?;
         let kind = args.model_kind();
         let lr0 = args.learning_rate();
         let (per_worker, accum_steps, lr) = match env.batch {
+            Some(_) if args.shadow.is_some() => {
+                eprintln!(
+                    "{who}: ShadowSync mode ignores the planned batch (CONVERGE_BATCH_SIZE); using --batch-size"
+                );
+                (args.batch_size, 0, lr0)
+            }
             Some(b) if env.num_ps == 0 => {
                 let lr = args.lr_scaling.scale(lr0, b.total, b.reference);
                 eprintln!(
@@ -354,7 +375,7 @@ impl<'a> Trainer<'a> {
             lr,
             per_worker,
             accum_steps,
-            grad_stats: env.num_ps == 0 && !args.no_grad_stats,
+            grad_stats: env.num_ps == 0 && args.shadow.is_none() && !args.no_grad_stats,
             eval_idx,
             ckpt_dir,
         })
@@ -405,6 +426,9 @@ impl<'a> Trainer<'a> {
     }
 
     fn train(self) -> Result<Outcome> {
+        if let Some(algo) = self.args.shadow {
+            return self.train_shadow(algo);
+        }
         let env = self.env;
         let rank0 = env.rank == 0;
         let ps_mode = env.num_ps > 0;
@@ -781,6 +805,8 @@ impl<'a> Trainer<'a> {
             model_bytes: model_bytes(self.model.num_params()),
             grad_sqr: grad.map(|(s, _)| significant(s)),
             grad_var: grad.map(|(_, v)| significant(v)),
+            sync_rounds_per_s: None,
+            model_gap: None,
         }
         .line();
         let mut out = std::io::stdout().lock();
@@ -790,6 +816,11 @@ impl<'a> Trainer<'a> {
     }
 
     fn save(&self, state: &State) -> Result<()> {
+        self.save_with(state, None)
+    }
+
+    /// Writes the checkpoint of `state`, with S-BMUF's block velocity if given.
+    fn save_with(&self, state: &State, block_velocity: Option<&[f64]>) -> Result<()> {
         let Some(dir) = &self.ckpt_dir else {
             return Ok(());
         };
@@ -825,6 +856,7 @@ impl<'a> Trainer<'a> {
             generation: self.env.generation,
             params: state.params.clone(),
             momentum: state.momentum.clone(),
+            block_velocity: block_velocity.map(<[f64]>::to_vec),
         }
         .write_atomic(dir)
     }
@@ -985,6 +1017,8 @@ mod tests {
             model_bytes: 5200,
             grad_sqr: None,
             grad_var: None,
+            sync_rounds_per_s: None,
+            model_gap: None,
         };
         assert_eq!(
             p.line(),
