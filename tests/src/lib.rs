@@ -338,6 +338,7 @@ pub fn allocator_config(
         fit_budget: converge_sched::schedule::DEFAULT_FIT_BUDGET,
         replica_id: "test-allocator".into(),
         lease_ttl: Duration::from_secs(3),
+        usage_half_life: Duration::from_secs(3600),
     }
 }
 
