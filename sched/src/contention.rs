@@ -14,7 +14,7 @@
 //! that of [`crate::throughput`]:
 //!
 //! ```text
-//! t_sync ≈ α·(servers − 1) + 2·(w−1)/w · M / B_eff
+//! t_sync ≈ α·log₂(servers) + 2·(w−1)/w · M / B_eff
 //! B_eff  = B_intra                      on one server
 //!        = B_NIC · f / contention       across servers
 //! ```
@@ -31,18 +31,18 @@
 //!
 //! ```text
 //! n = 1:  t = compute + intra_sync
-//! n > 1:  t = compute + overhead·(n − 1) + sync·c / f
+//! n > 1:  t = compute + overhead·log₂ n + sync·c / f
 //! ```
 //!
 //! From a fitted per-job [`ThroughputModel`]
-//! (`t(w, n, b) = θ_c·b + θ_0 + θ_intra·[n=1]·r(w) + θ_inter·[n>1]·r(w) + θ_α·(n−1)`,
+//! (`t(w, n, b) = θ_c·b + θ_0 + θ_intra·[n=1]·r(w) + θ_inter·[n>1]·r(w) + θ_α·log₂ n`,
 //! `r(w) = 2(w−1)/w`), [`JobCost::from_model`] sets
 //!
 //! | field | value | meaning |
 //! |---|---|---|
 //! | `compute_s` | `θ_c·b + θ_0` | forward/backward and the fixed per-step cost |
 //! | `intra_sync_s` | `θ_intra·r(w)` | ring all-reduce over intra-node links (one server) |
-//! | `overhead_s_per_server` | `θ_α` | latency/overhead per server spanned beyond the first |
+//! | `overhead_s_per_server` | `θ_α` | latency/overhead of spanning servers, times `log₂ n` |
 //! | `sync_s` | `θ_inter·r(w)` | ring all-reduce over one uncontended NIC |
 //!
 //! so that at contention 1 and `f = 1` the step time equals the model's exactly. Contention
@@ -58,10 +58,12 @@
 //!   into the fraction of the link left for all-reduce; the sync term of a job is divided by
 //!   the factor of its worst server. The service takes both from the agents' telemetry
 //!   ([`host_nic`]: the fastest non-loopback NIC that reports a link speed, its busier
-//!   direction). The agents measure all traffic on the NIC, the Converge rings' own
-//!   included, so a host running a multi-server job is charged for it twice (once in
-//!   `contention`, once in the factor): a conservative bias toward hosts with quiet NICs.
-//!   The factor is meant for traffic Converge does not schedule (storage, other tenants).
+//!   direction; agents on virtual or shaped links report the real speed with
+//!   `--link-speed`). The agents measure all traffic on the NIC, the Converge rings' own
+//!   included, and those rings are already counted in `contention`: the service takes their
+//!   traffic off first ([`host_nic_background`], [`ring_nic_bytes_per_s`] of each running
+//!   multi-host ring job on the host), so the factor is left for traffic Converge does not
+//!   schedule (storage, other tenants, parameter-server jobs).
 //!
 //! # Accuracy on measured data
 //!
@@ -75,23 +77,43 @@
 //!
 //! | app | rows | all rows | 1–2 nodes (fitted) | 3–4 nodes (extrapolated) | 3–4 median signed | fitted on all rows |
 //! |---|---|---|---|---|---|---|
-//! | bert | 540 | 48.7 % / 60.6 % | 2.8 % / 14.6 % | 50.5 % / 61.6 % | +50.5 % | 5.1 % / 21.5 % |
+//! | bert | 540 | 48.7 % / 60.6 % | 2.8 % / 14.6 % | 50.5 % / 61.6 % | +50.5 % | 4.9 % / 24.2 % |
 //! | cifar10 | 1183 | 9.3 % / 34.8 % | 4.8 % / 15.4 % | 11.3 % / 35.6 % | +11.1 % | 3.8 % / 15.1 % |
-//! | deepspeech2 | 754 | 8.0 % / 27.6 % | 2.5 % / 12.0 % | 9.6 % / 28.8 % | +9.1 % | 3.4 % / 12.8 % |
-//! | imagenet | 864 | 16.2 % / 44.9 % | 3.2 % / 14.4 % | 20.2 % / 46.1 % | +20.2 % | 3.6 % / 15.6 % |
-//! | ncf | 1661 | 30.6 % / 50.3 % | 6.6 % / 18.0 % | 33.1 % / 51.6 % | +33.1 % | 7.1 % / 20.6 % |
-//! | yolov3 | 540 | 37.7 % / 54.3 % | 5.4 % / 17.9 % | 39.4 % / 55.7 % | +39.4 % | 5.4 % / 23.2 % |
+//! | deepspeech2 | 754 | 8.0 % / 27.6 % | 2.5 % / 12.0 % | 9.6 % / 28.8 % | +9.1 % | 3.5 % / 13.1 % |
+//! | imagenet | 864 | 16.2 % / 44.9 % | 3.2 % / 14.4 % | 20.2 % / 46.1 % | +20.2 % | 3.6 % / 16.2 % |
+//! | ncf | 1661 | 30.6 % / 50.3 % | 6.6 % / 18.0 % | 33.1 % / 51.6 % | +33.1 % | 7.2 % / 21.6 % |
+//! | yolov3 | 540 | 37.7 % / 54.3 % | 5.4 % / 17.9 % | 39.4 % / 55.7 % | +39.4 % | 5.7 % / 24.8 % |
 //!
 //! Within the fitted range the model is good (median 2.5–6.6 %), but extrapolating from two
-//! servers to three or four over-predicts, by a median of 9–50 %: in every application the
-//! measured step at a fixed worker count is *slowest on two nodes* and faster on three or four
-//! (bert at 8 samples per GPU: 4 GPUs take 2.10 s as `22`, 1.28 s as `112`, 1.31 s as
-//! `1111`). With only `n − 1 = 1` among the fitted multi-server rows, `θ_α` absorbs the
-//! two-node penalty and the linear overhead term then charges it again for every further
-//! server. Fitted on all rows (1–4 nodes), the same five terms give 3.4–7.1 % median, so the
-//! form is adequate once the job has been observed on more than two servers; before that,
-//! [`JobCost`] overstates the cost of spanning many servers, which biases
-//! [`crate::placement::place_bco`] toward fewer servers with more contention.
+//! servers to three or four over-predicts, by a median of 9–50 %. Why, measured on the same
+//! files: at an equal number of GPUs and per-GPU batch, the 3- and 4-node rows are *faster*
+//! than the 2-node ones (median step ratio 3-node/2-node: bert 0.61, yolov3 0.66, ncf 0.71,
+//! imagenet 0.81, deepspeech2 0.84, cifar10 0.87; 4-node alike), and their measured sync
+//! times are 29–56 % shorter (bert at 8 samples per GPU: 4 GPUs take 2.10 s as `22`, 1.28 s
+//! as `112`, 1.31 s as `1111`). A model fitted on one and two nodes learns the two-node
+//! step as the price of leaving a server and, being monotone in the servers spanned (as
+//! placement needs), can only charge at least that on three or four. The spanning term is
+//! not the cause: `θ_α` is close to 0 in these fits, and the table is the same with the
+//! earlier linear `θ_α·(n − 1)` as with `θ_α·log₂ n`. Fitted on all rows (1–4 nodes), the
+//! same five terms give 3.5–7.2 % median, so the form is adequate once the job has been
+//! observed on more than two servers; the two-node penalty itself is a property of the
+//! cluster those traces were measured on (it is absent on the shaped cluster below).
+//!
+//! # Accuracy on the shaped cluster
+//!
+//! `data/netns/ring-steps.csv` holds converge-trainer ring jobs measured on the shaped netns
+//! cluster (deploy/placement-bench.sh; 1 Gbit/s links; an MLP of 3.3 MB of parameters, 60 %
+//! of a cross-host step in sync): placements of 1–4 hosts for 2–4 ranks, alone and two
+//! identical jobs on the same hosts (contention 2). Fitted as the service fits a running job
+//! (step and sync times) on the uncontended rows of 1 and 2 hosts, [`JobCost`] predicts every
+//! row; the test `shaped_cluster_step_times` prints the rows and bounds the errors
+//! (docs/communication.md has the table). There, unlike Pollux's traces, a ring's step grows
+//! with the hosts it spans, but less than linearly (4 ranks: sync 42, 51, 53 ms on 2, 3, 4
+//! hosts): each of the `2(w−1)` exchanges waits for the slowest of the ring's parallel
+//! cross-host edges. Before the spanning term was `θ_α·log₂ n` and part of the sync rows,
+//! the sync rows pinned all of the sync on `θ_inter·r(w)`, which does not grow with the
+//! hosts, and 3–4-host steps came out 10–11 % too fast (too slow, +10 % at 4 hosts, with a
+//! linear term in the sync rows).
 //!
 //! The contention term itself (`c > 1`) is not in those traces (they measure one job alone);
 //! its linear form is the fair-share assumption above, not a measurement.
@@ -112,7 +134,8 @@ pub const MIN_NIC_FACTOR: f64 = 0.05;
 pub struct JobCost {
     /// Compute and fixed per-step cost, `θ_c·b + θ_0` (s).
     pub compute_s: f64,
-    /// Extra time per server spanned beyond the first, `θ_α` (s).
+    /// Extra time of spanning servers, `θ_α` (s), times `log₂` of the servers spanned (so
+    /// `θ_α` on two servers, twice that on four; see [`crate::throughput`]).
     pub overhead_s_per_server: f64,
     /// Ring all-reduce over one uncontended NIC, `θ_inter·2(w−1)/w` (s); multiplied by the
     /// contention and divided by the NIC factor.
@@ -182,7 +205,7 @@ impl JobCost {
                 nic_factor.clamp(MIN_NIC_FACTOR, 1.0)
             };
             compute
-                + sane(self.overhead_s_per_server) * f64::from(servers - 1)
+                + sane(self.overhead_s_per_server) * crate::throughput::spanning(servers)
                 + sane(self.sync_s) * f64::from(contention.max(1)) / factor
         };
         t.min(f64::MAX)
@@ -219,7 +242,40 @@ pub struct HostNic {
 /// The host's data NIC and its factor: among the NICs other than loopback (`lo`) that report
 /// a link speed, the fastest (ties: the busier); its measured load is the busier direction,
 /// `max(rx, tx)` bytes/s. Link speeds are bits/s on the wire ([`NicSample::link_speed_bps`]).
+/// All measured traffic counts as load; [`host_nic_background`] takes Converge's own off.
 pub fn host_nic(nics: &[NicSample]) -> HostNic {
+    host_nic_background(nics, 0.0)
+}
+
+/// Bytes per second, each way, that a ring all-reduce job of `workers` ranks moves through
+/// the NIC of every host it spans when it spans several: `2(w−1)/w · model_bytes` per step
+/// over `step_time_s`. A ring whose ranks are contiguous per host (as placements make them)
+/// has exactly one edge leaving and one entering each of its hosts, and each edge carries
+/// `2(w−1)/w` of the model per step (reduce-scatter, then all-gather, in `w` chunks), however
+/// many hosts it spans. 0 for fewer than two workers or inputs that are not finite and
+/// positive.
+pub fn ring_nic_bytes_per_s(workers: u32, model_bytes: f64, step_time_s: f64) -> f64 {
+    let rate = ring_factor(workers) * model_bytes / step_time_s;
+    if model_bytes > 0.0 && step_time_s > 0.0 && rate.is_finite() {
+        rate
+    } else {
+        0.0
+    }
+}
+
+/// [`host_nic`] with the traffic of Converge's own multi-host jobs on the host,
+/// `scheduled_bytes_per_s` (each way; e.g. the sum of their [`ring_nic_bytes_per_s`]), taken
+/// off the measured load first: those jobs are already counted as contention by
+/// [`crate::placement::place_bco`], and the factor is for the traffic Converge does not
+/// schedule (storage, other tenants). Without it a host whose NIC carries one saturating
+/// ring looks 20 times slower to the next job instead of twice. The load left is never
+/// below 0; a `scheduled_bytes_per_s` that is not a finite positive number counts as 0.
+pub fn host_nic_background(nics: &[NicSample], scheduled_bytes_per_s: f64) -> HostNic {
+    let scheduled = if scheduled_bytes_per_s.is_finite() && scheduled_bytes_per_s > 0.0 {
+        scheduled_bytes_per_s
+    } else {
+        0.0
+    };
     let busy = |n: &NicSample| n.rx_bytes_per_s.max(n.tx_bytes_per_s);
     let best = nics
         .iter()
@@ -229,9 +285,10 @@ pub fn host_nic(nics: &[NicSample]) -> HostNic {
     match best {
         Some((bps, nic)) => {
             let link = bps as f64 / 8.0;
+            let background = busy(nic) - scheduled;
             HostNic {
                 link_bytes_per_s: Some(link),
-                factor: nic_factor(Some(link), busy(nic)),
+                factor: nic_factor(Some(link), if background > 0.0 { background } else { 0.0 }),
             }
         }
         None => HostNic {
@@ -307,7 +364,7 @@ mod tests {
         assert_eq!(cost.step_time_s(1, 7), 1.05);
         assert_eq!(cost.step_time_s(0, 0), 1.05);
         assert!(rel(cost.step_time_s(2, 1), 1.0 + 0.1 + 0.4) < 1e-15);
-        assert!(rel(cost.step_time_s(4, 3), 1.0 + 0.3 + 1.2) < 1e-15);
+        assert!(rel(cost.step_time_s(4, 3), 1.0 + 0.2 + 1.2) < 1e-15);
         assert_eq!(cost.step_time_s(3, 0), cost.step_time_s(3, 1));
         assert!(rel(cost.step_time_with_nic_s(2, 2, 0.5), 1.0 + 0.1 + 1.6) < 1e-15);
         assert_eq!(
@@ -494,12 +551,130 @@ mod tests {
         }
     }
 
+    /// One configuration measured on the shaped cluster.
+    #[derive(Debug, Clone, Copy)]
+    struct Shaped {
+        workers: u32,
+        nodes: u32,
+        contention: u32,
+        local_batch: f64,
+        step_s: f64,
+        sync_s: f64,
+    }
+
+    /// `data/netns/ring-steps.csv` (tests/netns/ring_grid.py, docs/communication.md): ring
+    /// jobs of converge-trainer on the shaped netns cluster, one row per job and placement;
+    /// the placement is the ranks per host, one digit each.
+    fn shaped_rows() -> Vec<Shaped> {
+        let path =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/netns/ring-steps.csv");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let mut lines = text.lines();
+        assert_eq!(
+            lines.next().unwrap().trim(),
+            "placement,contention,local_bsz,step_time,sync_time"
+        );
+        lines
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| {
+                let f: Vec<&str> = l.trim().split(',').collect();
+                let digits: Vec<u32> = f[0].chars().map(|c| c.to_digit(10).unwrap()).collect();
+                Shaped {
+                    workers: digits.iter().sum(),
+                    nodes: digits.len() as u32,
+                    contention: f[1].parse().unwrap(),
+                    local_batch: f[2].parse().unwrap(),
+                    step_s: f[3].parse().unwrap(),
+                    sync_s: f[4].parse().unwrap(),
+                }
+            })
+            .collect()
+    }
+
+    /// Fitted on the uncontended rows of at most two hosts (with their sync times when
+    /// `sync`), the model's cost predicts every row; `(row, signed relative error)`.
+    fn shaped_errors(sync: bool) -> Vec<(Shaped, f64)> {
+        let rows = shaped_rows();
+        let obs: Vec<StepObservation> = rows
+            .iter()
+            .filter(|r| r.nodes <= 2 && r.contention == 1)
+            .map(|r| StepObservation {
+                workers: r.workers,
+                nodes: r.nodes,
+                local_batch: r.local_batch,
+                step_time_s: r.step_s,
+                sync_time_s: sync.then_some(r.sync_s),
+            })
+            .collect();
+        let model = ThroughputModel::fit(&obs, &ThroughputPrior::default());
+        rows.iter()
+            .map(|r| {
+                let cost = JobCost::from_model(&model, r.workers, r.local_batch);
+                let t = cost.step_time_s(r.nodes, r.contention);
+                (*r, (t - r.step_s) / r.step_s)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn shaped_cluster_step_times() {
+        for sync in [false, true] {
+            let errors = shaped_errors(sync);
+            println!("fitted on 1-2 hosts, contention 1, sync rows: {sync}");
+            for (r, e) in &errors {
+                println!(
+                    "  w={} n={} c={}  measured {:.1} ms  error {:+.1} %",
+                    r.workers,
+                    r.nodes,
+                    r.contention,
+                    1000.0 * r.step_s,
+                    100.0 * e
+                );
+            }
+            let abs: Vec<f64> = errors.iter().map(|x| x.1.abs()).collect();
+            let (median, p90) = (quantile(abs.clone(), 0.5), quantile(abs, 0.9));
+            println!("  median {:.1} %, p90 {:.1} %", 100.0 * median, 100.0 * p90);
+            // Bounds a little above what was measured (module docs, docs/communication.md).
+            assert!(median < 0.05, "median {median}");
+            assert!(p90 < 0.20, "p90 {p90}");
+            if sync {
+                // As the service fits (with sync times): every uncontended placement of 1–4
+                // hosts within 6 % (the linear spanning term left 3–4 hosts 10–11 % short).
+                for (r, e) in errors.iter().filter(|(r, _)| r.contention == 1) {
+                    assert!(e.abs() < 0.06, "{r:?}: {e}");
+                }
+                assert!(p90 < 0.13, "p90 {p90}");
+            }
+        }
+    }
+
     fn nic(name: &str, rx: f64, tx: f64, bps: Option<u64>) -> NicSample {
         NicSample {
             name: name.into(),
             rx_bytes_per_s: rx,
             tx_bytes_per_s: tx,
             link_speed_bps: bps,
+        }
+    }
+
+    #[test]
+    fn own_ring_traffic_is_not_background() {
+        // A 4-rank ring of 10 MB at 0.2 s per step: 1.5 · 10 MB / 0.2 s = 75 MB/s each way.
+        assert!(rel(ring_nic_bytes_per_s(4, 10e6, 0.2), 75e6) < 1e-12);
+        assert_eq!(ring_nic_bytes_per_s(1, 10e6, 0.2), 0.0);
+        assert_eq!(ring_nic_bytes_per_s(4, 10e6, 0.0), 0.0);
+        assert_eq!(ring_nic_bytes_per_s(4, f64::NAN, 0.2), 0.0);
+        assert_eq!(ring_nic_bytes_per_s(4, -1.0, 0.2), 0.0);
+        // 1 Gbit/s link = 125e6 bytes/s; 100e6 measured out, 75e6 of it a Converge ring.
+        let nics = [nic("eth0", 20e6, 100e6, Some(1_000_000_000))];
+        assert!(rel(host_nic(&nics).factor, 0.2) < 1e-12);
+        let h = host_nic_background(&nics, 75e6);
+        assert!(rel(h.factor, 1.0 - 25e6 / 125e6) < 1e-12, "{}", h.factor);
+        // More scheduled than measured (the rates are sampled at different times): idle.
+        assert_eq!(host_nic_background(&nics, 500e6).factor, 1.0);
+        // Unusable figures change nothing.
+        for bad in [f64::NAN, f64::INFINITY, -5.0] {
+            assert_eq!(host_nic_background(&nics, bad), host_nic(&nics));
         }
     }
 

@@ -2561,6 +2561,63 @@ mod tests {
     }
 
     #[test]
+    fn own_multi_host_rings_are_taken_off_the_measured_nic_load() {
+        let ring = |id: &str, hosts: &[&str], step_s: f64| {
+            let job = JobId::new(id).unwrap();
+            let mut s = new_status(&job, 0.0, 0.0);
+            s.phase = JobPhase::Running;
+            s.placement = hosts
+                .iter()
+                .enumerate()
+                .map(|(rank, h)| RankPlacement {
+                    rank: rank as u32,
+                    host: HostId::new(*h).unwrap(),
+                    gpus: vec![rank as u32],
+                })
+                .collect();
+            s.world_size = hosts.len() as u32;
+            s.step_time_s = Some(step_s);
+            (job, s)
+        };
+        let statuses: BTreeMap<JobId, JobStatus> = [
+            // 4 ranks on h1 and h2, 10 MB every 0.2 s: 1.5 · 10 MB / 0.2 s = 75 MB/s each.
+            ring("a", &["h1", "h1", "h2", "h2"], 0.2),
+            // 2 ranks on h2 and h3, 10 MB every 0.1 s: 100 MB/s.
+            ring("b", &["h2", "h3"], 0.1),
+            // One host: no NIC traffic.
+            ring("c", &["h4", "h4"], 0.1),
+            // No model size reported yet: not counted.
+            ring("d", &["h4", "h5"], 0.1),
+        ]
+        .into_iter()
+        .collect();
+        let specs: BTreeMap<JobId, JobSpec> = ["a", "b", "c", "d"]
+            .iter()
+            .map(|id| (JobId::new(*id).unwrap(), job(id, 1, 4, 0.0)))
+            .collect();
+        let mut histories: BTreeMap<JobId, JobHistory> = BTreeMap::new();
+        for id in ["a", "b", "c"] {
+            let mut r = progress(id, 1, 0, "h1", 10, 100, 1.0, 1.0);
+            r.model_bytes = Some(10_000_000);
+            histories
+                .entry(JobId::new(id).unwrap())
+                .or_default()
+                .add(&r);
+        }
+        let traffic = ring_nic_traffic(&statuses, &specs, &histories);
+        let at = |h: &str| traffic.get(&HostId::new(h).unwrap()).copied();
+        assert!((at("h1").unwrap() - 75e6).abs() < 1.0, "{traffic:?}");
+        assert!((at("h2").unwrap() - 175e6).abs() < 1.0, "{traffic:?}");
+        assert!((at("h3").unwrap() - 100e6).abs() < 1.0, "{traffic:?}");
+        assert_eq!((at("h4"), at("h5")), (None, None));
+        // A parameter-server job's traffic stays in the measured load.
+        let mut ps = specs.clone();
+        ps.get_mut(&JobId::new("b").unwrap()).unwrap().arch = SyncArch::Ps;
+        let traffic = ring_nic_traffic(&statuses, &ps, &histories);
+        assert_eq!(traffic.get(&HostId::new("h3").unwrap()), None);
+    }
+
+    #[test]
     fn contention_is_measured_on_multi_host_jobs_that_share_a_host() {
         let running = |id: &str, hosts: &[&str], observed: f64, predicted: f64| {
             let job = JobId::new(id).unwrap();
