@@ -1084,3 +1084,196 @@ async fn a_secured_cluster_recovers_from_a_server_restart() {
     agent.stop().await;
     allocator.stop().await;
 }
+
+/// A queue status as the allocator writes it (KV `converge-queue-status`).
+fn queue_status(queue: &str, in_use: u32) -> converge_common::QueueStatus {
+    converge_common::QueueStatus {
+        protocol: PROTOCOL_VERSION,
+        queue: queue.parse().unwrap(),
+        gpus_in_use: in_use,
+        borrowed_gpus: 0,
+        lent_gpus: 0,
+        fair_share_gpus: f64::from(in_use),
+        usage_gpu_seconds: 0.0,
+        half_life_s: 3600.0,
+        running_jobs: 0,
+        pending_jobs: 0,
+        updated_at: 1.0,
+    }
+}
+
+/// The queue buckets: the allocator creates them and alone writes queue statuses; the CLI
+/// creates, changes, lists and deletes queues (`converge queue`) and reads statuses but
+/// cannot write one; an agent has no right on either bucket (opening, reading or writing a
+/// queue is a permissions violation); a rollup on the queues bucket is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queues_are_written_by_the_cli_and_queue_statuses_by_the_allocator_only() {
+    init_tracing();
+    let s = SecuredNats::start(&["n1"]);
+    let alloc = s
+        .bus_as("allocator", Setup::CreateOrUpdate)
+        .await
+        .expect("the allocator creates every bucket");
+    let alloc_q = alloc
+        .open_queues(Setup::CreateOrUpdate)
+        .await
+        .expect("the allocator opens the queue buckets");
+
+    // The CLI manages queues through the binary.
+    let ok = |out: std::process::Output| {
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    ok(converge_as(
+        &s,
+        "cli",
+        &["queue", "create", "team-a", "--quota", "2"],
+    ));
+    ok(converge_as(
+        &s,
+        "cli",
+        &["queue", "create", "team-b", "--quota", "1"],
+    ));
+    ok(converge_as(
+        &s,
+        "cli",
+        &["queue", "set", "team-a", "--weight", "2"],
+    ));
+    let (spec, _) = alloc
+        .get::<converge_common::QueueSpec>(&alloc_q.queues, "team-a")
+        .await
+        .unwrap()
+        .expect("the allocator reads the queue");
+    assert_eq!((spec.quota_gpus, spec.weight), (2, 2.0));
+
+    // Only the allocator writes statuses; the CLI reads them.
+    alloc
+        .put(&alloc_q.status, "team-a", &queue_status("team-a", 2))
+        .await
+        .expect("the allocator writes a queue status");
+    let list = ok(converge_as(&s, "cli", &["--json", "queue", "list"]));
+    let rows: serde_json::Value = serde_json::from_str(&list).unwrap();
+    let a = rows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == "team-a")
+        .expect("team-a listed");
+    assert_eq!(a["status"]["gpus_in_use"], 2, "{list}");
+
+    let cli = s.bus_as("cli", Setup::OpenOrCreate).await.unwrap();
+    let cli_q = cli
+        .open_queues(Setup::OpenOrCreate)
+        .await
+        .expect("cli opens");
+    refused(
+        "cli writes a queue status",
+        "$KV.converge-queue-status.team-a",
+        cli.put(&cli_q.status, "team-a", &queue_status("team-a", 99)),
+    )
+    .await;
+    let (st, _) = cli
+        .get::<converge_common::QueueStatus>(&cli_q.status, "team-a")
+        .await
+        .unwrap()
+        .expect("status readable");
+    assert_eq!(st.gpus_in_use, 2, "the forged status was not stored");
+
+    // An agent can neither open, read nor write a queue or a queue status.
+    let agent = s.bus_as("agent-n1", Setup::OpenOrCreate).await.unwrap();
+    let started = Instant::now();
+    let e = agent
+        .open_queues(Setup::OpenOrCreate)
+        .await
+        .expect_err("an agent may not open the queue buckets");
+    assert!(e.is_denied(), "{e}");
+    assert!(started.elapsed() < REFUSAL_WITHIN, "{e}");
+    let forged = converge_common::QueueSpec {
+        name: "team-a".parse().unwrap(),
+        quota_gpus: 1000,
+        ..converge_common::QueueSpec::implicit_default()
+    };
+    for (what, subject) in [
+        ("agent writes a queue", "$KV.converge-queues.team-a"),
+        ("agent creates a queue", "$KV.converge-queues.team-n1"),
+    ] {
+        refused(
+            what,
+            subject,
+            agent.publish_acked(subject.to_string(), &forged),
+        )
+        .await;
+    }
+    refused(
+        "agent writes a queue status",
+        "$KV.converge-queue-status.team-a",
+        agent.publish_acked(
+            "$KV.converge-queue-status.team-a".to_string(),
+            &queue_status("team-a", 0),
+        ),
+    )
+    .await;
+    let direct_get = "$JS.API.DIRECT.GET.KV_converge-queues.$KV.converge-queues.team-a";
+    refused(
+        "agent reads a queue",
+        direct_get,
+        agent.refusable(|| "a read".into(), direct_get, async {
+            agent
+                .client
+                .request(direct_get, bytes::Bytes::new())
+                .await
+                .map_err(|e| BusError::Config(e.to_string()))
+        }),
+    )
+    .await;
+    let (spec, _) = alloc
+        .get::<converge_common::QueueSpec>(&alloc_q.queues, "team-a")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(spec.quota_gpus, 2, "the forged queue was not stored");
+    assert!(
+        alloc
+            .get::<converge_common::QueueSpec>(&alloc_q.queues, "team-n1")
+            .await
+            .unwrap()
+            .is_none()
+    );
+
+    // The CLI's rollup on a queue it may write does not purge the others.
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Rollup", "all");
+    let ack = cli
+        .js
+        .publish_with_headers(
+            "$KV.converge-queues.team-a",
+            headers,
+            converge_common::messages::encode(&spec).into(),
+        )
+        .await
+        .expect("published")
+        .await;
+    let e = ack.expect_err("a rollup was accepted");
+    assert!(e.to_string().contains("rollup"), "{e}");
+    assert!(
+        cli.get::<converge_common::QueueSpec>(&cli_q.queues, "team-b")
+            .await
+            .unwrap()
+            .is_some(),
+        "team-b survives"
+    );
+
+    // And deletes through the CLI.
+    ok(converge_as(&s, "cli", &["queue", "delete", "team-b"]));
+    assert!(
+        alloc
+            .get::<converge_common::QueueSpec>(&alloc_q.queues, "team-b")
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
