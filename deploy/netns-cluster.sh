@@ -264,6 +264,7 @@ fi
 pids=()
 agent_pids=()
 submitter=""
+sleeper=""
 created=()
 
 cleanup() {
@@ -272,6 +273,7 @@ cleanup() {
     echo
     echo "==> stopping"
     [[ -n "$submitter" ]] && kill "$submitter" 2>/dev/null || true
+    [[ -n "$sleeper" ]] && kill "$sleeper" 2>/dev/null || true
     # Agents first: they stop their workers (SIGTERM, checkpoint, exit).
     for pid in "${agent_pids[@]:-}"; do [[ -n "$pid" ]] && kill -TERM "$pid" 2>/dev/null || true; done
     for pid in "${agent_pids[@]:-}"; do [[ -n "$pid" ]] && wait "$pid" 2>/dev/null || true; done
@@ -392,10 +394,16 @@ fi
 
 if [[ "$up" == 1 ]]; then
     if [[ "$duration" -gt 0 ]]; then
-        sleep "$duration" & wait $! || true
+        sleep "$duration" &
+        sleeper=$!
+        wait "$sleeper" || true
     else
         # Until a signal: `wait` returns to run the trap.
-        while true; do sleep 3600 & wait $! || true; done
+        while true; do
+            sleep 3600 &
+            sleeper=$!
+            wait "$sleeper" || true
+        done
     fi
     exit 0
 fi

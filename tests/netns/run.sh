@@ -65,6 +65,7 @@ skip() {
     exit 0
 }
 [[ $EUID == 0 ]] || skip "needs root (network namespaces, tc)"
+command -v ip >/dev/null && command -v tc >/dev/null || skip "needs iproute2 (ip, tc)"
 bin=${bin:-$root/target/$profile}
 for b in converge converge-agent converge-allocator converge-trainer; do
     [[ -x "$bin/$b" ]] || fail "no $bin/$b (cargo build first)"
