@@ -3,21 +3,25 @@
 //! scheduling interval, then let the policy decide from what it could have observed, then
 //! apply the changes, each costing the restart delay).
 //!
-//! Every decision is the service's own: [`converge_sched::decide::decide`], with the job
+//! Every decision is the service's own: [`converge_sched::decide::decide_queued`] (exactly
+//! [`converge_sched::decide::decide`] when every job is in the default queue), with the job
 //! views built from what the allocator service would observe (progress in samples through
 //! a [`JobHistory`], so curves are fitted by the same [`FitCache`]; a noisy loss-like signal
 //! from the measured validation curves; observed step times; attained service; the
 //! contention measured on multi-node jobs). What a policy gets beyond that is what it
 //! declares ([`converge_sched::policies::PolicyInputs`]); `optimus` declares the oracle
 //! (the Pollux simulator's "Optimus+Oracle") and gets the true remaining work and throughput.
-//! No scheduling logic lives here.
+//! The queues' statuses (decayed usage) go from one decision to the next as the allocator
+//! passes them through KV. No scheduling logic lives here.
 
 use crate::apps::{Application, SimJob};
 use crate::workload::WorkloadJob;
-use converge_common::{HostId, JobId, ProgressReport, RankPlacement};
+use converge_common::{
+    HostId, JobId, PriorityClass, ProgressReport, QueueId, QueueSpec, QueueStatus, RankPlacement,
+};
 use converge_sched::contention::ContentionSamples;
 use converge_sched::decide::{
-    AdaptiveBatch, Allocation, BatchSize, ClusterState, JobView, Oracle, decide,
+    AdaptiveBatch, Allocation, BatchSize, ClusterState, JobView, Oracle, QueueSetup, decide_queued,
 };
 use converge_sched::fit::FitConfig;
 use converge_sched::fit_cache::{FitCache, ModelScope};
@@ -25,6 +29,7 @@ use converge_sched::goodput::{BatchLimits, GradientStats};
 use converge_sched::history::JobHistory;
 use converge_sched::placement::{HostFree, PlacementKind};
 use converge_sched::policies::Policy;
+use converge_sched::queues::{DEFAULT_USAGE_HALF_LIFE_S, default_queue};
 use converge_sched::throughput::{StepObservation, ThroughputPrior};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -60,6 +65,11 @@ pub struct SimConfig {
     /// Ablation: every job keeps its submitted batch size, even under a policy that adapts
     /// batch sizes (goodput).
     pub fixed_batch: bool,
+    /// The queues jobs are scheduled in ([`WorkloadJob::queue`]); empty: every job in the
+    /// implicit default queue, which decides exactly as without queues.
+    pub queues: BTreeMap<QueueId, QueueSpec>,
+    /// Half-life of the queues' decayed usage, seconds (the allocator's `--usage-half-life`).
+    pub usage_half_life_s: f64,
 }
 
 impl Default for SimConfig {
@@ -77,6 +87,8 @@ impl Default for SimConfig {
             record_decisions: false,
             ignore_contention: false,
             fixed_batch: false,
+            queues: BTreeMap::new(),
+            usage_half_life_s: DEFAULT_USAGE_HALF_LIFE_S,
         }
     }
 }
@@ -94,6 +106,8 @@ pub enum SimError {
     BadName(String),
     #[error("the cluster has no GPUs")]
     NoGpus,
+    #[error("queue name {0:?} is not a valid queue name")]
+    BadQueue(String),
 }
 
 /// Per-job outcome.
@@ -112,6 +126,14 @@ pub struct JobOutcome {
     /// Seconds from submission until the job's normalized loss first fell to 10 % / 5 %.
     pub time_to_90: Option<f64>,
     pub time_to_95: Option<f64>,
+    /// Its queue and priority class.
+    pub queue: QueueId,
+    pub priority: PriorityClass,
+    /// The first decision that placed it (it makes progress a restart delay later).
+    pub first_placed_at: Option<f64>,
+    /// Times the queues preempted it whole (to serve a higher class of its queue, or to
+    /// hand borrowed GPUs back).
+    pub preemptions: u32,
 }
 
 /// One scheduling interval.
@@ -127,6 +149,9 @@ pub struct IntervalRecord {
     /// Wall time of the policy and the placement for this interval, seconds.
     pub decision_s: f64,
     pub active_jobs: usize,
+    /// Each queue's status after the interval's decision (GPUs held, borrowed, lent, fair
+    /// share, decayed usage, running and pending jobs); empty after the last interval.
+    pub queues: BTreeMap<QueueId, QueueStatus>,
 }
 
 /// One decision as the simulator asked for it: the inputs of [`decide`] and what it returned.
@@ -154,6 +179,19 @@ pub struct SimResult {
     pub policy_violations: u32,
     /// Every decision, when [`SimConfig::record_decisions`] is set.
     pub decisions: Vec<RecordedDecision>,
+    /// Every whole-job preemption by the queues, in time order.
+    pub preemptions: Vec<Preemption>,
+}
+
+/// A job the queues preempted whole ([`converge_sched::decide::QueuedAllocation::preempted`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Preemption {
+    /// The decision's time, seconds.
+    pub time: f64,
+    pub job: JobId,
+    /// Its workers, all stopped.
+    pub workers: u32,
+    pub reason: String,
 }
 
 struct Tracked {
@@ -179,6 +217,12 @@ struct Tracked {
     gradient: Option<GradientStats>,
     /// See [`JobOutcome::low_gain_restarts`].
     low_gain_restarts: u32,
+    queue: QueueId,
+    priority: PriorityClass,
+    /// When its current run was placed.
+    started_at: Option<f64>,
+    first_placed_at: Option<f64>,
+    preemptions: u32,
 }
 
 fn host_name(node: u32) -> HostId {
@@ -272,6 +316,14 @@ pub fn simulate(
             limits,
             gradient: None,
             low_gain_restarts: 0,
+            queue: match &w.queue {
+                Some(q) => q.parse().map_err(|_| SimError::BadQueue(q.clone()))?,
+                None => default_queue(),
+            },
+            priority: w.priority,
+            started_at: None,
+            first_placed_at: None,
+            preemptions: 0,
         });
     }
     let hosts: Vec<HostFree> = (0..cfg.nodes)
@@ -289,6 +341,10 @@ pub fn simulate(
     let mut contention_seen = ContentionSamples::default();
     let mut now = 0.0;
     let mut policy_violations = 0;
+    // The queues' statuses, passed from one decision to the next as the allocator passes
+    // them through KV `converge-queue-status`.
+    let mut queue_statuses: BTreeMap<QueueId, QueueStatus> = BTreeMap::new();
+    let mut preemptions = Vec::new();
 
     loop {
         // 1. Advance every placed job by one interval (Pollux's interference rule: a
@@ -385,6 +441,7 @@ pub fn simulate(
                 avg_normalized_loss: None,
                 decision_s: 0.0,
                 active_jobs: 0,
+                queues: BTreeMap::new(),
             });
             break;
         }
@@ -449,9 +506,9 @@ pub fn simulate(
                     remaining_work: t.job.remaining_progress(app),
                 }),
                 hosts: None,
-                queue: converge_sched::queues::default_queue(),
-                priority: converge_common::PriorityClass::Normal,
-                started_at: None,
+                queue: t.queue.clone(),
+                priority: t.priority,
+                started_at: t.started_at.filter(|_| !t.placement.is_empty()),
             });
         }
         let cluster = ClusterState {
@@ -463,8 +520,31 @@ pub fn simulate(
                 contention_seen.per_shared_job()
             },
         };
-        let allocation = decide(&cluster, &views, policy, cfg.placement);
+        let queued = decide_queued(
+            &cluster,
+            &views,
+            policy,
+            cfg.placement,
+            &QueueSetup {
+                specs: &cfg.queues,
+                previous: &queue_statuses,
+                half_life_s: cfg.usage_half_life_s,
+            },
+        );
         let decision_s = started.elapsed().as_secs_f64();
+        queue_statuses = queued.statuses;
+        for (id, why) in &queued.preempted {
+            if let Some(t) = jobs.iter_mut().find(|t| &t.id == id) {
+                t.preemptions += 1;
+                preemptions.push(Preemption {
+                    time: now,
+                    job: id.clone(),
+                    workers: t.placement.len() as u32,
+                    reason: why.clone(),
+                });
+            }
+        }
+        let allocation = queued.allocation;
         if allocation.violates(&hosts) {
             policy_violations += 1;
         }
@@ -509,6 +589,10 @@ pub fn simulate(
                 }
                 t.job
                     .reallocate(app, per_node(&new, cfg.nodes), cfg.restart_delay_s, batch);
+                t.started_at = (!new.is_empty()).then_some(now);
+                if !new.is_empty() {
+                    t.first_placed_at.get_or_insert(now);
+                }
                 t.placement = new;
             } else if batch.is_some() && batch != Some((t.job.atomic_bsz(), t.job.accum_steps())) {
                 t.job.set_batch(app, batch);
@@ -521,6 +605,7 @@ pub fn simulate(
                 .then(|| norm_losses.iter().sum::<f64>() / norm_losses.len() as f64),
             decision_s,
             active_jobs: active.len(),
+            queues: queue_statuses.clone(),
         });
     }
 
@@ -538,6 +623,10 @@ pub fn simulate(
                 low_gain_restarts: t.low_gain_restarts,
                 time_to_90: t.time_to_90,
                 time_to_95: t.time_to_95,
+                queue: t.queue,
+                priority: t.priority,
+                first_placed_at: t.first_placed_at,
+                preemptions: t.preemptions,
             })
             .collect(),
         intervals,
@@ -545,6 +634,7 @@ pub fn simulate(
         wall_s: wall.elapsed().as_secs_f64(),
         policy_violations,
         decisions,
+        preemptions,
     })
 }
 
@@ -598,6 +688,7 @@ mod tests {
     use super::*;
     use crate::apps::load_all;
     use crate::workload::read_workload;
+    use converge_sched::decide::decide;
     use converge_sched::policies::PolicyParams;
     use converge_sched::policies::{POLICY_NAMES, by_name};
     use std::collections::BTreeSet;
@@ -715,7 +806,7 @@ mod tests {
             policy.as_ref(),
             &SimConfig {
                 interference: 0.0,
-                ..cfg
+                ..cfg.clone()
             },
         )
         .unwrap();
@@ -760,6 +851,8 @@ mod tests {
             application: "cifar10".into(),
             num_replicas: 2,
             batch_size: 256,
+            queue: None,
+            priority: PriorityClass::Normal,
         };
         let cfg = SimConfig::default();
         let result = run("fifo", std::slice::from_ref(&job), &cfg);
@@ -878,6 +971,8 @@ mod tests {
                 application: "cifar10".into(),
                 num_replicas: 6,
                 batch_size: 2048,
+                queue: None,
+                priority: PriorityClass::Normal,
             })
             .collect();
         let base = SimConfig {

@@ -15,6 +15,7 @@ pub mod markdown;
 pub mod predict;
 pub mod predict_bench;
 pub mod ps_bench;
+pub mod queues_bench;
 pub mod report;
 pub mod summary;
 pub mod workload;

@@ -11,6 +11,7 @@ use converge_sim::explore_report::{
 use converge_sim::makespan_bench::{MakespanBenchArgs, run_makespan_bench};
 use converge_sim::predict_bench::{PredictBenchArgs, run_predict_bench};
 use converge_sim::ps_bench::{PsBenchArgs, run_ps_bench};
+use converge_sim::queues_bench::{QueuesArgs, run_queues};
 use converge_sim::report::{ReportArgs, run_report};
 
 /// Converge simulator: replays workloads through the allocator's own decision
@@ -41,6 +42,11 @@ enum Command {
     /// and the scale benchmark (one decision for 10,000 jobs, as bench-decision), run on one
     /// thread before the simulations.
     Report(ReportArgs),
+    /// A workload split among teams' queues (quotas, borrowing limits, weights; one team may
+    /// flood the cluster, one high-priority job may arrive on a full cluster): writes
+    /// OUT/queues.md (each team's share over time against its quota, lending, the
+    /// high-priority job's start and the jobs it preempted) and OUT/queue-shares.svg.
+    Queues(QueuesArgs),
     /// Sample an exploratory workload: sweeps of short trials (one per recorded run of a
     /// model × dataset pair in data/curves/sweep) arriving as a Poisson process, sized by
     /// Philly trace jobs scaled from hours to minutes.
@@ -79,6 +85,7 @@ fn main() -> std::process::ExitCode {
         Command::Simulate(args) => run_simulate(&args),
         Command::Workload(args) => run_workload(&args),
         Command::Report(args) => run_report(&args),
+        Command::Queues(args) => run_queues(&args),
         Command::PredictBench(args) => run_predict_bench(&args),
         Command::ExploreWorkload(args) => run_explore_workload(&args),
         Command::Explore(args) => run_explore(&args),

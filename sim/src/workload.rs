@@ -29,6 +29,11 @@ pub struct WorkloadJob {
     pub num_replicas: u32,
     /// Total batch size across replicas.
     pub batch_size: u32,
+    /// The job's queue (team); `None`: the default queue. Read from an optional `queue`
+    /// column, or set by [`assign_queues`].
+    pub queue: Option<String>,
+    /// Its priority class (default `normal`).
+    pub priority: converge_common::PriorityClass,
 }
 
 /// Why a workload or trace could not be read.
@@ -74,7 +79,8 @@ pub fn read_workload(path: &Path) -> Result<Vec<WorkloadJob>, WorkloadError> {
 pub fn parse_workload(text: &str, path: &Path) -> Result<Vec<WorkloadJob>, WorkloadError> {
     let mut lines = text.lines().enumerate();
     let header = lines.next().map(|(_, l)| l.trim()).unwrap_or_default();
-    if header != "name,time,application,num_replicas,batch_size" {
+    let with_queue = header == "name,time,application,num_replicas,batch_size,queue";
+    if header != "name,time,application,num_replicas,batch_size" && !with_queue {
         return Err(parse_err(
             path,
             1,
@@ -90,11 +96,12 @@ pub fn parse_workload(text: &str, path: &Path) -> Result<Vec<WorkloadJob>, Workl
             continue;
         }
         let f: Vec<&str> = line.split(',').collect();
-        if f.len() != 5 {
+        let fields = if with_queue { 6 } else { 5 };
+        if f.len() != fields {
             return Err(parse_err(
                 path,
                 i + 1,
-                format!("expected 5 fields, found {}", f.len()),
+                format!("expected {fields} fields, found {}", f.len()),
             ));
         }
         let num = |s: &str, what: &str| -> Result<f64, WorkloadError> {
@@ -116,7 +123,21 @@ pub fn parse_workload(text: &str, path: &Path) -> Result<Vec<WorkloadJob>, Workl
             application: f[2].trim().to_string(),
             num_replicas: num(f[3], "num_replicas")? as u32,
             batch_size: num(f[4], "batch_size")? as u32,
+            queue: f
+                .get(5)
+                .map(|q| q.trim().to_string())
+                .filter(|q| !q.is_empty()),
+            priority: converge_common::PriorityClass::Normal,
         };
+        if let Some(q) = &job.queue
+            && q.parse::<converge_common::QueueId>().is_err()
+        {
+            return Err(parse_err(
+                path,
+                i + 1,
+                format!("queue {q:?} is not a valid queue name"),
+            ));
+        }
         if converge_common::ids::validate_id(&job.name).is_err() {
             return Err(parse_err(
                 path,
@@ -137,17 +158,61 @@ pub fn parse_workload(text: &str, path: &Path) -> Result<Vec<WorkloadJob>, Workl
     Ok(jobs)
 }
 
-/// Writes a workload in the Pollux format.
+/// Writes a workload in the Pollux format, with a sixth column `queue` when a job has one.
 pub fn to_csv(jobs: &[WorkloadJob]) -> String {
-    let mut out = String::from("name,time,application,num_replicas,batch_size\n");
+    let queues = jobs.iter().any(|j| j.queue.is_some());
+    let mut out = String::from("name,time,application,num_replicas,batch_size");
+    out.push_str(if queues { ",queue\n" } else { "\n" });
     for j in jobs {
-        let _ = writeln!(
+        let _ = write!(
             out,
             "{},{},{},{},{}",
             j.name, j.time as u64, j.application, j.num_replicas, j.batch_size
         );
+        if queues {
+            let _ = write!(out, ",{}", j.queue.as_deref().unwrap_or_default());
+        }
+        out.push('\n');
     }
     out
+}
+
+/// The queue of a Philly job: its virtual cluster, `vc-<hashed id>` (the trace has 15).
+pub fn team_of_cluster(cluster: &str) -> Option<String> {
+    let id: String = cluster
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .take(16)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    (!id.is_empty()).then(|| format!("vc-{id}"))
+}
+
+/// How the simulator puts a workload's jobs into queues.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Teams {
+    /// As the workload file says (its `queue` column; none: the default queue).
+    AsWritten,
+    /// `n` teams `team-1` … `team-n` by a seeded hash of the job name (FNV-1a of the seed
+    /// and the name, modulo `n`): deterministic, independent of the job's size and time, for
+    /// workloads without a user field (the Pollux workloads).
+    Hash { teams: u32, seed: u64 },
+}
+
+/// Puts every job of `jobs` in a queue as `teams` says.
+pub fn assign_queues(jobs: &mut [WorkloadJob], teams: &Teams) {
+    let Teams::Hash { teams, seed } = *teams else {
+        return;
+    };
+    let n = teams.max(1);
+    for job in jobs {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in seed.to_le_bytes().iter().chain(job.name.as_bytes()) {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        job.queue = Some(format!("team-{}", h % u64::from(n) + 1));
+    }
 }
 
 /// One usable row of the Philly trace.
@@ -158,6 +223,8 @@ pub struct PhillyJob {
     pub duration_s: f64,
     pub num_gpus: u32,
     pub gpu_time_s: f64,
+    /// Its virtual cluster (the trace's hashed `cluster` field): the team it belongs to.
+    pub cluster: String,
 }
 
 /// Reads `philly.csv` (`timestamp,duration,num_gpus,gpu_time,cluster`), keeping jobs of at
@@ -199,6 +266,7 @@ pub fn read_philly(path: &Path) -> Result<Vec<PhillyJob>, WorkloadError> {
                 duration_s,
                 num_gpus: num_gpus as u32,
                 gpu_time_s,
+                cluster: f.get(4).map_or("", |c| c.trim()).to_string(),
             });
         }
     }
@@ -300,6 +368,8 @@ pub fn generate(
             application: app.to_string(),
             num_replicas: config.0,
             batch_size: config.1,
+            queue: team_of_cluster(&trace_job.cluster),
+            priority: converge_common::PriorityClass::Normal,
         });
     }
     jobs.sort_by(|a, b| {
