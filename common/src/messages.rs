@@ -252,9 +252,9 @@ pub struct WorkerProgressLine {
     /// contention shows here instead. Finite and >= 0 when present.
     #[serde(default)]
     pub sync_rounds_per_s: Option<f64>,
-    /// ShadowSync workers: mean relative distance `||local - synchronized|| /
-    /// ||synchronized||` between the worker's model and the synchronized one over those
-    /// rounds. Finite and >= 0 when present.
+    /// ShadowSync workers: mean relative distance `||local - synchronized|| / max(||local||,
+    /// ||synchronized||)` between the worker's model and the synchronized one over those
+    /// rounds (0 to 2). Finite and >= 0 when present.
     #[serde(default)]
     pub model_gap: Option<f64>,
 }

@@ -173,13 +173,17 @@ pub struct Args {
     #[arg(long, value_enum, value_name = "ALGORITHM")]
     pub shadow: Option<ShadowAlgo>,
 
-    /// S-BMUF block momentum η, in [0, 1) [default: 1 - 1/workers].
+    /// S-BMUF block momentum η, in [0, 1) [default: min(1 - 1/workers, 0.5); fairseq and
+    /// CNTK use 1 - 1/workers for blocks of many local steps].
     #[arg(long, value_name = "ETA")]
     pub block_momentum: Option<f64>,
 
-    /// S-BMUF block learning rate ζ (> 0).
-    #[arg(long, default_value_t = 1.0, value_name = "ZETA")]
-    pub block_lr: f64,
+    /// S-BMUF block learning rate ζ (> 0) [default: 1 - η, so that the block step's gain
+    /// ζ / (1 - η) is 1; fairseq's and CNTK's ζ = 1 amplifies the step 1/(1 - η)-fold, which
+    /// diverged in the measurements of docs/communication.md with a round every few local
+    /// steps].
+    #[arg(long, value_name = "ZETA")]
+    pub block_lr: Option<f64>,
 
     /// S-BMUF: workers restart each block from x + η v (Nesterov block momentum).
     #[arg(long)]
@@ -252,11 +256,12 @@ impl Args {
         if let Some(alpha) = self.elastic_alpha {
             shadow::check_alpha(alpha)?;
         }
-        ensure!(
-            self.block_lr.is_finite() && self.block_lr > 0.0,
-            "--block-lr must be a positive number, not {}",
-            self.block_lr
-        );
+        if let Some(zeta) = self.block_lr {
+            ensure!(
+                zeta.is_finite() && zeta > 0.0,
+                "--block-lr must be a positive number, not {zeta}"
+            );
+        }
         ensure!(
             (1..=64).contains(&self.hogwild_threads),
             "--hogwild-threads must be in 1..=64, not {}",
@@ -264,7 +269,7 @@ impl Args {
         );
         let algo = self.shadow;
         let bmuf_only =
-            self.block_momentum.is_some() || self.block_lr != 1.0 || self.block_nesterov;
+            self.block_momentum.is_some() || self.block_lr.is_some() || self.block_nesterov;
         ensure!(
             !bmuf_only || algo == Some(ShadowAlgo::Bmuf),
             "--block-momentum, --block-lr and --block-nesterov apply to --shadow bmuf only"

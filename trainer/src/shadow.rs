@@ -19,9 +19,12 @@
 //!   averaged model. With `x_prev` the global model after the previous round,
 //!   `Δ = mean(s_i) - x_prev`, `v = η v + ζ Δ`, `x_prev += v`, and `x* = x_prev` (or
 //!   `x_prev + η v` with `--block-nesterov`). Block momentum `η` (`--block-momentum`, in
-//!   [0, 1), default `1 - 1/W` as in fairseq's `bmuf.py` and CNTK's `BlockMomentumSGD`) and
-//!   block learning rate `ζ` (`--block-lr`, default 1). Every worker computes the same
-//!   `x_prev` and `v` from the bit-identical average.
+//!   [0, 1), default `min(1 - 1/W, 0.5)`) and block learning rate `ζ` (`--block-lr`, default
+//!   `1 - η`: a long-run block gain `ζ / (1 - η)` of 1). fairseq's `bmuf.py` and CNTK's
+//!   `BlockMomentumSGD` default to `η = 1 - 1/W` and `ζ = 1`, meant for blocks of many local
+//!   steps; with background rounds every few steps that diverged, and `η = 0.75` with gain 1
+//!   lagged (docs/communication.md has the figures). Every worker computes the same `x_prev`
+//!   and `v` from the bit-identical average.
 //! - **S-EASGD** (`easgd`): elastic averaging (Zhang, Choromanska and LeCun, NIPS 2015)
 //!   against a central copy held by the parameter-server shards (`CONVERGE_NUM_PS = p >= 1`,
 //!   the rank layout of [`crate::ps`]). Each round the worker sends each shard its slice of
@@ -37,10 +40,13 @@
 //! global positions `start + (k W T + s) b .. + b` of the data order. A progress line's `step`
 //! counts rank 0's local steps divided by T (so the step time the allocator derives is one
 //! local step, synchronization excluded); `samples` is rank 0's own samples plus the other
-//! workers' as of the last round. Rank 0 adds `sync_s: 0` (the training loop never waits for
+//! workers' as of the last round plus their estimated samples since (at rank 0's pace);
+//! `eval_loss` is the held-out loss of rank 0's model (the final line: the consensus
+//! model's, at the exact sample count of the final round). Rank 0 adds `sync_s: 0` (the training loop never waits for
 //! a peer), `sync_rounds_per_s` (completed rounds per second since the previous line) and
-//! `model_gap` (mean over those rounds of `||s - x*|| / ||x*||`, the relative distance between
-//! the local and the synchronized model).
+//! `model_gap` (mean over those rounds of `||s - x*|| / max(||s||, ||x*||)`, the relative
+//! distance between the local and the synchronized model; for S-EASGD `x*` is the central
+//! copy before the step).
 //!
 //! When every worker has finished its share, or any worker or shard received SIGTERM, the
 //! round that shows it (every rank sees the same sums) halts the training threads, and one
@@ -126,9 +132,14 @@ pub fn check_alpha(alpha: f64) -> Result<()> {
     Ok(())
 }
 
-/// The default block momentum for `workers` workers: `1 - 1/W`.
+/// The default block momentum for `workers` workers: `min(1 - 1/W, 0.5)`.
+///
+/// BMUF's usual `1 - 1/W` (fairseq, CNTK) is meant for blocks of many local steps; with a
+/// background round every few local steps its velocity lags the workers by `1/(1 - η)`
+/// rounds, and in the measurements of docs/communication.md `η = 0.75` (W = 4) ended 2 to 9 %
+/// above the synchronous ring's loss where `η = 0.5` stayed within 1 %.
 pub fn default_block_momentum(workers: usize) -> f64 {
-    1.0 - 1.0 / workers.max(1) as f64
+    (1.0 - 1.0 / workers.max(1) as f64).min(0.5)
 }
 
 /// The default moving rate for `workers` workers: `min(1, 0.9 / W)`.
@@ -247,17 +258,19 @@ pub fn elastic_step(x: &[f64], center: &mut [f64], alpha: f64) -> Vec<f64> {
         .collect()
 }
 
-/// `||a - b|| / ||b||` (0 when both are 0).
+/// The relative distance of two models, `||a - b|| / max(||a||, ||b||)`, in [0, 2] (0 when
+/// both are 0): bounded even when one of them is still near zero, as a fresh linear model is.
 pub fn relative_gap(a: &[f64], b: &[f64]) -> f64 {
-    let (mut diff, mut norm) = (0.0, 0.0);
+    let (mut diff, mut na, mut nb) = (0.0, 0.0, 0.0);
     for (x, y) in a.iter().zip(b) {
         diff += (x - y) * (x - y);
-        norm += y * y;
+        na += x * x;
+        nb += y * y;
     }
     if diff == 0.0 {
         0.0
     } else {
-        (diff / norm.max(f64::MIN_POSITIVE)).sqrt()
+        (diff / na.max(nb)).sqrt()
     }
 }
 
@@ -969,7 +982,8 @@ mod tests {
             let e = check_block_momentum(bad).unwrap_err().to_string();
             assert!(e.contains("[0, 1)"), "{e}");
         }
-        assert_eq!(default_block_momentum(4), 0.75);
+        assert_eq!(default_block_momentum(4), 0.5);
+        assert_eq!(default_block_momentum(1), 0.0);
         assert_eq!(default_alpha(1), 0.9);
         assert_eq!(default_alpha(3), 0.3);
     }
@@ -1009,6 +1023,7 @@ mod tests {
         assert_eq!(c, vec![1.0, 8.0]);
         assert_eq!(relative_gap(&[3.0, 4.0], &[3.0, 4.0]), 0.0);
         assert!((relative_gap(&[3.0, 4.0], &[0.0, 5.0]) - (10f64).sqrt() / 5.0).abs() < 1e-12);
+        assert_eq!(relative_gap(&[3.0, 4.0], &[0.0, 0.0]), 1.0);
     }
 
     #[test]

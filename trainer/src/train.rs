@@ -104,8 +104,8 @@ pub struct Progress {
     /// since the previous line ([`crate::shadow`]); absent in the other modes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sync_rounds_per_s: Option<f64>,
-    /// ShadowSync: mean over those rounds of `||local - synchronized|| / ||synchronized||`;
-    /// absent without a round.
+    /// ShadowSync: mean over those rounds of `||local - synchronized|| / max(||local||,
+    /// ||synchronized||)`; absent without a round.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model_gap: Option<f64>,
 }

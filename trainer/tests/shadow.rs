@@ -100,9 +100,10 @@ fn show_all(what: &str, outs: &[Output]) {
     }
 }
 
-/// S-MA with two workers, then S-BMUF with three resuming from its checkpoint, then the
-/// ring mode with one: each generation continues the job's samples and steps; the shadow
-/// progress lines carry the synchronization figures, and S-BMUF checkpoints its velocity.
+/// S-MA with two workers, then S-BMUF with three (two Hogwild threads each) resuming from
+/// its checkpoint, then the ring mode with one: each generation continues the job's samples
+/// and steps; the shadow progress lines carry the synchronization figures, and S-BMUF
+/// checkpoints its velocity.
 #[test]
 fn shadow_jobs_train_and_resume_at_other_world_sizes_and_modes() {
     let dir = tempfile::tempdir().unwrap();
@@ -150,6 +151,8 @@ fn shadow_jobs_train_and_resume_at_other_world_sizes_and_modes() {
             "bmuf",
             "--block-momentum",
             "0.3",
+            "--hogwild-threads",
+            "2",
             "--epochs",
             "3",
         ],
@@ -161,6 +164,8 @@ fn shadow_jobs_train_and_resume_at_other_world_sizes_and_modes() {
     }
     assert!(stderr(&outs[1]).contains(&format!("resumed from checkpoint at step {step1}")));
     assert!(stderr(&outs[0]).contains("block momentum η = 0.3"));
+    let e2 = stderr(&outs[2]);
+    assert!(e2.contains("2 training thread(s)"), "{e2}");
     let c2 = checkpoint(&ckpt);
     assert_eq!(
         (c2["world_size"].as_u64(), c2["generation"].as_u64()),

@@ -87,6 +87,8 @@ struct SyncWindow {
     since: Instant,
     /// Samples of the other workers as of the last round.
     others: u64,
+    /// This worker's samples at the last round.
+    own_at_round: u64,
     lost: bool,
 }
 
@@ -184,10 +186,10 @@ impl Trainer<'_> {
                     let eta = args
                         .block_momentum
                         .unwrap_or(shadow::default_block_momentum(workers));
+                    let zeta = args.block_lr.unwrap_or(1.0 - eta);
                     eprintln!(
-                        "{}: S-BMUF block momentum η = {eta}, block learning rate ζ = {}{}",
+                        "{}: S-BMUF block momentum η = {eta}, block learning rate ζ = {zeta}{}",
                         self.who,
-                        args.block_lr,
                         if args.block_nesterov {
                             ", Nesterov"
                         } else {
@@ -198,7 +200,7 @@ impl Trainer<'_> {
                         global: state.params.clone(),
                         velocity: v,
                         eta,
-                        zeta: args.block_lr,
+                        zeta,
                         nesterov: args.block_nesterov,
                     })
                 } else {
@@ -246,6 +248,7 @@ impl Trainer<'_> {
                 gap_sum: 0.0,
                 since: Instant::now(),
                 others: 0,
+                own_at_round: 0,
                 lost: false,
             }),
             reported: Mutex::new((state.last_loss, state.samples)),
@@ -324,13 +327,7 @@ impl Trainer<'_> {
         };
         if rank0 {
             let completed = outcome == Outcome::Completed;
-            let samples = final_state
-                .samples
-                .max(shared.reported.lock().expect("not poisoned").1);
-            let st = State {
-                samples,
-                ..final_state
-            };
+            let st = final_state;
             self.shadow_report(&shared, &ctx, Some(&st), true);
             self.save_with(&st, velocity.as_deref())
                 .context(if completed {
@@ -421,9 +418,19 @@ impl Trainer<'_> {
     /// Rank 0's progress line; `fin` is the final state (evaluated on its parameters).
     fn shadow_report(&self, sh: &Shared, ctx: &Ctx, fin: Option<&State>, evaluate: bool) {
         let (window_loss, window_n) = std::mem::take(&mut *sh.window.lock().expect("not poisoned"));
+        let own = sh.samples.load(Ordering::SeqCst);
         let (rounds, gap, elapsed, others) = {
             let mut w = sh.sync.lock().expect("not poisoned");
-            let out = (w.rounds, w.gap_sum, w.since.elapsed(), w.others);
+            // The others' samples since the last round, estimated at this worker's pace
+            // (unless synchronization was lost: then only what was last heard).
+            let since = if w.lost {
+                0
+            } else {
+                own.saturating_sub(w.own_at_round) * (ctx.workers as u64 - 1)
+            };
+            // Never more than the other workers' shares.
+            let others = (w.others + since).min(ctx.share * (ctx.workers as u64 - 1));
+            let out = (w.rounds, w.gap_sum, w.since.elapsed(), others);
             w.rounds = 0;
             w.gap_sum = 0.0;
             w.since = Instant::now();
@@ -446,11 +453,16 @@ impl Trainer<'_> {
             Some(st) => (st.step, st.samples, st.params.clone()),
             None => (
                 ctx.step0 + sh.steps.load(Ordering::SeqCst) / ctx.threads as u64,
-                ctx.samples0 + sh.samples.load(Ordering::SeqCst) + others,
+                ctx.samples0 + own + others,
                 Vec::new(),
             ),
         };
-        let samples = samples.max(reported.1);
+        // The final line has the exact count of the final round; the others never go back.
+        let samples = if fin.is_some() {
+            samples
+        } else {
+            samples.max(reported.1)
+        };
         *reported = (Some(loss), samples);
         drop(reported);
         let eval_loss = evaluate.then(|| {
@@ -488,6 +500,7 @@ impl Trainer<'_> {
         w.rounds += 1;
         w.gap_sum += gap;
         w.others = total.saturating_sub(own);
+        w.own_at_round = own;
     }
 
     /// Stops the training threads and waits until they have.
@@ -585,12 +598,13 @@ impl Trainer<'_> {
                 Some(bm) => bm.step(&out.average),
                 None => out.average.clone(),
             };
-            self.record_round(sh, relative_gap(&snapshot, &target), own, out.samples);
             sh.params.add_difference(&target, &snapshot);
             let consensus = match &bm {
                 Some(bm) => bm.global.clone(),
                 None => out.average,
             };
+            let gap = relative_gap(&snapshot, &target);
+            self.record_round(sh, gap, own, out.samples);
             if final_round {
                 return Some(Final {
                     params: consensus,
