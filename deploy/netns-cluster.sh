@@ -29,7 +29,7 @@
 set -euo pipefail
 
 usage() {
-    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
     cat <<'HELP'
 Options:
   --agents N           hosts (network namespaces), one agent each (default 3)

@@ -35,7 +35,7 @@ while [[ $# -gt 0 ]]; do
         --bin) bin=$(realpath "$2"); build=0; shift 2 ;;
         --debug) profile=debug; shift ;;
         --no-build) build=0; shift ;;
-        -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         *) echo "placement-bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done

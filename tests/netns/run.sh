@@ -16,7 +16,7 @@
 # Uses the debug binaries (run-tests.sh builds them; --release for target/release, --bin for
 # another directory). Needs
 # root and network namespaces: elsewhere it prints why it is skipped and exits 0, unless
-# CONVERGE_REQUIRE_NETNS=1 (then it fails). About a minute.
+# CONVERGE_REQUIRE_NETNS=1 (then it fails). About 10 s once the binaries are built.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -31,7 +31,7 @@ while [[ $# -gt 0 ]]; do
         --bin) bin=$(realpath "$2"); shift 2 ;;
         --rate) rate="$2"; shift 2 ;;
         --latency) latency="$2"; shift 2 ;;
-        -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; exit 0 ;;
         *) echo "tests/netns/run.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
