@@ -104,14 +104,17 @@ pub struct LeaseConfig {
     pub replica_id: String,
     /// Lease length.
     pub ttl: Duration,
+    /// Replicas of the lease bucket (`--bus-replicas`, as the other buckets).
+    pub replicas: usize,
 }
 
-fn kv_config() -> kv::Config {
+fn kv_config(replicas: usize) -> kv::Config {
     kv::Config {
         bucket: subjects::BUCKET_LEADER.to_string(),
         description: "allocator leader lease".to_string(),
         history: 1,
         max_value_size: 4096,
+        num_replicas: replicas,
         ..Default::default()
     }
 }
@@ -128,9 +131,10 @@ pub async fn spawn(
     shutdown: CancellationToken,
 ) -> anyhow::Result<(watch::Receiver<Leadership>, tokio::task::JoinHandle<()>)> {
     let store = match js.get_key_value(subjects::BUCKET_LEADER).await {
-        Ok(store) => store,
-        Err(_) => js
-            .create_key_value(kv_config())
+        Ok(store) if store.stream.cached_info().config.num_replicas == cfg.replicas => store,
+        // Missing, or with other replicas: created, or changed in place.
+        _ => js
+            .create_or_update_key_value(kv_config(cfg.replicas))
             .await
             .or(js.get_key_value(subjects::BUCKET_LEADER).await)
             .map_err(|e| {

@@ -234,6 +234,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         crate::lease::LeaseConfig {
             replica_id: cfg.replica_id.clone(),
             ttl: cfg.lease_ttl,
+            replicas: bus.replicas,
         },
         lease_stop.clone(),
     )

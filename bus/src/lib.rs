@@ -35,8 +35,12 @@ pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
 /// See `docs/security.md` for the users and permissions of a secured cluster.
 #[derive(Clone, clap::Args)]
 pub struct NatsArgs {
-    /// NATS server URL(s), comma-separated. `nats://user:password@host:port` works too, and
-    /// `tls://host:port` requires TLS.
+    /// NATS server URL(s), comma-separated: give every server of a NATS cluster
+    /// (`nats://n1:4222,nats://n2:4222,nats://n3:4222`), so that this process connects to
+    /// any of them and reconnects to a surviving one when its server goes away. With
+    /// several URLs the client uses exactly these (servers the cluster announces are not
+    /// added) and gives up on an unreachable one after 2 s. `nats://user:password@host:port`
+    /// works too (credentials in the first URL), and `tls://host:port` requires TLS.
     #[arg(
         long = "nats-url",
         env = "CONVERGE_NATS_URL",
@@ -131,6 +135,19 @@ pub struct NatsArgs {
     /// Give up connecting after this long (e.g. `30s`); unset = keep retrying.
     #[arg(long = "nats-connect-timeout", env = "CONVERGE_NATS_CONNECT_TIMEOUT", value_parser = humantime_duration)]
     pub connect_timeout: Option<Duration>,
+    /// Replicas (copies on distinct NATS servers) of the KV buckets and the progress
+    /// stream: 1 for a single server, 3 for a three-server cluster (then any one server may
+    /// fail), at most the number of JetStream servers in the cluster (1 to 5). The
+    /// allocator creates them with this many and changes existing ones to it in place; an
+    /// agent or the CLI uses it only when it creates a missing one.
+    #[arg(
+        long = "bus-replicas",
+        env = "CONVERGE_BUS_REPLICAS",
+        default_value_t = 1,
+        value_name = "N",
+        value_parser = clap::value_parser!(u8).range(1..=5)
+    )]
+    pub replicas: u8,
 }
 
 impl Default for NatsArgs {
@@ -148,6 +165,7 @@ impl Default for NatsArgs {
             tls_key: None,
             inbox_prefix: None,
             connect_timeout: None,
+            replicas: 1,
         }
     }
 }
@@ -166,6 +184,7 @@ impl std::fmt::Debug for NatsArgs {
             .field("tls_key", &self.tls_key)
             .field("inbox_prefix", &self.inbox_prefix)
             .field("connect_timeout", &self.connect_timeout)
+            .field("replicas", &self.replicas)
             .finish()
     }
 }
@@ -251,23 +270,33 @@ pub async fn connect_tracked(
     name: &str,
 ) -> Result<(async_nats::Client, Denials), BusError> {
     let base = secure::connect_options(args)?;
+    let servers = args.server_addrs()?;
+    // One server: wait for it as long as a slow TLS handshake may take. Several (a
+    // cluster): these and no others (the addresses a cluster announces may not be
+    // reachable from here, and an unreachable one would cost a timeout per reconnect), and
+    // a dead one abandoned after 2 s (nats.go's default) for the next.
+    let several = servers.len() > 1;
+    let attempt_timeout = Duration::from_secs(if several { 2 } else { 5 });
     let inbox = format!("{}.", args.inbox_prefix()?);
     let denials = Denials::new();
     let url = args.redacted_url();
     let attempt = || async {
         let reporter = denials.clone();
         let inbox = inbox.clone();
-        let opts = base
+        let mut opts = base
             .clone()
             .name(name)
-            .connection_timeout(Duration::from_secs(5))
+            .connection_timeout(attempt_timeout)
             .max_reconnects(None)
             .event_callback(move |event| {
                 let reporter = reporter.clone();
                 let inbox = inbox.clone();
                 async move { on_event(event, &reporter, &inbox) }
             });
-        opts.connect(args.url.as_str()).await.map_err(|source| {
+        if several {
+            opts = opts.ignore_discovered_servers();
+        }
+        opts.connect(servers.clone()).await.map_err(|source| {
             use async_nats::ConnectErrorKind as K;
             let kind = if is_tls_failure(&source) {
                 K::Tls
@@ -310,6 +339,15 @@ pub async fn connect_tracked(
         .when(|e| matches!(e, BusError::Connect { .. }))
         .notify(|e, after| tracing::warn!("{e}; retrying in {after:?}"))
         .await?;
+    let info = client.server_info();
+    tracing::info!(
+        server = %info.server_name,
+        cluster = info.cluster.as_deref().unwrap_or("-"),
+        servers = servers.len(),
+        "connected to NATS server {} of {}",
+        info.server_name,
+        url
+    );
     Ok((client, denials))
 }
 
@@ -410,6 +448,9 @@ pub struct Bus {
     pub hosts: kv::Store,
     /// The connection's permission violations (empty for a bus from [`Bus::open`]).
     pub denials: Denials,
+    /// Replicas of the buckets and the stream (`--bus-replicas`): what this process creates
+    /// other buckets with (the allocator's leader lease, for one).
+    pub replicas: usize,
 }
 
 impl std::fmt::Debug for Bus {
@@ -457,6 +498,7 @@ pub fn kv_stream_config(bucket: &str) -> stream::Config {
         deny_delete: true,
         deny_purge: false,
         allow_direct: true,
+        // Bus::open_with sets --bus-replicas.
         num_replicas: 1,
         discard: stream::DiscardPolicy::New,
         ..Default::default()
@@ -493,10 +535,51 @@ fn stream_not_found(e: &jetstream::context::GetStreamError) -> bool {
     }
 }
 
+/// How long [`ensure_stream`] retries while JetStream cannot place a stream yet (a cluster
+/// whose servers are still starting, electing a leader or catching up).
+const SETUP_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Why creating or updating a stream failed: worth another try, or not.
+enum SetupFailure {
+    /// JetStream is not ready: no meta leader yet, too few servers known for the replicas,
+    /// a request timed out. Retried for [`SETUP_PATIENCE`].
+    NotReady(String),
+    /// Anything else, including a permissions violation.
+    Fatal(BusError),
+}
+
+/// Whether a JetStream error code says "not ready yet" rather than "wrong".
+fn js_not_ready(code: jetstream::ErrorCode) -> bool {
+    use jetstream::ErrorCode as C;
+    [
+        C::CLUSTER_NOT_AVAILABLE,
+        C::CLUSTER_NO_PEERS,
+        C::CLUSTER_INCOMPLETE,
+        C::CLUSTER_NOT_LEADER,
+        C::INSUFFICIENT_RESOURCES,
+    ]
+    .contains(&code)
+}
+
+fn create_failure(e: &jetstream::context::CreateStreamError) -> Option<String> {
+    use jetstream::context::CreateStreamErrorKind as K;
+    match e.kind() {
+        K::JetStream(js) if js_not_ready(js.error_code()) => Some(e.to_string()),
+        K::TimedOut | K::JetStreamUnavailable => Some(e.to_string()),
+        _ => None,
+    }
+}
+
 /// Makes sure the stream `config` describes exists as `setup` says: created or updated to
 /// `config` ([`Setup::CreateOrUpdate`]), or opened as it is and created only when missing
 /// ([`Setup::OpenOrCreate`]). `what` names it in errors; a permissions violation becomes
 /// [`BusError::Denied`] (or [`BusError::Missing`] when a missing stream may not be created).
+///
+/// Replicas: an existing stream whose replicas differ from `config.num_replicas` is
+/// changed in place with [`Setup::CreateOrUpdate`] (JetStream copies its messages to the
+/// new peers; logged), and only reported with [`Setup::OpenOrCreate`]. While JetStream
+/// cannot place the stream yet (a cluster still forming, fewer servers up than replicas)
+/// the attempt is repeated for [`SETUP_PATIENCE`]; after that the error says what to do.
 async fn ensure_stream(
     js: &jetstream::Context,
     denials: &Denials,
@@ -504,46 +587,148 @@ async fn ensure_stream(
     config: stream::Config,
     what: &str,
 ) -> Result<(), BusError> {
-    let setup_err = |message: String| BusError::Setup {
-        what: what.to_string(),
-        message,
+    let replicas = config.num_replicas;
+    let attempt = || ensure_stream_once(js, denials, setup, config.clone(), what);
+    let backoff = ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(250))
+        .with_max_delay(Duration::from_secs(2))
+        .with_total_delay(Some(SETUP_PATIENCE))
+        .without_max_times();
+    let result = attempt
+        .retry(backoff)
+        .when(|e| matches!(e, SetupFailure::NotReady(_)))
+        .notify(|e, after| {
+            if let SetupFailure::NotReady(m) = e {
+                tracing::warn!("{what} not ready ({m}); trying again in {after:?}");
+            }
+        })
+        .await;
+    match result {
+        Ok(()) => Ok(()),
+        Err(SetupFailure::Fatal(e)) => Err(e),
+        Err(SetupFailure::NotReady(message)) => Err(BusError::Setup {
+            what: what.to_string(),
+            message: format!(
+                "{message}, still after {SETUP_PATIENCE:?}; with {replicas} replica(s) \
+                 (--bus-replicas, CONVERGE_BUS_REPLICAS) it needs a NATS cluster of at least \
+                 {replicas} JetStream server(s) up and routed to each other: start the \
+                 missing servers or lower --bus-replicas"
+            ),
+        }),
+    }
+}
+
+async fn ensure_stream_once(
+    js: &jetstream::Context,
+    denials: &Denials,
+    setup: Setup,
+    config: stream::Config,
+    what: &str,
+) -> Result<(), SetupFailure> {
+    let fatal = |message: String| {
+        SetupFailure::Fatal(BusError::Setup {
+            what: what.to_string(),
+            message,
+        })
     };
-    match setup {
-        Setup::CreateOrUpdate => {
-            denials
-                .guard(is_js_api, js.create_or_update_stream(config))
-                .await
-                .map_err(|denial| BusError::Denied {
-                    action: format!("creating or updating {what}"),
-                    denial,
-                })?
-                .map_err(|e| setup_err(e.to_string()))?;
-        }
-        Setup::OpenOrCreate => {
-            let found = denials
-                .guard(is_js_api, js.get_stream(config.name.clone()))
-                .await
-                .map_err(|denial| BusError::Denied {
-                    action: format!("reading the configuration of {what}"),
-                    denial,
-                })?;
-            match found {
-                Ok(_) => {}
-                Err(e) if stream_not_found(&e) => {
-                    denials
-                        .guard(is_js_api, js.get_or_create_stream(config))
-                        .await
-                        .map_err(|denial| BusError::Missing {
-                            what: what.to_string(),
-                            denial,
-                        })?
-                        .map_err(|e| setup_err(e.to_string()))?;
+    let create_err = |e: jetstream::context::CreateStreamError| match create_failure(&e) {
+        Some(m) => SetupFailure::NotReady(m),
+        None => fatal(e.to_string()),
+    };
+    let wanted = config.num_replicas;
+    let found = denials
+        .guard(is_js_api, js.get_stream(config.name.clone()))
+        .await
+        .map_err(|denial| {
+            SetupFailure::Fatal(BusError::Denied {
+                action: format!("reading the configuration of {what}"),
+                denial,
+            })
+        })?;
+    let existing = match found {
+        Ok(stream) => Some(stream.cached_info().clone()),
+        Err(e) if stream_not_found(&e) => None,
+        Err(e) => {
+            use jetstream::context::GetStreamErrorKind as K;
+            return Err(match e.kind() {
+                K::JetStream(js) if js_not_ready(js.error_code()) => {
+                    SetupFailure::NotReady(e.to_string())
                 }
-                Err(e) => return Err(setup_err(e.to_string())),
+                K::Request => SetupFailure::NotReady(e.to_string()),
+                _ => fatal(e.to_string()),
+            });
+        }
+    };
+    match (setup, existing) {
+        (Setup::OpenOrCreate, Some(info)) => {
+            if info.config.num_replicas != wanted {
+                tracing::info!(
+                    "{what} has {} replica(s), --bus-replicas says {wanted}: the allocator \
+                     (which owns it) changes it when it starts with --bus-replicas {wanted}",
+                    info.config.num_replicas
+                );
+            }
+            Ok(())
+        }
+        (Setup::OpenOrCreate, None) => {
+            let created = denials
+                .guard(is_js_api, js.get_or_create_stream(config))
+                .await
+                .map_err(|denial| {
+                    SetupFailure::Fatal(BusError::Missing {
+                        what: what.to_string(),
+                        denial,
+                    })
+                })?;
+            match created {
+                Ok(_) => {
+                    tracing::info!("created {what} with {wanted} replica(s)");
+                    Ok(())
+                }
+                Err(e) => match e.kind() {
+                    jetstream::context::CreateStreamErrorKind::JetStream(js)
+                        if js_not_ready(js.error_code()) =>
+                    {
+                        Err(SetupFailure::NotReady(e.to_string()))
+                    }
+                    _ => Err(fatal(e.to_string())),
+                },
             }
         }
+        (Setup::CreateOrUpdate, existing) => {
+            let before = existing.as_ref().map(|i| i.config.num_replicas);
+            let info = denials
+                .guard(is_js_api, js.create_or_update_stream(config))
+                .await
+                .map_err(|denial| {
+                    SetupFailure::Fatal(BusError::Denied {
+                        action: format!("creating or updating {what}"),
+                        denial,
+                    })
+                })?
+                .map_err(create_err)?;
+            let leader = info
+                .cluster
+                .as_ref()
+                .and_then(|c| c.leader.clone())
+                .unwrap_or_else(|| "-".into());
+            match before {
+                None => tracing::info!(
+                    leader,
+                    "created {what} with {} replica(s)",
+                    info.config.num_replicas
+                ),
+                Some(b) if b != info.config.num_replicas => tracing::info!(
+                    leader,
+                    "changed {what} from {b} to {} replica(s) in place (JetStream copies \
+                     its messages to the new replicas)",
+                    info.config.num_replicas
+                ),
+                Some(_) => tracing::debug!(leader, "{what}: {wanted} replica(s)"),
+            }
+            Ok(())
+        }
     }
-    Ok(())
 }
 
 /// Follows a KV bucket until `tx` closes: every key's current value first, then each
@@ -609,7 +794,7 @@ impl Bus {
     /// updating existing buckets to this build's configuration ([`Setup::CreateOrUpdate`]).
     /// Idempotent. Permission violations are not tracked: use [`Bus::connect`] for that.
     pub async fn open(client: async_nats::Client) -> Result<Self, BusError> {
-        Self::open_with(client, Denials::new(), Setup::CreateOrUpdate).await
+        Self::open_with(client, Denials::new(), Setup::CreateOrUpdate, 1).await
     }
 
     /// Connects as `name` ([`connect_tracked`]) and opens the buckets and the stream as
@@ -617,22 +802,44 @@ impl Bus {
     /// fail at once with [`BusError::Denied`].
     pub async fn connect(args: &NatsArgs, name: &str, setup: Setup) -> Result<Self, BusError> {
         let (client, denials) = connect_tracked(args, name).await?;
-        Self::open_with(client, denials, setup).await
+        Self::open_with(client, denials, setup, usize::from(args.replicas)).await
     }
 
-    /// Opens the four KV buckets and the progress stream as `setup` says; `denials` are the
-    /// connection's permission violations (from [`connect_tracked`]).
+    /// Opens the four KV buckets and the progress stream as `setup` says, with `replicas`
+    /// replicas where this creates or updates them (see [`ensure_stream`]); `denials` are
+    /// the connection's permission violations (from [`connect_tracked`]).
     pub async fn open_with(
         client: async_nats::Client,
         denials: Denials,
         setup: Setup,
+        replicas: usize,
     ) -> Result<Self, BusError> {
         let js = jetstream::new(client.clone());
         let setup_err = |what: String, message: String| BusError::Setup { what, message };
+        let info = client.server_info();
+        if setup == Setup::CreateOrUpdate {
+            match &info.cluster {
+                Some(cluster) if replicas == 1 => tracing::warn!(
+                    "NATS server {} is part of cluster {cluster}, but the buckets and the \
+                     progress stream keep 1 replica (--bus-replicas 1): they become \
+                     unavailable whenever that one server is down; set --bus-replicas 3 \
+                     (CONVERGE_BUS_REPLICAS) on a cluster of three or more servers",
+                    info.server_name
+                ),
+                _ => tracing::info!(
+                    cluster = info.cluster.as_deref().unwrap_or("-"),
+                    "buckets and progress stream with {replicas} replica(s) (--bus-replicas)"
+                ),
+            }
+        }
         let mut stores = Vec::new();
         for bucket in subjects::ALL_BUCKETS {
             let what = format!("KV bucket {bucket}");
-            ensure_stream(&js, &denials, setup, kv_stream_config(bucket), &what).await?;
+            let config = stream::Config {
+                num_replicas: replicas,
+                ..kv_stream_config(bucket)
+            };
+            ensure_stream(&js, &denials, setup, config, &what).await?;
             let store = js
                 .get_key_value(bucket)
                 .await
@@ -642,13 +849,21 @@ impl Bus {
         // Also moves a stream of an older release to this one's subjects and limits in place
         // (with `Setup::CreateOrUpdate`): the reports it holds stay.
         let what = format!("stream {}", subjects::PROGRESS_STREAM);
-        ensure_stream(&js, &denials, setup, progress_stream_config(), &what).await?;
+        let config = stream::Config {
+            num_replicas: replicas,
+            ..progress_stream_config()
+        };
+        ensure_stream(&js, &denials, setup, config, &what).await?;
         // The allocator owns the queue buckets too: it creates them at start, so that the
         // CLI of a secured cluster finds them. Agents never open them.
         if setup == Setup::CreateOrUpdate {
             for bucket in subjects::QUEUE_BUCKETS {
                 let what = format!("KV bucket {bucket}");
-                ensure_stream(&js, &denials, setup, kv_stream_config(bucket), &what).await?;
+                let config = stream::Config {
+                    num_replicas: replicas,
+                    ..kv_stream_config(bucket)
+                };
+                ensure_stream(&js, &denials, setup, config, &what).await?;
             }
         }
         let mut it = stores.into_iter();
@@ -661,6 +876,7 @@ impl Bus {
             client,
             js,
             denials,
+            replicas,
         })
     }
 
@@ -672,8 +888,11 @@ impl Bus {
         let mut stores = Vec::new();
         for bucket in subjects::QUEUE_BUCKETS {
             let what = format!("KV bucket {bucket}");
-            ensure_stream(&self.js, &self.denials, setup, kv_stream_config(bucket), &what)
-                .await?;
+            let config = stream::Config {
+                num_replicas: self.replicas,
+                ..kv_stream_config(bucket)
+            };
+            ensure_stream(&self.js, &self.denials, setup, config, &what).await?;
             let store = self
                 .js
                 .get_key_value(bucket)
@@ -1045,7 +1264,10 @@ mod tests {
 
     #[test]
     fn buckets_and_stream_refuse_rollups() {
-        for bucket in subjects::ALL_BUCKETS.into_iter().chain(subjects::QUEUE_BUCKETS) {
+        for bucket in subjects::ALL_BUCKETS
+            .into_iter()
+            .chain(subjects::QUEUE_BUCKETS)
+        {
             let c = kv_stream_config(bucket);
             assert!(
                 !c.allow_rollup && c.deny_delete && c.allow_direct,

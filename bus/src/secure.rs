@@ -158,6 +158,32 @@ impl NatsArgs {
     pub fn redacted_url(&self) -> String {
         redact_url(&self.url)
     }
+
+    /// The servers of `--nats-url`, in the order given: every comma-separated URL (spaces
+    /// around commas allowed), `nats://` and port 4222 assumed where left out. A malformed
+    /// one is a [`BusError::Config`] that shows it (redacted).
+    pub fn server_addrs(&self) -> Result<Vec<async_nats::ServerAddr>, BusError> {
+        self.url
+            .split(',')
+            .map(str::trim)
+            .map(|one| {
+                if one.is_empty() {
+                    return Err(BusError::Config(format!(
+                        "--nats-url {:?} has an empty URL: give one or several \
+                         nats://host:port or tls://host:port, separated by commas",
+                        self.redacted_url()
+                    )));
+                }
+                one.parse::<async_nats::ServerAddr>().map_err(|e| {
+                    BusError::Config(format!(
+                        "--nats-url: {}: {e} (give one or several nats://host:port or \
+                         tls://host:port, separated by commas)",
+                        redact_url(one)
+                    ))
+                })
+            })
+            .collect()
+    }
 }
 
 fn read_file(what: &'static str, path: &Path) -> Result<String, BusError> {
@@ -347,6 +373,44 @@ mod tests {
         let (user, token) = url_credentials("tls://t0k@h").unwrap();
         assert_eq!((user, token.expose()), (None, "t0k"));
         assert!(url_credentials("nats://h:1").is_none());
+    }
+
+    #[test]
+    fn every_url_is_a_server() {
+        let args = NatsArgs {
+            url: "nats://n1:4222, nats://n2:4223,n3".into(),
+            ..NatsArgs::default()
+        };
+        let addrs = args.server_addrs().unwrap();
+        let shown: Vec<String> = addrs
+            .iter()
+            .map(|a| format!("{}:{}", a.host(), a.port()))
+            .collect();
+        assert_eq!(shown, ["n1:4222", "n2:4223", "n3:4222"]);
+        assert!(addrs.iter().all(|a| !a.tls_required()));
+        let args = NatsArgs {
+            url: "tls://cli:pw@n1:4222,tls://n2:4222".into(),
+            ..NatsArgs::default()
+        };
+        assert!(
+            args.server_addrs()
+                .unwrap()
+                .iter()
+                .all(|a| a.tls_required())
+        );
+        for bad in [
+            "",
+            "nats://n1:4222,,nats://n2",
+            "http://n1:4222",
+            "nats://a:b@n1:99999",
+        ] {
+            let args = NatsArgs {
+                url: bad.into(),
+                ..NatsArgs::default()
+            };
+            let e = args.server_addrs().unwrap_err().to_string();
+            assert!(e.contains("--nats-url") && !e.contains(":b@"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -1,0 +1,391 @@
+//! The bus on a three-server NATS cluster (real `nats-server` processes on 127.0.0.1,
+//! routed to each other, JetStream on each): the buckets and the stream get the replicas
+//! `--bus-replicas` asks for (existing single-replica ones are raised in place, their
+//! values kept); a client given every server's URL keeps working when the server it is
+//! connected to is killed, including the stream's leader, and reconnects to another.
+//!
+//! Needs `nats-server` (2.10+) on PATH or in `NATS_SERVER_BIN`; skipped with a message
+//! when there is none, unless `CONVERGE_REQUIRE_NATS=1`.
+
+use async_nats::jetstream::stream;
+use converge_bus::{Bus, NatsArgs, Setup};
+use converge_common::subjects;
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn nats_server_bin() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("NATS_SERVER_BIN") {
+        return Some(PathBuf::from(p));
+    }
+    let found = Command::new("nats-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if found {
+        Some(PathBuf::from("nats-server"))
+    } else if std::env::var("CONVERGE_REQUIRE_NATS").as_deref() == Ok("1") {
+        panic!("nats-server not found (PATH or NATS_SERVER_BIN) and CONVERGE_REQUIRE_NATS=1");
+    } else {
+        eprintln!("skipped: nats-server not found (set NATS_SERVER_BIN)");
+        None
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// Three routed servers `s0`, `s1`, `s2`, each its own store; killed on drop.
+struct Cluster {
+    bin: PathBuf,
+    dir: PathBuf,
+    client_ports: Vec<u16>,
+    cluster_ports: Vec<u16>,
+    children: Vec<Option<Child>>,
+}
+
+impl Cluster {
+    fn start(bin: PathBuf) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "converge-bus-cluster-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos())
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let mut c = Self {
+            bin,
+            dir,
+            client_ports: (0..3).map(|_| free_port()).collect(),
+            cluster_ports: (0..3).map(|_| free_port()).collect(),
+            children: vec![None, None, None],
+        };
+        for i in 0..3 {
+            c.start_server(i);
+        }
+        c
+    }
+
+    fn start_server(&mut self, i: usize) {
+        let routes: Vec<String> = self
+            .cluster_ports
+            .iter()
+            .map(|p| format!("nats://127.0.0.1:{p}"))
+            .collect();
+        let store = self.dir.join(format!("s{i}"));
+        let log = std::fs::File::create(self.dir.join(format!("s{i}.log"))).expect("log file");
+        let child = Command::new(&self.bin)
+            .args(["-a", "127.0.0.1", "-p"])
+            .arg(self.client_ports[i].to_string())
+            .args(["--server_name", &format!("s{i}"), "-js", "-sd"])
+            .arg(&store)
+            .args(["--cluster_name", "converge-test", "--cluster"])
+            .arg(format!("nats://127.0.0.1:{}", self.cluster_ports[i]))
+            .args(["--routes", &routes.join(",")])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start nats-server");
+        self.children[i] = Some(child);
+    }
+
+    /// SIGKILL, like `kill -9`.
+    fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.children[i].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    fn url(&self) -> String {
+        self.client_ports
+            .iter()
+            .map(|p| format!("nats://127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn index_of(&self, server_name: &str) -> usize {
+        server_name
+            .strip_prefix('s')
+            .and_then(|n| n.parse().ok())
+            .expect("server names s0..s2")
+    }
+
+    fn logs(&self) -> String {
+        (0..3)
+            .map(|i| {
+                let text =
+                    std::fs::read_to_string(self.dir.join(format!("s{i}.log"))).unwrap_or_default();
+                let tail: Vec<&str> = text.lines().rev().take(15).collect();
+                format!(
+                    "--- s{i} ---\n{}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for i in 0..3 {
+            self.kill(i);
+        }
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        } else {
+            eprintln!("{}\n(files in {})", self.logs(), self.dir.display());
+        }
+    }
+}
+
+fn args(url: String, replicas: u8) -> NatsArgs {
+    NatsArgs {
+        url,
+        connect_timeout: Some(Duration::from_secs(20)),
+        replicas,
+        ..NatsArgs::default()
+    }
+}
+
+async fn stream_info(bus: &Bus, name: &str) -> stream::Info {
+    let mut s = bus.js.get_stream(name).await.expect("stream exists");
+    s.info().await.expect("stream info").clone()
+}
+
+fn all_streams() -> Vec<String> {
+    subjects::ALL_BUCKETS
+        .iter()
+        .map(|b| format!("KV_{b}"))
+        .chain([subjects::PROGRESS_STREAM.to_string()])
+        .collect()
+}
+
+/// Waits (30 s at most) until `name` has a leader and `want` current replicas in all.
+async fn wait_replicated(bus: &Bus, name: &str, want: usize) -> stream::Info {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = None;
+    loop {
+        if let Ok(mut s) = bus.js.get_stream(name).await
+            && let Ok(info) = s.info().await
+        {
+            let info = info.clone();
+            last = Some(format!("{:?}", info.cluster));
+            let ok = info.cluster.as_ref().is_some_and(|c| {
+                c.leader.is_some() && 1 + c.replicas.iter().filter(|r| r.current).count() == want
+            });
+            if ok {
+                return info;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name} not replicated {want} times within 30 s: {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_raised_in_place() {
+    let Some(bin) = nats_server_bin() else { return };
+    let mut cluster = Cluster::start(bin);
+
+    // A previous single-replica deployment: the buckets and the stream with 1 replica and
+    // one job spec stored.
+    let old = Bus::connect(
+        &args(cluster.url(), 1),
+        "converge-test",
+        Setup::CreateOrUpdate,
+    )
+    .await
+    .expect("bus with 1 replica");
+    for name in all_streams() {
+        assert_eq!(
+            stream_info(&old, &name).await.config.num_replicas,
+            1,
+            "{name}"
+        );
+    }
+    old.jobs
+        .put("kept", "spec written with one replica".into())
+        .await
+        .expect("put");
+    drop(old);
+
+    // The allocator with --bus-replicas 3 raises every one to 3 in place.
+    let bus = Bus::connect(
+        &args(cluster.url(), 3),
+        "converge-test",
+        Setup::CreateOrUpdate,
+    )
+    .await
+    .expect("bus with 3 replicas");
+    assert_eq!(bus.replicas, 3);
+    for name in all_streams() {
+        let info = wait_replicated(&bus, &name, 3).await;
+        assert_eq!(info.config.num_replicas, 3, "{name}");
+    }
+    let kept = bus
+        .jobs
+        .get("kept")
+        .await
+        .expect("get")
+        .expect("value kept");
+    assert_eq!(&kept[..], b"spec written with one replica");
+
+    // An agent-like client with --bus-replicas 1 opens them as they are.
+    Bus::connect(
+        &args(cluster.url(), 1),
+        "converge-test",
+        Setup::OpenOrCreate,
+    )
+    .await
+    .expect("open as they are");
+    assert_eq!(
+        stream_info(&bus, "KV_converge-hosts")
+            .await
+            .config
+            .num_replicas,
+        3
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leader_killed_and_back() {
+    let Some(bin) = nats_server_bin() else { return };
+    let mut cluster = Cluster::start(bin);
+    let bus = Bus::connect(
+        &args(cluster.url(), 3),
+        "converge-test",
+        Setup::CreateOrUpdate,
+    )
+    .await
+    .expect("bus with 3 replicas");
+    for name in all_streams() {
+        wait_replicated(&bus, &name, 3).await;
+    }
+    bus.jobs
+        .put("kept", "spec written before the kill".into())
+        .await
+        .expect("put");
+
+    // Kill the leader of the hosts bucket (heartbeats) with SIGKILL: writes and reads go on
+    // after a new leader is elected, and the client, if it was on that server, reconnects
+    // to another one of its three URLs.
+    let hosts = wait_replicated(&bus, "KV_converge-hosts", 3).await;
+    let leader = hosts.cluster.and_then(|c| c.leader).expect("a leader");
+    let victim = cluster.index_of(&leader);
+    let connected_to = bus.client.server_info().server_name;
+    let t0 = Instant::now();
+    cluster.kill(victim);
+    let mut written_after = None;
+    while t0.elapsed() < Duration::from_secs(20) {
+        let put = tokio::time::timeout(
+            Duration::from_secs(2),
+            bus.hosts.put("n1", "after the kill".into()),
+        )
+        .await;
+        if matches!(put, Ok(Ok(_))) {
+            written_after = Some(t0.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let written_after = written_after.expect("a heartbeat write within 20 s of the leader's kill");
+    let now_on = bus.client.server_info().server_name;
+    eprintln!(
+        "killed {leader} (leader of KV_converge-hosts; client was on {connected_to}, now on \
+         {now_on}): first write after {written_after:?}"
+    );
+    assert_ne!(now_on, leader, "client still on the killed server");
+    assert!(
+        written_after < Duration::from_secs(10),
+        "a heartbeat write took {written_after:?} after the leader's kill (the agents fence after 10 s)"
+    );
+    let new_leader = stream_info(&bus, "KV_converge-hosts")
+        .await
+        .cluster
+        .and_then(|c| c.leader)
+        .expect("a new leader");
+    assert_ne!(new_leader, leader);
+    let kept = bus
+        .jobs
+        .get("kept")
+        .await
+        .expect("get")
+        .expect("value kept");
+    assert_eq!(&kept[..], b"spec written before the kill");
+
+    // The server comes back. A replica catches up with the next write to its stream (an
+    // idle stream's restarted replica stays behind until then): the hosts bucket, written
+    // every second by the agents, and the jobs bucket after one more spec.
+    cluster.start_server(victim);
+    let t_back = Instant::now();
+    let mut n = 0;
+    let caught_up = async {
+        loop {
+            n += 1;
+            bus.hosts
+                .put("n1", format!("heartbeat {n}").into())
+                .await
+                .ok();
+            let s = stream_info(&bus, "KV_converge-hosts").await;
+            if s.cluster
+                .is_some_and(|c| c.replicas.iter().all(|r| r.current && !r.offline))
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(30), caught_up)
+        .await
+        .expect("the restarted server's replica of the hosts bucket current within 30 s");
+    eprintln!(
+        "hosts bucket: three current replicas {:?} after the restart",
+        t_back.elapsed()
+    );
+    bus.jobs
+        .put("after", "spec written after the restart".into())
+        .await
+        .expect("put");
+    wait_replicated(&bus, "KV_converge-jobs", 3).await;
+    let kept = bus
+        .jobs
+        .get("kept")
+        .await
+        .expect("get")
+        .expect("value kept");
+    assert_eq!(&kept[..], b"spec written before the kill");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_replicas_than_servers_is_explained() {
+    let Some(bin) = nats_server_bin() else { return };
+    let cluster = Cluster::start(bin);
+    let t0 = Instant::now();
+    let e = Bus::connect(
+        &args(cluster.url(), 5),
+        "converge-test",
+        Setup::CreateOrUpdate,
+    )
+    .await
+    .expect_err("5 replicas on 3 servers");
+    let text = e.to_string();
+    eprintln!("{text} (after {:?})", t0.elapsed());
+    assert!(
+        text.contains("--bus-replicas") && text.contains("at least 5"),
+        "{text}"
+    );
+}
