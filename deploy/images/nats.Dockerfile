@@ -11,6 +11,7 @@ COPY --chown=10001:10001 data/ /data/
 # No user database on an empty image: a numeric, unprivileged uid. A named volume
 # mounted on /data inherits this ownership when it is first created.
 USER 10001:10001
-EXPOSE 4222 8222
+# 4222 clients, 8222 monitoring, 6222 routes (a cluster: deploy/docker-compose.cluster.yml)
+EXPOSE 4222 8222 6222
 ENTRYPOINT ["/nats-server"]
 CMD ["--config", "/etc/nats/nats.conf"]

@@ -5,7 +5,11 @@
 # the JetStream store in /data and monitoring on port 8222, then makes the files readable
 # by the containers' uid 10001 (Compose without Swarm bind-mounts secrets as they are).
 #
-#   deploy/nats/compose-secrets.sh [DIR]        DIR: default deploy/nats/secrets
+#   deploy/nats/compose-secrets.sh [--cluster] [DIR]     DIR: default deploy/nats/secrets
+#
+# --cluster: the configuration of deploy/docker-compose.cluster.yml's three servers (nats,
+# nats-2, nats-3; each started with its own --server_name): also a cluster `converge`
+# routed on port 6222, the routes authenticated as `route` (credentials/route.password).
 #
 # Then `docker compose -f deploy/docker-compose.yml up -d` (with CONVERGE_SECRETS_DIR=DIR
 # when DIR is not the default) and, for the CLI on the host:
@@ -16,12 +20,17 @@
 # directory, so that only that user and the containers read them.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+[[ "${1:-}" != -h && "${1:-}" != --help ]] || { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0; }
+cluster=()
+if [[ "${1:-}" == --cluster ]]; then
+    cluster=(--cluster-name converge --routes nats://nats:6222,nats://nats-2:6222,nats://nats-3:6222)
+    shift
+fi
 out="${1:-$here/secrets}"
-[[ "${1:-}" != -h && "${1:-}" != --help ]] || { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0; }
 uid=10001
 
 "$here/gen-config.sh" --hosts agent-1,agent-2,agent-3 --out "$out" --store-dir /data \
-    --http 0.0.0.0:8222 --server-name converge-nats
+    --http 0.0.0.0:8222 --server-name converge-nats "${cluster[@]}"
 chmod 700 "$out"
 if [[ $(id -u) -eq 0 ]]; then
     chown "$uid:$uid" "$out/nats-server.conf" "$out"/credentials/*.password

@@ -32,6 +32,19 @@
 #   --tls-key FILE       its private key (PEM)
 #   --tls-ca FILE        CA that signed client certificates (with --tls-verify)
 #   --tls-verify         require a client certificate signed by --tls-ca
+#
+# A cluster of NATS servers (docs/deploy.md, "A replicated bus"): the same file on every
+# server, each started with its own name (`nats-server --config ... --server_name n2`, or
+# --server-name per server when you write one file each):
+#   --cluster-name NAME  the cluster's name (same on every server); needs --routes
+#   --routes URLS        every server's route URL, comma-separated, this one's included
+#                        (nats://n1:6222,nats://n2:6222,nats://n3:6222); no credentials in
+#                        them: the routes authenticate as user `route` with the password in
+#                        OUT/credentials/route.password (generated, kept like the others)
+#   --cluster-listen HOST:PORT   route listener (default 0.0.0.0:6222)
+# With --tls-cert the routes use TLS too (mutual: each server presents its certificate
+# and checks the others' against --tls-ca, which is then required; gen-tls.sh's server
+# certificates are valid for both ends).
 set -euo pipefail
 
 usage() {
@@ -45,6 +58,7 @@ die() {
 
 hosts="" out="" store_dir=/data listen=0.0.0.0:4222 http="" server_name=converge-nats
 admin=0 tls_cert="" tls_key="" tls_ca="" tls_verify=0
+cluster_name="" routes="" cluster_listen=0.0.0.0:6222
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --hosts) hosts=${2:?--hosts needs a value}; shift 2 ;;
@@ -58,6 +72,9 @@ while [[ $# -gt 0 ]]; do
         --tls-key) tls_key=${2:?--tls-key needs a value}; shift 2 ;;
         --tls-ca) tls_ca=${2:?--tls-ca needs a value}; shift 2 ;;
         --tls-verify) tls_verify=1; shift ;;
+        --cluster-name) cluster_name=${2:?--cluster-name needs a value}; shift 2 ;;
+        --routes) routes=${2:?--routes needs a value}; shift 2 ;;
+        --cluster-listen) cluster_listen=${2:?--cluster-listen needs a value}; shift 2 ;;
         -h|--help) usage ;;
         *) echo "gen-config.sh: unknown option $1" >&2; usage ;;
     esac
@@ -73,8 +90,20 @@ if [[ $tls_verify == 1 ]]; then
     [[ -n "$tls_cert" && -n "$tls_ca" ]] || die "--tls-verify needs --tls-cert, --tls-key and --tls-ca"
 fi
 [[ -z "$tls_ca" || -r "$tls_ca" ]] || die "cannot read --tls-ca $tls_ca"
+route_list=()
+if [[ -n "$cluster_name" || -n "$routes" ]]; then
+    [[ -n "$cluster_name" && -n "$routes" ]] || die "--cluster-name and --routes go together"
+    [[ "$cluster_name" =~ ^[A-Za-z0-9_-]+$ ]] || die "invalid --cluster-name '$cluster_name' (letters, digits, '_' and '-')"
+    IFS=',' read -r -a route_list <<<"$routes"
+    for r in "${route_list[@]}"; do
+        [[ "$r" =~ ^(nats|tls)://[A-Za-z0-9._-]+:[0-9]+$ ]] \
+            || die "invalid route '$r' in --routes (nats://host:port, no credentials: they are added)"
+    done
+    [[ -z "$tls_cert" || -n "$tls_ca" ]] \
+        || die "routes over TLS need --tls-ca (the CA that signed every server's certificate)"
+fi
 # Quoted into the configuration below: no quotes or backslashes.
-for v in "$store_dir" "$listen" "$http" "$server_name" "$tls_cert" "$tls_key" "$tls_ca"; do
+for v in "$store_dir" "$listen" "$http" "$server_name" "$tls_cert" "$tls_key" "$tls_ca" "$cluster_listen"; do
     [[ "$v" != *[\"\\]* ]] || die "no quotes or backslashes in paths and names: $v"
 done
 
@@ -203,6 +232,12 @@ users=(allocator cli)
 for h in "${host_list[@]}"; do users+=("agent-$h"); done
 [[ $admin == 0 ]] || users+=(admin)
 for u in "${users[@]}"; do pw[$u]=$(password "$u"); done
+# The routes' own user (cluster authorization), not an account user.
+if [[ ${#route_list[@]} -gt 0 ]]; then
+    pw[route]=$(password route)
+    [[ "${pw[route]}" =~ ^[A-Za-z0-9._~-]+$ ]] \
+        || die "$out/credentials/route.password: the route password goes into URLs: letters, digits and ._~- only"
+fi
 
 conf="$out/nats-server.conf"
 tmp="$conf.tmp.$$"
@@ -229,6 +264,32 @@ trap 'rm -f "$tmp"' EXIT
         echo "  timeout: 2"
         echo "}"
     fi
+    if [[ ${#route_list[@]} -gt 0 ]]; then
+        echo
+        echo "# Routes between the cluster's servers: every server listens on $cluster_listen and"
+        echo "# dials every route (its own is recognized and skipped)."
+        echo "cluster {"
+        echo "  name: \"$cluster_name\""
+        echo "  listen: \"$cluster_listen\""
+        echo "  authorization {"
+        echo "    user: \"route\""
+        echo "    password: \"${pw[route]}\""
+        echo "    timeout: 2"
+        echo "  }"
+        echo "  routes: ["
+        for r in "${route_list[@]}"; do echo "    \"${r%%://*}://route:${pw[route]}@${r#*://}\""; done
+        echo "  ]"
+        if [[ -n "$tls_cert" ]]; then
+            echo "  tls {"
+            echo "    cert_file: \"$tls_cert\""
+            echo "    key_file: \"$tls_key\""
+            echo "    ca_file: \"$tls_ca\""
+            echo "    verify: true"
+            echo "    timeout: 2"
+            echo "  }"
+        fi
+        echo "}"
+    fi
     echo
     echo "accounts {"
     echo "  CONVERGE {"
@@ -249,4 +310,4 @@ trap 'rm -f "$tmp"' EXIT
 chmod 640 "$tmp"
 mv "$tmp" "$conf"
 trap - EXIT
-echo "wrote $conf for users ${users[*]}; passwords in $out/credentials/" >&2
+echo "wrote $conf for users ${users[*]}${routes:+ and cluster $cluster_name (routes: $routes)}; passwords in $out/credentials/" >&2

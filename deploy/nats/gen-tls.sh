@@ -81,7 +81,9 @@ for a in "${ip_list[@]}"; do [[ -z "$a" ]] || san+=("IP:$a"); done
 {
     echo "basicConstraints=critical,CA:FALSE"
     echo "keyUsage=critical,digitalSignature,keyEncipherment"
-    echo "extendedKeyUsage=serverAuth"
+    # clientAuth too: in a cluster, a server dialing a route presents this certificate
+    # to the other servers, which verify it (gen-config.sh --routes with --tls-cert).
+    echo "extendedKeyUsage=serverAuth,clientAuth"
     echo "subjectAltName=$(IFS=,; echo "${san[*]}")"
 } >"$tmp/server.ext"
 newkey server-key.pem
