@@ -1135,6 +1135,87 @@ mod tests {
         }
     }
 
+    /// One worker, a real shard and a shard that answers an elastic round with a malformed
+    /// frame: the worker drops that shard (its slice stays local), keeps synchronizing the
+    /// other slice, and ends with the real shard's central slice and its own for the other.
+    #[test]
+    fn a_shard_answering_garbage_is_dropped_and_the_other_shard_serves_on() {
+        let master = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = master.local_addr().unwrap().port();
+        let n = 4;
+        let real = thread::spawn(move || {
+            run_easgd_shard(&ps_config(1, 3, 2, port), &Arc::new(AtomicBool::new(false)))
+        });
+        let fake = thread::spawn(move || {
+            let cancel = AtomicBool::new(false);
+            let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+            let own = listener.local_addr().unwrap().port();
+            ring::rendezvous(
+                &ps_config(2, 3, 2, port).ring_config(),
+                2,
+                None,
+                own,
+                &cancel,
+            )
+            .unwrap();
+            let (mut s, _) = listener.accept().unwrap();
+            let mut hs = [0u8; HANDSHAKE_LEN];
+            std::io::Read::read_exact(&mut s, &mut hs).unwrap();
+            configure(&s).unwrap();
+            let failed = AtomicU8::new(0);
+            let link = Link {
+                stream: &s,
+                timeout: Duration::from_secs(5),
+                cancel: &cancel,
+                failed: &failed,
+            };
+            let len = shard_range(n, 1, 2).len();
+            let init = link.read(len).unwrap();
+            let mut start = Frame::new(E_START, 0);
+            start.meta = init.meta[..5].to_vec();
+            start.values = init.values.clone();
+            link.write(&start).unwrap();
+            let round = link.read(len).unwrap();
+            // An answer one value short, with a NaN.
+            let mut bad = Frame::new(E_DELTA, round.seq);
+            bad.meta = vec![0, 0];
+            bad.values = vec![f64::NAN; len - 1];
+            link.write(&bad).unwrap();
+            // Wait for the worker to hang up.
+            let _ = link.read(len);
+        });
+        let start = vec![0.0; n];
+        let (mut c, _) = EasgdClient::connect(
+            &ps_config(0, 3, 2, port),
+            Some(master),
+            n,
+            Some(EasgdInit {
+                step: 0,
+                samples: 0,
+                seed: 1,
+                last_loss: None,
+                params: &start,
+                alpha: 0.5,
+            }),
+            Arc::new(AtomicBool::new(false)),
+        )
+        .unwrap();
+        let r = c.round(&[2.0; 4], 8, false, false, false).unwrap();
+        assert_eq!(c.live_shards(), 1);
+        // Shard 0 (values 0..2) answered δ = 0.5 (2 - 0); the dropped slice moves nothing.
+        assert_eq!(r.delta, vec![1.0, 1.0, 0.0, 0.0]);
+        let r = c.round(&[1.0; 4], 16, true, false, false).unwrap();
+        assert_eq!(r.delta, vec![0.0; 4]);
+        assert!(r.all_done);
+        let (center, total) = c.finish(&[3.0; 4], 16, false);
+        // Shard 0's center: 1 + 0.5 (3 - 1) = 2; the dropped slice is the worker's own.
+        assert_eq!(center, vec![2.0, 2.0, 3.0, 3.0]);
+        assert_eq!(total, Some(16));
+        drop(c);
+        assert_eq!(real.join().unwrap().unwrap(), ShardOutcome::Completed);
+        fake.join().unwrap();
+    }
+
     /// Two workers and two shards: the elastic rounds follow the formula against the central
     /// copy, the final round returns it, and a worker that then sends garbage to a shard is
     /// dropped by it while the other worker is served to the end.
