@@ -344,7 +344,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 .collect();
             let now = unix_now();
             let queue = queue_estimates(&bus, &specs, &statuses, now).await?;
-            let known = known_queues(&bus, rows.iter().map(|(s, _)| *s)).await?;
+            let ctx = queue_context(&bus, rows.iter().map(|(s, _)| *s)).await?;
             if cli.json {
                 let out: Vec<_> = rows
                     .iter()
@@ -355,17 +355,15 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                             "batch_mode": tables::batch_mode(spec, *st),
                             "queue": queue.get(&spec.id),
                             "queue_name": spec.queue_name(),
-                            "queue_exists": known.as_ref().is_none_or(|k| {
-                                spec.queue_name() == converge_common::DEFAULT_QUEUE
-                                    || k.contains(spec.queue_name())
-                            }),
+                            "queue_exists": ctx.as_ref().is_none_or(|c| c.exists(spec)),
+                            "waiting": ctx.as_ref().and_then(|c| c.waiting(spec, *st)),
                             "priority": spec.priority,
                         })
                     })
                     .collect();
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
-                println!("{}", tables::jobs(&rows, now, &queue, known.as_ref()));
+                println!("{}", tables::jobs(&rows, now, &queue, ctx.as_ref()));
             }
         }
         Command::Hosts => {
@@ -463,19 +461,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The queues that exist, read only when one of `specs` names a queue other than
-/// `default` (`None` otherwise: every such job's queue exists).
-async fn known_queues<'a>(
+/// The queues and their statuses, read only when one of `specs` names a queue other than
+/// `default` (`None` otherwise).
+async fn queue_context<'a>(
     bus: &Bus,
     mut specs: impl Iterator<Item = &'a JobSpec>,
-) -> anyhow::Result<Option<std::collections::BTreeSet<String>>> {
+) -> anyhow::Result<Option<queues::Context>> {
     if !specs.any(|s| s.queue_name() != converge_common::DEFAULT_QUEUE) {
         return Ok(None);
     }
-    let buckets = queues::open(bus).await?;
-    Ok(Some(queues::known_names(
-        &queues::load(bus, &buckets).await?,
-    )))
+    Ok(Some(queues::Context::load(bus).await?))
 }
 
 /// Telemetry older than this marks a host lost (the allocator's default `--host-timeout`).

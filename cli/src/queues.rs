@@ -600,13 +600,70 @@ fn print_spec(spec: &QueueSpec, verb: &str, json: bool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// What `converge jobs` knows of the queues its jobs name: which exist and the allocator's
+/// last status of each.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Context {
+    pub known: BTreeSet<String>,
+    pub specs: BTreeMap<String, QueueSpec>,
+    pub statuses: BTreeMap<String, QueueStatus>,
+}
+
+impl Context {
+    /// Reads the queues and their statuses.
+    pub async fn load(bus: &Bus) -> anyhow::Result<Self> {
+        let buckets = open(bus).await?;
+        let stored = load(bus, &buckets).await?;
+        let rejects = Rejects::default();
+        let statuses = bus
+            .load_all::<QueueStatus>(&buckets.status, &rejects)
+            .await
+            .context("cannot read the queues' statuses (KV converge-queue-status)")?;
+        Ok(Self {
+            known: known_names(&stored),
+            specs: stored.into_iter().map(|(k, (s, _))| (k, s)).collect(),
+            statuses: statuses.into_iter().map(|(k, (s, _))| (k, s)).collect(),
+        })
+    }
+
+    /// Whether `spec`'s queue exists.
+    pub fn exists(&self, spec: &JobSpec) -> bool {
+        let q = spec.queue_name();
+        q == DEFAULT_QUEUE || self.known.contains(q)
+    }
+
+    /// Why a pending job of a queue other than `default` waits, when the allocator gave no
+    /// reason: its queue is missing, or what the queue holds against its fair share and
+    /// quota (`waiting for queue team-a: 4 GPUs in use, fair share 4.0, quota 2`).
+    pub fn waiting(&self, spec: &JobSpec, status: Option<&JobStatus>) -> Option<String> {
+        let q = spec.queue_name();
+        if q == DEFAULT_QUEUE
+            || status.is_some_and(|s| {
+                s.phase != converge_common::JobPhase::Pending
+                    || s.message.as_ref().is_some_and(|m| !m.is_empty())
+            })
+        {
+            return None;
+        }
+        if !self.exists(spec) {
+            return Some(format!("queue \"{q}\" does not exist"));
+        }
+        let quota = self.specs.get(q).map_or(0, |s| s.quota_gpus);
+        let st = self.statuses.get(q)?;
+        Some(format!(
+            "waiting for queue {q}: {} GPUs in use, fair share {:.1}, quota {quota}",
+            st.gpus_in_use, st.fair_share_gpus
+        ))
+    }
+}
+
 /// How `converge jobs` shows a job's queue and priority, e.g. `team-a/high`; a queue that
 /// does not exist (deleted, or written past the CLI) is marked `(missing)`.
-pub fn cell(spec: &JobSpec, known: Option<&BTreeSet<String>>) -> String {
-    let q = spec.queue_name();
-    let missing = q != DEFAULT_QUEUE && known.is_some_and(|k| !k.contains(q));
+pub fn cell(spec: &JobSpec, ctx: Option<&Context>) -> String {
+    let missing = ctx.is_some_and(|c| !c.exists(spec));
     format!(
-        "{q}{}/{}",
+        "{}{}/{}",
+        spec.queue_name(),
         if missing { " (missing)" } else { "" },
         spec.priority
     )
@@ -734,11 +791,48 @@ mod tests {
             why.contains("queue \"team-z\" does not exist; existing queues: default, team-a"),
             "{why}"
         );
+        let mut ctx = Context {
+            known,
+            ..Context::default()
+        };
         assert_eq!(
-            cell(&job("a", Some("team-z")), Some(&known)),
+            cell(&job("a", Some("team-z")), Some(&ctx)),
             "team-z (missing)/normal"
         );
-        assert_eq!(cell(&job("a", None), Some(&known)), "default/normal");
+        assert_eq!(cell(&job("a", None), Some(&ctx)), "default/normal");
+        assert_eq!(
+            ctx.waiting(&job("a", Some("team-z")), None).as_deref(),
+            Some("queue \"team-z\" does not exist")
+        );
+        assert_eq!(ctx.waiting(&job("a", Some("team-a")), None), None);
+        ctx.statuses.insert(
+            "team-a".into(),
+            serde_json::from_value(serde_json::json!({
+                "queue": "team-a", "gpus_in_use": 4, "borrowed_gpus": 0, "lent_gpus": 0,
+                "fair_share_gpus": 4.0, "usage_gpu_seconds": 0.0, "half_life_s": 3600.0,
+                "running_jobs": 2, "pending_jobs": 1, "updated_at": 1.0
+            }))
+            .unwrap(),
+        );
+        assert_eq!(
+            ctx.waiting(&job("a", Some("team-a")), None).as_deref(),
+            Some("waiting for queue team-a: 4 GPUs in use, fair share 4.0, quota 0")
+        );
+        let mut running = crate::tables::tests::running_status();
+        assert_eq!(ctx.waiting(&job("a", Some("team-a")), Some(&running)), None);
+        running.phase = converge_common::JobPhase::Pending;
+        running.message = Some("preempted by higher-priority jobs of queue team-a".into());
+        assert_eq!(ctx.waiting(&job("a", Some("team-a")), Some(&running)), None);
+    }
+
+    #[test]
+    fn the_example_job_names_a_queue_and_a_priority() {
+        let spec = JobSpec::from_toml(include_str!("../../examples/jobs/optdigits-urgent.toml"))
+            .expect("the example parses");
+        assert_eq!(
+            (spec.queue_name(), spec.priority),
+            ("vision", converge_common::PriorityClass::High)
+        );
     }
 
     #[test]

@@ -141,13 +141,14 @@ pub fn batch(spec: &JobSpec, status: Option<&JobStatus>) -> String {
 /// The jobs table.
 /// The jobs table; `queue` holds the pending jobs' queue entries (their PHASE cell adds the
 /// position and estimated start).
-/// `known` lists the queues that exist (`None`: not read, every job's queue exists); a job
-/// whose queue does not shows `(missing)` in QUEUE/PRIO.
+/// `queues` holds the queues the jobs name (`None`: not read, every job is in `default`); a
+/// job whose queue does not exist shows `(missing)` in QUEUE/PRIO, and a pending job the
+/// allocator gave no reason says what its queue holds.
 pub fn jobs(
     rows: &[(&JobSpec, Option<&JobStatus>)],
     now: f64,
     queue: &BTreeMap<JobId, QueueEntry>,
-    known: Option<&std::collections::BTreeSet<String>>,
+    queues: Option<&crate::queues::Context>,
 ) -> Table {
     let mut t = Table::new();
     t.load_preset(UTF8_BORDERS_ONLY).set_header(vec![
@@ -177,13 +178,19 @@ pub fn jobs(
         match st {
             Some(s) => t.add_row(vec![
                 spec.id.to_string(),
-                crate::queues::cell(spec, known),
+                crate::queues::cell(spec, queues),
                 label,
-                match queue.get(&s.job) {
-                    Some(q) if s.phase == JobPhase::Pending => {
-                        format!("{} ({})", phase_with_reason(s), queue_note(q, now))
+                {
+                    let phase = match queues.and_then(|c| c.waiting(spec, Some(s))) {
+                        Some(why) => format!("{}: {why}", phase(s)),
+                        None => phase_with_reason(s),
+                    };
+                    match queue.get(&s.job) {
+                        Some(q) if s.phase == JobPhase::Pending => {
+                            format!("{phase} ({})", queue_note(q, now))
+                        }
+                        _ => phase,
                     }
-                    _ => phase_with_reason(s),
                 },
                 format!("{} ({range})", s.world_size),
                 s.generation.to_string(),
@@ -199,9 +206,12 @@ pub fn jobs(
             ]),
             None => t.add_row(vec![
                 spec.id.to_string(),
-                crate::queues::cell(spec, known),
+                crate::queues::cell(spec, queues),
                 label,
-                "submitted".into(),
+                match queues.and_then(|c| c.waiting(spec, None)) {
+                    Some(why) => format!("submitted: {why}"),
+                    None => "submitted".into(),
+                },
                 format!("0 ({range})"),
                 "-".into(),
                 "-".into(),

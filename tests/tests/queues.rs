@@ -626,6 +626,25 @@ async fn idle_quota_is_lent_and_reclaimed() {
     assert_eq!((a.borrowed_gpus, b.borrowed_gpus), (0, 0), "{a:?} {b:?}");
     assert_eq!(a.pending_jobs, 2, "{a:?}");
 
+    // A third team-b job waits: both queues are at their quota, nothing is lent. The
+    // preempted team-a jobs say why they wait, the new one what its queue holds.
+    submit(
+        &nats,
+        &write_job(
+            &TrainerJob::new("b-3", 1000),
+            Some("team-b"),
+            "normal",
+            work.path(),
+        ),
+    );
+    tokio::time::sleep(2 * period).await;
+    let jobs = ok(&nats, &["jobs"]);
+    println!("{jobs}");
+    assert!(
+        jobs.contains("waiting for queue team-b: 2 GPUs in use, fair share 2.0, quota 2"),
+        "{jobs}"
+    );
+    assert!(jobs.contains("over its fair share"), "{jobs}");
     let table = ok(&nats, &["queue", "list"]);
     println!("{table}");
     allocator.stop().await;
