@@ -1036,9 +1036,14 @@ async fn follow_progress(
     }
 }
 
+/// How long the progress consumer may deliver nothing while the stream holds newer reports
+/// before [`follow_progress_once`] re-creates it.
+const PROGRESS_STALL: Duration = Duration::from_secs(3);
+
 /// Follows the progress stream from `*last_seq + 1` until the consumer ends or the client
-/// reconnects (`Ok`), updating `*last_seq`; sends [`Input::ProgressCaughtUp`] once, when
-/// the reports that were in the stream at the first start have been read.
+/// reconnects (`Ok`) or stalls (`Err`), updating `*last_seq`; sends
+/// [`Input::ProgressCaughtUp`] once, when the reports that were in the stream at the first
+/// start have been read.
 async fn follow_progress_once(
     client: &async_nats::Client,
     js: &jetstream::Context,
@@ -1070,6 +1075,10 @@ async fn follow_progress_once(
     }
     let mut state_tick = tokio::time::interval(Duration::from_millis(500));
     let mut was_connected = true;
+    // On a NATS cluster the consumer lives on one server, which may die while this client
+    // stays connected to another: when nothing arrived for PROGRESS_STALL although the
+    // stream holds newer reports, the consumer is re-created (from the next report).
+    let mut last_delivery = tokio::time::Instant::now();
     loop {
         let msg = tokio::select! {
             msg = messages.next() => match msg {
@@ -1083,9 +1092,22 @@ async fn follow_progress_once(
                     return Ok(());
                 }
                 was_connected = connected;
+                if connected && last_delivery.elapsed() >= PROGRESS_STALL {
+                    last_delivery = tokio::time::Instant::now();
+                    if let Ok(info) = stream.info().await
+                        && info.state.last_sequence > *last_seq
+                    {
+                        anyhow::bail!(
+                            "consumer stalled: the stream holds report {} but nothing arrived \
+                             for {PROGRESS_STALL:?} (its server may be gone)",
+                            info.state.last_sequence
+                        );
+                    }
+                }
                 continue;
             }
         };
+        last_delivery = tokio::time::Instant::now();
         let msg = match msg {
             Ok(m) => m,
             Err(e) => {

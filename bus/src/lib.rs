@@ -736,7 +736,8 @@ async fn ensure_stream_once(
 /// values the bucket held when the follower started have been read (at once for an empty
 /// bucket), `caught_up()` is sent, if it gives a message. After a watch error it watches
 /// again a second later (from the current values: what `read` builds must tolerate seeing
-/// an entry twice).
+/// an entry twice). A watch that delivers nothing for [`KV_WATCH_STALL`] while the bucket
+/// holds newer revisions is re-created at once.
 pub async fn follow_kv<T>(
     store: kv::Store,
     tx: tokio::sync::mpsc::Sender<T>,
@@ -758,11 +759,41 @@ pub async fn follow_kv<T>(
         {
             return;
         }
+        let mut stalled = false;
         match store.watch_with_history(">").await {
             Ok(mut watch) => {
-                while let Some(entry) = watch.next().await {
+                let mut last_revision = 0u64;
+                let mut last_delivery = tokio::time::Instant::now();
+                let mut tick = tokio::time::interval(KV_WATCH_STALL / 2);
+                loop {
+                    let entry = tokio::select! {
+                        entry = watch.next() => entry,
+                        _ = tick.tick() => {
+                            if last_delivery.elapsed() >= KV_WATCH_STALL {
+                                last_delivery = tokio::time::Instant::now();
+                                let mut stream = store.stream.clone();
+                                if let Ok(info) = stream.info().await
+                                    && info.state.last_sequence > last_revision
+                                {
+                                    tracing::warn!(
+                                        bucket = %store.name,
+                                        "watch stalled: the bucket holds revision {} but \
+                                         nothing arrived for {KV_WATCH_STALL:?} (its consumer's \
+                                         server may be gone); watching again",
+                                        info.state.last_sequence
+                                    );
+                                    stalled = true;
+                                    break;
+                                }
+                            }
+                            continue;
+                        }
+                    };
+                    let Some(entry) = entry else { break };
                     match entry {
                         Ok(entry) => {
+                            last_delivery = tokio::time::Instant::now();
+                            last_revision = last_revision.max(entry.revision);
                             let last_of_start = !done && entry.delta == 0;
                             if let Some(m) = read(entry)
                                 && tx.send(m).await.is_err()
@@ -785,9 +816,17 @@ pub async fn follow_kv<T>(
         if tx.is_closed() {
             return;
         }
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        let pause = if stalled { 250 } else { 1000 };
+        tokio::time::sleep(Duration::from_millis(pause)).await;
     }
 }
+
+/// How long a [`follow_kv`] watch may deliver nothing while its bucket holds newer
+/// revisions before it is re-created. On a NATS cluster a watch's consumer lives on one
+/// server; when that server dies, the client (connected elsewhere) would otherwise notice
+/// only after missed idle heartbeats and a failed re-creation while JetStream elects a new
+/// meta leader: longer than the allocator's --host-timeout.
+const KV_WATCH_STALL: Duration = Duration::from_secs(3);
 
 impl Bus {
     /// Creates (or opens, if they exist) the four KV buckets and the progress stream,
