@@ -6,6 +6,7 @@
                                     = host:rank list), '-' for missing; nothing if no status
   cvtool.py phases                  stdin: jobs JSON; prints 'job phase generation step' lines
   cvtool.py fresh-hosts SECONDS     stdin: `converge --json hosts`; hosts heard within SECONDS
+  cvtool.py ages                    stdin: hosts JSON; 'host seconds' since each heartbeat
   cvtool.py pids JOB                stdin: hosts JSON; 'host gen rank pid' of JOB's live workers
   cvtool.py metric NAME [LABELS]    stdin: Prometheus text; the sum of NAME's samples (whose
                                     labels contain LABELS, e.g. 'policy="true"'); '-' if none
@@ -14,6 +15,14 @@
   cvtool.py logtimes REGEX           stdin: `docker logs -t`; UNIX time of each matching line
   cvtool.py lost LOGDIR JOB GEN     progress lost when generation GEN started: last progress
                                     step of the generations before it, minus GEN's resume step
+  cvtool.py jsz                     stdin: nats-server /jsz?accounts=true&streams=true&config=true;
+                                    'meta LEADER SIZE', then per stream 'stream NAME REPLICAS
+                                    LEADER CURRENT MESSAGES' (CURRENT: replicas up to date,
+                                    leader included)
+  cvtool.py connz                   stdin: nats-server /connz; 'NAME START' per client
+                                    connection (START: UNIX time the server accepted it)
+  cvtool.py progress-lines LOGDIR JOB...  valid CONVERGE_PROGRESS lines the workers of JOBs
+                                    printed (all generations and ranks)
 """
 import glob, json, os, re, sys, time
 
@@ -72,6 +81,9 @@ def main():
             s = j.get("status") or {}
             if s:
                 print(s["job"], s["phase"], s["generation"], s.get("step", 0))
+    elif cmd == "ages":
+        for h in json.load(sys.stdin):
+            print(h["host"], "%.1f" % (time.time() - h["time"]))
     elif cmd == "fresh-hosts":
         limit = float(args[0])
         hs = [h["host"] for h in json.load(sys.stdin) if time.time() - h["time"] < limit]
@@ -108,6 +120,39 @@ def main():
         if resumed is None:
             print("- - -"); return
         print(last, resumed, max(0, last - resumed))
+    elif cmd == "jsz":
+        j = json.load(sys.stdin)
+        meta = j.get("meta_cluster") or {}
+        print("meta", meta.get("leader") or "-", meta.get("cluster_size") or "-")
+        for acc in j.get("account_details") or []:
+            for st in acc.get("stream_detail") or []:
+                cl = st.get("cluster") or {}
+                current = (1 if cl.get("leader") else 0) + sum(
+                    1 for r in cl.get("replicas") or [] if r.get("current") and not r.get("offline"))
+                print("stream", st["name"], (st.get("config") or {}).get("num_replicas", "-"),
+                      cl.get("leader") or "-", current, (st.get("state") or {}).get("messages", 0))
+    elif cmd == "connz":
+        import datetime
+        for c in json.load(sys.stdin).get("connections") or []:
+            d, _, frac = c["start"].rstrip("Z").partition(".")
+            tz = datetime.timezone.utc
+            if "+" in frac or "-" in frac:  # a local offset: the server's clock is UTC here
+                frac = re.split(r"[+-]", frac)[0]
+            t = datetime.datetime.strptime(d, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=tz).timestamp()
+            print(c.get("name") or "-", "%.3f" % (t + float("0." + (frac or "0"))))
+    elif cmd == "progress-lines":
+        n = 0
+        for job in args[1:]:
+            for path in glob.glob(os.path.join(args[0], job, "gen*-rank*.log")):
+                with open(path, errors="replace") as f:
+                    for line in f:
+                        if line.startswith("CONVERGE_PROGRESS "):
+                            try:
+                                json.loads(line[len("CONVERGE_PROGRESS "):])["step"]
+                            except Exception:
+                                continue
+                            n += 1
+        print(n)
     else:
         sys.exit(f"cvtool.py: unknown command {cmd}")
 

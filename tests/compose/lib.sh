@@ -15,6 +15,10 @@
 # failure or Ctrl-C) it prints the failure, the containers, their log tails and the worker
 # log tails, then removes everything (`down -v`) and the secrets, unless --keep.
 #
+# A test that sets cv_cluster=1 before cv_init runs deploy/docker-compose.cluster.yml on
+# top: three NATS servers (nats, nats-2, nats-3), each published on its own free port, the
+# CLI given all three URLs (CONVERGE_NATS_URL), 3 replicas.
+#
 # Environment: CV_SUMMARY_FILE (set by run-all.sh): cv_pass/failures append one line to it.
 
 cv_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -31,6 +35,7 @@ now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="${2:-$(date +%s.%N)}" 'BEGIN { printf "%.1f", b - a }'; }
 
 cv_name="" skip_build=0 keep=0 started_up=0 passed=0 failure="" cv_secrets="" cv_profiles=() cv_tmpfiles=()
+cv_cluster="${cv_cluster:-0}" cv_compose_files=(-f "$cv_compose_file")
 fail() { failure="$*"; exit 1; }
 
 cv_usage() {
@@ -65,13 +70,25 @@ cv_init() {
         echo "$cv_name: neither 'docker compose' nor 'docker-compose' is available" >&2; exit 1
     fi
     project="converge-$cv_name-$$-$(date +%s)"
-    nats_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+    local free_port='import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+    nats_port=$(python3 -c "$free_port")
     cv_secrets=$(mktemp -d -t converge-secrets.XXXXXX)
     export CONVERGE_NATS_BIND=127.0.0.1 CONVERGE_NATS_PORT="$nats_port" CONVERGE_FAKE_GPUS=2 \
         CONVERGE_SCHEDULING_INTERVAL="${CONVERGE_SCHEDULING_INTERVAL:-5s}" CONVERGE_RESTART_COST=10s CONVERGE_HORIZON=60s \
         CONVERGE_STOP_GRACE=10s CONVERGE_METRICS_ADDR=0.0.0.0:9464 \
         CONVERGE_SECRETS_DIR="$cv_secrets"
     export CONVERGE_NATS_URL="nats://127.0.0.1:$nats_port"
+    if [[ $cv_cluster -eq 1 ]]; then
+        cv_compose_files+=(-f "$cv_root/deploy/docker-compose.cluster.yml")
+        CONVERGE_NATS_PORT_2=$(python3 -c "$free_port")
+        CONVERGE_NATS_PORT_3=$(python3 -c "$free_port")
+        while [[ $CONVERGE_NATS_PORT_3 == "$CONVERGE_NATS_PORT_2" || $CONVERGE_NATS_PORT_2 == "$nats_port" || $CONVERGE_NATS_PORT_3 == "$nats_port" ]]; do
+            CONVERGE_NATS_PORT_3=$(python3 -c "$free_port")
+            CONVERGE_NATS_PORT_2=$(python3 -c "$free_port")
+        done
+        export CONVERGE_NATS_PORT_2 CONVERGE_NATS_PORT_3 CONVERGE_BUS_REPLICAS=3
+        export CONVERGE_NATS_URL="nats://127.0.0.1:$nats_port,nats://127.0.0.1:$CONVERGE_NATS_PORT_2,nats://127.0.0.1:$CONVERGE_NATS_PORT_3"
+    fi
     # The host-side CLI is the `cli` user.
     export CONVERGE_NATS_USER=cli CONVERGE_NATS_PASSWORD_FILE="$cv_secrets/credentials/cli.password"
     unset CONVERGE_NATS_PASSWORD CONVERGE_NATS_NKEY CONVERGE_NATS_CREDS
@@ -85,7 +102,7 @@ cv_init() {
 compose() {
     local p=()
     for x in "${cv_profiles[@]}"; do p+=(--profile "$x"); done
-    "${cv_compose_cmd[@]}" -p "$project" -f "$cv_compose_file" "${p[@]}" "$@"
+    "${cv_compose_cmd[@]}" -p "$project" "${cv_compose_files[@]}" "${p[@]}" "$@"
 }
 
 cv_summary() { [[ -z "${CV_SUMMARY_FILE:-}" ]] || printf '%s\t%s\n' "$cv_name" "$*" >>"$CV_SUMMARY_FILE"; }
@@ -118,7 +135,7 @@ cv_cleanup() {
     if [[ $started_up -eq 1 ]]; then
         if [[ $keep -eq 1 ]]; then
             echo "cluster kept: project $project, NATS at $CONVERGE_NATS_URL (user cli, password file $CONVERGE_NATS_PASSWORD_FILE)"
-            echo "remove it with: CONVERGE_SECRETS_DIR=$cv_secrets ${cv_compose_cmd[*]} -p $project -f $cv_compose_file --profile ha down -v; rm -rf $cv_secrets"
+            echo "remove it with: CONVERGE_SECRETS_DIR=$cv_secrets ${cv_compose_cmd[*]} -p $project ${cv_compose_files[*]} --profile ha down -v; rm -rf $cv_secrets"
         else
             log "tearing down ($project, down -v)"
             compose down -v --remove-orphans >/dev/null 2>&1 || compose down -v >/dev/null 2>&1 || true
@@ -157,9 +174,11 @@ cv_three_agents() { [[ $(cv_fresh_hosts 5 | wc -w) -ge 3 ]]; }
 
 # cv_up [SERVICE...]: secrets, `up -d`, three agents reporting.
 cv_up() {
-    log "NATS configuration and passwords (deploy/nats/compose-secrets.sh $cv_secrets)"
-    "$cv_root/deploy/nats/compose-secrets.sh" "$cv_secrets" 2>/dev/null || fail "compose-secrets.sh failed"
-    log "up -d (project $project, NATS on 127.0.0.1:$nats_port, user cli)"
+    local cluster_arg=()
+    [[ $cv_cluster -eq 0 ]] || cluster_arg=(--cluster)
+    log "NATS configuration and passwords (deploy/nats/compose-secrets.sh ${cluster_arg[*]} $cv_secrets)"
+    "$cv_root/deploy/nats/compose-secrets.sh" "${cluster_arg[@]}" "$cv_secrets" 2>/dev/null || fail "compose-secrets.sh failed"
+    log "up -d (project $project, NATS on $CONVERGE_NATS_URL, user cli)"
     cv_t_up=$(now)
     started_up=1
     compose up -d "$@" >/dev/null 2>&1 || { compose up -d "$@" || true; fail "compose up failed"; }

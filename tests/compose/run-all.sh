@@ -3,6 +3,7 @@
 #
 #   1. deploy/build-images.sh (once; skips what is up to date)
 #   2. with --skip-build each: happy-path.sh, agent-restart.sh, nats-restart.sh,
+#      nats-cluster.sh (three NATS servers, deploy/docker-compose.cluster.yml),
 #      kill-allocator.sh, partition.sh, two-allocators.sh, monitoring.sh (compose, secured
 #      NATS, each its own project), systemd-verify.sh, systemd-container.sh
 #      (--no-systemd-container leaves it out)
@@ -46,7 +47,7 @@ docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null \
     || no_docker "neither 'docker compose' nor 'docker-compose' is available"
 command -v python3 >/dev/null || { echo "run-all.sh: python3 is required" >&2; exit 1; }
 
-tests=(happy-path agent-restart nats-restart kill-allocator partition two-allocators monitoring systemd-verify)
+tests=(happy-path agent-restart nats-restart nats-cluster kill-allocator partition two-allocators monitoring systemd-verify)
 [[ $systemd_container -eq 0 ]] || tests+=(systemd-container)
 if [[ ${#only[@]} -gt 0 ]]; then
     for t in "${only[@]}"; do [[ -x "$here/$t.sh" ]] || { echo "run-all.sh: no test $t" >&2; exit 2; }; done
