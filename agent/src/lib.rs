@@ -402,6 +402,9 @@ fn emit(out: &mpsc::Sender<Outgoing>, host: &HostId, kind: EventKind, message: S
     )));
 }
 
+/// How long the outbox retries a progress report NATS does not acknowledge.
+const PROGRESS_PATIENCE: Duration = Duration::from_secs(30);
+
 /// Publishes progress reports (JetStream, acknowledged, retried) on this host's subject of
 /// each job (`converge.v1.progress.<job>.<host>`: the only ones a secured server lets this
 /// agent publish to) and events (core NATS).
@@ -411,18 +414,25 @@ async fn run_outbox(bus: Bus, host: HostId, mut rx: mpsc::Receiver<Outgoing>) {
             Outgoing::Progress(report) => {
                 debug_assert_eq!(report.host, host, "reports name the agent's host");
                 let subject = subjects::progress(&report.job, &host);
+                // Retried for PROGRESS_PATIENCE: on a NATS cluster a stream whose leader
+                // died refuses writes at once ("no stream found") until a new leader is
+                // elected, 4 to 9 s later; five quick retries would give up before that.
+                let started = tokio::time::Instant::now();
                 let mut attempt = 0u32;
                 loop {
                     match bus.publish_acked(subject.clone(), &report).await {
                         Ok(()) => break,
-                        Err(e) if attempt < 5 => {
+                        Err(e) if started.elapsed() < PROGRESS_PATIENCE => {
                             attempt += 1;
-                            tracing::warn!("{e}; retry {attempt}/5");
-                            tokio::time::sleep(Duration::from_millis(200 * u64::from(attempt)))
-                                .await;
+                            tracing::warn!("{e}; retry {attempt}");
+                            let delay = (200 * u64::from(attempt)).min(2000);
+                            tokio::time::sleep(Duration::from_millis(delay)).await;
                         }
                         Err(e) => {
-                            tracing::error!("progress report lost after 5 retries: {e}");
+                            tracing::error!(
+                                "progress report lost after {attempt} retries in {:?}: {e}",
+                                started.elapsed()
+                            );
                             break;
                         }
                     }
