@@ -458,3 +458,62 @@ fn a_sync_peer_sending_bad_data_is_dropped_and_the_worker_trains_on() {
         );
     }
 }
+
+/// Generation fencing as in the other modes: a stale generation stops at once without
+/// writing; a running one that finds a newer generation's checkpoint at a periodic save
+/// stops without overwriting it.
+#[test]
+fn stale_shadow_generations_are_fenced() {
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let limit = Duration::from_secs(60);
+    let outs = run(&ckpt, 2, 0, 3, &["--shadow", "ma", "--epochs", "1"], limit);
+    assert_eq!(codes(&outs), vec![Some(0), Some(0)]);
+    let before = std::fs::read(ckpt.join("checkpoint.json")).unwrap();
+    let outs = run(&ckpt, 2, 0, 2, &["--shadow", "ma", "--epochs", "2"], limit);
+    for o in &outs {
+        assert_ne!(o.status.code(), Some(0));
+        assert!(stderr(o).contains("fenced"), "{}", stderr(o));
+        assert!(progress(&o.stdout).is_empty());
+    }
+    assert_eq!(std::fs::read(ckpt.join("checkpoint.json")).unwrap(), before);
+
+    // One worker of generation 4 checkpoints every round of its periodic saves; a checkpoint
+    // of generation 9 appears: it stops without overwriting it.
+    let mut children = spawn(
+        &ckpt,
+        1,
+        0,
+        4,
+        free_port(),
+        std::iter::once(0),
+        &[
+            "--shadow",
+            "ma",
+            "--epochs",
+            "500",
+            "--checkpoint-every",
+            "0.2",
+            "--step-delay-ms",
+            "1",
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while checkpoint(&ckpt)["generation"] != 4 {
+        assert!(Instant::now() < deadline, "no periodic checkpoint");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut newer = checkpoint(&ckpt);
+    newer["generation"] = 9.into();
+    let tmp = ckpt.join("newer.tmp");
+    std::fs::write(&tmp, serde_json::to_vec(&newer).unwrap()).unwrap();
+    std::fs::rename(&tmp, ckpt.join("checkpoint.json")).unwrap();
+    let written = std::fs::read(ckpt.join("checkpoint.json")).unwrap();
+    let outs = wait_all(std::mem::take(&mut children), Duration::from_secs(30));
+    assert_ne!(outs[0].status.code(), Some(0));
+    assert!(stderr(&outs[0]).contains("fenced"), "{}", stderr(&outs[0]));
+    assert_eq!(
+        std::fs::read(ckpt.join("checkpoint.json")).unwrap(),
+        written
+    );
+}

@@ -263,7 +263,14 @@ impl Trainer<'_> {
                 })
                 .collect();
             let shadow = match background {
-                Background::Alone => None,
+                Background::Alone => {
+                    // Nobody to synchronize with: the local model is the job's, and rank 0
+                    // checkpoints it every --checkpoint-every seconds as ring mode does.
+                    if me.env.rank == 0 && me.ckpt_dir.is_some() {
+                        s.spawn(move || me.checkpoint_alone(sh, ctx));
+                    }
+                    None
+                }
                 Background::Ring(ring, bm) => {
                     Some(s.spawn(move || me.shadow_ring(sh, ctx, ring, bm)))
                 }
@@ -551,6 +558,20 @@ impl Trainer<'_> {
                 // A newer generation owns the checkpoint: this one stops.
                 sh.halt.store(true, Ordering::SeqCst);
                 self.stop.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// A single worker's periodic checkpoints of its local model while it trains.
+    fn checkpoint_alone(&self, sh: &Shared, ctx: &Ctx) {
+        let every = Duration::from_secs_f64(self.args.checkpoint_every);
+        let mut last = Instant::now();
+        while sh.running.load(Ordering::SeqCst) > 0 {
+            thread::sleep(every.min(Duration::from_millis(100)));
+            if last.elapsed() >= every && sh.running.load(Ordering::SeqCst) > 0 {
+                let own = sh.samples.load(Ordering::SeqCst);
+                self.checkpoint_consensus(sh, ctx, &sh.params.to_vec(), None, own);
+                last = Instant::now();
             }
         }
     }
