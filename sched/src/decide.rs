@@ -569,7 +569,8 @@ fn capped_max(job: &JobView, hosts: &[HostFree]) -> u32 {
 }
 
 /// GPUs a job could use under `policy`: its largest size under a policy that resizes running
-/// jobs, its requested size under one that does not; 0 for a job that can never run.
+/// jobs, its requested size (at least its current one) under one that does not; 0 for a job
+/// that can never run.
 fn demand_gpus(job: &JobView, hosts: &[HostFree], resizes: bool) -> u64 {
     let max = capped_max(job, hosts);
     let min = job.min_workers.max(1);
@@ -579,7 +580,11 @@ fn demand_gpus(job: &JobView, hosts: &[HostFree], resizes: bool) -> u64 {
     let workers = if resizes {
         max
     } else {
-        job.requested_workers.clamp(min, max)
+        // At least what it runs with now: a running job's size is its floor.
+        let current = job.placement.len() as u32;
+        job.requested_workers
+            .clamp(min, max)
+            .max(if current <= max { current } else { 0 })
     };
     u64::from(workers) * u64::from(job.gpus_per_worker)
 }
@@ -679,9 +684,19 @@ pub fn decide_queued(
         }
         Some(_) => {
             let order = queued_order(&known);
+            let most: BTreeMap<&QueueId, u32> =
+                specs.iter().map(|(n, s)| (n, s.max_gpus())).collect();
             let by_id: BTreeMap<&JobId, &JobView> = known.iter().map(|j| (&j.id, *j)).collect();
             let mut size = |view: &ClusterView, jobs: &[PolicyJob]| -> Decision {
-                size_by_queue(view, jobs, &by_id, &budget, policy, resizes, &mut preempted)
+                size_by_queue(
+                    view,
+                    jobs,
+                    &by_id,
+                    (&budget, &most),
+                    policy,
+                    resizes,
+                    &mut preempted,
+                )
             };
             decide_in_order(cluster, &order, policy, placement, Some(&mut size))
         }
@@ -727,7 +742,7 @@ fn size_by_queue(
     view: &ClusterView,
     jobs: &[PolicyJob],
     by_id: &BTreeMap<&JobId, &JobView>,
-    budget: &BTreeMap<&QueueId, Share>,
+    (budget, most): (&BTreeMap<&QueueId, Share>, &BTreeMap<&QueueId, u32>),
     policy: &dyn Policy,
     resizes: bool,
     preempted: &mut BTreeMap<JobId, String>,
@@ -761,7 +776,9 @@ fn size_by_queue(
         u64::from(workers) * u64::from(job.gpus_per_worker)
     };
     let mut remaining: BTreeMap<&QueueId, u64> = BTreeMap::new();
-    for ((queue, _), members) in &groups {
+    let mut queue_used: BTreeMap<&QueueId, u64> = BTreeMap::new();
+    let mut sized_groups: Vec<(&QueueId, Vec<PolicyJob>, Vec<PolicyJob>, u64)> = Vec::new();
+    for ((queue, class), members) in &groups {
         let share = budget.get(queue).copied();
         let full = u64::from(share.map_or(0, |s| s.budget));
         let left = *remaining.entry(queue).or_insert(full);
@@ -801,23 +818,94 @@ fn size_by_queue(
             .filter(|j| !out.contains(&j.id))
             .map(|j| (*j).clone())
             .collect();
+        // A class takes from the lower classes' running jobs only what its jobs ask for (their
+        // requested sizes, or what they hold now); beyond that only GPUs nobody holds.
+        let lower_held: u64 = groups
+            .range((*queue, std::cmp::Reverse(class.0))..)
+            .filter(|((q, c), _)| q == queue && c.0 < class.0)
+            .flat_map(|(_, m)| m.iter())
+            .map(|j| gpus(j, j.current_workers))
+            .sum();
+        let asked: u64 = kept
+            .iter()
+            .map(|j| {
+                let min = j.min_workers.max(1);
+                let requested = if min <= j.max_workers {
+                    j.requested_workers.clamp(min, j.max_workers)
+                } else {
+                    0
+                };
+                gpus(j, requested.max(j.current_workers.min(j.max_workers)))
+            })
+            .sum();
+        let allowed = left.min(left.saturating_sub(lower_held).max(asked));
         let group_view = ClusterView {
-            total_gpus: u32::try_from(left).unwrap_or(u32::MAX),
+            total_gpus: u32::try_from(allowed).unwrap_or(u32::MAX),
             ..*view
         };
         let sized = policy.allocate(&group_view, &kept);
         let mut used = 0u64;
         for job in &kept {
             let w = sized.workers.get(&job.id).copied().unwrap_or(0);
-            used += u64::from(w) * u64::from(job.gpus_per_worker);
+            used += gpus(job, w);
             decision.workers.insert(job.id.clone(), w);
         }
-        for id in out {
-            decision.workers.insert(id, 0);
+        for id in &out {
+            decision.workers.insert(id.clone(), 0);
         }
         remaining.insert(queue, left.saturating_sub(used));
+        *queue_used.entry(queue).or_default() += used;
+        let victims: Vec<PolicyJob> = members
+            .iter()
+            .filter(|j| out.contains(&j.id))
+            .map(|j| (*j).clone())
+            .collect();
+        sized_groups.push((*queue, kept, victims, used));
+    }
+    // Work conservation: GPUs the budgets left unused (a gang that did not fit, a queue
+    // that cannot use its whole share) go to the groups that can still use them, in queue
+    // name order, highest class first, each queue up to its quota plus borrowing limit; the
+    // group's preempted jobs are candidates again (a job is not preempted for GPUs that
+    // would stay idle).
+    let mut leftover = u64::from(view.total_gpus).saturating_sub(queue_used.values().sum());
+    for (queue, mut kept, victims, used) in sized_groups {
+        if leftover == 0 {
+            break;
+        }
+        kept.extend(victims);
+        let room = u64::from(most.get(queue).copied().unwrap_or(0))
+            .saturating_sub(queue_used.get(queue).copied().unwrap_or(0));
+        let extra = leftover.min(room);
+        if extra == 0 || kept.is_empty() {
+            continue;
+        }
+        let group_view = ClusterView {
+            total_gpus: u32::try_from(used + extra).unwrap_or(u32::MAX),
+            ..*view
+        };
+        let sized = policy.allocate(&group_view, &kept);
+        let again: u64 = kept
+            .iter()
+            .map(|j| gpus(j, sized.workers.get(&j.id).copied().unwrap_or(0)))
+            .sum();
+        if again > used {
+            for job in &kept {
+                let w = sized.workers.get(&job.id).copied().unwrap_or(0);
+                if w > 0 {
+                    preempted.remove(&job.id);
+                }
+                decision.workers.insert(job.id.clone(), w);
+            }
+            leftover -= again - used;
+            *queue_used.entry(queue).or_default() += again - used;
+        }
     }
     decision
+}
+
+/// GPUs of `workers` workers of `job`.
+fn gpus(job: &PolicyJob, workers: u32) -> u64 {
+    u64::from(workers) * u64::from(job.gpus_per_worker)
 }
 
 #[cfg(test)]
@@ -1139,8 +1227,8 @@ mod tests {
         }
 
         /// Any queues and classes: the decision keeps its contract, no queue holds more
-        /// than its quota plus borrowing limit, and a queue that gets less than its quota
-        /// (and its demand) lost nothing to another queue's borrowing.
+        /// than its quota plus borrowing limit, and jobs are reclaimed (preempted for
+        /// another queue) only from queues that held more than their quota.
         #[test]
         fn queues_never_lose_their_quota_to_borrowers(
             (seed, jobs, nodes, gpus, _selectors) in setup(),
@@ -1170,18 +1258,18 @@ mod tests {
                     prop_assert!(held <= s.max_gpus(), "{}: {} holds {}", policy, name, held);
                     let status = &d.statuses[name];
                     prop_assert_eq!(status.gpus_in_use, held);
-                    if quota_sum <= total {
-                        // Its guarantee (quota while needed) never went to another queue.
-                        let others: u32 = specs
-                            .iter()
-                            .filter(|(n, _)| *n != name)
-                            .map(|(n, o)| gpus_of(&d.allocation, &views, n.as_str()).saturating_sub(o.quota_gpus))
-                            .sum();
-                        let guaranteed = status.fair_share_gpus.min(f64::from(s.quota_gpus));
-                        prop_assert!(
-                            others == 0 || f64::from(total - others) + 1e-9 >= guaranteed,
-                            "{}: {} borrowed into {}'s quota", policy, others, name
-                        );
+                    // Borrowed GPUs are reclaimed only from a queue that held more than its
+                    // quota before the decision.
+                    let before: u32 = views
+                        .iter()
+                        .filter(|v| v.queue == *name)
+                        .map(|v| v.placement.iter().map(|r| r.gpus.len() as u32).sum::<u32>())
+                        .sum();
+                    for (id, why) in &d.preempted {
+                        let mine = views.iter().any(|v| v.id == *id && v.queue == *name);
+                        if mine && why.contains("over its fair share") && quota_sum <= total {
+                            prop_assert!(before > s.quota_gpus, "{}: {} reclaimed from {} within quota", policy, id, name);
+                        }
                     }
                 }
             }

@@ -24,7 +24,9 @@
 //! than a deadline or a spent GPU-hour budget of the job's `[stop]` table. A pending job starts
 //! when, with the jobs ahead of it started in turn, enough GPUs are free; it then keeps them
 //! (its own end is not guessed). No arrivals and no resizes are assumed. `None` when a job it
-//! waits for has no throughput yet.
+//! waits for has no throughput yet. Queues are ignored: the estimate treats the cluster as
+//! one pool in submission order, without quotas, borrowing or priority classes
+//! ([`crate::queues`]), so a job whose queue is at its quota may start later than shown.
 
 use crate::fit::{Curve, samples_to_reach};
 use converge_common::{JobId, JobPhase, JobSpec, JobStatus};
