@@ -623,8 +623,12 @@ fn queued_order<'a>(jobs: &[&'a JobView]) -> Vec<&'a JobView> {
 ///    that does not) no longer fit are preempted whole, most recently started first and no
 ///    more than needed ([`queues::victims`]); the policy ([`Policy::allocate`]) sizes the
 ///    others and the class's pending jobs within what is left, so an elastic job may be
-///    shrunk rather than preempted. Placement then places every job, running ones first,
-///    pending ones highest class first. A policy that places jobs itself (Pollux) sizes
+///    shrunk rather than preempted. A class takes from lower classes' running jobs only
+///    what its jobs ask for (requested sizes, or what they hold); beyond that only GPUs
+///    nobody holds. GPUs the budgets leave unused then go to the groups that can still use
+///    them (queue name order, highest class first, each queue up to its quota plus
+///    borrowing limit; its preempted jobs are candidates again). Placement then places
+///    every job, running ones first, pending ones highest class first. A policy that places jobs itself (Pollux) sizes
 ///    through [`Policy::allocate`] here and [`crate::placement`] places.
 /// 5. Each queue's new [`QueueStatus`]: GPUs held, borrowed and lent, fair share, usage.
 pub fn decide_queued(
