@@ -150,6 +150,7 @@ mod tests {
             hosts: 0,
             batch: None,
             node_rank: None,
+            shadow: None,
         }
     }
 

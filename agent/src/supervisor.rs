@@ -14,8 +14,9 @@
 use crate::reconcile::{Action, WorkerKey, WorkerView, decide, restart_delay};
 use converge_bus::unix_now;
 use converge_common::{
-    Event, EventKind, GradientReading, HostId, PROTOCOL_VERSION, ProgressReport, WorkerAssignment,
-    WorkerPhase, WorkerProgressLine, WorkerState,
+    Event, EventKind, GradientReading, HostId, PROTOCOL_VERSION, ProgressReport, ShadowSpec,
+    SyncArch, WorkerAssignment, WorkerPhase, WorkerProgressLine, WorkerState,
+    jobspec::SHADOW_ENV,
 };
 use futures::StreamExt;
 use nix::sys::signal::{Signal, killpg};
@@ -515,6 +516,24 @@ fn worker_env(
         }
         None => BATCH_VARS.to_vec(),
     };
+    // The sync architecture, and a shadow job's `[shadow]` table: the parameters it gives,
+    // the others unset so that the program's defaults apply.
+    let mut unset = unset;
+    let sync = if a.shadow.is_some() {
+        SyncArch::Shadow
+    } else if a.num_ps > 0 {
+        SyncArch::Ps
+    } else {
+        SyncArch::Ring
+    };
+    set.push(("CONVERGE_SYNC", sync.as_str().into()));
+    let shadow = a.shadow.as_ref().map(ShadowSpec::env).unwrap_or_default();
+    for name in SHADOW_ENV {
+        match shadow.iter().find(|(k, _)| *k == name) {
+            Some((k, v)) => set.push((k, OsString::from(v))),
+            None => unset.push(name),
+        }
+    }
     (set, unset)
 }
 
@@ -681,6 +700,7 @@ mod tests {
             hosts: 2,
             batch: None,
             node_rank: None,
+            shadow: None,
         }
     }
 
@@ -724,12 +744,40 @@ mod tests {
             ("CONVERGE_ACCUM_STEPS", "1"),
             ("CONVERGE_TOTAL_BATCH", "96"),
             ("CONVERGE_REFERENCE_BATCH", "64"),
+            ("CONVERGE_SYNC", "ring"),
         ];
         let got: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
         let mut want = expect.to_vec();
         want.sort();
         assert_eq!(got, want);
-        assert!(unset.is_empty());
+        assert_eq!(unset, SHADOW_ENV);
+    }
+
+    #[test]
+    fn worker_env_gives_a_shadow_job_its_table_and_unsets_the_rest() {
+        let mut a = assignment(0, 0, 1);
+        a.shadow = Some(ShadowSpec {
+            algorithm: converge_common::ShadowAlgorithm::Bmuf,
+            block_momentum: Some(0.25),
+            block_lr: None,
+            block_nesterov: true,
+            elastic_alpha: None,
+            hogwild_threads: Some(2),
+        });
+        let (env, unset) = env_map(&a);
+        assert_eq!(env["CONVERGE_SYNC"], "shadow");
+        assert_eq!(env["CONVERGE_SHADOW_ALGORITHM"], "bmuf");
+        assert_eq!(env["CONVERGE_SHADOW_BLOCK_MOMENTUM"], "0.25");
+        assert_eq!(env["CONVERGE_SHADOW_BLOCK_NESTEROV"], "true");
+        assert_eq!(env["CONVERGE_SHADOW_HOGWILD_THREADS"], "2");
+        assert!(unset.contains(&"CONVERGE_SHADOW_BLOCK_LR"));
+        assert!(unset.contains(&"CONVERGE_SHADOW_ELASTIC_ALPHA"));
+        assert!(!unset.contains(&"CONVERGE_SHADOW_ALGORITHM"));
+        // A parameter-server job without a table.
+        let mut ps = assignment(0, 0, 1);
+        ps.num_ps = 1;
+        ps.world_size = 2;
+        assert_eq!(env_map(&ps).0["CONVERGE_SYNC"], "ps");
     }
 
     #[test]
@@ -740,7 +788,7 @@ mod tests {
         let (env, unset) = env_map(&a);
         assert!(!env.contains_key("TORCH_NCCL_ASYNC_ERROR_HANDLING"));
         assert!(!env.keys().any(|k| k.starts_with("CONVERGE_BATCH")));
-        assert_eq!(unset, BATCH_VARS);
+        assert_eq!(&unset[..BATCH_VARS.len()], BATCH_VARS);
         assert_eq!(env["GROUP_RANK"], "0");
         // The plan's node rank wins over the fallback.
         let mut b = assignment(3, 1, 2);

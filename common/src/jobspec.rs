@@ -13,7 +13,7 @@ pub const MAX_WORKERS: u32 = 4096;
 /// Largest number of GPUs per worker (one worker never spans hosts).
 pub const MAX_GPUS_PER_WORKER: u32 = 16;
 /// Environment variables set by the agent (worker contract) that a spec may not override.
-pub const RESERVED_ENV: [&str; 19] = [
+pub const RESERVED_ENV: [&str; 26] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -33,7 +33,35 @@ pub const RESERVED_ENV: [&str; 19] = [
     "CONVERGE_ACCUM_STEPS",
     "CONVERGE_TOTAL_BATCH",
     "CONVERGE_REFERENCE_BATCH",
+    "CONVERGE_SYNC",
+    SHADOW_ENV[0],
+    SHADOW_ENV[1],
+    SHADOW_ENV[2],
+    SHADOW_ENV[3],
+    SHADOW_ENV[4],
+    SHADOW_ENV[5],
 ];
+
+/// The worker-contract variables of a shadow job's `[shadow]` table (docs/protocol.md,
+/// "Worker contract"), set by the agent only for the parameters the spec gives (the others
+/// are unset, so the program's defaults apply) and for `arch = "shadow"` jobs only:
+/// `CONVERGE_SHADOW_ALGORITHM` (`ma`, `bmuf`, `easgd`), `CONVERGE_SHADOW_BLOCK_MOMENTUM`,
+/// `CONVERGE_SHADOW_BLOCK_LR`, `CONVERGE_SHADOW_BLOCK_NESTEROV` (`true`),
+/// `CONVERGE_SHADOW_ELASTIC_ALPHA`, `CONVERGE_SHADOW_HOGWILD_THREADS`. converge-trainer reads
+/// them as the defaults of `--shadow`, `--block-momentum`, `--block-lr`,
+/// `--block-nesterov`, `--elastic-alpha` and `--hogwild-threads`.
+pub const SHADOW_ENV: [&str; 6] = [
+    "CONVERGE_SHADOW_ALGORITHM",
+    "CONVERGE_SHADOW_BLOCK_MOMENTUM",
+    "CONVERGE_SHADOW_BLOCK_LR",
+    "CONVERGE_SHADOW_BLOCK_NESTEROV",
+    "CONVERGE_SHADOW_ELASTIC_ALPHA",
+    "CONVERGE_SHADOW_HOGWILD_THREADS",
+];
+
+/// Most Hogwild training threads per worker a `[shadow]` table may ask for (the trainer's
+/// own bound).
+pub const MAX_HOGWILD_THREADS: u32 = 64;
 
 /// Largest batch (total or per worker) a `[batch]` table may name, in samples.
 pub const MAX_BATCH: u32 = 1 << 24;
@@ -80,6 +108,159 @@ pub enum SyncArch {
     /// workers' placement (LP planner, see docs/scheduling.md); the shards get the ranks
     /// after the workers and every process `CONVERGE_NUM_PS`.
     Ps,
+    /// ShadowSync (Zheng et al., arXiv 2003.03477): workers train without waiting for each
+    /// other while a background thread per worker synchronizes the model, with the
+    /// algorithm and parameters of the `[shadow]` table ([`ShadowSpec`]). Its step time
+    /// excludes synchronization; contention lowers its sync frequency instead
+    /// (docs/communication.md, "Shadow jobs in the scheduler"). S-EASGD jobs get
+    /// parameter-server shards as `ps` jobs do (`max_ps`).
+    Shadow,
+}
+
+impl SyncArch {
+    /// The value of the worker contract's `CONVERGE_SYNC`: `ring`, `ps` or `shadow`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SyncArch::Ring => "ring",
+            SyncArch::Ps => "ps",
+            SyncArch::Shadow => "shadow",
+        }
+    }
+}
+
+/// A shadow job's synchronization algorithm (`[shadow] algorithm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ShadowAlgorithm {
+    /// S-MA: model averaging by ring all-reduce among the workers' shadow threads.
+    Ma,
+    /// S-BMUF: block momentum on the averaged model.
+    Bmuf,
+    /// S-EASGD: elastic averaging against a central copy on parameter-server shards.
+    Easgd,
+}
+
+impl ShadowAlgorithm {
+    /// The spec's and `CONVERGE_SHADOW_ALGORITHM`'s spelling: `ma`, `bmuf`, `easgd`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ShadowAlgorithm::Ma => "ma",
+            ShadowAlgorithm::Bmuf => "bmuf",
+            ShadowAlgorithm::Easgd => "easgd",
+        }
+    }
+
+    /// The paper's name: S-MA, S-BMUF, S-EASGD.
+    pub fn paper_name(self) -> &'static str {
+        match self {
+            ShadowAlgorithm::Ma => "S-MA",
+            ShadowAlgorithm::Bmuf => "S-BMUF",
+            ShadowAlgorithm::Easgd => "S-EASGD",
+        }
+    }
+
+    /// All three, in this order.
+    pub const ALL: [ShadowAlgorithm; 3] = [
+        ShadowAlgorithm::Ma,
+        ShadowAlgorithm::Bmuf,
+        ShadowAlgorithm::Easgd,
+    ];
+}
+
+/// The `[shadow]` table of an `arch = "shadow"` job. Parameters left out take the
+/// program's defaults (converge-trainer: block momentum `min(1 − 1/W, 0.5)`, block learning
+/// rate `1 − η`, moving rate `0.9 / W` with `W` workers, one Hogwild thread), so they
+/// follow the world size of each generation.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShadowSpec {
+    pub algorithm: ShadowAlgorithm,
+    /// S-BMUF block momentum η, in [0, 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_momentum: Option<f64>,
+    /// S-BMUF block learning rate ζ, > 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_lr: Option<f64>,
+    /// S-BMUF: Nesterov block momentum (workers restart each block from `x + η v`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub block_nesterov: bool,
+    /// S-EASGD moving rate α, in (0, 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic_alpha: Option<f64>,
+    /// Hogwild training threads per worker, 1 to [`MAX_HOGWILD_THREADS`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hogwild_threads: Option<u32>,
+}
+
+impl ShadowSpec {
+    /// Checks every parameter's range and that each belongs to the algorithm (the
+    /// trainer refuses another algorithm's options at start; the spec is refused at submit
+    /// instead).
+    pub fn validate(&self) -> Result<(), String> {
+        let bmuf = self.algorithm == ShadowAlgorithm::Bmuf;
+        if let Some(eta) = self.block_momentum
+            && !(eta.is_finite() && (0.0..1.0).contains(&eta))
+        {
+            return Err(format!("`block_momentum` is {eta}; it must be in [0, 1)"));
+        }
+        if let Some(zeta) = self.block_lr
+            && !(zeta.is_finite() && zeta > 0.0)
+        {
+            return Err(format!(
+                "`block_lr` is {zeta}; the block learning rate must be a positive number"
+            ));
+        }
+        if let Some(alpha) = self.elastic_alpha
+            && !(alpha.is_finite() && alpha > 0.0 && alpha <= 1.0)
+        {
+            return Err(format!(
+                "`elastic_alpha` is {alpha}; the moving rate must be in (0, 1]"
+            ));
+        }
+        if let Some(t) = self.hogwild_threads
+            && !(1..=MAX_HOGWILD_THREADS).contains(&t)
+        {
+            return Err(format!(
+                "`hogwild_threads` is {t}; it must be between 1 and {MAX_HOGWILD_THREADS}"
+            ));
+        }
+        if !bmuf && (self.block_momentum.is_some() || self.block_lr.is_some() || self.block_nesterov)
+        {
+            return Err(format!(
+                "`block_momentum`, `block_lr` and `block_nesterov` are for `algorithm = \"bmuf\"`, not \"{}\"",
+                self.algorithm.as_str()
+            ));
+        }
+        if self.algorithm != ShadowAlgorithm::Easgd && self.elastic_alpha.is_some() {
+            return Err(format!(
+                "`elastic_alpha` is for `algorithm = \"easgd\"`, not \"{}\"",
+                self.algorithm.as_str()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The worker contract's shadow variables ([`SHADOW_ENV`]) this table sets: the
+    /// algorithm, and each parameter it gives.
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        let mut vars = vec![(SHADOW_ENV[0], self.algorithm.as_str().to_string())];
+        if let Some(eta) = self.block_momentum {
+            vars.push((SHADOW_ENV[1], eta.to_string()));
+        }
+        if let Some(zeta) = self.block_lr {
+            vars.push((SHADOW_ENV[2], zeta.to_string()));
+        }
+        if self.block_nesterov {
+            vars.push((SHADOW_ENV[3], "true".to_string()));
+        }
+        if let Some(alpha) = self.elastic_alpha {
+            vars.push((SHADOW_ENV[4], alpha.to_string()));
+        }
+        if let Some(t) = self.hogwild_threads {
+            vars.push((SHADOW_ENV[5], t.to_string()));
+        }
+        vars
+    }
 }
 
 /// When the allocator ends a job before its program exits (the `[stop]` table): SLAQ's
@@ -167,9 +348,14 @@ pub struct JobSpec {
     pub workers: Option<u32>,
     #[serde(default)]
     pub arch: SyncArch,
-    /// Most parameter-server shards (`arch = "ps"` only; default: as many as workers).
+    /// Most parameter-server shards (`arch = "ps"` and S-EASGD shadow jobs only; default: as
+    /// many as workers).
     #[serde(default)]
     pub max_ps: Option<u32>,
+    /// ShadowSync's algorithm and parameters (`[shadow]`; required with `arch = "shadow"`,
+    /// refused otherwise).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<ShadowSpec>,
     /// Training loss at which the job counts as converged: the allocator stops it and marks
     /// it completed.
     #[serde(default)]
@@ -234,7 +420,7 @@ pub enum JobSpecError {
     Workers { workers: u32, min: u32, max: u32 },
     #[error("`target_loss` must be a finite number, got {0}")]
     TargetLoss(f64),
-    #[error("`max_ps` is only for `arch = \"ps\"` jobs")]
+    #[error("`max_ps` is only for `arch = \"ps\"` jobs and shadow jobs with `algorithm = \"easgd\"`")]
     MaxPsWithoutPs,
     #[error("`max_ps` must be between 1 and {MAX_PS}, got {0}")]
     MaxPs(u32),
@@ -248,6 +434,8 @@ pub enum JobSpecError {
     Batch(String),
     #[error("`[selector]`: {0}")]
     Selector(String),
+    #[error("`[shadow]`: {0}")]
+    Shadow(String),
     #[error("unsupported protocol version {0}")]
     Protocol(u32),
 }
@@ -275,6 +463,26 @@ impl JobSpec {
         self.queue
             .as_ref()
             .map_or(crate::queues::DEFAULT_QUEUE, QueueId::as_str)
+    }
+
+    /// Whether the job's processes include parameter-server shards: `arch = "ps"`, and
+    /// shadow jobs with S-EASGD (their central copy lives on the shards).
+    pub fn has_ps_shards(&self) -> bool {
+        match self.arch {
+            SyncArch::Ps => true,
+            SyncArch::Shadow => self
+                .shadow
+                .is_some_and(|s| s.algorithm == ShadowAlgorithm::Easgd),
+            SyncArch::Ring => false,
+        }
+    }
+
+    /// The shadow algorithm of an `arch = "shadow"` job (`None` for other jobs).
+    pub fn shadow_algorithm(&self) -> Option<ShadowAlgorithm> {
+        match self.arch {
+            SyncArch::Shadow => self.shadow.map(|s| s.algorithm),
+            _ => None,
+        }
     }
 
     /// Workers the user asked for: `workers`, else `max_workers()`.
@@ -317,11 +525,23 @@ impl JobSpec {
         {
             return Err(JobSpecError::TargetLoss(t));
         }
-        match (self.arch, self.max_ps) {
-            (SyncArch::Ring, Some(_)) => return Err(JobSpecError::MaxPsWithoutPs),
-            (SyncArch::Ps, Some(p)) if !(1..=MAX_PS).contains(&p) => {
-                return Err(JobSpecError::MaxPs(p));
+        match (self.arch, &self.shadow) {
+            (SyncArch::Shadow, None) => {
+                return Err(JobSpecError::Shadow(
+                    "`arch = \"shadow\"` needs the table, e.g. [shadow] algorithm = \"ma\" (or \"bmuf\", \"easgd\")".into(),
+                ));
             }
+            (SyncArch::Shadow, Some(s)) => s.validate().map_err(JobSpecError::Shadow)?,
+            (_, Some(_)) => {
+                return Err(JobSpecError::Shadow(
+                    "the table is only for `arch = \"shadow\"` jobs".into(),
+                ));
+            }
+            _ => {}
+        }
+        match self.max_ps {
+            Some(_) if !self.has_ps_shards() => return Err(JobSpecError::MaxPsWithoutPs),
+            Some(p) if !(1..=MAX_PS).contains(&p) => return Err(JobSpecError::MaxPs(p)),
             _ => {}
         }
         if let Some(b) = &self.batch {
@@ -408,7 +628,7 @@ impl StopSpec {
 impl JobSpec {
     fn validate_batch(&self, b: &BatchSpec) -> Result<(), JobSpecError> {
         let bad = |m: String| Err(JobSpecError::Batch(m));
-        if self.arch == SyncArch::Ps {
+        if self.arch != SyncArch::Ring {
             return bad("adaptive batch sizes are for `arch = \"ring\"` jobs only".into());
         }
         let max_per = b.max_per_worker();
@@ -503,6 +723,78 @@ mod tests {
         let err =
             JobSpec::from_toml(&format!("{base}[env]\nCONVERGE_NUM_PS = \"3\"\n")).unwrap_err();
         assert!(err.to_string().contains("CONVERGE_NUM_PS"), "{err}");
+    }
+
+    #[test]
+    fn shadow_jobs_parse_with_defaults_and_bad_parameters_are_refused() {
+        let base = "id = \"s\"\ncommand = [\"t\"]\nmax_workers = 4\narch = \"shadow\"\n";
+        let ma = JobSpec::from_toml(&format!("{base}[shadow]\nalgorithm = \"ma\"\n")).unwrap();
+        let s = ma.shadow.unwrap();
+        assert_eq!(ma.arch, SyncArch::Shadow);
+        assert_eq!(ma.shadow_algorithm(), Some(ShadowAlgorithm::Ma));
+        assert_eq!(
+            (s.block_momentum, s.block_lr, s.block_nesterov, s.elastic_alpha, s.hogwild_threads),
+            (None, None, false, None, None)
+        );
+        assert!(!ma.has_ps_shards());
+        // Only the algorithm reaches the workers: the trainer's defaults follow W.
+        assert_eq!(s.env(), vec![("CONVERGE_SHADOW_ALGORITHM", "ma".to_string())]);
+        let json = serde_json::to_string(&ma).unwrap();
+        assert_eq!(serde_json::from_str::<JobSpec>(&json).unwrap(), ma);
+
+        let bmuf = JobSpec::from_toml(&format!(
+            "{base}[shadow]\nalgorithm = \"bmuf\"\nblock_momentum = 0\nblock_lr = 0.5\nblock_nesterov = true\nhogwild_threads = 4\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            bmuf.shadow.unwrap().env(),
+            vec![
+                ("CONVERGE_SHADOW_ALGORITHM", "bmuf".to_string()),
+                ("CONVERGE_SHADOW_BLOCK_MOMENTUM", "0".to_string()),
+                ("CONVERGE_SHADOW_BLOCK_LR", "0.5".to_string()),
+                ("CONVERGE_SHADOW_BLOCK_NESTEROV", "true".to_string()),
+                ("CONVERGE_SHADOW_HOGWILD_THREADS", "4".to_string()),
+            ]
+        );
+        let easgd = JobSpec::from_toml(&format!(
+            "{base}max_ps = 2\n[shadow]\nalgorithm = \"easgd\"\nelastic_alpha = 1\n"
+        ))
+        .unwrap();
+        assert!(easgd.has_ps_shards());
+        assert_eq!(easgd.max_ps, Some(2));
+
+        for (table, expect) in [
+            ("algorithm = \"bmuf\"\nblock_momentum = 1", "`block_momentum` is 1; it must be in [0, 1)"),
+            ("algorithm = \"bmuf\"\nblock_momentum = -0.1", "must be in [0, 1)"),
+            ("algorithm = \"bmuf\"\nblock_momentum = nan", "must be in [0, 1)"),
+            ("algorithm = \"bmuf\"\nblock_lr = 0", "`block_lr` is 0"),
+            ("algorithm = \"easgd\"\nelastic_alpha = 0", "`elastic_alpha` is 0; the moving rate must be in (0, 1]"),
+            ("algorithm = \"easgd\"\nelastic_alpha = 1.5", "must be in (0, 1]"),
+            ("algorithm = \"ma\"\nhogwild_threads = 0", "`hogwild_threads` is 0"),
+            ("algorithm = \"ma\"\nhogwild_threads = 65", "between 1 and 64"),
+            ("algorithm = \"ma\"\nblock_momentum = 0.5", "are for `algorithm = \"bmuf\"`, not \"ma\""),
+            ("algorithm = \"bmuf\"\nelastic_alpha = 0.5", "is for `algorithm = \"easgd\"`"),
+            ("algorithm = \"sgd\"", "unknown variant `sgd`"),
+            ("algorithm = \"ma\"\nalpha = 0.5", "unknown field `alpha`"),
+        ] {
+            check(&format!("{base}[shadow]\n{table}\n"), expect);
+        }
+        check(base, "`arch = \"shadow\"` needs the table");
+        check(
+            "id = \"s\"\ncommand = [\"t\"]\n[shadow]\nalgorithm = \"ma\"\n",
+            "only for `arch = \"shadow\"` jobs",
+        );
+        check(
+            &format!("{base}max_ps = 1\n[shadow]\nalgorithm = \"ma\"\n"),
+            "`max_ps` is only for",
+        );
+        check(
+            &format!("{base}[shadow]\nalgorithm = \"ma\"\n[batch]\nreference = 8\nmax_total = 16\n"),
+            "adaptive batch sizes are for `arch = \"ring\"` jobs only",
+        );
+        for var in ["CONVERGE_SYNC", "CONVERGE_SHADOW_ALGORITHM", "CONVERGE_SHADOW_ELASTIC_ALPHA"] {
+            check(&format!("{base}[shadow]\nalgorithm = \"ma\"\n[env]\n{var} = \"x\"\n"), var);
+        }
     }
 
     #[test]

@@ -13,7 +13,9 @@ pub mod subjects;
 pub mod sweep;
 
 pub use ids::{HostId, IdError, JobId, QueueId};
-pub use jobspec::{BatchSpec, JobSpec, JobSpecError, PlateauSpec, StopSpec, SyncArch};
+pub use jobspec::{
+    BatchSpec, JobSpec, JobSpecError, PlateauSpec, ShadowAlgorithm, ShadowSpec, StopSpec, SyncArch,
+};
 pub use messages::*;
 pub use queues::{DEFAULT_QUEUE, PriorityClass, QueueSpec, QueueStatus};
 

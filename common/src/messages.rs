@@ -553,6 +553,11 @@ pub struct WorkerAssignment {
     /// rank 0's host): torchrun's node rank, passed as `GROUP_RANK`. Absent in older plans.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node_rank: Option<u32>,
+    /// The `[shadow]` table of an `arch = "shadow"` job (absent for other jobs and in older
+    /// plans): the agent sets `CONVERGE_SYNC=shadow` and the table's variables
+    /// ([`crate::jobspec::SHADOW_ENV`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<crate::ShadowSpec>,
 }
 
 /// A generation's batch, in samples: `total = workers × per_worker × (accum_steps + 1)`.
@@ -1170,6 +1175,7 @@ mod tests {
                     reference: 64,
                 }),
                 node_rank: Some(0),
+                shadow: None,
             }],
         }
     }

@@ -114,7 +114,7 @@ fn remaining_samples(curve: Option<&Curve>, target_loss: Option<f64>, samples: f
 /// (locality, after Yu et al., IEEE TNSE 2021). Shards take the ranks after the workers and
 /// no GPU.
 fn ps_shards(status: &JobStatus, spec: &JobSpec) -> Vec<RankPlacement> {
-    if spec.arch != SyncArch::Ps || status.world_size == 0 {
+    if !spec.has_ps_shards() || status.world_size == 0 {
         return Vec::new();
     }
     if !status.ps_placement.is_empty() {
@@ -1238,7 +1238,10 @@ fn plan_ps_jobs(
     let mut shards: BTreeMap<JobId, Vec<RankPlacement>> = BTreeMap::new();
     let mut replan: Vec<(&JobStatus, &JobSpec)> = Vec::new();
     for (s, spec) in active {
-        if spec.arch != SyncArch::Ps {
+        // S-EASGD shadow jobs keep their central copy on shards planned the same way (the
+        // planner's price of a step stands for their sync round: a faster round, more
+        // rounds per second).
+        if !spec.has_ps_shards() {
             continue;
         }
         let ranks = placed.get(&s.job).map_or(&[][..], Vec::as_slice);
@@ -1472,6 +1475,7 @@ fn plans(
                     hosts: worker_hosts,
                     batch: status.batch.as_ref().and_then(|b| b.plan),
                     node_rank,
+                    shadow: spec.shadow.filter(|_| spec.arch == SyncArch::Shadow),
                 });
             }
         }

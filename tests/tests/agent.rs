@@ -36,6 +36,7 @@ fn worker(
         hosts: 0,
         batch: None,
         node_rank: None,
+        shadow: None,
     }
 }
 

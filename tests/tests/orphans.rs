@@ -50,6 +50,7 @@ fn worker(job: &str, rank: u32, world: u32, command: Vec<String>) -> WorkerAssig
         hosts: 1,
         batch: None,
         node_rank: Some(0),
+        shadow: None,
     }
 }
 

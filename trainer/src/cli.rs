@@ -56,7 +56,7 @@ resumes in either mode and at any split of workers and shards. A rank that loses
 (after the I/O timeout of 60 s at most); worker 0 then keeps its last checkpoint, since the
 momentum of later steps was on the shards.
 
-ShadowSync mode (--shadow ma|bmuf|easgd; see the trainer's shadow module docs): workers train their own copy of the model with local SGD steps (--hogwild-threads lock-free threads each) and never wait for a peer; a background thread per worker synchronizes the copy round after round: S-MA averages the models by ring all-reduce, S-BMUF applies block momentum (--block-momentum, --block-lr, --block-nesterov) to the average, S-EASGD moves each model and a central copy on CONVERGE_NUM_PS >= 1 shards toward each other (--elastic-alpha). Peers are reached as in ring mode (or parameter-server mode for S-EASGD). A peer that fails or sends malformed data is dropped (logged) and the worker trains on alone. Progress lines add sync_rounds_per_s and model_gap (the relative distance between the local and the synchronized model); sync_s is 0, the step time is a local step's.
+ShadowSync mode (--shadow ma|bmuf|easgd; see the trainer's shadow module docs): workers train their own copy of the model with local SGD steps (--hogwild-threads lock-free threads each) and never wait for a peer; a background thread per worker synchronizes the copy round after round: S-MA averages the models by ring all-reduce, S-BMUF applies block momentum (--block-momentum, --block-lr, --block-nesterov) to the average, S-EASGD moves each model and a central copy on CONVERGE_NUM_PS >= 1 shards toward each other (--elastic-alpha). Peers are reached as in ring mode (or parameter-server mode for S-EASGD). A peer that fails or sends malformed data is dropped (logged) and the worker trains on alone. Progress lines add sync_rounds_per_s and model_gap (the relative distance between the local and the synchronized model); sync_s is 0, the step time is a local step's. Started by converge-agent for an arch = \"shadow\" job, the spec's [shadow] table arrives as CONVERGE_SHADOW_ALGORITHM, CONVERGE_SHADOW_BLOCK_MOMENTUM, CONVERGE_SHADOW_BLOCK_LR, CONVERGE_SHADOW_BLOCK_NESTEROV, CONVERGE_SHADOW_ELASTIC_ALPHA and CONVERGE_SHADOW_HOGWILD_THREADS, the defaults of those options (command-line options win).
 
 Rank 0 prints progress lines on stdout:
   CONVERGE_PROGRESS {\"step\":120,\"samples\":3840,\"loss\":0.53,\"epoch\":0.118,\"eval_loss\":0.55,\"sync_s\":0.0021,\"model_bytes\":5200,\"grad_sqr\":0.0153,\"grad_var\":2.41}
@@ -170,31 +170,36 @@ pub struct Args {
     /// ShadowSync: synchronize in a background thread with this algorithm instead of in
     /// every step: ma (model averaging, S-MA), bmuf (block momentum, S-BMUF) or easgd
     /// (elastic averaging against the CONVERGE_NUM_PS shards, S-EASGD).
-    #[arg(long, value_enum, value_name = "ALGORITHM")]
+    #[arg(long, value_enum, value_name = "ALGORITHM", env = "CONVERGE_SHADOW_ALGORITHM")]
     pub shadow: Option<ShadowAlgo>,
 
     /// S-BMUF block momentum η, in [0, 1) [default: min(1 - 1/workers, 0.5); fairseq and
     /// CNTK use 1 - 1/workers for blocks of many local steps].
-    #[arg(long, value_name = "ETA")]
+    #[arg(long, value_name = "ETA", env = "CONVERGE_SHADOW_BLOCK_MOMENTUM")]
     pub block_momentum: Option<f64>,
 
     /// S-BMUF block learning rate ζ (> 0) [default: 1 - η, so that the block step's gain
     /// ζ / (1 - η) is 1; fairseq's and CNTK's ζ = 1 amplifies the step 1/(1 - η)-fold, which
     /// diverged in the measurements of docs/communication.md with a round every few local
     /// steps].
-    #[arg(long, value_name = "ZETA")]
+    #[arg(long, value_name = "ZETA", env = "CONVERGE_SHADOW_BLOCK_LR")]
     pub block_lr: Option<f64>,
 
     /// S-BMUF: workers restart each block from x + η v (Nesterov block momentum).
-    #[arg(long)]
+    #[arg(long, env = "CONVERGE_SHADOW_BLOCK_NESTEROV")]
     pub block_nesterov: bool,
 
     /// S-EASGD moving rate α, in (0, 1] [default: 0.9 / workers].
-    #[arg(long, value_name = "ALPHA")]
+    #[arg(long, value_name = "ALPHA", env = "CONVERGE_SHADOW_ELASTIC_ALPHA")]
     pub elastic_alpha: Option<f64>,
 
     /// ShadowSync: training threads per worker updating its model lock-free (Hogwild).
-    #[arg(long, default_value_t = 1, value_name = "N")]
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_name = "N",
+        env = "CONVERGE_SHADOW_HOGWILD_THREADS"
+    )]
     pub hogwild_threads: usize,
 
     /// ShadowSync: least time between two synchronization rounds of a worker's background
