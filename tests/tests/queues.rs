@@ -647,6 +647,36 @@ async fn idle_quota_is_lent_and_reclaimed() {
     assert!(jobs.contains("over its fair share"), "{jobs}");
     let table = ok(&nats, &["queue", "list"]);
     println!("{table}");
+
+    // team-b deleted with --force: its jobs stop and wait with the reason; team-a's pending
+    // jobs take the GPUs no quota covers any more.
+    let err = refused(&nats, &["queue", "delete", "team-b"]);
+    assert!(err.contains("3 active job(s): b-1, b-2, b-3"), "{err}");
+    ok(&nats, &["queue", "delete", "team-b", "--force"]);
+    let after_delete = wait_running(
+        &bus,
+        &hosts,
+        &a_jobs.map(|id| (id, 1)),
+        Duration::from_secs(60),
+        "team-a's four jobs running again",
+    )
+    .await;
+    for id in ["b-1", "b-2", "b-3"] {
+        let s = status(&bus, id).await;
+        assert_eq!(s.phase, JobPhase::Pending, "{id}: {s:?}");
+        assert_eq!(
+            s.message.as_deref(),
+            Some("queue \"team-b\" does not exist"),
+            "{id}"
+        );
+        assert!(!after_delete.contains_key(id), "{id}'s workers stopped");
+    }
+    let jobs = ok(&nats, &["jobs"]);
+    assert!(
+        jobs.contains("team-b (missing)/normal")
+            && jobs.contains("queue \"team-b\" does not exist"),
+        "{jobs}"
+    );
     allocator.stop().await;
     for a in agents {
         a.stop().await;
