@@ -752,6 +752,8 @@ pub async fn follow_kv<T>(
             None => true,
         }
     };
+    // The keys seen and their latest revisions: read directly while no watch works.
+    let mut known: BTreeMap<String, u64> = BTreeMap::new();
     loop {
         if !done
             && store.status().await.is_ok_and(|s| s.values() == 0)
@@ -760,7 +762,11 @@ pub async fn follow_kv<T>(
             return;
         }
         let mut stalled = false;
-        match store.watch_with_history(">").await {
+        // Bounded, so that the known keys are read every few seconds while it fails.
+        let watch = tokio::time::timeout(Duration::from_secs(2), store.watch_with_history(">"))
+            .await
+            .unwrap_or_else(|_| Err(kv::WatchError::new(kv::WatchErrorKind::TimedOut)));
+        match watch {
             Ok(mut watch) => {
                 let mut last_revision = 0u64;
                 let mut last_delivery = tokio::time::Instant::now();
@@ -794,6 +800,7 @@ pub async fn follow_kv<T>(
                         Ok(entry) => {
                             last_delivery = tokio::time::Instant::now();
                             last_revision = last_revision.max(entry.revision);
+                            known.insert(entry.key.clone(), entry.revision);
                             let last_of_start = !done && entry.delta == 0;
                             if let Some(m) = read(entry)
                                 && tx.send(m).await.is_err()
@@ -815,6 +822,22 @@ pub async fn follow_kv<T>(
         }
         if tx.is_closed() {
             return;
+        }
+        // Until a watch works again (creating one needs JetStream's meta leader, which a
+        // cluster may be electing), read the known keys directly: a direct get is answered
+        // by any replica, so the follower still sees heartbeats meanwhile.
+        for (key, revision) in known.iter_mut() {
+            let get = tokio::time::timeout(Duration::from_secs(1), store.entry(key.as_str()));
+            if let Ok(Ok(Some(entry))) = get.await
+                && entry.revision > *revision
+            {
+                *revision = entry.revision;
+                if let Some(m) = read(entry)
+                    && tx.send(m).await.is_err()
+                {
+                    return;
+                }
+            }
         }
         let pause = if stalled { 250 } else { 1000 };
         tokio::time::sleep(Duration::from_millis(pause)).await;
