@@ -12,17 +12,24 @@
 #   jct   the same kind of jobs submitted to the allocator (FIFO, fixed sizes) once with
 #         --placement first-fit and once with --placement bco: per job its placement, step
 #         time and completion time -> OUT/jct-first-fit.json, OUT/jct-bco.json and a table.
+#   scaling  (only with --only scaling; docs/communication.md, "Throughput scaling on shaped
+#         links") ring, parameter-server, S-MA, S-BMUF and S-EASGD jobs of 1, 2, 4, 8 workers,
+#         one per host, started directly in the hosts' namespaces (tests/netns/scaling.py) on
+#         9 hosts (the shard of ps and S-EASGD on the ninth): samples/s, scaling efficiency,
+#         sync rounds/s and model gap -> OUT/scaling.csv, OUT/scaling.md, OUT/scaling.svg.
+#         --rate defaults to 200mbit there (the measured setting); SCALING_ARGS adds options of scaling.py.
 #
-#   sudo ./deploy/placement-bench.sh [--out DIR] [--rate RATE] [--only grid|jct] [--bin DIR]
-#                                    [--debug] [--no-build]
+#   sudo ./deploy/placement-bench.sh [--out DIR] [--rate RATE] [--only grid|jct|scaling]
+#                                    [--bin DIR] [--debug] [--no-build]
 #
-# Needs root (network namespaces); about 8 minutes on two cores.
+# Needs root (network namespaces); about 8 minutes on two cores (grid and jct), about 6 for
+# scaling.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 out=bench-out
-rate=1gbit
+rate=""
 only=""
 bin=""
 profile=release
@@ -39,7 +46,10 @@ while [[ $# -gt 0 ]]; do
         *) echo "placement-bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-[[ -z "$only" || "$only" == grid || "$only" == jct ]] || { echo "placement-bench.sh: --only takes grid or jct" >&2; exit 2; }
+[[ -z "$only" || "$only" == grid || "$only" == jct || "$only" == scaling ]] || { echo "placement-bench.sh: --only takes grid, jct or scaling" >&2; exit 2; }
+if [[ -z "$rate" ]]; then
+    if [[ "$only" == scaling ]]; then rate=200mbit; else rate=1gbit; fi
+fi
 mkdir -p "$out"
 out=$(realpath "$out")
 if [[ "$build" == 1 ]]; then
@@ -79,6 +89,15 @@ if [[ -z "$only" || "$only" == grid ]]; then
     echo "==> grid: ring jobs on 1-4 hosts, alone and two at a time ($rate links)"
     start_cluster "$out/grid-cluster.log" --agents 4 --gpus 4
     python3 tests/netns/ring_grid.py --env "$out/env" --out "$out/ring-steps.csv"
+    stop_cluster
+fi
+
+if [[ "$only" == scaling ]]; then
+    echo "==> scaling: ring, ps, S-MA, S-BMUF, S-EASGD on 1-8 workers ($rate links)"
+    start_cluster "$out/scaling-cluster.log" --agents 9 --gpus 1
+    # shellcheck disable=SC2086
+    python3 tests/netns/scaling.py --env "$out/env" --out "$out/scaling.csv" --md "$out/scaling.md" \
+        --svg "$out/scaling.svg" ${SCALING_ARGS:-}
     stop_cluster
 fi
 
