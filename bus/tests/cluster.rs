@@ -199,7 +199,7 @@ async fn wait_replicated(bus: &Bus, name: &str, want: usize) -> stream::Info {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_raised_in_place() {
     let Some(bin) = nats_server_bin() else { return };
-    let mut cluster = Cluster::start(bin);
+    let cluster = Cluster::start(bin);
 
     // A previous single-replica deployment: the buckets and the stream with 1 replica and
     // one job spec stored.
