@@ -14,7 +14,9 @@ modes the mean `sync_rounds_per_s` and `model_gap` of those lines. The CPU load 
 load average, sampled at the end of each point) is recorded too.
 
 Writes CSV:
-  mode,workers,samples_per_s,step_s,speedup,efficiency,sync_s,sync_rounds_per_s,rounds_per_step,model_gap,loadavg
+  mode,workers,samples_per_s,step_s,speedup,efficiency,sync_s,sync_rounds_per_s,rounds_per_step,model_gap,loadavg,
+  exact_samples_per_s (from the first measured line to the final line's exact count, when
+  the job printed one after SIGTERM)
 where speedup = samples_per_s / (one plain worker's samples_per_s: ring mode, W = 1, no sync)
 and efficiency = speedup / W; and a markdown table to --md.
 
@@ -111,6 +113,15 @@ def run_point(cfg, mode, workers, args, port):
     if any(p.returncode not in (0, 143, -15) for p in procs):
         raise SystemExit(f"{mode} x{workers}: a rank failed ({[p.returncode for p in procs]})")
     load = float(open("/proc/loadavg").read().split()[0])
+    time.sleep(0.3)
+    # A cross-check that does not rest on rank 0's estimate of the others' samples: the last
+    # line of a job stopped by SIGTERM counts the samples exactly (a shadow job's comes after
+    # its consensus round, whose time it includes, so this figure errs low).
+    exact = None
+    if lines and lines[-1][0] >= stopped and measured:
+        (te, pe), (ts, ps_) = lines[-1], measured[0]
+        if te > ts and pe["samples"] > ps_["samples"]:
+            exact = (pe["samples"] - ps_["samples"]) / (te - ts)
     # Steady state: the lines after the first third of the measured time, without a final
     # line written after the last step (a shadow job's comes after its consensus round).
     measured = [pt for pt in measured if pt[1]["step"] < args.steps]
@@ -134,6 +145,7 @@ def run_point(cfg, mode, workers, args, port):
         "sync_s": sync_s, "sync_rounds_per_s": rps,
         "rounds_per_step": rps * step_s if rps is not None else None,
         "model_gap": statistics.mean(gaps) if gaps else None, "loadavg": load,
+        "exact_samples_per_s": exact,
     }
 
 
@@ -228,12 +240,13 @@ def main():
         rows.append(r)
         print(f"{mode:>5} x{w}: {r['samples_per_s']:.1f} samples/s, step {r['step_s'] * 1000:.1f} ms, "
               f"efficiency {r['efficiency']:.2f}, rounds/s {fmt(r['sync_rounds_per_s'], '.1f') or '-'}, "
-              f"gap {fmt(r['model_gap'], '.4f') or '-'}, load {r['loadavg']:.1f} "
+              f"gap {fmt(r['model_gap'], '.4f') or '-'}, load {r['loadavg']:.1f}, "
+              f"to the final line {fmt(r['exact_samples_per_s'], '.1f') or '-'} samples/s "
               f"[{time.monotonic() - started:.0f} s]", flush=True)
     order = {m: i for i, m in enumerate(MODES)}
     rows.sort(key=lambda r: (order[r["mode"]], r["workers"]))
     cols = ["mode", "workers", "samples_per_s", "step_s", "speedup", "efficiency", "sync_s",
-            "sync_rounds_per_s", "rounds_per_step", "model_gap", "loadavg"]
+            "sync_rounds_per_s", "rounds_per_step", "model_gap", "loadavg", "exact_samples_per_s"]
     with open(args.out, "w") as f:
         f.write(",".join(cols) + "\n")
         for r in rows:
