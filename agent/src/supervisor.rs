@@ -15,8 +15,7 @@ use crate::reconcile::{Action, WorkerKey, WorkerView, decide, restart_delay};
 use converge_bus::unix_now;
 use converge_common::{
     Event, EventKind, GradientReading, HostId, PROTOCOL_VERSION, ProgressReport, ShadowSpec,
-    SyncArch, WorkerAssignment, WorkerPhase, WorkerProgressLine, WorkerState,
-    jobspec::SHADOW_ENV,
+    SyncArch, WorkerAssignment, WorkerPhase, WorkerProgressLine, WorkerState, jobspec::SHADOW_ENV,
 };
 use futures::StreamExt;
 use nix::sys::signal::{Signal, killpg};

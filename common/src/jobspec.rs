@@ -224,7 +224,8 @@ impl ShadowSpec {
                 "`hogwild_threads` is {t}; it must be between 1 and {MAX_HOGWILD_THREADS}"
             ));
         }
-        if !bmuf && (self.block_momentum.is_some() || self.block_lr.is_some() || self.block_nesterov)
+        if !bmuf
+            && (self.block_momentum.is_some() || self.block_lr.is_some() || self.block_nesterov)
         {
             return Err(format!(
                 "`block_momentum`, `block_lr` and `block_nesterov` are for `algorithm = \"bmuf\"`, not \"{}\"",
@@ -420,7 +421,9 @@ pub enum JobSpecError {
     Workers { workers: u32, min: u32, max: u32 },
     #[error("`target_loss` must be a finite number, got {0}")]
     TargetLoss(f64),
-    #[error("`max_ps` is only for `arch = \"ps\"` jobs and shadow jobs with `algorithm = \"easgd\"`")]
+    #[error(
+        "`max_ps` is only for `arch = \"ps\"` jobs and shadow jobs with `algorithm = \"easgd\"`"
+    )]
     MaxPsWithoutPs,
     #[error("`max_ps` must be between 1 and {MAX_PS}, got {0}")]
     MaxPs(u32),
@@ -733,12 +736,21 @@ mod tests {
         assert_eq!(ma.arch, SyncArch::Shadow);
         assert_eq!(ma.shadow_algorithm(), Some(ShadowAlgorithm::Ma));
         assert_eq!(
-            (s.block_momentum, s.block_lr, s.block_nesterov, s.elastic_alpha, s.hogwild_threads),
+            (
+                s.block_momentum,
+                s.block_lr,
+                s.block_nesterov,
+                s.elastic_alpha,
+                s.hogwild_threads
+            ),
             (None, None, false, None, None)
         );
         assert!(!ma.has_ps_shards());
         // Only the algorithm reaches the workers: the trainer's defaults follow W.
-        assert_eq!(s.env(), vec![("CONVERGE_SHADOW_ALGORITHM", "ma".to_string())]);
+        assert_eq!(
+            s.env(),
+            vec![("CONVERGE_SHADOW_ALGORITHM", "ma".to_string())]
+        );
         let json = serde_json::to_string(&ma).unwrap();
         assert_eq!(serde_json::from_str::<JobSpec>(&json).unwrap(), ma);
 
@@ -764,16 +776,43 @@ mod tests {
         assert_eq!(easgd.max_ps, Some(2));
 
         for (table, expect) in [
-            ("algorithm = \"bmuf\"\nblock_momentum = 1", "`block_momentum` is 1; it must be in [0, 1)"),
-            ("algorithm = \"bmuf\"\nblock_momentum = -0.1", "must be in [0, 1)"),
-            ("algorithm = \"bmuf\"\nblock_momentum = nan", "must be in [0, 1)"),
+            (
+                "algorithm = \"bmuf\"\nblock_momentum = 1",
+                "`block_momentum` is 1; it must be in [0, 1)",
+            ),
+            (
+                "algorithm = \"bmuf\"\nblock_momentum = -0.1",
+                "must be in [0, 1)",
+            ),
+            (
+                "algorithm = \"bmuf\"\nblock_momentum = nan",
+                "must be in [0, 1)",
+            ),
             ("algorithm = \"bmuf\"\nblock_lr = 0", "`block_lr` is 0"),
-            ("algorithm = \"easgd\"\nelastic_alpha = 0", "`elastic_alpha` is 0; the moving rate must be in (0, 1]"),
-            ("algorithm = \"easgd\"\nelastic_alpha = 1.5", "must be in (0, 1]"),
-            ("algorithm = \"ma\"\nhogwild_threads = 0", "`hogwild_threads` is 0"),
-            ("algorithm = \"ma\"\nhogwild_threads = 65", "between 1 and 64"),
-            ("algorithm = \"ma\"\nblock_momentum = 0.5", "are for `algorithm = \"bmuf\"`, not \"ma\""),
-            ("algorithm = \"bmuf\"\nelastic_alpha = 0.5", "is for `algorithm = \"easgd\"`"),
+            (
+                "algorithm = \"easgd\"\nelastic_alpha = 0",
+                "`elastic_alpha` is 0; the moving rate must be in (0, 1]",
+            ),
+            (
+                "algorithm = \"easgd\"\nelastic_alpha = 1.5",
+                "must be in (0, 1]",
+            ),
+            (
+                "algorithm = \"ma\"\nhogwild_threads = 0",
+                "`hogwild_threads` is 0",
+            ),
+            (
+                "algorithm = \"ma\"\nhogwild_threads = 65",
+                "between 1 and 64",
+            ),
+            (
+                "algorithm = \"ma\"\nblock_momentum = 0.5",
+                "are for `algorithm = \"bmuf\"`, not \"ma\"",
+            ),
+            (
+                "algorithm = \"bmuf\"\nelastic_alpha = 0.5",
+                "is for `algorithm = \"easgd\"`",
+            ),
             ("algorithm = \"sgd\"", "unknown variant `sgd`"),
             ("algorithm = \"ma\"\nalpha = 0.5", "unknown field `alpha`"),
         ] {
@@ -789,11 +828,20 @@ mod tests {
             "`max_ps` is only for",
         );
         check(
-            &format!("{base}[shadow]\nalgorithm = \"ma\"\n[batch]\nreference = 8\nmax_total = 16\n"),
+            &format!(
+                "{base}[shadow]\nalgorithm = \"ma\"\n[batch]\nreference = 8\nmax_total = 16\n"
+            ),
             "adaptive batch sizes are for `arch = \"ring\"` jobs only",
         );
-        for var in ["CONVERGE_SYNC", "CONVERGE_SHADOW_ALGORITHM", "CONVERGE_SHADOW_ELASTIC_ALPHA"] {
-            check(&format!("{base}[shadow]\nalgorithm = \"ma\"\n[env]\n{var} = \"x\"\n"), var);
+        for var in [
+            "CONVERGE_SYNC",
+            "CONVERGE_SHADOW_ALGORITHM",
+            "CONVERGE_SHADOW_ELASTIC_ALPHA",
+        ] {
+            check(
+                &format!("{base}[shadow]\nalgorithm = \"ma\"\n[env]\n{var} = \"x\"\n"),
+                var,
+            );
         }
     }
 

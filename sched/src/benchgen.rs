@@ -169,6 +169,7 @@ impl DecisionInputs {
                 queue: crate::queues::default_queue(),
                 priority: converge_common::PriorityClass::Normal,
                 started_at: None,
+                shadow: None,
             })
             .collect();
         let priority = priority_order(&views);

@@ -142,6 +142,11 @@ pub struct JobCost {
     pub sync_s: f64,
     /// Ring all-reduce when all workers share one server, `θ_intra·2(w−1)/w` (s).
     pub intra_sync_s: f64,
+    /// A shadow job (`arch = "shadow"`, [`crate::shadow`]): it synchronizes in the
+    /// background, so its step is `compute_s` on any placement, whatever the servers spanned
+    /// and the contention (which lower its sync frequency instead); [`crate::placement::place_bco`]
+    /// gives it the leftovers.
+    pub background_sync: bool,
 }
 
 impl Default for JobCost {
@@ -165,6 +170,20 @@ impl JobCost {
             overhead_s_per_server,
             sync_s,
             intra_sync_s: 0.0,
+            background_sync: false,
+        }
+    }
+
+    /// The cost of a shadow job whose local step takes `compute_s`: synchronization runs
+    /// in the background, so every placement costs `compute_s` a step
+    /// ([`JobCost::background_sync`]).
+    pub fn background(compute_s: f64) -> Self {
+        Self {
+            compute_s,
+            overhead_s_per_server: 0.0,
+            sync_s: 0.0,
+            intra_sync_s: 0.0,
+            background_sync: true,
         }
     }
 
@@ -181,6 +200,7 @@ impl JobCost {
             overhead_s_per_server: alpha,
             sync_s: inter * r,
             intra_sync_s: intra * r,
+            background_sync: false,
         }
     }
 
@@ -196,7 +216,9 @@ impl JobCost {
     /// clamped into `[MIN_NIC_FACTOR, 1]`, 1 when not a number).
     pub fn step_time_with_nic_s(&self, servers: u32, contention: u32, nic_factor: f64) -> f64 {
         let compute = sane(self.compute_s);
-        let t = if servers <= 1 {
+        let t = if self.background_sync {
+            compute
+        } else if servers <= 1 {
             compute + sane(self.intra_sync_s)
         } else {
             let factor = if nic_factor.is_nan() {
@@ -359,6 +381,7 @@ mod tests {
             overhead_s_per_server: 0.1,
             sync_s: 0.4,
             intra_sync_s: 0.05,
+            background_sync: false,
         };
         assert_eq!(cost.step_time_s(1, 1), 1.05);
         assert_eq!(cost.step_time_s(1, 7), 1.05);
@@ -452,6 +475,7 @@ mod tests {
                 overhead_s_per_server: fields.1,
                 sync_s: fields.2,
                 intra_sync_s: fields.3,
+                background_sync: false,
             };
             let t = cost.step_time_with_nic_s(servers, contention, factor);
             prop_assert!(t.is_finite() && t >= 0.0, "t = {}", t);

@@ -28,7 +28,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use converge_common::{
-    HostId, JobId, PriorityClass, QueueId, QueueSpec, QueueStatus, RankPlacement,
+    HostId, JobId, PriorityClass, QueueId, QueueSpec, QueueStatus, RankPlacement, ShadowAlgorithm,
 };
 
 use crate::contention::JobCost;
@@ -139,6 +139,12 @@ pub struct JobView {
     /// When its current run started (same clock as `now`; `None` when pending or unknown):
     /// of the jobs a queue must preempt, the most recently started go first.
     pub started_at: Option<f64>,
+    /// The shadow algorithm of an `arch = "shadow"` job (`None`: its step includes its
+    /// synchronization). A shadow job's throughput table is compute-only, linear in the
+    /// workers and, while the policy reads no curve of it, in ring-equivalent samples
+    /// ([`crate::shadow::statistical_penalty`]); its placement cost is
+    /// [`JobCost::background`]. See [`crate::shadow`].
+    pub shadow: Option<ShadowAlgorithm>,
 }
 
 /// The cluster at decision time.
@@ -388,6 +394,27 @@ fn decide_in_order(
             let oracle = job.oracle.as_ref().filter(|_| wants.oracle);
             let (throughput, remaining_work) = match oracle {
                 Some(o) => (Some(o.throughput.clone()), Some(o.remaining_work)),
+                // A shadow job: compute-only, the same on any placement (crate::shadow).
+                None if (wants.estimates || wants.oracle) && job.shadow.is_some() => {
+                    let penalty = match job.shadow {
+                        Some(algo) if !(wants.curves && job.curve.is_some()) => {
+                            crate::shadow::statistical_penalty(algo)
+                        }
+                        _ => 1.0,
+                    };
+                    (
+                        job.model.as_ref().map(|m| {
+                            let most = job.max_workers.clamp(1, MAX_TABLE_WORKERS);
+                            (1..=most)
+                                .map(|w| {
+                                    crate::shadow::samples_per_s(m, w, job.batch.per_worker(w))
+                                        / penalty
+                                })
+                                .collect()
+                        }),
+                        job.remaining_work,
+                    )
+                }
                 None if wants.estimates || wants.oracle => (
                     match (&goodput, &job.model) {
                         (Some(g), _) => Some(estimated_table(
@@ -491,6 +518,16 @@ fn decide_in_order(
                 .iter()
                 .filter_map(|job| {
                     let workers = decided.workers.get(&job.id).copied().unwrap_or(0);
+                    if job.shadow.is_some() {
+                        // Every shadow job, so that placement knows it (crate::shadow).
+                        let compute = job
+                            .model
+                            .as_ref()
+                            .map_or(JobCost::default().compute_s, |m| {
+                                m.compute_time_s(job.batch.per_worker(workers.max(1)))
+                            });
+                        return Some((job.id.clone(), JobCost::background(compute)));
+                    }
                     let model = job.model.as_ref().filter(|_| workers > 0)?;
                     let mut cost =
                         JobCost::from_model(model, workers, job.batch.per_worker(workers));
@@ -1022,6 +1059,7 @@ mod tests {
             queue: queue.parse().unwrap(),
             priority,
             started_at: None,
+            shadow: None,
             ..base
         }
     }

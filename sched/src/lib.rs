@@ -39,5 +39,6 @@ pub mod policies;
 pub mod ps_plan;
 pub mod queues;
 pub mod schedule;
+pub mod shadow;
 pub mod stop;
 pub mod throughput;

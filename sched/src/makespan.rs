@@ -1427,6 +1427,7 @@ mod tests {
                             overhead_s_per_server: o,
                             sync_s: s,
                             intra_sync_s: intra * s,
+                            background_sync: false,
                         },
                     )
                 });

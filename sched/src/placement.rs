@@ -412,7 +412,12 @@ pub fn place_with(
 ///    wins; ties go to fewer servers, then to the smaller `κ`. So a job spreads over
 ///    uncontended hosts when the extra overhead costs less than sharing a NIC, and packs onto
 ///    fewer, busier hosts when it does not.
-/// 3. **Does not fit at all**: as many workers as fit are placed (on every host with room,
+/// 3. **Shadow jobs** (a cost with [`JobCost::background_sync`], [`crate::shadow`]): their
+///    step is the same on any placement, so instead of 1 and 2 they take the leftovers:
+///    hosts with the fewest multi-server jobs first, then the fewest free GPUs, then the
+///    busiest NIC (see `BcoIndex::leftovers`). They are never counted as multi-server jobs
+///    (their traffic reaches other jobs through the measured NIC factor).
+/// 4. **Does not fit at all**: as many workers as fit are placed (on every host with room,
 ///    most free GPUs first) if that is at least `min_workers`, otherwise none, as
 ///    [`place`] does.
 ///
@@ -427,7 +432,11 @@ pub fn place_bco(
 ) -> BTreeMap<JobId, Vec<RankPlacement>> {
     let (free, requests, mut placed) = keep_pass(hosts, requests);
     let mut multi = vec![0usize; free.hosts.len()];
-    for ranks in placed.iter().flatten() {
+    let background = |job: &JobId| costs.get(job).is_some_and(|c| c.background_sync);
+    for (request, ranks) in requests.iter().zip(&placed) {
+        let Some(ranks) = ranks.as_ref().filter(|_| !background(&request.job)) else {
+            continue;
+        };
         for host in spanned(&free, ranks) {
             multi[host] += 1;
         }
@@ -605,12 +614,63 @@ impl<'a> BcoIndex<'a> {
             all.into_iter()
                 .map(|host| (host, self.free_len(host) / per_worker))
                 .collect()
+        } else if cost.background_sync {
+            self.leftovers(wanted, per_worker, &preferred, allowed)
         } else if let Some(host) = self.best_fit(wanted * per_worker, &preferred, allowed) {
             vec![(host, wanted)]
         } else {
             self.spread(wanted, per_worker, (&preferred, allowed), cost, key)
         };
-        self.take(&picks, per_worker)
+        self.take(&picks, per_worker, !cost.background_sync)
+    }
+
+    /// A shadow job's hosts ([`JobCost::background_sync`], [`crate::shadow`] rule 4): those
+    /// with room for a worker (and `allowed`), the fewest multi-server (ring) jobs first
+    /// (its background traffic would slow their syncs), then the fewest free GPUs (the
+    /// leftovers: whole hosts stay for jobs that pay for spanning), then the busiest NIC
+    /// (which those jobs avoid), then hosts it uses now, then host order; taken until
+    /// `wanted` workers fit (they do: the caller checked the capacity).
+    fn leftovers(
+        &self,
+        wanted: usize,
+        per_worker: usize,
+        preferred: &[usize],
+        allowed: Option<&[bool]>,
+    ) -> Vec<(usize, usize)> {
+        let mut hosts: Vec<usize> = self
+            .by_free
+            .range((per_worker, 0)..)
+            .map(|&(_, host)| host)
+            .filter(|&host| allowed.is_none_or(|a| a[host]))
+            .collect();
+        hosts.sort_by(|&a, &b| {
+            self.multi[a]
+                .cmp(&self.multi[b])
+                .then(self.free_len(a).cmp(&self.free_len(b)))
+                .then(
+                    self.free.hosts[a]
+                        .nic_factor
+                        .total_cmp(&self.free.hosts[b].nic_factor),
+                )
+                .then(
+                    preferred
+                        .binary_search(&a)
+                        .is_err()
+                        .cmp(&preferred.binary_search(&b).is_err()),
+                )
+                .then(a.cmp(&b))
+        });
+        let mut picks = Vec::new();
+        let mut count = 0;
+        for host in hosts {
+            let fits = (self.free_len(host) / per_worker).min(wanted - count);
+            picks.push((host, fits));
+            count += fits;
+            if count == wanted {
+                break;
+            }
+        }
+        picks
     }
 
     /// The host with the fewest free GPUs, at least `need` (ties: preferred, then lowest),
@@ -709,9 +769,14 @@ impl<'a> BcoIndex<'a> {
     }
 
     /// Takes `workers` workers' GPUs (lowest indices first) on each listed host, in order,
-    /// and counts the job on its hosts if it spans several.
-    fn take(&mut self, picks: &[(usize, usize)], per_worker: usize) -> Vec<RankPlacement> {
-        let multi_server = picks.len() > 1;
+    /// and counts the job on its hosts if it spans several and `counts` (not a shadow job).
+    fn take(
+        &mut self,
+        picks: &[(usize, usize)],
+        per_worker: usize,
+        counts: bool,
+    ) -> Vec<RankPlacement> {
+        let multi_server = counts && picks.len() > 1;
         let mut ranks = Vec::with_capacity(picks.iter().map(|p| p.1).sum());
         for &(host, workers) in picks {
             self.remove(host);
@@ -1620,6 +1685,95 @@ mod tests {
         assert_eq!(servers_of(&placed[&job_id("j")]), ["b"]);
     }
 
+    /// A shadow job takes the leftovers: the smallest holes first, spanning hosts, so the
+    /// ring jobs after it each get a whole host (as a ring job, it would take a whole host
+    /// and leave the second ring job straddling two).
+    #[test]
+    fn bco_gives_shadow_jobs_the_leftovers_and_keeps_ring_jobs_packed() {
+        let hosts = [
+            host("h1", &[0, 1, 2, 3]),
+            host("h2", &[0, 1, 2, 3]),
+            host("h3", &[0, 1, 2, 3]),
+        ];
+        let kept = currently(
+            request("k", 3, 1, 1),
+            vec![
+                rank(0, "h1", &[0]),
+                rank(1, "h1", &[1]),
+                rank(2, "h1", &[2]),
+            ],
+        );
+        let requests = [
+            kept,
+            request("s", 2, 1, 1),
+            request("r1", 4, 1, 1),
+            request("r2", 3, 1, 1),
+        ];
+        let mut costs = BTreeMap::from([(job_id("s"), JobCost::background(0.1))]);
+        let placed = place_bco(&hosts, &requests, &costs);
+        assert_eq!(servers_of(&placed[&job_id("s")]), ["h1", "h2"]);
+        assert_eq!(servers_of(&placed[&job_id("r1")]), ["h3"]);
+        assert_eq!(servers_of(&placed[&job_id("r2")]), ["h2"]);
+        // The same job as a ring job: best fit on one host, and r2 must span two.
+        costs.insert(job_id("s"), JobCost::new(0.1, 0.01, 0.1));
+        let placed = place_bco(&hosts, &requests, &costs);
+        assert_eq!(placed[&job_id("s")].len(), 2);
+        assert_eq!(servers_of(&placed[&job_id("s")]).len(), 1);
+        assert_eq!(servers_of(&placed[&job_id("r2")]).len(), 2);
+    }
+
+    /// A shadow job keeps off the hosts whose NICs carry multi-server ring jobs (its
+    /// background traffic would slow their syncs), takes busy NICs before idle ones, and a
+    /// shadow job spanning hosts is not contention for the ring jobs placed after it.
+    #[test]
+    fn bco_keeps_shadow_traffic_off_ring_jobs_and_does_not_count_it_as_contention() {
+        let mut hosts = vec![
+            host("h1", &[0, 1, 2, 3]),
+            host("h2", &[0, 1, 2, 3]),
+            host("h3", &[0, 1, 2, 3]),
+            host("h4", &[0, 1, 2, 3]),
+        ];
+        let ring = currently(
+            request("ring", 2, 1, 1),
+            vec![rank(0, "h1", &[0]), rank(1, "h2", &[0])],
+        );
+        let costs = BTreeMap::from([(job_id("s"), JobCost::background(0.1))]);
+        let placed = place_bco(&hosts, &[ring.clone(), request("s", 2, 1, 1)], &costs);
+        assert_eq!(servers_of(&placed[&job_id("s")]), ["h3"]);
+        // Among equal hosts, the busiest NIC.
+        hosts[3].nic_factor = 0.3;
+        let placed = place_bco(&hosts, &[ring, request("s", 2, 1, 1)], &costs);
+        assert_eq!(servers_of(&placed[&job_id("s")]), ["h4"]);
+        // A kept shadow job on h1 and h2, and a ring job that must span two hosts (6 workers
+        // on 4-GPU hosts, h3 and h4 busy with 1 GPU each): h1 and h2 have the most room and
+        // count no contention, so they are its cheapest pair.
+        let hosts = [
+            host("h1", &[0, 1, 2, 3]),
+            host("h2", &[0, 1, 2, 3]),
+            host("h3", &[0, 1, 2, 3]),
+            host("h4", &[0, 1, 2, 3]),
+        ];
+        let shadow = currently(
+            request("s", 2, 1, 1),
+            vec![rank(0, "h1", &[0]), rank(1, "h2", &[0])],
+        );
+        let other = currently(
+            request("o", 2, 1, 1),
+            vec![rank(0, "h3", &[0]), rank(1, "h4", &[0])],
+        );
+        let placed = place_bco(
+            &hosts,
+            &[shadow.clone(), other.clone(), request("r", 6, 1, 1)],
+            &costs,
+        );
+        assert_eq!(servers_of(&placed[&job_id("r")]), ["h1", "h2"]);
+        // Counted as a ring job instead, h1-h2 and h3-h4 are alike (contention 2 either
+        // way): the tie goes to the lower ids, so check only that o's hosts are contended.
+        let ring_costs = BTreeMap::new();
+        let placed = place_bco(&hosts, &[shadow, other, request("r", 6, 1, 1)], &ring_costs);
+        assert_eq!(placed[&job_id("r")].len(), 6);
+    }
+
     #[test]
     fn bco_places_what_fits_when_the_cluster_is_short() {
         let hosts = [host("a", &[0, 1, 2]), host("b", &[0, 1, 2, 3])];
@@ -1804,6 +1958,7 @@ mod tests {
                             overhead_s_per_server,
                             sync_s,
                             intra_sync_s,
+                            background_sync: false,
                         },
                     ))
                 })

@@ -325,7 +325,7 @@ pub fn step(
 
     // 2. The policy: how many workers each active job gets, and where.
     if run_policy {
-        let contention = measured_contention(&out.statuses);
+        let contention = measured_contention(&out.statuses, inp.specs);
         allocate(
             inp,
             settings,
@@ -490,8 +490,24 @@ fn bump_generation(status: &mut JobStatus, taken_ports: &mut BTreeSet<u16>) {
 /// ([`JobStatus::step_time_s`], [`JobStatus::predicted_step_time_s`], the latter from the
 /// model fitted on its earlier generations) and shares a host with other multi-host jobs adds
 /// its slowdown, `observed / predicted − 1`.
-fn measured_contention(statuses: &BTreeMap<JobId, JobStatus>) -> f64 {
-    let running = || statuses.values().filter(|s| s.phase == JobPhase::Running);
+///
+/// Shadow jobs (`arch = "shadow"`) add no sample: their step time excludes synchronization,
+/// so contention never shows in it ([`crate::shadow`], rule 2); they do not count in
+/// `sharing` either (their traffic is in the NIC factor, rule 3).
+fn measured_contention(
+    statuses: &BTreeMap<JobId, JobStatus>,
+    specs: &BTreeMap<JobId, JobSpec>,
+) -> f64 {
+    let shadow = |s: &JobStatus| {
+        specs
+            .get(&s.job)
+            .is_some_and(|spec| spec.arch == SyncArch::Shadow)
+    };
+    let running = || {
+        statuses
+            .values()
+            .filter(|s| s.phase == JobPhase::Running && !shadow(s))
+    };
     let hosts_of = |s: &JobStatus| -> BTreeSet<HostId> {
         s.placement.iter().map(|p| p.host.clone()).collect()
     };
@@ -1010,6 +1026,7 @@ fn job_view(
         started_at: (!status.placement.is_empty())
             .then_some(status.started_at)
             .flatten(),
+        shadow: spec.shadow_algorithm(),
     }
 }
 
@@ -2642,6 +2659,7 @@ mod tests {
             s.predicted_step_time_s = Some(predicted);
             (job, s)
         };
+        let none = BTreeMap::new();
         // Two rings share h2, each twice as slow as predicted: slowdown 1 per shared job.
         let mut statuses: BTreeMap<JobId, JobStatus> = [
             running("a", &["h1", "h2"], 2.0, 1.0),
@@ -2649,26 +2667,75 @@ mod tests {
         ]
         .into_iter()
         .collect();
-        assert!((measured_contention(&statuses) - 1.0).abs() < 1e-12);
+        assert!((measured_contention(&statuses, &none) - 1.0).abs() < 1e-12);
         // A single-host job and a ring alone on its hosts add nothing.
         statuses.extend([
             running("c", &["h4", "h4"], 9.0, 1.0),
             running("d", &["h5", "h6"], 9.0, 1.0),
         ]);
-        assert!((measured_contention(&statuses) - 1.0).abs() < 1e-12);
+        assert!((measured_contention(&statuses, &none) - 1.0).abs() < 1e-12);
         // Faster than predicted counts against the mean; the mean never goes below 0.
         let (id, faster) = running("e", &["h1", "h3"], 0.5, 1.0);
         statuses.insert(id, faster);
         // h1: a, e; h2: a, b; h3: b, e → sharing 2 each: (1 + 1 − 0.5) / 3.
-        assert!((measured_contention(&statuses) - 0.5).abs() < 1e-12);
+        assert!((measured_contention(&statuses, &none) - 0.5).abs() < 1e-12);
         let calm: BTreeMap<JobId, JobStatus> = [
             running("a", &["h1", "h2"], 0.5, 1.0),
             running("b", &["h2", "h3"], 0.5, 1.0),
         ]
         .into_iter()
         .collect();
-        assert_eq!(measured_contention(&calm), 0.0);
-        assert_eq!(measured_contention(&BTreeMap::new()), 0.0);
+        assert_eq!(measured_contention(&calm, &none), 0.0);
+        assert_eq!(measured_contention(&BTreeMap::new(), &none), 0.0);
+    }
+
+    /// A shadow job's step time excludes synchronization: a shadow job sharing hosts with
+    /// a slowed ring neither adds its own (unslowed) step as a sample nor counts as a
+    /// sharer.
+    #[test]
+    fn shadow_jobs_are_left_out_of_measured_contention() {
+        let running = |id: &str, hosts: &[&str], observed: f64, predicted: f64| {
+            let job = JobId::new(id).unwrap();
+            let mut s = new_status(&job, 0.0, 0.0);
+            s.phase = JobPhase::Running;
+            s.placement = hosts
+                .iter()
+                .enumerate()
+                .map(|(rank, h)| RankPlacement {
+                    rank: rank as u32,
+                    host: HostId::new(*h).unwrap(),
+                    gpus: vec![rank as u32],
+                })
+                .collect();
+            s.world_size = hosts.len() as u32;
+            s.step_time_s = Some(observed);
+            s.predicted_step_time_s = Some(predicted);
+            (job, s)
+        };
+        let statuses: BTreeMap<JobId, JobStatus> = [
+            running("a", &["h1", "h2"], 2.0, 1.0),
+            running("b", &["h2", "h3"], 2.0, 1.0),
+            running("s", &["h1", "h3"], 0.1, 0.1),
+        ]
+        .into_iter()
+        .collect();
+        let mut specs: BTreeMap<JobId, JobSpec> = ["a", "b", "s"]
+            .into_iter()
+            .map(|id| (JobId::new(id).unwrap(), job(id, 1, 2, 0.0)))
+            .collect();
+        // As ring jobs: s's unslowed step pulls the mean down to (1 + 1 + 0) / 3.
+        assert!((measured_contention(&statuses, &specs) - 2.0 / 3.0).abs() < 1e-12);
+        let s = specs.get_mut(&JobId::new("s").unwrap()).unwrap();
+        s.arch = SyncArch::Shadow;
+        s.shadow = Some(converge_common::ShadowSpec {
+            algorithm: converge_common::ShadowAlgorithm::Ma,
+            block_momentum: None,
+            block_lr: None,
+            block_nesterov: false,
+            elastic_alpha: None,
+            hogwild_threads: None,
+        });
+        assert!((measured_contention(&statuses, &specs) - 1.0).abs() < 1e-12);
     }
 
     #[test]

@@ -509,6 +509,7 @@ pub fn simulate(
                 queue: t.queue.clone(),
                 priority: t.priority,
                 started_at: t.started_at.filter(|_| !t.placement.is_empty()),
+                shadow: None,
             });
         }
         let cluster = ClusterState {

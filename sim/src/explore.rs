@@ -654,6 +654,7 @@ pub fn simulate(
                 queue: converge_sched::queues::default_queue(),
                 priority: converge_common::PriorityClass::Normal,
                 started_at: None,
+                shadow: None,
             });
         }
         let cluster = ClusterState {

@@ -90,6 +90,7 @@ pub fn random_instance(
                 overhead_s_per_server: compute * rng.gen_range(0.0..0.1),
                 sync_s: sync,
                 intra_sync_s: sync * rng.gen_range(0.0..0.2),
+                background_sync: false,
             };
             MakespanJob::new(gpus, iterations, cost)
         })

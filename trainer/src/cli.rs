@@ -170,7 +170,12 @@ pub struct Args {
     /// ShadowSync: synchronize in a background thread with this algorithm instead of in
     /// every step: ma (model averaging, S-MA), bmuf (block momentum, S-BMUF) or easgd
     /// (elastic averaging against the CONVERGE_NUM_PS shards, S-EASGD).
-    #[arg(long, value_enum, value_name = "ALGORITHM", env = "CONVERGE_SHADOW_ALGORITHM")]
+    #[arg(
+        long,
+        value_enum,
+        value_name = "ALGORITHM",
+        env = "CONVERGE_SHADOW_ALGORITHM"
+    )]
     pub shadow: Option<ShadowAlgo>,
 
     /// S-BMUF block momentum η, in [0, 1) [default: min(1 - 1/workers, 0.5); fairseq and
