@@ -966,6 +966,12 @@ pub struct SimJob {
     pub restarts: u32,
     /// Seconds of restart delay still to serve.
     pub restarting_for_s: f64,
+    /// A shadow variant (`arch = "shadow"`): its step is the trace's step less its sync
+    /// time (compute only, background synchronization) on any placement, interference does
+    /// not slow it (it lowers its sync frequency), and each step's statistical progress is
+    /// divided by the algorithm's measured penalty
+    /// ([`converge_sched::shadow::statistical_penalty`]).
+    pub shadow: Option<converge_common::ShadowAlgorithm>,
     atomic_bsz: u32,
     accum_steps: u32,
     started: bool,
@@ -993,9 +999,35 @@ impl SimJob {
             attained_gpu_seconds: 0.0,
             restarts: 0,
             restarting_for_s: 0.0,
+            shadow: None,
             atomic_bsz: 0,
             accum_steps: 0,
             started: false,
+        }
+    }
+
+    /// `step_model` of the job's application, for a shadow variant compute-only (the
+    /// trace's `step_time − sync_time`, also for each accumulation pass) with the gain
+    /// divided by its statistical-efficiency penalty.
+    fn model(
+        &self,
+        app: &Application,
+        placement: &[u32],
+        replicas: u32,
+        (atomic, accum): (u32, u32),
+    ) -> (f64, f64, f64) {
+        let (total, batch, gain) = app.step_model(placement, replicas, atomic, accum, self.epoch);
+        match self.shadow {
+            None => (total, batch, gain),
+            Some(algo) => {
+                let (step, sync) = app.throughput(placement, f64::from(atomic));
+                let compute = (step - sync).max(step * 1e-3) * f64::from(accum + 1);
+                (
+                    compute,
+                    batch,
+                    gain / converge_sched::shadow::statistical_penalty(algo),
+                )
+            }
         }
     }
 
@@ -1091,16 +1123,19 @@ impl SimJob {
         self.restarting_for_s -= delay;
         let mut elapsed = delay;
         let mut left = seconds - delay;
-        let slow = 1.0 - interference.clamp(0.0, 1.0);
+        let slow = if self.shadow.is_some() {
+            1.0
+        } else {
+            1.0 - interference.clamp(0.0, 1.0)
+        };
         let mut samples = 0.0;
         let replicas = self.replicas();
         while left > 0.0 && self.completed_at.is_none() {
-            let (total, batch, gain) = app.step_model(
+            let (total, batch, gain) = self.model(
+                app,
                 &self.placement,
                 replicas,
-                self.atomic_bsz,
-                self.accum_steps,
-                self.epoch,
+                (self.atomic_bsz, self.accum_steps),
             );
             let goodput = gain / total * slow;
             let sample_rate = batch / total * slow;
@@ -1136,7 +1171,11 @@ impl SimJob {
             return None;
         }
         let (step, sync) = app.throughput(&self.placement, f64::from(self.atomic_bsz));
-        let total = step + (step - sync) * f64::from(self.accum_steps);
+        let total = if self.shadow.is_some() {
+            (step - sync).max(step * 1e-3) * f64::from(self.accum_steps + 1)
+        } else {
+            step + (step - sync) * f64::from(self.accum_steps)
+        };
         Some((f64::from(self.batch_size()) / total, total))
     }
 
@@ -1161,7 +1200,7 @@ impl SimJob {
             placement.push(replicas % gpus_per_node);
         }
         let (atomic, accum) = app.batch_config(self.target_batch_size, replicas);
-        let (total, _, gain) = app.step_model(&placement, replicas, atomic, accum, self.epoch);
+        let (total, _, gain) = self.model(app, &placement, replicas, (atomic, accum));
         gain / total
     }
 }
@@ -1929,6 +1968,37 @@ mod tests {
         let sa = a.step(app, 0.0, 50.0, 0.0);
         let sb = b.step(app, 0.0, 50.0, 0.5);
         assert!((sb - sa / 2.0).abs() < 1e-9 && (b.progress - a.progress / 2.0).abs() < 1e-9);
+    }
+
+    /// A shadow variant: compute-only steps (the trace's step less its sync), not slowed by
+    /// interference, and its statistical progress per sample divided by the penalty.
+    #[test]
+    fn shadow_variants_run_compute_only_steps_at_the_measured_penalty() {
+        let app = &apps()["cifar10"];
+        let mut ring = SimJob::new("r", app, 0.0, 8, 1024);
+        ring.reallocate(app, vec![4, 4], 0.0, None);
+        let mut shadow = ring.clone();
+        shadow.shadow = Some(converge_common::ShadowAlgorithm::Easgd);
+        let (step, sync) = app.throughput(&[4, 4], f64::from(ring.atomic_bsz()));
+        assert!(sync > 0.0);
+        let (_, observed) = shadow.observed_step(app).unwrap();
+        assert!((observed - (step - sync) * f64::from(ring.accum_steps() + 1)).abs() < 1e-12);
+        let mut slowed = shadow.clone();
+        let (ring0, shadow0) = (ring.clone(), shadow.clone());
+        let s_ring = ring.step(app, 0.0, 50.0, 0.0);
+        let s_shadow = shadow.step(app, 0.0, 50.0, 0.0);
+        let s_slowed = slowed.step(app, 0.0, 50.0, 0.5);
+        assert!(s_shadow > s_ring);
+        assert!((s_slowed - s_shadow).abs() < 1e-9);
+        // Progress per sample within one epoch: the ring's divided by S-EASGD's 1.20.
+        let (mut ring, mut shadow) = (ring0, shadow0);
+        let (p_ring, p_shadow) = (ring.progress, shadow.progress);
+        let (e_ring, e_shadow) = (ring.epoch, shadow.epoch);
+        let s_ring = ring.step(app, 50.0, 0.5, 0.0);
+        let s_shadow = shadow.step(app, 50.0, 0.5, 0.0);
+        assert_eq!((ring.epoch, shadow.epoch), (e_ring, e_shadow));
+        let ratio = ((ring.progress - p_ring) / s_ring) / ((shadow.progress - p_shadow) / s_shadow);
+        assert!((ratio - 1.20).abs() < 1e-9, "{ratio}");
     }
 
     #[test]

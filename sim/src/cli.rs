@@ -50,6 +50,22 @@ pub struct ClusterArgs {
     /// Folder of the measured application traces.
     #[arg(long, default_value = "data/pollux/traces")]
     pub traces: PathBuf,
+    /// Fraction of the jobs (0–1, by a seeded hash of their names) run as shadow variants:
+    /// background synchronization, compute-only steps, the algorithm's measured
+    /// statistical-efficiency penalty (docs/communication.md, "Shadow jobs in the
+    /// scheduler").
+    #[arg(long, default_value_t = 0.0)]
+    pub shadow_fraction: f64,
+    /// The shadow variants' algorithm: `ma`, `bmuf` or `easgd`.
+    #[arg(long, default_value = "ma", value_parser = parse_shadow_algorithm)]
+    pub shadow_algorithm: converge_common::ShadowAlgorithm,
+}
+
+fn parse_shadow_algorithm(s: &str) -> Result<converge_common::ShadowAlgorithm, String> {
+    converge_common::ShadowAlgorithm::ALL
+        .into_iter()
+        .find(|a| a.as_str() == s)
+        .ok_or_else(|| format!("{s:?} is not ma, bmuf or easgd"))
 }
 
 impl ClusterArgs {
@@ -70,6 +86,10 @@ impl ClusterArgs {
             (0.0..1.0).contains(&self.interference),
             "--interference must be in [0, 1)"
         );
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&self.shadow_fraction),
+            "--shadow-fraction must be in [0, 1]"
+        );
         Ok(SimConfig {
             nodes: self.nodes,
             gpus_per_node: self.gpus_per_node,
@@ -80,6 +100,8 @@ impl ClusterArgs {
             placement: self.placement,
             ignore_contention: self.ignore_contention,
             fixed_batch: self.fixed_batch,
+            shadow_fraction: self.shadow_fraction,
+            shadow_algorithm: self.shadow_algorithm,
             ..SimConfig::default()
         })
     }

@@ -18,6 +18,7 @@ use crate::apps::{Application, SimJob};
 use crate::workload::WorkloadJob;
 use converge_common::{
     HostId, JobId, PriorityClass, ProgressReport, QueueId, QueueSpec, QueueStatus, RankPlacement,
+    ShadowAlgorithm,
 };
 use converge_sched::contention::ContentionSamples;
 use converge_sched::decide::{
@@ -70,6 +71,25 @@ pub struct SimConfig {
     pub queues: BTreeMap<QueueId, QueueSpec>,
     /// Half-life of the queues' decayed usage, seconds (the allocator's `--usage-half-life`).
     pub usage_half_life_s: f64,
+    /// Fraction of the jobs run as shadow variants (`arch = "shadow"`, [`SimJob::shadow`]),
+    /// chosen by a seeded hash of each job's name ([`is_shadow`]); 0: none.
+    pub shadow_fraction: f64,
+    /// The shadow variants' algorithm (its measured statistical-efficiency penalty).
+    pub shadow_algorithm: ShadowAlgorithm,
+}
+
+/// Whether job `name` runs as a shadow variant under `seed` and `fraction`: the 64-bit
+/// FNV-1a hash of the seed's little-endian bytes and the name, over 2⁶⁴, below `fraction`.
+pub fn is_shadow(name: &str, seed: u64, fraction: f64) -> bool {
+    if fraction <= 0.0 {
+        return false;
+    }
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in seed.to_le_bytes().iter().chain(name.as_bytes()) {
+        hash ^= u64::from(*byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    (hash as f64 / 18_446_744_073_709_551_616.0) < fraction
 }
 
 impl Default for SimConfig {
@@ -88,6 +108,8 @@ impl Default for SimConfig {
             ignore_contention: false,
             fixed_batch: false,
             queues: BTreeMap::new(),
+            shadow_fraction: 0.0,
+            shadow_algorithm: ShadowAlgorithm::Ma,
             usage_half_life_s: DEFAULT_USAGE_HALF_LIFE_S,
         }
     }
@@ -301,7 +323,12 @@ pub fn simulate(
         let start_loss = app.loss_like(w.batch_size, 0.0);
         let final_loss = app.loss_like(w.batch_size, f64::from(app.completion_epoch(w.batch_size)));
         jobs.push(Tracked {
-            job: SimJob::new(&w.name, app, w.time, w.num_replicas, w.batch_size),
+            job: {
+                let mut job = SimJob::new(&w.name, app, w.time, w.num_replicas, w.batch_size);
+                job.shadow = is_shadow(&w.name, cfg.seed, cfg.shadow_fraction)
+                    .then_some(cfg.shadow_algorithm);
+                job
+            },
             id,
             max_workers,
             placement: Vec::new(),
@@ -371,7 +398,9 @@ pub fn simulate(
                 interference[i] = cfg.interference;
                 // What the agents would measure: this job's steps are slower by
                 // 1/(1 − f) − 1 while `sharing` multi-node jobs share one of its NICs.
-                if cfg.interference > 0.0 && t.job.completed_at.is_none() {
+                // A shadow job's step does not slow (its sync rounds do): no sample.
+                if cfg.interference > 0.0 && t.job.completed_at.is_none() && t.job.shadow.is_none()
+                {
                     let slowdown = 1.0 / (1.0 - cfg.interference) - 1.0;
                     contention_seen.add(slowdown, sharing);
                 }
@@ -509,7 +538,7 @@ pub fn simulate(
                 queue: t.queue.clone(),
                 priority: t.priority,
                 started_at: t.started_at.filter(|_| !t.placement.is_empty()),
-                shadow: None,
+                shadow: t.job.shadow,
             });
         }
         let cluster = ClusterState {
@@ -652,13 +681,18 @@ fn observe_step(job: &SimJob, app: &Application) -> Option<StepObservation> {
     }
     let workers: u32 = job.placement.iter().sum();
     let nodes = job.placement.iter().filter(|&&g| g > 0).count() as u32;
-    let (step_time_s, _) = app.throughput(&job.placement, f64::from(job.atomic_bsz()));
+    let (step_time_s, sync) = app.throughput(&job.placement, f64::from(job.atomic_bsz()));
+    // A shadow worker reports a local step, compute only, and sync_s 0.
+    let (step_time_s, sync_time_s) = match job.shadow {
+        Some(_) => ((step_time_s - sync).max(step_time_s * 1e-3), Some(0.0)),
+        None => (step_time_s, None),
+    };
     Some(StepObservation {
         workers,
         nodes,
         local_batch: f64::from(job.atomic_bsz()),
         step_time_s,
-        sync_time_s: None,
+        sync_time_s,
     })
 }
 
