@@ -1064,6 +1064,67 @@ mod tests {
         }
     }
 
+    /// A shadow job's throughput table is compute-only and linear in the workers, in
+    /// ring-equivalent samples (÷ the penalty) while the policy has no curve of it, in its
+    /// own samples once it has one; a ring job with the same model pays its sync. Under BCO
+    /// every shadow job gets a background cost, with or without a model.
+    #[test]
+    fn shadow_jobs_get_compute_only_tables_at_the_measured_penalty() {
+        // compute 0.1 s at batch 32 (θ_c·32 + θ_0), inter-node sync θ_inter = 0.1 s.
+        let model = ThroughputModel::from_coefficients([0.0025, 0.02, 0.01, 0.1, 0.01], 5);
+        let base = gang("r", "default", PriorityClass::Normal, 4, 0.0);
+        let job = |id: &str, shadow: Option<ShadowAlgorithm>| JobView {
+            id: id.parse().unwrap(),
+            min_workers: 1,
+            max_workers: 8,
+            model: Some(model.clone()),
+            batch: BatchSize::PerWorker(32.0),
+            adaptive: None,
+            oracle: None,
+            curve: None,
+            shadow,
+            ..base.clone()
+        };
+        let views = [
+            job("ring", None),
+            job("ma", Some(ShadowAlgorithm::Ma)),
+            job("easgd", Some(ShadowAlgorithm::Easgd)),
+        ];
+        let hosts: Vec<HostFree> = (0..2)
+            .map(|h| HostFree::new(format!("h{h}").parse().unwrap(), (0..4).collect()))
+            .collect();
+        let policy = by_name("optimus", PolicyParams::default()).unwrap();
+        let d = decide(
+            &ClusterState {
+                now: 0.0,
+                hosts: &hosts,
+                contention_per_shared_job: 0.0,
+            },
+            &views,
+            policy.as_ref(),
+            PlacementKind::Bco,
+        );
+        let table = |id: &str| {
+            d.views
+                .iter()
+                .find(|v| v.id.as_str() == id)
+                .unwrap()
+                .throughput
+                .clone()
+                .unwrap()
+        };
+        for (id, penalty) in [("ma", 1.02), ("easgd", 1.20)] {
+            let t = table(id);
+            for (i, rate) in t.iter().enumerate() {
+                let linear = (i + 1) as f64 * 320.0 / penalty;
+                assert!((rate - linear).abs() < 1e-6, "{id} {i}: {rate} vs {linear}");
+            }
+        }
+        // The ring job: 8 workers span two hosts and pay θ_inter·r(8) + θ_α.
+        let ring = table("ring");
+        assert!(ring[7] < 0.5 * 8.0 * 320.0, "{ring:?}");
+    }
+
     /// Applies a decision: each job's placement becomes what was placed.
     fn apply(views: &mut [JobView], d: &Allocation, now: f64) {
         for v in views.iter_mut() {
