@@ -118,6 +118,13 @@ class Contract:
     #: generation); ``None`` with older agents or by hand.
     run_id: Optional[str] = None
     restart_count: Optional[int] = None
+    #: ``CONVERGE_SYNC``: the spec's sync architecture (``ring``, ``ps`` or ``shadow``);
+    #: ``None`` with older agents or by hand.
+    sync: Optional[str] = None
+    #: ``CONVERGE_SHADOW_ALGORITHM`` of a shadow job (``ma``, ``bmuf``, ``easgd``); its
+    #: parameters are ``CONVERGE_SHADOW_BLOCK_MOMENTUM`` and the other ``CONVERGE_SHADOW_*``
+    #: variables, set only when the spec gives them (docs/protocol.md).
+    shadow_algorithm: Optional[str] = None
 
     @classmethod
     def from_env(
@@ -205,6 +212,8 @@ class Contract:
             group_rank=None if group_rank is None else number("GROUP_RANK"),
             run_id=get("TORCHELASTIC_RUN_ID"),
             restart_count=None if restart_count is None else number("TORCHELASTIC_RESTART_COUNT"),
+            sync=get("CONVERGE_SYNC"),
+            shadow_algorithm=get("CONVERGE_SHADOW_ALGORITHM"),
         )
 
     @property

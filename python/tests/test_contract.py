@@ -68,6 +68,13 @@ class ContractFromAgent(unittest.TestCase):
         self.assertEqual(b, Batch(32, 0, 128, 128))
         self.assertEqual(b.scaled_lr(0.1), 0.1)
 
+    def test_sync_and_shadow_algorithm(self):
+        c = Contract.from_env(env(CONVERGE_SYNC="shadow", CONVERGE_SHADOW_ALGORITHM="bmuf"))
+        self.assertEqual((c.sync, c.shadow_algorithm), ("shadow", "bmuf"))
+        c = Contract.from_env(env(CONVERGE_SYNC="ring"))
+        self.assertEqual((c.sync, c.shadow_algorithm), ("ring", None))
+        self.assertEqual(Contract.from_env(AGENT).sync, None)
+
     def test_older_agents_without_torchrun_extras(self):
         c = Contract.from_env(env(GROUP_RANK=None, TORCHELASTIC_RUN_ID=None, TORCHELASTIC_RESTART_COUNT=None))
         self.assertEqual((c.group_rank, c.run_id, c.restart_count), (None, None, None))
