@@ -261,13 +261,37 @@ async fn poll_once(
         ttl_s: cfg.ttl.as_secs_f64(),
         renewed_at: unix_now(),
     };
+    // A renewal NATS refuses (e.g. while the lease bucket elects a new stream leader after
+    // a server died) is not a lost lease: nobody else can have taken it before it expires,
+    // so the current leadership is kept and its validity runs out by itself (an `Err`).
+    if let Action::Renew { revision, term } = &action {
+        let rev = store
+            .update(
+                subjects::LEADER_KEY,
+                Bytes::from(encode(&lease(*term))),
+                *revision,
+            )
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot renew the lease (kept until it expires): {e}"))?;
+        *seen = Some((rev, Instant::now()));
+        *last_term = *term;
+        return Ok((
+            Leadership {
+                term: *term,
+                valid_until: Some(started + cfg.ttl.mul_f64(TRUST_FRACTION)),
+                holder: Some(cfg.replica_id.clone()),
+            },
+            Some(rev),
+        ));
+    }
     let written = match &action {
         Action::Create { term } => store
             .create(subjects::LEADER_KEY, Bytes::from(encode(&lease(*term))))
             .await
             .ok()
             .map(|rev| (rev, *term)),
-        Action::Renew { revision, term } | Action::TakeOver { revision, term } => store
+        Action::Renew { .. } => unreachable!("renewed above"),
+        Action::TakeOver { revision, term } => store
             .update(
                 subjects::LEADER_KEY,
                 Bytes::from(encode(&lease(*term))),

@@ -352,6 +352,29 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                     reload_written(&bus, &mut view, &rejects).await;
                     reload_queue_statuses(&bus, &queue_buckets, &mut view, &rejects).await;
                     policy_due = true;
+                    // The reads above can take seconds (a NATS cluster electing leaders):
+                    // apply what the followers delivered meanwhile before any step, or the
+                    // step would judge hosts by telemetry older than the host timeout.
+                    for _ in 0..rx.len() {
+                        let Ok(input) = rx.try_recv() else { break };
+                        match input {
+                            Input::ProgressCaughtUp => caught_up = true,
+                            Input::Progress(p) => {
+                                let refused =
+                                    ingest(&mut view, p, &rejects, &mut lifecycle_due, caught_up);
+                                if let Some(seq) = refused {
+                                    let _ = refused_tx.try_send(seq);
+                                }
+                            }
+                            input => apply(
+                                &mut view,
+                                input,
+                                &mut policy_due,
+                                &mut lifecycle_due,
+                                caught_up,
+                            ),
+                        }
+                    }
                 }
                 leading = now_leading;
             }

@@ -1149,7 +1149,8 @@ impl Bus {
         Ok(stream.boxed())
     }
 
-    /// Reads every live key of `store`, decoding each value. Values that fail to decode are
+    /// Reads every live key of `store`, decoding each value (the key listing is tried up to
+    /// [`KEYS_ATTEMPTS`] times, each bounded to [`KEYS_ATTEMPT`]). Values that fail to decode are
     /// counted in `rejects` and skipped.
     pub async fn load_all<T: Message>(
         &self,
@@ -1162,11 +1163,31 @@ impl Bus {
             key: "*".into(),
             message: e.to_string(),
         };
-        let keys: Vec<String> = store
-            .keys()
-            .await
-            .map_err(|e| kv_err(&e))?
-            .try_collect()
+        // Listing keys creates an ephemeral consumer. On a NATS cluster that just lost a
+        // server, JetStream may put that consumer on the dead peer, and the listing then
+        // hangs until the request times out; a new attempt gets another placement. So each
+        // attempt is bounded to KEYS_ATTEMPT and retried (KEYS_ATTEMPTS in all).
+        let list = || async {
+            let listing = async {
+                store
+                    .keys()
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .try_collect::<Vec<String>>()
+                    .await
+                    .map_err(|e| e.to_string())
+            };
+            match tokio::time::timeout(KEYS_ATTEMPT, listing).await {
+                Ok(r) => r,
+                Err(_) => Err(format!("listing keys timed out after {KEYS_ATTEMPT:?}")),
+            }
+        };
+        let keys: Vec<String> = list
+            .retry(
+                ExponentialBuilder::default()
+                    .with_min_delay(Duration::from_millis(200))
+                    .with_max_times(KEYS_ATTEMPTS - 1),
+            )
             .await
             .map_err(|e| kv_err(&e))?;
         let mut out = BTreeMap::new();
@@ -1219,6 +1240,11 @@ impl Bus {
             .await
     }
 }
+
+/// How long one attempt to list a bucket's keys may take ([`Bus::load_all`]).
+pub const KEYS_ATTEMPT: Duration = Duration::from_secs(3);
+/// Attempts to list a bucket's keys before [`Bus::load_all`] gives up.
+pub const KEYS_ATTEMPTS: usize = 4;
 
 /// Counts messages a process refused, by where they came from and why. Every refusal is
 /// logged once at `warn`; the process keeps serving.
