@@ -357,22 +357,9 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                     // step would judge hosts by telemetry older than the host timeout.
                     for _ in 0..rx.len() {
                         let Ok(input) = rx.try_recv() else { break };
-                        match input {
-                            Input::ProgressCaughtUp => caught_up = true,
-                            Input::Progress(p) => {
-                                let refused =
-                                    ingest(&mut view, p, &rejects, &mut lifecycle_due, caught_up);
-                                if let Some(seq) = refused {
-                                    let _ = refused_tx.try_send(seq);
-                                }
-                            }
-                            input => apply(
-                                &mut view,
-                                input,
-                                &mut policy_due,
-                                &mut lifecycle_due,
-                                caught_up,
-                            ),
+                        let due = (&mut policy_due, &mut lifecycle_due);
+                        if let Some(seq) = take(&mut view, input, &rejects, due, &mut caught_up) {
+                            let _ = refused_tx.try_send(seq);
                         }
                     }
                 }
@@ -380,20 +367,11 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             }
             input = rx.recv() => {
                 let Some(input) = input else { break };
-                match input {
-                    Input::ProgressCaughtUp => {
-                        caught_up = true;
-                        tracing::info!(jobs = view.histories.len(), "progress history rebuilt");
-                    }
-                    Input::Progress(p) => {
-                        let refused = ingest(&mut view, p, &rejects, &mut lifecycle_due, caught_up);
-                        if let Some(seq) = refused
-                            && leadership.borrow().is_valid()
-                        {
-                            let _ = refused_tx.try_send(seq);
-                        }
-                    }
-                    input => apply(&mut view, input, &mut policy_due, &mut lifecycle_due, caught_up),
+                let due = (&mut policy_due, &mut lifecycle_due);
+                if let Some(seq) = take(&mut view, input, &rejects, due, &mut caught_up)
+                    && leadership.borrow().is_valid()
+                {
+                    let _ = refused_tx.try_send(seq);
                 }
             }
             _ = scheduling.tick() => policy_due = true,
@@ -658,6 +636,30 @@ fn job_families(statuses: &BTreeMap<JobId, JobStatus>) -> converge_bus::metrics:
 }
 
 /// Applies one update to the view and says what it makes due.
+/// Takes one input from the followers into the view: the progress history's end, a
+/// report (its stream sequence returned when refused for good, for the leader to delete),
+/// or anything else ([`apply`]).
+fn take(
+    view: &mut View,
+    input: Input,
+    rejects: &Rejects,
+    (policy_due, lifecycle_due): (&mut bool, &mut bool),
+    caught_up: &mut bool,
+) -> Option<u64> {
+    match input {
+        Input::ProgressCaughtUp => {
+            *caught_up = true;
+            tracing::info!(jobs = view.histories.len(), "progress history rebuilt");
+            None
+        }
+        Input::Progress(p) => ingest(view, p, rejects, lifecycle_due, *caught_up),
+        input => {
+            apply(view, input, policy_due, lifecycle_due, *caught_up);
+            None
+        }
+    }
+}
+
 fn apply(
     view: &mut View,
     input: Input,
