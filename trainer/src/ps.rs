@@ -475,34 +475,24 @@ impl PsWorker {
             (cfg.rank == 0) == init.is_some(),
             "exactly worker 0 provides the initial state"
         );
-        let deadline = Instant::now() + cfg.rendezvous_timeout;
         let who = format!("worker {}/{workers}", cfg.rank);
-        let addresses = ring::rendezvous(&cfg.ring_config(), cfg.num_ps, master, 0, &cancel)?;
-        let mut shards = Vec::with_capacity(cfg.num_ps);
-        for s in 0..cfg.num_ps {
-            let rank = workers + s;
-            let addr: SocketAddr = addresses[rank]
-                .parse()
-                .with_context(|| format!("bad shard address {:?}", addresses[rank]))?;
-            let mut stream = connect_with_retry(addr, deadline, &cancel).with_context(|| {
-                format!("cannot connect to parameter-server shard {s} (rank {rank}) at {addr}")
-            })?;
-            let mut hs = Vec::with_capacity(HANDSHAKE_LEN);
-            hs.extend_from_slice(PS_MAGIC);
-            hs.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
-            hs.extend_from_slice(&cfg.generation.to_le_bytes());
-            hs.extend_from_slice(&(workers as u32).to_le_bytes());
-            hs.extend_from_slice(&(num_params as u64).to_le_bytes());
-            std::io::Write::write_all(&mut stream, &hs)?;
-            configure(&stream)?;
-            shards.push(ShardLink {
-                stream,
-                range: shard_range(num_params, s, cfg.num_ps),
-                shard: s,
-                rank,
-                addr,
-            });
-        }
+        let shards = connect_to_shards(
+            cfg,
+            master,
+            num_params,
+            PS_MAGIC,
+            "parameter-server",
+            &cancel,
+        )?
+        .into_iter()
+        .map(|c| ShardLink {
+            stream: c.stream,
+            range: c.range,
+            shard: c.shard,
+            rank: c.rank,
+            addr: c.addr,
+        })
+        .collect();
         let me = PsWorker {
             index: cfg.rank,
             shards,
@@ -998,6 +988,59 @@ pub(crate) fn accept_workers(
         );
     }
     Ok((slots.into_iter().map(|(w, _)| w).collect(), n as usize))
+}
+
+/// A worker's TCP connection to one shard, handshake sent ([`connect_to_shards`]).
+pub(crate) struct ShardConnection {
+    pub stream: TcpStream,
+    /// The shard's slice of the parameters.
+    pub range: std::ops::Range<usize>,
+    pub shard: usize,
+    pub rank: usize,
+    pub addr: SocketAddr,
+}
+
+/// A worker's side of the shards' rendezvous: joins it, connects to every shard (ranks
+/// after the workers) within the rendezvous timeout and sends the handshake that starts
+/// with `magic` (rank, generation, workers, parameters). `what` names the shards in errors
+/// (parameter-server, S-EASGD). Used by the parameter-server worker and S-EASGD's client.
+pub(crate) fn connect_to_shards(
+    cfg: &PsConfig,
+    master: Option<TcpListener>,
+    num_params: usize,
+    magic: &[u8],
+    what: &str,
+    cancel: &AtomicBool,
+) -> Result<Vec<ShardConnection>> {
+    let workers = cfg.workers();
+    let deadline = Instant::now() + cfg.rendezvous_timeout;
+    let addresses = ring::rendezvous(&cfg.ring_config(), cfg.num_ps, master, 0, cancel)?;
+    let mut shards = Vec::with_capacity(cfg.num_ps);
+    for s in 0..cfg.num_ps {
+        let rank = workers + s;
+        let addr: SocketAddr = addresses[rank]
+            .parse()
+            .with_context(|| format!("bad shard address {:?}", addresses[rank]))?;
+        let mut stream = connect_with_retry(addr, deadline, cancel).with_context(|| {
+            format!("cannot connect to {what} shard {s} (rank {rank}) at {addr}")
+        })?;
+        let mut hs = Vec::with_capacity(HANDSHAKE_LEN);
+        hs.extend_from_slice(magic);
+        hs.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
+        hs.extend_from_slice(&cfg.generation.to_le_bytes());
+        hs.extend_from_slice(&(workers as u32).to_le_bytes());
+        hs.extend_from_slice(&(num_params as u64).to_le_bytes());
+        std::io::Write::write_all(&mut stream, &hs)?;
+        configure(&stream)?;
+        shards.push(ShardConnection {
+            stream,
+            range: shard_range(num_params, s, cfg.num_ps),
+            shard: s,
+            rank,
+            addr,
+        });
+    }
+    Ok(shards)
 }
 
 #[cfg(test)]

@@ -80,10 +80,9 @@ use anyhow::{Context, Result, bail, ensure};
 use serde::{Deserialize, Serialize};
 
 use crate::ps::{
-    self, Frame, HANDSHAKE_LEN, Link, PsConfig, ShardOutcome, WorkerLink, configure, loss_meta,
-    meta_loss, shard_range,
+    self, Frame, Link, PsConfig, ShardOutcome, WorkerLink, loss_meta, meta_loss, shard_range,
 };
-use crate::ring::{self, Ring, connect_with_retry};
+use crate::ring::{self, Ring};
 
 /// The ShadowSync algorithms, as named on the command line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -477,35 +476,19 @@ impl EasgdClient {
             (cfg.rank == 0) == init.is_some(),
             "exactly worker 0 provides the initial state"
         );
-        let deadline = Instant::now() + cfg.rendezvous_timeout;
         let who = format!("worker {}/{workers}", cfg.rank);
-        let addresses = ring::rendezvous(&cfg.ring_config(), cfg.num_ps, master, 0, &cancel)?;
-        let mut shards = Vec::with_capacity(cfg.num_ps);
-        for s in 0..cfg.num_ps {
-            let rank = workers + s;
-            let addr: SocketAddr = addresses[rank]
-                .parse()
-                .with_context(|| format!("bad shard address {:?}", addresses[rank]))?;
-            let mut stream = connect_with_retry(addr, deadline, &cancel).with_context(|| {
-                format!("cannot connect to S-EASGD shard {s} (rank {rank}) at {addr}")
-            })?;
-            let mut hs = Vec::with_capacity(HANDSHAKE_LEN);
-            hs.extend_from_slice(EASGD_MAGIC);
-            hs.extend_from_slice(&(cfg.rank as u32).to_le_bytes());
-            hs.extend_from_slice(&cfg.generation.to_le_bytes());
-            hs.extend_from_slice(&(workers as u32).to_le_bytes());
-            hs.extend_from_slice(&(num_params as u64).to_le_bytes());
-            std::io::Write::write_all(&mut stream, &hs)?;
-            configure(&stream)?;
-            shards.push(ShardConn {
-                stream,
-                range: shard_range(num_params, s, cfg.num_ps),
-                shard: s,
-                rank,
-                addr,
-                alive: true,
-            });
-        }
+        let shards =
+            ps::connect_to_shards(cfg, master, num_params, EASGD_MAGIC, "S-EASGD", &cancel)?
+                .into_iter()
+                .map(|c| ShardConn {
+                    stream: c.stream,
+                    range: c.range,
+                    shard: c.shard,
+                    rank: c.rank,
+                    addr: c.addr,
+                    alive: true,
+                })
+                .collect();
         let me = EasgdClient {
             shards,
             num_params,
@@ -967,6 +950,7 @@ pub fn run_easgd_shard(cfg: &PsConfig, cancel: &Arc<AtomicBool>) -> Result<Shard
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ps::{HANDSHAKE_LEN, configure};
     use crate::ring::RingConfig;
     use std::io::Write;
 
