@@ -130,6 +130,17 @@ pub enum SimError {
     NoGpus,
     #[error("queue name {0:?} is not a valid queue name")]
     BadQueue(String),
+    /// Jobs name queues the run does not define: they would wait forever, as the service
+    /// keeps a job whose queue does not exist waiting.
+    #[error(
+        "{jobs} job(s) are in queue(s) this run does not define: {missing} (defined: {defined}); \
+         give them with --queues NAME=QUOTA, or drop the workload's queue column"
+    )]
+    MissingQueues {
+        jobs: usize,
+        missing: String,
+        defined: String,
+    },
 }
 
 /// Per-job outcome.
@@ -267,6 +278,34 @@ fn per_node(placement: &[RankPlacement], nodes: u32) -> Vec<u32> {
     counts.into_iter().filter(|&c| c > 0).collect()
 }
 
+/// Refuses jobs whose queue is neither the default nor one of `queues`.
+fn check_queues_defined(
+    jobs: &[Tracked],
+    queues: &BTreeMap<QueueId, QueueSpec>,
+) -> Result<(), SimError> {
+    let default = default_queue();
+    let mut missing: BTreeMap<&QueueId, usize> = BTreeMap::new();
+    for j in jobs {
+        if j.queue != default && !queues.contains_key(&j.queue) {
+            *missing.entry(&j.queue).or_default() += 1;
+        }
+    }
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let mut defined: Vec<String> = vec![default.to_string()];
+    defined.extend(queues.keys().map(|q| q.to_string()));
+    Err(SimError::MissingQueues {
+        jobs: missing.values().sum(),
+        missing: missing
+            .iter()
+            .map(|(q, n)| format!("{q} ({n} job(s))"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        defined: defined.join(", "),
+    })
+}
+
 fn nodes_of(placement: &[RankPlacement]) -> Vec<&HostId> {
     let mut hosts: Vec<&HostId> = placement.iter().map(|p| &p.host).collect();
     hosts.sort();
@@ -353,6 +392,7 @@ pub fn simulate(
             preemptions: 0,
         });
     }
+    check_queues_defined(&jobs, &cfg.queues)?;
     let hosts: Vec<HostFree> = (0..cfg.nodes)
         .map(|n| HostFree::new(host_name(n), (0..cfg.gpus_per_node).collect()))
         .collect();
@@ -758,6 +798,35 @@ mod tests {
 
     fn run(name: &str, jobs: &[WorkloadJob], cfg: &SimConfig) -> SimResult {
         simulate(apps(), jobs, policy(name).as_ref(), cfg).unwrap()
+    }
+
+    #[test]
+    fn jobs_in_queues_the_run_does_not_define_are_refused_by_name() {
+        let mut jobs = workload(6);
+        jobs[0].queue = Some("team-a".into());
+        jobs[1].queue = Some("team-b".into());
+        jobs[2].queue = Some("team-b".into());
+        let mut cfg = SimConfig {
+            nodes: 2,
+            ..SimConfig::default()
+        };
+        let spec = |name: &str| QueueSpec {
+            name: name.parse().unwrap(),
+            quota_gpus: 4,
+            ..QueueSpec::implicit_default()
+        };
+        cfg.queues.insert("team-a".parse().unwrap(), spec("team-a"));
+        let err = simulate(apps(), &jobs, policy("fifo").as_ref(), &cfg).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(err, SimError::MissingQueues { jobs: 2, .. }),
+            "{text}"
+        );
+        assert!(text.contains("team-b (2 job(s))"), "{text}");
+        assert!(text.contains("defined: default, team-a"), "{text}");
+        // Defined, it runs.
+        cfg.queues.insert("team-b".parse().unwrap(), spec("team-b"));
+        assert!(simulate(apps(), &jobs, policy("fifo").as_ref(), &cfg).is_ok());
     }
 
     #[test]
