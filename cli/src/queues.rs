@@ -380,9 +380,25 @@ pub async fn load(
     buckets: &QueueBuckets,
 ) -> anyhow::Result<BTreeMap<String, (QueueSpec, u64)>> {
     let rejects = Rejects::default();
-    bus.load_all::<QueueSpec>(&buckets.queues, &rejects)
+    let mut stored = bus
+        .load_all::<QueueSpec>(&buckets.queues, &rejects)
         .await
-        .context("cannot read the queues (KV converge-queues)")
+        .context("cannot read the queues (KV converge-queues)")?;
+    // A spec stored under a key that is not its name is no queue to the allocator (it
+    // ignores it): the CLI must not offer it either, or a job submitted to it would wait
+    // forever.
+    stored.retain(|key, (spec, _)| {
+        let same = spec.name.as_str() == key;
+        if !same {
+            tracing::warn!(
+                key = %key,
+                name = %spec.name,
+                "ignoring queue entry whose name is not its key"
+            );
+        }
+        same
+    });
+    Ok(stored)
 }
 
 /// Refuses specs whose queue does not exist (reads the queues only when a spec names one

@@ -1,9 +1,9 @@
 //! Hostile input on every subject and bucket, against a real nats-server with an agent and
 //! the allocator running: malformed JSON, wrong protocol versions, invalid content, ids
-//! that are not valid ids, reports on another job's subject and oversized payloads. Each
-//! is refused or counted; no process stops; a real job submitted afterwards trains and
-//! completes; the agent's running workers are untouched. (Credentials and permissions:
-//! `security.rs`.)
+//! that are not valid ids, queues with invalid quotas or weights, reports on another job's
+//! subject and oversized payloads. Each is refused or counted; no process stops; a real job
+//! submitted afterwards trains and completes; the agent's running workers are untouched.
+//! (Credentials and permissions: `security.rs`.)
 
 use bytes::Bytes;
 use converge_common::{HostTelemetry, JobPhase, subjects};
@@ -138,6 +138,48 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
     bus.plans.put("n6", wrong_version.clone()).await.unwrap();
     // Statuses (KV converge-job-status), read by the CLI and the allocator on restart.
     bus.status.put("ghost", garbage.clone()).await.unwrap();
+    // Queues (KV converge-queues, written by the CLI; converge-queue-status, by the
+    // allocator): undecodable, wrong version, a negative quota, a zero weight, a name that is
+    // not its key, and a garbage status. None becomes a queue.
+    let queue_buckets = bus
+        .open_queues(converge_bus::Setup::OpenOrCreate)
+        .await
+        .unwrap();
+    let queue = |name: &str, quota: i64, weight: f64| {
+        json(
+            serde_json::json!({"protocol": 1, "name": name, "quota_gpus": quota, "weight": weight}),
+        )
+    };
+    queue_buckets
+        .queues
+        .put("q-json", garbage.clone())
+        .await
+        .unwrap();
+    queue_buckets
+        .queues
+        .put("q-version", wrong_version.clone())
+        .await
+        .unwrap();
+    queue_buckets
+        .queues
+        .put("q-negative", queue("q-negative", -1, 1.0))
+        .await
+        .unwrap();
+    queue_buckets
+        .queues
+        .put("q-weightless", queue("q-weightless", 1, 0.0))
+        .await
+        .unwrap();
+    queue_buckets
+        .queues
+        .put("q-other", queue("not-the-key", 1, 1.0))
+        .await
+        .unwrap();
+    queue_buckets
+        .status
+        .put("q-ghost", garbage.clone())
+        .await
+        .unwrap();
     // Events: anyone may publish junk; `converge watch` refuses it.
     bus.client
         .publish("converge.v1.events.job.long".to_string(), garbage.clone())
@@ -146,10 +188,12 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
 
     // The allocator counted what reached it: 3 specs (json, version, content; the foreign
     // id and the invalid key are refused by id checks, not counted), 3 heartbeats, 3 reports
-    // (2 undecodable, one on another job's subject), 1 status (its status watch).
+    // (2 undecodable, one on another job's subject), 1 status (its status watch), 4 queue
+    // specs (json, version, quota, weight; the name that is not its key is not counted) and
+    // 1 queue status.
     wait_for(Duration::from_secs(10), "refusals counted", || async {
         let counted = refused_by_allocator() - refused_before;
-        (counted >= 10.0).then_some(())
+        (counted >= 15.0).then_some(())
     })
     .await;
     let bad = job_status(&bus, "bad-content").await;
@@ -179,6 +223,42 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
         String::from_utf8_lossy(&listed.stderr)
     );
     assert!(String::from_utf8_lossy(&listed.stdout).contains("long"));
+    // The CLI lists the queues past the hostile entries, and shows none of them.
+    let queues = Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "queue", "list"])
+        .output()
+        .unwrap();
+    let listed = String::from_utf8_lossy(&queues.stdout);
+    assert!(
+        queues.status.success(),
+        "{}",
+        String::from_utf8_lossy(&queues.stderr)
+    );
+    for hostile in [
+        "q-json",
+        "q-version",
+        "q-negative",
+        "q-weightless",
+        "q-other",
+    ] {
+        assert!(!listed.contains(hostile), "{hostile} listed:\n{listed}");
+    }
+    // A job for the entry whose name is not its key is refused at submit: the allocator
+    // would never run it.
+    let stray = work.path().join("stray.toml");
+    std::fs::write(
+        &stray,
+        format!("queue = \"q-other\"\n{}", hostile_job("stray", 3)),
+    )
+    .unwrap();
+    let refused = submit(&stray);
+    assert!(
+        !refused.status.success()
+            && String::from_utf8_lossy(&refused.stderr)
+                .contains("queue \"q-other\" does not exist"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
     let short = work.path().join("short.toml");
     std::fs::write(&short, hostile_job("short", 3)).unwrap();
     assert!(submit(&short).status.success());
