@@ -423,8 +423,8 @@ fn log_path(cfg: &SupervisorConfig, a: &WorkerAssignment) -> PathBuf {
 }
 
 /// The report for one parsed progress line of a worker: the line's figures (the sync time,
-/// model size and gradient statistics included, when the worker sends them; the statistics
-/// only when both are valid) on the worker's `base` (job, generation, rank, host, workers,
+/// model size, gradient statistics and a shadow job's sync rounds per second and model gap
+/// included, when the worker sends them; the statistics only when both are valid) on the worker's `base` (job, generation, rank, host, workers,
 /// hosts), read at `time` (UNIX seconds).
 fn progress_report(base: &ProgressReport, p: WorkerProgressLine, time: f64) -> ProgressReport {
     let gradient = p.gradient().valid();
@@ -439,6 +439,8 @@ fn progress_report(base: &ProgressReport, p: WorkerProgressLine, time: f64) -> P
         time,
         sync_time_s: p.sync_s,
         model_bytes: p.model_bytes,
+        sync_rounds_per_s: p.sync_rounds_per_s,
+        model_gap: p.model_gap,
         ..base.clone()
     }
 }
@@ -617,6 +619,8 @@ fn spawn_worker(
         model_bytes: None,
         grad_sqr: None,
         grad_var: None,
+        sync_rounds_per_s: None,
+        model_gap: None,
     };
     tokio::spawn(async move {
         let mut log = match tokio::fs::OpenOptions::new()
@@ -842,6 +846,8 @@ mod tests {
             model_bytes: None,
             grad_sqr: None,
             grad_var: None,
+            sync_rounds_per_s: None,
+            model_gap: None,
         };
         let line = r#"CONVERGE_PROGRESS {"step":20,"samples":2560,"loss":0.4,"epoch":0.5,"sync_s":0.003,"model_bytes":5200}"#;
         let p = WorkerProgressLine::parse(line).unwrap().unwrap();
@@ -863,6 +869,20 @@ mod tests {
         let r = progress_report(&base, p, 1.0);
         assert_eq!((r.sync_time_s, r.model_bytes), (None, None));
         assert_eq!((r.grad_sqr, r.grad_var), (None, None));
+        assert_eq!((r.sync_rounds_per_s, r.model_gap), (None, None));
+        // A shadow worker's (converge-trainer --shadow) sync rounds and model gap.
+        let p = WorkerProgressLine::parse(
+            r#"CONVERGE_PROGRESS {"step":40,"samples":5120,"loss":0.7,"sync_s":0,"model_bytes":1626880,"sync_rounds_per_s":13.6,"model_gap":0.0065}"#,
+        )
+        .unwrap()
+        .unwrap();
+        let r = progress_report(&base, p, 2.0);
+        assert_eq!(
+            (r.sync_rounds_per_s, r.model_gap),
+            (Some(13.6), Some(0.0065))
+        );
+        assert_eq!((r.sync_time_s, r.samples), (Some(0.0), 5120));
+        assert!(r.validate().is_ok());
         // Valid statistics are copied; bad ones are dropped and the rest is kept.
         let p = WorkerProgressLine::parse(
             r#"CONVERGE_PROGRESS {"step":1,"samples":8,"loss":0.9,"grad_sqr":0.25,"grad_var":4}"#,

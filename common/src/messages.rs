@@ -441,11 +441,22 @@ pub struct ProgressReport {
     pub grad_sqr: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grad_var: Option<f64>,
+    /// ShadowSync workers (`arch = "shadow"`): the line's `sync_rounds_per_s`, background
+    /// synchronization rounds completed per second since the worker's previous line
+    /// (finite, >= 0). Absent for other jobs and in reports of older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_rounds_per_s: Option<f64>,
+    /// ShadowSync workers: the line's `model_gap`, the mean relative distance between the
+    /// worker's model and the synchronized one over those rounds (dimensionless, 0 to 2;
+    /// finite, >= 0). Absent for other jobs and in reports of older agents.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_gap: Option<f64>,
 }
 
 impl ProgressReport {
     /// A report of the current protocol with the required fields; every optional field
-    /// (`eval_loss`, `epoch`, `workers`, `hosts`, `sync_time_s`, `model_bytes`) absent.
+    /// (`eval_loss`, `epoch`, `workers`, `hosts`, `sync_time_s`, `model_bytes`, the
+    /// gradient statistics and the ShadowSync figures) absent.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         job: JobId,
@@ -475,6 +486,8 @@ impl ProgressReport {
             model_bytes: None,
             grad_sqr: None,
             grad_var: None,
+            sync_rounds_per_s: None,
+            model_gap: None,
         }
     }
 
@@ -497,11 +510,17 @@ impl Message for ProgressReport {
         if let Some(s) = self.sync_time_s {
             sync_time("sync_time_s", s)?;
         }
+        if let Some(r) = self.sync_rounds_per_s {
+            sync_time("sync_rounds_per_s", r)?;
+        }
+        if let Some(g) = self.model_gap {
+            sync_time("model_gap", g)?;
+        }
         Ok(())
     }
 }
 
-/// A synchronization time: finite and not negative.
+/// A synchronization figure (a time, a rate, a distance): finite and not negative.
 fn sync_time(name: &str, x: f64) -> Result<(), String> {
     finite(name, x)?;
     if x < 0.0 {
@@ -773,6 +792,15 @@ pub struct JobStatus {
     /// allocator gave it, with the reason. Empty in statuses written before the field existed.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub allocations: Vec<AllocationChange>,
+    /// ShadowSync jobs: rank 0's latest `sync_rounds_per_s` of the current generation
+    /// (background synchronization rounds per second; see [`ProgressReport`]), absent until
+    /// the generation reported one, for other jobs, and in statuses of older allocators.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_rounds_per_s: Option<f64>,
+    /// ShadowSync jobs: rank 0's latest `model_gap` of the current generation (the relative
+    /// distance between a worker's model and the synchronized one, 0 to 2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_gap: Option<f64>,
 }
 
 /// Most entries kept in [`JobStatus::allocations`] (about 100 bytes each).
@@ -867,6 +895,8 @@ impl JobStatus {
             batch: None,
             end: None,
             allocations: Vec::new(),
+            sync_rounds_per_s: None,
+            model_gap: None,
         }
     }
 
@@ -1009,6 +1039,12 @@ impl Message for JobStatus {
                     self.world_size + i as u32
                 ));
             }
+        }
+        if let Some(r) = self.sync_rounds_per_s {
+            sync_time("sync_rounds_per_s", r)?;
+        }
+        if let Some(g) = self.model_gap {
+            sync_time("model_gap", g)?;
         }
         Ok(())
     }
@@ -1201,6 +1237,8 @@ mod tests {
             model_bytes: Some(5200),
             grad_sqr: Some(0.25),
             grad_var: Some(3.5),
+            sync_rounds_per_s: Some(6.5),
+            model_gap: Some(0.0134),
         });
         round_trip(Event::new(
             1.0,
@@ -1420,6 +1458,8 @@ mod tests {
             model_bytes: Some(5200),
             grad_sqr: None,
             grad_var: None,
+            sync_rounds_per_s: None,
+            model_gap: None,
         };
         assert!(base.validate().is_ok());
         for bad in [-1e-9, f64::NAN, f64::INFINITY] {
@@ -1440,6 +1480,82 @@ mod tests {
         v["sync_time_s"] = (-0.5).into();
         let e = decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
         assert_eq!(e.kind(), "invalid", "{e}");
+    }
+
+    #[test]
+    fn progress_report_shadow_figures_round_trip_are_optional_and_validated() {
+        let mut shadow = ProgressReport::new(job("sh"), 1, 0, host("h"), 40, 5120, 0.7, 1.7e9);
+        shadow.sync_time_s = Some(0.0);
+        shadow.sync_rounds_per_s = Some(13.6);
+        shadow.model_gap = Some(0.0065);
+        let back: ProgressReport = decode(&encode(&shadow)).unwrap();
+        assert_eq!(back, shadow);
+        // Zero is a valid figure (a generation whose synchronization was dropped).
+        let zero = ProgressReport {
+            sync_rounds_per_s: Some(0.0),
+            model_gap: Some(0.0),
+            ..shadow.clone()
+        };
+        assert!(zero.validate().is_ok());
+        // Absent in reports of other jobs: not written at all, and reports of agents older
+        // than the fields decode with both absent.
+        let plain = ProgressReport::new(job("sh"), 1, 0, host("h"), 40, 5120, 0.7, 1.7e9);
+        let text = String::from_utf8(encode(&plain)).unwrap();
+        assert!(
+            !text.contains("sync_rounds_per_s") && !text.contains("model_gap"),
+            "{text}"
+        );
+        let old: ProgressReport = decode(text.as_bytes()).unwrap();
+        assert_eq!((old.sync_rounds_per_s, old.model_gap), (None, None));
+        // Negative, NaN and infinite figures are refused, naming the field.
+        for bad in [-1e-9, -3.0, f64::NAN, f64::INFINITY] {
+            for (field, r) in [
+                (
+                    "sync_rounds_per_s",
+                    ProgressReport {
+                        sync_rounds_per_s: Some(bad),
+                        ..shadow.clone()
+                    },
+                ),
+                (
+                    "model_gap",
+                    ProgressReport {
+                        model_gap: Some(bad),
+                        ..shadow.clone()
+                    },
+                ),
+            ] {
+                assert!(r.validate().unwrap_err().contains(field), "{field} {bad}");
+            }
+        }
+        // On the wire: a negative figure is refused as invalid, a string as malformed.
+        let mut v: serde_json::Value = serde_json::from_slice(&encode(&shadow)).unwrap();
+        v["model_gap"] = (-0.5).into();
+        let e = decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), "invalid", "{e}");
+        assert!(e.to_string().contains("model_gap"), "{e}");
+        v["model_gap"] = 0.01.into();
+        v["sync_rounds_per_s"] = "many".into();
+        assert!(decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).is_err());
+    }
+
+    #[test]
+    fn job_status_shadow_figures_are_optional_and_validated() {
+        let mut s = JobStatus::pending(job("sh"), 1.0, 1.0);
+        let text = String::from_utf8(encode(&s)).unwrap();
+        assert!(!text.contains("sync_rounds_per_s"), "{text}");
+        s.sync_rounds_per_s = Some(6.8);
+        s.model_gap = Some(0.0134);
+        let back: JobStatus = decode(&encode(&s)).unwrap();
+        assert_eq!(
+            (back.sync_rounds_per_s, back.model_gap),
+            (Some(6.8), Some(0.0134))
+        );
+        s.model_gap = Some(f64::NAN);
+        assert!(s.validate().unwrap_err().contains("model_gap"));
+        s.model_gap = None;
+        s.sync_rounds_per_s = Some(-1.0);
+        assert!(s.validate().unwrap_err().contains("sync_rounds_per_s"));
     }
 
     #[test]

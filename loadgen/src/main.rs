@@ -419,6 +419,8 @@ async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, u
                         model_bytes: None,
                         grad_sqr: None,
                         grad_var: None,
+                        sync_rounds_per_s: None,
+                        model_gap: None,
                     };
                     let subject = subjects::progress(&report.job, &report.host);
                     let publish = bus.js.publish(subject, Bytes::from(encode(&report)));

@@ -211,7 +211,7 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
 
     let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
     bus.put(&bus.plans, "n2", &plan("n2", vec![
-        worker("chatty", 1, 0, 1, 0, sh("echo 'CONVERGE_PROGRESS {bad json'; echo 'CONVERGE_PROGRESS {\"step\":1,\"samples\":8,\"loss\":NaN}'; echo 'CONVERGE_PROGRESS {\"step\":1,\"samples\":8,\"loss\":0.6,\"sync_s\":-1}'; echo 'CONVERGE_PROGRESS {\"step\":2,\"samples\":16,\"loss\":0.5,\"sync_s\":0.25,\"model_bytes\":4096}'; echo hello; exec sleep 60")),
+        worker("chatty", 1, 0, 1, 0, sh("echo 'CONVERGE_PROGRESS {bad json'; echo 'CONVERGE_PROGRESS {\"step\":1,\"samples\":8,\"loss\":NaN}'; echo 'CONVERGE_PROGRESS {\"step\":1,\"samples\":8,\"loss\":0.6,\"sync_s\":-1}'; echo 'CONVERGE_PROGRESS {\"step\":1,\"samples\":8,\"loss\":0.6,\"sync_rounds_per_s\":2,\"model_gap\":-0.1}'; echo 'CONVERGE_PROGRESS {\"step\":2,\"samples\":16,\"loss\":0.5,\"sync_s\":0.25,\"model_bytes\":4096,\"sync_rounds_per_s\":6.5,\"model_gap\":0.0125}'; echo hello; exec sleep 60")),
         worker("crashy", 1, 0, 1, 1, sh("echo dying >&2; exit 3")),
     ])).await.unwrap();
 
@@ -225,6 +225,11 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
         ("chatty", 2, 16, 0.5)
     );
     assert_eq!((r.sync_time_s, r.model_bytes), (Some(0.25), Some(4096)));
+    assert_eq!(
+        (r.sync_rounds_per_s, r.model_gap),
+        (Some(6.5), Some(0.0125)),
+        "a shadow worker's sync figures reach the report"
+    );
 
     let t = wait_for(
         Duration::from_secs(20),
@@ -239,8 +244,8 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
     )
     .await;
     assert_eq!(
-        t.malformed_progress_lines, 3,
-        "bad JSON, NaN loss and negative sync time are all malformed"
+        t.malformed_progress_lines, 4,
+        "bad JSON, NaN loss, negative sync time and negative model gap are all malformed"
     );
     let crashy = t
         .workers
