@@ -209,6 +209,8 @@ struct View {
     /// Each queue's status as last stored (KV `converge-queue-status`): the decayed usage
     /// the next step continues from.
     queue_statuses: BTreeMap<QueueId, QueueStatus>,
+    /// Shadow jobs' latest sync figures, from the progress reports (for their statuses).
+    shadow: crate::shadow::ShadowFigures,
 }
 
 /// Runs the allocator until `shutdown` is cancelled.
@@ -406,7 +408,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         }
         let run_policy = policy_due;
         let started = Instant::now();
-        let outcome = step(
+        let mut outcome = step(
             Inputs {
                 now,
                 specs: &view.specs,
@@ -435,6 +437,9 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         }
         for (kind, n) in refused {
             metrics::gauge!("converge_allocator_refused_messages", "kind" => kind).set(n as f64);
+        }
+        for status in outcome.statuses.values_mut() {
+            view.shadow.stamp(status);
         }
         record_job_phases(&outcome.statuses);
         record_changes(&outcome.events, &outcome.statuses);
@@ -703,6 +708,7 @@ fn apply(
             }
             let r = &p.report;
             view.histories.entry(r.job.clone()).or_default().add(r);
+            view.shadow.note(r);
             *lifecycle_due = true;
         }
         Input::ProgressCaughtUp => {}
