@@ -72,7 +72,8 @@ enum Command {
     },
     /// List jobs: queue and priority, phase (with how a completed job ended, or why a
     /// pending job waits: its queue's quota, a deleted queue, a selector no live host
-    /// matches), workers, generation, progress, loss and the predicted loss.
+    /// matches), workers, generation, progress, throughput (with a shadow job's background
+    /// sync rounds per second and model gap), loss and the predicted loss.
     Jobs {
         /// Also list completed, failed and cancelled jobs.
         #[arg(long, short)]

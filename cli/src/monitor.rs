@@ -89,6 +89,22 @@ pub struct JobSummary {
     /// The job's latest reported training loss at each refresh where its samples changed:
     /// the loss curve against samples, for comparing runs at equal samples.
     pub loss_over_samples: Vec<LossSample>,
+    /// Shadow jobs only: their status's background sync rounds per second and model gap at
+    /// each refresh where the job's samples changed.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub sync_over_time: Vec<SyncSample>,
+}
+
+/// A shadow job's sync figures ([`JobStatus::sync_rounds_per_s`], [`JobStatus::model_gap`])
+/// seen `t` seconds into the run, at `samples`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SyncSample {
+    pub t: f64,
+    pub samples: u64,
+    /// Rounds per second.
+    pub sync_rounds_per_s: Option<f64>,
+    /// Relative distance, 0 to 2.
+    pub model_gap: Option<f64>,
 }
 
 /// The training loss rank 0 last reported, at `samples`, seen `t` seconds into the run.
@@ -123,6 +139,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
     let mut history: BTreeMap<String, Vec<GpuSample>> = BTreeMap::new();
     let mut batches: BTreeMap<String, Vec<BatchSample>> = BTreeMap::new();
     let mut losses: BTreeMap<String, Vec<LossSample>> = BTreeMap::new();
+    let mut syncs: BTreeMap<String, Vec<SyncSample>> = BTreeMap::new();
     let mut last: (Vec<JobSpec>, Vec<JobStatus>) = (Vec::new(), Vec::new());
     let mut tick = tokio::time::interval(opts.interval);
     let ctrl_c = tokio::signal::ctrl_c();
@@ -159,6 +176,19 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                         t: (t * 10.0).round() / 10.0,
                         samples: s.samples,
                         loss,
+                    });
+                }
+            }
+            if let Some(s) = st
+                && (s.sync_rounds_per_s.is_some() || s.model_gap.is_some())
+            {
+                let l = syncs.entry(spec.id.to_string()).or_default();
+                if l.last().is_none_or(|p| p.samples != s.samples) {
+                    l.push(SyncSample {
+                        t: (t * 10.0).round() / 10.0,
+                        samples: s.samples,
+                        sync_rounds_per_s: s.sync_rounds_per_s,
+                        model_gap: s.model_gap,
                     });
                 }
             }
@@ -254,6 +284,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                     sweep: spec.sweep.as_ref().map(ToString::to_string),
                     end: st.and_then(|s| s.end.clone()),
                     loss_over_samples: losses.remove(spec.id.as_str()).unwrap_or_default(),
+                    sync_over_time: syncs.remove(spec.id.as_str()).unwrap_or_default(),
                 }
             })
             .collect();

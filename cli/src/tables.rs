@@ -59,6 +59,21 @@ pub fn clock(t: f64) -> String {
     format!("{:02}:{:02}:{:02}", s / 3600, s % 3600 / 60, s % 60)
 }
 
+/// The SAMPLES/S cell: the observed throughput and, for a shadow job whose generation
+/// reported them, its background sync rounds per second and model gap on a second line
+/// (`412` / `sync 6.8/s gap 0.0134`).
+fn throughput(s: &JobStatus) -> String {
+    let rate = s.samples_per_s.map_or("-".into(), |r| format!("{r:.0}"));
+    match (s.sync_rounds_per_s, s.model_gap) {
+        (None, None) => rate,
+        (rounds, gap) => {
+            let rounds = rounds.map_or("-".into(), |r| format!("{r:.1}/s"));
+            let gap = gap.map_or("-".into(), |g| format!("{g:.4}"));
+            format!("{rate}\nsync {rounds} gap {gap}")
+        }
+    }
+}
+
 /// `observed / predicted` seconds per step, `-` where unknown.
 fn step_times(observed: Option<f64>, predicted: Option<f64>) -> String {
     let f = |x: Option<f64>| x.map_or("-".into(), |v| format!("{v:.3}"));
@@ -196,7 +211,7 @@ pub fn jobs(
                 s.generation.to_string(),
                 s.step.to_string(),
                 s.samples.to_string(),
-                s.samples_per_s.map_or("-".into(), |r| format!("{r:.0}")),
+                throughput(s),
                 format!("{} → {}", loss(s.first_loss), loss(s.loss)),
                 loss(s.predicted_loss),
                 step_times(s.step_time_s, s.predicted_step_time_s),
@@ -353,6 +368,23 @@ pub(crate) mod tests {
             "adaptive 256 (64/worker ×2) φ≈812"
         );
         assert_eq!(batch_mode(&adaptive, Some(&s)), "adaptive");
+    }
+
+    #[test]
+    fn shadow_jobs_show_their_sync_rounds_and_model_gap() {
+        let mut s = running_status();
+        assert_eq!(throughput(&s), "-");
+        s.samples_per_s = Some(411.6);
+        assert_eq!(throughput(&s), "412", "ring jobs: the throughput only");
+        s.sync_rounds_per_s = Some(6.84);
+        s.model_gap = Some(0.01342);
+        assert_eq!(throughput(&s), "412\nsync 6.8/s gap 0.0134");
+        s.model_gap = None;
+        assert_eq!(throughput(&s), "412\nsync 6.8/s gap -");
+        let spec = JobSpec::from_toml("id = \"j\"\ncommand = [\"t\"]\n").unwrap();
+        s.model_gap = Some(0.01342);
+        let text = jobs(&[(&spec, Some(&s))], 100.0, &BTreeMap::new(), None).to_string();
+        assert!(text.contains("sync 6.8/s gap 0.0134"), "{text}");
     }
 
     #[test]

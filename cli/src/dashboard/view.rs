@@ -139,6 +139,13 @@ pub struct JobView {
     pub selector: BTreeMap<String, String>,
     pub samples: u64,
     pub samples_per_s: Option<f64>,
+    /// Shadow jobs: background sync rounds per second (absent for other jobs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sync_rounds_per_s: Option<f64>,
+    /// Shadow jobs: relative distance between a worker's model and the synchronized one
+    /// (0 to 2; absent for other jobs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model_gap: Option<f64>,
     pub loss: Option<f64>,
     pub predicted_loss: Option<f64>,
     pub batch: Option<JobBatch>,
@@ -306,6 +313,8 @@ pub fn build(
                 selector: spec.selector.clone(),
                 samples: s.samples,
                 samples_per_s: s.samples_per_s,
+                sync_rounds_per_s: s.sync_rounds_per_s,
+                model_gap: s.model_gap,
                 loss: s.loss,
                 predicted_loss: s.predicted_loss,
                 batch: s.batch.clone(),
@@ -443,6 +452,8 @@ mod tests {
         });
         a.samples = 1000;
         a.samples_per_s = Some(10.0);
+        a.sync_rounds_per_s = Some(6.8);
+        a.model_gap = Some(0.0134);
         m.statuses.insert(a.job.clone(), a);
         m.statuses.insert(
             JobId::new("p").unwrap(),
@@ -485,6 +496,13 @@ mod tests {
         let order: Vec<&str> = s.jobs.iter().map(|j| j.job.as_str()).collect();
         assert_eq!(order, ["a", "p", "done"]);
         assert_eq!((s.jobs[0].reports, s.jobs[1].reports), (1000, 0));
+        // A shadow job's sync figures are shown; other jobs' fields are left out.
+        assert_eq!(
+            (s.jobs[0].sync_rounds_per_s, s.jobs[0].model_gap),
+            (Some(6.8), Some(0.0134))
+        );
+        let json = serde_json::to_value(&s.jobs[1]).unwrap();
+        assert!(json.get("sync_rounds_per_s").is_none(), "{json}");
         let c = s.jobs[0].curve.as_ref().unwrap();
         assert_eq!(c.points.len(), MAX_POINTS_SENT);
         assert_eq!(c.points.last().unwrap().0, 1000.0);

@@ -96,7 +96,7 @@ function renderJobs(st) {
       <td data-field="generation" class="num">${j.generation}</td>
       <td class="wrap">${esc(placementText(j)) || "—"}</td>
       <td>${b}</td>
-      <td class="num">${num(j.samples_per_s, 4)}</td>
+      <td class="num">${num(j.samples_per_s, 4)}${j.sync_rounds_per_s != null || j.model_gap != null ? `<br><small title="shadow job: background sync rounds per second, model gap">sync ${num(j.sync_rounds_per_s, 3)}/s, gap ${num(j.model_gap, 3)}</small>` : ""}</td>
       <td class="num">${num(j.loss, 4)}</td>
       <td class="num">${num(j.predicted_loss, 4)}</td>
       <td data-field="queue" class="wrap">${esc(queueText(j, st.generated_at))}</td>
