@@ -198,6 +198,13 @@ pub struct Args {
     #[arg(long, value_name = "ALPHA", env = "CONVERGE_SHADOW_ELASTIC_ALPHA")]
     pub elastic_alpha: Option<f64>,
 
+    /// S-EASGD: the paper's plain elastic step at the shards. By default the central copy
+    /// also takes 1/W of each worker's local progress since its previous round, so that the
+    /// job keeps the synchronous pace; the plain step spreads the workers' steps over W + 1
+    /// copies (W / (W + 1) of the pace, measured in docs/communication.md). For comparison.
+    #[arg(long)]
+    pub elastic_plain: bool,
+
     /// ShadowSync: training threads per worker updating its model lock-free (Hogwild).
     #[arg(
         long,
@@ -285,8 +292,9 @@ impl Args {
             "--block-momentum, --block-lr and --block-nesterov apply to --shadow bmuf only"
         );
         ensure!(
-            self.elastic_alpha.is_none() || algo == Some(ShadowAlgo::Easgd),
-            "--elastic-alpha applies to --shadow easgd only"
+            (self.elastic_alpha.is_none() && !self.elastic_plain)
+                || algo == Some(ShadowAlgo::Easgd),
+            "--elastic-alpha and --elastic-plain apply to --shadow easgd only"
         );
         ensure!(
             algo.is_some() || (self.hogwild_threads == 1 && self.sync_interval_ms == 0),
@@ -597,6 +605,10 @@ mod tests {
         }
         assert!(err(&["--shadow", "ma", "--block-momentum", "0.5"]).contains("bmuf only"));
         assert!(err(&["--elastic-alpha", "0.5"]).contains("easgd only"));
+        assert!(err(&["--shadow", "ma", "--elastic-plain"]).contains("easgd only"));
+        parse(&["--shadow", "easgd", "--elastic-plain"])
+            .validate()
+            .unwrap();
         assert!(err(&["--hogwild-threads", "2"]).contains("--shadow only"));
         assert!(err(&["--shadow", "ma", "--hogwild-threads", "0"]).contains("1..=64"));
         let ps = env(&[("WORLD_SIZE", "3"), ("RANK", "0"), ("CONVERGE_NUM_PS", "1")]).unwrap();

@@ -145,6 +145,7 @@ impl Trainer<'_> {
                     last_loss: state.last_loss,
                     params: &state.params,
                     alpha,
+                    forward: !args.elastic_plain,
                 });
                 let (client, start) =
                     EasgdClient::connect(&ps_config(args, env), None, p, init, self.stop.clone())
