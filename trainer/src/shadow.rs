@@ -51,13 +51,18 @@
 //! distance between the local and the synchronized model; for S-EASGD `x*` is the central
 //! copy before the step).
 //!
-//! When every worker has finished its share, or any worker or shard received SIGTERM, the
-//! round that shows it (every rank sees the same sums) halts the training threads, and one
-//! final round with the halted models gives the consensus model: the average (S-MA), the
-//! global model `x_prev` (S-BMUF) or the central copy (S-EASGD). Rank 0 checkpoints it with
-//! the averaged (S-MA, S-BMUF) or its own (S-EASGD) momentum and, for S-BMUF, the block
-//! velocity `v` (`block_velocity`); the format is the ring's, so a job resumes at any world
-//! size in any mode. Rank 0 also checkpoints the last consensus every `--checkpoint-every`
+//! The end: a worker that received SIGTERM stops its training threads before its next round.
+//! In S-MA and S-BMUF the first round in which every worker's threads had stopped before its
+//! snapshot (every share done, or every worker terminated; every rank sees the same sums) is
+//! the final one; a round that shows a termination while some worker still trained is
+//! followed by one final round for which every worker stops first. In S-EASGD a worker whose
+//! share is done or that learns of a termination (its own, or from a shard's answer) stops
+//! its threads and sends its halted model in a final round, which the shards answer once
+//! every worker has sent its own. Either way the consensus is of the halted models: the
+//! average (S-MA), the global model `x_prev` (S-BMUF) or the central copy (S-EASGD, sent to
+//! worker 0 only). Rank 0 checkpoints it with its own momentum (thread 0's) and, for S-BMUF,
+//! the block velocity `v` (`block_velocity`); the format is the ring's, so a job resumes at
+//! any world size in any mode. Rank 0 also checkpoints the last consensus every `--checkpoint-every`
 //! seconds (for S-EASGD it asks a shard for its central slice along with the round).
 //!
 //! # Failures
@@ -320,11 +325,10 @@ pub fn relative_gap(a: &[f64], b: &[f64]) -> f64 {
 pub struct RoundIn<'a> {
     /// The snapshot of the local parameters.
     pub params: &'a [f64],
-    /// The local momentum, in the final round only (averaged into the checkpoint).
-    pub momentum: Option<&'a [f64]>,
     /// Samples this worker trained on in this generation.
     pub samples: u64,
-    /// Whether this worker finished its share (its training threads have stopped).
+    /// Whether this worker's training threads had stopped before the snapshot (its share is
+    /// done, or it was terminated): the snapshot is its final model.
     pub done: bool,
     /// Whether this worker received a termination signal.
     pub stop: bool,
@@ -335,32 +339,25 @@ pub struct RoundIn<'a> {
 pub struct RoundOut {
     /// The mean of the snapshots.
     pub average: Vec<f64>,
-    /// The mean of the momenta, in the final round.
-    pub momentum: Option<Vec<f64>>,
     /// Samples all workers trained on in this generation.
     pub samples: u64,
-    /// Workers that finished their share.
+    /// Workers whose training threads had stopped.
     pub done: usize,
     /// Workers that received a termination signal.
     pub stop: usize,
 }
 
-/// Trailer values after the parameters (and momentum): samples, done, stop.
+/// Trailer values after the parameters: samples, done, stop.
 const TRAILER: usize = 3;
 
 /// One round of S-MA / S-BMUF: all-reduces the snapshots and the counters. Every worker
-/// must call it with the same parameter count and the same presence of `momentum`. Fails,
-/// leaving nothing changed, if the ring fails or a peer's contribution is implausible.
+/// must call it with the same parameter count. Fails, leaving nothing changed, if the ring
+/// fails or a peer's contribution is implausible.
 pub fn ring_round(ring: &mut Ring, inp: &RoundIn<'_>) -> Result<RoundOut> {
     let p = inp.params.len();
-    let m = inp.momentum.map_or(0, <[f64]>::len);
-    ensure!(m == 0 || m == p, "momentum length {m} is not {p}");
     let w = ring.world_size();
-    let mut buf = Vec::with_capacity(p + m + TRAILER);
+    let mut buf = Vec::with_capacity(p + TRAILER);
     buf.extend_from_slice(inp.params);
-    if let Some(mo) = inp.momentum {
-        buf.extend_from_slice(mo);
-    }
     buf.push(inp.samples as f64);
     buf.push(f64::from(u8::from(inp.done)));
     buf.push(f64::from(u8::from(inp.stop)));
@@ -379,18 +376,17 @@ pub fn ring_round(ring: &mut Ring, inp: &RoundIn<'_>) -> Result<RoundOut> {
         );
         Ok(v)
     };
-    let samples = count(buf[p + m], 2f64.powi(53), "the sample count")?;
+    let samples = count(buf[p], 2f64.powi(53), "the sample count")?;
     ensure!(
         samples >= inp.samples as f64,
         "malformed data from a peer: the sample count sums to {samples}, below this worker's own {}",
         inp.samples
     );
-    let done = count(buf[p + m + 1], w as f64, "the finished-worker count")?;
-    let stop = count(buf[p + m + 2], w as f64, "the stop-vote count")?;
+    let done = count(buf[p + 1], w as f64, "the finished-worker count")?;
+    let stop = count(buf[p + 2], w as f64, "the stop-vote count")?;
     let scale = 1.0 / w as f64;
     Ok(RoundOut {
         average: buf[..p].iter().map(|v| v * scale).collect(),
-        momentum: (m > 0).then(|| buf[p..p + m].iter().map(|v| v * scale).collect()),
         samples: samples as u64,
         done: done as usize,
         stop: stop as usize,
@@ -489,6 +485,8 @@ pub struct EasgdClient {
     io_timeout: Duration,
     cancel: Arc<AtomicBool>,
     seq: u64,
+    /// This worker's rank (worker 0 alone receives the central copy in the final round).
+    rank: usize,
     who: String,
 }
 
@@ -537,6 +535,7 @@ impl EasgdClient {
             io_timeout: cfg.io_timeout,
             cancel,
             seq: 0,
+            rank: cfg.rank,
             who,
         };
         let failed = AtomicU8::new(0);
@@ -633,8 +632,9 @@ impl EasgdClient {
     }
 
     /// Exchanges one frame with every live shard: sends `kind` with this worker's slice of
-    /// `x`, reads the answer, checks it with `check`. A shard whose exchange fails is
-    /// dropped (logged); its answer is `None`.
+    /// `x`, reads the answer and checks it: kind `answer`, with the slice (`sliced`; twice
+    /// with the center) or no values. A shard whose exchange fails is dropped (logged); its
+    /// answer is `None`.
     fn exchange(
         &mut self,
         kind: u8,
@@ -642,6 +642,7 @@ impl EasgdClient {
         samples: u64,
         flags: u64,
         answer: u8,
+        sliced: bool,
     ) -> Vec<Option<Frame>> {
         self.seq += 1;
         let seq = self.seq;
@@ -672,7 +673,11 @@ impl EasgdClient {
                             r.seq
                         );
                         let with_center = r.flags & F_HAS_CENTER != 0;
-                        let want = if with_center { 2 * len } else { len };
+                        let want = match (sliced, with_center) {
+                            (false, _) => 0,
+                            (true, false) => len,
+                            (true, true) => 2 * len,
+                        };
                         ensure!(
                             r.kind == answer && r.meta.len() == 2 && r.values.len() == want,
                             "malformed answer: kind {} with {} metadata words and {} values, expected kind {answer} with 2 and {want}",
@@ -729,7 +734,7 @@ impl EasgdClient {
         let flags = if done { F_DONE } else { 0 }
             | if stop { F_STOP } else { 0 }
             | if want_center { F_WANT_CENTER } else { 0 };
-        let answers = self.exchange(E_ELASTIC, x, samples, flags, E_DELTA);
+        let answers = self.exchange(E_ELASTIC, x, samples, flags, E_DELTA, true);
         let mut r = EasgdRound {
             delta: vec![0.0; self.num_params],
             center: want_center.then(|| x.to_vec()),
@@ -760,17 +765,22 @@ impl EasgdClient {
         Ok(r)
     }
 
-    /// The final round: sends the halted model `x` and receives the central copy once every
-    /// worker has finished (the slices of dropped shards are `x`'s), and the samples of all
-    /// workers.
+    /// The final round: sends the halted model `x` and, once every worker has finished,
+    /// receives the samples of all workers and, on worker 0 (the one that checkpoints and
+    /// reports it), the central copy (the slices of dropped shards are `x`'s). The other
+    /// workers get `x` back: the shards do not send them the model, which halves the final
+    /// round's traffic on the shards' links.
     pub fn finish(&mut self, x: &[f64], samples: u64, stop: bool) -> (Vec<f64>, Option<u64>) {
         let flags = F_DONE | if stop { F_STOP } else { 0 };
-        let answers = self.exchange(E_FINISH, x, samples, flags, E_FINAL);
+        let sliced = self.rank == 0;
+        let answers = self.exchange(E_FINISH, x, samples, flags, E_FINAL, sliced);
         let mut center = x.to_vec();
         let mut total = None;
         for (sh, a) in self.shards.iter().zip(&answers) {
             if let Some(f) = a {
-                center[sh.range.clone()].copy_from_slice(&f.values[..sh.range.len()]);
+                if sliced {
+                    center[sh.range.clone()].copy_from_slice(&f.values[..sh.range.len()]);
+                }
                 total.get_or_insert(f.meta[0]);
             }
         }
@@ -945,7 +955,10 @@ pub fn run_easgd_shard(cfg: &PsConfig, cancel: &Arc<AtomicBool>) -> Result<Shard
                         .0;
                 }
                 out = Frame::new(E_FINAL, seq);
-                out.values = h.center.clone();
+                // Worker 0 checkpoints and reports the consensus; the others only end.
+                if k == 0 {
+                    out.values = h.center.clone();
+                }
             } else {
                 out = Frame::new(E_DELTA, seq);
                 out.values = delta;
@@ -1160,10 +1173,8 @@ mod tests {
                         )
                         .unwrap();
                         let params = vec![r as f64; 4];
-                        let mom = [3.0 * r as f64; 4];
                         let inp = RoundIn {
                             params: &params,
-                            momentum: Some(&mom[..]),
                             samples: 10 * (r as u64 + 1),
                             done: r == 1,
                             stop: false,
@@ -1176,7 +1187,6 @@ mod tests {
         });
         for o in outs {
             assert_eq!(o.average, vec![1.0; 4]);
-            assert_eq!(o.momentum, Some(vec![3.0; 4]));
             assert_eq!((o.samples, o.done, o.stop), (60, 1, 0));
         }
     }
@@ -1205,7 +1215,6 @@ mod tests {
         let params = vec![1.0, 2.0];
         let inp = RoundIn {
             params: &params,
-            momentum: None,
             samples: 0,
             done: false,
             stop: false,

@@ -279,6 +279,75 @@ fn easgd_terminates_with_a_checkpoint_and_resumes_in_another_algorithm() {
     assert!(checkpoint(&ckpt)["samples"].as_u64().unwrap() > samples);
 }
 
+/// S-BMUF with two workers terminated mid-training, once by SIGTERM to rank 1 only (rank 0
+/// learns it from a round, and every worker stops before the final round) and once to both
+/// (each stops before its next round, which is then the final one): both ranks end with 143,
+/// and rank 0's last line and checkpoint hold the consensus at the same exact sample count.
+#[test]
+fn ring_shadow_jobs_end_on_a_termination_of_any_rank() {
+    for targets in [vec![1], vec![0, 1]] {
+        let dir = tempfile::tempdir().unwrap();
+        let ckpt = dir.path().join("ckpt");
+        let port = free_port();
+        let mut children = spawn(
+            &ckpt,
+            2,
+            0,
+            6,
+            port,
+            (0..2).rev(),
+            &[
+                "--shadow",
+                "bmuf",
+                "--epochs",
+                "200",
+                "--step-delay-ms",
+                "2",
+                "--log-every",
+                "5",
+            ],
+        );
+        children.sort_by_key(|(r, _)| *r);
+        let stdout = children[0].1.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            BufReader::new(stdout)
+                .lines()
+                .map(Result::unwrap)
+                .collect::<Vec<_>>()
+        });
+        std::thread::sleep(Duration::from_millis(1500));
+        for rank in &targets {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &children[*rank].1.id().to_string()])
+                .status();
+        }
+        let outs = wait_all(children, Duration::from_secs(60));
+        let lines: Vec<Value> = reader
+            .join()
+            .unwrap()
+            .iter()
+            .filter_map(|l| l.strip_prefix("CONVERGE_PROGRESS "))
+            .map(|j| serde_json::from_str(j).unwrap())
+            .collect();
+        if codes(&outs) != vec![Some(143); 2] {
+            show_all(&format!("SIGTERM to {targets:?}"), &outs);
+            panic!("SIGTERM to {targets:?}: exit codes {:?}", codes(&outs));
+        }
+        let err = stderr(&outs[0]);
+        assert!(err.contains("checkpointed the synchronized model"), "{err}");
+        let last = lines.last().expect("progress lines");
+        let c = checkpoint(&ckpt);
+        assert_eq!(c["samples"], last["samples"], "{last}");
+        let samples = c["samples"].as_u64().unwrap();
+        assert!(samples > 0 && samples < 200 * OPTDIGITS_ROWS, "{samples}");
+        assert!(last["eval_loss"].as_f64().unwrap().is_finite(), "{last}");
+        assert_eq!(
+            c["block_velocity"].as_array().map(Vec::len),
+            Some(SOFTMAX_PARAMS)
+        );
+    }
+}
+
 /// Out-of-range ShadowSync parameters are refused with exit code 2 and a clear reason.
 #[test]
 fn out_of_range_shadow_parameters_are_refused() {

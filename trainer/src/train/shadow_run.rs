@@ -592,7 +592,10 @@ impl Trainer<'_> {
         let mut last_round = Instant::now() - Duration::from_secs(3600);
         let mut final_round = false;
         loop {
-            if final_round {
+            let stop = self.stop.load(Ordering::SeqCst);
+            if final_round || stop {
+                // The end is known (a round showed a termination, or this worker got one):
+                // the training threads stop first, so that the snapshot is the final model.
                 self.halt_training(sh);
             } else {
                 self.throttle(last_round);
@@ -601,13 +604,11 @@ impl Trainer<'_> {
             let done = sh.running.load(Ordering::SeqCst) == 0;
             let own = sh.samples.load(Ordering::SeqCst);
             let snapshot = sh.params.to_vec();
-            let momentum = final_round.then(|| sh.momentum0.lock().expect("not poisoned").clone());
             let inp = RoundIn {
                 params: &snapshot,
-                momentum: momentum.as_deref(),
                 samples: own,
                 done,
-                stop: self.stop.load(Ordering::SeqCst),
+                stop,
             };
             let out = match ring_round(&mut ring, &inp) {
                 Ok(out) => out,
@@ -627,16 +628,18 @@ impl Trainer<'_> {
             };
             let gap = relative_gap(&snapshot, &target);
             self.record_round(sh, gap, own, out.samples);
-            if final_round {
+            // Every worker's threads had stopped before its snapshot: this round's consensus
+            // is the final one, at the exact sample count.
+            if final_round || out.done == ctx.workers {
                 return Some(Final {
                     params: consensus,
-                    momentum: out.momentum.unwrap_or_default(),
+                    momentum: sh.momentum0.lock().expect("not poisoned").clone(),
                     velocity: bm.map(|b| b.velocity),
                     samples: out.samples,
                     stopped: out.stop > 0,
                 });
             }
-            if out.stop > 0 || out.done == ctx.workers {
+            if out.stop > 0 {
                 final_round = true;
                 continue;
             }
@@ -670,30 +673,40 @@ impl Trainer<'_> {
             let want_center =
                 rank0 && self.ckpt_dir.is_some() && last_ckpt.elapsed() >= checkpoint_every;
             let stop = self.stop.load(Ordering::SeqCst);
-            let r = match client.round(&snapshot, own, done, stop, want_center) {
-                Ok(r) => r,
-                Err(e) => {
-                    self.lose_sync(sh, "elastic round", &e);
-                    return None;
+            // Terminated here: straight to the final round, which tells the shards (and
+            // through them the other workers) and gives the consensus; an elastic round first
+            // would only delay the end by a round trip through the shards.
+            let r = if stop {
+                None
+            } else {
+                match client.round(&snapshot, own, done, stop, want_center) {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        self.lose_sync(sh, "elastic round", &e);
+                        return None;
+                    }
                 }
             };
-            sh.params.add_scaled(&r.delta, -1.0);
-            // The center before the step: c = s - δ/α.
-            let center: Vec<f64> = snapshot
-                .iter()
-                .zip(&r.delta)
-                .map(|(s, d)| s - d / alpha)
-                .collect();
-            self.record_round(sh, relative_gap(&snapshot, &center), own, r.samples);
-            if let Some(c) = &r.center {
-                self.checkpoint_consensus(sh, ctx, c, None, r.samples);
-                last_ckpt = Instant::now();
+            if let Some(r) = &r {
+                sh.params.add_scaled(&r.delta, -1.0);
+                // The center the worker was pulled to: c = s - δ/α.
+                let center: Vec<f64> = snapshot
+                    .iter()
+                    .zip(&r.delta)
+                    .map(|(s, d)| s - d / alpha)
+                    .collect();
+                self.record_round(sh, relative_gap(&snapshot, &center), own, r.samples);
+                if let Some(c) = &r.center {
+                    self.checkpoint_consensus(sh, ctx, c, None, r.samples);
+                    last_ckpt = Instant::now();
+                }
             }
-            if r.stop || r.all_done {
+            let (r_stop, all_done) = r.as_ref().map_or((true, false), |r| (r.stop, r.all_done));
+            if r_stop || all_done {
                 self.halt_training(sh);
                 let x = sh.params.to_vec();
                 let own = sh.samples.load(Ordering::SeqCst);
-                let (center, total) = client.finish(&x, own, r.stop || stop);
+                let (center, total) = client.finish(&x, own, r_stop || stop);
                 if client.live_shards() == 0 {
                     eprintln!(
                         "{}: no S-EASGD shard answered the final round; ending with the local model",
@@ -706,7 +719,7 @@ impl Trainer<'_> {
                     momentum: sh.momentum0.lock().expect("not poisoned").clone(),
                     velocity: None,
                     samples: total.unwrap_or(own),
-                    stopped: r.stop || stop,
+                    stopped: r_stop || stop,
                 });
             }
         }
