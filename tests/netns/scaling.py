@@ -16,7 +16,11 @@ load average, sampled at the end of each point) is recorded too.
 Writes CSV:
   mode,workers,samples_per_s,step_s,speedup,efficiency,sync_s,sync_rounds_per_s,rounds_per_step,model_gap,loadavg,
   exact_samples_per_s (from the first measured line to the final line's exact count, when
-  the job printed one after SIGTERM)
+  the job printed one after SIGTERM; its time includes the job's end: a shadow job's final
+  consensus round), end_s (from SIGTERM to that final line: the end's cost, paid once per
+  generation like the rendezvous) and exact_to_stop_samples_per_s (the same exact count over
+  the time to SIGTERM only: the training threads stop at SIGTERM, so it counts what was
+  trained by then, at most one step per worker more)
 where speedup = samples_per_s / (one plain worker's samples_per_s: ring mode, W = 1, no sync)
 and efficiency = speedup / W; and a markdown table to --md.
 
@@ -117,11 +121,13 @@ def run_point(cfg, mode, workers, args, port):
     # A cross-check that does not rest on rank 0's estimate of the others' samples: the last
     # line of a job stopped by SIGTERM counts the samples exactly (a shadow job's comes after
     # its consensus round, whose time it includes, so this figure errs low).
-    exact = None
+    exact = end_s = exact_to_stop = None
     if lines and lines[-1][0] >= stopped and measured:
         (te, pe), (ts, ps_) = lines[-1], measured[0]
         if te > ts and pe["samples"] > ps_["samples"]:
             exact = (pe["samples"] - ps_["samples"]) / (te - ts)
+            exact_to_stop = (pe["samples"] - ps_["samples"]) / (stopped - ts)
+            end_s = te - stopped
     # Steady state: the lines after the first third of the measured time, without a final
     # line written after the last step (a shadow job's comes after its consensus round).
     measured = [pt for pt in measured if pt[1]["step"] < args.steps]
@@ -145,7 +151,8 @@ def run_point(cfg, mode, workers, args, port):
         "sync_s": sync_s, "sync_rounds_per_s": rps,
         "rounds_per_step": rps * step_s if rps is not None else None,
         "model_gap": statistics.mean(gaps) if gaps else None, "loadavg": load,
-        "exact_samples_per_s": exact,
+        "exact_samples_per_s": exact, "end_s": end_s,
+        "exact_to_stop_samples_per_s": exact_to_stop,
     }
 
 
@@ -161,15 +168,18 @@ def write_md(rows, args, cfg, path):
                f"one worker per host; shards: {args.ps} (own host)")
     out.append("")
     out.append("| mode | workers | samples/s | step | speedup | efficiency | sync per step | "
-               "sync rounds/s | rounds per step | model gap | load avg |")
-    out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+               "sync rounds/s | rounds per step | model gap | load avg | "
+               "exact: efficiency to the final line | end | exact: to SIGTERM |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         out.append(
             f"| {MODES[r['mode']][0]} | {r['workers']} | {r['samples_per_s']:.1f} | "
             f"{r['step_s'] * 1000:.1f} ms | {r['speedup']:.2f} | {r['efficiency']:.2f} | "
             f"{fmt(r['sync_s'] * 1000 if r['sync_s'] else None, '.1f') + (' ms' if r['sync_s'] else '-')} | "
             f"{fmt(r['sync_rounds_per_s'], '.1f') or '-'} | {fmt(r['rounds_per_step'], '.2f') or '-'} | "
-            f"{fmt(r['model_gap'], '.4f') or '-'} | {r['loadavg']:.1f} |")
+            f"{fmt(r['model_gap'], '.4f') or '-'} | {r['loadavg']:.1f} | "
+            f"{fmt(r['exact_eff'], '.2f') or '-'} | {fmt(r['end_s'], '.2f') + ' s' if r['end_s'] is not None else '-'} | "
+            f"{fmt(r['exact_to_stop_eff'], '.2f') or '-'} |")
     open(path, "w").write("\n".join(out) + "\n")
     return "\n".join(out)
 
@@ -237,16 +247,22 @@ def main():
             base = r["samples_per_s"]
         r["speedup"] = r["samples_per_s"] / base
         r["efficiency"] = r["speedup"] / w
+        for k in ("exact", "exact_to_stop"):
+            v = r[f"{k}_samples_per_s"]
+            r[f"{k}_eff"] = v / base / w if v is not None else None
         rows.append(r)
         print(f"{mode:>5} x{w}: {r['samples_per_s']:.1f} samples/s, step {r['step_s'] * 1000:.1f} ms, "
               f"efficiency {r['efficiency']:.2f}, rounds/s {fmt(r['sync_rounds_per_s'], '.1f') or '-'}, "
               f"gap {fmt(r['model_gap'], '.4f') or '-'}, load {r['loadavg']:.1f}, "
               f"to the final line {fmt(r['exact_samples_per_s'], '.1f') or '-'} samples/s "
+              f"(efficiency {fmt(r['exact_eff'], '.2f') or '-'}, end {fmt(r['end_s'], '.2f') or '-'} s, "
+              f"to SIGTERM {fmt(r['exact_to_stop_eff'], '.2f') or '-'}) "
               f"[{time.monotonic() - started:.0f} s]", flush=True)
     order = {m: i for i, m in enumerate(MODES)}
     rows.sort(key=lambda r: (order[r["mode"]], r["workers"]))
     cols = ["mode", "workers", "samples_per_s", "step_s", "speedup", "efficiency", "sync_s",
-            "sync_rounds_per_s", "rounds_per_step", "model_gap", "loadavg", "exact_samples_per_s"]
+            "sync_rounds_per_s", "rounds_per_step", "model_gap", "loadavg", "exact_samples_per_s",
+            "end_s", "exact_to_stop_samples_per_s"]
     with open(args.out, "w") as f:
         f.write(",".join(cols) + "\n")
         for r in rows:

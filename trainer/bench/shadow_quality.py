@@ -27,6 +27,9 @@ Definitions (per dataset, seed and algorithm, then the mean over seeds):
   better and are left out ("<=1" when all are);
 - rounds/step: the shadow thread's rounds per local step of rank 0 (sync frequency) in the
   full-length job, gap: the mean model_gap there.
+
+The header line gives the range of the 1-minute load average at the end of the runs: regime A
+(no --step-delay-ms) is CPU-bound, so other work on the machine lowers the sync frequency.
 """
 
 import argparse
@@ -107,7 +110,12 @@ def run(binary, data_dir, dataset, algo, workers, seed, epochs, batch, extra):
     wall = time.time() - started
     lines = [json.loads(l.split(" ", 1)[1]) for l in out[0].splitlines()
              if l.startswith("CONVERGE_PROGRESS ")]
-    return lines, wall
+    return lines, wall, loadavg()
+
+
+def loadavg():
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
 
 
 def curve(lines):
@@ -163,20 +171,20 @@ def main():
                 d, al, sd, fr = k.split("/")
                 if isinstance(v, list):  # saved without wall times
                     v = {"lines": v, "wall": None}
-                runs[(d, al, int(sd), float(fr))] = (v["lines"], v["wall"])
+                runs[(d, al, int(sd), float(fr))] = (v["lines"], v["wall"], v.get("load"))
     for ds in a.datasets.split(",") if not a.from_json else []:
         epochs = a.epochs or DEFAULT_EPOCHS[ds]
         for seed in seeds:
             for algo in algos:
                 for frac in FRACTIONS if specs[algo][0] != "ring" else [1.0]:
-                    lines, wall = run(a.binary, a.data_dir, ds, specs[algo], a.workers, seed,
-                                      epochs * frac, a.batch, extra)
-                    runs[(ds, algo, seed, frac)] = (lines, wall)
+                    lines, wall, load = run(a.binary, a.data_dir, ds, specs[algo], a.workers,
+                                            seed, epochs * frac, a.batch, extra)
+                    runs[(ds, algo, seed, frac)] = (lines, wall, load)
                     print(f"# {ds} {algo} seed {seed} x{frac}: final {curve(lines)[-1]} "
-                          f"in {wall:.1f} s", file=sys.stderr)
+                          f"in {wall:.1f} s, load {load:.1f}", file=sys.stderr)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({f"{d}/{al}/{s}/{fr}": {"lines": r[0], "wall": r[1]}
+            json.dump({f"{d}/{al}/{s}/{fr}": {"lines": r[0], "wall": r[1], "load": r[2]}
                        for (d, al, s, fr), r in runs.items()}, f)
 
     def point(ds, algo, seed, frac):
@@ -188,8 +196,10 @@ def main():
         return curve(runs[(ds, algo, seed, frac)][0])[-1]
 
     mean = statistics.mean
+    loads = [r[2] for r in runs.values() if r[2] is not None]
+    load = f"; load average {min(loads):.1f} to {max(loads):.1f}" if loads else ""
     print(f"W = {a.workers} workers, batch {a.batch} per worker, seeds {a.seeds}, "
-          f"extra options {a.extra!r}; held-out loss, mean over seeds\n")
+          f"extra options {a.extra!r}; held-out loss, mean over seeds{load}\n")
     print("| dataset | algorithm | loss at 25 % | at 50 % | at 100 % | vs ring 25 / 50 / 100 % | "
           "penalty at 50 % (per seed) | at 100 % | penalty, normalized | rounds/step | gap |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -217,7 +227,7 @@ def main():
                 pens[f] = ", ".join(ps)
             rps, gaps = [], []
             for sd in seeds:
-                lines, wall = runs[(ds, algo, sd, 1.0)]
+                lines, wall, _ = runs[(ds, algo, sd, 1.0)]
                 r = [l["sync_rounds_per_s"] for l in lines if "sync_rounds_per_s" in l]
                 g = [l["model_gap"] for l in lines if "model_gap" in l]
                 if r and wall and lines[-1]["step"] > 0:
