@@ -663,8 +663,9 @@ fn queued_order<'a>(jobs: &[&'a JobView]) -> Vec<&'a JobView> {
 ///    shrunk rather than preempted. A class takes from lower classes' running jobs only
 ///    what its jobs ask for (requested sizes, or what they hold); beyond that only GPUs
 ///    nobody holds. GPUs the budgets leave unused then go to the groups that can still use
-///    them (queue name order, highest class first, each queue up to its quota plus
-///    borrowing limit; its preempted jobs are candidates again). Placement then places
+///    them (each queue up to its quota plus borrowing limit, highest class first; first a
+///    part in proportion to each queue's fair share, then what is left in queue name order;
+///    its preempted jobs are candidates again). Placement then places
 ///    every job, running ones first, pending ones highest class first. A policy that places jobs itself (Pollux) sizes
 ///    through [`Policy::allocate`] here and [`crate::placement`] places.
 /// 5. Each queue's new [`QueueStatus`]: GPUs held, borrowed and lent, fair share, usage.
@@ -904,44 +905,146 @@ fn size_by_queue(
         sized_groups.push((*queue, kept, victims, used));
     }
     // Work conservation: GPUs the budgets left unused (a gang that did not fit, a queue
-    // that cannot use its whole share) go to the groups that can still use them, in queue
-    // name order, highest class first, each queue up to its quota plus borrowing limit; the
-    // group's preempted jobs are candidates again (a job is not preempted for GPUs that
-    // would stay idle).
+    // that cannot use its whole share) go to the groups that can still use them, each queue
+    // up to its quota plus borrowing limit, highest class first within a queue; the group's
+    // preempted jobs are candidates again (a job is not preempted for GPUs that would stay
+    // idle). First pass: each queue that can grow is offered a part in proportion to its
+    // fair share (so the split follows weights and past use, not names); second pass: what
+    // the first could not place (a gang larger than its part), in queue name order.
     let mut leftover = u64::from(view.total_gpus).saturating_sub(queue_used.values().sum());
-    for (queue, mut kept, victims, used) in sized_groups {
-        if leftover == 0 {
+    let room = |queue: &QueueId, queue_used: &BTreeMap<&QueueId, u64>| {
+        u64::from(most.get(queue).copied().unwrap_or(0))
+            .saturating_sub(queue_used.get(queue).copied().unwrap_or(0))
+    };
+    // Rounds of offers while some queue grows: a queue that could not use a non-zero offer
+    // (its next gang is larger) is left out of the later rounds.
+    let mut stuck: BTreeSet<&QueueId> = BTreeSet::new();
+    let mut rounds = 0;
+    loop {
+        let mut growing: BTreeMap<&QueueId, (u64, f64, u64)> = BTreeMap::new();
+        for (queue, kept, victims, _) in &sized_groups {
+            let r = room(queue, &queue_used);
+            if r > 0 && !stuck.contains(queue) && !(kept.is_empty() && victims.is_empty()) {
+                let fair = budget.get(queue).map_or(0.0, |s| s.fair_share);
+                let used = queue_used.get(queue).copied().unwrap_or(0);
+                growing.insert(queue, (used, fair, r));
+            }
+        }
+        rounds += 1;
+        if leftover == 0 || growing.is_empty() || rounds > 2 * sized_groups.len() + 2 {
             break;
         }
-        kept.extend(victims);
-        let room = u64::from(most.get(queue).copied().unwrap_or(0))
-            .saturating_sub(queue_used.get(queue).copied().unwrap_or(0));
-        let extra = leftover.min(room);
+        let (used, fair, rooms): (Vec<u64>, Vec<f64>, Vec<u64>) = {
+            let mut u = Vec::new();
+            let mut f = Vec::new();
+            let mut r = Vec::new();
+            for (used, fair, room) in growing.values() {
+                u.push(*used);
+                f.push(*fair);
+                r.push(*room);
+            }
+            (u, f, r)
+        };
+        let offers = queues::leftover_offers(&used, &fair, &rooms, leftover);
+        let offers: BTreeMap<&QueueId, u64> = growing.keys().copied().zip(offers).collect();
+        let mut offered = offers.clone();
+        let before = leftover;
+        let mut grew: BTreeSet<&QueueId> = BTreeSet::new();
+        grow_groups(
+            view,
+            policy,
+            &mut sized_groups,
+            &mut Some(&mut offered),
+            (&mut leftover, &mut queue_used, &mut grew),
+            (most, &mut decision, preempted),
+        );
+        let mut newly_stuck = false;
+        for (q, offer) in &offers {
+            if *offer > 0 && !grew.contains(q) {
+                newly_stuck |= stuck.insert(q);
+            }
+        }
+        if leftover == before && !newly_stuck {
+            break;
+        }
+    }
+    // What no offer placed, in queue name order.
+    grow_groups(
+        view,
+        policy,
+        &mut sized_groups,
+        &mut None,
+        (&mut leftover, &mut queue_used, &mut BTreeSet::new()),
+        (most, &mut decision, preempted),
+    );
+    decision
+}
+
+/// A queue's group of one class: the queue, its kept jobs, its preempted jobs, GPUs used.
+type SizedGroup<'a> = (&'a QueueId, Vec<PolicyJob>, Vec<PolicyJob>, u64);
+
+/// One pass of work conservation over the groups, in order: each group may grow by what
+/// its queue is offered (`offered`; `None`: anything left), within its queue's room. A
+/// group's preempted jobs become candidates again.
+#[allow(clippy::type_complexity)]
+fn grow_groups<'a>(
+    view: &ClusterView,
+    policy: &dyn Policy,
+    groups: &mut [SizedGroup<'a>],
+    offered: &mut Option<&mut BTreeMap<&'a QueueId, u64>>,
+    (leftover, queue_used, grew): (
+        &mut u64,
+        &mut BTreeMap<&'a QueueId, u64>,
+        &mut BTreeSet<&'a QueueId>,
+    ),
+    (most, decision, preempted): (
+        &BTreeMap<&QueueId, u32>,
+        &mut Decision,
+        &mut BTreeMap<JobId, String>,
+    ),
+) {
+    for (queue, kept, victims, used) in groups.iter_mut() {
+        if *leftover == 0 {
+            break;
+        }
+        kept.append(victims);
+        let room = u64::from(most.get(*queue).copied().unwrap_or(0))
+            .saturating_sub(queue_used.get(*queue).copied().unwrap_or(0));
+        let cap = match offered {
+            Some(o) => o.get(*queue).copied().unwrap_or(0),
+            None => *leftover,
+        };
+        let extra = (*leftover).min(room).min(cap);
         if extra == 0 || kept.is_empty() {
             continue;
         }
         let group_view = ClusterView {
-            total_gpus: u32::try_from(used + extra).unwrap_or(u32::MAX),
+            total_gpus: u32::try_from(*used + extra).unwrap_or(u32::MAX),
             ..*view
         };
-        let sized = policy.allocate(&group_view, &kept);
+        let sized = policy.allocate(&group_view, kept);
         let again: u64 = kept
             .iter()
             .map(|j| gpus(j, sized.workers.get(&j.id).copied().unwrap_or(0)))
             .sum();
-        if again > used {
-            for job in &kept {
+        if again > *used {
+            for job in kept.iter() {
                 let w = sized.workers.get(&job.id).copied().unwrap_or(0);
                 if w > 0 {
                     preempted.remove(&job.id);
                 }
                 decision.workers.insert(job.id.clone(), w);
             }
-            leftover -= again - used;
-            *queue_used.entry(queue).or_default() += again - used;
+            let grown = again - *used;
+            *leftover -= grown;
+            *queue_used.entry(*queue).or_default() += grown;
+            if let Some(o) = offered.as_mut().and_then(|o| o.get_mut(*queue)) {
+                *o = o.saturating_sub(grown);
+            }
+            grew.insert(*queue);
+            *used = again;
         }
     }
-    decision
 }
 
 /// GPUs of `workers` workers of `job`.
@@ -1210,6 +1313,46 @@ mod tests {
                 .get(&JobId::new("x0").unwrap())
                 .is_none_or(Vec::is_empty)
         );
+    }
+
+    /// GPUs a queue's budget leaves unused (here: a gang larger than its share) are split
+    /// by the other queues' fair shares, not handed to the first queue by name.
+    #[test]
+    fn unused_budget_goes_to_queues_by_fair_share_not_by_name() {
+        let inputs = inputs(3, 2, 2, 4); // 2 hosts × 4 GPUs
+        let weighted = |name: &str, weight: f64| {
+            let (id, mut s) = spec(name, 0, None);
+            s.weight = weight;
+            (id, s)
+        };
+        let specs: BTreeMap<_, _> =
+            [weighted("a", 1.0), weighted("b", 3.0), weighted("c", 4.0)].into();
+        let mut views: Vec<JobView> = Vec::new();
+        for q in ["a", "b"] {
+            for i in 0..8 {
+                views.push(gang(
+                    &format!("{q}{i}"),
+                    q,
+                    PriorityClass::Normal,
+                    1,
+                    f64::from(i),
+                ));
+            }
+        }
+        // c's share is 4 GPUs; its only job needs 5: its 4 GPUs are left over.
+        views.push(gang("c0", "c", PriorityClass::Normal, 5, 0.0));
+        let d = queued(
+            &inputs,
+            &views,
+            "fifo",
+            PlacementKind::FirstFit,
+            &specs,
+            &BTreeMap::new(),
+        );
+        assert_eq!(gpus_of(&d.allocation, &views, "c"), 0);
+        // Shares 1 : 3 of the 8 minus c's; the 4 left over split 1 : 3.
+        assert_eq!(gpus_of(&d.allocation, &views, "a"), 2);
+        assert_eq!(gpus_of(&d.allocation, &views, "b"), 6);
     }
 
     #[test]

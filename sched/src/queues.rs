@@ -190,6 +190,44 @@ pub fn shares(queues: &[QueueDemand], total_gpus: u32, half_life_s: f64) -> Vec<
         .collect()
 }
 
+/// How many of `amount` spare GPUs to offer each queue that can still grow, so that GPUs
+/// in use per unit of fair share end as level as possible (water-filling:
+/// `extra_i = clamp(l·fair_i − used_i, 0, room_i)`), in whole GPUs summing to
+/// `min(amount, Σ room)`: floors, then one more each to the largest remainders, ties to the
+/// earlier index. `used`, `fair` and `room` are per queue, in the same order; a fair share
+/// that is not positive and finite counts as a tiny one (such a queue gets GPUs last).
+pub fn leftover_offers(used: &[u64], fair: &[f64], room: &[u64], amount: u64) -> Vec<u64> {
+    let n = used.len().min(fair.len()).min(room.len());
+    let fair: Vec<f64> = fair[..n]
+        .iter()
+        .map(|f| if f.is_finite() && *f > 0.0 { *f } else { 1e-6 })
+        .collect();
+    let target = amount.min(room[..n].iter().sum()) as f64;
+    if n == 0 || target <= 0.0 {
+        return vec![0; n];
+    }
+    let extra = |l: f64, i: usize| (l * fair[i] - used[i] as f64).clamp(0.0, room[i] as f64);
+    let l = level(target, |l| (0..n).map(|i| extra(l, i)).sum());
+    let real: Vec<f64> = (0..n).map(|i| extra(l, i)).collect();
+    let mut whole: Vec<u64> = real.iter().map(|x| (x + 1e-9).floor() as u64).collect();
+    let mut short = (target as u64).saturating_sub(whole.iter().sum());
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| {
+        let frac = |i: usize| real[i] - whole[i] as f64;
+        frac(b).total_cmp(&frac(a)).then(a.cmp(&b))
+    });
+    for i in order {
+        if short == 0 {
+            break;
+        }
+        if whole[i] < room[i] {
+            whole[i] += 1;
+            short -= 1;
+        }
+    }
+    whole
+}
+
 /// The level `l ≥ 0` at which the non-decreasing `sum(l)` reaches `target` (bisection;
 /// deterministic). The caller makes sure the target is reachable.
 fn level(target: f64, sum: impl Fn(f64) -> f64) -> f64 {
@@ -486,6 +524,39 @@ mod tests {
         let b = q("b", 4, None, 1.0, 40);
         let s = shares(&[a, b], 8, DEFAULT_USAGE_HALF_LIFE_S);
         assert_eq!((s[0].budget, s[1].budget), (6, 2));
+    }
+
+    #[test]
+    fn leftover_evens_gpus_per_fair_share_within_room() {
+        // a holds 1 of share 1, b 3 of share 3: 4 spare split 1 : 3.
+        assert_eq!(
+            leftover_offers(&[1, 3], &[1.0, 3.0], &[10, 10], 4),
+            vec![1, 3]
+        );
+        // The one behind catches up first.
+        assert_eq!(
+            leftover_offers(&[0, 3], &[1.0, 1.0], &[10, 10], 3),
+            vec![3, 0]
+        );
+        // Room caps; what one cannot take goes to the other; never more than all rooms.
+        assert_eq!(
+            leftover_offers(&[0, 0], &[1.0, 1.0], &[1, 10], 6),
+            vec![1, 5]
+        );
+        assert_eq!(
+            leftover_offers(&[0, 0], &[1.0, 1.0], &[1, 2], 6),
+            vec![1, 2]
+        );
+        // Whole GPUs: remainders by size, ties to the first; a zero share comes last.
+        assert_eq!(
+            leftover_offers(&[0, 0, 0], &[1.0, 1.0, 1.0], &[5, 5, 5], 4),
+            vec![2, 1, 1]
+        );
+        assert_eq!(
+            leftover_offers(&[0, 0], &[0.0, 1.0], &[5, 5], 3),
+            vec![0, 3]
+        );
+        assert_eq!(leftover_offers(&[], &[], &[], 3), Vec::<u64>::new());
     }
 
     #[test]
