@@ -68,9 +68,22 @@ fn throughput(s: &JobStatus) -> String {
         (None, None) => rate,
         (rounds, gap) => {
             let rounds = rounds.map_or("-".into(), |r| format!("{r:.1}/s"));
-            let gap = gap.map_or("-".into(), |g| format!("{g:.4}"));
+            let gap = gap.map_or("-".into(), gap_text);
             format!("{rate}\nsync {rounds} gap {gap}")
         }
+    }
+}
+
+/// A model gap with three significant digits: `0.0134`, `3.53e-5` (small models
+/// synchronized hundreds of times a second stay that close), `0`.
+fn gap_text(g: f64) -> String {
+    if g == 0.0 {
+        "0".into()
+    } else if g < 1e-3 {
+        format!("{g:.2e}")
+    } else {
+        let decimals = (2 - g.log10().floor() as i32).max(0) as usize;
+        format!("{g:.decimals$}")
     }
 }
 
@@ -379,6 +392,12 @@ pub(crate) mod tests {
         s.sync_rounds_per_s = Some(6.84);
         s.model_gap = Some(0.01342);
         assert_eq!(throughput(&s), "412\nsync 6.8/s gap 0.0134");
+        s.model_gap = Some(3.53382e-5);
+        assert_eq!(throughput(&s), "412\nsync 6.8/s gap 3.53e-5");
+        s.model_gap = Some(0.0);
+        assert_eq!(throughput(&s), "412\nsync 6.8/s gap 0");
+        s.model_gap = Some(1.5);
+        assert_eq!(throughput(&s), "412\nsync 6.8/s gap 1.50");
         s.model_gap = None;
         assert_eq!(throughput(&s), "412\nsync 6.8/s gap -");
         let spec = JobSpec::from_toml("id = \"j\"\ncommand = [\"t\"]\n").unwrap();
