@@ -516,6 +516,9 @@ pub fn progress_stream_config() -> stream::Config {
         max_age: Duration::from_secs(subjects::PROGRESS_MAX_AGE_S),
         max_message_size: converge_common::MAX_MESSAGE_BYTES as i32,
         allow_rollup: false,
+        // Read by sequence with direct gets while the allocator's consumer cannot deliver
+        // (a NATS cluster that lost a server: `read_after`).
+        allow_direct: true,
         ..Default::default()
     }
 }
@@ -734,10 +737,19 @@ async fn ensure_stream_once(
 /// Follows a KV bucket until `tx` closes: every key's current value first, then each
 /// change, each entry turned into a message by `read` (`None`: nothing to send). Once the
 /// values the bucket held when the follower started have been read (at once for an empty
-/// bucket), `caught_up()` is sent, if it gives a message. After a watch error it watches
-/// again a second later (from the current values: what `read` builds must tolerate seeing
-/// an entry twice). A watch that delivers nothing for [`KV_WATCH_STALL`] while the bucket
-/// holds newer revisions is re-created at once.
+/// bucket), `caught_up()` is sent, if it gives a message. Entries reach `read` in increasing
+/// revision per key (an entry no newer than the last one read for its key is skipped), but
+/// `read` may see a key's entry again after a re-watch.
+///
+/// On a NATS cluster a watch's consumer lives on one server, and creating one needs
+/// JetStream's meta leader: when a server dies, a watch can go silent (its consumer was on
+/// that server, or on a replica that no longer catches up), and no new one can be created
+/// while the surviving servers elect a meta leader (seconds; over ten on a loaded machine).
+/// So whenever the watch has been quiet for [`KV_QUIET`], the follower reads the bucket's
+/// newer entries itself, by revision, with direct gets (answered by any replica, no consumer
+/// needed), and delivers them; a watch that leaves such an entry undelivered for
+/// [`KV_STALL`] is re-created. Until a watch works again the direct reads go on every
+/// [`KV_QUIET`]. Creating a watch is bounded to [`KV_WATCH_CREATE`] and retried.
 pub async fn follow_kv<T>(
     store: kv::Store,
     tx: tokio::sync::mpsc::Sender<T>,
@@ -752,104 +764,208 @@ pub async fn follow_kv<T>(
             None => true,
         }
     };
-    // The keys seen and their latest revisions: read directly while no watch works.
+    // The latest revision delivered per key, and over the bucket.
     let mut known: BTreeMap<String, u64> = BTreeMap::new();
+    let mut latest = 0u64;
+    // Delivers `entry` if it is newer than what its key had; false once `tx` is closed.
+    let mut deliver =
+        async |entry: kv::Entry, known: &mut BTreeMap<String, u64>, latest: &mut u64| -> bool {
+            *latest = (*latest).max(entry.revision);
+            let seen = known.entry(entry.key.clone()).or_default();
+            if entry.revision <= *seen {
+                return true;
+            }
+            *seen = entry.revision;
+            match read(entry) {
+                Some(m) => tx.send(m).await.is_ok(),
+                None => true,
+            }
+        };
+    let mut failures = 0u32;
     loop {
-        if !done
-            && store.status().await.is_ok_and(|s| s.values() == 0)
-            && !signal(&tx, &mut done).await
-        {
-            return;
+        if !done {
+            let status = tokio::time::timeout(KV_WATCH_CREATE, store.status()).await;
+            if matches!(status, Ok(Ok(ref s)) if s.values() == 0) && !signal(&tx, &mut done).await {
+                return;
+            }
         }
-        let mut stalled = false;
-        // Bounded, so that the known keys are read every few seconds while it fails.
-        let watch = tokio::time::timeout(Duration::from_secs(2), store.watch_with_history(">"))
+        let watch = tokio::time::timeout(KV_WATCH_CREATE, store.watch_with_history(">"))
             .await
             .unwrap_or_else(|_| Err(kv::WatchError::new(kv::WatchErrorKind::TimedOut)));
-        match watch {
-            Ok(mut watch) => {
-                let mut last_revision = 0u64;
-                let mut last_delivery = tokio::time::Instant::now();
-                let mut tick = tokio::time::interval(KV_WATCH_STALL / 2);
-                loop {
-                    let entry = tokio::select! {
-                        entry = watch.next() => entry,
-                        _ = tick.tick() => {
-                            if last_delivery.elapsed() >= KV_WATCH_STALL {
-                                last_delivery = tokio::time::Instant::now();
-                                let mut stream = store.stream.clone();
-                                if let Ok(info) = stream.info().await
-                                    && info.state.last_sequence > last_revision
-                                {
-                                    tracing::warn!(
-                                        bucket = %store.name,
-                                        "watch stalled: the bucket holds revision {} but \
-                                         nothing arrived for {KV_WATCH_STALL:?} (its consumer's \
-                                         server may be gone); watching again",
-                                        info.state.last_sequence
-                                    );
-                                    stalled = true;
-                                    break;
+        let mut watch = match watch {
+            Ok(w) => {
+                if failures > 0 {
+                    tracing::info!(bucket = %store.name, "watching again after {failures} failed attempt(s)");
+                }
+                failures = 0;
+                Some(w)
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(bucket = %store.name, "cannot watch: {e} (attempt {failures}; reading directly meanwhile)");
+                None
+            }
+        };
+        let mut last_delivery = tokio::time::Instant::now();
+        let mut tick = tokio::time::interval(KV_QUIET / 2);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A revision read directly that the watch had not delivered, and when.
+        let mut missed: Option<(u64, tokio::time::Instant)> = None;
+        // Without a watch: try again after a pause that grows with the failures (0.5 to 5 s).
+        let retry_at = tokio::time::Instant::now()
+            + Duration::from_millis(500 * u64::from(failures.clamp(1, 10)));
+        loop {
+            let entry = tokio::select! {
+                entry = async { watch.as_mut()?.next().await }, if watch.is_some() => entry,
+                _ = tick.tick() => {
+                    if watch.is_none() && tokio::time::Instant::now() >= retry_at {
+                        break;
+                    }
+                    // (Only once caught up: the watch's first values are the current ones.)
+                    if !done || last_delivery.elapsed() < KV_QUIET {
+                        continue;
+                    }
+                    // Quiet: read what is newer directly.
+                    let before = latest;
+                    match read_newer(&store, latest).await {
+                        Ok(entries) => {
+                            tracing::debug!(bucket = %store.name, after = latest, "read directly: {} entries", entries.len());
+                            for entry in entries {
+                                if !deliver(entry, &mut known, &mut latest).await {
+                                    return;
                                 }
                             }
-                            continue;
                         }
-                    };
-                    let Some(entry) = entry else { break };
-                    match entry {
-                        Ok(entry) => {
-                            last_delivery = tokio::time::Instant::now();
-                            last_revision = last_revision.max(entry.revision);
-                            known.insert(entry.key.clone(), entry.revision);
-                            let last_of_start = !done && entry.delta == 0;
-                            if let Some(m) = read(entry)
-                                && tx.send(m).await.is_err()
-                            {
-                                return;
-                            }
-                            if last_of_start && !signal(&tx, &mut done).await {
-                                return;
-                            }
+                        Err(e) => tracing::debug!(bucket = %store.name, "direct read: {e}"),
+                    }
+                    if watch.is_some() {
+                        if latest > before && missed.is_none() {
+                            missed = Some((latest, tokio::time::Instant::now()));
                         }
-                        Err(e) => {
-                            tracing::warn!(bucket = %store.name, "watch error: {e}");
+                        if let Some((rev, since)) = missed
+                            && since.elapsed() >= KV_STALL
+                        {
+                            tracing::warn!(
+                                bucket = %store.name,
+                                "watch stalled: revision {rev} was read directly, the watch \
+                                 delivered nothing for {:?} (its consumer's server may be \
+                                 gone); watching again",
+                                last_delivery.elapsed()
+                            );
                             break;
                         }
                     }
+                    continue;
+                }
+            };
+            let Some(entry) = entry else {
+                tracing::warn!(bucket = %store.name, "watch ended; watching again");
+                break;
+            };
+            match entry {
+                Ok(entry) => {
+                    last_delivery = tokio::time::Instant::now();
+                    if missed.is_some_and(|(rev, _)| entry.revision >= rev) {
+                        missed = None;
+                    }
+                    let last_of_start = !done && entry.delta == 0;
+                    if !deliver(entry, &mut known, &mut latest).await {
+                        return;
+                    }
+                    if last_of_start && !signal(&tx, &mut done).await {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(bucket = %store.name, "watch error: {e}; watching again");
+                    break;
                 }
             }
-            Err(e) => tracing::warn!(bucket = %store.name, "cannot watch: {e}"),
         }
         if tx.is_closed() {
             return;
         }
-        // Until a watch works again (creating one needs JetStream's meta leader, which a
-        // cluster may be electing), read the known keys directly: a direct get is answered
-        // by any replica, so the follower still sees heartbeats meanwhile.
-        for (key, revision) in known.iter_mut() {
-            let get = tokio::time::timeout(Duration::from_secs(1), store.entry(key.as_str()));
-            if let Ok(Ok(Some(entry))) = get.await
-                && entry.revision > *revision
-            {
-                *revision = entry.revision;
-                if let Some(m) = read(entry)
-                    && tx.send(m).await.is_err()
-                {
-                    return;
-                }
-            }
-        }
-        let pause = if stalled { 250 } else { 1000 };
-        tokio::time::sleep(Duration::from_millis(pause)).await;
     }
 }
 
-/// How long a [`follow_kv`] watch may deliver nothing while its bucket holds newer
-/// revisions before it is re-created. On a NATS cluster a watch's consumer lives on one
-/// server; when that server dies, the client (connected elsewhere) would otherwise notice
-/// only after missed idle heartbeats and a failed re-creation while JetStream elects a new
-/// meta leader: longer than the allocator's --host-timeout.
-const KV_WATCH_STALL: Duration = Duration::from_secs(3);
+/// The messages of `stream` on `filter` after sequence `after`, in order, read with direct
+/// gets (the next message on `filter` from a sequence: answered by any replica, no consumer
+/// or leader needed; the stream must allow direct gets): at most `max`, for at most
+/// `budget` in all, each read bounded to 1 s. An error only when nothing could be read.
+pub async fn read_after(
+    stream: &jetstream::stream::Stream,
+    filter: &str,
+    after: u64,
+    max: usize,
+    budget: Duration,
+) -> Result<Vec<jetstream::message::StreamMessage>, String> {
+    let started = tokio::time::Instant::now();
+    let mut out = Vec::new();
+    let mut next = after + 1;
+    while out.len() < max && started.elapsed() < budget {
+        let get = stream.direct_get_next_for_subject(filter, Some(next));
+        let failed = match tokio::time::timeout(Duration::from_secs(1), get).await {
+            Ok(Ok(msg)) => {
+                next = msg.sequence + 1;
+                out.push(msg);
+                continue;
+            }
+            Ok(Err(e)) if e.kind() == jetstream::stream::DirectGetErrorKind::NotFound => break,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => "direct get timed out after 1s".to_string(),
+        };
+        if out.is_empty() {
+            return Err(failed);
+        }
+        break;
+    }
+    Ok(out)
+}
+
+/// The entries of `store` after revision `after` ([`read_after`] on the bucket's subjects,
+/// 1000 at most, for 2 s at most).
+async fn read_newer(store: &kv::Store, after: u64) -> Result<Vec<kv::Entry>, String> {
+    let filter = format!("{}>", store.prefix);
+    let messages = read_after(&store.stream, &filter, after, 1000, Duration::from_secs(2)).await?;
+    Ok(messages
+        .into_iter()
+        .map(|msg| {
+            let operation = msg
+                .headers
+                .get("KV-Operation")
+                .and_then(|v| v.as_str().parse::<kv::Operation>().ok())
+                .unwrap_or(kv::Operation::Put);
+            let key = msg
+                .subject
+                .strip_prefix(store.prefix.as_str())
+                .unwrap_or(msg.subject.as_str())
+                .to_string();
+            kv::Entry {
+                bucket: store.name.clone(),
+                key,
+                value: msg.payload,
+                revision: msg.sequence,
+                delta: 0,
+                created: msg.time,
+                operation,
+                seen_current: false,
+            }
+        })
+        .collect())
+}
+
+/// How long a [`follow_kv`] watch may be quiet before the follower reads newer entries
+/// directly (then every half of this while it stays quiet). The allocator's --host-timeout
+/// (15 s) must cover a stream leader's election (4 to 9 s here, during which heartbeats
+/// cannot be written) plus this and a read.
+pub const KV_QUIET: Duration = Duration::from_secs(1);
+
+/// How long a [`follow_kv`] watch may leave an entry read directly undelivered before it is
+/// re-created (a watch is re-created with every key's current value: not at the first lag).
+pub const KV_STALL: Duration = Duration::from_secs(3);
+
+/// How long creating a [`follow_kv`] watch may take before it is abandoned and tried again.
+const KV_WATCH_CREATE: Duration = Duration::from_secs(3);
 
 impl Bus {
     /// Creates (or opens, if they exist) the four KV buckets and the progress stream,
@@ -1163,16 +1279,25 @@ impl Bus {
             key: "*".into(),
             message: e.to_string(),
         };
-        // Listing keys creates an ephemeral consumer. On a NATS cluster that just lost a
-        // server, JetStream may put that consumer on the dead peer, and the listing then
-        // hangs until the request times out; a new attempt gets another placement. So each
-        // attempt is bounded to KEYS_ATTEMPT and retried (KEYS_ATTEMPTS in all).
+        // The keys are the subjects the stream's info lists (its leader answers). Not
+        // `kv::Store::keys`, which reads them through an ephemeral consumer: on a NATS
+        // cluster that just lost a server, creating one waits for a new meta leader, and one
+        // placed on the dead peer never answers (the CLI's listings timed out for over a
+        // minute). A stream whose leader died answers once the others elect one (seconds),
+        // hence the attempts, each bounded to KEYS_ATTEMPT.
         let list = || async {
             let listing = async {
                 store
-                    .keys()
+                    .stream
+                    .info_with_subjects(format!("{}>", store.prefix))
                     .await
                     .map_err(|e| e.to_string())?
+                    .map_ok(|(subject, _)| {
+                        subject
+                            .strip_prefix(store.prefix.as_str())
+                            .unwrap_or(&subject)
+                            .to_string()
+                    })
                     .try_collect::<Vec<String>>()
                     .await
                     .map_err(|e| e.to_string())
@@ -1243,8 +1368,9 @@ impl Bus {
 
 /// How long one attempt to list a bucket's keys may take ([`Bus::load_all`]).
 pub const KEYS_ATTEMPT: Duration = Duration::from_secs(3);
-/// Attempts to list a bucket's keys before [`Bus::load_all`] gives up.
-pub const KEYS_ATTEMPTS: usize = 4;
+/// Attempts to list a bucket's keys before [`Bus::load_all`] gives up (with the pauses
+/// between them, over 20 s: a stream leader's election on a loaded machine).
+pub const KEYS_ATTEMPTS: usize = 6;
 
 /// Counts messages a process refused, by where they came from and why. Every refusal is
 /// logged once at `warn`; the process keeps serving.
@@ -1364,7 +1490,7 @@ mod tests {
             assert_eq!(c.subjects, [format!("$KV.{bucket}.>")]);
         }
         let c = progress_stream_config();
-        assert!(!c.allow_rollup);
+        assert!(!c.allow_rollup && c.allow_direct);
         assert_eq!(c.subjects, [subjects::PROGRESS_ALL]);
     }
 

@@ -48,6 +48,7 @@ struct Cluster {
     dir: PathBuf,
     client_ports: Vec<u16>,
     cluster_ports: Vec<u16>,
+    monitor_ports: Vec<u16>,
     children: Vec<Option<Child>>,
 }
 
@@ -66,6 +67,7 @@ impl Cluster {
             dir,
             client_ports: (0..3).map(|_| free_port()).collect(),
             cluster_ports: (0..3).map(|_| free_port()).collect(),
+            monitor_ports: (0..3).map(|_| free_port()).collect(),
             children: vec![None, None, None],
         };
         for i in 0..3 {
@@ -85,6 +87,8 @@ impl Cluster {
         let child = Command::new(&self.bin)
             .args(["-a", "127.0.0.1", "-p"])
             .arg(self.client_ports[i].to_string())
+            .arg("-m")
+            .arg(self.monitor_ports[i].to_string())
             .args(["--server_name", &format!("s{i}"), "-js", "-sd"])
             .arg(&store)
             .args(["--cluster_name", "converge-test", "--cluster"])
@@ -111,6 +115,18 @@ impl Cluster {
             .map(|p| format!("nats://127.0.0.1:{p}"))
             .collect::<Vec<_>>()
             .join(",")
+    }
+
+    /// The JetStream meta leader's index, as a running server's `/jsz` says.
+    fn meta_leader(&self) -> Option<usize> {
+        (0..3)
+            .filter(|&i| self.children[i].is_some())
+            .find_map(|i| {
+                let jsz = http_get(self.monitor_ports[i], "/jsz")?;
+                let v: serde_json::Value = serde_json::from_str(&jsz).ok()?;
+                let leader = v["meta_cluster"]["leader"].as_str()?;
+                Some(self.index_of(leader))
+            })
     }
 
     fn index_of(&self, server_name: &str) -> usize {
@@ -147,6 +163,18 @@ impl Drop for Cluster {
             eprintln!("{}\n(files in {})", self.logs(), self.dir.display());
         }
     }
+}
+
+/// A plain HTTP/1.0 GET of a monitoring endpoint on 127.0.0.1 (2 s at most); the body.
+fn http_get(port: u16, path: &str) -> Option<String> {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(conn, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut text = String::new();
+    conn.read_to_string(&mut text).ok()?;
+    text.split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
 }
 
 fn args(url: String, replicas: u8) -> NatsArgs {
@@ -388,4 +416,151 @@ async fn more_replicas_than_servers_is_explained() {
         text.contains("--bus-replicas") && text.contains("at least 5"),
         "{text}"
     );
+}
+
+/// Followers of two buckets (`bus::follow_kv`, as the allocator follows its inputs) while a
+/// second client writes to both every 250 ms; the JetStream meta leader is killed, then
+/// (once the cluster has its three servers again) the server the followers' client is on.
+/// Each time every write acknowledged after the kill reaches the followers within 5 s (the
+/// writes themselves pause while a stream whose leader was killed elects another; the
+/// allocator's --host-timeout, 15 s, covers both).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_survive_a_server_kill() {
+    use std::sync::{Arc, Mutex};
+    type Log = Arc<Mutex<Vec<(&'static str, String, u64, Instant)>>>;
+    let Some(bin) = nats_server_bin() else { return };
+    converge_bus::init_tracing("warn");
+    let mut cluster = Cluster::start(bin);
+    let bus = Bus::connect(
+        &args(cluster.url(), 3),
+        "converge-test",
+        Setup::CreateOrUpdate,
+    )
+    .await
+    .expect("bus with 3 replicas");
+    for name in all_streams() {
+        wait_replicated(&bus, &name, 3).await;
+    }
+    let writer = Bus::connect(
+        &args(cluster.url(), 3),
+        "converge-test-writer",
+        Setup::OpenOrCreate,
+    )
+    .await
+    .expect("writer");
+    // Acknowledged writes and deliveries: (bucket, key, revision, when).
+    let written: Log = Arc::default();
+    let delivered: Log = Arc::default();
+    let writes = tokio::spawn({
+        let (hosts, plans) = (writer.hosts.clone(), writer.plans.clone());
+        let written = written.clone();
+        async move {
+            for n in 0u64.. {
+                for (name, store) in [("hosts", &hosts), ("plans", &plans)] {
+                    let key = format!("n{}", n % 3);
+                    let put = store.put(key.clone(), format!("{n}").into());
+                    if let Ok(Ok(rev)) = tokio::time::timeout(Duration::from_secs(2), put).await {
+                        written
+                            .lock()
+                            .unwrap()
+                            .push((name, key, rev, Instant::now()));
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    });
+    for (name, store) in [("hosts", bus.hosts.clone()), ("plans", bus.plans.clone())] {
+        let (ftx, mut frx) = tokio::sync::mpsc::channel(1024);
+        tokio::spawn(converge_bus::follow_kv(
+            store,
+            ftx,
+            |e| Some((e.key, e.revision)),
+            || None,
+        ));
+        let delivered = delivered.clone();
+        tokio::spawn(async move {
+            while let Some((key, rev)) = frx.recv().await {
+                delivered
+                    .lock()
+                    .unwrap()
+                    .push((name, key, rev, Instant::now()));
+            }
+        });
+    }
+    // Kills `victim` once both followers deliver; after 30 s, the longest time any write
+    // acknowledged after the kill waited for its delivery (or a later revision of its key).
+    async fn round(
+        written: &Log,
+        delivered: &Log,
+        cluster: &mut Cluster,
+        label: &str,
+        victim: usize,
+    ) -> Duration {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let t0 = loop {
+            let t = Instant::now();
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let d = delivered.lock().unwrap();
+            if ["hosts", "plans"]
+                .iter()
+                .all(|b| d.iter().any(|(n, _, _, at)| n == b && *at > t))
+            {
+                break Instant::now();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{label}: no deliveries before the kill"
+            );
+        };
+        cluster.kill(victim);
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let end = Instant::now();
+        let (w, d) = (written.lock().unwrap(), delivered.lock().unwrap());
+        let mut worst = Duration::ZERO;
+        let mut worst_write = None;
+        let mut first_write = None;
+        for (bucket, key, rev, at) in w.iter().filter(|x| x.3 > t0) {
+            first_write = first_write.or(Some(*at - t0));
+            let got = d
+                .iter()
+                .filter(|(b, k, r, _)| b == bucket && k == key && r >= rev)
+                .map(|x| x.3)
+                .min()
+                .unwrap_or(end);
+            let wait = got.saturating_duration_since(*at);
+            if wait > worst {
+                worst = wait;
+                worst_write = Some((bucket, key.clone(), rev, *at - t0));
+            }
+        }
+        eprintln!(
+            "{label}: s{victim} killed; first write acknowledged {first_write:?} after the \
+             kill; longest wait of a write for its delivery: {worst:?} ({worst_write:?}: \
+             bucket, key, revision, written after the kill)"
+        );
+        worst
+    }
+    let meta = cluster.meta_leader().expect("a meta leader");
+    let first = round(&written, &delivered, &mut cluster, "meta leader", meta).await;
+    cluster.start_server(meta);
+    for name in all_streams() {
+        wait_replicated(&bus, &name, 3).await;
+    }
+    let on = cluster.index_of(&bus.client.server_info().server_name);
+    let second = round(
+        &written,
+        &delivered,
+        &mut cluster,
+        "the followers' server",
+        on,
+    )
+    .await;
+    writes.abort();
+    for (label, worst) in [("meta leader", first), ("followers' server", second)] {
+        assert!(
+            worst < Duration::from_secs(5),
+            "{label} killed: a write waited {worst:?} for the followers"
+        );
+    }
 }

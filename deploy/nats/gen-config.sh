@@ -190,6 +190,7 @@ cli_pub=$(
     for s in "${QUEUE_STREAMS[@]}"; do echo "\$JS.API.STREAM.INFO.$s"; done
     for b in $B_JOBS $B_STATUS $B_HOSTS $B_QUEUES $B_QUEUE_STATUS; do
         echo "\$JS.API.DIRECT.GET.KV_$b.>"
+        echo "\$JS.API.DIRECT.GET.KV_$b"
         echo "\$JS.API.CONSUMER.CREATE.KV_$b"
         echo "\$JS.API.CONSUMER.CREATE.KV_$b.>"
         echo "\$JS.API.CONSUMER.INFO.KV_$b.*"
