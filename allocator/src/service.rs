@@ -803,6 +803,9 @@ fn same_status(a: &JobStatus, b: &JobStatus) -> bool {
     *a == b
 }
 
+/// A failed write that took this long timed out ([`write_changes`]).
+const SLOW_WRITE: Duration = Duration::from_secs(1);
+
 async fn write_changes(
     bus: &Bus,
     view: &mut View,
@@ -811,16 +814,24 @@ async fn write_changes(
     now: f64,
 ) {
     // Plans first for jobs that stop (so agents act), statuses after; both are level-
-    // triggered, so a failed write is retried by the next step.
+    // triggered, so a failed write is retried by the next step. After a write that failed
+    // slowly (a timeout) the rest of its bucket waits for the next step too: on a NATS
+    // cluster electing that bucket's leader each write would wait for its timeout, and hold
+    // up the loop.
     for (host, plan) in plans {
         if view.plans.get(&host) == Some(&plan) {
             continue;
         }
+        let started = Instant::now();
         match bus.put(&bus.plans, host.as_str(), &plan).await {
             Ok(rev) => {
                 metrics::counter!("converge_allocator_plan_writes_total").increment(1);
                 tracing::info!(%host, workers = plan.workers.len(), revision = rev, "plan written");
                 view.plans.insert(host, plan);
+            }
+            Err(e) if started.elapsed() >= SLOW_WRITE => {
+                tracing::warn!(%host, "plan not written: {e}; the others wait for the next step");
+                break;
             }
             Err(e) => tracing::warn!(%host, "plan not written: {e}"),
         }
@@ -834,10 +845,15 @@ async fn write_changes(
             continue;
         }
         status.updated_at = now;
+        let started = Instant::now();
         match bus.put(&bus.status, id.as_str(), &status).await {
             Ok(_) => {
                 metrics::counter!("converge_allocator_status_writes_total").increment(1);
                 view.statuses.insert(id, status);
+            }
+            Err(e) if started.elapsed() >= SLOW_WRITE => {
+                tracing::warn!(job = %id, "status not written: {e}; the others wait for the next step");
+                break;
             }
             Err(e) => tracing::warn!(job = %id, "status not written: {e}"),
         }
@@ -1043,73 +1059,183 @@ async fn delete_refused(js: jetstream::Context, mut rx: mpsc::Receiver<u64>) {
 /// with what was there at start, then follows new reports. After an error, or when the
 /// client reconnects to NATS (a restarted server has lost the consumer, which the client
 /// would only notice after 15 s without heartbeats), it goes on from the report after the
-/// last one it read.
+/// last one it read; until a consumer works again (creating one needs JetStream's meta
+/// leader, which a cluster that lost a server may be electing), it reads the new reports
+/// directly ([`converge_bus::read_after`]).
 async fn follow_progress(
     client: async_nats::Client,
     js: jetstream::Context,
     tx: mpsc::Sender<Input>,
     rejects: Arc<Rejects>,
 ) {
-    let mut last_seq = 0u64;
-    let mut caught_up = false;
+    let mut at = ProgressPosition::default();
+    let mut failures = 0u32;
     loop {
-        match follow_progress_once(&client, &js, &tx, &rejects, &mut last_seq, &mut caught_up).await
-        {
-            Ok(()) => tracing::info!(after = last_seq, "progress stream: following again"),
+        match follow_progress_once(&client, &js, &tx, &rejects, &mut at).await {
+            Ok(()) => {
+                failures = 0;
+                tracing::info!(after = at.last_seq, "progress stream: following again")
+            }
             Err(e) => {
-                tracing::warn!("progress stream: {e}; following again after report {last_seq}")
+                failures += 1;
+                tracing::warn!(
+                    "progress stream: {e}; following again after report {} (attempt {failures})",
+                    at.last_seq
+                )
             }
         }
         if tx.is_closed() {
             return;
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        if at.caught_up
+            && let Some(stream) = at.stream.clone()
+            && let Err(e) = forward_direct(&stream, &tx, &rejects, &mut at).await
+        {
+            tracing::debug!("progress stream: {e}");
+        }
+        let pause = 500 * u64::from(failures.clamp(1, 6));
+        tokio::time::sleep(Duration::from_millis(pause)).await;
     }
 }
 
-/// How long the progress consumer may deliver nothing while the stream holds newer reports
-/// before [`follow_progress_once`] re-creates it.
+/// Where [`follow_progress`] is in the progress stream.
+#[derive(Default)]
+struct ProgressPosition {
+    /// The stream, once looked up (a lookup needs its leader; reading directly does not).
+    stream: Option<jetstream::stream::Stream>,
+    /// The last report read (0: none).
+    last_seq: u64,
+    /// Whether the reports that were in the stream at the first start have been read.
+    caught_up: bool,
+    /// The stream's last report when the current consumer was created.
+    last_at_start: u64,
+}
+
+/// Sends the report stored as `seq` (unless already read) and moves `at` past it; sends
+/// [`Input::ProgressCaughtUp`] once, with the last report that was in the stream at start.
+async fn forward_report(
+    tx: &mpsc::Sender<Input>,
+    rejects: &Rejects,
+    at: &mut ProgressPosition,
+    (subject, payload, seq, stored_at): (&str, &[u8], u64, Option<f64>),
+) -> anyhow::Result<()> {
+    if seq != 0 && seq <= at.last_seq {
+        return Ok(()); // already read (before a reconnect, or directly)
+    }
+    if let Some(report) = rejects.decode::<ProgressReport>(subject, "", payload) {
+        // Checked against the job's placement by the receiver (`Reporters::check`).
+        let progress = Progress {
+            report,
+            subject: subject.to_string(),
+            seq,
+            stored_at,
+            replay: !at.caught_up,
+        };
+        tx.send(Input::Progress(Box::new(progress))).await?;
+    }
+    at.last_seq = at.last_seq.max(seq);
+    if !at.caught_up && seq >= at.last_at_start {
+        tx.send(Input::ProgressCaughtUp).await?;
+        at.caught_up = true;
+    }
+    Ok(())
+}
+
+/// Reads the reports after `at.last_seq` directly (any replica answers; no consumer) and
+/// forwards them; returns how many.
+async fn forward_direct(
+    stream: &jetstream::stream::Stream,
+    tx: &mpsc::Sender<Input>,
+    rejects: &Rejects,
+    at: &mut ProgressPosition,
+) -> anyhow::Result<usize> {
+    let messages = converge_bus::read_after(
+        stream,
+        subjects::PROGRESS_ALL,
+        at.last_seq,
+        1000,
+        PROGRESS_QUIET,
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("direct read: {e}"))?;
+    let n = messages.len();
+    for msg in messages {
+        let stored_at = msg.time.unix_timestamp_nanos() as f64 / 1e9;
+        let report = (
+            msg.subject.as_str(),
+            &msg.payload[..],
+            msg.sequence,
+            Some(stored_at),
+        );
+        forward_report(tx, rejects, at, report).await?;
+    }
+    Ok(n)
+}
+
+/// How long the progress consumer may be quiet before newer reports are read directly
+/// (then every 500 ms while it stays quiet; also the bound on each direct read).
+const PROGRESS_QUIET: Duration = Duration::from_secs(1);
+
+/// How long the progress consumer may leave a report read directly undelivered before
+/// [`follow_progress_once`] re-creates it; creating it is bounded to twice this.
 const PROGRESS_STALL: Duration = Duration::from_secs(3);
 
-/// Follows the progress stream from `*last_seq + 1` until the consumer ends or the client
-/// reconnects (`Ok`) or stalls (`Err`), updating `*last_seq`; sends
-/// [`Input::ProgressCaughtUp`] once, when the reports that were in the stream at the first
-/// start have been read.
+/// Follows the progress stream from `at.last_seq + 1` until the consumer ends or the client
+/// reconnects (`Ok`) or stalls (`Err`), updating `at`.
 async fn follow_progress_once(
     client: &async_nats::Client,
     js: &jetstream::Context,
     tx: &mpsc::Sender<Input>,
     rejects: &Rejects,
-    last_seq: &mut u64,
-    caught_up: &mut bool,
+    at: &mut ProgressPosition,
 ) -> anyhow::Result<()> {
-    let mut stream = js.get_stream(subjects::PROGRESS_STREAM).await?;
-    let last_at_start = stream.info().await?.state.last_sequence;
-    let deliver_policy = if *last_seq == 0 {
+    let deliver_policy = if at.last_seq == 0 {
         jetstream::consumer::DeliverPolicy::All
     } else {
         jetstream::consumer::DeliverPolicy::ByStartSequence {
-            start_sequence: *last_seq + 1,
+            start_sequence: at.last_seq + 1,
         }
     };
-    let consumer = stream
-        .create_consumer(jetstream::consumer::pull::OrderedConfig {
-            filter_subject: subjects::PROGRESS_ALL.to_string(),
-            deliver_policy,
-            ..Default::default()
-        })
-        .await?;
-    let mut messages = consumer.messages().await?;
-    if !*caught_up && last_at_start <= *last_seq {
-        tx.send(Input::ProgressCaughtUp).await?;
-        *caught_up = true;
+    // Bounded: on a cluster electing its meta leader, creating a consumer can hang for as
+    // long as the election (and longer when it lands on a dead server).
+    let setup = async {
+        let mut stream = js.get_stream(subjects::PROGRESS_STREAM).await?;
+        let last_at_start = stream.info().await?.state.last_sequence;
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: subjects::PROGRESS_ALL.to_string(),
+                deliver_policy,
+                ..Default::default()
+            })
+            .await?;
+        let messages = consumer.messages().await?;
+        anyhow::Ok((stream, last_at_start, messages))
+    };
+    let (stream, last_at_start, mut messages) = tokio::time::timeout(PROGRESS_STALL * 2, setup)
+        .await
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "creating its consumer timed out after {:?}",
+                PROGRESS_STALL * 2
+            )
+        })??;
+    at.stream = Some(stream.clone());
+    if !at.caught_up {
+        at.last_at_start = last_at_start;
+        if last_at_start <= at.last_seq {
+            tx.send(Input::ProgressCaughtUp).await?;
+            at.caught_up = true;
+        }
     }
     let mut state_tick = tokio::time::interval(Duration::from_millis(500));
     let mut was_connected = true;
     // On a NATS cluster the consumer lives on one server, which may die while this client
-    // stays connected to another: when nothing arrived for PROGRESS_STALL although the
-    // stream holds newer reports, the consumer is re-created (from the next report).
+    // stays connected to another (or end up on a replica that no longer catches up): when
+    // it is quiet for PROGRESS_QUIET, newer reports are read directly, and when it still
+    // has not delivered one of those PROGRESS_STALL later, it is re-created (from the next
+    // report). Before the first catch-up (a replay) it is re-created after 3 stall periods.
     let mut last_delivery = tokio::time::Instant::now();
+    let mut missed: Option<(u64, tokio::time::Instant)> = None;
     loop {
         let msg = tokio::select! {
             msg = messages.next() => match msg {
@@ -1123,22 +1249,43 @@ async fn follow_progress_once(
                     return Ok(());
                 }
                 was_connected = connected;
-                if connected && last_delivery.elapsed() >= PROGRESS_STALL {
-                    last_delivery = tokio::time::Instant::now();
-                    if let Ok(info) = stream.info().await
-                        && info.state.last_sequence > *last_seq
-                    {
+                if !connected || last_delivery.elapsed() < PROGRESS_QUIET {
+                    continue;
+                }
+                if !at.caught_up {
+                    if last_delivery.elapsed() >= PROGRESS_STALL * 3 {
                         anyhow::bail!(
-                            "consumer stalled: the stream holds report {} but nothing arrived \
-                             for {PROGRESS_STALL:?} (its server may be gone)",
-                            info.state.last_sequence
+                            "consumer stalled while replaying: nothing arrived for {:?} after \
+                             report {} (the stream held {} at start)",
+                            last_delivery.elapsed(),
+                            at.last_seq,
+                            at.last_at_start
                         );
                     }
+                    continue;
+                }
+                let before = at.last_seq;
+                if let Err(e) = forward_direct(&stream, tx, rejects, at).await {
+                    if tx.is_closed() {
+                        return Err(e);
+                    }
+                    tracing::debug!("progress stream: {e}");
+                }
+                if at.last_seq > before && missed.is_none() {
+                    missed = Some((at.last_seq, tokio::time::Instant::now()));
+                }
+                if let Some((seq, since)) = missed
+                    && since.elapsed() >= PROGRESS_STALL
+                {
+                    anyhow::bail!(
+                        "consumer stalled: report {seq} was read directly, the consumer \
+                         delivered nothing for {:?} (its server may be gone)",
+                        last_delivery.elapsed()
+                    );
                 }
                 continue;
             }
         };
-        last_delivery = tokio::time::Instant::now();
         let msg = match msg {
             Ok(m) => m,
             Err(e) => {
@@ -1146,30 +1293,20 @@ async fn follow_progress_once(
                 continue;
             }
         };
+        last_delivery = tokio::time::Instant::now();
         let info = msg.info().ok();
         let seq = info.as_ref().map_or(0, |i| i.stream_sequence);
         let stored_at = info.map(|i| i.published.unix_timestamp_nanos() as f64 / 1e9);
-        if seq != 0 && seq <= *last_seq {
-            continue; // already read before a reconnect
+        if missed.is_some_and(|(s, _)| seq >= s) {
+            missed = None;
         }
-        if let Some(report) =
-            rejects.decode::<ProgressReport>(msg.subject.as_str(), "", &msg.payload)
-        {
-            // Checked against the job's placement by the receiver (`Reporters::check`).
-            let progress = Progress {
-                report,
-                subject: msg.subject.to_string(),
-                seq,
-                stored_at,
-                replay: !*caught_up,
-            };
-            tx.send(Input::Progress(Box::new(progress))).await?;
-        }
-        *last_seq = (*last_seq).max(seq);
-        if !*caught_up && seq >= last_at_start {
-            tx.send(Input::ProgressCaughtUp).await?;
-            *caught_up = true;
-        }
+        forward_report(
+            tx,
+            rejects,
+            at,
+            (msg.subject.as_str(), &msg.payload[..], seq, stored_at),
+        )
+        .await?;
     }
 }
 
