@@ -1216,7 +1216,7 @@ mod tests {
                 .clone()
                 .unwrap()
         };
-        for (id, penalty) in [("ma", 1.02), ("easgd", 1.20)] {
+        for (id, penalty) in [("ma", 1.02), ("easgd", 1.02)] {
             let t = table(id);
             for (i, rate) in t.iter().enumerate() {
                 let linear = (i + 1) as f64 * 320.0 / penalty;

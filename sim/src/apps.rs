@@ -1990,7 +1990,7 @@ mod tests {
         let s_slowed = slowed.step(app, 0.0, 50.0, 0.5);
         assert!(s_shadow > s_ring);
         assert!((s_slowed - s_shadow).abs() < 1e-9);
-        // Progress per sample within one epoch: the ring's divided by S-EASGD's 1.20.
+        // Progress per sample within one epoch: the ring's divided by S-EASGD's penalty.
         let (mut ring, mut shadow) = (ring0, shadow0);
         let (p_ring, p_shadow) = (ring.progress, shadow.progress);
         let (e_ring, e_shadow) = (ring.epoch, shadow.epoch);
@@ -1998,7 +1998,7 @@ mod tests {
         let s_shadow = shadow.step(app, 50.0, 0.5, 0.0);
         assert_eq!((ring.epoch, shadow.epoch), (e_ring, e_shadow));
         let ratio = ((ring.progress - p_ring) / s_ring) / ((shadow.progress - p_shadow) / s_shadow);
-        assert!((ratio - 1.20).abs() < 1e-9, "{ratio}");
+        assert!((ratio - converge_sched::shadow::PENALTY_EASGD).abs() < 1e-9, "{ratio}");
     }
 
     #[test]
