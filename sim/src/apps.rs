@@ -1998,7 +1998,10 @@ mod tests {
         let s_shadow = shadow.step(app, 50.0, 0.5, 0.0);
         assert_eq!((ring.epoch, shadow.epoch), (e_ring, e_shadow));
         let ratio = ((ring.progress - p_ring) / s_ring) / ((shadow.progress - p_shadow) / s_shadow);
-        assert!((ratio - converge_sched::shadow::PENALTY_EASGD).abs() < 1e-9, "{ratio}");
+        assert!(
+            (ratio - converge_sched::shadow::PENALTY_EASGD).abs() < 1e-9,
+            "{ratio}"
+        );
     }
 
     #[test]
