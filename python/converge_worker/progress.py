@@ -58,6 +58,8 @@ def format_progress(
     model_bytes: Optional[int] = None,
     grad_sqr: Optional[float] = None,
     grad_var: Optional[float] = None,
+    sync_rounds_per_s: Optional[float] = None,
+    model_gap: Optional[float] = None,
 ) -> str:
     """One progress line (no newline), after checking every figure.
 
@@ -73,6 +75,12 @@ def format_progress(
       the mean per-sample gradient and the variance (trace of the covariance) of one
       sample's gradient, unbiased estimates over the steps since the previous line; finite,
       >= 0 and not both 0.
+    - ``sync_rounds_per_s``: ShadowSync workers (``arch = "shadow"``, ``CONVERGE_SYNC=shadow``):
+      background synchronization rounds completed per second since the previous line;
+      finite, >= 0.
+    - ``model_gap``: ShadowSync workers: mean relative distance
+      ``||local - synchronized|| / max(||local||, ||synchronized||)`` between the worker's
+      model and the synchronized one over those rounds (0 to 2); finite, >= 0.
 
     Counts accept anything with ``__index__`` (numpy integers), reals anything ``float()``
     accepts (numpy floats, 0-d tensors). Raises :class:`ProgressError` naming the figure.
@@ -102,6 +110,10 @@ def format_progress(
             raise ProgressError("grad_sqr and grad_var are both 0: leave them out instead")
         line["grad_sqr"] = sqr
         line["grad_var"] = var
+    if sync_rounds_per_s is not None:
+        line["sync_rounds_per_s"] = _real("sync_rounds_per_s", sync_rounds_per_s, non_negative=True)
+    if model_gap is not None:
+        line["model_gap"] = _real("model_gap", model_gap, non_negative=True)
     return PREFIX + json.dumps(line, separators=(",", ":"), allow_nan=False)
 
 

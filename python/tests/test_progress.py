@@ -23,13 +23,14 @@ class Format(unittest.TestCase):
     def test_every_field(self):
         line = format_progress(
             120, 3840, 0.53, epoch=0.118, eval_loss=0.55, sync_s=0.0021, model_bytes=5200,
-            grad_sqr=0.0153, grad_var=2.41,
+            grad_sqr=0.0153, grad_var=2.41, sync_rounds_per_s=42.5, model_gap=0.012,
         )
         self.assertNotIn("\n", line)
         self.assertEqual(
             parse(line),
             {"step": 120, "samples": 3840, "loss": 0.53, "epoch": 0.118, "eval_loss": 0.55,
-             "sync_s": 0.0021, "model_bytes": 5200, "grad_sqr": 0.0153, "grad_var": 2.41},
+             "sync_s": 0.0021, "model_bytes": 5200, "grad_sqr": 0.0153, "grad_var": 2.41,
+             "sync_rounds_per_s": 42.5, "model_gap": 0.012},
         )
 
     def test_numbers_from_other_types(self):
@@ -69,6 +70,10 @@ class Format(unittest.TestCase):
             ("grad_var", dict(grad_sqr=1.0, grad_var=-1.0)),
             ("grad_var", dict(grad_sqr=1.0, grad_var=inf)),
             ("both 0", dict(grad_sqr=0.0, grad_var=0)),
+            ("sync_rounds_per_s", dict(sync_rounds_per_s=-1.0)),
+            ("sync_rounds_per_s", dict(sync_rounds_per_s="many")),
+            ("model_gap", dict(model_gap=-0.5)),
+            ("model_gap", dict(model_gap=inf)),
         ]
         for name, change in cases:
             args = dict(step=1, samples=8, loss=0.9)
