@@ -298,21 +298,33 @@ pub fn rows(
     specs: &BTreeMap<String, (QueueSpec, u64)>,
     statuses: &BTreeMap<String, (QueueStatus, u64)>,
 ) -> Vec<Row> {
+    rows_of(specs.values().map(|(s, _)| s), |name| {
+        statuses.get(name.as_str()).map(|(st, _)| st)
+    })
+}
+
+/// [`rows`] over any store of specs and statuses (the dashboard keeps them without
+/// revisions): `specs` are the stored queues (each keyed by its own name), `status(name)`
+/// the allocator's last status of a queue.
+pub fn rows_of<'a>(
+    specs: impl IntoIterator<Item = &'a QueueSpec>,
+    status: impl Fn(&QueueId) -> Option<&'a QueueStatus>,
+) -> Vec<Row> {
     let mut out: Vec<Row> = specs
-        .values()
-        .map(|(s, _)| Row {
+        .into_iter()
+        .map(|s| Row {
             name: s.name.clone(),
             implicit: false,
             spec: s.clone(),
-            status: statuses.get(s.name.as_str()).map(|(st, _)| st.clone()),
+            status: status(&s.name).cloned(),
         })
         .collect();
-    if !specs.contains_key(DEFAULT_QUEUE) {
+    if !out.iter().any(|r| r.name.as_str() == DEFAULT_QUEUE) {
         let spec = QueueSpec::implicit_default();
         out.push(Row {
             name: spec.name.clone(),
             implicit: true,
-            status: statuses.get(DEFAULT_QUEUE).map(|(st, _)| st.clone()),
+            status: status(&spec.name).cloned(),
             spec,
         });
     }

@@ -696,6 +696,16 @@ fn converge_json(nats: &NatsServer, args: &[&str]) -> Value {
     serde_json::from_slice(&out.stdout).expect("converge --json prints JSON")
 }
 
+/// The cells of queue team-a's row once the allocator's figures are in (quota, limit, in
+/// use / fair share, borrowed, lent, weight, jobs), or `null` before.
+const QUEUE_ROW_WITH_FIGURES: &str = r#"(() => {
+  const tr = document.querySelector('table#queues tbody tr[data-queue="team-a"]');
+  if (!tr || tr.closest('section').hidden) return null;
+  const cell = f => tr.querySelector(`td[data-field="${f}"]`).textContent.trim();
+  if (cell('share') === '—') return null;
+  return ['quota', 'limit', 'share', 'borrowed', 'lent', 'weight', 'jobs'].map(cell);
+})()"#;
+
 /// What the page should show according to `converge hosts --json` and `converge jobs --json
 /// --all`: busy GPUs are those with a non-zero utilization (as `converge hosts` counts).
 fn expected_from_cli(nats: &NatsServer) -> Shown {
@@ -824,6 +834,124 @@ async fn live_cluster_page_matches_the_cli() {
         page.eval("!!document.querySelector('svg#timeline')").await,
         json!(true),
         "no svg#timeline"
+    );
+
+    // A queue created while the page is open: it appears in /api/state and in the Queues
+    // table without a reload, with the allocator's figures once it publishes them; the job
+    // is in the implicit default queue, which is listed because the job uses it.
+    let created = converge_json(
+        &nats,
+        &[
+            "queue",
+            "create",
+            "team-a",
+            "--quota",
+            "1",
+            "--borrowing-limit",
+            "0",
+            "--weight",
+            "2",
+        ],
+    );
+    assert_eq!(created["name"], json!("team-a"), "{created}");
+    let cells = page
+        .wait(
+            Duration::from_secs(30),
+            "queue team-a in the Queues table with the allocator's figures",
+            "live",
+            QUEUE_ROW_WITH_FIGURES,
+        )
+        .await;
+    let cells: Vec<String> = serde_json::from_value(cells.clone())
+        .unwrap_or_else(|e| panic!("queue row cells {cells}: {e}"));
+    eprintln!(
+        "queue team-a shown as {cells:?} (quota, limit, in use / fair share, borrowed, lent, weight, jobs)"
+    );
+    assert_eq!(
+        (&cells[0], &cells[1], &cells[3], &cells[5], &cells[6]),
+        (
+            &"1".to_string(),
+            &"0".to_string(),
+            &"0".to_string(),
+            &"2".to_string(),
+            &"0 / 0".to_string()
+        ),
+        "{cells:?}"
+    );
+    assert!(cells[2].starts_with("0 / "), "{cells:?}");
+    let shown_queues = page
+        .eval(
+            r#"[...document.querySelectorAll('table#queues tbody tr[data-queue]')].map(tr => tr.dataset.queue)"#,
+        )
+        .await;
+    assert_eq!(shown_queues, json!(["default", "team-a"]));
+    assert_eq!(
+        page.eval(
+            r#"document.querySelector('table#jobs tbody tr[data-job="live"] td[data-field="queue"]').textContent.trim()"#
+        )
+        .await,
+        json!("default · normal")
+    );
+    let (code, body) = http_response(
+        &dashboard.addr(),
+        &get_request(&dashboard.addr(), "/api/state"),
+    )
+    .expect("an answer to GET /api/state");
+    assert_eq!(code, 200);
+    let api: Value = serde_json::from_slice(&body).expect("/api/state is JSON");
+    let queues = api["queues"].as_array().expect("/api/state has queues");
+    let team = queues
+        .iter()
+        .find(|q| q["name"] == "team-a")
+        .unwrap_or_else(|| panic!("no team-a in /api/state: {queues:?}"));
+    assert_eq!(
+        (
+            &team["quota_gpus"],
+            &team["borrowing_limit_gpus"],
+            &team["weight"],
+            &team["implicit"],
+            &team["gpus_in_use"],
+            &team["active_jobs"]
+        ),
+        (
+            &json!(1),
+            &json!(0),
+            &json!(2.0),
+            &json!(false),
+            &json!(0),
+            &json!(0)
+        ),
+        "{team}"
+    );
+    assert!(
+        team["fair_share_gpus"].is_number() && team["updated_at"].is_number(),
+        "{team}"
+    );
+    let default = queues
+        .iter()
+        .find(|q| q["name"] == "default")
+        .unwrap_or_else(|| panic!("no default queue in /api/state: {queues:?}"));
+    assert_eq!(
+        (
+            &default["implicit"],
+            &default["borrowing_limit_gpus"],
+            &default["active_jobs"]
+        ),
+        (&json!(true), &Value::Null, &json!(1)),
+        "{default}"
+    );
+    let job = api["jobs"]
+        .as_array()
+        .and_then(|j| j.iter().find(|j| j["job"] == "live"))
+        .expect("job live in /api/state");
+    assert_eq!(
+        (&job["queue"], &job["priority"]),
+        (&json!("default"), &json!("normal")),
+        "{job}"
+    );
+    assert!(
+        still_marked(&page).await,
+        "the page reloaded instead of updating"
     );
 
     // The tables against the CLI. Statuses and GPU utilization change between the two
@@ -1498,7 +1626,9 @@ async fn scale_first_render_and_live_update_latency() {
                 && j["phase"].is_string()
                 && j["workers"].is_u64()
                 && j["generation"].is_u64()
-                && (j["queue_position"].is_null() || j["queue_position"].is_u64()),
+                && (j["queue_position"].is_null() || j["queue_position"].is_u64())
+                && j["queue"] == "default"
+                && j["priority"] == "normal",
             || format!("job entry {j}"),
         );
     }

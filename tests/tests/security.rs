@@ -326,8 +326,9 @@ async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
     allocator.stop().await;
 }
 
-/// `converge dashboard` with the cli user's credentials reads the job's status and its
-/// progress reports (the cli user may follow the progress stream, nothing more).
+/// `converge dashboard` with the cli user's credentials reads the job's status, its
+/// progress reports (the cli user may follow the progress stream, nothing more) and the
+/// queues' statuses.
 async fn dashboard_reads_the_cluster_as_cli(s: &SecuredNats) {
     use std::io::{BufRead as _, Read as _, Write as _};
     let mut child = Command::new(bin_path("converge"))
@@ -370,6 +371,12 @@ async fn dashboard_reads_the_cluster_as_cli(s: &SecuredNats) {
     })
     .await;
     assert_eq!(state["hosts"].as_array().unwrap().len(), 2, "{state}");
+    // The queue buckets are readable too: the allocator's status of the default queue.
+    let default = state["queues"]
+        .as_array()
+        .and_then(|q| q.iter().find(|q| q["name"] == "default"))
+        .unwrap_or_else(|| panic!("no default queue in {}", state["queues"]));
+    assert!(default["updated_at"].is_number(), "{default}");
     let _ = child.kill();
     let _ = child.wait();
 }

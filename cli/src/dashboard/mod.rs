@@ -1,9 +1,9 @@
 //! `converge dashboard`: a read-only web page of the cluster, served by the CLI.
 //!
-//! It follows the same NATS state as `converge jobs` and `converge hosts` (KV
-//! `converge-jobs`, `converge-job-status`, `converge-hosts`) plus the progress stream (rank
-//! 0's loss reports, for the curves), keeps the latest picture in memory ([`view::Model`]),
-//! and serves:
+//! It follows the same NATS state as `converge jobs`, `converge hosts` and `converge queue
+//! list` (KV `converge-jobs`, `converge-job-status`, `converge-hosts`, `converge-queues`,
+//! `converge-queue-status`) plus the progress stream (rank 0's loss reports, for the
+//! curves), keeps the latest picture in memory ([`view::Model`]), and serves:
 //!
 //! | path | what |
 //! |---|---|
@@ -29,7 +29,8 @@ use axum::routing::get;
 use converge_bus::metrics::ServeLimits;
 use converge_bus::{Bus, unix_now};
 use converge_common::{
-    HostId, HostTelemetry, JobId, JobSpec, JobStatus, ProgressReport, decode, subjects,
+    HostId, HostTelemetry, JobId, JobSpec, JobStatus, ProgressReport, QueueId, QueueSpec,
+    QueueStatus, decode, subjects,
 };
 use futures::StreamExt;
 use std::net::SocketAddr;
@@ -80,15 +81,17 @@ enum Input {
     Spec(JobId, Option<Box<JobSpec>>),
     Status(JobId, Option<Box<JobStatus>>),
     Host(HostId, Option<Box<HostTelemetry>>),
+    Queue(QueueId, Option<Box<QueueSpec>>),
+    QueueStatus(QueueId, Option<Box<QueueStatus>>),
     Progress(Box<ProgressReport>),
     Refused,
     /// A source has delivered what it held at start (one per KV bucket and the stream).
     CaughtUp,
 }
 
-/// Sources that must catch up before the first picture is published: three KV buckets and
-/// the progress stream.
-const SOURCES: usize = 4;
+/// Sources that must catch up before the first picture is published: five KV buckets (jobs,
+/// job statuses, hosts, queues, queue statuses) and the progress stream.
+const SOURCES: usize = 6;
 
 /// The first picture is published after this long even if a source has not caught up (a
 /// source that cannot be read is logged; the page then shows what the others hold).
@@ -110,6 +113,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", opts.listen))?;
     let bound = listener.local_addr()?;
+    let queues = crate::queues::open(bus).await?;
     let (tx, rx) = mpsc::channel::<Input>(4096);
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(follow_kv(bus.jobs.clone(), tx.clone(), |key, value| {
@@ -138,6 +142,28 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
             None => Input::Host(id, None),
             Some(v) => match decode::<HostTelemetry>(v) {
                 Ok(t) if t.host == id => Input::Host(id, Some(Box::new(t))),
+                _ => Input::Refused,
+            },
+        })
+    }));
+    // A queue stored under a key that is not its name is no queue to the allocator (it
+    // ignores it), so it is refused here too.
+    tasks.spawn(follow_kv(queues.queues, tx.clone(), |key, value| {
+        let id = QueueId::new(key).ok()?;
+        Some(match value {
+            None => Input::Queue(id, None),
+            Some(v) => match decode::<QueueSpec>(v) {
+                Ok(q) if q.name == id => Input::Queue(id, Some(Box::new(q))),
+                _ => Input::Refused,
+            },
+        })
+    }));
+    tasks.spawn(follow_kv(queues.status, tx.clone(), |key, value| {
+        let id = QueueId::new(key).ok()?;
+        Some(match value {
+            None => Input::QueueStatus(id, None),
+            Some(v) => match decode::<QueueStatus>(v) {
+                Ok(s) if s.queue == id => Input::QueueStatus(id, Some(Box::new(s))),
                 _ => Input::Refused,
             },
         })
@@ -302,6 +328,18 @@ fn apply(model: &mut Model, input: Input) {
         }
         Input::Host(id, None) => {
             model.hosts.remove(&id);
+        }
+        Input::Queue(id, Some(q)) => {
+            model.queues.insert(id, *q);
+        }
+        Input::Queue(id, None) => {
+            model.queues.remove(&id);
+        }
+        Input::QueueStatus(id, Some(s)) => {
+            model.queue_statuses.insert(id, *s);
+        }
+        Input::QueueStatus(id, None) => {
+            model.queue_statuses.remove(&id);
         }
         Input::Progress(r) => {
             let points = model.points.entry(r.job.clone()).or_default();

@@ -3,13 +3,14 @@
 //! [`State`] as JSON.
 //!
 //! Units: times in unix seconds, sizes in bytes, rates in bytes or samples per second, GPU
-//! utilization in percent. A host is *lost* when its latest telemetry is older than the
+//! utilization in percent, quotas and shares in GPUs, queue usage in GPU-seconds. A host is *lost* when its latest telemetry is older than the
 //! host timeout (the allocator's `--host-timeout`, 15 s by default): the allocator has taken
 //! its GPUs out of the pool and its agent stops its workers (fencing).
 
+use converge_common::queues::PriorityClass;
 use converge_common::{
     AllocationChange, HostId, HostTelemetry, JobBatch, JobEnd, JobId, JobPhase, JobSpec, JobStatus,
-    WorkerPhase,
+    QueueId, QueueSpec, QueueStatus, WorkerPhase,
 };
 use converge_sched::fit::Curve;
 use converge_sched::outlook::{self, BandPoint};
@@ -39,6 +40,10 @@ pub struct Model {
     pub hosts: BTreeMap<HostId, HostTelemetry>,
     /// Rank 0's reports per job, in stream order.
     pub points: BTreeMap<JobId, Vec<LossPoint>>,
+    /// Stored queues (KV `converge-queues`), each under its own name.
+    pub queues: BTreeMap<QueueId, QueueSpec>,
+    /// The allocator's latest status of each queue (KV `converge-queue-status`).
+    pub queue_statuses: BTreeMap<QueueId, QueueStatus>,
     /// Messages the dashboard could not read (malformed KV values or reports), by source.
     pub refused: u64,
 }
@@ -51,6 +56,9 @@ pub struct State {
     pub cluster: ClusterSummary,
     pub hosts: Vec<HostView>,
     pub jobs: Vec<JobView>,
+    /// The queues, by name: every stored one, and the implicit `default` queue only when a
+    /// job that has not ended is in it or the allocator published a status of it.
+    pub queues: Vec<QueueView>,
     /// Messages the dashboard could not read.
     pub refused: u64,
 }
@@ -101,6 +109,43 @@ pub struct HostView {
     pub gpus: Vec<GpuView>,
 }
 
+/// One queue (docs/scheduling.md, "Queues, fair share and priorities"): its settings, and
+/// what the allocator last published of it (`None` until it has: no allocator running, or
+/// the queue created since its last step).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QueueView {
+    pub name: QueueId,
+    /// The `default` queue nobody stored: its built-in values (quota 0, no borrowing limit,
+    /// weight 1).
+    pub implicit: bool,
+    /// Nominal quota, GPUs: what the queue is guaranteed while its jobs need it.
+    pub quota_gpus: u32,
+    /// Most GPUs beyond the quota it may borrow; `None`: no limit.
+    pub borrowing_limit_gpus: Option<u32>,
+    /// Relative weight in the fair share of lent GPUs (no unit; 1 by default).
+    pub weight: f64,
+    /// Jobs the dashboard has read that name the queue and have not ended (not cancelled,
+    /// no terminal status): the dashboard's own count, which the allocator's lags.
+    pub active_jobs: u32,
+    /// GPUs its running jobs hold.
+    pub gpus_in_use: Option<u32>,
+    /// Of those, GPUs beyond its quota (borrowed from other queues' idle quota).
+    pub borrowed_gpus: Option<u32>,
+    /// GPUs of its quota lent to other queues.
+    pub lent_gpus: Option<u32>,
+    /// GPUs the fair share gives it (fractional: before rounding to whole GPUs).
+    pub fair_share_gpus: Option<f64>,
+    /// Decayed usage, GPU-seconds, at `updated_at`; each term halves every `half_life_s`.
+    pub usage_gpu_seconds: Option<f64>,
+    /// Half-life of the usage decay, seconds.
+    pub half_life_s: Option<f64>,
+    /// Its jobs the allocator counted running and pending at its last step.
+    pub running_jobs: Option<u32>,
+    pub pending_jobs: Option<u32>,
+    /// When the allocator computed the status, unix seconds.
+    pub updated_at: Option<f64>,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CurveView {
     pub family: String,
@@ -134,6 +179,10 @@ pub struct JobView {
     pub max_workers: Option<u32>,
     pub gpus_per_worker: u32,
     pub generation: u64,
+    /// The queue it is scheduled in (its spec's `queue`, else `default`).
+    pub queue: String,
+    /// Its priority class within the queue (`low`, `normal`, `high`; from its spec).
+    pub priority: PriorityClass,
     pub placement: Vec<PlacementView>,
     /// Labels a host must have to run the job (its spec's `[selector]`).
     pub selector: BTreeMap<String, String>,
@@ -301,6 +350,8 @@ pub fn build(
                 max_workers: spec.max_workers,
                 gpus_per_worker: spec.gpus_per_worker,
                 generation: s.generation,
+                queue: spec.queue_name().to_string(),
+                priority: spec.priority,
                 placement: s
                     .placement
                     .iter()
@@ -366,8 +417,50 @@ pub fn build(
         },
         hosts,
         jobs,
+        queues: queue_views(model),
         refused: model.refused,
     }
+}
+
+/// The queues as `converge queue list` lists them ([`crate::queues::rows_of`]), the implicit
+/// `default` queue left out while no job that has not ended is in it and the allocator has
+/// published no status of it.
+fn queue_views(model: &Model) -> Vec<QueueView> {
+    let mut active: BTreeMap<&str, u32> = BTreeMap::new();
+    for spec in model.specs.values() {
+        let ended = spec.cancelled
+            || model
+                .statuses
+                .get(&spec.id)
+                .is_some_and(|s| s.phase.is_terminal());
+        if !ended {
+            *active.entry(spec.queue_name()).or_insert(0) += 1;
+        }
+    }
+    crate::queues::rows_of(model.queues.values(), |name| model.queue_statuses.get(name))
+        .into_iter()
+        .map(|r| {
+            let st = r.status.as_ref();
+            QueueView {
+                active_jobs: active.get(r.name.as_str()).copied().unwrap_or(0),
+                implicit: r.implicit,
+                quota_gpus: r.spec.quota_gpus,
+                borrowing_limit_gpus: r.spec.borrowing_limit_gpus,
+                weight: r.spec.weight,
+                gpus_in_use: st.map(|s| s.gpus_in_use),
+                borrowed_gpus: st.map(|s| s.borrowed_gpus),
+                lent_gpus: st.map(|s| s.lent_gpus),
+                fair_share_gpus: st.map(|s| s.fair_share_gpus),
+                usage_gpu_seconds: st.map(|s| s.usage_gpu_seconds),
+                half_life_s: st.map(|s| s.half_life_s),
+                running_jobs: st.map(|s| s.running_jobs),
+                pending_jobs: st.map(|s| s.pending_jobs),
+                updated_at: st.map(|s| s.updated_at),
+                name: r.name,
+            }
+        })
+        .filter(|q| !q.implicit || q.active_jobs > 0 || q.updated_at.is_some())
+        .collect()
 }
 
 #[cfg(test)]
@@ -434,9 +527,56 @@ mod tests {
         m.hosts.insert(HostId::new("h1").unwrap(), h1);
         m.hosts
             .insert(HostId::new("h2").unwrap(), telemetry("h2", 50.0, &[]));
-        for id in ["a", "p", "done"] {
+        for id in ["p", "done"] {
             m.specs.insert(JobId::new(id).unwrap(), spec(id));
         }
+        // "a" runs in queue team-a at high priority; "p" (pending) and "done" are in the
+        // implicit default queue.
+        m.specs.insert(
+            JobId::new("a").unwrap(),
+            JobSpec::from_toml(
+                "id = \"a\"\ncommand = [\"true\"]\nqueue = \"team-a\"\npriority = \"high\"\n",
+            )
+            .unwrap(),
+        );
+        let team_a = QueueSpec {
+            name: "team-a".parse().unwrap(),
+            quota_gpus: 2,
+            borrowing_limit_gpus: Some(1),
+            weight: 2.0,
+            ..QueueSpec::implicit_default()
+        };
+        let team_b = QueueSpec {
+            name: "team-b".parse().unwrap(),
+            quota_gpus: 1,
+            ..QueueSpec::implicit_default()
+        };
+        m.queues.insert(team_a.name.clone(), team_a.clone());
+        m.queues.insert(team_b.name.clone(), team_b.clone());
+        let a_status = QueueStatus {
+            protocol: converge_common::PROTOCOL_VERSION,
+            queue: team_a.name.clone(),
+            gpus_in_use: 3,
+            borrowed_gpus: 1,
+            lent_gpus: 0,
+            fair_share_gpus: 2.5,
+            usage_gpu_seconds: 5400.0,
+            half_life_s: 3600.0,
+            running_jobs: 1,
+            pending_jobs: 0,
+            updated_at: 99.0,
+        };
+        m.queue_statuses
+            .insert(team_a.name.clone(), a_status.clone());
+        // A status of a queue deleted since is no queue.
+        let gone: QueueId = "gone".parse().unwrap();
+        m.queue_statuses.insert(
+            gone.clone(),
+            QueueStatus {
+                queue: gone,
+                ..a_status.clone()
+            },
+        );
         let mut a = status("a", JobPhase::Running, 2, 1.0);
         a.generation = 2;
         a.placement = vec![RankPlacement {
@@ -503,6 +643,59 @@ mod tests {
         );
         let json = serde_json::to_value(&s.jobs[1]).unwrap();
         assert!(json.get("sync_rounds_per_s").is_none(), "{json}");
+        // Each job's queue and priority class, from its spec.
+        assert_eq!(
+            (s.jobs[0].queue.as_str(), s.jobs[0].priority),
+            ("team-a", PriorityClass::High)
+        );
+        assert_eq!(
+            (s.jobs[1].queue.as_str(), s.jobs[1].priority),
+            ("default", PriorityClass::Normal)
+        );
+        assert_eq!(
+            (json["queue"].as_str(), json["priority"].as_str()),
+            (Some("default"), Some("normal"))
+        );
+        // The queues, by name: the implicit default (its pending job "p"), both stored
+        // queues, with team-a's status; the deleted queue's status is left out.
+        let names: Vec<(&str, bool, u32)> = s
+            .queues
+            .iter()
+            .map(|q| (q.name.as_str(), q.implicit, q.active_jobs))
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("default", true, 1),
+                ("team-a", false, 1),
+                ("team-b", false, 0)
+            ]
+        );
+        let qa = &s.queues[1];
+        assert_eq!(
+            (qa.quota_gpus, qa.borrowing_limit_gpus, qa.weight),
+            (2, Some(1), 2.0)
+        );
+        assert_eq!(
+            (qa.gpus_in_use, qa.borrowed_gpus, qa.lent_gpus),
+            (Some(3), Some(1), Some(0))
+        );
+        assert_eq!(
+            (qa.fair_share_gpus, qa.usage_gpu_seconds, qa.half_life_s),
+            (Some(2.5), Some(5400.0), Some(3600.0))
+        );
+        assert_eq!(
+            (qa.running_jobs, qa.pending_jobs, qa.updated_at),
+            (Some(1), Some(0), Some(99.0))
+        );
+        let (qd, qb) = (&s.queues[0], &s.queues[2]);
+        assert_eq!(
+            (qd.quota_gpus, qd.borrowing_limit_gpus, qd.weight),
+            (0, None, 1.0)
+        );
+        assert_eq!((qd.gpus_in_use, qb.updated_at), (None, None));
+        let json = serde_json::to_value(qd).unwrap();
+        assert!(json["borrowing_limit_gpus"].is_null(), "{json}");
         let c = s.jobs[0].curve.as_ref().unwrap();
         assert_eq!(c.points.len(), MAX_POINTS_SENT);
         assert_eq!(c.points.last().unwrap().0, 1000.0);
@@ -530,6 +723,43 @@ mod tests {
         let s = build(&m, 8, 100.0, 15.0, 0);
         assert_eq!(s.jobs.len(), 2);
         assert_eq!(s.cluster.jobs_by_phase["completed"], 1);
+        // The implicit default queue without an active job or a status is left out (an
+        // ended job does not count); once the allocator publishes its status it is shown.
+        let mut m3 = m.clone();
+        m3.specs.remove(&JobId::new("p").unwrap());
+        m3.statuses.remove(&JobId::new("p").unwrap());
+        let names =
+            |s: &State| -> Vec<String> { s.queues.iter().map(|q| q.name.to_string()).collect() };
+        assert_eq!(
+            names(&build(&m3, 10, 100.0, 15.0, 10)),
+            ["team-a", "team-b"]
+        );
+        let default: QueueId = "default".parse().unwrap();
+        m3.queue_statuses.insert(
+            default.clone(),
+            QueueStatus {
+                queue: default.clone(),
+                gpus_in_use: 0,
+                borrowed_gpus: 0,
+                running_jobs: 0,
+                ..a_status
+            },
+        );
+        let s3 = build(&m3, 11, 100.0, 15.0, 10);
+        assert_eq!(names(&s3), ["default", "team-a", "team-b"]);
+        assert_eq!((s3.queues[0].implicit, s3.queues[0].active_jobs), (true, 0));
+        // A stored default queue replaces the implicit one, used or not.
+        m3.queue_statuses.remove(&default);
+        m3.queues.insert(
+            default.clone(),
+            QueueSpec {
+                quota_gpus: 1,
+                ..QueueSpec::implicit_default()
+            },
+        );
+        let s3 = build(&m3, 12, 100.0, 15.0, 10);
+        assert_eq!(names(&s3), ["default", "team-a", "team-b"]);
+        assert_eq!((s3.queues[0].implicit, s3.queues[0].quota_gpus), (false, 1));
     }
 
     #[test]

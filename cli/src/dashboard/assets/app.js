@@ -62,6 +62,37 @@ function renderHosts(st) {
     rows.join("") || `<tr><td colspan="9">No host has reported yet.</td></tr>`;
 }
 
+// A queue nobody uses: the implicit default with no job, no GPU and no job counted.
+const unusedDefault = (q) => q.name === "default" && !q.active_jobs && !q.gpus_in_use &&
+  !q.running_jobs && !q.pending_jobs;
+
+function renderQueues(st) {
+  const queues = st.queues || [];
+  const section = document.getElementById("queues-section");
+  // Shown once some queue is more than an unused default queue.
+  section.hidden = queues.every(unusedDefault);
+  if (section.hidden) return;
+  const rows = queues.map((q) => {
+    const known = q.updated_at != null;
+    const share = known ? `${q.gpus_in_use} / ${num(q.fair_share_gpus, 3)}` : "—";
+    const jobs = known ? `${q.running_jobs} / ${q.pending_jobs}` : "—";
+    const usage = known ? `${num(q.usage_gpu_seconds / 3600, 3)}` : "—";
+    const title = known ? `allocator's figures of ${clock(q.updated_at)}; usage half-life ${num(q.half_life_s / 3600, 3)} h`
+      : "no figures from the allocator yet";
+    return `<tr data-queue="${esc(q.name)}" title="${esc(title)}">
+      <th scope="row">${esc(q.name)}${q.implicit ? ` <small title="nobody created it: quota 0, no borrowing limit, weight 1">(implicit)</small>` : ""}</th>
+      <td data-field="quota" class="num">${q.quota_gpus}</td>
+      <td data-field="limit" class="num">${q.borrowing_limit_gpus == null ? "unlimited" : q.borrowing_limit_gpus}</td>
+      <td data-field="share" class="num">${share}</td>
+      <td data-field="borrowed" class="num">${known ? q.borrowed_gpus : "—"}</td>
+      <td data-field="lent" class="num">${known ? q.lent_gpus : "—"}</td>
+      <td data-field="weight" class="num">${num(q.weight, 4)}</td>
+      <td data-field="jobs" class="num">${jobs}</td>
+      <td data-field="usage" class="num">${usage}</td></tr>`;
+  });
+  document.querySelector("#queues tbody").innerHTML = rows.join("");
+}
+
 function placementText(j) {
   const by = new Map();
   for (const p of j.placement) {
@@ -71,7 +102,7 @@ function placementText(j) {
   return [...by].map(([h, g]) => `${h}:${g.join(",")}`).join(" ");
 }
 
-function queueText(j, now) {
+function waitText(j, now) {
   if (j.queue_position == null) return "—";
   const eta = j.estimated_start == null ? "start unknown" : `est. start ${inS(j.estimated_start - now)}`;
   return `#${j.queue_position} (${plural(j.gpus_needed, "GPU")}), ${eta}`;
@@ -92,6 +123,7 @@ function renderJobs(st) {
     return `<tr data-job="${esc(j.job)}">
       <th scope="row">${esc(j.job)}${j.sweep ? `<br><small>sweep ${esc(j.sweep)}</small>` : ""}${Object.keys(j.selector || {}).length ? `<br><small>on ${esc(Object.entries(j.selector).map(([k, v]) => `${k}=${v}`).join(", "))}</small>` : ""}</th>
       <td data-field="phase" class="phase ${esc(j.phase)}">${esc(j.phase)}</td>
+      <td data-field="queue">${esc(j.queue)} · <span class="prio ${esc(j.priority)}">${esc(j.priority)}</span></td>
       <td data-field="workers" class="num" title="allowed ${workers}">${j.workers}</td>
       <td data-field="generation" class="num">${j.generation}</td>
       <td class="wrap">${esc(placementText(j)) || "—"}</td>
@@ -99,11 +131,11 @@ function renderJobs(st) {
       <td class="num">${num(j.samples_per_s, 4)}${j.sync_rounds_per_s != null || j.model_gap != null ? `<br><small title="shadow job: background sync rounds per second, model gap">sync ${num(j.sync_rounds_per_s, 3)}/s, gap ${num(j.model_gap, 3)}</small>` : ""}</td>
       <td class="num">${num(j.loss, 4)}</td>
       <td class="num">${num(j.predicted_loss, 4)}</td>
-      <td data-field="queue" class="wrap">${esc(queueText(j, st.generated_at))}</td>
+      <td data-field="wait" class="wrap">${esc(waitText(j, st.generated_at))}</td>
       <td class="why">${esc(whyText(j))}</td></tr>`;
   });
   document.querySelector("#jobs tbody").innerHTML =
-    rows.join("") || `<tr><td colspan="11">No jobs. Submit one with <code>converge submit</code>.</td></tr>`;
+    rows.join("") || `<tr><td colspan="12">No jobs. Submit one with <code>converge submit</code>.</td></tr>`;
 }
 
 // Linear scale helpers.
@@ -220,6 +252,7 @@ function render(st) {
   if (rendered && +document.body.dataset.version >= st.version) return;
   renderSummary(st);
   renderHosts(st);
+  renderQueues(st);
   renderJobs(st);
   renderTimeline(st);
   renderCurves(st);
