@@ -17,8 +17,9 @@
 #        - the agents' heartbeats: the longest time any host's stored heartbeat was old
 #          (`converge --json hosts`), below the agents' --fence-after (10 s)
 #        - the allocator writing a status and both jobs' steps advancing again
-#      then starts the server again (`docker start`, same volume) and waits until every
-#      stream again has 3 current replicas
+#      then, once the survivors have a meta leader and a leader for every stream, starts
+#      the server again (`docker start`, same volume) and waits until every stream again
+#      has 3 current replicas
 #   4. checks: the same worker PIDs and generations (no worker restarted), no agent fenced
 #      ('no heartbeat reached NATS for --fence-after' in no agent's log), no agent lost a
 #      report ('progress report lost' in none); both jobs complete; every valid progress
@@ -152,7 +153,13 @@ kill_round() {
     done
     rounds+="$label: $victim ${led:+[$(echo $led)]} clients ${line%, } heartbeat max ${gaps%, }; "
 
-    log "round $label: docker start $victim (same volume)"
+    # Bring it back once the survivors have settled (a meta leader and every stream's leader
+    # among them), as a crashed server would come back: restarted 2 s after its kill, while
+    # the others were still electing a meta leader, a server came back with the streams
+    # created last restored as standalone streams outside their raft groups (leader: itself,
+    # no replicas), never current again (nats-server 2.11.11).
+    wait_for 60 "a meta leader and every stream's leader among the survivors" survivors_settled "$victim"
+    log "round $label: docker start $victim (same volume), $(since "$t0") s after its kill"
     local t1; t1=$(now)
     docker start "$(cv_container "$victim")" >/dev/null || fail "docker start $victim failed"
     wait_for 90 "$victim back with every stream's 3 replicas current" all_replicated
@@ -167,6 +174,19 @@ kill_round() {
     fi
     all_replicated || { streams_led | sed 's/^/    /'; fail "round $label: 35 s after $victim's restart, a stream lacks a current replica"; }
     log "round $label: 35 s after the restart every stream still has 3 current replicas"
+}
+
+# survivors_settled VICTIM: every running server sees a meta leader and a leader for every
+# stream, none of them VICTIM.
+survivors_settled() {
+    local s out
+    for s in "${servers[@]}"; do
+        [[ "$s" == "$1" ]] && continue
+        alive "$s" || continue
+        out=$(jsz "$s") || return 1
+        awk -v v="$1" '$1 == "meta" { m = ($2 != "-" && $2 != v) } $1 == "stream" { n++; if ($4 == "-" || $4 == v) bad++ }
+            END { exit !(m && n >= 5 && !bad) }' <<<"$out" || return 1
+    done
 }
 
 # Round 1: the JetStream meta leader (stream and consumer creation go through it).

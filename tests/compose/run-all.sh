@@ -47,11 +47,7 @@ docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null \
     || no_docker "neither 'docker compose' nor 'docker-compose' is available"
 command -v python3 >/dev/null || { echo "run-all.sh: python3 is required" >&2; exit 1; }
 
-# nats-cluster.sh (three NATS servers, kill -9 of one) is not in the default set: it
-# passes about one run in four here (after a server's kill, listing a bucket's keys and
-# re-creating watches can time out for over a minute; docs/deploy.md "A replicated bus").
-# Run it as: tests/compose/run-all.sh nats-cluster
-tests=(happy-path agent-restart nats-restart kill-allocator partition two-allocators monitoring systemd-verify)
+tests=(happy-path agent-restart nats-restart nats-cluster kill-allocator partition two-allocators monitoring systemd-verify)
 [[ $systemd_container -eq 0 ]] || tests+=(systemd-container)
 if [[ ${#only[@]} -gt 0 ]]; then
     for t in "${only[@]}"; do [[ -x "$here/$t.sh" ]] || { echo "run-all.sh: no test $t" >&2; exit 2; }; done
