@@ -223,7 +223,21 @@ pub fn run_policy(
     let policy_impl = by_name(policy, *quality).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut runs = Vec::new();
     for path in workloads {
-        let jobs = read_workload(path)?;
+        let mut jobs = read_workload(path)?;
+        // One pool: a workload's queue column (e.g. a generated Philly workload's virtual
+        // clusters) is ignored here, as no queue is defined; `converge-sim queues` runs
+        // workloads with queues.
+        let queued = jobs.iter().filter(|j| j.queue.is_some()).count();
+        if cfg.queues.is_empty() && queued > 0 {
+            eprintln!(
+                "{}: ignoring the queue column of {queued} job(s): this run has one pool \
+                 (`converge-sim queues` simulates queues)",
+                path.display()
+            );
+            for job in &mut jobs {
+                job.queue = None;
+            }
+        }
         let result = simulate(&apps, &jobs, policy_impl.as_ref(), &cfg)?;
         runs.push((workload_name(path), result));
     }

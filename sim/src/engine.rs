@@ -134,7 +134,8 @@ pub enum SimError {
     /// keeps a job whose queue does not exist waiting.
     #[error(
         "{jobs} job(s) are in queue(s) this run does not define: {missing} (defined: {defined}); \
-         give them with --queues NAME=QUOTA, or drop the workload's queue column"
+         define them (`converge-sim queues --queues NAME=QUOTA`) or drop the workload's queue \
+         column"
     )]
     MissingQueues {
         jobs: usize,
