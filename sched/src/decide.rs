@@ -911,60 +911,48 @@ fn size_by_queue(
     // idle). First pass: each queue that can grow is offered a part in proportion to its
     // fair share (so the split follows weights and past use, not names); second pass: what
     // the first could not place (a gang larger than its part), in queue name order.
-    let mut leftover = u64::from(view.total_gpus).saturating_sub(queue_used.values().sum());
-    let room = |queue: &QueueId, queue_used: &BTreeMap<&QueueId, u64>| {
-        u64::from(most.get(queue).copied().unwrap_or(0))
-            .saturating_sub(queue_used.get(queue).copied().unwrap_or(0))
+    let mut spare = Spare {
+        left: u64::from(view.total_gpus).saturating_sub(queue_used.values().sum()),
+        used: queue_used,
+        most,
     };
     // Rounds of offers while some queue grows: a queue that could not use a non-zero offer
-    // (its next gang is larger) is left out of the later rounds.
+    // (its next gang is larger) leaves the later rounds. Each round places GPUs or makes a
+    // queue leave, so the rounds end.
     let mut stuck: BTreeSet<&QueueId> = BTreeSet::new();
-    let mut rounds = 0;
     loop {
         let mut growing: BTreeMap<&QueueId, (u64, f64, u64)> = BTreeMap::new();
         for (queue, kept, victims, _) in &sized_groups {
-            let r = room(queue, &queue_used);
-            if r > 0 && !stuck.contains(queue) && !(kept.is_empty() && victims.is_empty()) {
+            let room = spare.room(queue);
+            if room > 0 && !stuck.contains(queue) && !(kept.is_empty() && victims.is_empty()) {
                 let fair = budget.get(queue).map_or(0.0, |s| s.fair_share);
-                let used = queue_used.get(queue).copied().unwrap_or(0);
-                growing.insert(queue, (used, fair, r));
+                growing.insert(queue, (spare.used_by(queue), fair, room));
             }
         }
-        rounds += 1;
-        if leftover == 0 || growing.is_empty() || rounds > 2 * sized_groups.len() + 2 {
+        if spare.left == 0 || growing.is_empty() {
             break;
         }
-        let (used, fair, rooms): (Vec<u64>, Vec<f64>, Vec<u64>) = {
-            let mut u = Vec::new();
-            let mut f = Vec::new();
-            let mut r = Vec::new();
-            for (used, fair, room) in growing.values() {
-                u.push(*used);
-                f.push(*fair);
-                r.push(*room);
-            }
-            (u, f, r)
-        };
-        let offers = queues::leftover_offers(&used, &fair, &rooms, leftover);
+        let used: Vec<u64> = growing.values().map(|g| g.0).collect();
+        let fair: Vec<f64> = growing.values().map(|g| g.1).collect();
+        let rooms: Vec<u64> = growing.values().map(|g| g.2).collect();
+        let offers = queues::leftover_offers(&used, &fair, &rooms, spare.left);
         let offers: BTreeMap<&QueueId, u64> = growing.keys().copied().zip(offers).collect();
-        let mut offered = offers.clone();
-        let before = leftover;
-        let mut grew: BTreeSet<&QueueId> = BTreeSet::new();
-        grow_groups(
+        let grown = grow_groups(
             view,
             policy,
             &mut sized_groups,
-            &mut Some(&mut offered),
-            (&mut leftover, &mut queue_used, &mut grew),
-            (most, &mut decision, preempted),
+            Some(&offers),
+            &mut spare,
+            &mut decision,
+            preempted,
         );
         let mut newly_stuck = false;
         for (q, offer) in &offers {
-            if *offer > 0 && !grew.contains(q) {
+            if *offer > 0 && !grown.contains_key(q) {
                 newly_stuck |= stuck.insert(q);
             }
         }
-        if leftover == before && !newly_stuck {
+        if grown.is_empty() && !newly_stuck {
             break;
         }
     }
@@ -973,9 +961,10 @@ fn size_by_queue(
         view,
         policy,
         &mut sized_groups,
-        &mut None,
-        (&mut leftover, &mut queue_used, &mut BTreeSet::new()),
-        (most, &mut decision, preempted),
+        None,
+        &mut spare,
+        &mut decision,
+        preempted,
     );
     decision
 }
@@ -983,38 +972,53 @@ fn size_by_queue(
 /// A queue's group of one class: the queue, its kept jobs, its preempted jobs, GPUs used.
 type SizedGroup<'a> = (&'a QueueId, Vec<PolicyJob>, Vec<PolicyJob>, u64);
 
+/// What work conservation hands out: GPUs nobody was given, each queue's GPUs in use and
+/// the most each queue may hold (quota plus borrowing limit).
+struct Spare<'a, 'm> {
+    left: u64,
+    used: BTreeMap<&'a QueueId, u64>,
+    most: &'m BTreeMap<&'m QueueId, u32>,
+}
+
+impl Spare<'_, '_> {
+    fn used_by(&self, queue: &QueueId) -> u64 {
+        self.used.get(queue).copied().unwrap_or(0)
+    }
+
+    /// GPUs `queue` may still take.
+    fn room(&self, queue: &QueueId) -> u64 {
+        u64::from(self.most.get(queue).copied().unwrap_or(0)).saturating_sub(self.used_by(queue))
+    }
+}
+
 /// One pass of work conservation over the groups, in order: each group may grow by what
-/// its queue is offered (`offered`; `None`: anything left), within its queue's room. A
-/// group's preempted jobs become candidates again.
-#[allow(clippy::type_complexity)]
+/// its queue is offered (`offers`; `None`: anything left), within its queue's room. A
+/// group's preempted jobs become candidates again. Returns the GPUs each queue grew by
+/// (queues that did not grow are absent).
 fn grow_groups<'a>(
     view: &ClusterView,
     policy: &dyn Policy,
     groups: &mut [SizedGroup<'a>],
-    offered: &mut Option<&mut BTreeMap<&'a QueueId, u64>>,
-    (leftover, queue_used, grew): (
-        &mut u64,
-        &mut BTreeMap<&'a QueueId, u64>,
-        &mut BTreeSet<&'a QueueId>,
-    ),
-    (most, decision, preempted): (
-        &BTreeMap<&QueueId, u32>,
-        &mut Decision,
-        &mut BTreeMap<JobId, String>,
-    ),
-) {
+    offers: Option<&BTreeMap<&'a QueueId, u64>>,
+    spare: &mut Spare<'a, '_>,
+    decision: &mut Decision,
+    preempted: &mut BTreeMap<JobId, String>,
+) -> BTreeMap<&'a QueueId, u64> {
+    let mut grown: BTreeMap<&'a QueueId, u64> = BTreeMap::new();
     for (queue, kept, victims, used) in groups.iter_mut() {
-        if *leftover == 0 {
+        if spare.left == 0 {
             break;
         }
         kept.append(victims);
-        let room = u64::from(most.get(*queue).copied().unwrap_or(0))
-            .saturating_sub(queue_used.get(*queue).copied().unwrap_or(0));
-        let cap = match offered {
-            Some(o) => o.get(*queue).copied().unwrap_or(0),
-            None => *leftover,
+        let cap = match offers {
+            Some(o) => o
+                .get(*queue)
+                .copied()
+                .unwrap_or(0)
+                .saturating_sub(grown.get(*queue).copied().unwrap_or(0)),
+            None => spare.left,
         };
-        let extra = (*leftover).min(room).min(cap);
+        let extra = spare.left.min(spare.room(queue)).min(cap);
         if extra == 0 || kept.is_empty() {
             continue;
         }
@@ -1035,16 +1039,14 @@ fn grow_groups<'a>(
                 }
                 decision.workers.insert(job.id.clone(), w);
             }
-            let grown = again - *used;
-            *leftover -= grown;
-            *queue_used.entry(*queue).or_default() += grown;
-            if let Some(o) = offered.as_mut().and_then(|o| o.get_mut(*queue)) {
-                *o = o.saturating_sub(grown);
-            }
-            grew.insert(*queue);
+            let more = again - *used;
+            spare.left -= more;
+            *spare.used.entry(*queue).or_default() += more;
+            *grown.entry(*queue).or_default() += more;
             *used = again;
         }
     }
+    grown
 }
 
 /// GPUs of `workers` workers of `job`.
