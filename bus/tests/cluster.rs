@@ -15,6 +15,10 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// One three-server cluster at a time: four at once on a 2-core machine slowed elections
+/// until a write waited 11 s for its followers (a timing the tests assert).
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn nats_server_bin() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("NATS_SERVER_BIN") {
         return Some(PathBuf::from(p));
@@ -200,6 +204,21 @@ fn all_streams() -> Vec<String> {
 }
 
 /// Waits (30 s at most) until `name` has a leader and `want` current replicas in all.
+/// A bus on `cluster` that creates everything with 3 replicas, once every stream has them.
+async fn connect_replicated(cluster: &Cluster) -> Bus {
+    let bus = Bus::connect(
+        &args(cluster.url(), 3),
+        "converge-test",
+        Setup::CreateOrUpdate,
+    )
+    .await
+    .expect("bus with 3 replicas");
+    for name in all_streams() {
+        wait_replicated(&bus, &name, 3).await;
+    }
+    bus
+}
+
 async fn wait_replicated(bus: &Bus, name: &str, want: usize) -> stream::Info {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut last = None;
@@ -226,6 +245,7 @@ async fn wait_replicated(bus: &Bus, name: &str, want: usize) -> stream::Info {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_raised_in_place() {
+    let _one_cluster_at_a_time = SERIAL.lock().await;
     let Some(bin) = nats_server_bin() else { return };
     let cluster = Cluster::start(bin);
 
@@ -291,18 +311,10 @@ async fn replicas_raised_in_place() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_killed_and_back() {
+    let _one_cluster_at_a_time = SERIAL.lock().await;
     let Some(bin) = nats_server_bin() else { return };
     let mut cluster = Cluster::start(bin);
-    let bus = Bus::connect(
-        &args(cluster.url(), 3),
-        "converge-test",
-        Setup::CreateOrUpdate,
-    )
-    .await
-    .expect("bus with 3 replicas");
-    for name in all_streams() {
-        wait_replicated(&bus, &name, 3).await;
-    }
+    let bus = connect_replicated(&cluster).await;
     bus.jobs
         .put("kept", "spec written before the kill".into())
         .await
@@ -400,6 +412,7 @@ async fn leader_killed_and_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_replicas_than_servers_is_explained() {
+    let _one_cluster_at_a_time = SERIAL.lock().await;
     let Some(bin) = nats_server_bin() else { return };
     let cluster = Cluster::start(bin);
     let t0 = Instant::now();
@@ -428,19 +441,11 @@ async fn more_replicas_than_servers_is_explained() {
 async fn followers_survive_a_server_kill() {
     use std::sync::{Arc, Mutex};
     type Log = Arc<Mutex<Vec<(&'static str, String, u64, Instant)>>>;
+    let _one_cluster_at_a_time = SERIAL.lock().await;
     let Some(bin) = nats_server_bin() else { return };
     converge_bus::init_tracing("warn");
     let mut cluster = Cluster::start(bin);
-    let bus = Bus::connect(
-        &args(cluster.url(), 3),
-        "converge-test",
-        Setup::CreateOrUpdate,
-    )
-    .await
-    .expect("bus with 3 replicas");
-    for name in all_streams() {
-        wait_replicated(&bus, &name, 3).await;
-    }
+    let bus = connect_replicated(&cluster).await;
     let writer = Bus::connect(
         &args(cluster.url(), 3),
         "converge-test-writer",
