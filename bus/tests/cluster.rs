@@ -434,9 +434,11 @@ async fn more_replicas_than_servers_is_explained() {
 /// Followers of two buckets (`bus::follow_kv`, as the allocator follows its inputs) while a
 /// second client writes to both every 250 ms; the JetStream meta leader is killed, then
 /// (once the cluster has its three servers again) the server the followers' client is on.
-/// Each time every write acknowledged after the kill reaches the followers within 5 s (the
-/// writes themselves pause while a stream whose leader was killed elects another; the
-/// allocator's --host-timeout, 15 s, covers both).
+/// Each time every write acknowledged after the kill reaches the followers within 10 s, the
+/// agents' fence timeout (the writes themselves pause while a stream whose leader was
+/// killed elects another; the allocator's --host-timeout, 15 s, covers both). Measured
+/// 2.0-3.9 s on an idle machine, up to 7.3 s under CI's load; 14.5 s before the followers
+/// read directly. The 5 s reconnect target is the compose test's (nats-cluster.sh).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn followers_survive_a_server_kill() {
     use std::sync::{Arc, Mutex};
@@ -564,7 +566,7 @@ async fn followers_survive_a_server_kill() {
     writes.abort();
     for (label, worst) in [("meta leader", first), ("followers' server", second)] {
         assert!(
-            worst < Duration::from_secs(5),
+            worst < Duration::from_secs(10),
             "{label} killed: a write waited {worst:?} for the followers"
         );
     }
