@@ -1087,14 +1087,46 @@ async fn follow_progress(
         if tx.is_closed() {
             return;
         }
-        if at.caught_up
-            && let Some(stream) = at.stream.clone()
-            && let Err(e) = forward_direct(&stream, &tx, &rejects, &mut at).await
+        // The pause before the next attempt, reading directly meanwhile.
+        let pause = Duration::from_millis(500 * u64::from(failures.clamp(1, 6)));
+        if read_directly_during(tokio::time::sleep(pause), &tx, &rejects, &mut at)
+            .await
+            .is_none()
         {
-            tracing::debug!("progress stream: {e}");
+            return;
         }
-        let pause = 500 * u64::from(failures.clamp(1, 6));
-        tokio::time::sleep(Duration::from_millis(pause)).await;
+    }
+}
+
+/// Runs `work` to its end while reading new reports directly every half
+/// [`PROGRESS_QUIET`] (once caught up with the stream's start and the stream is known): a
+/// consumer being created (bounded, but seconds while a cluster elects its meta leader) or
+/// a pause between attempts holds up no report. `None` once `tx` is closed.
+async fn read_directly_during<F: Future>(
+    work: F,
+    tx: &mpsc::Sender<Input>,
+    rejects: &Rejects,
+    at: &mut ProgressPosition,
+) -> Option<F::Output> {
+    let mut work = std::pin::pin!(work);
+    let mut tick = tokio::time::interval(PROGRESS_QUIET / 2);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            out = &mut work => return Some(out),
+            _ = tick.tick() => {
+                if !at.caught_up {
+                    continue;
+                }
+                let Some(stream) = at.stream.clone() else { continue };
+                if let Err(e) = forward_direct(&stream, tx, rejects, at).await {
+                    if tx.is_closed() {
+                        return None;
+                    }
+                    tracing::debug!("progress stream: {e}");
+                }
+            }
+        }
     }
 }
 
@@ -1211,8 +1243,12 @@ async fn follow_progress_once(
         let messages = consumer.messages().await?;
         anyhow::Ok((stream, last_at_start, messages))
     };
-    let (stream, last_at_start, mut messages) = tokio::time::timeout(PROGRESS_STALL * 2, setup)
+    // (Reports are read directly meanwhile, from the last one read: the consumer's first
+    // deliveries of those are skipped.)
+    let bounded = tokio::time::timeout(PROGRESS_STALL * 2, setup);
+    let (stream, last_at_start, mut messages) = read_directly_during(bounded, tx, rejects, at)
         .await
+        .ok_or_else(|| anyhow::anyhow!("the allocator's loop has stopped"))?
         .map_err(|_| {
             anyhow::anyhow!(
                 "creating its consumer timed out after {:?}",

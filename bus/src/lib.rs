@@ -748,14 +748,27 @@ async fn ensure_stream_once(
 /// So whenever the watch has been quiet for [`KV_QUIET`], the follower reads the bucket's
 /// newer entries itself, by revision, with direct gets (answered by any replica, no consumer
 /// needed), and delivers them; a watch that leaves such an entry undelivered for
-/// [`KV_STALL`] is re-created. Until a watch works again the direct reads go on every
-/// [`KV_QUIET`]. Creating a watch is bounded to [`KV_WATCH_CREATE`] and retried.
+/// [`KV_STALL`] is re-created. While there is no watch (being created, bounded to
+/// [`KV_WATCH_CREATE`], or waiting to be tried again after a failure) the direct reads go
+/// on every half [`KV_QUIET`]: creating a watch never holds them up.
 pub async fn follow_kv<T>(
     store: kv::Store,
     tx: tokio::sync::mpsc::Sender<T>,
     mut read: impl FnMut(kv::Entry) -> Option<T>,
     caught_up: impl Fn() -> Option<T>,
 ) {
+    type Creating = std::pin::Pin<Box<dyn Future<Output = Result<kv::Watch, String>> + Send>>;
+    // A watch being created, bounded to KV_WATCH_CREATE.
+    let create = |store: &kv::Store| -> Creating {
+        let store = store.clone();
+        Box::pin(async move {
+            match tokio::time::timeout(KV_WATCH_CREATE, store.watch_with_history(">")).await {
+                Ok(Ok(w)) => Ok(w),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err(format!("timed out after {KV_WATCH_CREATE:?}")),
+            }
+        })
+    };
     let mut done = false;
     let signal = async |tx: &tokio::sync::mpsc::Sender<T>, done: &mut bool| {
         *done = true;
@@ -764,6 +777,11 @@ pub async fn follow_kv<T>(
             None => true,
         }
     };
+    // (The bucket's stream info as opened: no request.)
+    if matches!(store.status().await, Ok(ref s) if s.values() == 0) && !signal(&tx, &mut done).await
+    {
+        return;
+    }
     // The latest revision delivered per key, and over the bucket.
     let mut known: BTreeMap<String, u64> = BTreeMap::new();
     let mut latest = 0u64;
@@ -781,104 +799,103 @@ pub async fn follow_kv<T>(
                 None => true,
             }
         };
+    let mut watch: Option<kv::Watch> = None;
+    let mut creating: Option<Creating> = Some(create(&store));
+    // Failed attempts in a row, and when to try again (0.5 to 5 s, growing with them).
     let mut failures = 0u32;
+    let mut retry_at = tokio::time::Instant::now();
+    let mut last_delivery = tokio::time::Instant::now();
+    // A revision read directly that the watch had not delivered, and when.
+    let mut missed: Option<(u64, tokio::time::Instant)> = None;
+    let mut tick = tokio::time::interval(KV_QUIET / 2);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        if !done {
-            let status = tokio::time::timeout(KV_WATCH_CREATE, store.status()).await;
-            if matches!(status, Ok(Ok(ref s)) if s.values() == 0) && !signal(&tx, &mut done).await {
-                return;
-            }
-        }
-        let watch = tokio::time::timeout(KV_WATCH_CREATE, store.watch_with_history(">"))
-            .await
-            .unwrap_or_else(|_| Err(kv::WatchError::new(kv::WatchErrorKind::TimedOut)));
-        let mut watch = match watch {
-            Ok(w) => {
-                if failures > 0 {
-                    tracing::info!(bucket = %store.name, "watching again after {failures} failed attempt(s)");
-                }
-                failures = 0;
-                Some(w)
-            }
-            Err(e) => {
-                failures += 1;
-                tracing::warn!(bucket = %store.name, "cannot watch: {e} (attempt {failures}; reading directly meanwhile)");
-                None
-            }
-        };
-        let mut last_delivery = tokio::time::Instant::now();
-        let mut tick = tokio::time::interval(KV_QUIET / 2);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // A revision read directly that the watch had not delivered, and when.
-        let mut missed: Option<(u64, tokio::time::Instant)> = None;
-        // Without a watch: try again after a pause that grows with the failures (0.5 to 5 s).
-        let retry_at = tokio::time::Instant::now()
-            + Duration::from_millis(500 * u64::from(failures.clamp(1, 10)));
-        loop {
-            let entry = tokio::select! {
-                entry = async { watch.as_mut()?.next().await }, if watch.is_some() => entry,
-                _ = tick.tick() => {
-                    if watch.is_none() && tokio::time::Instant::now() >= retry_at {
-                        break;
-                    }
-                    // (Only once caught up: the watch's first values are the current ones.)
-                    if !done || last_delivery.elapsed() < KV_QUIET {
-                        continue;
-                    }
-                    // Quiet: read what is newer directly.
-                    let before = latest;
-                    match read_newer(&store, latest).await {
-                        Ok(entries) => {
-                            tracing::debug!(bucket = %store.name, after = latest, "read directly: {} entries", entries.len());
-                            for entry in entries {
-                                if !deliver(entry, &mut known, &mut latest).await {
-                                    return;
-                                }
-                            }
+        tokio::select! {
+            created = async { creating.as_mut()?.await.into() }, if creating.is_some() => {
+                creating = None;
+                match created {
+                    Some(Ok(w)) => {
+                        if failures > 0 {
+                            tracing::info!(bucket = %store.name, "watching again after {failures} failed attempt(s)");
                         }
-                        Err(e) => tracing::debug!(bucket = %store.name, "direct read: {e}"),
-                    }
-                    if watch.is_some() {
-                        if latest > before && missed.is_none() {
-                            missed = Some((latest, tokio::time::Instant::now()));
-                        }
-                        if let Some((rev, since)) = missed
-                            && since.elapsed() >= KV_STALL
-                        {
-                            tracing::warn!(
-                                bucket = %store.name,
-                                "watch stalled: revision {rev} was read directly, the watch \
-                                 delivered nothing for {:?} (its consumer's server may be \
-                                 gone); watching again",
-                                last_delivery.elapsed()
-                            );
-                            break;
-                        }
-                    }
-                    continue;
-                }
-            };
-            let Some(entry) = entry else {
-                tracing::warn!(bucket = %store.name, "watch ended; watching again");
-                break;
-            };
-            match entry {
-                Ok(entry) => {
-                    last_delivery = tokio::time::Instant::now();
-                    if missed.is_some_and(|(rev, _)| entry.revision >= rev) {
+                        failures = 0;
+                        watch = Some(w);
+                        last_delivery = tokio::time::Instant::now();
                         missed = None;
                     }
-                    let last_of_start = !done && entry.delta == 0;
-                    if !deliver(entry, &mut known, &mut latest).await {
-                        return;
+                    Some(Err(e)) => {
+                        failures += 1;
+                        tracing::warn!(bucket = %store.name, "cannot watch: {e} (attempt {failures}; reading directly meanwhile)");
+                        retry_at = tokio::time::Instant::now()
+                            + Duration::from_millis(500 * u64::from(failures.clamp(1, 10)));
                     }
-                    if last_of_start && !signal(&tx, &mut done).await {
-                        return;
+                    None => {}
+                }
+            }
+            entry = async { watch.as_mut()?.next().await }, if watch.is_some() => {
+                match entry {
+                    Some(Ok(entry)) => {
+                        last_delivery = tokio::time::Instant::now();
+                        if missed.is_some_and(|(rev, _)| entry.revision >= rev) {
+                            missed = None;
+                        }
+                        let last_of_start = !done && entry.delta == 0;
+                        if !deliver(entry, &mut known, &mut latest).await {
+                            return;
+                        }
+                        if last_of_start && !signal(&tx, &mut done).await {
+                            return;
+                        }
+                    }
+                    end => {
+                        match end {
+                            Some(Err(e)) => tracing::warn!(bucket = %store.name, "watch error: {e}; watching again"),
+                            _ => tracing::warn!(bucket = %store.name, "watch ended; watching again"),
+                        }
+                        watch = None;
+                        creating = Some(create(&store));
                     }
                 }
-                Err(e) => {
-                    tracing::warn!(bucket = %store.name, "watch error: {e}; watching again");
-                    break;
+            }
+            _ = tick.tick() => {
+                if watch.is_none() && creating.is_none() && tokio::time::Instant::now() >= retry_at {
+                    creating = Some(create(&store));
+                }
+                // Only once caught up (a watch's first values are the current ones), and
+                // with a watch only once it has been quiet.
+                if !done || (watch.is_some() && last_delivery.elapsed() < KV_QUIET) {
+                    continue;
+                }
+                let before = latest;
+                match read_newer(&store, latest).await {
+                    Ok(entries) => {
+                        tracing::debug!(bucket = %store.name, after = latest, "read directly: {} entries", entries.len());
+                        for entry in entries {
+                            if !deliver(entry, &mut known, &mut latest).await {
+                                return;
+                            }
+                        }
+                    }
+                    Err(e) => tracing::debug!(bucket = %store.name, "direct read: {e}"),
+                }
+                if watch.is_some() {
+                    if latest > before && missed.is_none() {
+                        missed = Some((latest, tokio::time::Instant::now()));
+                    }
+                    if let Some((rev, since)) = missed
+                        && since.elapsed() >= KV_STALL
+                    {
+                        tracing::warn!(
+                            bucket = %store.name,
+                            "watch stalled: revision {rev} was read directly, the watch \
+                             delivered nothing for {:?} (its consumer's server may be \
+                             gone); watching again",
+                            last_delivery.elapsed()
+                        );
+                        watch = None;
+                        missed = None;
+                        creating = Some(create(&store));
+                    }
                 }
             }
         }
@@ -964,7 +981,8 @@ pub const KV_QUIET: Duration = Duration::from_secs(1);
 /// re-created (a watch is re-created with every key's current value: not at the first lag).
 pub const KV_STALL: Duration = Duration::from_secs(3);
 
-/// How long creating a [`follow_kv`] watch may take before it is abandoned and tried again.
+/// How long creating a [`follow_kv`] watch may take before it is abandoned and tried again
+/// (the direct reads go on meanwhile).
 const KV_WATCH_CREATE: Duration = Duration::from_secs(3);
 
 impl Bus {
