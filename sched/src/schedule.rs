@@ -2764,6 +2764,54 @@ mod tests {
     }
 
     #[test]
+    fn bco_keeps_a_spanning_ring_off_hosts_whose_nics_the_agents_report_busy() {
+        // Four hosts of 2 GPUs on 1 Gbit/s links; `wide` (2 workers × 2 GPUs) must span two
+        // of them. The agents on h1 and h2 report their NICs 90 % busy with traffic
+        // Converge did not schedule: BCO puts the ring on h3 and h4, first fit on h1 and h2
+        // (id order). With quiet NICs BCO has no reason to leave h1 and h2.
+        let busy_nic = |rate: f64| converge_common::NicSample {
+            name: "eth0".into(),
+            rx_bytes_per_s: rate,
+            tx_bytes_per_s: rate,
+            link_speed_bps: Some(1_000_000_000),
+        };
+        let hosts_of_wide = |placement: PlacementKind, busy: f64| {
+            let mut w = World::default();
+            w.settings.placement = placement;
+            w.settings.scheduler =
+                Arc::from(crate::policies::by_name("fifo", w.settings.policy).unwrap());
+            let mut wide = job("wide", 2, 2, 1.0);
+            wide.gpus_per_worker = 2;
+            w.specs.insert(JobId::new("wide").unwrap(), wide);
+            for h in ["h1", "h2", "h3", "h4"] {
+                let mut t = host(h, 2, 10.0, vec![]);
+                let load = if h == "h1" || h == "h2" { busy } else { 0.0 };
+                t.nics = vec![busy_nic(load)];
+                w.add_host(t);
+            }
+            w.step(10.0, true);
+            let s = w.status("wide");
+            assert_eq!(s.world_size, 2, "{placement:?}");
+            s.placement
+                .iter()
+                .map(|r| r.host.to_string())
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .collect::<Vec<_>>()
+        };
+        let ninety_percent = 0.9 * 125e6;
+        assert_eq!(
+            hosts_of_wide(PlacementKind::Bco, ninety_percent),
+            ["h3", "h4"]
+        );
+        assert_eq!(
+            hosts_of_wide(PlacementKind::FirstFit, ninety_percent),
+            ["h1", "h2"]
+        );
+        assert_eq!(hosts_of_wide(PlacementKind::Bco, 0.0), ["h1", "h2"]);
+    }
+
+    #[test]
     fn stepping_twice_without_news_changes_nothing() {
         let mut w = World::default();
         w.specs

@@ -591,4 +591,47 @@ mod tests {
         }
         assert!(f.lending_intervals == 0 || f.mean_lent > 0.0);
     }
+
+    #[test]
+    fn quota_left_idle_is_lent_at_once_and_taken_back() {
+        // team-1 floods at 0 s; team-2's jobs arrive from 1,800 s on. While team-2 has
+        // nothing to run, its 8 GPUs go to team-1 (lent, none idle while team-1 waits);
+        // once team-2's jobs come, it gets its quota back.
+        let mut jobs = workload(60);
+        assign_queues(&mut jobs, &Teams::Hash { teams: 2, seed: 1 });
+        for j in &mut jobs {
+            if j.queue.as_deref() == Some("team-1") {
+                j.time = 0.0;
+            } else {
+                j.time = 1800.0 + j.time / 4.0;
+            }
+        }
+        let specs = parse_queues("team-1=8,team-2=8").unwrap();
+        let cfg = SimConfig {
+            nodes: 4,
+            queues: specs.clone(),
+            max_time_s: 3600.0,
+            ..SimConfig::default()
+        };
+        let policy = by_name("quality", Default::default()).unwrap();
+        let r = simulate(apps(), &jobs, policy.as_ref(), &cfg).unwrap();
+        let f = figures(&r, &specs, 16);
+        assert!(f.lending_intervals >= 10, "{f:?}");
+        assert!(f.mean_lent >= 4.0, "{f:?}");
+        assert_eq!(f.max_idle_while_pending, 0, "{f:?}");
+        let team2: QueueId = "team-2".parse().unwrap();
+        let late = r
+            .intervals
+            .iter()
+            .filter(|i| i.time >= 2400.0)
+            .filter_map(|i| i.queues.get(&team2))
+            .filter(|s| s.pending_jobs > 0)
+            .map(|s| s.gpus_in_use)
+            .collect::<Vec<_>>();
+        assert!(!late.is_empty(), "team-2 never waited after 2,400 s");
+        assert!(
+            late.iter().all(|&g| g >= 8),
+            "team-2 below its quota while waiting: {late:?}"
+        );
+    }
 }

@@ -180,3 +180,50 @@ async fn a_long_nats_outage_fences_workers_and_the_job_resumes_from_its_checkpoi
         s.generation
     );
 }
+
+/// A progress report published twice under one message id, as the agent's outbox retries a
+/// report whose acknowledgement did not come in time: the stream stores it once and
+/// acknowledges the second publish as a duplicate; another id is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_progress_report_is_stored_once() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let bus = nats.bus().await;
+    let report = converge_common::ProgressReport {
+        protocol: converge_common::PROTOCOL_VERSION,
+        job: "dedup".parse().unwrap(),
+        generation: 1,
+        rank: 0,
+        host: "n1".parse().unwrap(),
+        step: 10,
+        samples: 320,
+        loss: 0.7,
+        eval_loss: None,
+        epoch: None,
+        time: 1.0,
+        workers: Some(1),
+        hosts: Some(1),
+        sync_time_s: None,
+        model_bytes: None,
+        grad_sqr: None,
+        grad_var: None,
+        sync_rounds_per_s: None,
+        model_gap: None,
+    };
+    let subject = subjects::progress(&report.job, &report.host);
+    let wait = Duration::from_secs(5);
+    let publish = |id: &'static str| bus.publish_acked_once(subject.clone(), &report, id, wait);
+    assert!(
+        !publish("dedup.n1.g1.r0.s10.a")
+            .await
+            .expect("first publish")
+    );
+    assert!(
+        publish("dedup.n1.g1.r0.s10.a").await.expect("retry"),
+        "the retry is acknowledged as a duplicate"
+    );
+    assert!(!publish("dedup.n1.g1.r0.s10.b").await.expect("another id"));
+    let mut stream = bus.js.get_stream(subjects::PROGRESS_STREAM).await.unwrap();
+    let info = stream.info().await.unwrap();
+    assert_eq!(info.state.messages, 2, "{:?}", info.state);
+}
