@@ -626,27 +626,8 @@ mod tests {
     }
 
     fn report(step: u64, loss: f64) -> ProgressReport {
-        ProgressReport {
-            protocol: PROTOCOL_VERSION,
-            job: "j".parse().unwrap(),
-            generation: 2,
-            rank: 1,
-            host: "h".parse().unwrap(),
-            step,
-            samples: step * 32,
-            loss,
-            eval_loss: None,
-            epoch: None,
-            time: 10.0,
-            workers: Some(2),
-            hosts: Some(1),
-            sync_time_s: None,
-            model_bytes: None,
-            grad_sqr: None,
-            grad_var: None,
-            sync_rounds_per_s: None,
-            model_gap: None,
-        }
+        let (job, host) = ("j".parse().unwrap(), "h".parse().unwrap());
+        ProgressReport::new(job, 2, 1, host, step, step * 32, loss, 10.0)
     }
 
     #[test]

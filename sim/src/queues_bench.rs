@@ -561,14 +561,18 @@ mod tests {
         assert!(with.preemptions.is_empty());
     }
 
-    #[test]
-    fn two_flooding_teams_get_their_quotas_and_idle_quota_is_lent() {
+    /// One simulated hour on 4 nodes (16 GPUs) under `quality`: 60 jobs split between
+    /// `team-1` and `team-2` (quota 8 each) by a seeded hash, every team-1 job submitted at
+    /// 0 s (the flood) and each team-2 job at `team_2_time(its workload time)`.
+    fn two_teams(team_2_time: impl Fn(f64) -> f64) -> (SimResult, QueueFigures) {
         let mut jobs = workload(60);
         assign_queues(&mut jobs, &Teams::Hash { teams: 2, seed: 1 });
         for j in &mut jobs {
-            if j.queue.as_deref() == Some("team-1") {
-                j.time = 0.0;
-            }
+            j.time = if j.queue.as_deref() == Some("team-1") {
+                0.0
+            } else {
+                team_2_time(j.time)
+            };
         }
         let specs = parse_queues("team-1=8,team-2=8").unwrap();
         let cfg = SimConfig {
@@ -580,6 +584,12 @@ mod tests {
         let policy = by_name("quality", Default::default()).unwrap();
         let r = simulate(apps(), &jobs, policy.as_ref(), &cfg).unwrap();
         let f = figures(&r, &specs, 16);
+        (r, f)
+    }
+
+    #[test]
+    fn two_flooding_teams_get_their_quotas_and_idle_quota_is_lent() {
+        let (r, f) = two_teams(|t| t);
         assert!(f.contended_intervals > 10);
         for (q, gpus) in &f.contended_gpus {
             assert!((gpus - 8.0).abs() <= 0.8 + 1e-9, "{q}: {gpus}");
@@ -597,25 +607,7 @@ mod tests {
         // team-1 floods at 0 s; team-2's jobs arrive from 1,800 s on. While team-2 has
         // nothing to run, its 8 GPUs go to team-1 (lent, none idle while team-1 waits);
         // once team-2's jobs come, it gets its quota back.
-        let mut jobs = workload(60);
-        assign_queues(&mut jobs, &Teams::Hash { teams: 2, seed: 1 });
-        for j in &mut jobs {
-            if j.queue.as_deref() == Some("team-1") {
-                j.time = 0.0;
-            } else {
-                j.time = 1800.0 + j.time / 4.0;
-            }
-        }
-        let specs = parse_queues("team-1=8,team-2=8").unwrap();
-        let cfg = SimConfig {
-            nodes: 4,
-            queues: specs.clone(),
-            max_time_s: 3600.0,
-            ..SimConfig::default()
-        };
-        let policy = by_name("quality", Default::default()).unwrap();
-        let r = simulate(apps(), &jobs, policy.as_ref(), &cfg).unwrap();
-        let f = figures(&r, &specs, 16);
+        let (r, f) = two_teams(|t| 1800.0 + t / 4.0);
         assert!(f.lending_intervals >= 10, "{f:?}");
         assert!(f.mean_lent >= 4.0, "{f:?}");
         assert_eq!(f.max_idle_while_pending, 0, "{f:?}");

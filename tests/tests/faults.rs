@@ -189,27 +189,8 @@ async fn a_retried_progress_report_is_stored_once() {
     init_tracing();
     let nats = NatsServer::start();
     let bus = nats.bus().await;
-    let report = converge_common::ProgressReport {
-        protocol: converge_common::PROTOCOL_VERSION,
-        job: "dedup".parse().unwrap(),
-        generation: 1,
-        rank: 0,
-        host: "n1".parse().unwrap(),
-        step: 10,
-        samples: 320,
-        loss: 0.7,
-        eval_loss: None,
-        epoch: None,
-        time: 1.0,
-        workers: Some(1),
-        hosts: Some(1),
-        sync_time_s: None,
-        model_bytes: None,
-        grad_sqr: None,
-        grad_var: None,
-        sync_rounds_per_s: None,
-        model_gap: None,
-    };
+    let (job, host) = ("dedup".parse().unwrap(), "n1".parse().unwrap());
+    let report = converge_common::ProgressReport::new(job, 1, 0, host, 10, 320, 0.7, 1.0);
     let subject = subjects::progress(&report.job, &report.host);
     let wait = Duration::from_secs(5);
     let publish = |id: &'static str| bus.publish_acked_once(subject.clone(), &report, id, wait);
