@@ -365,6 +365,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
                 println!("{}", tables::jobs(&rows, now, &queue, ctx.as_ref()));
+                let hidden = specs.len() - rows.len();
+                if let Some(line) = tables::hidden_jobs_note(hidden) {
+                    println!("{line}");
+                }
             }
         }
         Command::Hosts => {

@@ -1,7 +1,7 @@
 //! Human tables for `converge jobs`, `converge hosts` and the monitor (comfy-table).
 
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
-use converge_common::{HostTelemetry, JobId, JobPhase, JobSpec, JobStatus, WorkerPhase};
+use converge_common::{HostTelemetry, JobBatch, JobId, JobPhase, JobSpec, JobStatus, WorkerPhase};
 use converge_sched::outlook::QueueEntry;
 use std::collections::BTreeMap;
 
@@ -122,14 +122,36 @@ fn placement(s: &JobStatus) -> String {
 }
 
 /// How a job's batch is chosen: `adaptive` (a `[batch]` job with gradient statistics: its
-/// batch follows its allocation), `fixed (no gradient statistics)` (a `[batch]` job whose
-/// program reports none: it keeps its reference batch and is scheduled by throughput alone)
+/// batch follows its allocation), `awaiting statistics` (a `[batch]` job that has not
+/// reported progress yet: whether it is adaptive is known from its first report on),
+/// `fixed (no gradient statistics)` (a `[batch]` job that reports progress but no valid
+/// gradient statistics: it keeps its reference batch and is scheduled by throughput alone)
 /// or `fixed` (no `[batch]` table: the command's own batch).
 pub fn batch_mode(spec: &JobSpec, status: Option<&JobStatus>) -> &'static str {
     match (&spec.batch, status.and_then(|s| s.batch.as_ref())) {
         (None, _) => "fixed",
         (Some(_), Some(b)) if b.adaptive => "adaptive",
+        (Some(_), b) if !has_reported(status, b) => "awaiting statistics",
         (Some(_), _) => "fixed (no gradient statistics)",
+    }
+}
+
+/// Whether the allocator has seen a progress report of the job (any generation): a step, a
+/// loss, or gradient statistics it had to ignore.
+fn has_reported(status: Option<&JobStatus>, batch: Option<&JobBatch>) -> bool {
+    status.is_some_and(|s| s.step > 0 || s.loss.is_some())
+        || batch.is_some_and(|b| b.gradient_reports > 0 || b.ignored_gradient_stats > 0)
+}
+
+/// The line under `converge jobs`' table when finished jobs (completed, failed, cancelled)
+/// were left out: how many, and the flag that shows them. `None` when none were.
+pub fn hidden_jobs_note(hidden: usize) -> Option<String> {
+    match hidden {
+        0 => None,
+        1 => Some("1 finished job not shown (converge jobs -a shows it)".into()),
+        n => Some(format!(
+            "{n} finished jobs not shown (converge jobs -a shows them)"
+        )),
     }
 }
 
@@ -349,10 +371,7 @@ pub(crate) mod tests {
         let adaptive = spec("[batch]\nreference = 32\nmax_total = 512\n");
         let mut s: JobStatus = running_status();
         assert_eq!(batch(&plain, Some(&s)), "fixed");
-        assert_eq!(
-            batch(&adaptive, None),
-            "fixed (no gradient statistics), ref 32"
-        );
+        assert_eq!(batch(&adaptive, None), "awaiting statistics, ref 32");
         let mut b = converge_common::JobBatch::new(32);
         b.plan = Some(converge_common::AssignedBatch {
             total: 32,
@@ -360,6 +379,22 @@ pub(crate) mod tests {
             accum_steps: 0,
             reference: 32,
         });
+        // Placed, no report yet: not known to be fixed.
+        s.batch = Some(b.clone());
+        assert_eq!(
+            batch(&adaptive, Some(&s)),
+            "awaiting statistics 32 (16/worker)"
+        );
+        // Reports without statistics: fixed.
+        s.step = 40;
+        s.loss = Some(0.7);
+        assert_eq!(
+            batch_mode(&adaptive, Some(&s)),
+            "fixed (no gradient statistics)"
+        );
+        s.step = 0;
+        s.loss = None;
+        // Statistics it had to ignore are reports too.
         b.ignored_gradient_stats = 3;
         s.batch = Some(b.clone());
         assert_eq!(
@@ -381,6 +416,19 @@ pub(crate) mod tests {
             "adaptive 256 (64/worker ×2) φ≈812"
         );
         assert_eq!(batch_mode(&adaptive, Some(&s)), "adaptive");
+    }
+
+    #[test]
+    fn finished_jobs_left_out_are_counted_under_the_table() {
+        assert_eq!(hidden_jobs_note(0), None);
+        assert_eq!(
+            hidden_jobs_note(1).unwrap(),
+            "1 finished job not shown (converge jobs -a shows it)"
+        );
+        assert_eq!(
+            hidden_jobs_note(6).unwrap(),
+            "6 finished jobs not shown (converge jobs -a shows them)"
+        );
     }
 
     #[test]
