@@ -115,7 +115,9 @@ enum Command {
         /// Write the run summary (JSON) here when stopping.
         #[arg(long)]
         summary: Option<PathBuf>,
-        /// Do not clear the screen between refreshes.
+        /// Print one line per change (a job submitted, placed, resized, restarted or
+        /// finished) and every 30 s a line per running job, instead of redrawing the table:
+        /// for scripts and logs; then the final table.
         #[arg(long)]
         no_clear: bool,
     },

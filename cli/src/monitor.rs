@@ -1,6 +1,11 @@
 //! `converge monitor`: a live jobs view refreshed every interval, which also records each
 //! job's GPUs over time and writes a JSON summary of the run when it stops (after
 //! `--duration`, once every job has finished with `--until-done`, or on Ctrl-C).
+//!
+//! On a terminal it redraws the jobs table; with `--no-clear` (scripts, logs, CI) it prints
+//! one line per change instead (a job submitted, placed, resized, restarted or finished)
+//! and every [`PROGRESS_EVERY_S`] a line per running job, then the final table. Either way
+//! it ends with a one-line verdict ([`verdict`]).
 
 use crate::{load_jobs, tables};
 use converge_bus::{Bus, unix_now};
@@ -18,6 +23,105 @@ pub struct Options {
     pub summary: Option<PathBuf>,
     pub clear: bool,
     pub json: bool,
+}
+
+/// Seconds between the progress lines of running jobs in `--no-clear` mode.
+pub const PROGRESS_EVERY_S: f64 = 30.0;
+
+/// What a change line is printed for: the job's phase, GPUs held and generation.
+#[derive(Debug, Clone, PartialEq)]
+struct Seen {
+    phase: &'static str,
+    gpus: u32,
+    generation: u64,
+}
+
+fn seen(spec: &JobSpec, status: Option<&JobStatus>) -> Seen {
+    Seen {
+        phase: status.map_or("submitted", |s| s.phase.as_str()),
+        gpus: gpus_held(spec, status),
+        generation: status.map_or(0, |s| s.generation),
+    }
+}
+
+/// One line for a job at `t` seconds into the run: its phase, GPUs, generation, step and
+/// loss, and for a finished job how it ended.
+pub fn job_line(t: f64, spec: &JobSpec, status: Option<&JobStatus>) -> String {
+    let mut out = format!("[{:>6.1}s] {:<24} ", t, spec.id.as_str());
+    let Some(s) = status else {
+        out.push_str("submitted");
+        return out;
+    };
+    out.push_str(&format!("{:<10}", s.phase.as_str()));
+    if s.phase == JobPhase::Running {
+        out.push_str(&format!(
+            " {} GPU{} gen {}",
+            gpus_held(spec, status),
+            if gpus_held(spec, status) == 1 {
+                ""
+            } else {
+                "s"
+            },
+            s.generation
+        ));
+    }
+    if s.step > 0 {
+        out.push_str(&format!(" step {}", s.step));
+    }
+    match (s.first_loss, s.loss) {
+        (Some(a), Some(b)) => out.push_str(&format!(" loss {a:.4} -> {b:.4}")),
+        (None, Some(b)) => out.push_str(&format!(" loss {b:.4}")),
+        _ => {}
+    }
+    if s.phase.is_terminal() {
+        if let Some(end) = &s.end {
+            out.push_str(&format!(" ({})", end.reason.as_str()));
+        } else if let Some(m) = &s.message {
+            out.push_str(&format!(" ({m})"));
+        }
+    }
+    out
+}
+
+/// The run's outcome in one line: `6/6 jobs completed in 154 s`, or how many completed,
+/// failed, were cancelled and are still active, and why the monitor stopped.
+pub fn verdict(
+    rows: &[(&JobSpec, Option<&JobStatus>)],
+    elapsed_s: f64,
+    ended_because: &str,
+) -> String {
+    let count = |p: JobPhase| {
+        rows.iter()
+            .filter(|(_, st)| st.is_some_and(|s| s.phase == p))
+            .count()
+    };
+    let (completed, failed, cancelled) = (
+        count(JobPhase::Completed),
+        count(JobPhase::Failed),
+        count(JobPhase::Cancelled),
+    );
+    let active = rows.len() - completed - failed - cancelled;
+    let total = rows.len();
+    let took = format!("{:.0} s", elapsed_s);
+    if total > 0 && completed == total {
+        return format!("{completed}/{total} jobs completed in {took}");
+    }
+    let mut parts = vec![format!("{completed}/{total} jobs completed")];
+    if failed > 0 {
+        parts.push(format!("{failed} failed"));
+    }
+    if cancelled > 0 {
+        parts.push(format!("{cancelled} cancelled"));
+    }
+    if active > 0 {
+        parts.push(format!("{active} not finished"));
+    }
+    let why = match ended_because {
+        "duration" => " (stopped: --duration reached)",
+        "interrupted" => " (stopped: interrupted)",
+        _ => "",
+    };
+    format!("{} after {took}{why}", parts.join(", "))
 }
 
 /// GPUs a job held from time `t` (seconds since the monitor started) on.
@@ -141,6 +245,8 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
     let mut losses: BTreeMap<String, Vec<LossSample>> = BTreeMap::new();
     let mut syncs: BTreeMap<String, Vec<SyncSample>> = BTreeMap::new();
     let mut last: (Vec<JobSpec>, Vec<JobStatus>) = (Vec::new(), Vec::new());
+    let mut seen_before: BTreeMap<String, Seen> = BTreeMap::new();
+    let mut last_progress_line = 0.0_f64;
     let mut tick = tokio::time::interval(opts.interval);
     let ctrl_c = tokio::signal::ctrl_c();
     tokio::pin!(ctrl_c);
@@ -218,10 +324,23 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                 .map(|(spec, st)| serde_json::json!({"t": t, "spec": spec.id, "status": st}))
                 .collect();
             println!("{}", serde_json::to_string(&out)?);
-        } else {
-            if opts.clear {
-                print!("\x1b[2J\x1b[H");
+        } else if !opts.clear {
+            // No terminal: a line per change, and the running jobs' progress now and then.
+            let progress_due = t - last_progress_line >= PROGRESS_EVERY_S;
+            if progress_due {
+                last_progress_line = t;
             }
+            for (spec, st) in &rows {
+                let now_seen = seen(spec, *st);
+                let changed = seen_before.get(spec.id.as_str()) != Some(&now_seen);
+                let running = st.is_some_and(|s| s.phase == JobPhase::Running);
+                if changed || (progress_due && running) {
+                    println!("{}", job_line(t, spec, *st));
+                }
+                seen_before.insert(spec.id.to_string(), now_seen);
+            }
+        } else {
+            print!("\x1b[2J\x1b[H");
             let done = rows
                 .iter()
                 .filter(|(_, st)| st.is_some_and(|s| s.phase.is_terminal()))
@@ -258,6 +377,22 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
             break "duration";
         }
     };
+    let elapsed = started.elapsed().as_secs_f64();
+    if !opts.json {
+        let (specs, statuses) = &last;
+        let rows: Vec<(&JobSpec, Option<&JobStatus>)> = specs
+            .iter()
+            .map(|s| (s, statuses.iter().find(|st| st.job == s.id)))
+            .collect();
+        if !opts.clear && !rows.is_empty() {
+            let now = unix_now();
+            println!("{}", tables::jobs(&rows, now, &BTreeMap::new(), None));
+        }
+        println!(
+            "converge monitor: {}",
+            verdict(&rows, elapsed, ended_because)
+        );
+    }
     if let Some(path) = &opts.summary {
         let (specs, statuses) = last;
         let jobs = specs
@@ -300,4 +435,91 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
         eprintln!("summary written to {}", path.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tables::tests::running_status;
+
+    fn spec(id: &str) -> JobSpec {
+        JobSpec::from_toml(&format!(
+            "id = \"{id}\"\ncommand = [\"t\"]\nmax_workers = 4\ngpus_per_worker = 2\n"
+        ))
+        .unwrap()
+    }
+
+    fn status(id: &str, phase: JobPhase) -> JobStatus {
+        let mut s = running_status();
+        s.job = converge_common::JobId::new(id).unwrap();
+        s.phase = phase;
+        s
+    }
+
+    #[test]
+    fn the_verdict_says_how_many_jobs_completed_and_why_the_run_stopped() {
+        let (a, b, c) = (spec("a"), spec("b"), spec("c"));
+        let done = status("a", JobPhase::Completed);
+        let done_b = status("b", JobPhase::Completed);
+        let done_c = status("c", JobPhase::Completed);
+        let rows = [(&a, Some(&done)), (&b, Some(&done_b)), (&c, Some(&done_c))];
+        assert_eq!(
+            verdict(&rows, 154.4, "all_jobs_finished"),
+            "3/3 jobs completed in 154 s"
+        );
+        let failed = status("b", JobPhase::Failed);
+        let running = status("c", JobPhase::Running);
+        let rows = [(&a, Some(&done)), (&b, Some(&failed)), (&c, Some(&running))];
+        assert_eq!(
+            verdict(&rows, 300.0, "duration"),
+            "1/3 jobs completed, 1 failed, 1 not finished after 300 s (stopped: --duration reached)"
+        );
+        let rows = [(&a, None), (&b, Some(&done_b))];
+        assert_eq!(
+            verdict(&rows, 12.0, "interrupted"),
+            "1/2 jobs completed, 1 not finished after 12 s (stopped: interrupted)"
+        );
+        assert_eq!(
+            verdict(&[], 5.0, "duration"),
+            "0/0 jobs completed after 5 s (stopped: --duration reached)"
+        );
+    }
+
+    #[test]
+    fn a_job_line_gives_phase_gpus_generation_step_and_loss() {
+        let a = spec("a9a-logreg");
+        assert_eq!(
+            job_line(3.04, &a, None),
+            "[   3.0s] a9a-logreg               submitted"
+        );
+        let mut s = status("a9a-logreg", JobPhase::Running);
+        s.world_size = 2;
+        s.generation = 3;
+        s.step = 120;
+        s.first_loss = Some(0.69);
+        s.loss = Some(0.41234);
+        assert_eq!(
+            job_line(42.0, &a, Some(&s)),
+            "[  42.0s] a9a-logreg               running    4 GPUs gen 3 step 120 loss 0.6900 -> 0.4123"
+        );
+        s.phase = JobPhase::Failed;
+        s.message = Some("worker exited with status 1".into());
+        assert_eq!(
+            job_line(50.0, &a, Some(&s)),
+            "[  50.0s] a9a-logreg               failed     step 120 loss 0.6900 -> 0.4123 (worker exited with status 1)"
+        );
+    }
+
+    #[test]
+    fn change_lines_follow_phase_gpus_and_generation_only() {
+        let a = spec("a");
+        let mut s = status("a", JobPhase::Running);
+        s.world_size = 1;
+        let first = seen(&a, Some(&s));
+        s.step = 500;
+        assert_eq!(seen(&a, Some(&s)), first, "progress alone is no change");
+        s.world_size = 2;
+        assert_ne!(seen(&a, Some(&s)), first, "a resize is");
+        assert_ne!(seen(&a, None), first);
+    }
 }
