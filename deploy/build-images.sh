@@ -13,8 +13,12 @@
 #
 # Idempotent: an image that exists is kept unless --rebuild. allocator and agent are also
 # rebuilt when what goes into them changed (binaries, data, Dockerfile, base image): the
-# release binaries are built first (`cargo build --release --locked`, a no-op when up to
-# date) and their digest is stored in the image's org.converge.inputs label.
+# binaries are built first (a no-op when up to date) and their digest is stored in the
+# image's org.converge.inputs label. The cargo command is that of the build which usually
+# comes before, so that cargo reuses its artifacts (dependencies' features, hence their
+# artifacts, depend on the packages a command selects): release `cargo build --release
+# --locked -p converge-agent -p converge-allocator -p converge-cli -p converge-trainer`
+# (deploy/local-cluster.sh's), dev `cargo build --workspace --bins --locked` (./run-tests.sh's).
 #
 # Needs: docker; for the base image root, debootstrap (installed with apt-get when
 # missing) and deb.debian.org (or --mirror); cargo; python3 with pip on first use (the
@@ -23,7 +27,7 @@
 set -euo pipefail
 
 usage() {
-    sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'
+    awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"
     cat <<'HELP'
 Options:
   --rebuild            rebuild every selected image even if it exists (the base image too)
@@ -38,9 +42,9 @@ Options:
   --skip-cargo         do not run cargo; use the binaries already in
                        $CARGO_TARGET_DIR/<profile> (default target/release)
   --profile P          cargo profile of the binaries: release (default) or dev, whose
-                       binaries are in target/debug (what ./run-tests.sh has just built:
-                       tests and CI use it to skip a release build); also
-                       CONVERGE_IMAGE_PROFILE
+                       binaries are in target/debug (what ./run-tests.sh has just built,
+                       with the same cargo selection, so nothing is recompiled: tests and
+                       CI use it to skip a release build); also CONVERGE_IMAGE_PROFILE
   --keep-debug         keep the line tables in the binaries (default: stripped with
                        objcopy --strip-debug, about five times smaller; symbols are kept)
   -h, --help           this text
@@ -247,10 +251,20 @@ build_binaries() {
         log "--skip-cargo: using the binaries in $target_dir/$profile_dir"
         return
     fi
+    # cargo unifies the features of dependencies over the packages a command selects: the
+    # four packages alone turn on fewer features of some crates (num-traits, fastrand, ...)
+    # than the whole workspace, so these crates, and every crate above them, would be
+    # compiled a second time beside the first build's. Hence the selection of the build
+    # this one follows: ./run-tests.sh's for dev, deploy/local-cluster.sh's for release.
+    local selection
+    if [[ $profile == dev ]]; then
+        selection=(--workspace --bins)
+    else
+        selection=(-p converge-agent -p converge-allocator -p converge-cli -p converge-trainer)
+    fi
     local t; t=$(started)
-    log "cargo build --profile $profile --locked (target dir $target_dir)"
-    (cd "$root" && CARGO_TARGET_DIR="$target_dir" cargo build --profile "$profile" --locked \
-        -p converge-agent -p converge-allocator -p converge-cli -p converge-trainer)
+    log "cargo build --profile $profile --locked ${selection[*]} (target dir $target_dir)"
+    (cd "$root" && CARGO_TARGET_DIR="$target_dir" cargo build --profile "$profile" --locked "${selection[@]}")
     log "binaries ready in $(took "$t")"
 }
 
