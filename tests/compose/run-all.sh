@@ -7,8 +7,10 @@
 #      kill-allocator.sh, partition.sh, two-allocators.sh, monitoring.sh (compose, secured
 #      NATS, each its own project), systemd-verify.sh, systemd-container.sh
 #      (--no-systemd-container leaves it out)
-#   3. a summary table: each test's result, recovery time and figures; exit status 1 if
-#      any failed
+#   3. a summary table: each test's result (PASS, FAIL, SKIP), recovery time and figures,
+#      then one line: "run-all.sh: all passed (10 tests)"; with skips "run-all.sh: 8
+#      passed, 2 skipped (TEST: reason; ...)"; with failures "run-all.sh: FAIL: TEST, ...
+#      failed; 7 passed" and exit status 1
 #
 #   tests/compose/run-all.sh [--skip-build] [--no-systemd-container] [--logs DIR] [TEST...]
 #
@@ -16,7 +18,10 @@
 # output goes to DIR/<test>.log (default: a temporary directory, printed; kept).
 #
 # Without docker (or without compose) it skips with a message and exit status 0, unless
-# CONVERGE_REQUIRE_DOCKER=1 (CI sets it): then it fails.
+# CONVERGE_REQUIRE_DOCKER=1 (CI sets it): then it fails. A test skips when its log has a
+# line starting with SKIP (systemd-verify.sh without systemd-analyze, systemd-container.sh
+# where Docker refuses a systemd container); with CONVERGE_REQUIRE_DOCKER=1 that is a
+# failure of the test, naming what was missing.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -33,8 +38,9 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
+require_docker="${CONVERGE_REQUIRE_DOCKER:-0}"
 no_docker() {
-    if [[ "${CONVERGE_REQUIRE_DOCKER:-0}" == 1 ]]; then
+    if [[ "$require_docker" == 1 ]]; then
         echo "run-all.sh: FAIL: $* (CONVERGE_REQUIRE_DOCKER=1: the compose tests must run)" >&2
         exit 1
     fi
@@ -70,7 +76,7 @@ if [[ $skip_build -eq 0 ]]; then
     echo "    images ready in $(( $(date +%s) - t )) s"
 fi
 
-declare -A result=() took=() recovery=() detail=()
+declare -A result=() took=() recovery=() detail=() skip_reason=()
 failed=0
 for t in "${tests[@]}"; do
     echo "==> $t (log: $logs/$t.log)"
@@ -84,18 +90,27 @@ for t in "${tests[@]}"; do
     took[$t]=$(( $(date +%s) - start ))
     line=$(awk -F'\t' -v n="$t" '$1 == n' "$summary" | tail -n 1)
     case "$t" in happy-path) line=$(awk -F'\t' '$1 == "hp"' "$summary" | tail -n 1) ;; agent-restart) line=$(awk -F'\t' '$1 == "ar"' "$summary" | tail -n 1) ;; esac
-    if [[ $rc -eq 0 ]]; then
-        if grep -q '^SKIP' "$logs/$t.log"; then result[$t]=SKIP; else result[$t]=PASS; fi
-    else
-        result[$t]=FAIL; failed=1
-    fi
     recovery[$t]=$(cut -f3 <<<"$line"); detail[$t]=$(cut -f4- <<<"$line")
     [[ -n "${recovery[$t]}" ]] || recovery[$t]=-
     if [[ -z "${detail[$t]}" ]]; then
         detail[$t]=$(grep -E '^(PASS|FAIL|FAILED|SKIP|systemd checks)' "$logs/$t.log" | tail -n 1 | cut -c1-150)
     fi
+    if [[ $rc -ne 0 ]]; then
+        result[$t]=FAIL; failed=1
+    elif skip_line=$(grep -m1 '^SKIP' "$logs/$t.log"); then
+        reason=$(sed -E 's/^SKIP[:[:space:]]*//' <<<"$skip_line")
+        skip_reason[$t]=${reason:-no reason given}
+        if [[ "$require_docker" == 1 ]]; then
+            result[$t]=FAIL; failed=1
+            detail[$t]="skipped, which CONVERGE_REQUIRE_DOCKER=1 makes a failure: ${skip_reason[$t]}"
+        else
+            result[$t]=SKIP
+        fi
+    else
+        result[$t]=PASS
+    fi
     echo "    ${result[$t]} in ${took[$t]} s: ${detail[$t]}"
-    [[ ${result[$t]} != FAIL ]] || { echo "    --- last lines of $logs/$t.log ---"; grep -E 'FAIL|==>' "$logs/$t.log" | tail -n 8 | sed 's/^/    /'; }
+    [[ ${result[$t]} != FAIL ]] || { echo "    --- last lines of $logs/$t.log ---"; grep -E 'FAIL|SKIP|==>' "$logs/$t.log" | tail -n 8 | sed 's/^/    /'; }
 done
 
 echo
@@ -105,8 +120,23 @@ for t in "${tests[@]}"; do
 done
 echo
 echo "total $(( $(date +%s) - t_all )) s; logs in $logs"
+join() { local sep=$1 out=$2 x; shift 2; for x in "$@"; do out+="$sep$x"; done; printf '%s' "$out"; }
+passed=0 failures=() skips=()
+for t in "${tests[@]}"; do
+    case ${result[$t]} in
+        PASS) passed=$((passed + 1)) ;;
+        FAIL) failures+=("$t${skip_reason[$t]:+ (skipped under CONVERGE_REQUIRE_DOCKER=1: ${skip_reason[$t]})}") ;;
+        SKIP) skips+=("$t: ${skip_reason[$t]}") ;;
+    esac
+done
+counts="$passed passed"
+[[ ${#skips[@]} -eq 0 ]] || counts+=", ${#skips[@]} skipped ($(join '; ' "${skips[@]}"))"
 if [[ $failed -ne 0 ]]; then
-    echo "run-all.sh: FAIL: $(for t in "${tests[@]}"; do [[ ${result[$t]} == FAIL ]] && printf '%s ' "$t"; done)failed" >&2
+    echo "run-all.sh: FAIL: $(join ', ' "${failures[@]}") failed; $counts" >&2
     exit 1
 fi
-echo "run-all.sh: all passed"
+if [[ ${#skips[@]} -gt 0 ]]; then
+    echo "run-all.sh: $counts"
+else
+    echo "run-all.sh: all passed ($passed test$([[ $passed -eq 1 ]] || echo s))"
+fi
