@@ -228,6 +228,8 @@ if wants containers; then
         tee "$root/target/containers-tier.log"
     if reason=$(grep -m1 '^run-all.sh: SKIP: ' "$root/target/containers-tier.log"); then
         skipped[containers]="${reason#run-all.sh: SKIP: }"
+    elif reason=$(grep -m1 -E '^run-all.sh: [0-9]+ passed, [0-9]+ skipped' "$root/target/containers-tier.log"); then
+        skipped[containers]="in part: ${reason#run-all.sh: }"
     fi
 fi
 

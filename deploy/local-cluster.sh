@@ -96,7 +96,9 @@ packages=(-p converge-cli -p converge-agent -p converge-allocator -p converge-tr
 if [[ "$profile" == release ]]; then
     cargo build --release "${packages[@]}"
 else
-    cargo build "${packages[@]}"
+    # The selection ./run-tests.sh builds: after it, nothing is compiled again (a smaller
+    # selection unifies crate features differently and rebuilds about 18 crates).
+    cargo build --workspace --bins
 fi
 bin="$root/target/$profile"
 export PATH="$bin:$PATH"
