@@ -551,6 +551,16 @@ fn shim_program(shim: &std::path::Path) -> PathBuf {
     shim.to_path_buf()
 }
 
+/// Whether a variable of the agent's environment is withheld from its workers: the NATS
+/// connection settings (`CONVERGE_NATS_*`: a URL that may carry a user and password, the
+/// user, password, password file, credentials file, nkey seed, TLS key...) and systemd's
+/// `CREDENTIALS_DIRECTORY` (where `LoadCredential=` puts the agent's secrets). Everything
+/// else is inherited (PATH, `CONVERGE_DATA_DIR`, a GPU stack's variables...).
+pub fn withheld_from_workers(name: &std::ffi::OsStr) -> bool {
+    let name = name.as_encoded_bytes();
+    name.starts_with(b"CONVERGE_NATS_") || name == b"CREDENTIALS_DIRECTORY"
+}
+
 /// Starts one worker process in its own process group (through the shim, which leads the
 /// group, when configured), with the worker-contract environment, stderr appended to its
 /// log file and stdout read line by line. Returns the child (the shim, or the worker) and
@@ -588,6 +598,13 @@ fn spawn_worker(
             (cmd, None)
         }
     };
+    // The agent's own NATS settings (credentials among them) never reach training code; a
+    // job's `env` may still set any of these names for itself.
+    for (name, _) in std::env::vars_os() {
+        if withheld_from_workers(&name) {
+            cmd.env_remove(name);
+        }
+    }
     cmd.envs(&a.env)
         .stdout(Stdio::piped())
         .stderr(Stdio::from(stderr_log))
@@ -684,6 +701,7 @@ fn spawn_worker(
 mod tests {
     use super::*;
     use converge_common::{JobId, Message};
+    use std::ffi::OsStr;
 
     fn assignment(rank: u32, local_rank: u32, local_world_size: u32) -> WorkerAssignment {
         WorkerAssignment {
@@ -714,6 +732,30 @@ mod tests {
             .map(|(k, v)| (k, v.into_string().unwrap()))
             .collect();
         (map, unset)
+    }
+
+    #[test]
+    fn the_agents_nats_settings_are_withheld_from_workers() {
+        for name in [
+            "CONVERGE_NATS_URL",
+            "CONVERGE_NATS_PASSWORD",
+            "CONVERGE_NATS_PASSWORD_FILE",
+            "CONVERGE_NATS_CREDS",
+            "CONVERGE_NATS_NKEY",
+            "CONVERGE_NATS_TLS_KEY",
+            "CREDENTIALS_DIRECTORY",
+        ] {
+            assert!(withheld_from_workers(OsStr::new(name)), "{name}");
+        }
+        for name in [
+            "PATH",
+            "CONVERGE_DATA_DIR",
+            "CONVERGE_JOB_ID",
+            "NATS",
+            "CONVERGE_NAT",
+        ] {
+            assert!(!withheld_from_workers(OsStr::new(name)), "{name}");
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! the stop grace for a worker that ignores it); a worker left alive by an agent killed
 //! together with its shim is stopped by the restarted agent before it starts that rank
 //! again, never two copies at once; the state file's pid-reuse check spares a process that
-//! only shares a recorded pid.
+//! only shares a recorded pid. Workers get none of the agent's NATS settings.
 
 use converge_agent::strays::{self, ProcStat, Recorded, StateFile};
 use converge_common::{HostId, HostPlan, HostTelemetry, JobId, PROTOCOL_VERSION, WorkerAssignment};
@@ -65,8 +65,20 @@ async fn put_plan(bus: &converge_bus::Bus, host: &str, workers: Vec<WorkerAssign
 
 /// The real agent binary as a child process; its log goes to `<work>/agent-<n>.log`.
 fn spawn_agent(nats: &NatsServer, host: &str, work: &Path, n: u32) -> (Child, PathBuf) {
+    spawn_agent_with_env(nats, host, work, n, &[])
+}
+
+/// [`spawn_agent`] with `env` added to the agent's environment.
+fn spawn_agent_with_env(
+    nats: &NatsServer,
+    host: &str,
+    work: &Path,
+    n: u32,
+    env: &[(&str, &str)],
+) -> (Child, PathBuf) {
     let log = work.join(format!("agent-{n}.log"));
     let child = Command::new(bin_path("converge-agent"))
+        .envs(env.iter().copied())
         .args(["--nats-url", &nats.url, "--host-id", host])
         .args(["--advertise-addr", "127.0.0.1", "--fake-gpus", "2"])
         .args(["--telemetry-interval", "300ms", "--stop-grace", "2s"])
@@ -372,4 +384,67 @@ async fn the_state_file_check_spares_a_reused_pid() {
     other.wait().unwrap();
     agent.kill().unwrap();
     agent.wait().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_get_none_of_the_agents_nats_settings() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let secret = work.path().join("nats-password");
+    std::fs::write(&secret, "s3cret").unwrap();
+    let url = nats.url.clone();
+    // What an operator's unit gives the agent: its NATS URL, a password file and systemd's
+    // credentials directory (the URL flag wins over the variable; both are the same server).
+    let agent_env = [
+        ("CONVERGE_NATS_URL", url.as_str()),
+        ("CONVERGE_NATS_CONNECT_TIMEOUT", "5s"),
+        ("CREDENTIALS_DIRECTORY", work.path().to_str().unwrap()),
+        ("CONVERGE_DATA_DIR", "/srv/data"),
+    ];
+    let (mut agent, _) = spawn_agent_with_env(&nats, "e1", work.path(), 1, &agent_env);
+    let dump = "env > \"$CONVERGE_CHECKPOINT_DIR/env.txt\"; exec sleep 30".to_string();
+    let mut w = worker("envjob", 0, 1, vec!["sh".into(), "-c".into(), dump]);
+    // A job may still set such a name for itself.
+    w.env
+        .insert("CONVERGE_NATS_INBOX_PREFIX".into(), "_JOB_OWN".into());
+    put_plan(&bus, "e1", vec![w]).await;
+    let file = work.path().join("checkpoints/envjob/env.txt");
+    let env = wait_for(
+        Duration::from_secs(20),
+        "the worker's environment",
+        || async {
+            let text = std::fs::read_to_string(&file).unwrap_or_default();
+            text.contains("RANK=").then_some(text)
+        },
+    )
+    .await;
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let names: BTreeSet<&str> = env.lines().filter_map(|l| l.split('=').next()).collect();
+    for withheld in [
+        "CONVERGE_NATS_URL",
+        "CONVERGE_NATS_CONNECT_TIMEOUT",
+        "CREDENTIALS_DIRECTORY",
+    ] {
+        assert!(
+            !names.contains(withheld),
+            "the worker got {withheld}:\n{env}"
+        );
+    }
+    assert!(
+        !env.contains(&url),
+        "the NATS URL reached the worker:\n{env}"
+    );
+    assert!(
+        env.lines().any(|l| l == "CONVERGE_DATA_DIR=/srv/data"),
+        "{env}"
+    );
+    assert!(
+        env.lines()
+            .any(|l| l == "CONVERGE_NATS_INBOX_PREFIX=_JOB_OWN"),
+        "{env}"
+    );
+    assert!(env.lines().any(|l| l == "CONVERGE_JOB_ID=envjob"), "{env}");
 }
