@@ -15,7 +15,7 @@
 #   netns       the shaped multi-host tier: agents in network namespaces on tc-shaped links
 #               (tests/netns/run.sh; needs root)
 #   containers  the compose cluster and its fault tests, the systemd unit
-#               (tests/compose/run-all.sh; needs Docker; images built offline, the base image
+#               (tests/compose/run-all.sh; needs Docker; images built without a registry, the base image
 #               with debootstrap from deb.debian.org)
 # About 37 min cold on 2 cores (7 to 8 min of it building), 13 GB in target/.
 #
@@ -218,7 +218,7 @@ if wants netns; then
     fi
 fi
 
-# Container tier (tests/compose/run-all.sh): images built offline from the debug binaries
+# Container tier (tests/compose/run-all.sh): images built (no registry) from the debug binaries
 # just built, then the compose cluster with secured NATS and its fault tests (happy path,
 # agent restart, NATS restart, a NATS cluster losing a server, allocator kill -9, two
 # allocators, an agent cut off the network, Prometheus) and the systemd unit.
