@@ -15,8 +15,8 @@
 #   netns       the shaped multi-host tier: agents in network namespaces on tc-shaped links
 #               (tests/netns/run.sh; needs root)
 #   containers  the compose cluster and its fault tests, the systemd unit
-#               (tests/compose/run-all.sh; needs Docker; images built without a registry, the base image
-#               with debootstrap from deb.debian.org)
+#               (tests/compose/run-all.sh; needs Docker; images built without a registry,
+#               the base image with debootstrap from deb.debian.org)
 # About 37 min cold on 2 cores (7 to 8 min of it building), 13 GB in target/.
 #
 # --quick: the cargo tier without the three-server NATS cluster tests, and the Python kit's
