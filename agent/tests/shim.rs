@@ -11,10 +11,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// Starts `sh -c script` through the shim as the agent does: leader of a new process group,
-/// lifeline as stdin (the write end is returned), stdout piped.
+/// lifeline as stdin (the write end is returned), stdout piped. The group's stderr (the
+/// shim's "the agent is gone" lines, the shell's "Terminated") goes to the test's captured
+/// output, shown only when the test fails.
 fn shim(script: &str, grace_ms: u64) -> (Child, std::io::PipeWriter) {
     let (read, write) = std::io::pipe().unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_converge-agent"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_converge-agent"))
         .args([
             "worker-shim",
             "--stop-grace-ms",
@@ -26,9 +28,17 @@ fn shim(script: &str, grace_ms: u64) -> (Child, std::io::PipeWriter) {
         ])
         .stdin(Stdio::from(read))
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .process_group(0)
         .spawn()
         .unwrap();
+    // A thread started by the test's thread writes into that test's capture.
+    let stderr = BufReader::new(child.stderr.take().unwrap());
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            eprintln!("{line}");
+        }
+    });
     (child, write)
 }
 

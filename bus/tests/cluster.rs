@@ -58,6 +58,9 @@ struct Cluster {
 
 impl Cluster {
     fn start(bin: PathBuf) -> Self {
+        // Every test here provokes warnings (servers killed, buckets not placed yet): captured,
+        // shown only when the test fails.
+        converge_bus::init_test_tracing();
         let dir = std::env::temp_dir().join(format!(
             "converge-bus-cluster-{}-{}",
             std::process::id(),
@@ -445,7 +448,6 @@ async fn followers_survive_a_server_kill() {
     type Log = Arc<Mutex<Vec<(&'static str, String, u64, Instant)>>>;
     let _one_cluster_at_a_time = SERIAL.lock().await;
     let Some(bin) = nats_server_bin() else { return };
-    converge_bus::init_tracing("warn");
     let mut cluster = Cluster::start(bin);
     let bus = connect_replicated(&cluster).await;
     let writer = Bus::connect(

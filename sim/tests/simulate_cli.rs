@@ -10,22 +10,34 @@ fn allocator() -> Command {
     cmd
 }
 
+/// Runs `cmd` to its end, its output captured (not printed), and asserts it succeeded,
+/// showing that output when it did not.
+fn succeeds(cmd: &mut Command) {
+    let out = cmd.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{cmd:?}: {}\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn simulate_writes_a_pollux_shaped_summary() {
     let out = tempfile::tempdir().unwrap();
-    let status = allocator()
-        .args([
-            "simulate",
-            "--workload",
-            "data/pollux/workloads-0.5/workload-1.csv",
-            "--policy",
-            "tiresias",
-            "--out",
-        ])
-        .arg(out.path())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    succeeds(
+        allocator()
+            .args([
+                "simulate",
+                "--workload",
+                "data/pollux/workloads-0.5/workload-1.csv",
+                "--policy",
+                "tiresias",
+                "--out",
+            ])
+            .arg(out.path()),
+    );
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.path().join("summary.json")).unwrap())
             .unwrap();
@@ -57,24 +69,22 @@ fn simulate_writes_a_pollux_shaped_summary() {
 fn generated_workloads_simulate() {
     let dir = tempfile::tempdir().unwrap();
     let workload = dir.path().join("w.csv");
-    let status = allocator()
-        .args([
-            "workload", "--jobs", "20", "--hours", "2", "--seed", "5", "--out",
-        ])
-        .arg(&workload)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    succeeds(
+        allocator()
+            .args([
+                "workload", "--jobs", "20", "--hours", "2", "--seed", "5", "--out",
+            ])
+            .arg(&workload),
+    );
     let text = std::fs::read_to_string(&workload).unwrap();
     assert_eq!(text.lines().count(), 21);
-    let status = allocator()
-        .args(["simulate", "--policy", "fair", "--workload"])
-        .arg(&workload)
-        .arg("--out")
-        .arg(dir.path())
-        .status()
-        .unwrap();
-    assert!(status.success());
+    succeeds(
+        allocator()
+            .args(["simulate", "--policy", "fair", "--workload"])
+            .arg(&workload)
+            .arg("--out")
+            .arg(dir.path()),
+    );
 }
 
 #[test]

@@ -382,14 +382,11 @@ pub fn pid_alive(pid: u32) -> bool {
     }
 }
 
-/// Logs to the test output, filtered by `RUST_LOG` (default `warn`).
+/// Logs to libtest's captured output, filtered by `RUST_LOG` (default `warn`): shown only
+/// for a failing test, live with `cargo test -- --nocapture`
+/// ([`converge_bus::init_test_tracing`]).
 pub fn init_tracing() {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_test_writer()
-        .try_init();
+    converge_bus::init_test_tracing();
 }
 
 /// The job's status in KV; `None` when absent or unreadable.
