@@ -194,12 +194,15 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     };
 
     // A secured server lets an agent open the buckets but not create or change them.
-    let bus = Bus::connect(
-        &cfg.nats,
-        &format!("converge-agent/{host}"),
-        converge_bus::Setup::OpenOrCreate,
-    )
-    .await?;
+    // SIGTERM or Ctrl-C while NATS cannot be reached (yet) stops the agent at once.
+    let client_name = format!("converge-agent/{host}");
+    let bus = tokio::select! {
+        bus = Bus::connect(&cfg.nats, &client_name, converge_bus::Setup::OpenOrCreate) => bus?,
+        () = shutdown.cancelled() => {
+            tracing::info!("stopped before NATS could be reached");
+            return Ok(());
+        }
+    };
     let rejects = Arc::new(Rejects::default());
 
     let (exit_tx, mut exit_rx) = mpsc::channel::<ExitNotice>(1024);

@@ -222,12 +222,18 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     // Per-job series, rebuilt after every step (only the leader's are exported).
     let job_series = converge_bus::metrics::SnapshotGuard(format!("allocator/{}", cfg.replica_id));
     // The allocator owns the buckets and the stream: it creates and updates them.
-    let bus = Bus::connect(
-        &cfg.nats,
-        "converge-allocator",
-        converge_bus::Setup::CreateOrUpdate,
-    )
-    .await?;
+    // SIGTERM or Ctrl-C while NATS cannot be reached (yet) stops the allocator at once.
+    let bus = tokio::select! {
+        bus = Bus::connect(
+            &cfg.nats,
+            "converge-allocator",
+            converge_bus::Setup::CreateOrUpdate,
+        ) => bus?,
+        () = shutdown.cancelled() => {
+            tracing::info!("stopped before NATS could be reached");
+            return Ok(());
+        }
+    };
     let rejects = Arc::new(Rejects::default());
     let settings = cfg.settings();
     let lease_stop = CancellationToken::new();
