@@ -21,7 +21,8 @@
 #
 # --quick: the cargo tier without the three-server NATS cluster tests, and the Python kit's
 # unit tests with the system python3 (no virtualenv, no download besides the pinned
-# nats-server): no Docker, root, browser or network namespaces. Under 10 min cold on 2 cores.
+# nats-server): no Docker, root, browser or network namespaces. 8.5 min cold on 2 cores, 11 GB
+# in target/.
 #
 # --require TIER (or CONVERGE_REQUIRE_DOCKER / _NETNS / _BROWSER / _PYTHON=1, as CI sets):
 # the tier must run; when it cannot (no Docker, not root, ...) the script fails at once,
@@ -184,7 +185,7 @@ if wants python; then
         [[ $quick == 1 ]] || "$CONVERGE_PYTHON" -m unittest -v examples/pytorch/test_examples.py
     else
         python3 -m unittest discover -s python/tests
-        skipped[python]="--quick: the kit's unit tests ran; the numpy worker needs target/py (a full run makes it)"
+        skipped[python]="--quick: only the kit's unit tests, with python3"
     fi
 fi
 export CONVERGE_REQUIRE_PYTHON="${required[python]:+1}"
@@ -239,7 +240,6 @@ for t in "${tiers_all[@]}"; do
     if [[ -n "${skipped[$t]:-}" ]]; then left+=("$t (${skipped[$t]})"); else ran+=("$t"); fi
 done
 summary="run-tests.sh: passed in $((took / 60))m$((took % 60))s: ${ran[*]}"
-if [[ ${#left[@]} -gt 0 ]]; then
-    summary+="; skipped: $(IFS=';'; echo "${left[*]}" | sed 's/;/; /g')"
-fi
+sep="; skipped: "
+for l in "${left[@]}"; do summary+="$sep$l"; sep="; "; done
 echo "$summary"
