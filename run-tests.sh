@@ -20,7 +20,7 @@
 # About 37 min cold on 2 cores (7 to 8 min of it building), 13 GB in target/.
 #
 # --quick: the cargo tier without the three-server NATS cluster tests, and the Python kit's
-# unit tests with the system python3 (no virtualenv, no download besides the pinned
+# unit tests with the system python3 (no virtualenv; downloads only crates and the pinned
 # nats-server): no Docker, root, browser or network namespaces. 8.5 min cold on 2 cores, 11 GB
 # in target/.
 #
@@ -36,6 +36,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 cd "$root"
 started=$(date +%s)
+logs=$(mktemp -d -t converge-run-tests.XXXXXX) # the netns and container tiers' output
+trap 'rm -rf "$logs"' EXIT
 
 usage() { awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0"; }
 die() { echo "run-tests.sh: $*" >&2; exit 2; }
@@ -55,8 +57,9 @@ while [[ $# -gt 0 ]]; do
     case "$1" in
         --quick) quick=1; shift ;;
         --require|--skip)
-            [[ $# -ge 2 ]] || die "$1 needs a tier (${tiers_all[*]})"
-            for t in ${2//,/ }; do
+            [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a tier (${tiers_all[*]})"
+            IFS=, read -ra listed <<<"$2"
+            for t in "${listed[@]}"; do
                 is_tier "$t" || die "$1: no tier '$t' (tiers: ${tiers_all[*]})"
                 [[ "$t" != cargo || "$1" != --skip ]] || die "the cargo tier cannot be skipped"
                 if [[ "$1" == --require ]]; then required[$t]=1; else skip_asked[$t]=1; fi
@@ -117,8 +120,10 @@ if wants netns; then
         ip netns del "cvprobe-$$"
     fi
 fi
-if wants python && ! command -v python3 >/dev/null; then
-    missing python "python3 is not installed"
+if ! command -v python3 >/dev/null; then
+    for t in python netns containers; do
+        if wants "$t"; then missing "$t" "python3 is not installed"; fi
+    done
 fi
 if wants browser && [[ -z "${CONVERGE_CHROMIUM:-}" ]] && ! command -v chromium >/dev/null; then
     if [[ $EUID != 0 ]] || ! command -v apt-get >/dev/null; then
@@ -162,7 +167,7 @@ if wants python && [[ -z "${CONVERGE_PYTHON:-}" ]]; then
     py="$root/target/py"
     stamp="numpy==2.2.6 $(cat python/pyproject.toml python/converge_worker/*.py | sha256sum | cut -c1-16)"
     if [[ ($quick == 0 || -n "${required[python]:-}") &&
-        "$(cat "$py/.converge-stamp" 2>/dev/null)" != "$stamp" ]]; then
+        ("$(cat "$py/.converge-stamp" 2>/dev/null)" != "$stamp" || ! -x "$py/bin/python") ]]; then
         echo "==> Python test environment in target/py (PyPI: the kit, numpy)"
         rm -rf "$py"
         if python3 -m venv "$py" && "$py/bin/pip" install -q --disable-pip-version-check \
@@ -183,7 +188,7 @@ if wants python; then
         # The PyTorch examples where CONVERGE_TORCH_PYTHON (or CONVERGE_PYTHON) has torch;
         # otherwise they print why they are skipped.
         [[ $quick == 1 ]] || "$CONVERGE_PYTHON" -m unittest -v examples/pytorch/test_examples.py
-    else
+    elif [[ $quick == 1 ]]; then
         python3 -m unittest discover -s python/tests
         skipped[python]="--quick: only the kit's unit tests, with python3"
     fi
@@ -213,9 +218,11 @@ cargo test --workspace --locked -- "${harness_args[@]}"
 # on tc-shaped veth links (deploy/netns-cluster.sh): traffic between hosts is held to the
 # shaped rate, the agents report a ring job's NIC traffic, teardown leaves nothing.
 if wants netns; then
-    CONVERGE_REQUIRE_NETNS="${required[netns]:+1}" "$root/tests/netns/run.sh" | tee "$root/target/netns-tier.log"
-    if reason=$(grep -m1 '^netns: skipped: ' "$root/target/netns-tier.log"); then
-        skipped[netns]="${reason#netns: skipped: }"
+    CONVERGE_REQUIRE_NETNS="${required[netns]:+1}" "$root/tests/netns/run.sh" | tee -i "$logs/netns-tier.log"
+    if reason=$(grep -m1 '^netns: tier skipped: ' "$logs/netns-tier.log"); then
+        skipped[netns]="${reason#netns: tier skipped: }"
+    elif reason=$(grep -m1 '^netns: skipped: ' "$logs/netns-tier.log"); then
+        skipped[netns]="in part: ${reason#netns: skipped: }"
     fi
 fi
 
@@ -226,10 +233,10 @@ fi
 if wants containers; then
     CONVERGE_REQUIRE_DOCKER="${required[containers]:+1}" \
         CONVERGE_IMAGE_PROFILE="${CONVERGE_IMAGE_PROFILE:-dev}" "$root/tests/compose/run-all.sh" |
-        tee "$root/target/containers-tier.log"
-    if reason=$(grep -m1 '^run-all.sh: SKIP: ' "$root/target/containers-tier.log"); then
+        tee -i "$logs/containers-tier.log"
+    if reason=$(grep -m1 '^run-all.sh: SKIP: ' "$logs/containers-tier.log"); then
         skipped[containers]="${reason#run-all.sh: SKIP: }"
-    elif reason=$(grep -m1 -E '^run-all.sh: [0-9]+ passed, [0-9]+ skipped' "$root/target/containers-tier.log"); then
+    elif reason=$(grep -m1 -E '^run-all.sh: [0-9]+ passed, [0-9]+ skipped' "$logs/containers-tier.log"); then
         skipped[containers]="in part: ${reason#run-all.sh: }"
     fi
 fi
@@ -238,8 +245,9 @@ took=$(( $(date +%s) - started ))
 ran=() left=()
 for t in "${tiers_all[@]}"; do
     if [[ -n "${skipped[$t]:-}" ]]; then left+=("$t (${skipped[$t]})"); else ran+=("$t"); fi
+    [[ $t != cargo || $quick == 0 ]] || ran[-1]="cargo (without the three-server bus tests)"
 done
-summary="run-tests.sh: passed in $((took / 60))m$((took % 60))s: ${ran[*]}"
+summary="run-tests.sh: passed in $((took / 60))m$((took % 60))s: $(IFS=,; echo "${ran[*]}" | sed 's/,/, /g')"
 sep="; skipped: "
 for l in "${left[@]}"; do summary+="$sep$l"; sep="; "; done
 echo "$summary"

@@ -47,7 +47,7 @@ run() {
     echo "==> $name run"
     "$root/deploy/local-cluster.sh" "${extra[@]}" --duration "$duration" --spacing "$spacing" \
         --summary "$out/$name.json" --jobs "$*" >"$out/$name.log" 2>&1 || true
-    tail -n 3 "$out/$name.log"
+    grep "^converge monitor: " "$out/$name.log" | tail -n 1 || tail -n 3 "$out/$name.log"
 }
 run adaptive "${specs[@]}"
 run fixed "${fixed[@]}"

@@ -119,11 +119,16 @@ cleanup() {
     for pid in "${agent_pids[@]:-}"; do [[ -n "$pid" ]] && wait "$pid" 2>/dev/null || true; done
     [[ -n "${allocator_pid:-}" ]] && { kill -TERM "$allocator_pid" 2>/dev/null || true; wait "$allocator_pid" 2>/dev/null || true; }
     [[ -n "${nats_pid:-}" ]] && { kill -TERM "$nats_pid" 2>/dev/null || true; wait "$nats_pid" 2>/dev/null || true; }
+    [[ -n "${stay_pid:-}" ]] && kill "$stay_pid" 2>/dev/null || true
+    local verdict=""
+    [[ -s "$work/verdict" ]] && verdict=$(cat "$work/verdict")
     if [[ "$keep" == 1 ]]; then
         echo "logs and checkpoints kept in $work"
     else
         rm -rf "$work"
     fi
+    # The run's outcome, last.
+    [[ -z "$verdict" ]] || echo "$verdict"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -207,7 +212,8 @@ fi
 ) &
 submitter=$!
 
-monitor_args=(monitor --interval 2s --duration "${duration}s" --until-done "${until_done:-${#jobs[@]}}")
+monitor_args=(monitor --interval 2s --duration "${duration}s" --until-done "${until_done:-${#jobs[@]}}"
+    --verdict-file "$work/verdict")
 [[ -n "$summary" ]] && monitor_args+=(--summary "$summary")
 [[ -t 1 ]] || monitor_args+=(--no-clear)
 converge "${monitor_args[@]}" || true
@@ -216,5 +222,6 @@ if [[ "$stay" == 1 ]]; then
     [[ -n "${dashboard_pid:-}" ]] && echo "    dashboard: $url"
     echo "    from another shell: CONVERGE_NATS_URL=$CONVERGE_NATS_URL $bin/converge jobs -a"
     sleep infinity &
-    wait $! || true
+    stay_pid=$!
+    wait "$stay_pid" || true
 fi

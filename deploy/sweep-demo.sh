@@ -42,7 +42,7 @@ run() {
     "$root/deploy/local-cluster.sh" "${extra[@]}" --agents "$agents" --duration "$duration" \
         --until-done "$trials" --summary "$out/$name.json" --jobs "$sweep" "${args[@]}" \
         >"$out/$name.log" 2>&1 || true
-    tail -n 3 "$out/$name.log"
+    grep "^converge monitor: " "$out/$name.log" | tail -n 1 || tail -n 3 "$out/$name.log"
 }
 run quality-loss --policy quality --objective loss
 run fair --policy fair

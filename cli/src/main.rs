@@ -120,6 +120,9 @@ enum Command {
         /// for scripts and logs; then the final table.
         #[arg(long)]
         no_clear: bool,
+        /// Also write the closing verdict line (`6/6 jobs completed in 138 s`) to this file.
+        #[arg(long)]
+        verdict_file: Option<PathBuf>,
     },
 }
 
@@ -450,6 +453,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             until_done,
             summary,
             no_clear,
+            verdict_file,
         } => {
             monitor::run(
                 &bus,
@@ -460,6 +464,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     summary,
                     clear: !no_clear,
                     json: cli.json,
+                    verdict_file,
                 },
             )
             .await?;

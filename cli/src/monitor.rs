@@ -23,6 +23,8 @@ pub struct Options {
     pub summary: Option<PathBuf>,
     pub clear: bool,
     pub json: bool,
+    /// Also write the verdict line here (for a script that prints it again last).
+    pub verdict_file: Option<PathBuf>,
 }
 
 /// Seconds between the progress lines of running jobs in `--no-clear` mode.
@@ -388,10 +390,14 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
             let now = unix_now();
             println!("{}", tables::jobs(&rows, now, &BTreeMap::new(), None));
         }
-        println!(
+        let line = format!(
             "converge monitor: {}",
             verdict(&rows, elapsed, ended_because)
         );
+        println!("{line}");
+        if let Some(path) = &opts.verdict_file {
+            std::fs::write(path, format!("{line}\n"))?;
+        }
     }
     if let Some(path) = &opts.summary {
         let (specs, statuses) = last;

@@ -125,13 +125,18 @@ fn placement(s: &JobStatus) -> String {
 /// batch follows its allocation), `awaiting statistics` (a `[batch]` job that has not
 /// reported progress yet: whether it is adaptive is known from its first report on),
 /// `fixed (no gradient statistics)` (a `[batch]` job that reports progress but no valid
-/// gradient statistics: it keeps its reference batch and is scheduled by throughput alone)
+/// gradient statistics, or ended without any: it keeps its reference batch and is scheduled
+/// by throughput alone)
 /// or `fixed` (no `[batch]` table: the command's own batch).
 pub fn batch_mode(spec: &JobSpec, status: Option<&JobStatus>) -> &'static str {
     match (&spec.batch, status.and_then(|s| s.batch.as_ref())) {
         (None, _) => "fixed",
         (Some(_), Some(b)) if b.adaptive => "adaptive",
-        (Some(_), b) if !has_reported(status, b) => "awaiting statistics",
+        (Some(_), b)
+            if !has_reported(status, b) && !status.is_some_and(|s| s.phase.is_terminal()) =>
+        {
+            "awaiting statistics"
+        }
         (Some(_), _) => "fixed (no gradient statistics)",
     }
 }
@@ -385,6 +390,13 @@ pub(crate) mod tests {
             batch(&adaptive, Some(&s)),
             "awaiting statistics 32 (16/worker)"
         );
+        // Ended without a report: nothing is awaited any more.
+        s.phase = JobPhase::Failed;
+        assert_eq!(
+            batch_mode(&adaptive, Some(&s)),
+            "fixed (no gradient statistics)"
+        );
+        s.phase = JobPhase::Running;
         // Reports without statistics: fixed.
         s.step = 40;
         s.loss = Some(0.7);

@@ -84,7 +84,7 @@ if ! docker run -d --name "$name" --cap-add SYS_ADMIN \
         --tmpfs /run --tmpfs /run/lock -v /sys/fs/cgroup:/sys/fs/cgroup:ro \
         "$image" >/dev/null 2>"/tmp/$name.err"; then
     cat "/tmp/$name.err" >&2
-    why=$(grep -m1 . "/tmp/$name.err" | cut -c1-160); rm -f "/tmp/$name.err"
+    why=$(grep -m1 . "/tmp/$name.err" | cut -c1-160 || true); rm -f "/tmp/$name.err"
     echo "SKIP: this Docker refuses a systemd container (--cap-add SYS_ADMIN, seccomp and apparmor unconfined): ${why:-docker run failed}"
     exit 0
 fi

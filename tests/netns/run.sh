@@ -61,7 +61,7 @@ skip() {
         echo "netns: FAIL (CONVERGE_REQUIRE_NETNS=1): $*" >&2
         exit 1
     fi
-    echo "netns: skipped: $*"
+    echo "netns: tier skipped: $*"
     exit 0
 }
 [[ $EUID == 0 ]] || skip "needs root (network namespaces, tc)"
