@@ -76,9 +76,21 @@ fn stop_while_connecting(
     )
 }
 
+/// `binary` exited with status 0 within 2 s of SIGTERM, saying it stopped before NATS.
+fn assert_stops_at_once(binary: &str, args: &[&str]) {
+    let (took, status, log) = stop_while_connecting(binary, args);
+    println!("{binary} exited {took:?} after SIGTERM ({status})");
+    assert!(took < Duration::from_secs(2), "took {took:?}:\n{log}");
+    assert!(status.success(), "{status}:\n{log}");
+    assert!(
+        log.contains("stopped before NATS could be reached"),
+        "{log}"
+    );
+}
+
 #[test]
 fn the_agent_stops_on_sigterm_while_nats_cannot_be_reached() {
-    let (took, status, log) = stop_while_connecting(
+    assert_stops_at_once(
         "converge-agent",
         &[
             "--host-id",
@@ -89,23 +101,9 @@ fn the_agent_stops_on_sigterm_while_nats_cannot_be_reached() {
             "state",
         ],
     );
-    println!("agent exited {took:?} after SIGTERM ({status})");
-    assert!(took < Duration::from_secs(2), "took {took:?}:\n{log}");
-    assert!(status.success(), "{status}:\n{log}");
-    assert!(
-        log.contains("stopped before NATS could be reached"),
-        "{log}"
-    );
 }
 
 #[test]
 fn the_allocator_stops_on_sigterm_while_nats_cannot_be_reached() {
-    let (took, status, log) = stop_while_connecting("converge-allocator", &[]);
-    println!("allocator exited {took:?} after SIGTERM ({status})");
-    assert!(took < Duration::from_secs(2), "took {took:?}:\n{log}");
-    assert!(status.success(), "{status}:\n{log}");
-    assert!(
-        log.contains("stopped before NATS could be reached"),
-        "{log}"
-    );
+    assert_stops_at_once("converge-allocator", &[]);
 }
