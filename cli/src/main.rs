@@ -338,7 +338,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if cli.json {
                 println!("{}", serde_json::to_string_pretty(&sweeps::json(&rows))?);
             } else {
-                println!("{}", sweeps::table(&rows));
+                println!(
+                    "{}",
+                    tables::terminal_safe(&sweeps::table(&rows).to_string())
+                );
             }
         }
         Command::Jobs { all, .. } => {
@@ -369,7 +372,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     .collect();
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
-                println!("{}", tables::jobs(&rows, now, &queue, ctx.as_ref()));
+                let table = tables::jobs(&rows, now, &queue, ctx.as_ref()).to_string();
+                println!("{}", tables::terminal_safe(&table));
                 let hidden = specs.len() - rows.len();
                 if let Some(line) = tables::hidden_jobs_note(hidden) {
                     println!("{line}");
@@ -387,7 +391,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if cli.json {
                 println!("{}", serde_json::to_string_pretty(&hosts)?);
             } else {
-                println!("{}", tables::hosts(&hosts, unix_now()));
+                let table = tables::hosts(&hosts, unix_now()).to_string();
+                println!("{}", tables::terminal_safe(&table));
             }
         }
         Command::Cancel { id } => {
@@ -423,12 +428,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 if cli.json {
                     println!("{}", serde_json::to_string(&event)?);
                 } else {
-                    println!(
+                    let line = format!(
                         "{} {:<20} {}",
                         tables::clock(event.time),
                         event.source,
                         event.message
                     );
+                    println!("{}", tables::terminal_safe(&line));
                 }
             }
         }

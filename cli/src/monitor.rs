@@ -337,7 +337,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                 let changed = seen_before.get(spec.id.as_str()) != Some(&now_seen);
                 let running = st.is_some_and(|s| s.phase == JobPhase::Running);
                 if changed || (progress_due && running) {
-                    println!("{}", job_line(t, spec, *st));
+                    println!("{}", tables::terminal_safe(&job_line(t, spec, *st)));
                 }
                 seen_before.insert(spec.id.to_string(), now_seen);
             }
@@ -360,7 +360,8 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
             let queue = crate::queue_estimates(bus, &specs, &statuses, now)
                 .await
                 .unwrap_or_default();
-            println!("{}", tables::jobs(&rows, now, &queue, None));
+            let table = tables::jobs(&rows, now, &queue, None).to_string();
+            println!("{}", tables::terminal_safe(&table));
         }
         let all_done = !statuses.is_empty()
             && specs.iter().all(|spec| {
@@ -388,7 +389,8 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
             .collect();
         if !opts.clear && !rows.is_empty() {
             let now = unix_now();
-            println!("{}", tables::jobs(&rows, now, &BTreeMap::new(), None));
+            let table = tables::jobs(&rows, now, &BTreeMap::new(), None).to_string();
+            println!("{}", tables::terminal_safe(&table));
         }
         let line = format!(
             "converge monitor: {}",

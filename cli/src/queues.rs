@@ -548,7 +548,10 @@ pub async fn run(bus: &Bus, cmd: Checked, json: bool, now: f64) -> anyhow::Resul
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
-                println!("{}", table(&rows));
+                println!(
+                    "{}",
+                    crate::tables::terminal_safe(&table(&rows).to_string())
+                );
             }
         }
         Checked::Delete(name, force) => {

@@ -121,6 +121,25 @@ fn placement(s: &JobStatus) -> String {
     }
 }
 
+/// `text` fit for a terminal: every control character but the newline is written as its
+/// Rust escape (`\u{1b}`), so that strings from agents and job specs (event messages,
+/// labels, GPU names) cannot move the cursor, clear the screen or retitle the window.
+pub fn terminal_safe(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(|c| c.is_control() && c != '\n') {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() && c != '\n' {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
+}
+
 /// How a job's batch is chosen: `adaptive` (a `[batch]` job with gradient statistics: its
 /// batch follows its allocation), `awaiting statistics` (a `[batch]` job that has not
 /// reported progress yet: whether it is adaptive is known from its first report on),
@@ -428,6 +447,16 @@ pub(crate) mod tests {
             "adaptive 256 (64/worker ×2) φ≈812"
         );
         assert_eq!(batch_mode(&adaptive, Some(&s)), "adaptive");
+    }
+
+    #[test]
+    fn terminal_output_escapes_control_characters() {
+        assert_eq!(terminal_safe("node-1 ok\nnext"), "node-1 ok\nnext");
+        assert_eq!(
+            terminal_safe("gpu \u{1b}[2J\u{1b}]0;owned\u{7}\r!"),
+            "gpu \\u{1b}[2J\\u{1b}]0;owned\\u{7}\\r!"
+        );
+        assert_eq!(terminal_safe("┌─ résumé"), "┌─ résumé");
     }
 
     #[test]

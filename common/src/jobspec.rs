@@ -307,6 +307,10 @@ pub struct PlateauSpec {
 /// Most parameter-server shards a job may ask for.
 pub const MAX_PS: u32 = 256;
 
+/// Most non-zero worker exits a job may tolerate (`max_restarts`): each restart waits a
+/// capped backoff, so a larger budget only keeps a crashing job holding GPUs for hours.
+pub const MAX_RESTARTS: u32 = 100;
+
 fn default_one() -> u32 {
     1
 }
@@ -441,6 +445,12 @@ pub enum JobSpecError {
     Shadow(String),
     #[error("unsupported protocol version {0}")]
     Protocol(u32),
+    #[error("`max_restarts` is {0}; it must be at most {MAX_RESTARTS}")]
+    MaxRestarts(u32),
+    #[error("{0} holds a NUL byte, which no program can be given")]
+    NulByte(String),
+    #[error("`labels` {0} holds a control character (it would reach terminals as is)")]
+    LabelControl(String),
 }
 
 impl JobSpec {
@@ -500,6 +510,22 @@ impl JobSpec {
         }
         if self.command.is_empty() || self.command[0].trim().is_empty() {
             return Err(JobSpecError::EmptyCommand);
+        }
+        if let Some(i) = self.command.iter().position(|a| a.contains('\0')) {
+            return Err(JobSpecError::NulByte(format!("`command` argument {i}")));
+        }
+        if let Some((k, _)) = self.env.iter().find(|(_, v)| v.contains('\0')) {
+            return Err(JobSpecError::NulByte(format!("`env` value of {k}")));
+        }
+        if self.max_restarts > MAX_RESTARTS {
+            return Err(JobSpecError::MaxRestarts(self.max_restarts));
+        }
+        if let Some((k, v)) = self
+            .labels
+            .iter()
+            .find(|(k, v)| k.chars().chain(v.chars()).any(char::is_control))
+        {
+            return Err(JobSpecError::LabelControl(format!("{k:?} = {v:?}")));
         }
         if !(1..=MAX_GPUS_PER_WORKER).contains(&self.gpus_per_worker) {
             return Err(JobSpecError::GpusPerWorker(self.gpus_per_worker));
@@ -961,6 +987,31 @@ mod tests {
             "unknown variant `mesh`",
         );
         check("command = [\"t\"]\n", "missing field `id`");
+    }
+
+    #[test]
+    fn hostile_specs_are_refused_with_the_reason() {
+        check(
+            "id = \"j\"\ncommand = [\"t\", \"a\\u0000b\"]\n",
+            "`command` argument 1 holds a NUL byte",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\n[env]\nX = \"a\\u0000\"\n",
+            "`env` value of X holds a NUL byte",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\nmax_restarts = 4294967295\n",
+            "`max_restarts` is 4294967295; it must be at most 100",
+        );
+        check("id = \"j\"\ncommand = [\"t\"]\nmax_restarts = 100\n", "ok");
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\n[labels]\nmodel = \"\\u001b[2Jx\"\n",
+            "`labels` \"model\" = \"\\u{1b}[2Jx\" holds a control character",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\n[labels]\nmodel = \"résumé-π\"\n",
+            "ok",
+        );
     }
 
     #[test]
