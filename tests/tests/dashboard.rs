@@ -645,6 +645,11 @@ fn http(addr: &str, request: &[u8]) -> Option<u16> {
 
 /// As [`http`], with the response's body.
 fn http_response(addr: &str, request: &[u8]) -> Option<(u16, Vec<u8>)> {
+    http_exchange(addr, request).map(|(status, _, body)| (status, body))
+}
+
+/// As [`http`], with the response's head (status line and headers) and body.
+fn http_exchange(addr: &str, request: &[u8]) -> Option<(u16, String, Vec<u8>)> {
     let mut s = std::net::TcpStream::connect(addr).expect("connect to the dashboard");
     s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -663,6 +668,7 @@ fn http_response(addr: &str, request: &[u8]) -> Option<(u16, Vec<u8>)> {
     let status = head.strip_prefix("HTTP/1.1 ")?.get(..3)?.parse().ok()?;
     Some((
         status,
+        head.to_string(),
         head_end.map_or_else(Vec::new, |e| response[e + 4..].to_vec()),
     ))
 }
@@ -1495,6 +1501,11 @@ async fn scale_first_render_and_live_update_latency() {
                 "GET /api/state after it",
                 http(&addr, &get_request(&addr, "/api/state")),
             ),
+            // DNS rebinding: a page of another name resolved to 127.0.0.1.
+            (
+                "GET /api/state as evil.example",
+                http(&addr, &get_request("evil.example:80", "/api/state")),
+            ),
         ]
     })
     .await
@@ -1506,10 +1517,26 @@ async fn scale_first_render_and_live_update_latency() {
             // Refused: an error status, or the connection closed without an answer.
             "1 MiB header" => code.is_none_or(|c| c >= 400),
             "GET /api/state after it" => code == Some(200),
+            "GET /api/state as evil.example" => code == Some(403),
             _ => matches!(code, Some(404 | 405)),
         };
         failures.check(ok, || format!("{what} answered {code:?}"));
     }
+
+    // Every answer forbids sniffing and limits the page to its own script and styles.
+    let addr = dashboard.addr();
+    let head = tokio::task::spawn_blocking(move || {
+        http_exchange(&addr, &get_request(&addr, "/")).map(|(_, head, _)| head)
+    })
+    .await
+    .unwrap()
+    .unwrap_or_default()
+    .to_ascii_lowercase();
+    failures.check(
+        head.contains("x-content-type-options: nosniff")
+            && head.contains("content-security-policy: default-src 'none'; script-src 'self'"),
+        || format!("GET / lacks nosniff or the CSP:\n{head}"),
+    );
 
     // Loaded again, now that the dashboard has read everything: the first render of the
     // whole cluster.

@@ -177,7 +177,8 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
         clients: Arc::new(Semaphore::new(MAX_EVENT_CLIENTS)),
     };
     let shutdown = tokio_util::sync::CancellationToken::new();
-    converge_bus::metrics::serve_router(listener, router(shared), LIMITS, shutdown.clone());
+    let router = router(shared, bound.ip().is_loopback());
+    converge_bus::metrics::serve_router(listener, router, LIMITS, shutdown.clone());
     println!("dashboard: http://{bound}/");
     tracing::info!(%bound, "serving the dashboard");
     converge_bus::shutdown_signal().await;
@@ -186,7 +187,64 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn router(shared: Shared) -> Router {
+/// The page's Content-Security-Policy: its own script and stylesheet (plus the inline style
+/// attributes of its bars and charts), `data:` images (the empty icon), requests to itself
+/// only, no frames, forms or base URL.
+const CSP: &str = "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; \
+                   img-src 'self' data:; connect-src 'self'; base-uri 'none'; \
+                   form-action 'none'; frame-ancestors 'none'";
+
+/// Whether a `Host` header names this machine's loopback (`localhost`, `127.0.0.1`,
+/// `[::1]`, any port): the only names a loopback-bound dashboard answers to, so that a web
+/// page whose DNS name was rebound to 127.0.0.1 cannot read it from a browser.
+fn loopback_host(host: Option<&header::HeaderValue>) -> bool {
+    let Some(host) = host.and_then(|h| h.to_str().ok()) else {
+        return false;
+    };
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Every answer carries the CSP, `nosniff` and `no-referrer`; a dashboard bound to loopback
+/// refuses (403) a request whose `Host` is not a loopback name.
+async fn guard(
+    AxumState(loopback): AxumState<bool>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let mut response = if loopback && !loopback_host(request.headers().get(header::HOST)) {
+        (
+            StatusCode::FORBIDDEN,
+            "this dashboard listens on loopback and answers only to localhost, 127.0.0.1 or \
+             [::1] in the Host header\n",
+        )
+            .into_response()
+    } else {
+        next.run(request).await
+    };
+    let h = response.headers_mut();
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        header::HeaderValue::from_static(CSP),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        header::HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        header::HeaderValue::from_static("no-referrer"),
+    );
+    response
+}
+
+fn router(shared: Shared, loopback: bool) -> Router {
     Router::new()
         .route("/", get(|| async { Html(INDEX_HTML) }))
         .route(
@@ -205,6 +263,7 @@ fn router(shared: Shared) -> Router {
         .route("/api/state", get(state_json))
         .route("/api/events", get(events))
         .fallback(|| async { (StatusCode::NOT_FOUND, "no such page\n") })
+        .layer(axum::middleware::from_fn_with_state(loopback, guard))
         .with_state(shared)
 }
 
@@ -459,4 +518,35 @@ async fn follow_progress_once(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_loopback_dashboard_answers_only_to_loopback_names() {
+        let ok = |h: &str| loopback_host(Some(&header::HeaderValue::from_str(h).unwrap()));
+        for host in [
+            "127.0.0.1:8080",
+            "127.0.0.1",
+            "localhost:8080",
+            "LOCALHOST",
+            "[::1]:8080",
+            "127.0.0.2:80",
+        ] {
+            assert!(ok(host), "{host}");
+        }
+        for host in [
+            "evil.example:8080",
+            "127.0.0.1.evil.example",
+            "localhost.evil.example:8080",
+            "10.0.0.5:8080",
+            "[::2]:8080",
+            "",
+        ] {
+            assert!(!ok(host), "{host}");
+        }
+        assert!(!loopback_host(None), "no Host header");
+    }
 }
