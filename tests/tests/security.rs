@@ -355,8 +355,10 @@ async fn dashboard_reads_the_cluster_as_cli(s: &SecuredNats) {
         let addr = addr.clone();
         async move {
             let mut conn = std::net::TcpStream::connect(&addr).ok()?;
-            conn.write_all(b"GET /api/state HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                .ok()?;
+            // The dashboard answers only to loopback names in Host (DNS rebinding).
+            let request =
+                format!("GET /api/state HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+            conn.write_all(request.as_bytes()).ok()?;
             let mut page = String::new();
             conn.read_to_string(&mut page).ok()?;
             let body = page.split_once("\r\n\r\n")?.1;
