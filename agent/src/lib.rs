@@ -101,7 +101,8 @@ pub struct AgentConfig {
     #[arg(long, env = "CONVERGE_FENCE_AFTER", default_value = "10s", value_parser = humantime_duration)]
     pub fence_after: Duration,
     /// Serve Prometheus metrics at `http://<addr>/metrics` (e.g. `0.0.0.0:9465`): the GPUs
-    /// under dcgm-exporter's names (`DCGM_FI_DEV_*`), the NICs under node_exporter's
+    /// under dcgm-exporter's names (`DCGM_FI_DEV_*`, labelled with the `job_id` and `rank`
+    /// of the worker holding each GPU), the NICs under node_exporter's
     /// (`node_network_*`), workers by phase, restarts, fencing, malformed progress lines,
     /// heartbeat failures and the process's CPU and memory; refreshed with every telemetry
     /// sample. Off when unset.

@@ -3,17 +3,21 @@
 //! - GPUs under dcgm-exporter's names, units and labels (`DCGM_FI_DEV_GPU_UTIL` %,
 //!   `DCGM_FI_DEV_FB_USED` / `_FB_FREE` MiB, `DCGM_FI_DEV_POWER_USAGE` W,
 //!   `DCGM_FI_DEV_SM_CLOCK` MHz; labels `gpu`, `UUID`, `device`, `modelName`, `Hostname`),
-//!   so dashboards written for dcgm-exporter work unchanged;
+//!   so dashboards written for dcgm-exporter work unchanged, plus `job_id` and `rank` of the
+//!   worker holding the GPU, as dcgm-exporter adds `pod`, `namespace` and `container` (see
+//!   [`gpu_holders`]);
 //! - NICs under node_exporter's names (`node_network_receive_bytes_total`,
 //!   `node_network_transmit_bytes_total`, `node_network_speed_bytes`; label `device`);
 //! - the agent's own `converge_agent_*` series.
 //!
 //! Each sample replaces the agent's whole snapshot ([`converge_bus::metrics::set_snapshot`]):
 //! a reading the source does not give (power, SM clock, link speed) has no series, never a
-//! 0, and an interface that disappeared has none either.
+//! 0, and an interface that disappeared has none either. So when a GPU changes hands, the
+//! series with the previous holder's `job_id` and `rank` are gone from the next sample on
+//! (Prometheus marks them stale at its next scrape) and never report an old job.
 
-use converge_bus::metrics::{Family, Snapshot, SnapshotGuard, set_snapshot};
-use converge_common::{HostTelemetry, JobId, WorkerPhase};
+use converge_bus::metrics::{Family, Labels, Snapshot, SnapshotGuard, set_snapshot};
+use converge_common::{HostTelemetry, JobId, WorkerPhase, WorkerState};
 use std::collections::{BTreeMap, HashMap};
 
 const MIB: u64 = 1024 * 1024;
@@ -113,18 +117,26 @@ pub fn families(t: &HostTelemetry, nics: &[NicTotals], c: &Counters) -> Snapshot
     let mut fb_free = Family::gauge("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).");
     let mut power = Family::gauge("DCGM_FI_DEV_POWER_USAGE", "Power draw (in W).");
     let mut clock = Family::gauge("DCGM_FI_DEV_SM_CLOCK", "SM clock frequency (in MHz).");
+    let holders = gpu_holders(&t.workers);
+    let host = t.host.to_string();
     for g in &t.gpus {
         // dcgm-exporter's label names and order (it adds pci_bus_id, which the telemetry
-        // does not carry).
-        let labels = || {
-            vec![
-                ("gpu", g.index.to_string()),
-                ("UUID", g.uuid.clone()),
-                ("device", format!("nvidia{}", g.index)),
-                ("modelName", g.name.clone()),
-                ("Hostname", t.host.to_string()),
-            ]
-        };
+        // does not carry), then the holder's, where dcgm-exporter puts a pod's: absent on an
+        // idle GPU, as dcgm-exporter leaves out `pod` (in Prometheus, the same as empty).
+        let holder = holders.get(&g.index);
+        let mut base: Labels = Vec::with_capacity(if holder.is_some() { 7 } else { 5 });
+        base.extend([
+            ("gpu", g.index.to_string()),
+            ("UUID", g.uuid.clone()),
+            ("device", format!("nvidia{}", g.index)),
+            ("modelName", g.name.clone()),
+            ("Hostname", host.clone()),
+        ]);
+        if let Some(w) = holder {
+            base.push(("job_id", w.job.to_string()));
+            base.push(("rank", w.rank.to_string()));
+        }
+        let labels = || base.clone();
         util.push(labels(), g.utilization_pct.clamp(0.0, 100.0));
         // MiB as DCGM reports them, used + free = total.
         let total_mib = g.memory_total_bytes / MIB;
@@ -260,6 +272,29 @@ pub fn families(t: &HostTelemetry, nics: &[NicTotals], c: &Counters) -> Snapshot
     ]
 }
 
+/// The worker holding each GPU of the sample, by GPU index: a worker holds the GPUs of its
+/// assignment (its `CUDA_VISIBLE_DEVICES`) while its process may exist, i.e. while it is
+/// running or stopping ([`WorkerPhase::is_alive`]). A worker in backoff (crashed, restart
+/// pending), succeeded or failed holds none: its GPUs are idle until a process runs on them
+/// again. The agent never starts a worker on a GPU a live worker holds, so a GPU has at most
+/// one holder; were there two, the running one wins, then the first in the sample's order.
+pub fn gpu_holders(workers: &[WorkerState]) -> BTreeMap<u32, &WorkerState> {
+    let mut holders: BTreeMap<u32, &WorkerState> = BTreeMap::new();
+    for w in workers.iter().filter(|w| w.phase.is_alive()) {
+        for &gpu in &w.gpus {
+            holders
+                .entry(gpu)
+                .and_modify(|held| {
+                    if held.phase != WorkerPhase::Running && w.phase == WorkerPhase::Running {
+                        *held = w;
+                    }
+                })
+                .or_insert(w);
+        }
+    }
+    holders
+}
+
 fn phase_name(p: WorkerPhase) -> &'static str {
     match p {
         WorkerPhase::Running => "running",
@@ -381,6 +416,8 @@ mod tests {
                 "missing {line:?} in\n{text}"
             );
         }
+        // The only worker is in backoff: no process holds GPU 0, so no job labels.
+        assert!(!text.contains("job_id="), "{text}");
         // Missing readings have no series (never 0).
         assert!(
             !text.contains(&format!("DCGM_FI_DEV_POWER_USAGE{l1}")),
@@ -426,6 +463,129 @@ mod tests {
         assert!(
             !page.contains(r#"Hostname="restarts-test""#),
             "removed on drop"
+        );
+    }
+
+    fn worker(job: &str, rank: u32, phase: WorkerPhase, gpus: &[u32]) -> WorkerState {
+        WorkerState {
+            job: job.parse().unwrap(),
+            generation: 1,
+            rank,
+            phase,
+            pid: phase.is_alive().then_some(100 + rank),
+            restarts: 0,
+            last_exit_code: None,
+            gpus: gpus.to_vec(),
+        }
+    }
+
+    #[test]
+    fn live_workers_hold_their_gpus_running_ones_first() {
+        let workers = [
+            worker("old", 0, WorkerPhase::Stopping, &[0, 1]),
+            worker("new", 1, WorkerPhase::Running, &[1, 2]),
+            worker("crashed", 0, WorkerPhase::Backoff, &[3]),
+            worker("done", 0, WorkerPhase::Succeeded, &[4]),
+            worker("gone", 0, WorkerPhase::Failed, &[5]),
+        ];
+        let held: Vec<(u32, &str, u32)> = gpu_holders(&workers)
+            .into_iter()
+            .map(|(gpu, w)| (gpu, w.job.as_str(), w.rank))
+            .collect();
+        assert_eq!(held, [(0, "old", 0), (1, "new", 1), (2, "new", 1)]);
+        assert!(gpu_holders(&[]).is_empty());
+    }
+
+    #[test]
+    fn gpu_series_carry_the_holders_job_and_rank() {
+        let mut t = telemetry();
+        t.workers = vec![worker("train-7", 3, WorkerPhase::Running, &[1])];
+        let text = render_snapshots([&families(&t, &[], &Counters::default())]);
+        let l0 = r#"{gpu="0",UUID="GPU-0a",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="node-1"}"#;
+        let l1 = r#"{gpu="1",UUID="GPU-1b",device="nvidia1",modelName="NVIDIA H100 80GB HBM3",Hostname="node-1",job_id="train-7",rank="3"}"#;
+        for line in [
+            format!("DCGM_FI_DEV_GPU_UTIL{l0} 87"),
+            format!("DCGM_FI_DEV_GPU_UTIL{l1} 0"),
+            format!("DCGM_FI_DEV_FB_USED{l1} 0"),
+            format!("DCGM_FI_DEV_FB_FREE{l1} 81559"),
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
+        }
+        // One series per GPU and family, whoever holds it.
+        assert_eq!(
+            text.lines()
+                .filter(|l| l.starts_with("DCGM_FI_DEV_GPU_UTIL{"))
+                .count(),
+            2
+        );
+    }
+
+    #[test]
+    fn a_gpu_changing_hands_leaves_no_stale_series() {
+        let host = "hands-test";
+        let mut m = AgentMetrics::new(host).unwrap();
+        let mut t = telemetry();
+        t.host = host.parse().unwrap();
+        let ours = |page: &str| -> Vec<String> {
+            page.lines()
+                .filter(|l| {
+                    l.starts_with("DCGM_FI_DEV_GPU_UTIL{")
+                        && l.contains(&format!(r#"Hostname="{host}""#))
+                })
+                .map(str::to_string)
+                .collect()
+        };
+        let holders_of_gpu0 = |page: &str| -> Vec<String> {
+            ours(page)
+                .into_iter()
+                .filter(|l| l.contains(r#"gpu="0""#))
+                .collect()
+        };
+        t.workers = vec![worker("job-a", 0, WorkerPhase::Running, &[0])];
+        m.update(&t, false);
+        let page = converge_bus::metrics::render();
+        let gpu0 = holders_of_gpu0(&page);
+        assert_eq!(gpu0.len(), 1, "{gpu0:?}");
+        assert!(gpu0[0].contains(r#"job_id="job-a",rank="0""#), "{gpu0:?}");
+
+        // Stopping still holds it; then job-a's worker is gone and job-b's rank 2 runs there.
+        t.workers[0].phase = WorkerPhase::Stopping;
+        m.update(&t, false);
+        assert!(holders_of_gpu0(&converge_bus::metrics::render())[0].contains("job-a"));
+        t.workers = vec![
+            worker("job-a", 0, WorkerPhase::Succeeded, &[0]),
+            worker("job-b", 2, WorkerPhase::Running, &[0, 1]),
+        ];
+        m.update(&t, false);
+        let page = converge_bus::metrics::render();
+        let series = ours(&page);
+        assert_eq!(series.len(), 2, "one series per GPU: {series:?}");
+        assert!(
+            !page
+                .lines()
+                .any(|l| l.contains(&format!(r#"Hostname="{host}""#)) && l.contains("job-a")),
+            "no stale series:\n{page}"
+        );
+        assert!(
+            series
+                .iter()
+                .all(|l| l.contains(r#"job_id="job-b",rank="2""#)),
+            "{series:?}"
+        );
+
+        // Idle again: the job labels are gone, the GPUs' series stay.
+        t.workers.clear();
+        m.update(&t, false);
+        let series = ours(&converge_bus::metrics::render());
+        assert_eq!(series.len(), 2, "{series:?}");
+        assert!(
+            series
+                .iter()
+                .all(|l| !l.contains("job_id=") && !l.contains("rank=")),
+            "{series:?}"
         );
     }
 }

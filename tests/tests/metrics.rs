@@ -1,6 +1,7 @@
 //! Prometheus endpoints scraped over HTTP: a real agent (fake GPUs) must export the DCGM and
-//! node_exporter names with their labels and sane values, the allocator its per-job series
-//! (gone once the job has finished), and the endpoint must stay read-only and bounded.
+//! node_exporter names with their labels and sane values (the GPUs a worker holds labelled
+//! with its `job_id` and `rank`, idle ones without), the allocator its per-job series (gone
+//! once the job has finished), and the endpoint must stay read-only and bounded.
 
 use converge_common::{HostTelemetry, JobPhase, JobSpec};
 use converge_tests::*;
@@ -126,11 +127,21 @@ fn job_value(samples: &[Sample], name: &str, job: &str) -> Option<f64> {
         .map(|s| s.value)
 }
 
+/// The agent's per-GPU families.
+const DCGM: [&str; 5] = [
+    "DCGM_FI_DEV_GPU_UTIL",
+    "DCGM_FI_DEV_FB_USED",
+    "DCGM_FI_DEV_FB_FREE",
+    "DCGM_FI_DEV_POWER_USAGE",
+    "DCGM_FI_DEV_SM_CLOCK",
+];
+
 /// Progress lines for 12 s (60 reports, loss falling), then exit 0.
 const JOB: &str = r#"id = "metrics-job"
 command = ["/bin/sh", "-c", 'i=1; while [ $i -le 60 ]; do echo "CONVERGE_PROGRESS {\"step\":$i,\"samples\":$((i*32)),\"loss\":$((1000/(i+1))).5}"; i=$((i+1)); sleep 0.2; done']
 min_workers = 1
 max_workers = 1
+gpus_per_worker = 2
 "#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -162,13 +173,7 @@ async fn agent_and_allocator_metrics_over_http() {
         },
     )
     .await;
-    for name in [
-        "DCGM_FI_DEV_GPU_UTIL",
-        "DCGM_FI_DEV_FB_USED",
-        "DCGM_FI_DEV_FB_FREE",
-        "DCGM_FI_DEV_POWER_USAGE",
-        "DCGM_FI_DEV_SM_CLOCK",
-    ] {
+    for name in DCGM {
         let found = series(&samples, name);
         assert_eq!(found.len(), 4, "{name}: {found:?}");
         for (i, s) in found.iter().enumerate() {
@@ -300,6 +305,78 @@ async fn agent_and_allocator_metrics_over_http() {
         .unwrap()
         .value;
     assert!(running_workers <= 1.0);
+    // The GPUs its worker holds carry the job and the rank on every DCGM family; the other
+    // GPUs none, and each GPU still has one series per family.
+    let held = wait_for(
+        Duration::from_secs(20),
+        "the job's id on the agent's GPU series",
+        || async {
+            let s = scrape(agent_addr).await;
+            s.iter()
+                .any(|s| {
+                    s.name == "DCGM_FI_DEV_GPU_UTIL"
+                        && s.labels.get("job_id").map(String::as_str) == Some("metrics-job")
+                })
+                .then_some(s)
+        },
+    )
+    .await;
+    let telemetry: HostTelemetry = bus
+        .get(&bus.hosts, "metrics-host")
+        .await
+        .unwrap()
+        .unwrap()
+        .0;
+    let worker = telemetry
+        .workers
+        .iter()
+        .find(|w| w.job.as_str() == "metrics-job")
+        .expect("the job's worker in the telemetry");
+    assert_eq!(worker.gpus.len(), 2, "{worker:?}");
+    for name in DCGM {
+        let found = series(&held, name);
+        assert_eq!(found.len(), 4, "{name}: {found:?}");
+        let mut labelled: Vec<u32> = Vec::new();
+        for s in &found {
+            match s.labels.get("job_id") {
+                Some(job) => {
+                    assert_eq!(job, "metrics-job", "{s:?}");
+                    assert_eq!(s.labels["rank"], "0", "{s:?}");
+                    let keys: Vec<&str> = s.labels.keys().map(String::as_str).collect();
+                    assert_eq!(
+                        keys,
+                        [
+                            "Hostname",
+                            "UUID",
+                            "device",
+                            "gpu",
+                            "job_id",
+                            "modelName",
+                            "rank"
+                        ],
+                        "{s:?}"
+                    );
+                    labelled.push(s.labels["gpu"].parse().unwrap());
+                }
+                None => assert!(!s.labels.contains_key("rank"), "{s:?}"),
+            }
+        }
+        labelled.sort_unstable();
+        let mut expected = worker.gpus.clone();
+        expected.sort_unstable();
+        assert_eq!(
+            labelled, expected,
+            "{name}: the worker's CUDA_VISIBLE_DEVICES"
+        );
+    }
+    for s in series(&held, "DCGM_FI_DEV_GPU_UTIL") {
+        let busy = s.labels.contains_key("job_id");
+        assert_eq!(
+            s.value >= 90.0,
+            busy,
+            "fake GPUs are busy where held: {s:?}"
+        );
+    }
     let predicted = wait_for(Duration::from_secs(20), "a predicted loss", || async {
         job_value(
             &scrape(alloc_addr).await,
@@ -323,6 +400,25 @@ async fn agent_and_allocator_metrics_over_http() {
             (!s.iter()
                 .any(|s| s.labels.get("job_id").map(String::as_str) == Some("metrics-job")))
             .then_some(())
+        },
+    )
+    .await;
+    // Its worker has exited: the agent's GPU series are back to idle (no job_id, no rank),
+    // with no series left over from the job.
+    wait_for(
+        Duration::from_secs(10),
+        "the agent's GPU series back to idle",
+        || async {
+            let s = scrape(agent_addr).await;
+            DCGM.iter()
+                .all(|name| {
+                    let found = series(&s, name);
+                    found.len() == 4
+                        && found.iter().all(|s| {
+                            !s.labels.contains_key("job_id") && !s.labels.contains_key("rank")
+                        })
+                })
+                .then_some(())
         },
     )
     .await;
