@@ -8,8 +8,9 @@
 #   cargo       unit and property tests; integration tests against a real nats-server on a
 #               dynamic port; end-to-end and fault tests on loopback (processes); the bus
 #               tests against a three-server NATS cluster (about 2.5 min)
-#   python      the Python worker kit's tests and the numpy worker (a virtualenv in target/py
-#               with the kit and numpy from PyPI)
+#   python      the Python worker kit's tests (its PyTorch half on the CPU, gloo), the numpy
+#               worker and the PyTorch examples (a virtualenv in target/py with the kit,
+#               numpy and torch from PyPI: 3.5 GB downloaded once)
 #   browser     the dashboard in headless Chromium (Debian's `chromium`, installed with
 #               apt-get when missing and run as root)
 #   netns       the shaped multi-host tier: agents in network namespaces on tc-shaped links
@@ -158,35 +159,49 @@ else
     export CONVERGE_REQUIRE_BROWSER=0
 fi
 
-# The Python worker kit (python/) and the numpy example worker: a virtualenv in target/py
-# with the kit and a pinned numpy, reused until python/ changes; its unit tests run here,
-# tests/tests/python_worker.rs runs the worker through CONVERGE_PYTHON. --quick makes no
-# virtualenv: it runs the kit's unit tests with python3 (the kit needs nothing else) and
-# uses target/py for the numpy worker only if an earlier run made it.
+# The Python worker kit (python/), the numpy example worker and the PyTorch half of the kit:
+# a virtualenv in target/py with a pinned numpy and, in a full run, a pinned torch (the
+# CPU/CUDA wheel from PyPI, 3.5 GB downloaded, 6.8 GB installed, about 1.5 min), reused until
+# the pins change; the kit is reinstalled into it whenever python/ changes. Its unit tests
+# (converge_worker.torch included: a two-process gloo DDP run) and the PyTorch examples run
+# here; tests/tests/python_worker.rs runs the numpy worker through CONVERGE_PYTHON. A full
+# run whose python tier is required fails when torch does not import (CONVERGE_REQUIRE_TORCH).
+# --quick makes no virtualenv: it runs the kit's unit tests with python3 (the kit needs
+# nothing else; the torch tests print why they are skipped) and uses target/py for the numpy
+# worker only if an earlier run made it.
 if wants python && [[ -z "${CONVERGE_PYTHON:-}" ]]; then
     py="$root/target/py"
-    stamp="numpy==2.2.6 $(cat python/pyproject.toml python/converge_worker/*.py | sha256sum | cut -c1-16)"
-    if [[ ($quick == 0 || -n "${required[python]:-}") &&
-        ("$(cat "$py/.converge-stamp" 2>/dev/null)" != "$stamp" || ! -x "$py/bin/python") ]]; then
-        echo "==> Python test environment in target/py (PyPI: the kit, numpy)"
-        rm -rf "$py"
-        if python3 -m venv "$py" && "$py/bin/pip" install -q --disable-pip-version-check \
-            ./python "numpy==2.2.6"; then
-            echo "$stamp" >"$py/.converge-stamp"
-        else
+    deps="numpy==2.2.6"
+    [[ $quick == 1 ]] || deps="$deps torch==2.9.1"
+    kit="$(cat python/pyproject.toml python/converge_worker/*.py | sha256sum | cut -c1-16)"
+    if [[ $quick == 0 || -n "${required[python]:-}" ]]; then
+        have="$(cat "$py/.converge-deps" 2>/dev/null || true)"
+        if [[ ! -x "$py/bin/python" || ("$have" != "$deps" && ($quick == 0 || "$have" != "$deps torch==2.9.1")) ]]; then
+            echo "==> Python test environment in target/py (PyPI: $deps)"
             rm -rf "$py"
-            missing python "no Python test environment (python3 -m venv or pip install from PyPI failed)"
+            # shellcheck disable=SC2086 # $deps is a list of pins
+            if python3 -m venv "$py" && "$py/bin/pip" install -q --disable-pip-version-check $deps; then
+                echo "$deps" >"$py/.converge-deps"
+            else
+                rm -rf "$py"
+                missing python "no Python test environment (python3 -m venv or pip install from PyPI failed)"
+            fi
+        fi
+        if [[ -x "$py/bin/python" && "$(cat "$py/.converge-stamp" 2>/dev/null)" != "$kit" ]]; then
+            "$py/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall ./python \
+                && echo "$kit" >"$py/.converge-stamp"
         fi
     fi
-    if [[ "$(cat "$py/.converge-stamp" 2>/dev/null)" == "$stamp" && -x "$py/bin/python" ]]; then
+    if [[ "$(cat "$py/.converge-stamp" 2>/dev/null)" == "$kit" && -x "$py/bin/python" ]]; then
         export CONVERGE_PYTHON="$py/bin/python"
     fi
 fi
 if wants python; then
     if [[ -n "${CONVERGE_PYTHON:-}" ]]; then
+        [[ $quick == 1 || -z "${required[python]:-}" ]] || export CONVERGE_REQUIRE_TORCH=1
         "$CONVERGE_PYTHON" -m unittest discover -s python/tests
         # The PyTorch examples where CONVERGE_TORCH_PYTHON (or CONVERGE_PYTHON) has torch;
-        # otherwise they print why they are skipped.
+        # otherwise they print why they are skipped (a failure under CONVERGE_REQUIRE_TORCH).
         [[ $quick == 1 ]] || "$CONVERGE_PYTHON" -m unittest -v examples/pytorch/test_examples.py
     elif [[ $quick == 1 ]]; then
         python3 -m unittest discover -s python/tests

@@ -10,7 +10,14 @@ order depends only on the samples consumed, not on the world size: micro-batch j
 reads positions [samples + j*W*b + r*b, ... + b) of an endless stream of seeded per-epoch
 permutations, so a job resumes from its checkpoint at any world size. With a [batch] table
 the allocator's batch replaces --batch-size (with gradient accumulation when it plans
-extra micro-batches) and the learning rate follows the square-root rule from the reference.
+extra micro-batches). Goodput through converge_worker.torch.AdaptiveBatch: rank 0's progress
+lines carry the gradient statistics measured from each rank's gradient before the
+all-reduce (and from the micro-batches), and the learning rate follows AdaScale's gain
+(--lr-rule, default adascale; sqrt, linear or none). The data order is the kit's
+ElasticSampler: after a resize no sample of the epoch is read twice or skipped.
+
+`run(args, load, model_fn, name)` is the whole worker; ddp_resnet.py reuses it with a
+convolutional network.
 
 Every step the ranks agree on stopping (a SIGTERM seen by any rank stops all of them after
 the same step), so no rank is left waiting in a collective: rank 0 checkpoints the last
@@ -20,7 +27,6 @@ environment or checkpoint.
 """
 
 import argparse
-import contextlib
 import datetime
 import sys
 import time
@@ -34,22 +40,27 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from converge_worker import (
     EXIT_STOPPED,
+    LR_RULES,
     CheckpointError,
     CheckpointFenced,
     Contract,
     ContractError,
+    ElasticSampler,
     install_stop_handler,
     load_checkpoint,
     report_progress,
     save_checkpoint,
 )
+from converge_worker.torch import AdaptiveBatch
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
-CHECKPOINT_NAME = "ddp_mnist.pt"
+
+
+NAME = "ddp_mnist"
 
 
 def log(*args):
-    print("ddp_mnist:", *args, file=sys.stderr, flush=True)
+    print("%s:" % NAME, *args, file=sys.stderr, flush=True)
 
 
 def read_mnist(path):
@@ -66,28 +77,29 @@ def read_mnist(path):
     return torch.tensor(pixels) / 255.0, torch.tensor(labels)
 
 
-def positions(start, count, n, seed):
-    out, done = [], 0
-    while done < count:
-        epoch, offset = divmod(start + done, n)
-        take = min(count - done, n - offset)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        out.append(torch.randperm(n, generator=g)[offset:offset + take])
-        done += take
-    return torch.cat(out)
-
-
 def model_fn():
     return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 10))
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def load_mnist(args):
+    """(train x, train y, held-out x, held-out y) of the repository's MNIST subset."""
+    x, y = read_mnist(args.data_dir / "mnist_subset" / "mnist_train.csv")
+    xt, yt = read_mnist(args.data_dir / "mnist_subset" / "mnist_test.csv")
+    return x, y, xt, yt
+
+
+def parser(description):
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--data-dir", type=Path, default=DATA_DIR)
     p.add_argument("--epochs", type=float, default=20.0)
     p.add_argument("--batch-size", type=int, default=32,
                    help="samples per rank per step when the job has no [batch] table")
     p.add_argument("--lr", type=float, default=0.1, help="learning rate at 64 samples per step")
+    p.add_argument("--lr-rule", choices=LR_RULES, default="adascale",
+                   help="how the learning rate follows the planned batch (default adascale: "
+                        "AdaScale's gain from the gradient statistics, sqrt until the first)")
+    p.add_argument("--no-grad-stats", action="store_true",
+                   help="measure no gradient statistics (to time their overhead)")
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--log-every", type=int, default=10)
@@ -95,6 +107,10 @@ def parse_args(argv):
     p.add_argument("--checkpoint-every", type=float, default=10.0, help="seconds")
     p.add_argument("--step-delay-ms", type=float, default=0.0)
     p.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout")
+    return p
+
+
+def parse_args(p, argv):
     a = p.parse_args(argv)
     if a.batch_size < 1 or a.log_every < 1 or a.eval_every < 1:
         p.error("--batch-size, --log-every and --eval-every must be at least 1")
@@ -103,8 +119,12 @@ def parse_args(argv):
     return a
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def run(args, load, model_fn, name):
+    """One worker of the job: `load(args)` gives (x, y, held-out x, held-out y) tensors,
+    `model_fn()` the network; `name` the checkpoint file's stem."""
+    global NAME
+    NAME = name
+    checkpoint_name = name + ".pt"
     try:
         c = Contract.from_env()
     except ContractError as e:
@@ -119,21 +139,20 @@ def main(argv=None):
     if cuda:
         torch.cuda.set_device(device)  # CUDA_VISIBLE_DEVICES holds this rank's GPU(s) only
 
-    x, y = read_mnist(args.data_dir / "mnist_subset" / "mnist_train.csv")
-    xt, yt = read_mnist(args.data_dir / "mnist_subset" / "mnist_test.csv")
+    x, y, xt, yt = load(args)
     n = len(y)
     xt, yt = xt.to(device), yt.to(device)
     batch = c.batch_or(args.batch_size, reference=64)
-    lr = batch.scaled_lr(args.lr)
+    sampler = ElasticSampler(n, seed=args.seed)
     target = int(args.epochs * n)
 
     torch.manual_seed(args.seed)
     model = model_fn().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     step = samples = 0
     try:
         ckpt = load_checkpoint(
-            c.checkpoint_dir, generation=c.generation, name=CHECKPOINT_NAME,
+            c.checkpoint_dir, generation=c.generation, name=checkpoint_name,
             deserializer=lambda f: torch.load(f, map_location="cpu", weights_only=True),
         )
     except CheckpointFenced as e:
@@ -144,9 +163,7 @@ def main(argv=None):
         return 2
     if ckpt is not None:
         model.load_state_dict(ckpt.state["model"])
-        opt.load_state_dict(ckpt.state["optimizer"])
-        for group in opt.param_groups:  # the planned batch may have changed
-            group["lr"] = lr
+        opt.load_state_dict(ckpt.state["optimizer"])  # AdaptiveBatch sets the learning rate
         step, samples = int(ckpt.state["step"]), int(ckpt.state["samples"])
         log("resumed at step %d (%d samples) from generation %d" % (step, samples, ckpt.generation))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -158,16 +175,24 @@ def main(argv=None):
         timeout=datetime.timedelta(seconds=args.timeout_s),
     )
     ddp = DDP(model, device_ids=[0] if cuda else None)
-    log("rank %d of %d (%s), generation %d, batch %d x %d micro-batches x %d ranks = %d, lr %.4g"
-        % (c.rank, c.world_size, backend, c.generation, batch.per_worker,
-           batch.micro_batches, c.workers, batch.total, lr))
+    try:
+        ab = AdaptiveBatch(ddp, opt, batch, lr=args.lr, rule=args.lr_rule,
+                           measure=not args.no_grad_stats)
+        if ckpt is not None and "adaptive" in ckpt.state:
+            ab.load_state_dict(ckpt.state["adaptive"])
+    except (ContractError, ValueError) as e:
+        log("bad batch plan or checkpoint:", e)
+        dist.destroy_process_group()
+        return 2
+    log("rank %d of %d (%s), generation %d, %s"
+        % (c.rank, c.world_size, backend, c.generation, ab.describe()))
 
     def checkpoint():
         if c.rank == 0 and c.checkpoint_dir is not None:
             state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                     "step": step, "samples": samples}
+                     "adaptive": ab.state_dict(), "step": step, "samples": samples}
             save_checkpoint(state, c.checkpoint_dir, generation=c.generation,
-                            serializer=torch.save, name=CHECKPOINT_NAME,
+                            serializer=torch.save, name=checkpoint_name,
                             metadata={"step": step, "samples": samples})
 
     def eval_loss():
@@ -175,21 +200,18 @@ def main(argv=None):
             return float(F.cross_entropy(model(xt), yt))
 
     status, losses, last_ckpt = 0, [], time.monotonic()
+    first_step, timed_steps, timed_s = step, 0, 0.0
     try:
         while samples < target:
             started = time.monotonic()
             opt.zero_grad(set_to_none=True)
             loss_sum = torch.zeros((), device=device)
-            per_step = batch.per_worker * c.workers
-            for j in range(batch.micro_batches):
-                first = samples + j * per_step + c.rank * batch.per_worker
-                idx = positions(first, batch.per_worker, n, args.seed)
-                xb, yb = x[idx].to(device), y[idx].to(device)
-                last = j == batch.micro_batches - 1
-                ctx = contextlib.nullcontext() if last else ddp.no_sync()
-                with ctx:  # gradients are all-reduced on the last micro-batch only
-                    loss = F.cross_entropy(ddp(xb), yb) / batch.micro_batches
+            for micro in ab.micro_batches(sampler, samples, rank=c.rank):
+                xb, yb = x[micro.indices].to(device), y[micro.indices].to(device)
+                with micro.sync():  # gradients are all-reduced on the last micro-batch only
+                    loss = F.cross_entropy(ddp(xb), yb) * micro.weight
                     loss.backward()
+                ab.after_backward()
                 loss_sum += loss.detach()
             # Mean loss over ranks, and whether any rank was asked to stop.
             agreed = torch.stack([loss_sum, torch.tensor(float(stop.requested), device=device)])
@@ -197,8 +219,13 @@ def main(argv=None):
             if agreed[1].item() > 0:
                 status = EXIT_STOPPED
                 break
-            opt.step()
+            ab.step()  # gradient statistics, learning rate, optimizer step
             step += 1
+            if cuda:
+                torch.cuda.synchronize()
+            if step - first_step > 5:  # the first steps warm up kernels and allocators
+                timed_steps += 1
+                timed_s += time.monotonic() - started
             samples += batch.total
             losses.append(agreed[0].item() / c.workers)
             if args.step_delay_ms:
@@ -207,6 +234,7 @@ def main(argv=None):
                 extra = {}
                 if step % args.eval_every == 0 or samples >= target:
                     extra["eval_loss"] = eval_loss()
+                extra.update(ab.take_stats() or {})
                 report_progress(step, samples, sum(losses) / len(losses), epoch=samples / n,
                                 model_bytes=model_bytes, **extra)
                 losses = []
@@ -219,10 +247,18 @@ def main(argv=None):
         return 1
     finally:
         dist.destroy_process_group()
+    if timed_steps:
+        log("%d steps in this generation, %.2f ms per step after the first 5 (batch %d, lr %.4g, %s)"
+            % (step - first_step, 1000 * timed_s / timed_steps, batch.total, ab.lr, ab.applied_rule))
     if status == EXIT_STOPPED:
         log("stopped by signal %s at step %d%s" % (
             stop.signal, step, "; checkpointed" if c.rank == 0 and c.checkpoint_dir else ""))
     return status
+
+
+def main(argv=None):
+    args = parse_args(parser(__doc__.split("\n\n")[0]), argv)
+    return run(args, load_mnist, model_fn, "ddp_mnist")
 
 
 if __name__ == "__main__":

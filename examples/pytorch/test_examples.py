@@ -34,6 +34,8 @@ def torch_missing():
 
 
 SKIP = torch_missing()
+if SKIP and os.environ.get("CONVERGE_REQUIRE_TORCH") == "1":
+    raise SystemExit("CONVERGE_REQUIRE_TORCH=1 but " + SKIP)
 if SKIP:
     print("SKIPPED the PyTorch examples: " + SKIP, file=sys.stderr)
 
@@ -144,6 +146,11 @@ class Examples(unittest.TestCase):
             self.assertLess(lines[-1]["loss"], lines[0]["loss"])
             self.assertTrue(any("eval_loss" in p for p in lines))
             self.assertEqual(lines[-1]["model_bytes"], (784 * 256 + 256 + 256 * 10 + 10) * 4)
+            # Gradient statistics on every line (a lone worker splits its batch in halves),
+            # so the allocator can adapt the batch.
+            for p in lines:
+                self.assertGreater(p["grad_var"], 0, p)
+                self.assertGreaterEqual(p["grad_sqr"], 0, p)
 
     def test_ddp_mnist_takes_the_planned_batch(self):
         with tempfile.TemporaryDirectory() as ckpt:
@@ -158,9 +165,31 @@ class Examples(unittest.TestCase):
                     del os.environ[k]
             code, out, err = w.finish()
             self.assertEqual(code, 0, err)
-            self.assertIn("batch 16 x 2 micro-batches x 1 ranks = 32", err)
+            self.assertIn("batch 32 = 1 workers x 16 x 2 micro-batches", err)
             lines = progress_lines(out)
             self.assertEqual(lines[0]["samples"], 5 * 32)
+            self.assertIn("grad_var", lines[0])
+            self.assertIn("(sqrt (no gradient statistics yet))", err)  # AdaScale from then on
+
+    def test_ddp_resnet_two_ranks_adapt_stop_and_resume_on_one(self):
+        args = ["--width", "4", "--train-size", "512", "--test-size", "128", "--epochs", "2",
+                "--log-every", "2", "--eval-every", "4", "--batch-size", "16",
+                "--timeout-s", "60"]
+        with tempfile.TemporaryDirectory() as ckpt:
+            port = free_port()
+            ranks = [Worker("ddp_resnet.py", ckpt, 1, 2, r, port, args) for r in range(2)]
+            self.assertEqual(run_until_progress(ranks, 3), 3)
+            results = [w.finish() for w in ranks]
+            for code, _, err in results:
+                self.assertEqual(code, 143, err)
+            w = Worker("ddp_resnet.py", ckpt, 2, 1, 0, free_port(), args)
+            code, out, err = w.finish()
+            self.assertEqual(code, 0, err)
+            self.assertIn("resumed at step", err)
+            lines = progress_lines(out)
+            self.assertTrue(all("grad_var" in p for p in lines), lines)
+            self.assertLess(lines[-1]["loss"], 2.3)  # below chance (ln 10)
+            self.assertGreaterEqual(lines[-1]["epoch"], 2.0)
 
 
 if __name__ == "__main__":

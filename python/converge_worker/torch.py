@@ -92,7 +92,9 @@ class AdaptiveBatch:
 
     ``lr`` is the learning rate tuned at ``batch.reference`` samples per step; ``rule`` one
     of :data:`~converge_worker.gradstats.LR_RULES`; ``smoothing`` the statistics' moving
-    average per reference-sized step. Raises :class:`~converge_worker.ContractError` when
+    average per reference-sized step. ``measure=False`` measures nothing (no hook, no
+    split, no copies: for timing the statistics' overhead; ``adascale`` then stays at its
+    ``sqrt`` fallback unless a checkpoint brought statistics). Raises :class:`~converge_worker.ContractError` when
     ``batch`` does not fit the process group (``total != workers x per_worker x
     micro-batches``) and ``ValueError`` on a bad rule, ``lr`` or smoothing: before any step.
     """
@@ -107,6 +109,7 @@ class AdaptiveBatch:
         rule: str = "adascale",
         smoothing: float = 0.99,
         split_single: bool = True,
+        measure: bool = True,
     ) -> None:
         if rule not in LR_RULES:
             raise ValueError("unknown learning-rate rule %r: one of %s" % (rule, ", ".join(LR_RULES)))
@@ -125,7 +128,8 @@ class AdaptiveBatch:
                 "does not fit a process group of %d workers"
                 % (batch.total, batch.per_worker, batch.micro_batches, self.workers)
             )
-        self.split = split_single and self.workers == 1 and batch.micro_batches == 1 and batch.per_worker >= 2
+        self.measure = measure
+        self.split = measure and split_single and self.workers == 1 and batch.micro_batches == 1 and batch.per_worker >= 2
         self.passes = 2 if self.split else batch.micro_batches
         self.stats = SmoothedStats(smoothing)
         self.window = StatsWindow()
@@ -140,7 +144,7 @@ class AdaptiveBatch:
         self._pass = 0
         self._weights: List[float] = []
         self._hook_weight = 1.0
-        self._hooked = self.ddp and self.workers > 1
+        self._hooked = measure and self.ddp and self.workers > 1
         if self._hooked:
             model.register_comm_hook(self, AdaptiveBatch._comm_hook)
 
@@ -170,7 +174,7 @@ class AdaptiveBatch:
         j = self._pass
         self._pass += 1
         last = self._pass == self.passes
-        if last and self._hooked:
+        if not self.measure or (last and self._hooked):
             return  # the communication hook read it before the all-reduce
         grads = [p.grad for p in self._params if p.grad is not None]
         if not grads:
@@ -194,7 +198,7 @@ class AdaptiveBatch:
             )
         grads = [p.grad for p in self._params if p.grad is not None]
         estimate: Optional[Tuple[float, float]] = None
-        if grads and self._local is not None:
+        if self.measure and grads and self._local is not None:
             total_sqr = _sqr_norm(grads)
             local = self._local.reshape(1).to(total_sqr.dtype)
             if self.workers > 1:
