@@ -405,17 +405,18 @@ async fn batch_jobs_get_their_batch_and_the_one_without_statistics_stays_fixed()
     plan.check(adapt.world_size).unwrap();
     assert!(b.noise_scale.is_some_and(|n| n > 0.0), "{b:?}");
     assert_eq!(b.ignored_gradient_stats, 0);
-    // The trainer read the plan: its log names the planned total.
+    // The trainer read the plan: its log names the planned total, and its learning rate
+    // follows AdaScale's gain (its default rule) from its gradient statistics.
     let log = work
         .path()
         .join(format!("logs/adapt/gen{}-rank0.log", adapt.generation));
     let expect = format!("planned batch {} ", plan.total);
     wait_for(
         Duration::from_secs(30),
-        "the trainer's log names the planned batch",
+        "the trainer's log names the planned batch and AdaScale's gain",
         || async {
             let text = std::fs::read_to_string(&log).ok()?;
-            text.contains(&expect).then_some(())
+            (text.contains(&expect) && text.contains("AdaScale from step")).then_some(())
         },
     )
     .await;
@@ -431,6 +432,14 @@ async fn batch_jobs_get_their_batch_and_the_one_without_statistics_stays_fixed()
     let b = fixed.batch.as_ref().unwrap();
     assert!(!b.adaptive && b.gradient_reports == 0, "{b:?}");
     assert_eq!(b.plan.unwrap().total, 32, "keeps its reference batch");
+    let log = work
+        .path()
+        .join(format!("logs/fixed/gen{}-rank0.log", fixed.generation));
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        text.contains("AdaScale needs the gradient statistics"),
+        "without statistics the trainer says it uses the square-root rule: {text}"
+    );
 
     let out = converge(&nats, &["jobs"]);
     let table = String::from_utf8_lossy(&out.stdout);

@@ -22,6 +22,30 @@
 //! mean of the per-step estimates since the previous line, each clamped at 0 (an estimate
 //! is negative when the gradient is small next to its noise; the contract takes no negative
 //! value); a line whose two means are both 0 carries none.
+//!
+//! # AdaScale (the default `--lr-scaling`)
+//!
+//! The worker also keeps the per-step estimates as AdaptDL's `GradientNoiseScale` does
+//! ([`SmoothedStats`]: bias-corrected moving averages, a step of `S = total / reference`
+//! reference batches decaying the past by `0.999^S`, so the memory is about `1000 / S`
+//! steps) and sets every step's learning rate to `lr₀ · gain` with AdaScale's gain
+//! (Johnson et al., "AdaScale SGD", ICML 2020; AdaptDL's `AdaScale` rule)
+//!
+//! ```text
+//! gain = (grad_var/reference + grad_sqr) / (grad_var/total + grad_sqr)     ∈ [1, S]
+//! ```
+//!
+//! `grad_var` being one sample's variance, `grad_var / reference` is the variance of the
+//! gradient at the reference batch (AdaptDL's `var`), so this is AdaptDL's
+//! `(var + sqr) / (var/S + sqr)`. It is also `S` times the allocator's statistical
+//! efficiency `(φ + B₀)/(φ + B)` with `φ = grad_var / grad_sqr` (`sched/src/goodput.rs`):
+//! AdaScale is the rule under which a step at `B` makes the progress the allocator's goodput
+//! model assumes. Each step advances AdaScale's *scale-invariant progress* by its gain (steps
+//! at the reference batch); the trainer logs it and keeps it in the checkpoint but stops by
+//! samples (`--epochs`) or steps (`--max-steps`) as before. The step's own estimate enters
+//! the averages before its gain is taken (as in AdaptDL), so with statistics on every step
+//! has a gain; a step without (statistics off, a step of a single sample) uses the
+//! square-root rule.
 
 use anyhow::{Context, Result, ensure};
 use clap::ValueEnum;
@@ -101,8 +125,13 @@ impl ContractBatch {
 /// How the learning rate follows the total batch (`--lr-scaling`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
 pub enum LrScaling {
-    /// `lr = lr₀ · √(total / reference)` (Krizhevsky 2014; Hoffer et al. 2017).
+    /// AdaScale (Johnson et al., ICML 2020, as AdaptDL implements it): `lr = lr₀ · gain`,
+    /// the gain from the smoothed gradient statistics ([`adascale_gain`]); the
+    /// square-root rule until the first statistics exist or without them.
     #[default]
+    #[value(name = "adascale")]
+    AdaScale,
+    /// `lr = lr₀ · √(total / reference)` (Krizhevsky 2014; Hoffer et al. 2017).
     Sqrt,
     /// `lr = lr₀ · total / reference` (Goyal et al. 2017).
     Linear,
@@ -112,14 +141,124 @@ pub enum LrScaling {
 
 impl LrScaling {
     /// The learning rate for a total batch of `total` samples when `lr0` was tuned at
-    /// `reference` samples.
+    /// `reference` samples, by a rule that needs no statistics: AdaScale's is its
+    /// fallback, the square-root rule.
     pub fn scale(self, lr0: f64, total: usize, reference: usize) -> f64 {
         let ratio = total as f64 / reference.max(1) as f64;
         match self {
-            LrScaling::Sqrt => lr0 * ratio.sqrt(),
+            LrScaling::Sqrt | LrScaling::AdaScale => lr0 * ratio.sqrt(),
             LrScaling::Linear => lr0 * ratio,
             LrScaling::None => lr0,
         }
+    }
+
+    /// The rule's name as `--lr-scaling` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            LrScaling::AdaScale => "adascale",
+            LrScaling::Sqrt => "sqrt",
+            LrScaling::Linear => "linear",
+            LrScaling::None => "none",
+        }
+    }
+}
+
+/// AdaScale's gain ratio for a total batch of `total` samples when the learning rate was
+/// tuned at `reference`, from `grad_sqr` (`|G|²`) and `grad_var` (the variance of **one**
+/// sample's gradient, so `grad_var / b` is the variance of a gradient averaged over `b`
+/// samples):
+///
+/// ```text
+/// gain = (grad_var/reference + grad_sqr) / (grad_var/total + grad_sqr)
+/// ```
+///
+/// which is AdaptDL's `(var + sqr) / (var/S + sqr)` with `S = total / reference` and
+/// `var = grad_var / reference` (the variance at the reference batch). It lies between 1
+/// and `S`: 1 when the gradient is exact (`grad_var = 0`), `S` when it is all noise
+/// (`grad_sqr = 0`). `None` for negative, non-finite or all-zero statistics.
+pub fn adascale_gain(grad_sqr: f64, grad_var: f64, total: usize, reference: usize) -> Option<f64> {
+    if !(grad_sqr.is_finite() && grad_var.is_finite())
+        || grad_sqr < 0.0
+        || grad_var < 0.0
+        || grad_sqr + grad_var <= 0.0
+        || total == 0
+        || reference == 0
+    {
+        return None;
+    }
+    let gain = (grad_var / reference as f64 + grad_sqr) / (grad_var / total as f64 + grad_sqr);
+    gain.is_finite().then_some(gain)
+}
+
+/// The smoothed gradient statistics a worker keeps across steps (and in its checkpoint)
+/// for AdaScale, as AdaptDL's `GradientNoiseScale` keeps them: bias-corrected exponential
+/// moving averages of the per-step estimates ([`step_estimate`], unclamped), a step of
+/// `total` samples decaying the earlier ones by `0.999^(total / reference)`. `grad_var`
+/// is kept per sample, so the averages hold across changes of batch. `progress` is
+/// AdaScale's scale-invariant progress: the sum of the steps' gains, in steps at the
+/// reference batch (1 for a step without statistics).
+#[derive(Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize)]
+pub struct SmoothedStats {
+    /// Biased moving average of `grad_sqr`.
+    pub sqr_biased: f64,
+    /// Biased moving average of `grad_var` (per sample).
+    pub var_biased: f64,
+    /// The weight the biased averages hold, `1 − Πθ` (0 before the first estimate).
+    pub unbias: f64,
+    /// Steps with an estimate.
+    pub observations: u64,
+    /// Scale-invariant progress: `Σ gain` over the steps, in reference-batch steps.
+    pub progress: f64,
+}
+
+impl SmoothedStats {
+    /// AdaptDL's smoothing per reference batch of samples.
+    pub const SMOOTHING: f64 = 0.999;
+
+    /// Adds one step's estimate (if any) of a step of `total` samples.
+    pub fn observe(&mut self, estimate: Option<(f64, f64)>, total: usize, reference: usize) {
+        let Some((sqr, var)) = estimate else {
+            return;
+        };
+        if !(sqr.is_finite() && var.is_finite()) {
+            return;
+        }
+        let theta = Self::SMOOTHING.powf(total as f64 / reference.max(1) as f64);
+        self.sqr_biased = theta * self.sqr_biased + (1.0 - theta) * sqr;
+        self.var_biased = theta * self.var_biased + (1.0 - theta) * var;
+        self.unbias = theta * self.unbias + (1.0 - theta);
+        self.observations += 1;
+    }
+
+    /// The smoothed `(grad_sqr, grad_var)`, each clamped at 0; `None` before the first
+    /// estimate or when both are 0.
+    pub fn estimate(&self) -> Option<(f64, f64)> {
+        if self.unbias <= 0.0 {
+            return None;
+        }
+        let sqr = (self.sqr_biased / self.unbias).max(0.0);
+        let var = (self.var_biased / self.unbias).max(0.0);
+        (sqr.is_finite() && var.is_finite() && sqr + var > 0.0).then_some((sqr, var))
+    }
+
+    /// AdaScale's gain from the smoothed statistics ([`adascale_gain`]).
+    pub fn gain(&self, total: usize, reference: usize) -> Option<f64> {
+        let (sqr, var) = self.estimate()?;
+        adascale_gain(sqr, var, total, reference)
+    }
+
+    /// Advances the scale-invariant progress by one step's `gain` (1 without statistics).
+    pub fn advance(&mut self, gain: Option<f64>) {
+        self.progress += gain.unwrap_or(1.0);
+    }
+
+    /// Whether every field is finite and in range (a checkpoint's are checked).
+    pub fn is_valid(&self) -> bool {
+        self.sqr_biased.is_finite()
+            && self.var_biased.is_finite()
+            && (0.0..=1.0).contains(&self.unbias)
+            && self.progress.is_finite()
+            && self.progress >= 0.0
     }
 }
 
@@ -235,6 +374,102 @@ mod tests {
         assert!((LrScaling::Linear.scale(0.1, 256, 64) - 0.4).abs() < 1e-12);
         assert_eq!(LrScaling::None.scale(0.1, 256, 64), 0.1);
         assert_eq!(LrScaling::Sqrt.scale(0.1, 64, 64), 0.1);
+        // AdaScale's rule without statistics is the square-root rule.
+        assert_eq!(LrScaling::AdaScale.scale(0.1, 256, 64), 0.2);
+        for rule in [
+            LrScaling::AdaScale,
+            LrScaling::Sqrt,
+            LrScaling::Linear,
+            LrScaling::None,
+        ] {
+            assert_eq!(LrScaling::from_str(rule.name(), false), Ok(rule));
+        }
+    }
+
+    #[test]
+    fn adascale_gain_lies_between_one_and_the_scale() {
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12 * b.max(1.0);
+        // At the reference batch the gain is 1 whatever the statistics.
+        for (sqr, var) in [(1.0, 0.0), (0.0, 1.0), (0.02, 3.0)] {
+            assert!(close(adascale_gain(sqr, var, 64, 64).unwrap(), 1.0));
+        }
+        // All noise (|G|² = 0): the linear rule's S; an exact gradient: 1.
+        assert!(close(adascale_gain(0.0, 2.5, 256, 64).unwrap(), 4.0));
+        assert!(close(adascale_gain(0.3, 0.0, 256, 64).unwrap(), 1.0));
+        // Units: grad_var is one sample's variance. At the noise scale grad_var/grad_sqr =
+        // 64 samples = the reference, the reference batch's gradient is half noise:
+        // (1/64·64 + 1)/(64/256 + 1) = 2/1.25.
+        assert!(close(adascale_gain(1.0, 64.0, 256, 64).unwrap(), 1.6));
+        // AdaptDL's form, (var + sqr)/(var/S + sqr) with var at the reference batch.
+        let (sqr, var, total, reference) = (0.0153, 2.41, 512usize, 32usize);
+        let s = total as f64 / reference as f64;
+        let v = var / reference as f64;
+        assert!(close(
+            adascale_gain(sqr, var, total, reference).unwrap(),
+            (v + sqr) / (v / s + sqr)
+        ));
+        // S times the allocator's statistical efficiency (φ + B₀)/(φ + B), φ = var/sqr.
+        let phi = var / sqr;
+        assert!(close(
+            adascale_gain(sqr, var, total, reference).unwrap(),
+            s * (phi + reference as f64) / (phi + total as f64)
+        ));
+        // Always in [1, S], rising with the noise.
+        let mut last = 1.0;
+        for var in [0.0, 0.01, 0.1, 1.0, 10.0, 100.0, 1e4] {
+            let g = adascale_gain(0.05, var, 512, 32).unwrap();
+            assert!((1.0..=16.0).contains(&g) && g >= last, "{var}: {g}");
+            last = g;
+        }
+        for (sqr, var) in [(0.0, 0.0), (-1.0, 1.0), (1.0, -1.0), (f64::NAN, 1.0)] {
+            assert_eq!(adascale_gain(sqr, var, 256, 64), None, "{sqr} {var}");
+        }
+        assert_eq!(adascale_gain(1.0, 1.0, 256, 0), None);
+    }
+
+    #[test]
+    fn smoothed_statistics_are_bias_corrected_moving_averages() {
+        let mut s = SmoothedStats::default();
+        // Before any estimate: no statistics, no gain (the trainer falls back to sqrt).
+        assert_eq!(s.estimate(), None);
+        assert_eq!(s.gain(256, 64), None);
+        s.observe(None, 256, 64);
+        assert_eq!(s.gain(256, 64), None);
+        s.advance(None);
+        assert_eq!((s.observations, s.progress), (0, 1.0));
+        // The first estimate is taken whole; a constant one stays exact.
+        s.observe(Some((0.5, 8.0)), 256, 64);
+        let (sqr, var) = s.estimate().unwrap();
+        assert!((sqr - 0.5).abs() < 1e-12 && (var - 8.0).abs() < 1e-12);
+        for _ in 0..50 {
+            s.observe(Some((0.5, 8.0)), 256, 64);
+        }
+        let (sqr, var) = s.estimate().unwrap();
+        assert!((sqr - 0.5).abs() < 1e-12 && (var - 8.0).abs() < 1e-12);
+        assert_eq!(s.observations, 51);
+        // A step of S reference batches decays the past by 0.999^S: after a change the
+        // average moves by (1 - 0.999^4) / unbias of the difference.
+        let before = s;
+        s.observe(Some((1.5, 8.0)), 256, 64);
+        let theta = 0.999f64.powi(4);
+        let unbias = theta * before.unbias + (1.0 - theta);
+        let expect = 0.5 + (1.0 - theta) / unbias;
+        assert!((s.estimate().unwrap().0 - expect).abs() < 1e-12);
+        // Negative averages are clamped at use, not at entry (as AdaptDL does).
+        let mut n = SmoothedStats::default();
+        n.observe(Some((-0.2, 4.0)), 128, 32);
+        assert_eq!(n.estimate(), Some((0.0, 4.0)));
+        assert!((n.gain(128, 32).unwrap() - 4.0).abs() < 1e-12);
+        n.observe(Some((0.6, -8.0)), 128, 32);
+        assert!(n.estimate().unwrap().1 == 0.0);
+        assert!((n.gain(128, 32).unwrap() - 1.0).abs() < 1e-12);
+        // Progress advances by the gain: in steps at the reference batch.
+        let mut p = SmoothedStats::default();
+        p.advance(Some(3.5));
+        p.advance(Some(2.0));
+        assert_eq!(p.progress, 5.5);
+        assert!(p.is_valid() && s.is_valid());
+        assert!(!SmoothedStats { unbias: 2.0, ..p }.is_valid());
     }
 
     /// Per-sample gradients `G + ε` with `ε ~ N(0, σ²·I)` in `d` dimensions: the estimates,

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail, ensure};
 use serde::{Deserialize, Serialize};
 
+use crate::batch::SmoothedStats;
 use crate::data::DatasetName;
 use crate::model::{Model, ModelKind};
 
@@ -54,6 +55,10 @@ pub struct Checkpoint {
     /// the checkpoint ([`crate::shadow`]); other modes ignore it and write none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_velocity: Option<Vec<f64>>,
+    /// The smoothed gradient statistics and AdaScale's scale-invariant progress
+    /// ([`SmoothedStats`]), when the job has any: a resumed AdaScale job keeps its gain.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scaling: Option<SmoothedStats>,
 }
 
 /// The checkpoint's path inside `dir`.
@@ -100,6 +105,10 @@ impl Checkpoint {
                 .chain(self.block_velocity.iter().flatten())
                 .all(|v| v.is_finite()),
             "the checkpoint holds non-finite values"
+        );
+        ensure!(
+            self.scaling.is_none_or(|s| s.is_valid()),
+            "the checkpoint's smoothed gradient statistics are out of range"
         );
         Ok(())
     }
@@ -164,6 +173,13 @@ mod tests {
                 .collect(),
             momentum: (0..n).map(|i| -(i as f64) * 1e-7 / 7.0).collect(),
             block_velocity: None,
+            scaling: Some(SmoothedStats {
+                sqr_biased: -0.0123 / 7.0,
+                var_biased: 2.41 / 3.0,
+                unbias: 0.3,
+                observations: 300,
+                progress: 612.5,
+            }),
         }
     }
 
@@ -229,6 +245,23 @@ mod tests {
         velocity.block_velocity = Some(vec![0.5; model.num_params()]);
         velocity
             .check_compatible(DatasetName::Optdigits, &model)
+            .unwrap();
+        for bad in [f64::NAN, 1.5, -0.1] {
+            let mut stats = ckpt.clone();
+            stats.scaling.as_mut().unwrap().unbias = bad;
+            assert!(
+                stats
+                    .check_compatible(DatasetName::Optdigits, &model)
+                    .is_err(),
+                "unbias {bad}"
+            );
+        }
+        // A checkpoint of an older trainer, without statistics, still reads.
+        let mut old = serde_json::to_value(&ckpt).unwrap();
+        old.as_object_mut().unwrap().remove("scaling");
+        let old: Checkpoint = serde_json::from_value(old).unwrap();
+        assert_eq!(old.scaling, None);
+        old.check_compatible(DatasetName::Optdigits, &model)
             .unwrap();
         let mut future = ckpt;
         future.format_version = 99;

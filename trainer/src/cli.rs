@@ -36,8 +36,10 @@ Worker environment (torchrun-compatible, set by the node agent):
                             (samples per worker per micro-batch, extra micro-batches per step,
                             samples per step over all workers, the total --lr is tuned for);
                             they override --batch-size, and the learning rate follows
-                            --lr-scaling (default lr = --lr x sqrt(total / reference)).
-                            Ignored in parameter-server mode.
+                            --lr-scaling (default adascale: lr = --lr x AdaScale's gain
+                            from the smoothed gradient statistics, between 1 and
+                            total / reference; see --lr-scaling). Ignored in
+                            parameter-server and ShadowSync modes.
 
 Parameter-server mode (CONVERGE_NUM_PS=p): WORLD_SIZE counts every process. Ranks
 0..WORLD_SIZE-p are workers (the data-parallel world is WORLD_SIZE-p, the global batch
@@ -103,9 +105,16 @@ pub struct Args {
     pub batch_size: usize,
 
     /// How the learning rate follows the planned total batch (CONVERGE_TOTAL_BATCH) when
-    /// --lr was tuned at CONVERGE_REFERENCE_BATCH: sqrt (lr x sqrt(total/reference)), linear
-    /// (lr x total/reference) or none.
-    #[arg(long, value_enum, default_value_t = LrScaling::Sqrt)]
+    /// --lr was tuned at CONVERGE_REFERENCE_BATCH. adascale: lr x gain, AdaScale's gain
+    /// (grad_var/reference + grad_sqr) / (grad_var/total + grad_sqr) from AdaptDL's smoothed
+    /// gradient statistics (grad_var per sample), every step, between 1 (exact gradients)
+    /// and total/reference (all noise); a step without statistics (--no-grad-stats, or a
+    /// batch of one sample) uses the square-root rule, which the log says. The statistics
+    /// are kept in the checkpoint, so a new generation continues with them; the log shows
+    /// AdaScale's scale-invariant progress (the sum of the gains, in steps at the reference
+    /// batch), which the stop rule does not use: --epochs and --max-steps count samples and
+    /// steps. sqrt: lr x sqrt(total/reference); linear: lr x total/reference; none: lr.
+    #[arg(long, value_enum, default_value_t = LrScaling::AdaScale)]
     pub lr_scaling: LrScaling,
 
     /// Leave the gradient statistics (grad_sqr, grad_var) out of the progress lines: a job
@@ -572,6 +581,7 @@ mod tests {
             (32, 64, 1, 10, 100)
         );
         assert_eq!((a.momentum, a.epochs, a.checkpoint_every), (0.9, 5.0, 15.0));
+        assert_eq!(a.lr_scaling, LrScaling::AdaScale);
         a.validate().unwrap();
         let a = Args::try_parse_from(["converge-trainer", "--dataset", "a9a", "--model", "mlp"])
             .unwrap();

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 
-use crate::batch::{StatsWindow, significant, step_estimate};
+use crate::batch::{
+    ContractBatch, LrScaling, SmoothedStats, StatsWindow, significant, step_estimate,
+};
 use crate::checkpoint::{self, Checkpoint};
 use crate::cli::{Args, WorkerEnv};
 use crate::data::{self, Dataset, Split, Task};
@@ -243,6 +245,9 @@ struct State {
     /// mode the momentum lives on the shards and worker 0 pulls it only when it
     /// checkpoints.
     momentum_fresh: bool,
+    /// The smoothed gradient statistics and AdaScale's progress (ring mode; kept unchanged
+    /// by the other modes).
+    scaling: SmoothedStats,
 }
 
 impl State {
@@ -275,7 +280,16 @@ struct Trainer<'a> {
     who: String,
     data: Dataset,
     model: Model,
+    /// The learning rate of every step; with AdaScale, of the steps without statistics
+    /// (the square-root rule).
     lr: f64,
+    /// `--lr` (or the model's default), tuned at the reference batch.
+    lr0: f64,
+    /// The planned batch, when this mode applies it (ring mode).
+    batch: Option<ContractBatch>,
+    /// Whether the learning rate follows AdaScale's gain (`--lr-scaling adascale`, a planned
+    /// batch and gradient statistics).
+    adascale: bool,
     /// Samples per worker per micro-batch (`CONVERGE_BATCH_SIZE`, else `--batch-size`).
     per_worker: usize,
     /// Extra micro-batches per optimizer step (`CONVERGE_ACCUM_STEPS`).
@@ -293,32 +307,46 @@ impl<'a> Trainer<'a> {
         args.check_shadow_env(env).map_err(refuse)?;
         let kind = args.model_kind();
         let lr0 = args.learning_rate();
-        let (per_worker, accum_steps, lr) = match env.batch {
+        let grad_stats = env.num_ps == 0 && args.shadow.is_none() && !args.no_grad_stats;
+        let mut adascale = false;
+        let (per_worker, accum_steps, lr, batch) = match env.batch {
             Some(_) if args.shadow.is_some() => {
                 eprintln!(
                     "{who}: ShadowSync mode ignores the planned batch (CONVERGE_BATCH_SIZE); using --batch-size"
                 );
-                (args.batch_size, 0, lr0)
+                (args.batch_size, 0, lr0, None)
             }
             Some(b) if env.num_ps == 0 => {
                 let lr = args.lr_scaling.scale(lr0, b.total, b.reference);
-                eprintln!(
-                    "{who}: planned batch {} ({} per worker x {} micro-batch(es)), reference {}: lr {lr0} scaled to {lr} ({:?} rule)",
+                let planned = format!(
+                    "{who}: planned batch {} ({} per worker x {} micro-batch(es)), reference {}",
                     b.total,
                     b.per_worker,
                     b.accum_steps + 1,
                     b.reference,
-                    args.lr_scaling
                 );
-                (b.per_worker, b.accum_steps, lr)
+                match args.lr_scaling {
+                    LrScaling::AdaScale if grad_stats => {
+                        adascale = true;
+                        eprintln!(
+                            "{planned}: lr {lr0} x AdaScale gain (1 to {:.4}) from the smoothed gradient statistics; square-root rule (lr {lr}) for a step without statistics",
+                            b.total as f64 / b.reference as f64
+                        )
+                    }
+                    LrScaling::AdaScale => eprintln!(
+                        "{planned}: AdaScale needs the gradient statistics, which --no-grad-stats turns off: lr {lr0} scaled to {lr} by the square-root rule instead"
+                    ),
+                    rule => eprintln!("{planned}: lr {lr0} scaled to {lr} ({} rule)", rule.name()),
+                }
+                (b.per_worker, b.accum_steps, lr, Some(b))
             }
             Some(_) => {
                 eprintln!(
                     "{who}: parameter-server mode ignores the planned batch (CONVERGE_BATCH_SIZE); using --batch-size"
                 );
-                (args.batch_size, 0, lr0)
+                (args.batch_size, 0, lr0, None)
             }
-            None => (args.batch_size, 0, lr0),
+            None => (args.batch_size, 0, lr0, None),
         };
         let global = per_worker * (accum_steps + 1) * env.workers();
         eprintln!(
@@ -373,9 +401,12 @@ impl<'a> Trainer<'a> {
             data,
             model,
             lr,
+            lr0,
+            batch,
+            adascale,
             per_worker,
             accum_steps,
-            grad_stats: env.num_ps == 0 && args.shadow.is_none() && !args.no_grad_stats,
+            grad_stats,
             eval_idx,
             ckpt_dir,
         })
@@ -396,6 +427,7 @@ impl<'a> Trainer<'a> {
                 params: self.model.init(self.args.seed),
                 momentum: vec![0.0; self.model.num_params()],
                 momentum_fresh: true,
+                scaling: SmoothedStats::default(),
             });
         };
         // Generation 0: run by hand, outside a Converge generation (allocators start at 1).
@@ -422,6 +454,7 @@ impl<'a> Trainer<'a> {
             params: ck.params,
             momentum: ck.momentum,
             momentum_fresh: true,
+            scaling: ck.scaling.unwrap_or_default(),
         })
     }
 
@@ -445,6 +478,7 @@ impl<'a> Trainer<'a> {
                 params: Vec::new(),
                 momentum: Vec::new(),
                 momentum_fresh: false,
+                scaling: SmoothedStats::default(),
             }
         };
         let mut sync = Sync::Alone;
@@ -477,6 +511,8 @@ impl<'a> Trainer<'a> {
                 params: start.params,
                 momentum_fresh: rank0,
                 momentum: start.momentum,
+                // Worker 0's, from its checkpoint: parameter-server mode keeps it unchanged.
+                scaling: state.scaling,
             };
             sync = Sync::Ps(client);
         } else if env.world_size > 1 {
@@ -531,6 +567,19 @@ impl<'a> Trainer<'a> {
             Vec::new()
         };
         let mut stats = StatsWindow::default();
+        // The batch the smoothed statistics and AdaScale's gain are measured against.
+        let (total, reference) = match self.batch {
+            Some(b) => (b.total, b.reference),
+            None => (global_batch as usize, global_batch as usize),
+        };
+        // The gain of the latest step, while AdaScale sets the learning rate.
+        let mut adascale_gain: Option<f64> = None;
+        if self.adascale && rank0 && state.scaling.estimate().is_some() {
+            eprintln!(
+                "{}: AdaScale starts from the checkpoint's smoothed gradient statistics ({} steps observed, scale-invariant progress {:.1})",
+                self.who, state.scaling.observations, state.scaling.progress
+            );
+        }
         let mut order = DataOrder::new(state.seed, n_train);
         // Set when a parameter-server shard received a termination signal.
         let mut ps_stop_requested = false;
@@ -658,11 +707,45 @@ impl<'a> Trainer<'a> {
                         state.step + 1
                     );
                 }
-                if self.grad_stats {
+                // Every rank holds the same sums, so every rank finds the same estimates,
+                // gain and learning rate.
+                let gain = if self.grad_stats {
                     let total_sqr: f64 = buf[..p].iter().map(|g| (g / count).powi(2)).sum();
                     let micro = buf[p + 4];
-                    stats.add(step_estimate(total_sqr, buf[p + 3] / micro, micro, count));
-                }
+                    let estimate = step_estimate(total_sqr, buf[p + 3] / micro, micro, count);
+                    stats.add(estimate);
+                    state.scaling.observe(estimate, total, reference);
+                    state.scaling.gain(total, reference)
+                } else {
+                    None
+                };
+                state.scaling.advance(gain);
+                let lr = match gain {
+                    Some(g) if self.adascale => {
+                        if rank0 && adascale_gain.is_none() {
+                            eprintln!(
+                                "{}: AdaScale from step {} on: gain {g:.4}, lr {:.6}",
+                                self.who,
+                                state.step + 1,
+                                self.lr0 * g
+                            );
+                        }
+                        adascale_gain = Some(g);
+                        self.lr0 * g
+                    }
+                    _ => {
+                        if rank0 && adascale_gain.is_some() {
+                            eprintln!(
+                                "{}: AdaScale has no statistics at step {}: square-root rule, lr {}",
+                                self.who,
+                                state.step + 1,
+                                self.lr
+                            );
+                        }
+                        adascale_gain = None;
+                        self.lr
+                    }
+                };
                 let mu = args.momentum;
                 for ((w, m), g) in state
                     .params
@@ -671,7 +754,7 @@ impl<'a> Trainer<'a> {
                     .zip(&buf[..p])
                 {
                     *m = mu * *m + g / count;
-                    *w -= self.lr * *m;
+                    *w -= lr * *m;
                 }
                 mean_loss
             };
@@ -692,6 +775,15 @@ impl<'a> Trainer<'a> {
                 let sync_s = window_sync.as_secs_f64() / window_steps as f64;
                 state.last_loss = Some(loss);
                 self.report(&state, loss, evaluate, Some(sync_s), stats.take());
+                if evaluate && let Some(g) = adascale_gain {
+                    eprintln!(
+                        "{}: step {}: AdaScale gain {g:.4}, lr {:.6}, scale-invariant progress {:.1} steps at the reference batch",
+                        self.who,
+                        state.step,
+                        self.lr0 * g,
+                        state.scaling.progress
+                    );
+                }
                 window_loss = 0.0;
                 window_sync = Duration::ZERO;
                 window_steps = 0;
@@ -857,6 +949,7 @@ impl<'a> Trainer<'a> {
             params: state.params.clone(),
             momentum: state.momentum.clone(),
             block_velocity: block_velocity.map(<[f64]>::to_vec),
+            scaling: (state.scaling != SmoothedStats::default()).then_some(state.scaling),
         }
         .write_atomic(dir)
     }
@@ -935,7 +1028,8 @@ impl<'a> Trainer<'a> {
 /// ranks contribute zeros (x + 0 is exact, so the copy is bit-identical).
 fn broadcast_state(ring: &mut Ring, state: &mut State, who: &str) -> Result<()> {
     let p = state.params.len();
-    let mut buf = vec![0.0; 6 + 2 * p];
+    let mut buf = vec![0.0; 11 + 2 * p];
+    let x = 6 + 2 * p;
     if ring.rank() == 0 {
         buf[0] = state.step as f64;
         buf[1] = state.samples as f64;
@@ -944,7 +1038,15 @@ fn broadcast_state(ring: &mut Ring, state: &mut State, who: &str) -> Result<()> 
         buf[4] = if state.last_loss.is_some() { 1.0 } else { 0.0 };
         buf[5] = state.last_loss.unwrap_or(0.0);
         buf[6..6 + p].copy_from_slice(&state.params);
-        buf[6 + p..].copy_from_slice(&state.momentum);
+        buf[6 + p..x].copy_from_slice(&state.momentum);
+        let s = &state.scaling;
+        buf[x..].copy_from_slice(&[
+            s.sqr_biased,
+            s.var_biased,
+            s.unbias,
+            s.observations as f64,
+            s.progress,
+        ]);
     }
     ring.all_reduce_sum(&mut buf)?;
     let theirs = State {
@@ -953,8 +1055,15 @@ fn broadcast_state(ring: &mut Ring, state: &mut State, who: &str) -> Result<()> 
         seed: ((buf[2] as u64) << 32) | buf[3] as u64,
         last_loss: (buf[4] > 0.0).then_some(buf[5]),
         params: buf[6..6 + p].to_vec(),
-        momentum: buf[6 + p..].to_vec(),
+        momentum: buf[6 + p..x].to_vec(),
         momentum_fresh: true,
+        scaling: SmoothedStats {
+            sqr_biased: buf[x],
+            var_biased: buf[x + 1],
+            unbias: buf[x + 2],
+            observations: buf[x + 3] as u64,
+            progress: buf[x + 4],
+        },
     };
     if ring.rank() != 0 && (theirs.step != state.step || theirs.samples != state.samples) {
         eprintln!(

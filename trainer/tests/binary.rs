@@ -1,5 +1,6 @@
 //! End-to-end tests of the `converge-trainer` binary: two ranks on loopback, resume at
-//! another world size, SIGTERM handling and refusal of a mismatched checkpoint.
+//! another world size, SIGTERM handling, refusal of a mismatched checkpoint and the
+//! learning-rate rules at a planned batch.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -295,4 +296,145 @@ fn a_stale_generation_is_fenced_by_a_newer_checkpoint() {
         std::fs::read_to_string(ckpt.join("checkpoint.json")).unwrap(),
         newer_text
     );
+}
+
+/// The final progress line's training and held-out losses and the first line's loss.
+fn losses(stdout: &[u8]) -> (f64, f64, f64) {
+    let lines = progress(stdout);
+    let (first, last) = (&lines[0], &lines[lines.len() - 1]);
+    (
+        first["loss"].as_f64().unwrap(),
+        last["loss"].as_f64().unwrap(),
+        last["eval_loss"].as_f64().unwrap(),
+    )
+}
+
+/// AdaScale at a planned batch 4x the reference (two ranks, 64 samples each, reference 32):
+/// the gain from the first step's statistics on, the loss falls further than without
+/// scaling, the smoothed statistics reach the checkpoint and carry over to the next
+/// generation (one rank, another batch); with `--no-grad-stats` the rule falls back to the
+/// square-root rule and says so.
+#[test]
+fn adascale_at_four_times_the_reference_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let run_two = |ckpt: &Path, rule: &str| {
+        let port = free_port().to_string();
+        let spawn = |rank: &str| {
+            trainer(
+                ckpt,
+                &[
+                    "--dataset",
+                    "optdigits",
+                    "--max-steps",
+                    "60",
+                    "--log-every",
+                    "10",
+                    "--lr-scaling",
+                    rule,
+                ],
+            )
+            .env("RANK", rank)
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("CONVERGE_GENERATION", "1")
+            .env("CONVERGE_BATCH_SIZE", "64")
+            .env("CONVERGE_REFERENCE_BATCH", "32")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+        };
+        let rank1 = spawn("1");
+        let rank0 = spawn("0");
+        let out0 = wait_with_timeout(rank0, Duration::from_secs(120));
+        let out1 = wait_with_timeout(rank1, Duration::from_secs(120));
+        show(&format!("{rule} rank 0"), &out0);
+        assert_eq!(out0.status.code(), Some(0));
+        assert_eq!(out1.status.code(), Some(0));
+        out0
+    };
+    let ada = dir.path().join("adascale");
+    let out = run_two(&ada, "adascale");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("lr 0.05 x AdaScale gain (1 to 4.0000)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("AdaScale from step 1 on: gain"), "{stderr}");
+    assert!(!stderr.contains("has no statistics"), "{stderr}");
+    let (first, last, eval) = losses(&out.stdout);
+    assert!(last < 0.3 * first, "loss fell from {first} to only {last}");
+    let unscaled = run_two(&dir.path().join("none"), "none");
+    let (_, _, eval_none) = losses(&unscaled.stdout);
+    assert!(
+        eval < eval_none,
+        "AdaScale's held-out loss {eval} is not below the unscaled {eval_none}"
+    );
+    // The checkpoint keeps the smoothed statistics: 60 steps observed, progress between
+    // 60 (gain 1) and 240 (gain 4) steps at the reference batch.
+    let scaling = checkpoint(&ada)["scaling"].clone();
+    assert_eq!(scaling["observations"], 60, "{scaling}");
+    let progress_60 = scaling["progress"].as_f64().unwrap();
+    assert!((60.0..=240.0).contains(&progress_60), "{scaling}");
+
+    // The next generation, one rank at 128 per step, starts from them.
+    let out = trainer(
+        &ada,
+        &[
+            "--dataset",
+            "optdigits",
+            "--max-steps",
+            "80",
+            "--lr-scaling",
+            "adascale",
+        ],
+    )
+    .env("CONVERGE_GENERATION", "2")
+    .env("CONVERGE_BATCH_SIZE", "128")
+    .env("CONVERGE_REFERENCE_BATCH", "32")
+    .output()
+    .unwrap();
+    show("adascale resumed", &out);
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "AdaScale starts from the checkpoint's smoothed gradient statistics (60 steps observed"
+        ),
+        "{stderr}"
+    );
+    let scaling = checkpoint(&ada)["scaling"].clone();
+    assert_eq!(scaling["observations"], 80, "{scaling}");
+    assert!(scaling["progress"].as_f64().unwrap() > progress_60 + 20.0);
+
+    // Without statistics: the square-root rule, said in the log.
+    let out = trainer(
+        &dir.path().join("nostats"),
+        &[
+            "--dataset",
+            "optdigits",
+            "--max-steps",
+            "60",
+            "--lr-scaling",
+            "adascale",
+            "--no-grad-stats",
+        ],
+    )
+    .env("CONVERGE_BATCH_SIZE", "128")
+    .env("CONVERGE_REFERENCE_BATCH", "32")
+    .output()
+    .unwrap();
+    show("adascale without statistics", &out);
+    assert_eq!(out.status.code(), Some(0));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "AdaScale needs the gradient statistics, which --no-grad-stats turns off: lr 0.05 scaled to 0.1 by the square-root rule instead"
+        ),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("AdaScale from step"), "{stderr}");
+    let (first, last, _) = losses(&out.stdout);
+    assert!(last < 0.3 * first, "loss fell from {first} to only {last}");
 }

@@ -444,8 +444,9 @@ fn fake_rank1(port: u16, generation: u64, how: Misbehaviour) {
     let (mut inc, _) = ring.accept().unwrap();
     let mut theirs = [0u8; 16];
     inc.read_exact(&mut theirs).unwrap();
-    // The broadcast of rank 0's state: 6 + 2p values, rank 1 contributes zeros.
-    let n = 6 + 2 * SOFTMAX_PARAMS;
+    // The broadcast of rank 0's state: 6 + 2p values and the 5 of the smoothed gradient
+    // statistics, rank 1 contributes zeros.
+    let n = 11 + 2 * SOFTMAX_PARAMS;
     let (c0, c1) = (n / 2, n - n / 2);
     out.write_all(&frame(1, &vec![0.0; c1])).unwrap();
     let chunk0 = read_frame(&mut inc, c0);

@@ -122,6 +122,7 @@ impl Trainer<'_> {
                 params: Vec::new(),
                 momentum: vec![0.0; p],
                 momentum_fresh: true,
+                scaling: SmoothedStats::default(),
             }
         };
         let mut velocity = if algo == ShadowAlgo::Bmuf && rank0 {
@@ -300,6 +301,7 @@ impl Trainer<'_> {
                     params: f.params,
                     momentum: f.momentum,
                     momentum_fresh: true,
+                    scaling: SmoothedStats::default(),
                 };
                 let outcome = if f.stopped {
                     Outcome::Terminated
@@ -324,6 +326,7 @@ impl Trainer<'_> {
                     params: shared.params.to_vec(),
                     momentum: shared.momentum0.lock().expect("not poisoned").clone(),
                     momentum_fresh: true,
+                    scaling: SmoothedStats::default(),
                 };
                 let outcome = if self.stop.load(Ordering::SeqCst) {
                     Outcome::Terminated
@@ -552,6 +555,7 @@ impl Trainer<'_> {
             params: params.to_vec(),
             momentum: sh.momentum0.lock().expect("not poisoned").clone(),
             momentum_fresh: true,
+            scaling: SmoothedStats::default(),
         };
         if let Err(e) = self.save_with(&st, velocity) {
             eprintln!("{}: warning: periodic checkpoint failed: {e:#}", self.who);

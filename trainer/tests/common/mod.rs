@@ -22,6 +22,10 @@ pub const CONTRACT_VARS: &[&str] = &[
     "CONVERGE_CHECKPOINT_DIR",
     "CONVERGE_DATA_DIR",
     "CONVERGE_NUM_PS",
+    "CONVERGE_BATCH_SIZE",
+    "CONVERGE_ACCUM_STEPS",
+    "CONVERGE_TOTAL_BATCH",
+    "CONVERGE_REFERENCE_BATCH",
 ];
 
 pub fn data_dir() -> PathBuf {
