@@ -289,7 +289,7 @@ solo() {  # tag seed batch-per-worker extra-args...: one rank on GPU 0 under the
     shift 3
     (cd "$root" && env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
         MASTER_PORT="$(free_port)" CUDA_VISIBLE_DEVICES=0 CONVERGE_JOB_ID="compare-$tag" \
-        CONVERGE_GENERATION=1 CONVERGE_CHECKPOINT_DIR= CONVERGE_NUM_PS=0 \
+        CONVERGE_GENERATION=1 CONVERGE_CHECKPOINT_DIR="$out/compare/ckpt-$tag" CONVERGE_NUM_PS=0 \
         CONVERGE_BATCH_SIZE="$per" CONVERGE_ACCUM_STEPS=0 CONVERGE_TOTAL_BATCH="$per" \
         CONVERGE_REFERENCE_BATCH=64 \
         timeout 150 python3 examples/pytorch/ddp_resnet.py --epochs "$compare_epochs" --seed "$seed" \
@@ -317,24 +317,29 @@ def read(tag):
 fixed = [read(f"fixed-64-s{s}") for s in (1, 2, 3)]
 adapt = [read(f"adaptive-256-s{s}") for s in (1, 2, 3)]
 nost = read("adaptive-256-s1-nostats")
+f = lambda v, spec: "-" if v is None else format(v, spec)
 print("\n## d) Adaptive batch on the GPU (examples/pytorch/ddp_resnet.py, ResNet-18, one GPU)\n")
 print("| run | seed | samples | held-out loss | ms per step | gradient noise scale (last line) |")
 print("|---|---|---|---|---|---|")
 for name, runs in (("batch 64 (reference)", fixed), ("batch 256, AdaScale", adapt)):
     for s, r in zip((1, 2, 3), runs):
-        ns = f"{r['noise'][-1]:.0f}" if r["noise"] else "-"
-        print(f"| {name} | {s} | {r['samples']} | {r['eval_loss']:.4f} | {r['ms']:.2f} | {ns} |")
-print(f"| batch 256, no statistics | 1 | {nost['samples']} | {nost['eval_loss']:.4f} | {nost['ms']:.2f} | - |")
-mf = statistics.median(r["eval_loss"] for r in fixed)
-ma = statistics.median(r["eval_loss"] for r in adapt)
-rel = ma / mf - 1
-over = adapt[0]["ms"] / nost["ms"] - 1
-print(f"\n- Held-out loss at equal samples, median of 3: {ma:.4f} at 256 (AdaScale) vs {mf:.4f} at 64: "
-      f"{100 * rel:+.1f} % (target within 1 %: {'met' if abs(rel) <= 0.01 else 'not met'})")
-print(f"- Samples per second: {256 / adapt[0]['ms'] * 1000:.0f} at 256 vs {64 / fixed[0]['ms'] * 1000:.0f} at 64 (seed 1)")
-print(f"- Overhead of the gradient statistics at 256 (one worker: the batch split in two halves, "
-      f"norms, no extra all-reduce): {100 * over:+.1f} % of step time "
-      f"({adapt[0]['ms']:.2f} vs {nost['ms']:.2f} ms; target <= 3 %: {'met' if over <= 0.03 else 'not met'})")
+        ns = f(r["noise"][-1], ".0f") if r["noise"] else "-"
+        print(f"| {name} | {s} | {r['samples']} | {f(r['eval_loss'], '.4f')} | {f(r['ms'], '.2f')} | {ns} |")
+print(f"| batch 256, no statistics | 1 | {nost['samples']} | {f(nost['eval_loss'], '.4f')} | {f(nost['ms'], '.2f')} | - |")
+if all(r["eval_loss"] is not None for r in fixed + adapt):
+    mf = statistics.median(r["eval_loss"] for r in fixed)
+    ma = statistics.median(r["eval_loss"] for r in adapt)
+    rel = ma / mf - 1
+    print(f"\n- Held-out loss at equal samples, median of 3: {ma:.4f} at 256 (AdaScale) vs {mf:.4f} at 64: "
+          f"{100 * rel:+.1f} % (target within 1 %: {'met' if abs(rel) <= 0.01 else 'not met'})")
+if adapt[0]["ms"] and fixed[0]["ms"] and nost["ms"]:
+    over = adapt[0]["ms"] / nost["ms"] - 1
+    print(f"- Samples per second: {256 / adapt[0]['ms'] * 1000:.0f} at 256 vs {64 / fixed[0]['ms'] * 1000:.0f} at 64 (seed 1)")
+    print(f"- Overhead of the gradient statistics at 256 (one worker: the batch split in two halves, "
+          f"norms, no extra all-reduce): {100 * over:+.1f} % of step time "
+          f"({adapt[0]['ms']:.2f} vs {nost['ms']:.2f} ms; target <= 3 %: {'met' if over <= 0.03 else 'not met'})")
+else:
+    print("- (runs too short to time: fewer than 6 steps)")
 PY
 
 # --- b) the cluster runs the adaptive examples ---
