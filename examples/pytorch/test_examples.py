@@ -146,9 +146,11 @@ class Examples(unittest.TestCase):
             self.assertLess(lines[-1]["loss"], lines[0]["loss"])
             self.assertTrue(any("eval_loss" in p for p in lines))
             self.assertEqual(lines[-1]["model_bytes"], (784 * 256 + 256 + 256 * 10 + 10) * 4)
-            # Gradient statistics on every line (a lone worker splits its batch in halves),
-            # so the allocator can adapt the batch.
-            for p in lines:
+            # Gradient statistics (a lone worker splits its batch in halves every 10th
+            # step), so the allocator can adapt the batch.
+            stats = [p for p in lines if "grad_var" in p]
+            self.assertGreaterEqual(len(stats), len(lines) // 3, lines)
+            for p in stats:
                 self.assertGreater(p["grad_var"], 0, p)
                 self.assertGreaterEqual(p["grad_sqr"], 0, p)
 
@@ -187,7 +189,7 @@ class Examples(unittest.TestCase):
             self.assertEqual(code, 0, err)
             self.assertIn("resumed at step", err)
             lines = progress_lines(out)
-            self.assertTrue(all("grad_var" in p for p in lines), lines)
+            self.assertTrue(any("grad_var" in p for p in lines), lines)
             self.assertLess(lines[-1]["loss"], 2.3)  # below chance (ln 10)
             self.assertGreaterEqual(lines[-1]["epoch"], 2.0)
 

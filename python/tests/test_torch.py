@@ -87,7 +87,7 @@ class Statistics(unittest.TestCase):
         # The kit: one worker, 64 micro-batches of 16 per step = one epoch per step, a new
         # permutation each; 40 steps.
         batch = Batch(16, 63, 1024, 64)
-        ab = AdaptiveBatch(model, Frozen(model.parameters(), lr=0.1), batch, lr=0.1)
+        ab = AdaptiveBatch(model, Frozen(model.parameters(), lr=0.1), batch, lr=0.1, measure_every=1)
         sampler = ElasticSampler(len(y), seed=2)
         for k in range(40):
             run_step(model, ab, sampler, x, y, k * len(y))
@@ -107,7 +107,10 @@ class Statistics(unittest.TestCase):
         stats = ab.take_stats()
         self.assertIsNotNone(stats)
         self.assertGreater(stats["grad_var"], 0)
-        self.assertIn("split in two halves", ab.describe())
+        self.assertIn("every 10 steps (the batch split in two halves)", ab.describe())
+        # Unmeasured steps make one pass, as without the kit.
+        passes = [len(list(ab.micro_batches(sampler, 0, rank=0)))]
+        self.assertEqual(passes, [1])
         off = AdaptiveBatch(model, ab.optimizer, Batch(32, 0, 32, 32), lr=0.1, split_single=False)
         run_step(model, off, sampler, x, y, 0)
         self.assertIsNone(off.take_stats())  # one gradient per step: nothing to estimate

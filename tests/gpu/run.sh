@@ -17,8 +17,8 @@
 #      `nvidia-smi --query-gpu=index,uuid,name,utilization.gpu,memory.used,memory.total,power.draw,clocks.sm`,
 #      within tolerances (below);
 #   d) the kit's adaptive batch on the GPU, outside the cluster: examples/pytorch/ddp_resnet.py
-#      (ResNet-18) for --epochs-compare epochs (4) at the reference batch (64) and at 4x it
-#      with AdaScale, three seeds each: held-out loss at equal samples (median of 3) and step
+#      (ResNet-18) for --epochs-compare epochs (4) at the reference batch (64) and at 2x and
+#      4x it with AdaScale, three seeds each: held-out loss at equal samples (median of 3) and step
 #      time; and the statistics' overhead (the 4x run again with --no-grad-stats);
 #   b) a one-agent cluster (nats-server, converge-allocator, converge-agent on NVML, all
 #      with --metrics-addr) running examples/pytorch/ddp_resnet.toml and ddp_mnist.toml to
@@ -282,7 +282,7 @@ if [[ "$skip_jobs" == 1 ]]; then
 fi
 
 # --- d) the adaptive batch outside the cluster: reference batch vs 4x with AdaScale ---
-log "d) ddp_resnet.py: batch 64 vs 256 (AdaScale), ${compare_epochs} epochs, seeds 1-3; overhead of the statistics"
+log "d) ddp_resnet.py: batch 64 vs 128 and 256 (AdaScale), ${compare_epochs} epochs, seeds 1-3; overhead of the statistics"
 mkdir -p "$out/compare"
 solo() {  # tag seed batch-per-worker extra-args...: one rank on GPU 0 under the contract
     local tag="$1" seed="$2" per="$3"
@@ -299,6 +299,7 @@ solo() {  # tag seed batch-per-worker extra-args...: one rank on GPU 0 under the
 }
 for seed in 1 2 3; do
     solo "fixed-64-s$seed" "$seed" 64
+    solo "adaptive-128-s$seed" "$seed" 128
     solo "adaptive-256-s$seed" "$seed" 256
 done
 solo "adaptive-256-s1-nostats" 1 256 --no-grad-stats
@@ -315,23 +316,26 @@ def read(tag):
                 ms=float(m.group(1)) if m else None,
                 noise=[l["grad_var"] / l["grad_sqr"] for l in lines if l.get("grad_sqr")])
 fixed = [read(f"fixed-64-s{s}") for s in (1, 2, 3)]
+adapt2 = [read(f"adaptive-128-s{s}") for s in (1, 2, 3)]
 adapt = [read(f"adaptive-256-s{s}") for s in (1, 2, 3)]
 nost = read("adaptive-256-s1-nostats")
 f = lambda v, spec: "-" if v is None else format(v, spec)
 print("\n## d) Adaptive batch on the GPU (examples/pytorch/ddp_resnet.py, ResNet-18, one GPU)\n")
 print("| run | seed | samples | held-out loss | ms per step | gradient noise scale (last line) |")
 print("|---|---|---|---|---|---|")
-for name, runs in (("batch 64 (reference)", fixed), ("batch 256, AdaScale", adapt)):
+for name, runs in (("batch 64 (reference)", fixed), ("batch 128, AdaScale", adapt2), ("batch 256, AdaScale", adapt)):
     for s, r in zip((1, 2, 3), runs):
         ns = f(r["noise"][-1], ".0f") if r["noise"] else "-"
         print(f"| {name} | {s} | {r['samples']} | {f(r['eval_loss'], '.4f')} | {f(r['ms'], '.2f')} | {ns} |")
 print(f"| batch 256, no statistics | 1 | {nost['samples']} | {f(nost['eval_loss'], '.4f')} | {f(nost['ms'], '.2f')} | - |")
-if all(r["eval_loss"] is not None for r in fixed + adapt):
+print()
+if all(r["eval_loss"] is not None for r in fixed + adapt + adapt2):
     mf = statistics.median(r["eval_loss"] for r in fixed)
-    ma = statistics.median(r["eval_loss"] for r in adapt)
-    rel = ma / mf - 1
-    print(f"\n- Held-out loss at equal samples, median of 3: {ma:.4f} at 256 (AdaScale) vs {mf:.4f} at 64: "
-          f"{100 * rel:+.1f} % (target within 1 %: {'met' if abs(rel) <= 0.01 else 'not met'})")
+    for b, runs in ((128, adapt2), (256, adapt)):
+        ma = statistics.median(r["eval_loss"] for r in runs)
+        rel = ma / mf - 1
+        print(f"- Held-out loss at equal samples, median of 3: {ma:.4f} at {b} (AdaScale) vs {mf:.4f} at 64: "
+              f"{100 * rel:+.1f} % (target within 1 %: {'met' if abs(rel) <= 0.01 else 'not met'})")
 if adapt[0]["ms"] and fixed[0]["ms"] and nost["ms"]:
     over = adapt[0]["ms"] / nost["ms"] - 1
     print(f"- Samples per second: {256 / adapt[0]['ms'] * 1000:.0f} at 256 vs {64 / fixed[0]['ms'] * 1000:.0f} at 64 (seed 1)")
