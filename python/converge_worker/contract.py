@@ -70,8 +70,10 @@ class Batch:
     def scaled_lr(self, lr: float, rule: str = "sqrt") -> float:
         """``lr`` (tuned at the reference batch) scaled to the planned total.
 
-        ``rule``: ``"sqrt"`` (``lr * sqrt(total / reference)``, what converge-trainer does by
-        default), ``"linear"`` (``lr * total / reference``) or ``"none"``.
+        ``rule``: ``"sqrt"`` (``lr * sqrt(total / reference)``, converge-trainer's
+        fallback before it has gradient statistics), ``"linear"`` (``lr * total /
+        reference``) or ``"none"``. AdaScale needs the statistics: see
+        :func:`converge_worker.gradstats.scaled_lr` and ``converge_worker.torch``.
         """
         ratio = self.total / self.reference
         if rule == "sqrt":
