@@ -15,7 +15,9 @@
 //!    generation or the one before it (workers of the previous generation keep reporting
 //!    while they stop) — and its host is among that generation's hosts: the workers'
 //!    (`placement`) and the parameter-server shards' (`ps_placement`), every host any status
-//!    of that generation placed something on (else `not_placed`); or
+//!    of that generation placed something on (else `not_placed`), and its `rank` is one that
+//!    generation placed on that host (else `wrong_rank`: a host of a multi-host job cannot
+//!    speak for rank 0, whose reports make the job's loss curve and can end it); or
 //! 3. during the start-up replay only (the reports that were already in the stream when the
 //!    allocator started), its generation is older than every generation whose placement the
 //!    allocator knows: those placements are gone from the statuses, so such reports are
@@ -35,7 +37,7 @@ const GENERATIONS: usize = 2;
 /// Why a report was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
-    /// The label it is counted under: `wrong_subject` or `not_placed`.
+    /// The label it is counted under: `wrong_subject`, `not_placed` or `wrong_rank`.
     pub kind: &'static str,
     /// For the log.
     pub reason: String,
@@ -49,16 +51,17 @@ pub struct Refusal {
     pub certain: bool,
 }
 
-/// The hosts of each job's latest generations, from the statuses the allocator reads (at
-/// start, from its status watch) and writes (its steps' outcomes).
+/// The hosts of each job's latest generations and the ranks each placed there, from the
+/// statuses the allocator reads (at start, from its status watch) and writes (its steps'
+/// outcomes).
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Reporters {
-    jobs: BTreeMap<JobId, BTreeMap<u64, BTreeSet<HostId>>>,
+    jobs: BTreeMap<JobId, BTreeMap<u64, BTreeMap<HostId, BTreeSet<u32>>>>,
 }
 
 impl Reporters {
-    /// Learns the hosts of `status`'s generation (added to what earlier statuses of the same
-    /// generation placed: a generation that lost a host keeps it). Generation 0 (never
+    /// Learns the hosts and ranks of `status`'s generation (added to what earlier statuses of
+    /// the same generation placed: a generation that lost a host keeps it). Generation 0 (never
     /// placed) adds nothing; only the [`GENERATIONS`] newest generations are kept.
     pub fn note(&mut self, status: &JobStatus) {
         if status.generation == 0 {
@@ -72,13 +75,10 @@ impl Reporters {
         {
             return;
         }
-        gens.entry(status.generation).or_default().extend(
-            status
-                .placement
-                .iter()
-                .chain(&status.ps_placement)
-                .map(|p| p.host.clone()),
-        );
+        let hosts = gens.entry(status.generation).or_default();
+        for p in status.placement.iter().chain(&status.ps_placement) {
+            hosts.entry(p.host.clone()).or_default().insert(p.rank);
+        }
         while gens.len() > GENERATIONS {
             gens.pop_first();
         }
@@ -138,8 +138,27 @@ impl Reporters {
             );
         }
         if let Some(hosts) = gens.get(&report.generation) {
-            if hosts.contains(&report.host) {
-                return Ok(());
+            match hosts.get(&report.host) {
+                Some(ranks) if ranks.contains(&report.rank) => return Ok(()),
+                Some(ranks) => {
+                    return refuse(
+                        "wrong_rank",
+                        format!(
+                            "{}: generation {} placed rank{} {} on {}",
+                            what(),
+                            report.generation,
+                            if ranks.len() == 1 { "" } else { "s" },
+                            ranks
+                                .iter()
+                                .map(u32::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", "),
+                            report.host
+                        ),
+                        true,
+                    );
+                }
+                None => {}
             }
             return refuse(
                 "not_placed",
@@ -170,12 +189,12 @@ impl Reporters {
     }
 }
 
-fn join(hosts: &BTreeSet<HostId>) -> String {
+fn join(hosts: &BTreeMap<HostId, BTreeSet<u32>>) -> String {
     if hosts.is_empty() {
         return "no host".into();
     }
     hosts
-        .iter()
+        .keys()
         .map(HostId::as_str)
         .collect::<Vec<_>>()
         .join(", ")
@@ -202,17 +221,61 @@ mod tests {
         .unwrap()
     }
 
-    fn report(job: &str, generation: u64, host: &str) -> ProgressReport {
+    fn report_of(job: &str, generation: u64, host: &str, rank: u32) -> ProgressReport {
         serde_json::from_value(serde_json::json!({
-            "protocol": 1, "job": job, "generation": generation, "rank": 0, "host": host,
+            "protocol": 1, "job": job, "generation": generation, "rank": rank, "host": host,
             "step": 1, "samples": 10, "loss": 0.5, "time": 1.0
         }))
         .unwrap()
     }
 
+    /// The tests' placements give host `b` rank 1 and host `s` (a shard) rank 2 where they
+    /// are placed, every other host rank 0.
+    fn report(job: &str, generation: u64, host: &str) -> ProgressReport {
+        let rank = match host {
+            "b" => 1,
+            "s" => 2,
+            _ => 0,
+        };
+        report_of(job, generation, host, rank)
+    }
+
     fn check(r: &Reporters, generation: u64, host: &str, replay: bool) -> Result<(), Refusal> {
         let rep = report("j", generation, host);
         r.check(&subjects::progress(&rep.job, &rep.host), &rep, replay)
+    }
+
+    #[test]
+    fn a_host_reports_only_the_ranks_placed_on_it() {
+        let mut r = Reporters::default();
+        r.note(&status(3, &["a", "b"], &["s"]));
+        let check_rank = |host: &str, rank: u32, replay: bool| {
+            let rep = report_of("j", 3, host, rank);
+            r.check(&subjects::progress(&rep.job, &rep.host), &rep, replay)
+        };
+        assert_eq!(check_rank("a", 0, false), Ok(()));
+        assert_eq!(check_rank("b", 1, false), Ok(()));
+        assert_eq!(check_rank("s", 2, false), Ok(()));
+        // b is a host of the job, but rank 0 (whose reports make the curve) is on a.
+        for replay in [false, true] {
+            let e = check_rank("b", 0, replay).unwrap_err();
+            assert_eq!((e.kind, e.certain), ("wrong_rank", true), "{e:?}");
+            assert!(e.reason.contains("placed rank 1 on b"), "{}", e.reason);
+        }
+        assert_eq!(check_rank("a", 7, false).unwrap_err().kind, "wrong_rank");
+        // A generation placed twice on one host lists both ranks.
+        let mut r2 = Reporters::default();
+        r2.note(&status(1, &["a", "a"], &[]));
+        let rep = report_of("j", 1, "a", 1);
+        assert_eq!(
+            r2.check(&subjects::progress(&rep.job, &rep.host), &rep, false),
+            Ok(())
+        );
+        let rep = report_of("j", 1, "a", 2);
+        let e = r2
+            .check(&subjects::progress(&rep.job, &rep.host), &rep, false)
+            .unwrap_err();
+        assert!(e.reason.contains("placed ranks 0, 1 on a"), "{}", e.reason);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 #
 # writes
 #   OUT/nats-server.conf                 the server configuration (holds the passwords: 0640)
-#   OUT/credentials/<user>.password      one password per user (0600): allocator, cli,
+#   OUT/credentials/<user>.password      one password per user (0600): allocator, cli, viewer,
 #                                        agent-<host> for every host (and admin with --admin)
 #
 # Start the server with `nats-server --config OUT/nats-server.conf` and each process with
@@ -208,6 +208,12 @@ cli_pub=$(
 )
 cli_sub=$(printf '%s\n' "_INBOX.cli.>" "$P.events.>" "$P.telemetry.*")
 
+# viewer: what `converge dashboard`, `converge watch` and the read-only CLI commands need
+# (jobs, hosts, queue list, monitor): the cli user's reads without its two writes (job
+# specs and queues). A dashboard that serves a browser holds no right to change the cluster.
+viewer_pub=$(grep -v -e '^\$KV\.' <<<"$cli_pub")
+viewer_sub=$(printf '%s\n' "_INBOX.viewer.>" "$P.events.>" "$P.telemetry.*")
+
 # agent-<host>: its own heartbeat, telemetry and host events; progress of any job on its
 # own host's subjects only (converge.v1.progress.<job>.<host>: the allocator refuses
 # reports of jobs not placed on the host); events of any job (see docs/security.md);
@@ -229,7 +235,7 @@ EOF
 
 # Passwords first: a bad password file stops the script before anything is written.
 declare -A pw=()
-users=(allocator cli)
+users=(allocator cli viewer)
 for h in "${host_list[@]}"; do users+=("agent-$h"); done
 [[ $admin == 0 ]] || users+=(admin)
 for u in "${users[@]}"; do pw[$u]=$(password "$u"); done
@@ -298,6 +304,7 @@ trap 'rm -f "$tmp"' EXIT
     echo "    users: ["
     user_entry allocator "${pw[allocator]}" "$allocator_pub" "$allocator_sub"
     user_entry cli "${pw[cli]}" "$cli_pub" "$cli_sub"
+    user_entry viewer "${pw[viewer]}" "$viewer_pub" "$viewer_sub"
     for h in "${host_list[@]}"; do
         user_entry "agent-$h" "${pw[agent-$h]}" "$(agent_pub "$h")" "_INBOX.agent-$h.>"
     done

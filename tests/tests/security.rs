@@ -226,6 +226,27 @@ async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
         a1.get::<JobSpec>(&a1.jobs, "secure"),
     )
     .await;
+    // The viewer (the dashboard's user) reads specs but writes none.
+    let viewer = s.bus_as("viewer", Setup::OpenOrCreate).await.unwrap();
+    assert!(
+        viewer
+            .get::<JobSpec>(&viewer.jobs, "secure")
+            .await
+            .unwrap()
+            .is_some()
+    );
+    refused(
+        "viewer cancels the job",
+        "$KV.converge-jobs.secure",
+        viewer.put(&viewer.jobs, "secure", &spec),
+    )
+    .await;
+    refused(
+        "viewer submits a job",
+        "$KV.converge-jobs.other",
+        viewer.put(&viewer.jobs, "other", &spec),
+    )
+    .await;
 
     // Another host's heartbeat and telemetry.
     let (t2, _) = cli
@@ -319,22 +340,22 @@ async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
     );
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed[0]["status"]["phase"], "completed");
-    dashboard_reads_the_cluster_as_cli(&s).await;
+    dashboard_reads_the_cluster_as_viewer(&s).await;
 
     agent1.stop().await;
     agent2.stop().await;
     allocator.stop().await;
 }
 
-/// `converge dashboard` with the cli user's credentials reads the job's status, its
-/// progress reports (the cli user may follow the progress stream, nothing more) and the
-/// queues' statuses.
-async fn dashboard_reads_the_cluster_as_cli(s: &SecuredNats) {
+/// `converge dashboard` with the viewer user's credentials (read only) reads the job's
+/// status, its progress reports (the viewer may follow the progress stream, nothing more)
+/// and the queues' statuses.
+async fn dashboard_reads_the_cluster_as_viewer(s: &SecuredNats) {
     use std::io::{BufRead as _, Read as _, Write as _};
     let mut child = Command::new(bin_path("converge"))
         .env("CONVERGE_NATS_URL", &s.nats.url)
-        .env("CONVERGE_NATS_USER", "cli")
-        .env("CONVERGE_NATS_PASSWORD_FILE", s.password_file("cli"))
+        .env("CONVERGE_NATS_USER", "viewer")
+        .env("CONVERGE_NATS_PASSWORD_FILE", s.password_file("viewer"))
         .env_remove("CONVERGE_NATS_PASSWORD")
         .env_remove("CONVERGE_NATS_CREDS")
         .args(["dashboard", "--listen", "127.0.0.1:0"])
@@ -400,6 +421,136 @@ command = ["/bin/sh", "-c", 'i=1; while [ $i -le 30 ]; do echo "CONVERGE_PROGRES
 min_workers = 1
 max_workers = 1
 "#;
+
+/// A two-rank job placed on n1 and n2 (one GPU each): the host of rank 1, compromised,
+/// publishes "rank 0" reports of the job's generation on its own subject. The server lets
+/// it (its own subject), the allocator refuses them as `wrong_rank` (the generation placed
+/// rank 1 there), counts them and deletes them from the stream; the job's fit, made from
+/// rank 0's reports, stays as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_of_a_job_cannot_speak_for_rank_0() {
+    init_tracing();
+    converge_bus::metrics::recorder();
+    let s = SecuredNats::start(&["n1", "n2"]);
+    let work = tempfile::tempdir().unwrap();
+    let allocator = start_allocator(converge_allocator::service::AllocatorConfig {
+        nats: s.args_as("allocator"),
+        ..allocator_config(&s.nats, Duration::ZERO)
+    });
+    let cli = wait_for(Duration::from_secs(20), "buckets created", || async {
+        s.bus_as("cli", Setup::OpenOrCreate).await.ok()
+    })
+    .await;
+    let mut agents = Vec::new();
+    for host in ["n1", "n2"] {
+        let mut cfg = agent_config(&s.nats, host, 1, &work.path().join(host));
+        cfg.nats = s.args_as(&format!("agent-{host}"));
+        agents.push(start_agent(cfg));
+    }
+    let spec = work.path().join("pair.toml");
+    std::fs::write(
+        &spec,
+        QUIET_JOB
+            .replace("\"victim\"", "\"pair\"")
+            .replace("max_workers = 1", "max_workers = 2")
+            .replace("min_workers = 1", "min_workers = 2"),
+    )
+    .unwrap();
+    let out = converge_as(&s, "cli", &["submit", spec.to_str().unwrap()]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let fingerprint = |a: &converge_common::JobStatus| {
+        (
+            a.generation,
+            a.step,
+            a.samples,
+            a.loss,
+            a.first_loss,
+            serde_json::to_string(&a.curve).unwrap(),
+        )
+    };
+    let before = wait_for(Duration::from_secs(60), "the job's fit settles", || async {
+        let a = job_status(&cli, "pair").await?;
+        if a.phase != JobPhase::Running || a.samples != 960 || a.curve.is_none() {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let b = job_status(&cli, "pair").await?;
+        (fingerprint(&a) == fingerprint(&b)).then_some(b)
+    })
+    .await;
+    let host_of = |rank: u32| {
+        before
+            .placement
+            .iter()
+            .find(|p| p.rank == rank)
+            .unwrap_or_else(|| panic!("no rank {rank} in {:?}", before.placement))
+            .host
+            .clone()
+    };
+    let (rank0_host, rank1_host) = (host_of(0), host_of(1));
+    assert_ne!(rank0_host, rank1_host, "{:?}", before.placement);
+
+    let attacker = s
+        .bus_as(&format!("agent-{rank1_host}"), Setup::OpenOrCreate)
+        .await
+        .unwrap();
+    let job: converge_common::JobId = "pair".parse().unwrap();
+    let subject = subjects::progress(&job, &rank1_host);
+    let forged: converge_common::ProgressReport = serde_json::from_value(serde_json::json!({
+        "protocol": PROTOCOL_VERSION, "job": "pair", "generation": before.generation,
+        "rank": 0, "host": rank1_host.as_str(), "step": 1_000_000, "samples": 1_000_000_000u64,
+        "loss": 1e-6, "time": converge_bus::unix_now()
+    }))
+    .unwrap();
+    let refused_before = refused_by_allocator("wrong_rank");
+    for _ in 0..2 {
+        attacker
+            .publish_acked(subject.clone(), &forged)
+            .await
+            .expect("an agent may publish on its own subject");
+    }
+    wait_for(Duration::from_secs(10), "the refusals counted", || async {
+        (refused_by_allocator("wrong_rank") >= refused_before + 2.0).then_some(())
+    })
+    .await;
+    // Deleted: nothing forged is left on the subject (the agents publish rank 0's lines
+    // only, so the subject is empty or holds an honest report).
+    let alloc = s.bus_as("allocator", Setup::CreateOrUpdate).await.unwrap();
+    let stream = alloc
+        .js
+        .get_stream(subjects::PROGRESS_STREAM)
+        .await
+        .unwrap();
+    wait_for(
+        Duration::from_secs(10),
+        "the forged reports deleted from the stream",
+        || async {
+            use async_nats::jetstream::stream::LastRawMessageErrorKind;
+            match stream.get_last_raw_message_by_subject(&subject).await {
+                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Some(()),
+                Err(e) => panic!("reading the stream: {e}"),
+                Ok(last) => {
+                    let text = String::from_utf8_lossy(&last.payload).into_owned();
+                    (!text.contains("1000000000")).then_some(())
+                }
+            }
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = job_status(&cli, "pair").await.unwrap();
+    assert_eq!(fingerprint(&after), fingerprint(&before), "{after:?}");
+    assert_eq!(host_of(0), rank0_host);
+    assert!(allocator.is_running() && agents.iter().all(Running::is_running));
+    for agent in agents {
+        agent.stop().await;
+    }
+    allocator.stop().await;
+}
 
 /// A compromised agent (`agent-n1`) against a job placed on n2 only: progress on n2's
 /// subject is refused by the server; progress on its own subject for the job is refused by

@@ -1,6 +1,7 @@
-//! The agent and the allocator stop on SIGTERM while they are still trying to reach NATS at
-//! start-up (pointed at a port where nothing listens): `systemctl stop` and Ctrl-C must not
-//! wait for a server that may never come.
+//! The agent, the allocator, the dashboard and `converge watch` stop on SIGTERM while they are
+//! still trying to reach NATS at start-up (pointed at a port where nothing listens), and the
+//! dashboard and watch also while connected: `systemctl stop` and Ctrl-C must not wait for a
+//! server that may never come.
 
 use converge_tests::bin_path;
 use std::process::{Command, Stdio};
@@ -106,4 +107,96 @@ fn the_agent_stops_on_sigterm_while_nats_cannot_be_reached() {
 #[test]
 fn the_allocator_stops_on_sigterm_while_nats_cannot_be_reached() {
     assert_stops_at_once("converge-allocator", &[]);
+}
+
+/// How `converge` (dashboard, watch) ended after SIGTERM: a clean exit, or the signal's
+/// default action (143 / killed by 15). Either way it is gone.
+fn gone_on_sigterm(status: std::process::ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt as _;
+    status.success() || status.code() == Some(143) || status.signal() == Some(15)
+}
+
+#[test]
+fn the_dashboard_and_watch_stop_on_sigterm_while_nats_cannot_be_reached() {
+    for args in [
+        &["dashboard", "--listen", "127.0.0.1:0"][..],
+        &["watch"][..],
+    ] {
+        let (took, status, log) = stop_while_connecting("converge", args);
+        println!("converge {args:?} exited {took:?} after SIGTERM ({status})");
+        assert!(
+            took < Duration::from_secs(2),
+            "{args:?} took {took:?}:\n{log}"
+        );
+        assert!(gone_on_sigterm(status), "{args:?}: {status}:\n{log}");
+    }
+}
+
+/// Connected to a real server, the dashboard (serving) and watch (following events) stop
+/// within 2 s of SIGTERM; the dashboard exits 0 after closing its listener.
+#[test]
+fn the_dashboard_and_watch_stop_on_sigterm_while_connected() {
+    let nats = converge_tests::NatsServer::start();
+    for (args, ready) in [
+        (
+            &["dashboard", "--listen", "127.0.0.1:0"][..],
+            "serving the dashboard",
+        ),
+        (&["watch"][..], "watching converge.v1.events"),
+    ] {
+        let work = tempfile::tempdir().unwrap();
+        let log = work.path().join("log");
+        let mut child = Command::new(bin_path("converge"))
+            .args(["--nats-url", &nats.url])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains(ready) {
+                break;
+            }
+            assert!(
+                child.try_wait().unwrap().is_none(),
+                "{args:?} exited before it was ready:\n{text}"
+            );
+            assert!(
+                Instant::now() < deadline,
+                "{args:?} never got ready:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &child.id().to_string()])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let sent = Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if sent.elapsed() > Duration::from_secs(10) {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{args:?} still running 10 s after SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let took = sent.elapsed();
+        println!("converge {args:?} (connected) exited {took:?} after SIGTERM ({status})");
+        assert!(took < Duration::from_secs(2), "{args:?} took {took:?}");
+        assert!(gone_on_sigterm(status), "{args:?}: {status}");
+        if args[0] == "dashboard" {
+            assert!(status.success(), "the dashboard stops cleanly: {status}");
+        }
+    }
 }

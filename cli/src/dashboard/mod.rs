@@ -62,6 +62,13 @@ pub const LIMITS: ServeLimits = ServeLimits {
 /// Most loss points kept per job (the oldest go first).
 pub const MAX_POINTS_KEPT: usize = 5_000;
 
+/// Most jobs without a status whose points are kept: reports may arrive before the job's
+/// status (at start the stream and the buckets are read side by side), but an id that never
+/// gets one (a deleted job's late reports, or ids a compromised agent makes up on its own
+/// subjects) must not grow the dashboard's memory. Beyond it, the unknown job whose latest
+/// point is oldest is forgotten. Memory bound: this × [`MAX_POINTS_KEPT`] × 32 bytes, 40 MB.
+pub const MAX_UNKNOWN_JOBS: usize = 256;
+
 const INDEX_HTML: &str = include_str!("assets/index.html");
 const APP_JS: &str = include_str!("assets/app.js");
 const APP_CSS: &str = include_str!("assets/app.css");
@@ -401,6 +408,9 @@ fn apply(model: &mut Model, input: Input) {
             model.queue_statuses.remove(&id);
         }
         Input::Progress(r) => {
+            if !model.statuses.contains_key(&r.job) && !model.points.contains_key(&r.job) {
+                forget_unknown_beyond(model, MAX_UNKNOWN_JOBS - 1);
+            }
             let points = model.points.entry(r.job.clone()).or_default();
             points.push(LossPoint {
                 time: r.time,
@@ -415,6 +425,25 @@ fn apply(model: &mut Model, input: Input) {
         }
         Input::Refused => model.refused += 1,
         Input::CaughtUp => {}
+    }
+}
+
+/// Forgets the points of jobs without a status, the one whose latest point is oldest
+/// first, until at most `keep` such jobs are left.
+fn forget_unknown_beyond(model: &mut Model, keep: usize) {
+    let mut unknown: Vec<(f64, JobId)> = model
+        .points
+        .iter()
+        .filter(|(job, _)| !model.statuses.contains_key(*job))
+        .map(|(job, p)| (p.last().map_or(f64::NEG_INFINITY, |l| l.time), job.clone()))
+        .collect();
+    if unknown.len() <= keep {
+        return;
+    }
+    unknown.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let extra = unknown.len() - keep;
+    for (_, job) in unknown.into_iter().take(extra) {
+        model.points.remove(&job);
     }
 }
 
@@ -523,6 +552,46 @@ async fn follow_progress_once(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn report(job: &str, time: f64) -> Input {
+        Input::Progress(Box::new(
+            serde_json::from_value(serde_json::json!({
+                "protocol": 1, "job": job, "generation": 1, "rank": 0, "host": "h",
+                "step": 1, "samples": 10, "loss": 0.5, "time": time
+            }))
+            .unwrap(),
+        ))
+    }
+
+    #[test]
+    fn points_of_jobs_without_a_status_are_bounded() {
+        let mut m = Model::default();
+        let status: JobStatus = serde_json::from_value(serde_json::json!({
+            "job": "known", "phase": "running", "generation": 1, "world_size": 1,
+            "placement": [], "step": 0, "samples": 0, "submitted_at": 1.0, "updated_at": 2.0
+        }))
+        .unwrap();
+        apply(
+            &mut m,
+            Input::Status(status.job.clone(), Some(Box::new(status))),
+        );
+        apply(&mut m, report("known", 0.0));
+        for i in 0..(MAX_UNKNOWN_JOBS + 50) {
+            apply(&mut m, report(&format!("made-up-{i}"), 1.0 + i as f64));
+        }
+        // The known job keeps its points; the newest unknown ids are kept, the oldest gone.
+        assert!(m.points.contains_key(&"known".parse::<JobId>().unwrap()));
+        assert_eq!(m.points.len(), MAX_UNKNOWN_JOBS + 1);
+        assert!(
+            !m.points
+                .contains_key(&"made-up-0".parse::<JobId>().unwrap())
+        );
+        let last = format!("made-up-{}", MAX_UNKNOWN_JOBS + 49);
+        assert!(m.points.contains_key(&last.parse::<JobId>().unwrap()));
+        // A report of a job already kept adds to it without evicting anyone.
+        apply(&mut m, report(&last, 1e6));
+        assert_eq!(m.points.len(), MAX_UNKNOWN_JOBS + 1);
+    }
 
     #[test]
     fn a_loopback_dashboard_answers_only_to_loopback_names() {
