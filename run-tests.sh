@@ -188,8 +188,11 @@ if wants python && [[ -z "${CONVERGE_PYTHON:-}" ]]; then
             fi
         fi
         if [[ -x "$py/bin/python" && "$(cat "$py/.converge-stamp" 2>/dev/null)" != "$kit" ]]; then
-            "$py/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall ./python \
-                && echo "$kit" >"$py/.converge-stamp"
+            if "$py/bin/pip" install -q --disable-pip-version-check --no-deps --force-reinstall ./python; then
+                echo "$kit" >"$py/.converge-stamp"
+            else
+                missing python "the converge-worker kit (python/) does not install into target/py (pip's error above)"
+            fi
         fi
     fi
     if [[ "$(cat "$py/.converge-stamp" 2>/dev/null)" == "$kit" && -x "$py/bin/python" ]]; then

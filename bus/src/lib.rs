@@ -506,7 +506,9 @@ pub fn kv_stream_config(bucket: &str) -> stream::Config {
 }
 
 /// The progress stream: one subject per job and host ([`subjects::PROGRESS_ALL`]), at most
-/// [`subjects::PROGRESS_MAX_PER_JOB_AND_HOST`] reports per subject, 7 days; no rollups.
+/// [`subjects::PROGRESS_MAX_PER_JOB_AND_HOST`] reports per subject, 7 days, reports of at
+/// most [`subjects::PROGRESS_MAX_MESSAGE_BYTES`], [`subjects::PROGRESS_MAX_BYTES`] in all
+/// (oldest out first); no rollups.
 pub fn progress_stream_config() -> stream::Config {
     stream::Config {
         name: subjects::PROGRESS_STREAM.to_string(),
@@ -514,7 +516,9 @@ pub fn progress_stream_config() -> stream::Config {
         subjects: vec![subjects::PROGRESS_ALL.to_string()],
         max_messages_per_subject: subjects::PROGRESS_MAX_PER_JOB_AND_HOST,
         max_age: Duration::from_secs(subjects::PROGRESS_MAX_AGE_S),
-        max_message_size: converge_common::MAX_MESSAGE_BYTES as i32,
+        max_message_size: subjects::PROGRESS_MAX_MESSAGE_BYTES,
+        max_bytes: subjects::PROGRESS_MAX_BYTES,
+        discard: stream::DiscardPolicy::Old,
         allow_rollup: false,
         // Read by sequence with direct gets while the allocator's consumer cannot deliver
         // (a NATS cluster that lost a server: `read_after`).

@@ -41,6 +41,14 @@ pub const PROGRESS_STREAM: &str = "CONVERGE_PROGRESS";
 pub const PROGRESS_MAX_PER_JOB_AND_HOST: i64 = 5_000;
 /// Age after which progress reports leave the stream, in seconds (7 days).
 pub const PROGRESS_MAX_AGE_S: u64 = 7 * 24 * 3600;
+/// Largest progress report the stream stores, in bytes (64 KiB: the agent's own limit on a
+/// worker's line; a report is a few hundred bytes). The server refuses a larger publish.
+pub const PROGRESS_MAX_MESSAGE_BYTES: i32 = 64 * 1024;
+/// Most bytes the progress stream holds (2 GiB, about 7 million reports); beyond it the
+/// oldest reports go first. However many subjects an agent makes up on its own host's
+/// subjects, the stream cannot take the server's storage from the buckets (heartbeats,
+/// plans, statuses).
+pub const PROGRESS_MAX_BYTES: i64 = 2 * 1024 * 1024 * 1024;
 
 /// Core subject of events about a job: `converge.v1.events.job.<job>`.
 pub fn job_events(job: &JobId) -> String {

@@ -804,6 +804,21 @@ async fn an_existing_stream_and_buckets_are_updated_in_place() {
         subjects::PROGRESS_MAX_PER_JOB_AND_HOST
     );
     assert_eq!(info.state.messages, 1, "the old report is kept");
+    // Bounded: reports of at most 64 KiB, 2 GiB in all (oldest out first). A larger publish
+    // is refused by the server and nothing is stored.
+    assert_eq!(
+        info.config.max_message_size,
+        subjects::PROGRESS_MAX_MESSAGE_BYTES
+    );
+    assert_eq!(info.config.max_bytes, subjects::PROGRESS_MAX_BYTES);
+    assert_eq!(info.config.discard, stream::DiscardPolicy::Old);
+    let big = vec![b' '; subjects::PROGRESS_MAX_MESSAGE_BYTES as usize + 1];
+    let refused = match js.publish("converge.v1.progress.j.h", big.into()).await {
+        Ok(ack) => ack.await.is_err(),
+        Err(_) => true,
+    };
+    assert!(refused, "a report over 64 KiB was stored");
+    assert_eq!(progress.info().await.unwrap().state.messages, 1);
     let mut kv_stream = bus.js.get_stream("KV_converge-hosts").await.unwrap();
     assert!(!kv_stream.info().await.unwrap().config.allow_rollup);
     let e = rollup_all("a").await.expect_err("rollups refused");
