@@ -2,7 +2,10 @@
 
 The conventions of converge-trainer (``trainer/src/checkpoint.rs``) and the worker
 contract: rank 0 writes one file in the checkpoint directory, through a temporary file in
-the same directory (``.<name>.tmp.<pid>``) that is flushed to disk, renamed over the
+the same directory (``.<name>.tmp.<random>``, created exclusively by ``tempfile.mkstemp``
+so that two writers on shared storage, even with equal process ids on different hosts,
+never share one; the file is readable by its owner only) that is flushed to disk,
+renamed over the
 checkpoint and followed by a sync of the directory, so a reader sees the old or the new
 checkpoint, never a torn one. The checkpoint records the generation that wrote it; a
 worker of an older generation must not overwrite it (fencing), and a worker of generation
@@ -19,6 +22,7 @@ import io
 import json
 import os
 import pickle
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Optional, Union
@@ -151,9 +155,10 @@ def save_checkpoint(
     except (TypeError, ValueError) as e:
         raise ValueError("checkpoint metadata must be JSON values (finite numbers): %s" % e) from None
 
-    tmp = directory / (".%s.tmp.%d" % (name, os.getpid()))
+    fd, tmp_name = tempfile.mkstemp(prefix=".%s.tmp." % name, dir=str(directory))
+    tmp = Path(tmp_name)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + b" %d " % FORMAT_VERSION + header_line.encode() + b"\n")
             f.write(payload)
             f.flush()

@@ -92,6 +92,19 @@ class Checkpoints(unittest.TestCase):
         self.assertEqual(load_checkpoint(self.dir).state, {"step": 1})
         self.assertEqual(os.listdir(self.dir), ["checkpoint.ckpt"])
 
+    def test_another_writers_temporary_file_is_never_used(self):
+        # A writer on another host with the same process id (shared storage) has its
+        # temporary file in the directory: the old `.<name>.tmp.<pid>` name would have been
+        # truncated and renamed under it.
+        self.dir.mkdir(parents=True, exist_ok=True)
+        theirs = self.dir / (".checkpoint.ckpt.tmp.%d" % os.getpid())
+        theirs.write_bytes(b"their half-written checkpoint")
+        path = save_checkpoint({"step": 3}, self.dir)
+        self.assertEqual(theirs.read_bytes(), b"their half-written checkpoint")
+        self.assertEqual(load_checkpoint(self.dir).state, {"step": 3})
+        self.assertEqual(sorted(os.listdir(self.dir)), sorted(["checkpoint.ckpt", theirs.name]))
+        self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+
     def test_corrupt_truncated_and_foreign_files_are_errors(self):
         save_checkpoint({"params": list(range(100))}, self.dir)
         path = checkpoint_path(self.dir)

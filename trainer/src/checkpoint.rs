@@ -118,21 +118,21 @@ impl Checkpoint {
         fs::create_dir_all(dir)
             .with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
         let target = path_in(dir);
-        let tmp = dir.join(format!(".{FILE_NAME}.tmp.{}", std::process::id()));
+        // A unique name, created exclusively (`.checkpoint.json.tmp.<random>`): writers on
+        // shared storage never share a temporary file, even with equal process ids on
+        // different hosts. Removed when dropped unless persisted.
         let result = (|| -> Result<()> {
-            let mut f = File::create(&tmp)?;
-            serde_json::to_writer(&mut f, self)?;
-            f.write_all(b"\n")?;
-            f.sync_all()?;
-            drop(f);
-            fs::rename(&tmp, &target)?;
+            let mut tmp = tempfile::Builder::new()
+                .prefix(&format!(".{FILE_NAME}.tmp."))
+                .tempfile_in(dir)?;
+            serde_json::to_writer(tmp.as_file_mut(), self)?;
+            tmp.as_file_mut().write_all(b"\n")?;
+            tmp.as_file().sync_all()?;
+            tmp.persist(&target).map_err(|e| e.error)?;
             // Make the rename itself durable.
             File::open(dir)?.sync_all()?;
             Ok(())
         })();
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
         result.with_context(|| format!("cannot write checkpoint {}", target.display()))
     }
 
@@ -208,6 +208,26 @@ mod tests {
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         assert_eq!(names, vec![FILE_NAME.to_string()]);
+    }
+
+    #[test]
+    fn another_writers_temporary_file_is_never_used() {
+        // A writer on another host with the same process id (shared storage): the old
+        // `.checkpoint.json.tmp.<pid>` name would have been truncated and renamed under it.
+        let dir = tempfile::tempdir().unwrap();
+        let theirs = dir
+            .path()
+            .join(format!(".{FILE_NAME}.tmp.{}", std::process::id()));
+        fs::write(&theirs, "their half-written checkpoint").unwrap();
+        let model = Model::new(ModelKind::Mlp, 64, 5, 10);
+        let ckpt = sample(&model);
+        ckpt.write_atomic(dir.path()).unwrap();
+        assert_eq!(
+            fs::read_to_string(&theirs).unwrap(),
+            "their half-written checkpoint"
+        );
+        assert_eq!(Checkpoint::read(dir.path()).unwrap().unwrap(), ckpt);
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 2);
     }
 
     #[test]
