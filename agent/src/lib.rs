@@ -100,6 +100,13 @@ pub struct AgentConfig {
     /// restart shorter than this leaves workers running. `0s` turns it off.
     #[arg(long, env = "CONVERGE_FENCE_AFTER", default_value = "10s", value_parser = humantime_duration)]
     pub fence_after: Duration,
+    /// Time a worker stopped by the self-fence gets between SIGTERM and SIGKILL (the stop
+    /// grace when that is shorter). The allocator places a silent host's jobs elsewhere
+    /// after its `--host-timeout` (15 s): keep `--fence-after` + this below it, so that no
+    /// two generations of a job train, or write its checkpoint, at once. A worker that
+    /// checkpoints more slowly loses the steps since its last periodic checkpoint.
+    #[arg(long, env = "CONVERGE_FENCE_GRACE", default_value = "4s", value_parser = humantime_duration)]
+    pub fence_grace: Duration,
     /// Serve Prometheus metrics at `http://<addr>/metrics` (e.g. `0.0.0.0:9465`): the GPUs
     /// under dcgm-exporter's names (`DCGM_FI_DEV_*`, labelled with the `job_id` and `rank`
     /// of the worker holding each GPU), the NICs under node_exporter's
@@ -172,6 +179,16 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
         return Ok(());
     }
     tracing::info!(%host, %addr, gpus = gpus.count(), source = gpus.kind(), "agent starting");
+    let fence_total = cfg.fence_after + cfg.fence_grace.min(cfg.stop_grace);
+    if !cfg.fence_after.is_zero() && fence_total >= Duration::from_secs(15) {
+        tracing::warn!(
+            fence_after = ?cfg.fence_after,
+            fence_grace = ?cfg.fence_grace,
+            "--fence-after + --fence-grace is {fence_total:?}: at the allocator's default \
+             --host-timeout (15 s) a cut-off host's workers may still run when their jobs \
+             start elsewhere; lower them or raise --host-timeout"
+        );
+    }
     // Workers left by an earlier run go before anything else happens.
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("cannot create --state-dir {}", cfg.state_dir.display()))?;
@@ -316,6 +333,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
                         workers = plan.len(),
                         "NATS is back: following the current plan again"
                     );
+                    sup.unfence();
                     sup.set_plan(plan);
                     sup.reconcile();
                     emit(
@@ -335,10 +353,11 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
                 fenced = true;
                 tracing::error!(
                     silent = ?last_heartbeat.elapsed(),
+                    grace = ?cfg.fence_grace.min(cfg.stop_grace),
                     "no heartbeat reached NATS for --fence-after: stopping every worker so that \
                      nothing trains twice once the allocator places them elsewhere"
                 );
-                sup.set_plan(Vec::new());
+                sup.fence(cfg.fence_grace, std::time::Instant::now());
                 sup.reconcile();
                 dirty = true;
             }

@@ -88,6 +88,9 @@ struct Worker {
 #[derive(Debug)]
 pub struct Supervisor {
     cfg: SupervisorConfig,
+    /// Time between SIGTERM and SIGKILL of the stops decided now: `cfg.stop_grace`, or the
+    /// shorter fence grace while the agent is fenced ([`Supervisor::fence`]).
+    grace: Duration,
     plan: Vec<WorkerAssignment>,
     workers: BTreeMap<WorkerKey, Worker>,
     exit_tx: mpsc::Sender<ExitNotice>,
@@ -106,6 +109,7 @@ impl Supervisor {
         outbox: mpsc::Sender<Outgoing>,
     ) -> Self {
         Self {
+            grace: cfg.stop_grace,
             cfg,
             plan: Vec::new(),
             workers: BTreeMap::new(),
@@ -133,6 +137,26 @@ impl Supervisor {
     /// Replaces the desired workers (the latest plan).
     pub fn set_plan(&mut self, plan: Vec<WorkerAssignment>) {
         self.plan = plan;
+    }
+
+    /// Self-fencing: stops every worker (at the next [`Supervisor::reconcile`]) with at most
+    /// `grace` between SIGTERM and SIGKILL (the stop grace when that is shorter), so that
+    /// they are gone before the allocator places their jobs elsewhere. Workers already
+    /// stopping keep their deadline if it is sooner and get `grace` otherwise.
+    pub fn fence(&mut self, grace: Duration, now: Instant) {
+        self.grace = grace.min(self.cfg.stop_grace);
+        self.plan = Vec::new();
+        let latest = now + self.grace;
+        for w in self.workers.values_mut() {
+            if let Some(at) = w.kill_at.as_mut() {
+                *at = (*at).min(latest);
+            }
+        }
+    }
+
+    /// Back from a fence: stops decided from now on get the stop grace again.
+    pub fn unfence(&mut self) {
+        self.grace = self.cfg.stop_grace;
     }
 
     /// Whether no worker process is alive.
@@ -290,12 +314,12 @@ impl Supervisor {
         };
         if signal == Signal::SIGTERM {
             w.phase = WorkerPhase::Stopping;
-            w.kill_at = Some(now + self.cfg.stop_grace);
+            w.kill_at = Some(now + self.grace);
             tracing::info!(worker = %key, "stopping worker (SIGTERM to its process group)");
         } else {
             // Do not send SIGKILL again on every reconcile while the exit is being reaped.
             w.kill_at = None;
-            tracing::warn!(worker = %key, grace = ?self.cfg.stop_grace, "worker ignored SIGTERM for the grace period; SIGKILL");
+            tracing::warn!(worker = %key, grace = ?self.grace, "worker ignored SIGTERM for the grace period; SIGKILL");
         }
         if let Some(pid) = w.pid.filter(|&p| p > 0)
             && let Err(e) = killpg(Pid::from_raw(pid as i32), signal)

@@ -299,6 +299,7 @@ pub fn agent_config(
         backoff_base: Duration::from_millis(200),
         backoff_cap: Duration::from_secs(2),
         fence_after: Duration::from_secs(10),
+        fence_grace: Duration::from_secs(4),
         metrics_addr: None,
         probe: false,
         labels: Vec::new(),

@@ -208,3 +208,60 @@ async fn a_retried_progress_report_is_stored_once() {
     let info = stream.info().await.unwrap();
     assert_eq!(info.state.messages, 2, "{:?}", info.state);
 }
+
+/// A worker that ignores SIGTERM on a host cut off from NATS: with a stop grace of 60 s (as
+/// the systemd example ships) it would outlive the allocator's host timeout (15 s) by far,
+/// and its job's next generation elsewhere would train beside it. The fence stops it with
+/// the fence grace instead: gone within fence-after (2 s) + fence grace (2 s) + slack.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_worker_that_ignores_sigterm_is_killed_within_the_fence_grace() {
+    init_tracing();
+    let mut nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut cfg = agent_config(&nats, "n1", 1, work.path());
+    cfg.stop_grace = Duration::from_secs(60);
+    cfg.fence_after = Duration::from_secs(2);
+    cfg.fence_grace = Duration::from_secs(2);
+    let _agent = start_agent(cfg);
+    let _allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
+    let spec = work.path().join("stubborn.toml");
+    std::fs::write(
+        &spec,
+        r#"id = "stubborn"
+command = ["/bin/sh", "-c", "trap '' TERM; while true; do sleep 0.2; done"]
+min_workers = 1
+max_workers = 1
+"#,
+    )
+    .unwrap();
+    let out = Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (pids_before, _) = wait_for(Duration::from_secs(30), "worker pid", || async {
+        pids(&bus, "n1", "stubborn")
+            .await
+            .filter(|(p, _)| !p.is_empty())
+    })
+    .await;
+    nats.stop();
+    let down = Instant::now();
+    wait_for(
+        Duration::from_secs(20),
+        "the stubborn worker killed by the fence",
+        || async { pids_before.iter().all(|&p| !pid_alive(p)).then_some(()) },
+    )
+    .await;
+    let gone = down.elapsed();
+    eprintln!("a worker ignoring SIGTERM was gone {gone:?} after NATS went away");
+    assert!(
+        gone < Duration::from_secs(9),
+        "gone only after {gone:?}: the fence used the stop grace"
+    );
+}
