@@ -18,7 +18,8 @@
 #   containers  the compose cluster and its fault tests, the systemd unit
 #               (tests/compose/run-all.sh; needs Docker; images built without a registry,
 #               the base image with debootstrap from deb.debian.org)
-# 22 to 37 min cold on 2 cores (6 to 8 min of it building), 13 GB in target/.
+# 24 to 40 min cold on 2 cores (6 to 8 min of it building, 1.5 min installing torch), 18 GB
+# in target/ (6.8 GB of it target/py).
 #
 # --quick: the cargo tier without the three-server NATS cluster tests, and the Python kit's
 # unit tests with the system python3 (no virtualenv; downloads only crates and the pinned
