@@ -2,7 +2,10 @@
 # Writes the NATS configuration and the passwords deploy/docker-compose.yml mounts: runs
 # deploy/nats/gen-config.sh for the compose cluster's users (allocator, cli,
 # agent-agent-1..3; passwords random per cluster, an existing password file is kept) with
-# the JetStream store in /data and monitoring on port 8222, then makes the files readable
+# the JetStream store in /data and monitoring on port 8222 of the container's loopback only
+# (nothing on the compose network, where the agents' workers run, can read it; as root on
+# the Docker host: nsenter -t "$(docker inspect -f '{{.State.Pid}}' CONTAINER)" -n
+# curl http://127.0.0.1:8222/varz), then makes the files readable
 # by the containers' uid 10001 (Compose without Swarm bind-mounts secrets as they are).
 #
 #   deploy/nats/compose-secrets.sh [--cluster] [DIR]     DIR: default deploy/nats/secrets
@@ -30,7 +33,7 @@ out="${1:-$here/secrets}"
 uid=10001
 
 "$here/gen-config.sh" --hosts agent-1,agent-2,agent-3 --out "$out" --store-dir /data \
-    --http 0.0.0.0:8222 --server-name converge-nats "${cluster[@]}"
+    --http 127.0.0.1:8222 --server-name converge-nats "${cluster[@]}"
 chmod 700 "$out"
 if [[ $(id -u) -eq 0 ]]; then
     chown "$uid:$uid" "$out/nats-server.conf" "$out"/credentials/*.password

@@ -64,6 +64,16 @@ for creds in "" "cli:wrong-password"; do
     grep -qi 'authoriz' <<<"$out" || fail "the CLI ${creds:+with a wrong password}${creds:-without credentials} failed, but not for authorization: $out"
 done
 log "NATS refuses the CLI without credentials and with a wrong password"
+# The server's monitoring port (no password: connections, users, subscriptions) is on the
+# NATS container's loopback only: an agent's container, where the workers run, cannot
+# open it, while the client port answers.
+agent_c=$(cv_container agent-1)
+docker exec "$agent_c" bash -c 'exec 3<>/dev/tcp/nats/4222' 2>/dev/null \
+    || fail "agent-1 cannot reach nats:4222 (the check of the monitoring port means nothing)"
+if docker exec "$agent_c" bash -c 'exec 3<>/dev/tcp/nats/8222' 2>/dev/null; then
+    fail "agent-1 (and so any worker) reaches the NATS monitoring port nats:8222"
+fi
+log "NATS monitoring (8222) is unreachable from an agent's container; its client port answers"
 
 # Everything after `up` is measured and checked by one Python program that polls the CLI's
 # JSON; it writes the figures to $results and exits non-zero with a message on failure.

@@ -31,6 +31,11 @@
 # Prints each round's figures and the PASS line with the slowest reconnect, the longest
 # heartbeat gap and the reports printed/stored.
 set -euo pipefail
+if [[ $(id -u) -ne 0 ]]; then
+    # The servers' monitoring listens on their containers' loopback only (nsenter needs root).
+    echo "SKIP: nats-cluster.sh reads the NATS servers' monitoring through nsenter, which needs root"
+    exit 0
+fi
 cv_cluster=1
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cv_init nats-cluster "$@"
@@ -39,13 +44,14 @@ cv_up
 servers=(nats nats-2 nats-3)
 jobs_dir="$cv_root/tests/compose/fault-jobs"
 
-# mon SERVICE PATH: a NATS server's monitoring endpoint (port 8222 on the network), from the
-# host at the container's IP.
+# mon SERVICE PATH: a NATS server's monitoring endpoint. It listens on the container's
+# loopback only (deploy/nats/compose-secrets.sh), so the host's python3 reads it from
+# inside the container's network namespace (nsenter; root).
 mon() {
-    local ip; ip=$(cv_ip "$1" 2>/dev/null) || return 1
-    [[ -n "$ip" ]] || return 1
-    python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=2).read().decode())' \
-        "http://$ip:8222$2" 2>/dev/null
+    local pid; pid=$(docker inspect -f '{{.State.Pid}}' "$(cv_container "$1")" 2>/dev/null) || return 1
+    [[ -n "$pid" && "$pid" != 0 ]] || return 1
+    nsenter -t "$pid" -n python3 -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=2).read().decode())' \
+        "http://127.0.0.1:8222$2" 2>/dev/null
 }
 jsz() { mon "$1" '/jsz?accounts=true&streams=true&config=true' | python3 "$cv_tool" jsz; }
 alive() { [[ "$(docker inspect -f '{{.State.Running}}' "$(cv_container "$1")" 2>/dev/null)" == true ]]; }
