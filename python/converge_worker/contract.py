@@ -7,12 +7,13 @@ an incompatible one. Run by hand (no ``CONVERGE_JOB_ID``), the rest default to a
 process: rank 0 of 1, ``127.0.0.1:29500``, generation 0, no checkpoint directory.
 """
 
-import math
 import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, Mapping, Optional, Tuple
+
+from .gradstats import scaled_lr
 
 __all__ = ["Batch", "Contract", "ContractError"]
 
@@ -75,13 +76,8 @@ class Batch:
         reference``) or ``"none"``. AdaScale needs the statistics: see
         :func:`converge_worker.gradstats.scaled_lr` and ``converge_worker.torch``.
         """
-        ratio = self.total / self.reference
-        if rule == "sqrt":
-            return lr * math.sqrt(ratio)
-        if rule == "linear":
-            return lr * ratio
-        if rule == "none":
-            return lr
+        if rule in ("sqrt", "linear", "none"):
+            return scaled_lr(lr, self.total, self.reference, rule)[0]
         raise ValueError("unknown learning-rate scaling rule %r: sqrt, linear or none" % (rule,))
 
 

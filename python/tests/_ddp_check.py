@@ -59,7 +59,6 @@ def main():
         F.cross_entropy(plain(xb), yb).backward()
         own.append(flat_grad(plain))
     ab.step()
-    mean_all = [None]
     everyone = [None] * c.world_size
     dist.all_gather_object(everyone, [g.tolist() for g in own])
     if c.rank == 0:
@@ -67,9 +66,9 @@ def main():
         mean = torch.stack(grads).mean(0)
         local = sum(float(g.pow(2).sum()) for g in grads) / len(grads)
         ref = step_estimate(float(mean.pow(2).sum()), local, len(grads), per_worker)
-        mean_all[0] = float((flat_grad(ddp.module) - mean).abs().max())
+        grad_diff = float((flat_grad(ddp.module) - mean).abs().max())
         print(json.dumps({"kit": list(ab.last_estimate), "reference": list(ref),
-                          "grad_diff": mean_all[0], "passes": ab.passes}), flush=True)
+                          "grad_diff": grad_diff, "passes": ab.passes}), flush=True)
     dist.destroy_process_group()
 
 

@@ -19,11 +19,24 @@ fn stop_while_connecting(
     binary: &str,
     args: &[&str],
 ) -> (Duration, std::process::ExitStatus, String) {
+    let url = format!("nats://127.0.0.1:{}", closed_port());
+    stop_when_ready(binary, &url, args, "retrying in")
+}
+
+/// Starts `binary` with `args` against the NATS server at `url`, waits until its log (stderr,
+/// `RUST_LOG=info`) contains `ready`, sends SIGTERM and returns how long it took to exit, its
+/// exit status and its log. Panics when it exits before it is ready, is not ready within
+/// 20 s, or still runs 10 s after the signal.
+fn stop_when_ready(
+    binary: &str,
+    url: &str,
+    args: &[&str],
+    ready: &str,
+) -> (Duration, std::process::ExitStatus, String) {
     let work = tempfile::tempdir().unwrap();
     let log = work.path().join("log");
-    let url = format!("nats://127.0.0.1:{}", closed_port());
     let mut child = Command::new(bin_path(binary))
-        .args(["--nats-url", &url])
+        .args(["--nats-url", url])
         .args(args)
         .env("RUST_LOG", "info")
         .env("NO_COLOR", "1")
@@ -36,16 +49,16 @@ fn stop_while_connecting(
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
-        if text.contains("retrying in") {
+        if text.contains(ready) {
             break;
         }
         assert!(
             child.try_wait().unwrap().is_none(),
-            "{binary} exited before retrying:\n{text}"
+            "{binary} {args:?} exited before {ready:?}:\n{text}"
         );
         assert!(
             Instant::now() < deadline,
-            "{binary} never said it retries:\n{text}"
+            "{binary} {args:?} never logged {ready:?}:\n{text}"
         );
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -64,7 +77,7 @@ fn stop_while_connecting(
             let _ = child.kill();
             let _ = child.wait();
             panic!(
-                "{binary} still running 10 s after SIGTERM:\n{}",
+                "{binary} {args:?} still running 10 s after SIGTERM:\n{}",
                 std::fs::read_to_string(&log).unwrap_or_default()
             );
         }
@@ -144,59 +157,18 @@ fn the_dashboard_and_watch_stop_on_sigterm_while_connected() {
         ),
         (&["watch"][..], "watching converge.v1.events"),
     ] {
-        let work = tempfile::tempdir().unwrap();
-        let log = work.path().join("log");
-        let mut child = Command::new(bin_path("converge"))
-            .args(["--nats-url", &nats.url])
-            .args(args)
-            .env("RUST_LOG", "info")
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).unwrap())
-            .spawn()
-            .unwrap();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let text = std::fs::read_to_string(&log).unwrap_or_default();
-            if text.contains(ready) {
-                break;
-            }
-            assert!(
-                child.try_wait().unwrap().is_none(),
-                "{args:?} exited before it was ready:\n{text}"
-            );
-            assert!(
-                Instant::now() < deadline,
-                "{args:?} never got ready:\n{text}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        assert!(
-            Command::new("kill")
-                .args(["-TERM", &child.id().to_string()])
-                .status()
-                .unwrap()
-                .success()
-        );
-        let sent = Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if sent.elapsed() > Duration::from_secs(10) {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("{args:?} still running 10 s after SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let took = sent.elapsed();
+        let (took, status, log) = stop_when_ready("converge", &nats.url, args, ready);
         println!("converge {args:?} (connected) exited {took:?} after SIGTERM ({status})");
-        assert!(took < Duration::from_secs(2), "{args:?} took {took:?}");
-        assert!(gone_on_sigterm(status), "{args:?}: {status}");
+        assert!(
+            took < Duration::from_secs(2),
+            "{args:?} took {took:?}:\n{log}"
+        );
+        assert!(gone_on_sigterm(status), "{args:?}: {status}:\n{log}");
         if args[0] == "dashboard" {
-            assert!(status.success(), "the dashboard stops cleanly: {status}");
+            assert!(
+                status.success(),
+                "the dashboard stops cleanly: {status}:\n{log}"
+            );
         }
     }
 }
