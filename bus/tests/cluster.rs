@@ -39,11 +39,16 @@ fn nats_server_bin() -> Option<PathBuf> {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
+/// `n` distinct free ports: each listener stays bound until all are chosen, so the OS
+/// cannot hand out one port twice (a server whose port is taken never joins the cluster).
+fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free port"))
+        .collect();
+    listeners
+        .iter()
+        .map(|l| l.local_addr().expect("local address").port())
+        .collect()
 }
 
 /// Three routed servers `s0`, `s1`, `s2`, each its own store; killed on drop.
@@ -69,18 +74,57 @@ impl Cluster {
                 .map_or(0, |d| d.as_nanos())
         ));
         std::fs::create_dir_all(&dir).expect("temp dir");
+        let ports = free_ports(9);
         let mut c = Self {
             bin,
             dir,
-            client_ports: (0..3).map(|_| free_port()).collect(),
-            cluster_ports: (0..3).map(|_| free_port()).collect(),
-            monitor_ports: (0..3).map(|_| free_port()).collect(),
+            client_ports: ports[0..3].to_vec(),
+            cluster_ports: ports[3..6].to_vec(),
+            monitor_ports: ports[6..9].to_vec(),
             children: vec![None, None, None],
         };
         for i in 0..3 {
             c.start_server(i);
         }
+        c.wait_formed();
         c
+    }
+
+    /// Waits (60 s at most) until JetStream's meta group has a leader that sees both other
+    /// servers as current, so that every test starts from a formed cluster; panics with the
+    /// servers' logs if a server exits or the group does not form.
+    fn wait_formed(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            for (i, child) in self.children.iter_mut().enumerate() {
+                if let Some(status) = child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                    panic!("nats-server s{i} exited ({status}):\n{}", self.logs());
+                }
+            }
+            let formed = (0..3).any(|i| {
+                let Some(jsz) = http_get(self.monitor_ports[i], "/jsz") else {
+                    return false;
+                };
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(&jsz) else {
+                    return false;
+                };
+                let meta = &v["meta_cluster"];
+                let replicas = meta["replicas"].as_array();
+                meta["leader"].as_str() == Some(&format!("s{i}"))
+                    && replicas.is_some_and(|r| {
+                        r.len() == 2 && r.iter().all(|p| p["current"].as_bool() == Some(true))
+                    })
+            });
+            if formed {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the three servers formed no JetStream meta group in 60 s:\n{}",
+                self.logs()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
     }
 
     fn start_server(&mut self, i: usize) {
