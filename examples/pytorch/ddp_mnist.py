@@ -242,6 +242,9 @@ def run(args, load, model_fn, name):
                 checkpoint()
                 last_ckpt = time.monotonic()
         checkpoint()
+        # Every rank leaves together: a rank that tears gloo down while rank 0 still writes
+        # the checkpoint can abort it ("terminate called without an active exception").
+        dist.barrier()
     except CheckpointFenced as e:
         log(e)
         return 1

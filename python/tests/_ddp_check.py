@@ -69,6 +69,9 @@ def main():
         grad_diff = float((flat_grad(ddp.module) - mean).abs().max())
         print(json.dumps({"kit": list(ab.last_estimate), "reference": list(ref),
                           "grad_diff": grad_diff, "passes": ab.passes}), flush=True)
+    # Both ranks leave together: a rank that tears gloo down while its peer still works
+    # can abort the peer ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
