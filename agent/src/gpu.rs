@@ -14,6 +14,11 @@ pub trait GpuSource: Send {
     /// Samples every GPU. `busy` holds the indices of GPUs assigned to running workers (the
     /// fake source derives utilization from it; NVML ignores it and measures).
     fn sample(&mut self, busy: &BTreeSet<u32>) -> Vec<GpuSample>;
+    /// The GPU type this source was told its GPUs are (the fake source's `--fake-gpu-type`);
+    /// `None`: the type is [`converge_common::labels::gpu_type`] of the model name.
+    fn gpu_type(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// Memory of one fake GPU, in bytes (16 GiB).
@@ -27,7 +32,11 @@ pub struct FakeGpus {
     host: String,
     count: u32,
     tick: u64,
+    gpu_type: Option<String>,
 }
+
+/// The fake GPUs' model name without a type.
+pub const FAKE_GPU_MODEL: &str = "Converge fake GPU";
 
 impl FakeGpus {
     pub fn new(host: &str, count: u32) -> Self {
@@ -35,7 +44,15 @@ impl FakeGpus {
             host: host.to_string(),
             count,
             tick: 0,
+            gpu_type: None,
         }
+    }
+
+    /// Fake GPUs of type `gpu_type` (a label value, e.g. `t4`): reported as the host's
+    /// `gpu.type`, and in the model name (`Converge fake GPU (t4)`).
+    pub fn with_type(mut self, gpu_type: Option<String>) -> Self {
+        self.gpu_type = gpu_type;
+        self
     }
 }
 
@@ -45,6 +62,9 @@ impl GpuSource for FakeGpus {
     }
     fn count(&self) -> u32 {
         self.count
+    }
+    fn gpu_type(&self) -> Option<&str> {
+        Some(self.gpu_type.as_deref().unwrap_or("fake"))
     }
     fn sample(&mut self, busy: &BTreeSet<u32>) -> Vec<GpuSample> {
         self.tick += 1;
@@ -56,7 +76,10 @@ impl GpuSource for FakeGpus {
                 GpuSample {
                     index,
                     uuid: format!("GPU-fake-{}-{index}", self.host),
-                    name: "Converge fake GPU".into(),
+                    name: match &self.gpu_type {
+                        Some(t) => format!("{FAKE_GPU_MODEL} ({t})"),
+                        None => FAKE_GPU_MODEL.into(),
+                    },
                     memory_total_bytes: FAKE_GPU_MEMORY_BYTES,
                     memory_used_bytes: if is_busy {
                         FAKE_GPU_MEMORY_BYTES / 5 * 3
@@ -135,9 +158,13 @@ impl GpuSource for NvmlGpus {
 
 /// Picks the GPU source: the fake one when `fake_gpus` is set, else NVML. Without either,
 /// returns a message that tells the operator what to do.
-pub fn open_gpu_source(host: &str, fake_gpus: Option<u32>) -> Result<Box<dyn GpuSource>, String> {
+pub fn open_gpu_source(
+    host: &str,
+    fake_gpus: Option<u32>,
+    fake_type: Option<String>,
+) -> Result<Box<dyn GpuSource>, String> {
     if let Some(n) = fake_gpus {
-        return Ok(Box::new(FakeGpus::new(host, n)));
+        return Ok(Box::new(FakeGpus::new(host, n).with_type(fake_type)));
     }
     match NvmlGpus::init() {
         Ok(nvml) => Ok(Box::new(nvml)),
@@ -170,9 +197,9 @@ mod tests {
     #[test]
     fn without_nvml_or_fake_the_error_says_what_to_do() {
         // This machine may or may not have NVML; only check the message when it has none.
-        if let Err(msg) = open_gpu_source("h", None) {
+        if let Err(msg) = open_gpu_source("h", None, None) {
             assert!(msg.contains("--fake-gpus"), "{msg}");
         }
-        assert_eq!(open_gpu_source("h", Some(2)).unwrap().count(), 2);
+        assert_eq!(open_gpu_source("h", Some(2), None).unwrap().count(), 2);
     }
 }

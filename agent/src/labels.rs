@@ -1,5 +1,5 @@
 //! The host's labels, reported in every telemetry sample ([`HostTelemetry::labels`]): the GPU
-//! labels measured at start (`gpu.model`, `gpu.memory`, `gpu.count`) and the custom ones
+//! labels measured at start (`gpu.model`, `gpu.type`, `gpu.memory`, `gpu.count`) and the custom ones
 //! of the agent's configuration (`--label key=value`, `CONVERGE_AGENT_LABELS`). Job
 //! selectors match them (docs/protocol.md "Node labels and selectors").
 //!
@@ -9,7 +9,8 @@ use std::collections::BTreeMap;
 
 use converge_common::GpuSample;
 use converge_common::labels::{
-    GPU_COUNT, GPU_MEMORY, GPU_MODEL, MAX_LABELS, RESERVED_PREFIX, parse_pair, sanitize_value,
+    GPU_COUNT, GPU_MEMORY, GPU_MODEL, GPU_TYPE, MAX_LABELS, RESERVED_PREFIX, gpu_type, parse_pair,
+    sanitize_value,
 };
 
 /// Checks one custom label argument (`key=value`), as clap's value parser for `--label`:
@@ -18,8 +19,8 @@ pub fn parse_label_arg(text: &str) -> Result<String, String> {
     let (key, _) = parse_pair(text)?;
     if key.starts_with(RESERVED_PREFIX) {
         return Err(format!(
-            "label {key} is reserved: the agent sets {GPU_MODEL}, {GPU_MEMORY} and {GPU_COUNT} \
-             from its GPUs, and custom labels may not use the {RESERVED_PREFIX:?} prefix"
+            "label {key} is reserved: the agent sets {GPU_MODEL}, {GPU_TYPE}, {GPU_MEMORY} and \
+             {GPU_COUNT} from its GPUs, and custom labels may not use the {RESERVED_PREFIX:?} prefix"
         ));
     }
     Ok(text.to_string())
@@ -46,7 +47,7 @@ pub fn custom_labels(args: &[String]) -> Result<BTreeMap<String, String>, String
         }
         labels.insert(key, value);
     }
-    let room = MAX_LABELS - 3;
+    let room = MAX_LABELS - 4;
     if labels.len() > room {
         return Err(format!(
             "{} custom labels, at most {room} allowed",
@@ -57,9 +58,10 @@ pub fn custom_labels(args: &[String]) -> Result<BTreeMap<String, String>, String
 }
 
 /// The GPU labels of a host with `gpus`: `gpu.count`, and from the first GPU `gpu.model`
-/// (its name as a label value) and `gpu.memory` (whole GiB, rounded); the last two are
-/// absent without GPUs or when the name has nothing a label value can hold.
-pub fn gpu_labels(gpus: &[GpuSample]) -> BTreeMap<String, String> {
+/// (its name as a label value), `gpu.type` (`source_type`, the type a fake source was
+/// given, else [`gpu_type`] of the name) and `gpu.memory` (whole GiB, rounded); the model
+/// is absent when the name has nothing a label value can hold, all three without GPUs.
+pub fn gpu_labels(gpus: &[GpuSample], source_type: Option<&str>) -> BTreeMap<String, String> {
     let mut labels = BTreeMap::new();
     labels.insert(GPU_COUNT.to_string(), gpus.len().to_string());
     if let Some(first) = gpus.first() {
@@ -67,6 +69,8 @@ pub fn gpu_labels(gpus: &[GpuSample]) -> BTreeMap<String, String> {
         if !model.is_empty() {
             labels.insert(GPU_MODEL.to_string(), model);
         }
+        let kind = source_type.map_or_else(|| gpu_type(&first.name), str::to_string);
+        labels.insert(GPU_TYPE.to_string(), kind);
         let gib = (first.memory_total_bytes as f64 / (1u64 << 30) as f64).round() as u64;
         labels.insert(GPU_MEMORY.to_string(), gib.to_string());
     }
@@ -78,9 +82,10 @@ pub fn gpu_labels(gpus: &[GpuSample]) -> BTreeMap<String, String> {
 pub fn host_labels(
     custom: &[String],
     gpus: &[GpuSample],
+    source_type: Option<&str>,
 ) -> Result<BTreeMap<String, String>, String> {
     let mut labels = custom_labels(custom)?;
-    labels.extend(gpu_labels(gpus));
+    labels.extend(gpu_labels(gpus, source_type));
     converge_common::labels::validate(&labels)?;
     Ok(labels)
 }
@@ -100,6 +105,7 @@ mod tests {
         let labels = host_labels(
             &args(&["zone=a", "rack=r1,example.com/tier=gold", ""]),
             &gpus.sample(&Default::default()),
+            gpus.gpu_type(),
         )
         .unwrap();
         let expected: BTreeMap<String, String> = [
@@ -107,6 +113,7 @@ mod tests {
             ("gpu.count", "4"),
             ("gpu.memory", "16"),
             ("gpu.model", "Converge-fake-GPU"),
+            ("gpu.type", "fake"),
             ("rack", "r1"),
             ("zone", "a"),
         ]
@@ -116,7 +123,7 @@ mod tests {
         assert_eq!(labels, expected);
         assert_eq!(FAKE_GPU_MEMORY_BYTES >> 30, 16);
         assert_eq!(
-            host_labels(&[], &[]).unwrap(),
+            host_labels(&[], &[], None).unwrap(),
             BTreeMap::from([("gpu.count".to_string(), "0".to_string())])
         );
     }
@@ -126,8 +133,9 @@ mod tests {
         let mut gpu = FakeGpus::new("h", 1).sample(&Default::default()).remove(0);
         gpu.name = "NVIDIA H100 80GB HBM3".into();
         gpu.memory_total_bytes = 85_520_809_984;
-        let labels = gpu_labels(&[gpu.clone(), gpu]);
+        let labels = gpu_labels(&[gpu.clone(), gpu], None);
         assert_eq!(labels["gpu.model"], "NVIDIA-H100-80GB-HBM3");
+        assert_eq!(labels["gpu.type"], "h100");
         assert_eq!(labels["gpu.memory"], "80");
         assert_eq!(labels["gpu.count"], "2");
     }
@@ -148,7 +156,17 @@ mod tests {
         let e = custom_labels(&args(&["zone=a", "zone=b"])).unwrap_err();
         assert!(e.contains("given twice"), "{e}");
         assert!(custom_labels(&args(&["zone=a", "zone=a"])).is_ok());
-        let many: Vec<String> = (0..62).map(|i| format!("k{i}=v")).collect();
-        assert!(custom_labels(&many).unwrap_err().contains("at most 61"));
+        let many: Vec<String> = (0..61).map(|i| format!("k{i}=v")).collect();
+        assert!(custom_labels(&many).unwrap_err().contains("at most 60"));
+        let e = custom_labels(&args(&["gpu.type=a100"])).unwrap_err();
+        assert!(e.contains("gpu.type"), "{e}");
+    }
+
+    #[test]
+    fn a_typed_fake_source_reports_its_type_and_names_it_in_the_model() {
+        let mut gpus = FakeGpus::new("h", 2).with_type(Some("t4".into()));
+        let labels = host_labels(&[], &gpus.sample(&Default::default()), gpus.gpu_type()).unwrap();
+        assert_eq!(labels["gpu.type"], "t4");
+        assert_eq!(labels["gpu.model"], "Converge-fake-GPU-t4");
     }
 }

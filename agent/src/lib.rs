@@ -59,6 +59,16 @@ pub struct AgentConfig {
     /// Without it the agent uses NVML and exits if NVML cannot be loaded.
     #[arg(long, env = "CONVERGE_FAKE_GPUS")]
     pub fake_gpus: Option<u32>,
+    /// The fake GPUs' type, reported as the host's `gpu.type` label (e.g. `t4`, `a100`), so
+    /// that local and CI clusters can mix GPU generations; default `fake`. A label value:
+    /// letters, digits, '-', '_', '.'. Needs --fake-gpus.
+    #[arg(long, env = "CONVERGE_FAKE_GPU_TYPE", requires = "fake_gpus", value_parser = parse_gpu_type)]
+    pub fake_gpu_type: Option<String>,
+    /// How fast the fake GPUs are, as a fraction of this machine's real speed, in (0, 1]:
+    /// given to workers as `CONVERGE_GPU_SPEED`, and converge-trainer stretches each step's
+    /// compute time by 1/speed (0.5: steps take twice as long). Needs --fake-gpus.
+    #[arg(long, env = "CONVERGE_FAKE_GPU_SPEED", requires = "fake_gpus", value_parser = parse_gpu_speed)]
+    pub fake_gpu_speed: Option<f64>,
     /// How often telemetry (the heartbeat) is published, e.g. 1s or 500ms.
     #[arg(long, env = "CONVERGE_TELEMETRY_INTERVAL", default_value = DEFAULT_TELEMETRY_INTERVAL, value_parser = humantime_duration)]
     pub telemetry_interval: Duration,
@@ -138,6 +148,25 @@ pub struct AgentConfig {
     pub worker_shim: Option<PathBuf>,
 }
 
+/// `--fake-gpu-type`: a label value ([`converge_common::labels::validate_value`]), not empty.
+fn parse_gpu_type(text: &str) -> Result<String, String> {
+    if text.is_empty() {
+        return Err("a GPU type may not be empty".into());
+    }
+    converge_common::labels::validate_value(converge_common::labels::GPU_TYPE, text)?;
+    Ok(text.to_string())
+}
+
+/// `--fake-gpu-speed`: a number in (0, 1].
+fn parse_gpu_speed(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err(format!(
+            "{text:?} is not a speed in (0, 1] (a fraction of this machine's real speed)"
+        )),
+    }
+}
+
 /// Runs the agent until `shutdown` is cancelled, then stops its workers (SIGTERM, grace,
 /// SIGKILL) and returns.
 pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
@@ -145,10 +174,14 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
         Some(h) => HostId::new(h.clone()).with_context(|| format!("invalid --host-id {h:?}"))?,
         None => HostId::new(host::default_host_id()).context("cannot derive a host id")?,
     };
-    let mut gpus =
-        gpu::open_gpu_source(host.as_str(), cfg.fake_gpus).map_err(anyhow::Error::msg)?;
-    let host_labels = labels::host_labels(&cfg.labels, &gpus.sample(&Default::default()))
-        .map_err(|e| anyhow::anyhow!("invalid --label: {e}"))?;
+    let mut gpus = gpu::open_gpu_source(host.as_str(), cfg.fake_gpus, cfg.fake_gpu_type.clone())
+        .map_err(anyhow::Error::msg)?;
+    let host_labels = labels::host_labels(
+        &cfg.labels,
+        &gpus.sample(&Default::default()),
+        gpus.gpu_type(),
+    )
+    .map_err(|e| anyhow::anyhow!("invalid --label: {e}"))?;
     let mut host_sampler =
         host::HostSampler::with_link_speeds(&cfg.link_speeds).map_err(anyhow::Error::msg)?;
     let addr = cfg
@@ -246,6 +279,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
             backoff_cap: cfg.backoff_cap,
             worker_shim: cfg.worker_shim.clone(),
             state_file: Some(state_file),
+            gpu_speed: cfg.fake_gpu_speed,
         },
         exit_tx,
         out_tx.clone(),
@@ -637,6 +671,36 @@ pub fn route_addr(url: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn fake_gpu_type_and_speed_are_checked_and_need_fake_gpus() {
+        let parse = |extra: &[&str]| {
+            AgentConfig::try_parse_from(["converge-agent"].iter().chain(extra).copied())
+        };
+        let cfg = parse(&[
+            "--fake-gpus",
+            "2",
+            "--fake-gpu-type",
+            "t4",
+            "--fake-gpu-speed",
+            "0.5",
+        ])
+        .unwrap();
+        assert_eq!(cfg.fake_gpu_type.as_deref(), Some("t4"));
+        assert_eq!(cfg.fake_gpu_speed, Some(0.5));
+        for bad in [
+            &["--fake-gpus", "2", "--fake-gpu-speed", "0"][..],
+            &["--fake-gpus", "2", "--fake-gpu-speed", "1.5"],
+            &["--fake-gpus", "2", "--fake-gpu-speed", "NaN"],
+            &["--fake-gpus", "2", "--fake-gpu-type", "a b"],
+            &["--fake-gpus", "2", "--fake-gpu-type", ""],
+            &["--fake-gpu-type", "t4"],
+            &["--fake-gpu-speed", "0.5"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
 
     #[test]
     fn route_to_loopback_nats_is_loopback() {

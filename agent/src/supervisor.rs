@@ -15,7 +15,8 @@ use crate::reconcile::{Action, WorkerKey, WorkerView, decide, restart_delay};
 use converge_bus::unix_now;
 use converge_common::{
     Event, EventKind, GradientReading, HostId, PROTOCOL_VERSION, ProgressReport, ShadowSpec,
-    SyncArch, WorkerAssignment, WorkerPhase, WorkerProgressLine, WorkerState, jobspec::SHADOW_ENV,
+    SyncArch, WorkerAssignment, WorkerPhase, WorkerProgressLine, WorkerState,
+    jobspec::{GPU_SPEED_ENV as GPU_SPEED_VAR, SHADOW_ENV},
 };
 use futures::StreamExt;
 use nix::sys::signal::{Signal, killpg};
@@ -52,6 +53,9 @@ pub struct SupervisorConfig {
     pub worker_shim: Option<PathBuf>,
     /// Where the live workers' process groups are recorded; `None`: nowhere.
     pub state_file: Option<PathBuf>,
+    /// The fake GPUs' relative speed (`--fake-gpu-speed`), given to workers as
+    /// `CONVERGE_GPU_SPEED`; `None` (real GPUs, or not set): the variable is unset.
+    pub gpu_speed: Option<f64>,
 }
 
 /// Something for the outbox task to publish.
@@ -495,6 +499,7 @@ const BATCH_VARS: [&str; 4] = [
 fn worker_env(
     a: &WorkerAssignment,
     checkpoint_dir: &std::path::Path,
+    gpu_speed: Option<f64>,
 ) -> (Vec<(&'static str, OsString)>, Vec<&'static str>) {
     let gpus: Vec<String> = a.gpus.iter().map(u32::to_string).collect();
     let mut set: Vec<(&'static str, OsString)> = [
@@ -544,6 +549,10 @@ fn worker_env(
     // The sync architecture, and a shadow job's `[shadow]` table: the parameters it gives,
     // the others unset so that the program's defaults apply.
     let mut unset = unset;
+    match gpu_speed {
+        Some(speed) => set.push((GPU_SPEED_VAR, speed.to_string().into())),
+        None => unset.push(GPU_SPEED_VAR),
+    }
     let sync = if a.shadow.is_some() {
         SyncArch::Shadow
     } else if a.num_ps > 0 {
@@ -634,7 +643,7 @@ fn spawn_worker(
         .stderr(Stdio::from(stderr_log))
         .process_group(0)
         .kill_on_drop(false);
-    let (set, unset) = worker_env(a, &checkpoint_dir);
+    let (set, unset) = worker_env(a, &checkpoint_dir, cfg.gpu_speed);
     cmd.envs(set);
     for k in unset {
         cmd.env_remove(k);
@@ -750,7 +759,7 @@ mod tests {
     }
 
     fn env_map(a: &WorkerAssignment) -> (BTreeMap<&'static str, String>, Vec<&'static str>) {
-        let (set, unset) = worker_env(a, std::path::Path::new("/ckpt/mnist-ddp"));
+        let (set, unset) = worker_env(a, std::path::Path::new("/ckpt/mnist-ddp"), None);
         let map: BTreeMap<_, _> = set
             .into_iter()
             .map(|(k, v)| (k, v.into_string().unwrap()))
@@ -819,7 +828,16 @@ mod tests {
         let mut want = expect.to_vec();
         want.sort();
         assert_eq!(got, want);
-        assert_eq!(unset, SHADOW_ENV);
+        assert_eq!(unset[0], GPU_SPEED_VAR, "real GPUs: no speed");
+        assert_eq!(unset[1..], SHADOW_ENV);
+    }
+
+    #[test]
+    fn worker_env_gives_a_fake_gpus_speed() {
+        let a = assignment(0, 0, 1);
+        let (set, unset) = worker_env(&a, std::path::Path::new("/c"), Some(0.25));
+        assert!(set.iter().any(|(k, v)| *k == GPU_SPEED_VAR && v == "0.25"));
+        assert!(!unset.contains(&GPU_SPEED_VAR));
     }
 
     #[test]

@@ -339,7 +339,9 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     let mut caught_up = false;
     let mut policy_due = true;
     let mut lifecycle_due = true;
-    let mut last_live: BTreeSet<(HostId, usize)> = BTreeSet::new();
+    // Live hosts with their GPUs and GPU type: a change makes the policy run.
+    let mut last_live: BTreeSet<(HostId, usize, Option<String>)> = BTreeSet::new();
+    let mut last_gpu_types: BTreeMap<String, usize> = BTreeMap::new();
     let mut last_step = Instant::now() - STEP_SPACING;
     let mut leading = false;
 
@@ -397,18 +399,40 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             continue;
         }
         let now = unix_now();
-        let live: BTreeSet<(HostId, usize)> = view
+        let live: BTreeSet<(HostId, usize, Option<String>)> = view
             .hosts
             .values()
             .filter(|t| now - t.time <= settings.host_timeout_s)
-            .map(|t| (t.host.clone(), t.gpus.len()))
+            .map(|t| {
+                let kind = converge_common::labels::host_gpu_type(&t.labels);
+                (t.host.clone(), t.gpus.len(), kind)
+            })
             .collect();
         if live != last_live {
+            let by_type = converge_common::labels::gpus_by_type(
+                view.hosts
+                    .values()
+                    .filter(|t| now - t.time <= settings.host_timeout_s),
+            );
             tracing::info!(
                 hosts = live.len(),
-                gpus = live.iter().map(|(_, n)| n).sum::<usize>(),
+                gpus = live.iter().map(|(_, n, _)| n).sum::<usize>(),
+                gpus_by_type = %by_type
+                    .iter()
+                    .map(|(t, n)| format!("{t} {n}"))
+                    .collect::<Vec<_>>()
+                    .join(", "),
                 "cluster changed"
             );
+            for kind in last_gpu_types.keys().filter(|k| !by_type.contains_key(*k)) {
+                metrics::gauge!("converge_allocator_gpus_live", "gpu_type" => kind.clone())
+                    .set(0.0);
+            }
+            for (kind, n) in &by_type {
+                metrics::gauge!("converge_allocator_gpus_live", "gpu_type" => kind.clone())
+                    .set(*n as f64);
+            }
+            last_gpu_types = by_type;
             last_live = live;
             policy_due = true;
         }
@@ -526,6 +550,10 @@ fn describe_metrics() {
     describe_gauge!(
         "converge_allocator_hosts_live",
         "Hosts whose heartbeat is younger than the host timeout"
+    );
+    describe_gauge!(
+        "converge_allocator_gpus_live",
+        "GPUs of the live hosts, by GPU type (the hosts' gpu.type label); 0 once a type's last host is gone"
     );
     describe_gauge!("converge_allocator_jobs", "Jobs by phase");
     describe_counter!(

@@ -393,6 +393,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             } else {
                 let table = tables::hosts(&hosts, unix_now()).to_string();
                 println!("{}", tables::terminal_safe(&table));
+                if let Some(types) = tables::gpus_by_type(&hosts) {
+                    println!(
+                        "{}",
+                        tables::terminal_safe(&format!("GPUs by type: {types}"))
+                    );
+                }
             }
         }
         Command::Cancel { id } => {

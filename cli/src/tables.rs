@@ -303,6 +303,18 @@ pub fn jobs(
     t
 }
 
+/// GPUs per type over `hosts` (`a100 8, t4 16`), types in order; `None` without GPUs.
+pub fn gpus_by_type(hosts: &[HostTelemetry]) -> Option<String> {
+    let per_type = converge_common::labels::gpus_by_type(hosts);
+    (!per_type.is_empty()).then(|| {
+        per_type
+            .iter()
+            .map(|(t, n)| format!("{t} {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    })
+}
+
 /// The hosts table.
 pub fn hosts(hosts: &[HostTelemetry], now: f64) -> Table {
     let mut t = Table::new();
@@ -310,6 +322,7 @@ pub fn hosts(hosts: &[HostTelemetry], now: f64) -> Table {
         "HOST",
         "ADDR",
         "GPUS (busy/all)",
+        "GPU TYPE",
         "GPU UTIL",
         "CPU",
         "MEMORY",
@@ -337,6 +350,7 @@ pub fn hosts(hosts: &[HostTelemetry], now: f64) -> Table {
             h.host.to_string(),
             h.addr.clone(),
             format!("{busy}/{} ({})", h.gpus.len(), h.gpu_source),
+            converge_common::labels::host_gpu_type(&h.labels).unwrap_or_else(|| "-".into()),
             format!("{util:.0}%"),
             format!("{:.0}%", h.cpu_pct),
             format!(
@@ -577,8 +591,29 @@ pub(crate) mod tests {
         .unwrap();
         h.labels.insert("zone".into(), "a".into());
         h.labels.insert("gpu.count".into(), "0".into());
-        let text = hosts(&[h], 1.0).to_string();
+        let text = hosts(&[h.clone()], 1.0).to_string();
         assert!(text.contains("LABELS"), "{text}");
         assert!(text.contains("gpu.count=0,zone=a"), "{text}");
+        assert_eq!(gpus_by_type(&[h.clone()]), None, "no GPUs");
+
+        // Typed hosts: the type column, and the GPUs per type.
+        let gpu: converge_common::GpuSample = serde_json::from_value(serde_json::json!({
+            "index": 0, "uuid": "GPU-0", "name": "Tesla T4", "memory_total_bytes": 1,
+            "memory_used_bytes": 0, "utilization_pct": 0.0
+        }))
+        .unwrap();
+        let mut t4 = h.clone();
+        t4.gpus = vec![gpu.clone(), gpu.clone()];
+        t4.labels.insert("gpu.type".into(), "t4".into());
+        let mut old = h;
+        old.gpus = vec![gpu];
+        old.labels
+            .insert("gpu.model".into(), "NVIDIA-A100-SXM4-40GB".into());
+        let text = hosts(&[t4.clone(), old.clone()], 1.0).to_string();
+        assert!(text.contains("GPU TYPE"), "{text}");
+        assert_eq!(
+            gpus_by_type(&[t4.clone(), t4, old]).as_deref(),
+            Some("a100 1, t4 4")
+        );
     }
 }

@@ -6,14 +6,14 @@ use crate::PROTOCOL_VERSION;
 use crate::ids::{JobId, QueueId};
 use crate::queues::PriorityClass;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Largest number of workers a job may ask for.
 pub const MAX_WORKERS: u32 = 4096;
 /// Largest number of GPUs per worker (one worker never spans hosts).
 pub const MAX_GPUS_PER_WORKER: u32 = 16;
 /// Environment variables set by the agent (worker contract) that a spec may not override.
-pub const RESERVED_ENV: [&str; 26] = [
+pub const RESERVED_ENV: [&str; 27] = [
     "RANK",
     "WORLD_SIZE",
     "LOCAL_RANK",
@@ -34,6 +34,7 @@ pub const RESERVED_ENV: [&str; 26] = [
     "CONVERGE_TOTAL_BATCH",
     "CONVERGE_REFERENCE_BATCH",
     "CONVERGE_SYNC",
+    GPU_SPEED_ENV,
     SHADOW_ENV[0],
     SHADOW_ENV[1],
     SHADOW_ENV[2],
@@ -41,6 +42,12 @@ pub const RESERVED_ENV: [&str; 26] = [
     SHADOW_ENV[4],
     SHADOW_ENV[5],
 ];
+
+/// The worker-contract variable giving a fake GPU's relative speed, in (0, 1], set by
+/// agents started with `--fake-gpus` and `--fake-gpu-speed` only (unset on real GPUs):
+/// converge-trainer stretches each step's compute time by its inverse, so that a local
+/// cluster can mix fast and slow GPU types.
+pub const GPU_SPEED_ENV: &str = "CONVERGE_GPU_SPEED";
 
 /// The worker-contract variables of a shadow job's `[shadow]` table (docs/protocol.md,
 /// "Worker contract"), set by the agent only for the parameters the spec gives (the others
@@ -387,6 +394,13 @@ pub struct JobSpec {
     /// Empty: any host. Same syntax and bounds as host labels ([`crate::labels`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub selector: BTreeMap<String, String>,
+    /// The GPU types (generations) the job may run on (`gpu_types = ["a100", "h100"]`): its
+    /// workers go only to hosts whose `gpu.type` label ([`crate::labels::GPU_TYPE`]) is one
+    /// of them. `None`: any type. Refused: an empty list, a type listed twice, a type that
+    /// is not a label value. A job whose types no live host offers waits, pending, with the
+    /// reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gpu_types: Option<Vec<String>>,
     /// The queue the job is scheduled in (`queue = "team-a"`; see [`crate::queues`]).
     /// `None`: the [`crate::DEFAULT_QUEUE`]. `converge submit` refuses a queue that does not
     /// exist; a job whose queue is deleted later waits, pending, with the reason.
@@ -441,6 +455,8 @@ pub enum JobSpecError {
     Batch(String),
     #[error("`[selector]`: {0}")]
     Selector(String),
+    #[error("`gpu_types`: {0}")]
+    GpuTypes(String),
     #[error("`[shadow]`: {0}")]
     Shadow(String),
     #[error("unsupported protocol version {0}")]
@@ -585,6 +601,9 @@ impl JobSpec {
             }
         }
         crate::labels::validate(&self.selector).map_err(JobSpecError::Selector)?;
+        if let Some(types) = &self.gpu_types {
+            validate_gpu_types(types).map_err(JobSpecError::GpuTypes)?;
+        }
         for key in self.env.keys() {
             if RESERVED_ENV.contains(&key.as_str()) {
                 return Err(JobSpecError::ReservedEnv(key.clone()));
@@ -654,7 +673,43 @@ impl StopSpec {
     }
 }
 
+/// Checks a job's `gpu_types`: not empty, each a non-empty label value, none twice.
+fn validate_gpu_types(types: &[String]) -> Result<(), String> {
+    if types.is_empty() {
+        return Err(
+            "the list is empty, so no host could run the job: name at least one type \
+             (e.g. gpu_types = [\"a100\"]), or leave the key out for any type"
+                .into(),
+        );
+    }
+    let mut seen = BTreeSet::new();
+    for t in types {
+        if t.is_empty() {
+            return Err("a GPU type may not be empty".into());
+        }
+        crate::labels::validate_value(crate::labels::GPU_TYPE, t)?;
+        if !seen.insert(t) {
+            return Err(format!("{t:?} is listed twice"));
+        }
+    }
+    Ok(())
+}
+
 impl JobSpec {
+    /// Whether a host with `labels` may run the job's workers: its `[selector]` matches and,
+    /// with `gpu_types`, the host's GPU type ([`crate::labels::host_gpu_type`]) is listed.
+    pub fn allows_host(&self, labels: &BTreeMap<String, String>) -> bool {
+        crate::labels::matches(&self.selector, labels)
+            && self.gpu_types.as_ref().is_none_or(|types| {
+                crate::labels::host_gpu_type(labels).is_some_and(|t| types.contains(&t))
+            })
+    }
+
+    /// Whether the job restricts its hosts at all (`[selector]` or `gpu_types`).
+    pub fn restricts_hosts(&self) -> bool {
+        !self.selector.is_empty() || self.gpu_types.is_some()
+    }
+
     fn validate_batch(&self, b: &BatchSpec) -> Result<(), JobSpecError> {
         let bad = |m: String| Err(JobSpecError::Batch(m));
         if self.arch != SyncArch::Ring {
@@ -1012,6 +1067,56 @@ mod tests {
             "id = \"j\"\ncommand = [\"t\"]\n[labels]\nmodel = \"résumé-π\"\n",
             "ok",
         );
+    }
+
+    #[test]
+    fn gpu_types_parse_restrict_hosts_and_bad_lists_are_refused() {
+        let base = "id = \"g\"\ncommand = [\"t\"]\n";
+        let any = JobSpec::from_toml(base).unwrap();
+        assert!(any.gpu_types.is_none() && !any.restricts_hosts());
+        let spec =
+            JobSpec::from_toml(&format!("{base}gpu_types = [\"a100\", \"h100\"]\n")).unwrap();
+        assert_eq!(
+            spec.gpu_types.as_deref(),
+            Some(&["a100".to_string(), "h100".to_string()][..])
+        );
+        assert!(spec.restricts_hosts());
+        let host = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        assert!(spec.allows_host(&host(&[("gpu.type", "a100")])));
+        assert!(!spec.allows_host(&host(&[("gpu.type", "t4")])));
+        assert!(
+            !spec.allows_host(&host(&[("gpu.count", "0")])),
+            "a host without GPUs"
+        );
+        // An older agent without gpu.type: the type comes from its model.
+        assert!(spec.allows_host(&host(&[("gpu.model", "NVIDIA-H100-80GB-HBM3")])));
+        assert!(any.allows_host(&host(&[("gpu.type", "t4")])));
+        // With a selector, both must hold.
+        let both = JobSpec::from_toml(&format!(
+            "{base}gpu_types = [\"t4\"]\n[selector]\nzone = \"a\"\n"
+        ))
+        .unwrap();
+        assert!(both.allows_host(&host(&[("gpu.type", "t4"), ("zone", "a")])));
+        assert!(!both.allows_host(&host(&[("gpu.type", "t4"), ("zone", "b")])));
+        assert!(!both.allows_host(&host(&[("gpu.type", "a100"), ("zone", "a")])));
+        for (line, want) in [
+            ("gpu_types = []", "`gpu_types`: the list is empty"),
+            ("gpu_types = [\"t4\", \"t4\"]", "\"t4\" is listed twice"),
+            ("gpu_types = [\"\"]", "may not be empty"),
+            ("gpu_types = [\"a b\"]", "is not valid"),
+            ("gpu_types = \"t4\"", "invalid type"),
+            ("gpu_type = [\"t4\"]", "unknown field `gpu_type`"),
+        ] {
+            let e = JobSpec::from_toml(&format!("{base}{line}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{line}: {e}");
+        }
     }
 
     #[test]

@@ -29,6 +29,10 @@ pub const GPU_MODEL: &str = "gpu.model";
 pub const GPU_MEMORY: &str = "gpu.memory";
 /// GPUs on the host, e.g. `8`.
 pub const GPU_COUNT: &str = "gpu.count";
+/// The GPU type (generation) of the host's GPUs, [`gpu_type`] of the model name (`h100`,
+/// `a100`, `t4`, `rtx2080ti`), or the type a fake GPU source was given. Jobs restrict the
+/// types they run on with `gpu_types` ([`crate::JobSpec::gpu_types`]).
+pub const GPU_TYPE: &str = "gpu.type";
 
 /// A name: 1..=63 characters, alphanumeric at both ends, `-`, `_`, `.` inside.
 fn valid_name(s: &str) -> bool {
@@ -159,9 +163,136 @@ pub fn sanitize_value(name: &str) -> String {
     out
 }
 
+/// Words of a GPU model name that say nothing about its generation: vendor and product
+/// lines (`NVIDIA`, `Tesla`, `GeForce`, `Quadro`), memory (`40GB`), form factor and memory
+/// technology (`SXM4`, `PCIe`, `HBM3`, `NVL`). Compared in lowercase.
+fn uninformative(word: &str) -> bool {
+    const WORDS: [&str; 6] = ["nvidia", "tesla", "geforce", "quadro", "pcie", "nvl"];
+    let prefixed = |prefix: &str| {
+        word.strip_prefix(prefix)
+            .is_some_and(|rest| rest.chars().all(|c| c.is_ascii_digit() || c == 'e'))
+    };
+    WORDS.contains(&word)
+        || prefixed("sxm")
+        || prefixed("hbm")
+        || word
+            .strip_suffix("gb")
+            .is_some_and(|n| !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()))
+}
+
+/// The GPU type of a model name as NVML reports it: lowercase, the vendor, product line,
+/// memory size and form-factor words dropped ([`uninformative`]), the rest joined without
+/// separators. `NVIDIA H100 80GB HBM3` → `h100`, `NVIDIA A100-SXM4-40GB` → `a100`,
+/// `Tesla T4` → `t4`, `NVIDIA GeForce RTX 2080 Ti` → `rtx2080ti`, `NVIDIA RTX A6000` →
+/// `rtxa6000`. A model name with nothing else left keeps its own words (so an unknown
+/// model still gets a type of its own, never none); an empty one is `unknown`. Always a
+/// valid label value of at most 63 characters.
+pub fn gpu_type(model: &str) -> String {
+    let lower = model.to_ascii_lowercase();
+    let words: Vec<&str> = lower
+        .split(|c: char| !c.is_ascii_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .collect();
+    let kept: String = words
+        .iter()
+        .filter(|w| !uninformative(w))
+        .copied()
+        .collect();
+    let name = if kept.is_empty() {
+        words.join("-")
+    } else {
+        kept
+    };
+    let name = sanitize_value(&name);
+    if name.is_empty() {
+        "unknown".into()
+    } else {
+        name
+    }
+}
+
+/// A host's GPU type: its `gpu.type` label, or for an agent older than that label
+/// [`gpu_type`] of its `gpu.model`; `None` for a host without GPUs.
+pub fn host_gpu_type(labels: &BTreeMap<String, String>) -> Option<String> {
+    labels
+        .get(GPU_TYPE)
+        .cloned()
+        .or_else(|| labels.get(GPU_MODEL).map(|m| gpu_type(m)))
+}
+
+/// GPUs per type ([`host_gpu_type`]; `-` for a host with GPUs but no type) over `hosts`.
+pub fn gpus_by_type<'a>(
+    hosts: impl IntoIterator<Item = &'a crate::HostTelemetry>,
+) -> BTreeMap<String, usize> {
+    let mut per_type = BTreeMap::new();
+    for h in hosts.into_iter().filter(|h| !h.gpus.is_empty()) {
+        let kind = host_gpu_type(&h.labels).unwrap_or_else(|| "-".into());
+        *per_type.entry(kind).or_default() += h.gpus.len();
+    }
+    per_type
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpu_types_from_nvml_model_names() {
+        for (model, want) in [
+            ("NVIDIA H100 80GB HBM3", "h100"),
+            ("NVIDIA H100 PCIe", "h100"),
+            ("NVIDIA H100 NVL", "h100"),
+            ("NVIDIA H200", "h200"),
+            ("NVIDIA A100-SXM4-40GB", "a100"),
+            ("NVIDIA A100-SXM4-80GB", "a100"),
+            ("NVIDIA A100 80GB PCIe", "a100"),
+            ("Tesla V100-SXM2-16GB", "v100"),
+            ("Tesla V100-PCIE-32GB", "v100"),
+            ("Tesla T4", "t4"),
+            ("NVIDIA GeForce RTX 2080 Ti", "rtx2080ti"),
+            ("NVIDIA GeForce RTX 3090", "rtx3090"),
+            ("NVIDIA RTX A6000", "rtxa6000"),
+            ("NVIDIA A10G", "a10g"),
+            ("NVIDIA L4", "l4"),
+            ("NVIDIA L40S", "l40s"),
+            ("Tesla P100-PCIE-16GB", "p100"),
+            ("Quadro RTX 8000", "rtx8000"),
+            ("NVIDIA H100 80GB HBM3e", "h100"),
+        ] {
+            assert_eq!(gpu_type(model), want, "{model}");
+        }
+    }
+
+    #[test]
+    fn a_hosts_type_is_its_label_or_else_from_its_model() {
+        assert_eq!(
+            host_gpu_type(&map(&[(GPU_TYPE, "t4"), (GPU_MODEL, "x")])).as_deref(),
+            Some("t4")
+        );
+        assert_eq!(
+            host_gpu_type(&map(&[(GPU_MODEL, "NVIDIA-A100-SXM4-40GB")])).as_deref(),
+            Some("a100")
+        );
+        assert_eq!(host_gpu_type(&map(&[(GPU_COUNT, "0")])), None);
+    }
+
+    #[test]
+    fn an_unknown_or_odd_model_still_gets_a_valid_type() {
+        assert_eq!(gpu_type("NVIDIA"), "nvidia");
+        assert_eq!(gpu_type("NVIDIA Tesla"), "nvidia-tesla");
+        assert_eq!(gpu_type(""), "unknown");
+        assert_eq!(gpu_type("  ---  "), "unknown");
+        assert_eq!(gpu_type("Ünïcode GPU 9000"), "ncodegpu9000");
+        let long = gpu_type(&"x".repeat(200));
+        assert_eq!(long.len(), MAX_NAME_LEN);
+        for model in ["NVIDIA", "", "Ünïcode GPU 9000", &"y".repeat(200), "H100"] {
+            let t = gpu_type(model);
+            assert!(
+                validate_value(GPU_TYPE, &t).is_ok() && !t.is_empty(),
+                "{model}: {t}"
+            );
+        }
+    }
 
     fn map(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs

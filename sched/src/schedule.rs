@@ -907,28 +907,52 @@ struct Fits<'a> {
     contention: f64,
 }
 
-/// The live hosts whose labels match the spec's `[selector]`; `None` when it has none (any
-/// host will do).
+/// The live hosts the spec allows ([`JobSpec::allows_host`]: its `[selector]` and
+/// `gpu_types`); `None` when it restricts nothing (any host will do).
 fn eligible_hosts(
     spec: &JobSpec,
     live: &BTreeMap<&HostId, &HostTelemetry>,
 ) -> Option<BTreeSet<HostId>> {
-    if spec.selector.is_empty() {
+    if !spec.restricts_hosts() {
         return None;
     }
     Some(
         live.iter()
-            .filter(|(_, t)| converge_common::labels::matches(&spec.selector, &t.labels))
+            .filter(|(_, t)| spec.allows_host(&t.labels))
             .map(|(h, _)| (*h).clone())
             .collect(),
     )
 }
 
-/// The status message of a job whose selector no live host matches.
-fn unmatched_selector_message(spec: &JobSpec) -> String {
+/// The status message of a job no live host may run: what its selector and GPU types ask
+/// for, and with GPU types, the types the live hosts have.
+fn unmatched_selector_message(spec: &JobSpec, live: &BTreeMap<&HostId, &HostTelemetry>) -> String {
+    let Some(types) = &spec.gpu_types else {
+        return format!(
+            "no live host matches selector {}",
+            converge_common::labels::format(&spec.selector)
+        );
+    };
+    let offered: BTreeSet<String> = live
+        .values()
+        .filter_map(|t| converge_common::labels::host_gpu_type(&t.labels))
+        .collect();
+    let offered = if offered.is_empty() {
+        "none".to_string()
+    } else {
+        offered.into_iter().collect::<Vec<_>>().join(", ")
+    };
+    let selector = if spec.selector.is_empty() {
+        String::new()
+    } else {
+        format!(
+            " with selector {}",
+            converge_common::labels::format(&spec.selector)
+        )
+    };
     format!(
-        "no live host matches selector {}",
-        converge_common::labels::format(&spec.selector)
+        "no live host offers GPU type {}{selector} (live hosts' types: {offered})",
+        types.join(" or ")
     )
 }
 
@@ -947,10 +971,12 @@ fn note_unmatched_selectors(
             continue;
         };
         let unmatched = eligible_hosts(spec, live).is_some_and(|hosts| hosts.is_empty());
-        let message = unmatched_selector_message(spec);
         if unmatched {
-            status.message = Some(message);
-        } else if status.message.as_deref() == Some(message.as_str()) {
+            status.message = Some(unmatched_selector_message(spec, live));
+        } else if status.message.as_deref().is_some_and(|m| {
+            m.starts_with("no live host matches selector ")
+                || m.starts_with("no live host offers GPU type ")
+        }) {
             status.message = None;
         }
     }
@@ -2509,6 +2535,75 @@ mod tests {
                     .unwrap()
                     .starts_with("no live host matches"),
                 "{what}: {waiting:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn gpu_type_jobs_run_only_on_their_types_or_wait_with_the_reason() {
+        let typed = |id: &str, gpus: u32, time: f64, kind: &str| {
+            let mut t = host(id, gpus, time, vec![]);
+            t.labels.insert("gpu.type".into(), kind.into());
+            t
+        };
+        let hosts_of = |s: &JobStatus| -> BTreeSet<String> {
+            s.placement.iter().map(|p| p.host.to_string()).collect()
+        };
+        for (policy, placement) in [
+            ("quality", PlacementKind::FirstFit),
+            ("quality", PlacementKind::Bco),
+            ("pollux", PlacementKind::FirstFit),
+            ("fifo", PlacementKind::Bco),
+        ] {
+            let what = format!("{policy} with {placement:?}");
+            let mut w = World::default();
+            w.settings.scheduler =
+                Arc::from(crate::policies::by_name(policy, w.settings.policy).unwrap());
+            w.settings.placement = placement;
+            w.add_host(typed("t4-1", 4, 10.0, "t4"));
+            w.add_host(typed("a100-1", 4, 10.0, "a100"));
+            let mut fast = job("fast", 1, 8, 1.0);
+            fast.gpu_types = Some(vec!["a100".into(), "h100".into()]);
+            let mut newest = job("newest", 1, 2, 2.0);
+            newest.gpu_types = Some(vec!["h100".into()]);
+            for spec in [fast, newest, job("any", 1, 2, 3.0)] {
+                w.specs.insert(spec.id.clone(), spec);
+            }
+            w.step(10.0, true);
+            let fast = w.status("fast");
+            assert!(fast.world_size >= 1, "{what}: {fast:?}");
+            assert_eq!(
+                hosts_of(fast),
+                BTreeSet::from(["a100-1".to_string()]),
+                "{what}"
+            );
+            let newest = w.status("newest");
+            assert_eq!(
+                (newest.phase, newest.world_size),
+                (JobPhase::Pending, 0),
+                "{what}"
+            );
+            assert_eq!(
+                newest.message.as_deref(),
+                Some("no live host offers GPU type h100 (live hosts' types: a100, t4)"),
+                "{what}"
+            );
+            assert!(w.status("any").world_size >= 1, "{what}");
+
+            // An H100 host joins: the waiting job goes there and the reason goes.
+            w.add_host(typed("h100-1", 2, 11.0, "h100"));
+            w.step(11.0, true);
+            let newest = w.status("newest");
+            assert!(newest.world_size >= 1, "{what}: {newest:?}");
+            assert_eq!(
+                hosts_of(newest),
+                BTreeSet::from(["h100-1".to_string()]),
+                "{what}"
+            );
+            assert_eq!(newest.message, None, "{what}");
+            assert!(
+                hosts_of(w.status("fast")).iter().all(|h| h != "t4-1"),
+                "{what}: never on a T4"
             );
         }
     }

@@ -291,6 +291,8 @@ pub fn agent_config(
         host_id: Some(host.to_string()),
         advertise_addr: Some("127.0.0.1".into()),
         fake_gpus: Some(gpus),
+        fake_gpu_type: None,
+        fake_gpu_speed: None,
         telemetry_interval: Duration::from_millis(300),
         log_dir: work.join("logs"),
         checkpoint_root: work.join("checkpoints"),

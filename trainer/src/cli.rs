@@ -171,6 +171,14 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_name = "MS")]
     pub step_delay_ms: u64,
 
+    /// The GPU's speed as a fraction of this machine's, in (0, 1]: each step's accelerator
+    /// time (the --step-delay-ms sleep, or without one the measured compute) is stretched
+    /// by 1/speed. Agents with fake GPUs of a slower type set it (`--fake-gpu-speed`), so
+    /// that a local cluster mixes GPU generations; 1 on real GPUs.
+    #[arg(long, env = "CONVERGE_GPU_SPEED", default_value_t = 1.0, value_name = "FRACTION",
+          value_parser = parse_speed)]
+    pub gpu_speed: f64,
+
     /// Seconds to wait for all ranks to join the rendezvous and connect the ring (or the
     /// workers to the parameter-server shards).
     #[arg(long, default_value_t = 120.0, value_name = "SECONDS")]
@@ -438,6 +446,14 @@ impl WorkerEnv {
     }
 }
 
+/// `--gpu-speed`: a number in (0, 1].
+fn parse_speed(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        _ => Err(format!("{text:?} is not a speed in (0, 1]")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -636,3 +652,4 @@ mod tests {
         assert!(e.contains("unset CONVERGE_NUM_PS"), "{e}");
     }
 }
+

@@ -604,6 +604,7 @@ impl<'a> Trainer<'a> {
             }
             buf.fill(0.0);
             if !stopping {
+                let computing = Instant::now();
                 // Micro-batch j of the step covers global positions
                 // [samples + j·W·b, samples + (j+1)·W·b); this rank takes its slice of each.
                 for j in 0..=self.accum_steps {
@@ -612,9 +613,15 @@ impl<'a> Trainer<'a> {
                     buf[p] += self.micro_batch(&state.params, &idx, &mut buf, &mut half);
                     buf[p + 1] += idx.len() as f64;
                 }
-                if !delay.is_zero() {
-                    // Each micro-batch takes the emulated accelerator time.
-                    std::thread::sleep(delay * (self.accum_steps as u32 + 1));
+                // Each micro-batch takes the emulated accelerator time, stretched by
+                // 1/--gpu-speed; without one, a slower GPU stretches the compute itself.
+                let accelerator = if delay.is_zero() {
+                    computing.elapsed().mul_f64(1.0 / args.gpu_speed - 1.0)
+                } else {
+                    (delay * (self.accum_steps as u32 + 1)).div_f64(args.gpu_speed)
+                };
+                if !accelerator.is_zero() {
+                    std::thread::sleep(accelerator);
                 }
             } else {
                 buf[p + 2] = 1.0;

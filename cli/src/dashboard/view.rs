@@ -186,6 +186,8 @@ pub struct JobView {
     pub placement: Vec<PlacementView>,
     /// Labels a host must have to run the job (its spec's `[selector]`).
     pub selector: BTreeMap<String, String>,
+    /// The GPU types the job may run on (its spec's `gpu_types`); `None`: any.
+    pub gpu_types: Option<Vec<String>>,
     pub samples: u64,
     pub samples_per_s: Option<f64>,
     /// Shadow jobs: background sync rounds per second (absent for other jobs).
@@ -362,6 +364,7 @@ pub fn build(
                     })
                     .collect(),
                 selector: spec.selector.clone(),
+                gpu_types: spec.gpu_types.clone(),
                 samples: s.samples,
                 samples_per_s: s.samples_per_s,
                 sync_rounds_per_s: s.sync_rounds_per_s,

@@ -121,7 +121,7 @@ function renderJobs(st) {
     const b = j.batch && j.batch.plan ? `${j.batch.plan.total} (${j.batch.plan.per_worker}×${j.batch.plan.accum_steps})` : "—";
     const workers = j.max_workers != null ? `${j.min_workers}–${j.max_workers}` : `≥${j.min_workers}`;
     return `<tr data-job="${esc(j.job)}">
-      <th scope="row">${esc(j.job)}${j.sweep ? `<br><small>sweep ${esc(j.sweep)}</small>` : ""}${Object.keys(j.selector || {}).length ? `<br><small>on ${esc(Object.entries(j.selector).map(([k, v]) => `${k}=${v}`).join(", "))}</small>` : ""}</th>
+      <th scope="row">${esc(j.job)}${j.sweep ? `<br><small>sweep ${esc(j.sweep)}</small>` : ""}${Object.keys(j.selector || {}).length ? `<br><small>on ${esc(Object.entries(j.selector).map(([k, v]) => `${k}=${v}`).join(", "))}</small>` : ""}${j.gpu_types ? `<br><small>GPU type ${esc(j.gpu_types.join(" or "))}</small>` : ""}</th>
       <td data-field="phase" class="phase ${esc(j.phase)}">${esc(j.phase)}</td>
       <td data-field="queue">${esc(j.queue)} · <span class="prio ${esc(j.priority)}">${esc(j.priority)}</span></td>
       <td data-field="workers" class="num" title="allowed ${workers}">${j.workers}</td>
