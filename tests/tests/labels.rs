@@ -1,6 +1,7 @@
 //! Node labels and selectors end to end: two agents with different custom labels, a job
 //! that selects one of them, `converge submit` refusing a selector no host satisfies,
-//! `converge jobs` showing why a job waits and `converge hosts` the labels.
+//! `converge jobs` showing why a job waits and `converge hosts` the labels; two agents with
+//! fake GPUs of different types and speeds, jobs restricted to one type by `gpu_types`.
 
 use converge_common::{HostTelemetry, JobPhase, JobSpec, WorkerPhase, messages::encode};
 use converge_tests::*;
@@ -164,6 +165,122 @@ async fn a_job_runs_only_on_hosts_its_selector_matches() {
         table.contains("pending: no live host matches selector zone=c"),
         "{table}"
     );
+
+    for a in agents {
+        a.stop().await;
+    }
+    allocator.stop().await;
+}
+
+/// A trainer job's spec restricted to `types`.
+fn with_gpu_types(job: &TrainerJob, types: &str, dir: &std::path::Path) -> std::path::PathBuf {
+    let path = dir.join(format!("{}.toml", job.id));
+    let toml = job.toml();
+    // `gpu_types` is a top-level key: before the first table of the spec.
+    let (head, tables) = toml.split_at(toml.find("\n[").map_or(toml.len(), |i| i + 1));
+    std::fs::write(&path, format!("{head}gpu_types = {types}\n{tables}")).unwrap();
+    path
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_run_on_their_gpu_types_and_a_slower_type_trains_slower() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut slow = agent_config(&nats, "t4-1", 2, work.path());
+    slow.fake_gpu_type = Some("t4".into());
+    slow.fake_gpu_speed = Some(0.25);
+    let mut fast = agent_config(&nats, "a100-1", 2, work.path());
+    fast.fake_gpu_type = Some("a100".into());
+    let agents = [start_agent(slow), start_agent(fast)];
+    let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
+
+    for (host, kind) in [("t4-1", "t4"), ("a100-1", "a100")] {
+        let t = wait_for(Duration::from_secs(20), "typed telemetry", || async {
+            bus.get::<HostTelemetry>(&bus.hosts, host)
+                .await
+                .ok()
+                .flatten()
+                .map(|(t, _)| t)
+        })
+        .await;
+        assert_eq!(t.labels["gpu.type"], kind, "{t:?}");
+        assert_eq!(t.labels["gpu.model"], format!("Converge-fake-GPU-{kind}"));
+    }
+    let out = converge(&nats, &["hosts"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let table = text(&out.stdout);
+    assert!(table.contains("GPU TYPE"), "{table}");
+    assert!(table.contains("GPUs by type: a100 2, t4 2"), "{table}");
+
+    // The same job on each type (20 ms of accelerator time per step on an A100, four times
+    // that on the T4 at speed 0.25), and one for a type nobody has.
+    let mut on_a100 = TrainerJob::new("on-a100", 1000);
+    on_a100.step_delay_ms = 20;
+    let mut on_t4 = TrainerJob::new("on-t4", 1000);
+    on_t4.step_delay_ms = 20;
+    for (job, types) in [(&on_a100, "[\"a100\", \"h100\"]"), (&on_t4, "[\"t4\"]")] {
+        let spec = with_gpu_types(job, types, work.path());
+        let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+    }
+    let newest = with_gpu_types(&TrainerJob::new("on-h100", 10), "[\"h100\"]", work.path());
+    let out = converge(&nats, &["submit", newest.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+
+    let mut rates = Vec::new();
+    for (id, host) in [("on-a100", "a100-1"), ("on-t4", "t4-1")] {
+        let s = wait_for(Duration::from_secs(60), "a measured throughput", || async {
+            let s = job_status(&bus, id).await?;
+            (s.phase == JobPhase::Running && s.step >= 30 && s.samples_per_s.is_some()).then_some(s)
+        })
+        .await;
+        assert!(
+            s.placement.iter().all(|p| p.host.as_str() == host),
+            "{id}: {:?}",
+            s.placement
+        );
+        rates.push(s.samples_per_s.unwrap());
+    }
+    eprintln!("samples/s on the A100 and the T4 (speed 0.25): {rates:?}");
+    // A quarter of the speed: well under half the throughput, whatever the compute adds.
+    assert!(
+        rates[1] < 0.5 * rates[0],
+        "samples/s on the A100 and the T4: {rates:?}"
+    );
+
+    let s = wait_for(Duration::from_secs(30), "the h100 job's reason", || async {
+        let s = job_status(&bus, "on-h100").await?;
+        s.message.is_some().then_some(s)
+    })
+    .await;
+    assert_eq!((s.phase, s.world_size), (JobPhase::Pending, 0));
+    assert_eq!(
+        s.message.as_deref(),
+        Some("no live host offers GPU type h100 (live hosts' types: a100, t4)")
+    );
+    let out = converge(&nats, &["jobs"]);
+    let table = text(&out.stdout);
+    assert!(
+        table.contains("no live host offers GPU type h100"),
+        "{table}"
+    );
+
+    // Refused at submit: an empty list, a type twice.
+    for (types, want) in [
+        ("[]", "the list is empty"),
+        ("[\"t4\", \"t4\"]", "listed twice"),
+    ] {
+        let spec = with_gpu_types(&TrainerJob::new("bad-types", 10), types, work.path());
+        let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
+        assert!(!out.status.success(), "{types}: accepted");
+        assert!(
+            text(&out.stderr).contains(want),
+            "{types}: {}",
+            text(&out.stderr)
+        );
+    }
 
     for a in agents {
         a.stop().await;

@@ -652,4 +652,3 @@ mod tests {
         assert!(e.contains("unset CONVERGE_NUM_PS"), "{e}");
     }
 }
-
