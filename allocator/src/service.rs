@@ -1034,7 +1034,10 @@ async fn watch_jobs(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Reje
     .await
 }
 
-/// Follows KV `converge-hosts` (heartbeats).
+/// Follows KV `converge-hosts` (heartbeats). A heartbeat's `time` becomes the time the
+/// NATS server stored it ([`received_at`]): liveness is judged by when the heartbeat
+/// arrived, never by the agent's clock (a clock behind by more than the host timeout would
+/// mark an honest host lost, one ahead would keep a dead host live).
 async fn watch_hosts(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
     let source = format!("kv:{}", subjects::BUCKET_HOSTS);
     converge_bus::follow_kv(
@@ -1045,12 +1048,33 @@ async fn watch_hosts(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rej
             if entry.operation != kv::Operation::Put {
                 return Some(Input::HostDeleted(id));
             }
-            let t: HostTelemetry = rejects.decode(&source, id.as_str(), &entry.value)?;
-            (t.host == id).then_some(Input::Host(t))
+            let mut t: HostTelemetry = rejects.decode(&source, id.as_str(), &entry.value)?;
+            if t.host != id {
+                return None;
+            }
+            let sent = t.time;
+            t.time = received_at(&entry);
+            if (t.time - sent).abs() > CLOCK_SKEW_WARNING_S {
+                tracing::debug!(
+                    host = %id,
+                    skew_s = sent - t.time,
+                    "heartbeat time differs from its arrival; liveness follows the arrival"
+                );
+            }
+            Some(Input::Host(t))
         },
         || None,
     )
     .await
+}
+
+/// Skew between an agent's clock and the NATS server's worth a debug line.
+const CLOCK_SKEW_WARNING_S: f64 = 5.0;
+
+/// When the NATS server stored a KV entry, UNIX seconds (the server's clock: the same for
+/// every agent, and kept across allocator restarts, unlike a local receipt time).
+fn received_at(entry: &kv::Entry) -> f64 {
+    entry.created.unix_timestamp_nanos() as f64 / 1e9
 }
 
 /// Follows KV `converge-job-status`: the placements of every job's generations, whoever

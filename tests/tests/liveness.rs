@@ -1,0 +1,75 @@
+//! Liveness by the heartbeat's arrival, not the agent's clock (docs/security.md): a host whose
+//! clock is a minute behind stays live while its heartbeats keep coming, and a host whose
+//! clock is an hour ahead is lost once its heartbeats stop, as any other. Real nats-server,
+//! real allocator; the two hosts' heartbeats are written to KV `converge-hosts` as their
+//! agents would (with the skewed `time`), so no clock needs changing.
+
+use converge_common::{HostTelemetry, JobPhase, messages::encode};
+use converge_tests::*;
+use std::time::Duration;
+
+/// A heartbeat of `host` with two idle fake GPUs, stamped `time` (UNIX seconds).
+fn heartbeat(host: &str, time: f64) -> HostTelemetry {
+    let gpu = |i: u32| {
+        serde_json::json!({
+            "index": i, "uuid": format!("GPU-{host}-{i}"), "name": "Converge fake GPU",
+            "memory_total_bytes": 1u64 << 34, "memory_used_bytes": 0, "utilization_pct": 0.0
+        })
+    };
+    serde_json::from_value(serde_json::json!({
+        "protocol": converge_common::PROTOCOL_VERSION, "host": host, "addr": "127.0.0.1",
+        "time": time, "agent_version": "test", "gpu_source": "fake", "gpus": [gpu(0), gpu(1)],
+        "nics": [], "cpu_pct": 0.0, "memory_used_bytes": 0, "memory_total_bytes": 0,
+        "workers": [], "malformed_progress_lines": 0,
+        "labels": {"gpu.count": "2", "gpu.type": "fake"}
+    }))
+    .expect("a valid heartbeat")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn liveness_follows_the_heartbeats_arrival_not_the_agents_clock() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let bus = nats.bus().await;
+    let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
+
+    // "ahead" (clock an hour fast) sends one heartbeat and dies; "behind" (a minute slow,
+    // twelve host timeouts) keeps sending one a second.
+    let now = converge_bus::unix_now();
+    bus.hosts
+        .put("ahead", encode(&heartbeat("ahead", now + 3600.0)).into())
+        .await
+        .unwrap();
+    let beating = {
+        let hosts = bus.hosts.clone();
+        tokio::spawn(async move {
+            for _ in 0..120 {
+                let t = heartbeat("behind", converge_bus::unix_now() - 60.0);
+                hosts.put("behind", encode(&t).into()).await.unwrap();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        })
+    };
+    // Past the 5 s host timeout since "ahead"'s only heartbeat.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+
+    // First-fit takes hosts in id order: "ahead" first, if it were live.
+    let job = TrainerJob::new("placed", 1000).workers(2, 2);
+    let spec = converge_common::JobSpec::from_toml(&job.toml()).unwrap();
+    let mut spec = spec;
+    spec.submitted_at = converge_bus::unix_now();
+    bus.jobs
+        .create("placed", encode(&spec).into())
+        .await
+        .unwrap();
+    let s = wait_for(Duration::from_secs(30), "the job placed", || async {
+        let s = job_status(&bus, "placed").await?;
+        (s.phase != JobPhase::Pending && !s.placement.is_empty()).then_some(s)
+    })
+    .await;
+    let hosts: Vec<&str> = s.placement.iter().map(|p| p.host.as_str()).collect();
+    assert_eq!(hosts, ["behind", "behind"], "{s:?}");
+
+    beating.abort();
+    allocator.stop().await;
+}
