@@ -206,6 +206,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
             workers: Vec::new(),
             malformed_progress_lines: 0,
             ignored_gradient_stats: 0,
+            skipped_progress_reports: 0,
             labels: host_labels,
         };
         println!("{}", serde_json::to_string_pretty(&sample)?);
@@ -354,6 +355,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
                 workers,
                 malformed_progress_lines: sup.malformed_lines(),
                 ignored_gradient_stats: sup.ignored_gradient_stats(),
+                skipped_progress_reports: sup.skipped_reports(),
                 labels: host_labels.clone(),
             };
             let stored = publish_telemetry(&bus, &telemetry).await;

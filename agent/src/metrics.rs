@@ -252,6 +252,12 @@ pub fn families(t: &HostTelemetry, nics: &[NicTotals], c: &Counters) -> Snapshot
             true,
         ),
         one(
+            "converge_agent_skipped_progress_reports_total",
+            "Progress reports not sent: replaced by a newer one of a worker over its rate limit, or dropped with the outbox full",
+            t.skipped_progress_reports as f64,
+            true,
+        ),
+        one(
             "converge_agent_heartbeat_failures_total",
             "Telemetry samples whose heartbeat NATS did not acknowledge",
             c.heartbeat_failures as f64,
@@ -370,6 +376,7 @@ mod tests {
             }],
             malformed_progress_lines: 4,
             ignored_gradient_stats: 5,
+            skipped_progress_reports: 6,
             labels: Default::default(),
         }
     }
@@ -409,6 +416,7 @@ mod tests {
             "converge_agent_fenced 1".into(),
             "converge_agent_malformed_progress_lines_total 4".into(),
             "converge_agent_ignored_gradient_stats_total 5".into(),
+            "converge_agent_skipped_progress_reports_total 6".into(),
             "converge_agent_heartbeat_failures_total 1".into(),
         ] {
             assert!(

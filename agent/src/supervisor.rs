@@ -19,10 +19,13 @@ use converge_common::{
     jobspec::{GPU_SPEED_ENV as GPU_SPEED_VAR, SHADOW_ENV},
 };
 use futures::StreamExt;
+use governor::clock::{Clock, DefaultClock};
+use governor::{Quota, RateLimiter};
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
+use std::num::NonZeroU32;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -32,6 +35,28 @@ use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 use tokio_util::codec::{FramedRead, LinesCodec, LinesCodecError};
+
+/// What the agent counts of its workers' progress lines (totals since it started).
+#[derive(Debug, Default)]
+struct LineCounters {
+    /// Lines that are not a valid progress line, or too long.
+    malformed: AtomicU64,
+    /// Lines whose gradient statistics were bad (the rest reported).
+    ignored_gradient: AtomicU64,
+    /// Reports (and events) dropped because the outbox was full.
+    dropped: AtomicU64,
+    /// Reports replaced by a newer one of the same worker while over its rate limit.
+    coalesced: AtomicU64,
+}
+
+/// Most progress reports one worker sends per second, on average; above it, each report
+/// replaces the one waiting and the latest goes out when the rate allows (step, samples
+/// and loss are cumulative, so only intermediate curve points are lost, and counted). A
+/// flooding worker thus costs its own job some curve points and no other job anything.
+/// converge-trainer's default (a report every 5 steps) stays well below it.
+pub const REPORTS_PER_S: u32 = 50;
+/// Reports one worker may send at once above [`REPORTS_PER_S`] (a burst after a pause).
+pub const REPORT_BURST: u32 = 100;
 
 /// Longest stdout line kept, in bytes; longer lines are counted as malformed and skipped.
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
@@ -99,9 +124,7 @@ pub struct Supervisor {
     workers: BTreeMap<WorkerKey, Worker>,
     exit_tx: mpsc::Sender<ExitNotice>,
     outbox: mpsc::Sender<Outgoing>,
-    malformed_lines: Arc<AtomicU64>,
-    ignored_gradient_stats: Arc<AtomicU64>,
-    dropped_reports: Arc<AtomicU64>,
+    counters: Arc<LineCounters>,
     incarnations: u64,
     boot_id: String,
 }
@@ -119,9 +142,7 @@ impl Supervisor {
             workers: BTreeMap::new(),
             exit_tx,
             outbox,
-            malformed_lines: Arc::new(AtomicU64::new(0)),
-            ignored_gradient_stats: Arc::new(AtomicU64::new(0)),
-            dropped_reports: Arc::new(AtomicU64::new(0)),
+            counters: Arc::default(),
             incarnations: 0,
             boot_id: crate::strays::boot_id(),
         }
@@ -129,13 +150,20 @@ impl Supervisor {
 
     /// Malformed `CONVERGE_PROGRESS` lines seen so far.
     pub fn malformed_lines(&self) -> u64 {
-        self.malformed_lines.load(Ordering::Relaxed)
+        self.counters.malformed.load(Ordering::Relaxed)
+    }
+
+    /// Progress reports not sent so far: replaced by a newer one of the same worker over
+    /// its rate limit ([`REPORTS_PER_S`]), or dropped because the outbox was full.
+    pub fn skipped_reports(&self) -> u64 {
+        self.counters.coalesced.load(Ordering::Relaxed)
+            + self.counters.dropped.load(Ordering::Relaxed)
     }
 
     /// Progress lines whose gradient statistics were dropped (one of the pair missing, not
     /// a number, negative or both 0) so far; their other figures were reported.
     pub fn ignored_gradient_stats(&self) -> u64 {
-        self.ignored_gradient_stats.load(Ordering::Relaxed)
+        self.counters.ignored_gradient.load(Ordering::Relaxed)
     }
 
     /// Replaces the desired workers (the latest plan).
@@ -261,9 +289,7 @@ impl Supervisor {
             &self.cfg,
             &assignment,
             self.outbox.clone(),
-            self.malformed_lines.clone(),
-            self.ignored_gradient_stats.clone(),
-            self.dropped_reports.clone(),
+            self.counters.clone(),
         ) {
             Ok((mut child, lifeline)) => {
                 let pid = child.id().unwrap_or(0);
@@ -439,7 +465,7 @@ impl Supervisor {
             message,
         );
         if self.outbox.try_send(Outgoing::Event(event)).is_err() {
-            self.dropped_reports.fetch_add(1, Ordering::Relaxed);
+            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
@@ -602,9 +628,7 @@ fn spawn_worker(
     cfg: &SupervisorConfig,
     a: &WorkerAssignment,
     outbox: mpsc::Sender<Outgoing>,
-    malformed: Arc<AtomicU64>,
-    ignored_gradient: Arc<AtomicU64>,
-    dropped: Arc<AtomicU64>,
+    counters: Arc<LineCounters>,
 ) -> std::io::Result<(tokio::process::Child, Option<std::io::PipeWriter>)> {
     let log_file = log_path(cfg, a);
     std::fs::create_dir_all(log_file.parent().expect("log path has a parent"))?;
@@ -686,11 +710,48 @@ fn spawn_worker(
             }
         };
         let mut lines = FramedRead::new(stdout, LinesCodec::new_with_max_length(MAX_LINE_BYTES));
-        while let Some(line) = lines.next().await {
+        let limiter = RateLimiter::direct(
+            Quota::per_second(NonZeroU32::new(REPORTS_PER_S).expect("positive"))
+                .allow_burst(NonZeroU32::new(REPORT_BURST).expect("positive")),
+        );
+        let clock = DefaultClock::default();
+        // When the rate limit lets a report out, from now.
+        let free_at = |not_until: governor::NotUntil<_>| {
+            tokio::time::Instant::now() + not_until.wait_time_from(clock.now())
+        };
+        // The newest report over the rate limit, and when the limit lets it out.
+        let mut waiting: Option<(ProgressReport, tokio::time::Instant)> = None;
+        let send = |report: ProgressReport| {
+            if outbox.try_send(Outgoing::Progress(report)).is_err() {
+                counters.dropped.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(job = %report_base.job, "outbox full; progress report dropped");
+            }
+        };
+        loop {
+            let due = waiting.as_ref().map(|(_, at)| *at);
+            let next = tokio::select! {
+                line = lines.next() => line,
+                () = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {
+                    match limiter.check() {
+                        Ok(()) => {
+                            if let Some((report, _)) = waiting.take() {
+                                send(report);
+                            }
+                        }
+                        Err(not_until) => {
+                            if let Some((_, at)) = waiting.as_mut() {
+                                *at = free_at(not_until);
+                            }
+                        }
+                    }
+                    continue;
+                }
+            };
+            let Some(line) = next else { break };
             let line = match line {
                 Ok(l) => l,
                 Err(LinesCodecError::MaxLineLengthExceeded) => {
-                    malformed.fetch_add(1, Ordering::Relaxed);
+                    counters.malformed.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(job = %report_base.job, rank = report_base.rank, "worker printed a line over {MAX_LINE_BYTES} bytes; skipped");
                     continue;
                 }
@@ -707,21 +768,33 @@ fn spawn_worker(
                 Ok(None) => {}
                 Ok(Some(p)) => {
                     if p.gradient() == GradientReading::Invalid {
-                        let n = ignored_gradient.fetch_add(1, Ordering::Relaxed) + 1;
+                        let n = counters.ignored_gradient.fetch_add(1, Ordering::Relaxed) + 1;
                         tracing::warn!(job = %report_base.job, rank = report_base.rank, ignored_total = n, grad_sqr = ?p.grad_sqr, grad_var = ?p.grad_var, "progress line with bad gradient statistics (missing one, not a number, negative or both 0): statistics ignored, the rest reported");
                     }
                     let report = progress_report(&report_base, p, unix_now());
-                    if outbox.try_send(Outgoing::Progress(report)).is_err() {
-                        dropped.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(job = %report_base.job, "outbox full; progress report dropped");
+                    if let Some((old, _)) = waiting.as_mut() {
+                        *old = report;
+                        let n = counters.coalesced.fetch_add(1, Ordering::Relaxed) + 1;
+                        if n.is_power_of_two() {
+                            tracing::warn!(job = %report_base.job, rank = report_base.rank, coalesced_total = n, "worker reports progress faster than {REPORTS_PER_S} lines/s: the newest report replaces the one waiting");
+                        }
+                    } else {
+                        match limiter.check() {
+                            Ok(()) => send(report),
+                            Err(not_until) => waiting = Some((report, free_at(not_until))),
+                        }
                     }
                 }
                 Err(e) => {
-                    let n = malformed.fetch_add(1, Ordering::Relaxed) + 1;
+                    let n = counters.malformed.fetch_add(1, Ordering::Relaxed) + 1;
                     let shown: String = line.chars().take(200).collect();
                     tracing::warn!(job = %report_base.job, rank = report_base.rank, malformed_total = n, line = %shown, "malformed progress line: {e}");
                 }
             }
+        }
+        // The worker's last report goes out even over the limit: it holds its final step.
+        if let Some((report, _)) = waiting.take() {
+            send(report);
         }
         if let Some(f) = log.as_mut() {
             let _ = f.flush().await;

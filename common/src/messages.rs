@@ -183,6 +183,11 @@ pub struct HostTelemetry {
     /// were dropped, the rest of the line reported (absent in older agents' telemetry).
     #[serde(default)]
     pub ignored_gradient_stats: u64,
+    /// Progress reports of this host's workers not sent since the agent started: replaced by
+    /// a newer report of the same worker while it printed faster than the agent's per-worker
+    /// rate limit, or dropped with the outbox full (absent in older agents' telemetry).
+    #[serde(default)]
+    pub skipped_progress_reports: u64,
     /// The host's labels (`gpu.model`, `gpu.memory`, `gpu.count` and the agent's custom
     /// `--label`s), which job selectors match ([`crate::labels`]); absent from older
     /// agents' telemetry (no labels). Checked: a bad key or value, or more than
@@ -1293,6 +1298,7 @@ mod tests {
             }],
             malformed_progress_lines: 0,
             ignored_gradient_stats: 0,
+            skipped_progress_reports: 0,
             labels: [("gpu.count", "1"), ("zone", "a")]
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v.to_string()))

@@ -271,6 +271,7 @@ fn telemetry(host: &HostId, gpus: u32) -> HostTelemetry {
         workers: Vec::new(),
         malformed_progress_lines: 0,
         ignored_gradient_stats: 0,
+        skipped_progress_reports: 0,
         labels: Default::default(),
     }
 }

@@ -1567,6 +1567,7 @@ mod tests {
             workers,
             malformed_progress_lines: 0,
             ignored_gradient_stats: 0,
+            skipped_progress_reports: 0,
             labels: BTreeMap::new(),
         }
     }

@@ -357,3 +357,86 @@ exec sleep 60"#;
     assert_eq!(t.malformed_progress_lines, 0, "no line was refused");
     agent.stop().await;
 }
+
+/// A worker printing progress lines as fast as it can (20,001 in a burst) costs its own job
+/// intermediate reports only: each of the same host's other worker's 20 reports arrives,
+/// the flooding worker sends at most its burst plus its rate, its last report (the final
+/// step) arrives, and the agent counts what it skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_worker_loses_only_its_own_intermediate_reports() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
+    let agent = start_agent(agent_config(&nats, "n3", 2, work.path()));
+
+    let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
+    let flood = r#"awk 'BEGIN { for (i = 1; i <= 20001; i++) printf "CONVERGE_PROGRESS {\"step\":%d,\"samples\":%d,\"loss\":0.5}\n", i, 8 * i }'; exec sleep 60"#;
+    let steady = r#"for i in $(seq 1 20); do echo "CONVERGE_PROGRESS {\"step\":$i,\"samples\":$((8 * i)),\"loss\":0.9}"; sleep 0.1; done; exec sleep 60"#;
+    let started = std::time::Instant::now();
+    bus.put(
+        &bus.plans,
+        "n3",
+        &plan(
+            "n3",
+            vec![
+                worker("flood", 1, 0, 1, 0, sh(flood)),
+                worker("steady", 1, 0, 1, 1, sh(steady)),
+            ],
+        ),
+    )
+    .await
+    .unwrap();
+
+    let (mut flood_steps, mut steady_steps) = (Vec::new(), Vec::new());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while steady_steps.len() < 20 || flood_steps.last() != Some(&20001) {
+        let Ok(Some(msg)) = tokio::time::timeout_at(deadline, progress.next()).await else {
+            panic!(
+                "after 30 s: steady's steps {steady_steps:?}, flood's last {:?} of {}",
+                flood_steps.last(),
+                flood_steps.len()
+            );
+        };
+        let r: ProgressReport = decode(&msg.payload).unwrap();
+        match r.job.as_str() {
+            "flood" => flood_steps.push(r.step),
+            _ => steady_steps.push(r.step),
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    assert_eq!(
+        steady_steps,
+        (1..=20).collect::<Vec<u64>>(),
+        "every steady report, in order"
+    );
+    let most = f64::from(converge_agent::supervisor::REPORT_BURST)
+        + f64::from(converge_agent::supervisor::REPORTS_PER_S) * elapsed
+        + 1.0;
+    assert!(
+        (flood_steps.len() as f64) <= most,
+        "{} flood reports in {elapsed:.1} s, at most {most:.0}",
+        flood_steps.len()
+    );
+    assert!(
+        flood_steps.windows(2).all(|w| w[0] < w[1]),
+        "in order, newest kept"
+    );
+    let skipped = 20001 - flood_steps.len() as u64;
+    let t = wait_for(
+        Duration::from_secs(10),
+        "the skipped reports counted",
+        || async {
+            let t = telemetry(&bus, "n3").await?;
+            (t.skipped_progress_reports == skipped).then_some(t)
+        },
+    )
+    .await;
+    eprintln!(
+        "flood: {} of 20001 reports sent in {elapsed:.1} s, {} skipped; steady: 20 of 20",
+        flood_steps.len(),
+        t.skipped_progress_reports
+    );
+    agent.stop().await;
+}

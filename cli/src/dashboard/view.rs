@@ -518,6 +518,7 @@ mod tests {
             }],
             malformed_progress_lines: 0,
             ignored_gradient_stats: 0,
+            skipped_progress_reports: 0,
             labels: Default::default(),
         }
     }
