@@ -202,6 +202,13 @@ struct View {
     fits: FitCache,
     /// The plans as stored in KV (to write only what changes).
     plans: BTreeMap<HostId, HostPlan>,
+    /// The KV revision of each plan and status as this replica last read or wrote it:
+    /// writes are compare-and-set on it ([`Bus::put_expecting`]), so a write based on an
+    /// outdated view (a replaced leader's late write) fails instead of overwriting.
+    plan_revisions: BTreeMap<HostId, u64>,
+    status_revisions: BTreeMap<JobId, u64>,
+    /// A compare-and-set write failed: re-read plans and statuses before the next step.
+    reread: bool,
     /// The hosts of each job's current and previous generation: who may report progress.
     reporters: Reporters,
     /// The queues (KV `converge-queues`).
@@ -252,14 +259,16 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
 
     // Rebuild the view from NATS.
     let mut view = View::default();
-    for (key, (status, _)) in bus.load_all::<JobStatus>(&bus.status, &rejects).await? {
+    for (key, (status, revision)) in bus.load_all::<JobStatus>(&bus.status, &rejects).await? {
         if let Ok(id) = JobId::new(key) {
             view.reporters.note(&status);
+            view.status_revisions.insert(id.clone(), revision);
             view.statuses.insert(id, status);
         }
     }
-    for (key, (plan, _)) in bus.load_all::<HostPlan>(&bus.plans, &rejects).await? {
+    for (key, (plan, revision)) in bus.load_all::<HostPlan>(&bus.plans, &rejects).await? {
         if let Ok(id) = HostId::new(key) {
+            view.plan_revisions.insert(id.clone(), revision);
             view.plans.insert(id, plan);
         }
     }
@@ -491,6 +500,10 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         }
         if leadership.borrow().is_valid() {
             write_changes(&bus, &mut view, outcome.statuses, outcome.plans, now).await;
+            if std::mem::take(&mut view.reread) {
+                reload_written(&bus, &mut view, &rejects).await;
+                policy_due = true;
+            }
             write_queue_statuses(&bus, &queue_buckets, &mut view, outcome.queue_statuses).await;
         }
     }
@@ -538,6 +551,10 @@ fn describe_metrics() {
     describe_counter!(
         "converge_allocator_plan_writes_total",
         "Host plans written to KV (only changed plans are written)"
+    );
+    describe_counter!(
+        "converge_allocator_write_conflicts_total",
+        "Plan and status writes refused because another allocator changed the key since this one read it (compare-and-set), by bucket"
     );
     describe_counter!(
         "converge_allocator_status_writes_total",
@@ -800,10 +817,12 @@ fn ingest(
 async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects) {
     match bus.load_all::<JobStatus>(&bus.status, rejects).await {
         Ok(all) => {
-            view.statuses = all
+            let all: Vec<(JobId, JobStatus, u64)> = all
                 .into_iter()
-                .filter_map(|(k, (s, _))| Some((JobId::new(k).ok()?, s)))
+                .filter_map(|(k, (s, rev))| Some((JobId::new(k).ok()?, s, rev)))
                 .collect();
+            view.status_revisions = all.iter().map(|(k, _, rev)| (k.clone(), *rev)).collect();
+            view.statuses = all.into_iter().map(|(k, s, _)| (k, s)).collect();
             for s in view.statuses.values() {
                 view.reporters.note(s);
             }
@@ -812,10 +831,12 @@ async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects) {
     }
     match bus.load_all::<HostPlan>(&bus.plans, rejects).await {
         Ok(all) => {
-            view.plans = all
+            let all: Vec<(HostId, HostPlan, u64)> = all
                 .into_iter()
-                .filter_map(|(k, (p, _))| Some((HostId::new(k).ok()?, p)))
+                .filter_map(|(k, (p, rev))| Some((HostId::new(k).ok()?, p, rev)))
                 .collect();
+            view.plan_revisions = all.iter().map(|(k, _, rev)| (k.clone(), *rev)).collect();
+            view.plans = all.into_iter().map(|(k, p, _)| (k, p)).collect();
         }
         Err(e) => tracing::warn!("cannot re-read plans: {e}"),
     }
@@ -857,11 +878,22 @@ async fn write_changes(
             continue;
         }
         let started = Instant::now();
-        match bus.put(&bus.plans, host.as_str(), &plan).await {
+        let expected = view.plan_revisions.get(&host).copied();
+        match bus
+            .put_expecting(&bus.plans, host.as_str(), &plan, expected)
+            .await
+        {
             Ok(rev) => {
                 metrics::counter!("converge_allocator_plan_writes_total").increment(1);
                 tracing::info!(%host, workers = plan.workers.len(), revision = rev, "plan written");
+                view.plan_revisions.insert(host.clone(), rev);
                 view.plans.insert(host, plan);
+            }
+            Err(e @ converge_bus::BusError::Conflict { .. }) => {
+                metrics::counter!("converge_allocator_write_conflicts_total", "bucket" => "plans")
+                    .increment(1);
+                tracing::warn!(%host, "{e}: another allocator wrote it; re-reading before the next step");
+                view.reread = true;
             }
             Err(e) if started.elapsed() >= SLOW_WRITE => {
                 tracing::warn!(%host, "plan not written: {e}; the others wait for the next step");
@@ -880,10 +912,21 @@ async fn write_changes(
         }
         status.updated_at = now;
         let started = Instant::now();
-        match bus.put(&bus.status, id.as_str(), &status).await {
-            Ok(_) => {
+        let expected = view.status_revisions.get(&id).copied();
+        match bus
+            .put_expecting(&bus.status, id.as_str(), &status, expected)
+            .await
+        {
+            Ok(rev) => {
                 metrics::counter!("converge_allocator_status_writes_total").increment(1);
+                view.status_revisions.insert(id.clone(), rev);
                 view.statuses.insert(id, status);
+            }
+            Err(e @ converge_bus::BusError::Conflict { .. }) => {
+                metrics::counter!("converge_allocator_write_conflicts_total", "bucket" => "status")
+                    .increment(1);
+                tracing::warn!(job = %id, "{e}: another allocator wrote it; re-reading before the next step");
+                view.reread = true;
             }
             Err(e) if started.elapsed() >= SLOW_WRITE => {
                 tracing::warn!(job = %id, "status not written: {e}; the others wait for the next step");

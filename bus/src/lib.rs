@@ -246,6 +246,17 @@ pub enum BusError {
     },
     #[error("publish to {subject}: {message}")]
     Publish { subject: String, message: String },
+    /// A compare-and-set write found the key changed since the writer read it (another
+    /// writer got there first); nothing was written.
+    #[error(
+        "KV {bucket}/{key} changed since revision {expected:?} was read (another writer); not written"
+    )]
+    Conflict {
+        bucket: String,
+        key: String,
+        /// The revision the writer expected; `None`: it expected no value.
+        expected: Option<u64>,
+    },
 }
 
 impl BusError {
@@ -1145,6 +1156,56 @@ impl Bus {
                     key: key.to_string(),
                     message: e.to_string(),
                 })
+        };
+        self.refusable(
+            || format!("a write of KV {}/{key}", store.name),
+            &subject,
+            put,
+        )
+        .await
+    }
+
+    /// Writes `msg` under `key` only if the key is still as the writer last saw it:
+    /// at revision `expected`, or absent (or deleted) for `None`. Returns the new revision;
+    /// [`BusError::Conflict`] when another writer changed the key since (nothing written).
+    /// The allocator writes plans and statuses this way, so that a replaced leader's late
+    /// write cannot overwrite what the new leader wrote.
+    pub async fn put_expecting<T: Message>(
+        &self,
+        store: &kv::Store,
+        key: &str,
+        msg: &T,
+        expected: Option<u64>,
+    ) -> Result<u64, BusError> {
+        let subject = format!("{}{key}", store.prefix);
+        let kv_error = |message: String| BusError::Kv {
+            bucket: store.name.clone(),
+            key: key.to_string(),
+            message,
+        };
+        let conflict = || BusError::Conflict {
+            bucket: store.name.clone(),
+            key: key.to_string(),
+            expected,
+        };
+        let value = Bytes::from(encode(msg));
+        let put = async {
+            match expected {
+                Some(revision) => store.update(key, value, revision).await.map_err(|e| {
+                    if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
+                        conflict()
+                    } else {
+                        kv_error(e.to_string())
+                    }
+                }),
+                None => store.create(key, value).await.map_err(|e| {
+                    if e.kind() == kv::CreateErrorKind::AlreadyExists {
+                        conflict()
+                    } else {
+                        kv_error(e.to_string())
+                    }
+                }),
+            }
         };
         self.refusable(
             || format!("a write of KV {}/{key}", store.name),

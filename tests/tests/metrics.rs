@@ -1,7 +1,8 @@
 //! Prometheus endpoints scraped over HTTP: a real agent (fake GPUs) must export the DCGM and
 //! node_exporter names with their labels and sane values (the GPUs a worker holds labelled
 //! with its `job_id` and `rank`, idle ones without), the allocator its per-job series (gone
-//! once the job has finished), and the endpoint must stay read-only and bounded.
+//! once the job has finished, and a counted write conflict when another writer changed a
+//! status it was about to write), and the endpoint must stay read-only and bounded.
 
 use converge_common::{HostTelemetry, JobPhase, JobSpec};
 use converge_tests::*;
@@ -386,6 +387,33 @@ async fn agent_and_allocator_metrics_over_http() {
     })
     .await;
     assert!(predicted.is_finite() && predicted >= 0.0, "{predicted}");
+
+    // Another writer (a new leader, as far as this one can tell) changes the job's status:
+    // the allocator's next write, based on the revision it read, is refused and counted, it
+    // re-reads, and the job goes on to complete.
+    let (mut foreign, _) = bus
+        .get::<converge_common::JobStatus>(&bus.status, "metrics-job")
+        .await
+        .unwrap()
+        .expect("a status");
+    foreign.message = Some("written by another allocator".into());
+    bus.put(&bus.status, "metrics-job", &foreign).await.unwrap();
+    wait_for(
+        Duration::from_secs(20),
+        "a counted write conflict",
+        || async {
+            scrape(alloc_addr)
+                .await
+                .iter()
+                .any(|s| {
+                    s.name == "converge_allocator_write_conflicts_total"
+                        && s.labels.get("bucket").map(String::as_str) == Some("status")
+                        && s.value >= 1.0
+                })
+                .then_some(())
+        },
+    )
+    .await;
 
     wait_for(Duration::from_secs(40), "the job to complete", || async {
         let s = job_status(&bus, "metrics-job").await?;
