@@ -29,6 +29,10 @@ Options:
                        paths, --spacing seconds apart)
   --spacing SECONDS    seconds between submissions (default 15)
   --agents N           agents (hosts) with 4 fake GPUs each (default 3)
+  --gpu-types LIST     mix GPU generations: agent i gets the i-th TYPE[:SPEED] of the
+                       comma-separated LIST, cycling (e.g. t4:0.25,a100); SPEED in (0, 1]
+                       stretches converge-trainer's step time (--fake-gpu-speed). Jobs may
+                       then name gpu_types = ["a100"]; converge hosts shows the types
   --allocator-arg ARG  pass ARG to converge-allocator (repeatable), e.g.
                        --allocator-arg --policy --allocator-arg fair
   --until-done N       stop once N jobs exist and all have finished (default: the number of
@@ -53,6 +57,7 @@ profile=release
 job_list=""
 spacing=15
 agents=3
+gpu_types=""
 allocator_args=()
 until_done=""
 dashboard=127.0.0.1:8080
@@ -66,6 +71,7 @@ while [[ $# -gt 0 ]]; do
         --jobs) job_list="$2"; shift 2 ;;
         --spacing) spacing="$2"; shift 2 ;;
         --agents) agents="$2"; shift 2 ;;
+        --gpu-types) gpu_types="$2"; shift 2 ;;
         --allocator-arg) allocator_args+=("$2"); shift 2 ;;
         --until-done) until_done="$2"; shift 2 ;;
         --dashboard) dashboard="$2"; shift 2 ;;
@@ -153,15 +159,22 @@ setsid converge-allocator --scheduling-interval "$interval" --restart-cost "$res
     "${allocator_args[@]}" >"$work/allocator.log" 2>&1 &
 allocator_pid=$!
 
+IFS=, read -r -a type_list <<<"$gpu_types"
 agent_pids=()
 for i in $(seq "$agents"); do
-    setsid converge-agent --host-id "node-$i" --fake-gpus 4 --advertise-addr 127.0.0.1 \
+    type_args=()
+    if [[ ${#type_list[@]} -gt 0 ]]; then
+        entry=${type_list[$(( (i - 1) % ${#type_list[@]} ))]}
+        type_args=(--fake-gpu-type "${entry%%:*}")
+        [[ "$entry" != *:* ]] || type_args+=(--fake-gpu-speed "${entry#*:}")
+    fi
+    setsid converge-agent --host-id "node-$i" --fake-gpus 4 "${type_args[@]}" --advertise-addr 127.0.0.1 \
         --log-dir "$work/logs" --checkpoint-root "$work/checkpoints" --state-dir "$work/state" \
         --stop-grace 10s \
         >"$work/agent-$i.log" 2>&1 &
     agent_pids+=("$!")
 done
-echo "==> $agents agents x 4 fake GPUs; worker logs in $work/logs"
+echo "==> $agents agents x 4 fake GPUs${gpu_types:+ of types $gpu_types}; worker logs in $work/logs"
 
 # The dashboard: on the address asked for, else (port in use) on a free one.
 start_dashboard() {

@@ -43,8 +43,10 @@ struct LineCounters {
     malformed: AtomicU64,
     /// Lines whose gradient statistics were bad (the rest reported).
     ignored_gradient: AtomicU64,
-    /// Reports (and events) dropped because the outbox was full.
+    /// Reports dropped because the outbox was full.
     dropped: AtomicU64,
+    /// Worker events dropped because the outbox was full (best effort; logged).
+    dropped_events: AtomicU64,
     /// Reports replaced by a newer one of the same worker while over its rate limit.
     coalesced: AtomicU64,
 }
@@ -465,7 +467,8 @@ impl Supervisor {
             message,
         );
         if self.outbox.try_send(Outgoing::Event(event)).is_err() {
-            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
+            let n = self.counters.dropped_events.fetch_add(1, Ordering::Relaxed) + 1;
+            tracing::warn!(dropped_total = n, "outbox full; worker event dropped");
         }
     }
 }

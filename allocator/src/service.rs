@@ -369,6 +369,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                 if now_leading && !leading {
                     // Another replica may have written since this one last read.
                     reload_written(&bus, &mut view, &rejects).await;
+                    write_unissued_generations(&bus, &mut view).await;
                     reload_queue_statuses(&bus, &queue_buckets, &mut view, &rejects).await;
                     policy_due = true;
                     // The reads above can take seconds (a NATS cluster electing leaders):
@@ -839,6 +840,60 @@ async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects) {
             view.plans = all.into_iter().map(|(k, p, _)| (k, p)).collect();
         }
         Err(e) => tracing::warn!("cannot re-read plans: {e}"),
+    }
+}
+
+/// Jobs whose plans carry a newer generation than their stored status (a leader that
+/// crashed, or lost the lease, between writing a new generation's plans and its status),
+/// each with the status to write: its generation past every planned one, the placement
+/// unchanged. The plans derived from it then carry that fresh number: no generation
+/// number is issued twice, with two different placements, and the agents never go back
+/// to an older one. Pure.
+fn unissued_generations(
+    statuses: &BTreeMap<JobId, JobStatus>,
+    plans: &BTreeMap<HostId, HostPlan>,
+) -> Vec<JobStatus> {
+    let mut planned: BTreeMap<&JobId, u64> = BTreeMap::new();
+    for a in plans.values().flat_map(|p| &p.workers) {
+        let g = planned.entry(&a.job).or_default();
+        *g = (*g).max(a.generation);
+    }
+    planned
+        .into_iter()
+        .filter_map(|(job, generation)| {
+            let status = statuses.get(job)?;
+            (generation > status.generation).then(|| JobStatus {
+                generation: generation + 1,
+                ..status.clone()
+            })
+        })
+        .collect()
+}
+
+/// Writes [`unissued_generations`] (a new leader, before its first step), so that its
+/// steps continue from a generation no agent has seen.
+async fn write_unissued_generations(bus: &Bus, view: &mut View) {
+    for status in unissued_generations(&view.statuses, &view.plans) {
+        let id = status.job.clone();
+        let stored = view.statuses.get(&id).map_or(0, |s| s.generation);
+        let expected = view.status_revisions.get(&id).copied();
+        match bus
+            .put_expecting(&bus.status, id.as_str(), &status, expected)
+            .await
+        {
+            Ok(rev) => {
+                tracing::warn!(
+                    job = %id,
+                    stored,
+                    generation = status.generation,
+                    "plans carry a generation the job's status does not (the previous leader stopped between the two writes): continuing from a new generation"
+                );
+                view.status_revisions.insert(id.clone(), rev);
+                view.reporters.note(&status);
+                view.statuses.insert(id, status);
+            }
+            Err(e) => tracing::warn!(job = %id, "status not written: {e}"),
+        }
     }
 }
 
@@ -1450,7 +1505,7 @@ async fn follow_progress_once(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use converge_common::JobPhase;
+    use converge_common::{JobPhase, WorkerAssignment};
 
     #[test]
     fn a_queue_status_is_rewritten_when_more_than_its_usage_changed_or_once_a_minute() {
@@ -1500,6 +1555,56 @@ mod tests {
         let cli = Cli::try_parse_from(["converge-allocator", "--usage-half-life", "20m"]).unwrap();
         assert_eq!(cli.cfg.settings().usage_half_life_s, 1200.0);
         assert!(Cli::try_parse_from(["converge-allocator", "--usage-half-life", "0s"]).is_err());
+    }
+
+    #[test]
+    fn a_planned_generation_without_its_status_is_never_issued_again() {
+        let assignment = |job: &str, generation: u64| -> WorkerAssignment {
+            serde_json::from_value(serde_json::json!({
+                "job": job, "generation": generation, "rank": 0, "world_size": 1,
+                "local_rank": 0, "local_world_size": 1, "gpus": [0],
+                "master_addr": "127.0.0.1", "master_port": 20000, "command": ["t"],
+                "env": {}, "max_restarts": 1
+            }))
+            .unwrap()
+        };
+        let plan = |host: &str, workers: Vec<WorkerAssignment>| HostPlan {
+            protocol: converge_common::PROTOCOL_VERSION,
+            host: HostId::new(host).unwrap(),
+            workers,
+        };
+        // Job a: status at 3 (the helper's), plans at 4 on one host and 3 on another (the
+        // crash came between the two plan writes); job b: plans and status agree.
+        let statuses: BTreeMap<JobId, JobStatus> = ["a", "b"]
+            .into_iter()
+            .map(|j| (JobId::new(j).unwrap(), status(j, JobPhase::Running, None)))
+            .collect();
+        let plans: BTreeMap<HostId, HostPlan> = [
+            plan("n1", vec![assignment("a", 4), assignment("b", 3)]),
+            plan("n2", vec![assignment("a", 3)]),
+        ]
+        .into_iter()
+        .map(|p| (p.host.clone(), p))
+        .collect();
+        let fixed = unissued_generations(&statuses, &plans);
+        assert_eq!(fixed.len(), 1, "{fixed:?}");
+        assert_eq!((fixed[0].job.as_str(), fixed[0].generation), ("a", 5));
+        let unchanged = JobStatus {
+            generation: 3,
+            ..fixed[0].clone()
+        };
+        assert_eq!(
+            unchanged,
+            statuses[&JobId::new("a").unwrap()],
+            "only the generation"
+        );
+        // A plan of a job without a status (deleted) changes nothing.
+        let orphan: BTreeMap<HostId, HostPlan> = [(
+            HostId::new("n3").unwrap(),
+            plan("n3", vec![assignment("c", 9)]),
+        )]
+        .into();
+        assert!(unissued_generations(&statuses, &orphan).is_empty());
     }
 
     fn status(job: &str, phase: JobPhase, loss: Option<f64>) -> JobStatus {

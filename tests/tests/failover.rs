@@ -101,3 +101,78 @@ async fn a_standby_allocator_takes_over_without_restarting_jobs() {
     second.stop().await;
     assert_eq!(holder(&bus).await, None);
 }
+
+/// A leader that stopped between writing a new generation's plan and its status: the next
+/// leader continues from a generation past the planned one, with plans and status agreeing,
+/// and never issues the planned number again nor goes back to an older one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_generation_planned_without_its_status_is_not_issued_again() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let _agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
+    let first = start_allocator(config(&nats, "alloc-a"));
+    let spec = TrainerJob::new("opt", 1000).write(work.path());
+    let out = Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let running = wait_for(Duration::from_secs(30), "job running", || async {
+        let s = job_status(&bus, "opt").await?;
+        (s.phase == JobPhase::Running && s.world_size == 1).then_some(s)
+    })
+    .await;
+    first.abort();
+
+    // What the crashed leader left: n1's plan already at the next generation, the status not.
+    let (mut plan, _) = bus
+        .get::<converge_common::HostPlan>(&bus.plans, "n1")
+        .await
+        .unwrap()
+        .expect("n1's plan");
+    let planned = running.generation + 1;
+    for w in plan.workers.iter_mut().filter(|w| w.job.as_str() == "opt") {
+        w.generation = planned;
+    }
+    bus.put(&bus.plans, "n1", &plan).await.unwrap();
+
+    let second = start_allocator(config(&nats, "alloc-b"));
+    let (status, plan_generations) = wait_for(
+        Duration::from_secs(30),
+        "status and plan at one new generation",
+        || async {
+            let s = job_status(&bus, "opt").await?;
+            let (p, _) = bus
+                .get::<converge_common::HostPlan>(&bus.plans, "n1")
+                .await
+                .ok()??;
+            let gens: Vec<u64> = p
+                .workers
+                .iter()
+                .filter(|w| w.job.as_str() == "opt")
+                .map(|w| w.generation)
+                .collect();
+            (s.generation != running.generation
+                && !gens.is_empty()
+                && gens.iter().all(|&g| g == s.generation))
+            .then_some((s, gens))
+        },
+    )
+    .await;
+    assert!(
+        status.generation > planned,
+        "generation {} after {planned} was planned: {plan_generations:?}",
+        status.generation
+    );
+    assert_eq!(
+        status.placement, running.placement,
+        "the placement is unchanged"
+    );
+    second.stop().await;
+}
