@@ -81,7 +81,9 @@ impl PlacementRequest {
 /// 1. A request whose `workers` equals its current number of ranks keeps its current placement
 ///    exactly if that is still valid: ranks `0..n` in order, each with `gpus_per_worker`
 ///    distinct GPUs of a listed host, none used by a job kept before it (in request order).
-/// 2. The other requests, in request order (the caller's priority order), are placed first-fit:
+/// 2. The other requests, in request order (the caller's priority order) except that requests
+///    restricted to some hosts go first, fewest free GPUs on their hosts first (see
+///    `second_pass_order`), are placed first-fit:
 ///    hosts the job currently uses first, then the others, each group in host-id order; a host
 ///    is filled before the next is used; every worker's GPUs are on one host, lowest indices
 ///    first. If not all workers fit, as many as fit are placed when that is at least
@@ -98,12 +100,42 @@ pub fn place(
     requests: &[PlacementRequest],
 ) -> BTreeMap<JobId, Vec<RankPlacement>> {
     let (mut free, requests, mut placed) = keep_pass(hosts, requests);
-    for (request, ranks) in requests.iter().zip(&mut placed) {
-        if ranks.is_none() {
-            *ranks = Some(free.first_fit(request));
-        }
+    for i in second_pass_order(&free, &requests, &placed) {
+        placed[i] = Some(free.first_fit(requests[i]));
     }
     by_job(&requests, placed)
+}
+
+/// The requests the keep pass left unplaced, in the order the second pass places them:
+/// those restricted to some hosts (a selector, GPU types) first, fewest free GPUs on their
+/// hosts first, then the unrestricted ones; request order otherwise (the sort is stable).
+/// A job that may run anywhere cannot take the only GPUs a restricted job may use while
+/// others are free (most constrained first); without restricted jobs the order is the
+/// request order.
+fn second_pass_order(
+    free: &FreeGpus<'_>,
+    requests: &[&PlacementRequest],
+    placed: &[Option<Vec<RankPlacement>>],
+) -> Vec<usize> {
+    let eligible = |r: &PlacementRequest| -> usize {
+        free.hosts
+            .iter()
+            .filter(|slot| r.allows(slot.host))
+            .map(|slot| slot.free.len())
+            .sum()
+    };
+    let mut order: Vec<(bool, usize, usize)> = placed
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| p.is_none())
+        .map(|(i, _)| {
+            let r = requests[i];
+            let restricted = r.hosts.is_some();
+            (!restricted, if restricted { eligible(r) } else { 0 }, i)
+        })
+        .collect();
+    order.sort_by_key(|&(unrestricted, gpus, _)| (unrestricted, gpus));
+    order.into_iter().map(|(_, _, i)| i).collect()
 }
 
 /// The first pass of every placement: the requests without repeated jobs (first request
@@ -388,7 +420,8 @@ pub fn place_with(
 /// A request for fewer workers than its minimum gets none. A request with `hosts` sees only
 /// those hosts in every step below (capacity, best fit, candidates).
 ///
-/// The other requests are placed in request order (the caller's priority), each with its
+/// The other requests are placed in request order (the caller's priority; restricted requests
+/// first, as in [`place`]), each with its
 /// cost from `costs` ([`JobCost::default`] when missing: compute 1 s, overhead 0.05 s per
 /// extra server, sync 0.5 s). A job is *multi-server* when its ranks span more than one
 /// host; each host counts the multi-server jobs on it (kept ones included), `c`, which is
@@ -441,13 +474,12 @@ pub fn place_bco(
             multi[host] += 1;
         }
     }
+    let order = second_pass_order(&free, &requests, &placed);
     let mut index = BcoIndex::new(free, multi);
     let default_cost = JobCost::default();
-    for (request, ranks) in requests.iter().zip(&mut placed) {
-        if ranks.is_none() {
-            let cost = costs.get(&request.job).unwrap_or(&default_cost);
-            *ranks = Some(index.place(request, cost));
-        }
+    for i in order {
+        let cost = costs.get(&requests[i].job).unwrap_or(&default_cost);
+        placed[i] = Some(index.place(requests[i], cost));
     }
     by_job(&requests, placed)
 }
@@ -865,12 +897,44 @@ mod tests {
                     placed.insert(request.job.clone(), request.current.clone());
                 }
             }
-            for request in &requests {
-                if !placed.contains_key(&request.job) {
-                    placed.insert(request.job.clone(), first_fit(request, &mut free));
-                }
+            for request in second_pass(&requests, &placed, &free) {
+                placed.insert(request.job.clone(), first_fit(request, &mut free));
             }
             placed
+        }
+
+        /// The requests not kept, restricted ones first by the free GPUs of their hosts,
+        /// then the others, each group in request order.
+        pub fn second_pass<'r>(
+            requests: &[&'r PlacementRequest],
+            placed: &BTreeMap<JobId, Vec<RankPlacement>>,
+            free: &BTreeMap<&HostId, BTreeSet<u32>>,
+        ) -> Vec<&'r PlacementRequest> {
+            let left: Vec<&PlacementRequest> = requests
+                .iter()
+                .copied()
+                .filter(|r| !placed.contains_key(&r.job))
+                .collect();
+            let mut restricted: Vec<(usize, &PlacementRequest)> = Vec::new();
+            let mut others = Vec::new();
+            for r in left {
+                if r.hosts.is_some() {
+                    let gpus = free
+                        .iter()
+                        .filter(|(h, _)| r.allows(h))
+                        .map(|(_, g)| g.len())
+                        .sum();
+                    restricted.push((gpus, r));
+                } else {
+                    others.push(r);
+                }
+            }
+            restricted.sort_by_key(|(gpus, _)| *gpus);
+            restricted
+                .into_iter()
+                .map(|(_, r)| r)
+                .chain(others)
+                .collect()
         }
 
         /// Takes the request's current GPUs out of `free` if its current placement is still valid
@@ -959,7 +1023,7 @@ mod tests {
         use converge_common::{HostId, JobId, RankPlacement};
 
         use super::super::{HostFree, PlacementRequest};
-        use super::reference::keep_current;
+        use super::reference::{keep_current, second_pass};
         use crate::contention::JobCost;
 
         type Free<'a> = BTreeMap<&'a HostId, BTreeSet<u32>>;
@@ -986,13 +1050,11 @@ mod tests {
                     placed.insert(request.job.clone(), request.current.clone());
                 }
             }
-            for request in &requests {
-                if !placed.contains_key(&request.job) {
-                    let cost = costs.get(&request.job).copied().unwrap_or_default();
-                    let ranks = place_one(request, &cost, &mut free, &multi);
-                    count_multi(&ranks, &mut multi);
-                    placed.insert(request.job.clone(), ranks);
-                }
+            for request in second_pass(&requests, &placed, &free) {
+                let cost = costs.get(&request.job).copied().unwrap_or_default();
+                let ranks = place_one(request, &cost, &mut free, &multi);
+                count_multi(&ranks, &mut multi);
+                placed.insert(request.job.clone(), ranks);
             }
             placed
         }
@@ -1228,6 +1290,32 @@ mod tests {
                 rank(4, "a", &[0]),
             ]
         );
+    }
+
+    #[test]
+    fn restricted_jobs_are_placed_before_jobs_that_may_go_anywhere() {
+        // The only host "narrow" may use is the first one first fit would give "wide",
+        // requested first (higher priority), and "anywhere", requested second.
+        let hosts = [host("a", &[0, 1]), host("b", &[0, 1]), host("c", &[0, 1])];
+        let only = |r: PlacementRequest, names: &[&str]| PlacementRequest {
+            hosts: Some(names.iter().map(|n| HostId::new(*n).unwrap()).collect()),
+            ..r
+        };
+        for kind in [PlacementKind::FirstFit, PlacementKind::Bco] {
+            let placed = place_with(
+                kind,
+                &hosts,
+                &[
+                    only(request("wide", 2, 1, 1), &["a", "b"]),
+                    request("anywhere", 2, 1, 1),
+                    only(request("narrow", 2, 1, 2), &["a"]),
+                ],
+                &BTreeMap::new(),
+            );
+            assert_eq!(servers_of(&placed[&job_id("narrow")]), ["a"], "{kind:?}");
+            assert_eq!(servers_of(&placed[&job_id("wide")]), ["b"], "{kind:?}");
+            assert_eq!(servers_of(&placed[&job_id("anywhere")]), ["c"], "{kind:?}");
+        }
     }
 
     #[test]

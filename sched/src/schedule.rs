@@ -2449,6 +2449,29 @@ mod tests {
         assert!(s.end.is_none());
     }
 
+    /// The policy and placement pairs the host-restriction tests run under.
+    const RESTRICTED_CASES: [(&str, PlacementKind); 5] = [
+        ("quality", PlacementKind::FirstFit),
+        ("quality", PlacementKind::Bco),
+        ("pollux", PlacementKind::FirstFit),
+        ("fifo", PlacementKind::Bco),
+        ("fair", PlacementKind::FirstFit),
+    ];
+
+    /// An empty world scheduling with `policy` and `placement`.
+    fn world_with(policy: &str, placement: PlacementKind) -> World {
+        let mut w = World::default();
+        w.settings.scheduler =
+            Arc::from(crate::policies::by_name(policy, w.settings.policy).unwrap());
+        w.settings.placement = placement;
+        w
+    }
+
+    /// The hosts of a job's placement.
+    fn hosts_of(s: &JobStatus) -> BTreeSet<String> {
+        s.placement.iter().map(|p| p.host.to_string()).collect()
+    }
+
     #[test]
     fn selector_jobs_run_only_on_matching_hosts_or_wait_with_the_reason() {
         let labelled = |id: &str, gpus: u32, time: f64, zone: &str| {
@@ -2457,21 +2480,9 @@ mod tests {
             t.labels.insert("gpu.count".into(), gpus.to_string());
             t
         };
-        let hosts_of = |s: &JobStatus| -> BTreeSet<String> {
-            s.placement.iter().map(|p| p.host.to_string()).collect()
-        };
-        for (policy, placement) in [
-            ("quality", PlacementKind::FirstFit),
-            ("quality", PlacementKind::Bco),
-            ("pollux", PlacementKind::FirstFit),
-            ("fifo", PlacementKind::Bco),
-            ("fair", PlacementKind::FirstFit),
-        ] {
+        for (policy, placement) in RESTRICTED_CASES {
             let what = format!("{policy} with {placement:?}");
-            let mut w = World::default();
-            w.settings.scheduler =
-                Arc::from(crate::policies::by_name(policy, w.settings.policy).unwrap());
-            w.settings.placement = placement;
+            let mut w = world_with(policy, placement);
             w.add_host(labelled("h1", 4, 10.0, "a"));
             w.add_host(labelled("h2", 4, 10.0, "b"));
             let mut picky = job("picky", 1, 8, 1.0);
@@ -2547,20 +2558,9 @@ mod tests {
             t.labels.insert("gpu.type".into(), kind.into());
             t
         };
-        let hosts_of = |s: &JobStatus| -> BTreeSet<String> {
-            s.placement.iter().map(|p| p.host.to_string()).collect()
-        };
-        for (policy, placement) in [
-            ("quality", PlacementKind::FirstFit),
-            ("quality", PlacementKind::Bco),
-            ("pollux", PlacementKind::FirstFit),
-            ("fifo", PlacementKind::Bco),
-        ] {
+        for (policy, placement) in RESTRICTED_CASES {
             let what = format!("{policy} with {placement:?}");
-            let mut w = World::default();
-            w.settings.scheduler =
-                Arc::from(crate::policies::by_name(policy, w.settings.policy).unwrap());
-            w.settings.placement = placement;
+            let mut w = world_with(policy, placement);
             w.add_host(typed("t4-1", 4, 10.0, "t4"));
             w.add_host(typed("a100-1", 4, 10.0, "a100"));
             let mut fast = job("fast", 1, 8, 1.0);

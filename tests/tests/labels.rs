@@ -17,6 +17,18 @@ fn converge(nats: &NatsServer, args: &[&str]) -> std::process::Output {
         .expect("run converge")
 }
 
+/// The first telemetry `host` reports (20 s at most).
+async fn reported(bus: &converge_bus::Bus, host: &str) -> HostTelemetry {
+    wait_for(Duration::from_secs(20), "the host's telemetry", || async {
+        bus.get::<HostTelemetry>(&bus.hosts, host)
+            .await
+            .ok()
+            .flatten()
+            .map(|(t, _)| t)
+    })
+    .await
+}
+
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
@@ -43,14 +55,7 @@ async fn a_job_runs_only_on_hosts_its_selector_matches() {
 
     // Both hosts report their labels, GPU labels included.
     for (host, zone) in [("n1", "a"), ("n2", "b")] {
-        let t = wait_for(Duration::from_secs(20), "labelled telemetry", || async {
-            bus.get::<HostTelemetry>(&bus.hosts, host)
-                .await
-                .ok()
-                .flatten()
-                .map(|(t, _)| t)
-        })
-        .await;
+        let t = reported(&bus, host).await;
         assert_eq!(t.labels["zone"], zone, "{t:?}");
         assert_eq!(t.labels["rack"], "r1");
         assert_eq!(t.labels["gpu.count"], "2");
@@ -197,14 +202,7 @@ async fn jobs_run_on_their_gpu_types_and_a_slower_type_trains_slower() {
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
 
     for (host, kind) in [("t4-1", "t4"), ("a100-1", "a100")] {
-        let t = wait_for(Duration::from_secs(20), "typed telemetry", || async {
-            bus.get::<HostTelemetry>(&bus.hosts, host)
-                .await
-                .ok()
-                .flatten()
-                .map(|(t, _)| t)
-        })
-        .await;
+        let t = reported(&bus, host).await;
         assert_eq!(t.labels["gpu.type"], kind, "{t:?}");
         assert_eq!(t.labels["gpu.model"], format!("Converge-fake-GPU-{kind}"));
     }
