@@ -8,10 +8,11 @@
 //!   the allocator places them on the simulated hosts.
 //! - **Progress:** `--reports-per-s` progress reports in all (every rank of every job in
 //!   turn, `--ranks-per-job` ranks, a falling loss with noise), published to the JetStream progress stream with
-//!   acknowledgement, at most `--max-in-flight` unacknowledged. Each report comes from a
-//!   host the allocator placed the job on, with the job's current generation, as the job
-//!   statuses say (followed by a KV watch: the allocator refuses reports from other
-//!   hosts); a job not placed yet sends none.
+//!   acknowledgement, at most `--max-in-flight` unacknowledged. Each report of rank `r` comes
+//!   from the host the allocator placed rank `r` on, with the job's current generation, as
+//!   the job statuses say (followed by a KV watch: the allocator refuses reports from other
+//!   hosts and of ranks placed elsewhere); a job not placed yet, and a rank the job does
+//!   not have, send none.
 //! - **Measured:** every `--scrape-every` the allocator's `/metrics` (`--metrics-url`):
 //!   step (decision) time, ingest lag (stream → allocator), reports applied, input queue and
 //!   resident memory. After `--duration` it stops sending and waits until the allocator has
@@ -363,7 +364,7 @@ async fn follow_placements(bus: Arc<Bus>, placed: Arc<Placements>, until: Instan
 }
 
 /// Progress reports at the target rate, in 10 ms batches, acknowledged by JetStream, each
-/// from a host the job is placed on.
+/// from the host its rank is placed on (ranks the job does not have send nothing).
 async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, until: Instant) {
     let jobs: Vec<JobId> = (0..args.jobs).map(|j| job_id(&args.prefix, j)).collect();
     let placed = Arc::new(Placements::default());
@@ -380,19 +381,26 @@ async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, u
         tokio::select! {
             _ = tick.tick() => {
                 owed += per_tick;
-                while owed >= 1.0 && acks.len() < args.max_in_flight {
-                    owed -= 1.0;
-                    let ranks = args.ranks_per_job.max(1) as usize;
+                let ranks = args.ranks_per_job.max(1) as usize;
+                let slots = (jobs.len() * ranks).max(1);
+                // Positions looked at this tick: a full round finds no placed rank left.
+                let mut looked = 0usize;
+                while owed >= 1.0 && acks.len() < args.max_in_flight && looked < slots {
+                    looked += 1;
                     let (j, rank) = (next / ranks, (next % ranks) as u32);
-                    next = (next + 1) % (jobs.len() * ranks).max(1);
+                    next = (next + 1) % slots;
                     let Some((generation, host)) = placed
                         .lock()
                         .expect("not poisoned")
                         .get(&jobs[j])
-                        .map(|(g, hosts)| (*g, hosts[rank as usize % hosts.len()].clone()))
+                        .and_then(|(g, hosts)| Some((*g, hosts.get(rank as usize)?.clone())))
                     else {
-                        continue; // not placed yet
+                        // Not placed yet, or placed with fewer ranks: the allocator accepts
+                        // a rank's report only from the host that rank is placed on, so
+                        // the next placed rank sends instead (the rate stays the one asked).
+                        continue;
                     };
+                    owed -= 1.0;
                     if rank == 0 {
                         steps[j] += 1;
                     }
