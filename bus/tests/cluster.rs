@@ -312,10 +312,18 @@ async fn replicas_raised_in_place() {
             "{name}"
         );
     }
-    old.jobs
+    // A stream created a moment ago may not be known yet to the server the client is on
+    // ("no stream found"): retried for 10 s, as the agents and the allocator retry writes.
+    let mut tries = 0;
+    while let Err(e) = old
+        .jobs
         .put("kept", "spec written with one replica".into())
         .await
-        .expect("put");
+    {
+        tries += 1;
+        assert!(tries < 40, "put: {e}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
     drop(old);
 
     // The allocator with --bus-replicas 3 raises every one to 3 in place.
