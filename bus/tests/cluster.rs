@@ -250,7 +250,20 @@ fn all_streams() -> Vec<String> {
         .collect()
 }
 
-/// Waits (30 s at most) until `name` has a leader and `want` current replicas in all.
+/// Puts `value` under `key`, retrying for 10 s. A stream created (or whose server came
+/// back) a moment ago may have a leader and current replicas while the server the client is
+/// on has not yet learned the stream's subjects from its routes: the publish then finds no
+/// responder, which async-nats reports as "no stream found" (seen twice in CI, once even
+/// after `wait_replicated`). The agents and the allocator retry their writes the same way.
+async fn put_retrying(store: &async_nats::jetstream::kv::Store, key: &str, value: &str) {
+    let mut tries = 0;
+    while let Err(e) = store.put(key, value.to_owned().into()).await {
+        tries += 1;
+        assert!(tries < 40, "put {key}: {e} (after {tries} tries in 10 s)");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
 /// A bus on `cluster` that creates everything with 3 replicas, once every stream has them.
 async fn connect_replicated(cluster: &Cluster) -> Bus {
     let bus = Bus::connect(
@@ -266,6 +279,7 @@ async fn connect_replicated(cluster: &Cluster) -> Bus {
     bus
 }
 
+/// Waits (30 s at most) until `name` has a leader and `want` current replicas in all.
 async fn wait_replicated(bus: &Bus, name: &str, want: usize) -> stream::Info {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut last = None;
@@ -312,18 +326,7 @@ async fn replicas_raised_in_place() {
             "{name}"
         );
     }
-    // A stream created a moment ago may not be known yet to the server the client is on
-    // ("no stream found"): retried for 10 s, as the agents and the allocator retry writes.
-    let mut tries = 0;
-    while let Err(e) = old
-        .jobs
-        .put("kept", "spec written with one replica".into())
-        .await
-    {
-        tries += 1;
-        assert!(tries < 40, "put: {e}");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    put_retrying(&old.jobs, "kept", "spec written with one replica").await;
     drop(old);
 
     // The allocator with --bus-replicas 3 raises every one to 3 in place.
@@ -370,10 +373,7 @@ async fn leader_killed_and_back() {
     let Some(bin) = nats_server_bin() else { return };
     let mut cluster = Cluster::start(bin);
     let bus = connect_replicated(&cluster).await;
-    bus.jobs
-        .put("kept", "spec written before the kill".into())
-        .await
-        .expect("put");
+    put_retrying(&bus.jobs, "kept", "spec written before the kill").await;
 
     // Kill the leader of the hosts bucket (heartbeats) with SIGKILL: writes and reads go on
     // after a new leader is elected, and the client, if it was on that server, reconnects
@@ -451,10 +451,7 @@ async fn leader_killed_and_back() {
         "hosts bucket: three current replicas {:?} after the restart",
         t_back.elapsed()
     );
-    bus.jobs
-        .put("after", "spec written after the restart".into())
-        .await
-        .expect("put");
+    put_retrying(&bus.jobs, "after", "spec written after the restart").await;
     wait_replicated(&bus, "KV_converge-jobs", 3).await;
     let kept = bus
         .jobs
