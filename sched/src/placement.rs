@@ -30,16 +30,29 @@ pub struct HostFree {
     /// 1). Only [`place_bco`] reads it: a sync over this host takes `1 / nic_factor` times
     /// as long.
     pub nic_factor: f64,
+    /// The generation of the host's GPUs (its `gpu.type` label,
+    /// [`converge_common::labels::gpu_type`]); `None`: not known. When the hosts carry more
+    /// than one type (`None` counting as one), a job's new placement uses GPUs of one type
+    /// only (see [`place`]): a ring all-reduce runs at its slowest member's speed, so a job
+    /// spread over a T4 and an A100 runs at T4 speed on both.
+    pub gpu_type: Option<String>,
 }
 
 impl HostFree {
-    /// A host whose NIC counts as idle (`nic_factor` 1).
+    /// A host whose NIC counts as idle (`nic_factor` 1), GPU type unknown.
     pub fn new(host: HostId, gpus: Vec<u32>) -> Self {
         Self {
             host,
             gpus,
             nic_factor: 1.0,
+            gpu_type: None,
         }
+    }
+
+    /// The same host with GPUs of type `gpu_type`.
+    pub fn with_gpu_type(mut self, gpu_type: impl Into<String>) -> Self {
+        self.gpu_type = Some(gpu_type.into());
+        self
     }
 
     fn sane_nic_factor(&self) -> f64 {
@@ -88,6 +101,12 @@ impl PlacementRequest {
 ///    is filled before the next is used; every worker's GPUs are on one host, lowest indices
 ///    first. If not all workers fit, as many as fit are placed when that is at least
 ///    `min_workers`, otherwise none.
+///
+/// 3. **GPU types.** When the hosts carry more than one GPU type ([`HostFree::gpu_type`]),
+///    a request the first pass did not keep uses GPUs of one type only, in both passes of
+///    the second one: its current type if that has room for every worker, else the type
+///    with the most free GPUs among those with room, else the one with the most free GPUs
+///    (`FreeGpus::one_type`). [`place_bco`] follows the same rule.
 ///
 /// So every job gets no ranks or between `min_workers` and `workers` of them (a request for
 /// fewer workers than its minimum gets none). A request with `hosts` gets GPUs of those
@@ -184,6 +203,11 @@ fn by_job(
 /// for a worker without scanning the full ones.
 struct FreeGpus<'a> {
     hosts: Vec<HostSlot<'a>>,
+    /// The distinct GPU types of the hosts, sorted (`None` first); one entry (or none, with
+    /// no hosts) on a cluster of one type.
+    types: Vec<Option<&'a str>>,
+    /// Free GPUs per type (indexed like `types`).
+    type_free: Vec<usize>,
     /// Leaves (from `leaves` on) hold each host's free count; node `i` holds the largest
     /// count under it (children `2i`, `2i + 1`); unused leaves hold 0.
     tree: Vec<usize>,
@@ -196,6 +220,8 @@ struct HostSlot<'a> {
     free: Vec<u32>,
     /// The host's NIC factor (the smallest when the host is listed twice).
     nic_factor: f64,
+    /// Index of the host's GPU type in [`FreeGpus::types`] (its first listing's type).
+    gpu_type: usize,
 }
 
 impl<'a> FreeGpus<'a> {
@@ -203,22 +229,33 @@ impl<'a> FreeGpus<'a> {
         let mut listed: Vec<&HostFree> = hosts.iter().collect();
         listed.sort_by(|a, b| a.host.cmp(&b.host));
         let mut slots: Vec<HostSlot<'a>> = Vec::with_capacity(listed.len());
+        let mut first_types: Vec<Option<&'a str>> = Vec::with_capacity(listed.len());
         for host in listed {
             match slots.last_mut() {
                 Some(last) if *last.host == host.host => {
                     last.free.extend(&host.gpus);
                     last.nic_factor = last.nic_factor.min(host.sane_nic_factor());
                 }
-                _ => slots.push(HostSlot {
-                    host: &host.host,
-                    free: host.gpus.clone(),
-                    nic_factor: host.sane_nic_factor(),
-                }),
+                _ => {
+                    slots.push(HostSlot {
+                        host: &host.host,
+                        free: host.gpus.clone(),
+                        nic_factor: host.sane_nic_factor(),
+                        gpu_type: 0,
+                    });
+                    first_types.push(host.gpu_type.as_deref());
+                }
             }
         }
-        for slot in &mut slots {
+        let mut types = first_types.clone();
+        types.sort_unstable();
+        types.dedup();
+        let mut type_free = vec![0; types.len()];
+        for (slot, t) in slots.iter_mut().zip(&first_types) {
             slot.free.sort_unstable();
             slot.free.dedup();
+            slot.gpu_type = types.binary_search(t).unwrap_or(0);
+            type_free[slot.gpu_type] += slot.free.len();
         }
         let leaves = slots.len().next_power_of_two();
         let mut tree = vec![0; 2 * leaves];
@@ -230,9 +267,49 @@ impl<'a> FreeGpus<'a> {
         }
         Self {
             hosts: slots,
+            types,
+            type_free,
             tree,
             leaves,
         }
+    }
+
+    /// The one GPU type (index in `types`) a new placement of `request` uses when the hosts
+    /// carry several types; `None` on a cluster of one type (no restriction). The type of
+    /// the job's current placement (its rank 0's host) if its hosts of that type have room
+    /// for every worker; else the type with the most free GPUs among those with room for
+    /// every worker; else the type with the most free GPUs (as many workers as fit are
+    /// placed there). Free GPUs are counted on the hosts the request allows; ties go to the
+    /// type first in name order. Heterogeneity-unaware: which type serves a job best is the
+    /// policy's to say (a type restriction in the request), not the placement's.
+    fn one_type(&self, request: &PlacementRequest) -> Option<usize> {
+        if self.types.len() < 2 {
+            return None;
+        }
+        let free: std::borrow::Cow<'_, [usize]> = if request.hosts.is_some() {
+            let mut free = vec![0; self.types.len()];
+            for slot in self.hosts.iter().filter(|s| request.allows(s.host)) {
+                free[slot.gpu_type] += slot.free.len();
+            }
+            free.into()
+        } else {
+            (&self.type_free[..]).into()
+        };
+        let need = request.workers as usize * request.gpus_per_worker as usize;
+        let current = request
+            .current
+            .first()
+            .and_then(|rank| self.find(&rank.host))
+            .map(|host| self.hosts[host].gpu_type);
+        if let Some(t) = current.filter(|&t| free[t] >= need) {
+            return Some(t);
+        }
+        let most = |fits: bool| {
+            (0..free.len())
+                .filter(|&t| !fits || free[t] >= need)
+                .max_by_key(|&t| (free[t], Reverse(t)))
+        };
+        most(true).or_else(|| most(false))
     }
 
     /// Index of `host`, if listed.
@@ -267,6 +344,8 @@ impl<'a> FreeGpus<'a> {
     /// Records host `index`'s new free count in the tree.
     fn update(&mut self, index: usize) {
         let mut node = self.leaves + index;
+        let t = self.hosts[index].gpu_type;
+        self.type_free[t] = self.type_free[t] + self.hosts[index].free.len() - self.tree[node];
         self.tree[node] = self.hosts[index].free.len();
         while node > 1 {
             node /= 2;
@@ -323,12 +402,15 @@ impl<'a> FreeGpus<'a> {
         if per_worker == 0 {
             return Vec::new();
         }
+        let only = self.one_type(request);
+        let of_type = |slot: &HostSlot<'_>| only.is_none_or(|t| slot.gpu_type == t);
         let wanted = request.workers as usize;
         let mut preferred: Vec<usize> = request
             .current
             .iter()
             .filter(|rank| request.allows(&rank.host))
             .filter_map(|rank| self.find(&rank.host))
+            .filter(|&host| of_type(&self.hosts[host]))
             .collect();
         preferred.sort_unstable();
         preferred.dedup();
@@ -354,7 +436,9 @@ impl<'a> FreeGpus<'a> {
                 break;
             };
             from = host + 1;
-            if preferred.binary_search(&host).is_err() && request.allows(self.hosts[host].host) {
+            let slot = &self.hosts[host];
+            if preferred.binary_search(&host).is_err() && request.allows(slot.host) && of_type(slot)
+            {
                 take(host, &mut count);
             }
         }
@@ -606,12 +690,14 @@ impl<'a> BcoIndex<'a> {
         if per_worker == 0 || wanted == 0 || request.workers < request.min_workers {
             return Vec::new();
         }
-        // The hosts a selector allows, by index (`None`: all).
-        let allowed: Option<Vec<bool>> = request.hosts.as_ref().map(|_| {
+        // The hosts a selector allows, of the one GPU type the job may use on a cluster of
+        // several, by index (`None`: all).
+        let only = self.free.one_type(request);
+        let allowed: Option<Vec<bool>> = (request.hosts.is_some() || only.is_some()).then(|| {
             self.free
                 .hosts
                 .iter()
-                .map(|slot| request.allows(slot.host))
+                .map(|slot| request.allows(slot.host) && only.is_none_or(|t| slot.gpu_type == t))
                 .collect()
         });
         let allowed = allowed.as_deref();
@@ -1292,15 +1378,94 @@ mod tests {
         );
     }
 
+    /// `r` restricted to the hosts `names`.
+    fn only(r: PlacementRequest, names: &[&str]) -> PlacementRequest {
+        PlacementRequest {
+            hosts: Some(names.iter().map(|n| HostId::new(*n).unwrap()).collect()),
+            ..r
+        }
+    }
+
+    #[test]
+    fn on_a_cluster_of_several_gpu_types_each_new_placement_uses_one_type() {
+        // t4: 2 hosts × 2 GPUs; a100: 3 hosts × 2 GPUs.
+        let hosts = [
+            host("a", &[0, 1]).with_gpu_type("t4"),
+            host("b", &[0, 1]).with_gpu_type("t4"),
+            host("c", &[0, 1]).with_gpu_type("a100"),
+            host("d", &[0, 1]).with_gpu_type("a100"),
+            host("e", &[0, 1]).with_gpu_type("a100"),
+        ];
+        let on = |r: PlacementRequest, current: &[(&str, u32)]| PlacementRequest {
+            current: current
+                .iter()
+                .enumerate()
+                .map(|(rank, &(h, gpu))| RankPlacement {
+                    rank: rank as u32,
+                    host: HostId::new(h).unwrap(),
+                    gpus: vec![gpu],
+                })
+                .collect(),
+            ..r
+        };
+        for kind in [PlacementKind::FirstFit, PlacementKind::Bco] {
+            let placed = place_with(
+                kind,
+                &hosts,
+                &[
+                    // Runs on t4 and grows from 2 to 3: t4 has room for 3 (its own 2 GPUs
+                    // are free again), so it stays on t4, though a100 has more free GPUs.
+                    on(request("grows-on-t4", 3, 1, 1), &[("a", 0), ("a", 1)]),
+                    // New, 3 workers: only a100 has room for 3 (t4 has 1 GPU left on b,
+                    // which first fit alone would have taken with c's two).
+                    request("new", 3, 1, 1),
+                    // 5 workers, 3 a100 GPUs and 1 t4 left: as many as fit, on a100.
+                    request("too-big", 5, 1, 2),
+                ],
+                &BTreeMap::new(),
+            );
+            let types = |job: &str| -> BTreeSet<&str> {
+                placed[&job_id(job)]
+                    .iter()
+                    .map(|r| {
+                        let h = hosts.iter().find(|h| h.host == r.host).unwrap();
+                        h.gpu_type.as_deref().unwrap()
+                    })
+                    .collect()
+            };
+            assert_eq!(placed[&job_id("grows-on-t4")].len(), 3, "{kind:?}");
+            assert_eq!(types("grows-on-t4"), BTreeSet::from(["t4"]), "{kind:?}");
+            assert_eq!(placed[&job_id("new")].len(), 3, "{kind:?}");
+            assert_eq!(types("new"), BTreeSet::from(["a100"]), "{kind:?}");
+            assert_eq!(placed[&job_id("too-big")].len(), 3, "{kind:?}");
+            assert_eq!(types("too-big"), BTreeSet::from(["a100"]), "{kind:?}");
+
+            // A job restricted to some hosts counts only their free GPUs: 2 on t4 (b), 2
+            // on a100 (c): the tie goes to the type first in name order, a100.
+            let placed = place_with(
+                kind,
+                &hosts,
+                &[only(request("restricted", 2, 1, 1), &["b", "c"])],
+                &BTreeMap::new(),
+            );
+            assert_eq!(
+                servers_of(&placed[&job_id("restricted")]),
+                ["c"],
+                "{kind:?}"
+            );
+
+            // Without types (or with one), nothing changes: first fit spans a and b.
+            let untyped = [host("a", &[0]), host("b", &[0, 1])];
+            let placed = place_with(kind, &untyped, &[request("j", 3, 1, 1)], &BTreeMap::new());
+            assert_eq!(placed[&job_id("j")].len(), 3, "{kind:?}");
+        }
+    }
+
     #[test]
     fn restricted_jobs_are_placed_before_jobs_that_may_go_anywhere() {
         // The only host "narrow" may use is the first one first fit would give "wide",
         // requested first (higher priority), and "anywhere", requested second.
         let hosts = [host("a", &[0, 1]), host("b", &[0, 1]), host("c", &[0, 1])];
-        let only = |r: PlacementRequest, names: &[&str]| PlacementRequest {
-            hosts: Some(names.iter().map(|n| HostId::new(*n).unwrap()).collect()),
-            ..r
-        };
         for kind in [PlacementKind::FirstFit, PlacementKind::Bco] {
             let placed = place_with(
                 kind,
@@ -1325,10 +1490,6 @@ mod tests {
             host("b", &[0, 1]),
             host("c", &[0, 1]),
         ];
-        let only = |r: PlacementRequest, names: &[&str]| PlacementRequest {
-            hosts: Some(names.iter().map(|n| HostId::new(*n).unwrap()).collect()),
-            ..r
-        };
         for kind in [PlacementKind::FirstFit, PlacementKind::Bco] {
             let placed = place_with(
                 kind,

@@ -1096,6 +1096,7 @@ fn allocate(
             host: (*h).clone(),
             gpus: t.gpus.iter().map(|g| g.index).collect(),
             nic_factor: nics[h].factor,
+            gpu_type: converge_common::labels::host_gpu_type(&t.labels),
         })
         .collect();
     let queued = decide_queued(
