@@ -493,52 +493,64 @@ fn decide_in_order(
     } else {
         None
     };
-    let (decided_workers, placements) = if let Some(decided) = on_hosts {
-        let placements = realize(cluster.hosts, order, &views, &decided);
-        (decided.workers, placements)
-    } else {
-        let decided = match sizing {
-            Some(size) => size(&view, &views),
-            None => policy.allocate(&view, &views),
-        };
-        let requests: Vec<PlacementRequest> = order
-            .iter()
-            .map(|job| PlacementRequest {
-                job: job.id.clone(),
-                workers: decided.workers.get(&job.id).copied().unwrap_or(0),
-                gpus_per_worker: job.gpus_per_worker,
-                min_workers: job.min_workers,
-                current: job.placement.clone(),
-                hosts: job.hosts.clone(),
-            })
-            .collect();
-        let costs: BTreeMap<JobId, JobCost> = match placement {
-            PlacementKind::FirstFit => BTreeMap::new(),
-            PlacementKind::Bco => order
+    // On a cluster of several GPU types a policy's own host-level allocation may span types:
+    // only its worker counts are kept there, and `place_with` puts each job on one type
+    // (a heterogeneity-unaware policy whose placements are then fixed to one type, as the
+    // Sia paper runs Pollux on its mixed cluster).
+    let one_gpu_type = cluster
+        .hosts
+        .windows(2)
+        .all(|pair| pair[0].gpu_type == pair[1].gpu_type);
+    let (decided_workers, placements) =
+        if let Some(decided) = on_hosts.as_ref().filter(|_| one_gpu_type) {
+            let placements = realize(cluster.hosts, order, &views, decided);
+            (decided.workers.clone(), placements)
+        } else {
+            let decided = match (on_hosts, sizing) {
+                (Some(on_hosts), _) => Decision {
+                    workers: on_hosts.workers,
+                },
+                (None, Some(size)) => size(&view, &views),
+                (None, None) => policy.allocate(&view, &views),
+            };
+            let requests: Vec<PlacementRequest> = order
                 .iter()
-                .filter_map(|job| {
-                    let workers = decided.workers.get(&job.id).copied().unwrap_or(0);
-                    if job.shadow.is_some() {
-                        // Every shadow job, so that placement knows it (crate::shadow).
-                        let compute = job
-                            .model
-                            .as_ref()
-                            .map_or(JobCost::default().compute_s, |m| {
-                                m.compute_time_s(job.batch.per_worker(workers.max(1)))
-                            });
-                        return Some((job.id.clone(), JobCost::background(compute)));
-                    }
-                    let model = job.model.as_ref().filter(|_| workers > 0)?;
-                    let mut cost =
-                        JobCost::from_model(model, workers, job.batch.per_worker(workers));
-                    cost.sync_s = cost.sync_s.max(contention * cost.compute_s);
-                    Some((job.id.clone(), cost))
+                .map(|job| PlacementRequest {
+                    job: job.id.clone(),
+                    workers: decided.workers.get(&job.id).copied().unwrap_or(0),
+                    gpus_per_worker: job.gpus_per_worker,
+                    min_workers: job.min_workers,
+                    current: job.placement.clone(),
+                    hosts: job.hosts.clone(),
                 })
-                .collect(),
+                .collect();
+            let costs: BTreeMap<JobId, JobCost> = match placement {
+                PlacementKind::FirstFit => BTreeMap::new(),
+                PlacementKind::Bco => order
+                    .iter()
+                    .filter_map(|job| {
+                        let workers = decided.workers.get(&job.id).copied().unwrap_or(0);
+                        if job.shadow.is_some() {
+                            // Every shadow job, so that placement knows it (crate::shadow).
+                            let compute = job
+                                .model
+                                .as_ref()
+                                .map_or(JobCost::default().compute_s, |m| {
+                                    m.compute_time_s(job.batch.per_worker(workers.max(1)))
+                                });
+                            return Some((job.id.clone(), JobCost::background(compute)));
+                        }
+                        let model = job.model.as_ref().filter(|_| workers > 0)?;
+                        let mut cost =
+                            JobCost::from_model(model, workers, job.batch.per_worker(workers));
+                        cost.sync_s = cost.sync_s.max(contention * cost.compute_s);
+                        Some((job.id.clone(), cost))
+                    })
+                    .collect(),
+            };
+            let placements = place_with(placement, cluster.hosts, &requests, &costs);
+            (decided.workers, placements)
         };
-        let placements = place_with(placement, cluster.hosts, &requests, &costs);
-        (decided.workers, placements)
-    };
     let mut batches = BTreeMap::new();
     if wants.goodput {
         for (job, view) in order.iter().zip(&views) {

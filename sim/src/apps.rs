@@ -176,11 +176,147 @@ pub struct Application {
     metric_increases: bool,
     /// 100 for a higher-is-better metric reported in percent, else 1.
     metric_scale: f64,
-    /// Rows of `placements.csv` per placement, keyed by [`placement_key`] of the digits.
-    exact: HashMap<u64, Curve>,
-    /// Interpolation for the placements not in `placements.csv`.
-    interp: Interpolator,
+    /// Step times of `placements.csv` / `scalability.csv` (the Pollux artifact's T4
+    /// measurements; the Sia artifact's `aws`).
+    steps: StepTable,
+    /// Step times measured on other GPU types (`placements-<type>.csv`,
+    /// `scalability-<type>.csv` of the Sia artifact), loaded by
+    /// [`Application::load_gpu_type`].
+    by_type: BTreeMap<String, StepTable>,
+    /// Factor on every step and sync time (1: as measured; the Sia artifact's calibration,
+    /// [`SIA_SLOWDOWNS`], otherwise).
+    pub step_scale: f64,
 }
+
+/// The step times of one application on one GPU type: placement rows and an interpolation.
+#[derive(Debug, Clone)]
+struct StepTable {
+    /// Rows of the placements file per placement, keyed by [`placement_key`] of the digits.
+    exact: HashMap<u64, Curve>,
+    /// Interpolation for the placements not in the placements file.
+    interp: Interpolator,
+    /// Smallest and largest per-GPU batch of the placement rows, samples.
+    local_bsz: (u32, u32),
+}
+
+impl StepTable {
+    /// `(step_time_s, sync_time_s)` as measured (see [`Application::throughput`]).
+    fn eval(&self, placement: &[u32], local_bsz: f64) -> (f64, f64) {
+        let (nodes, replicas, key) = canonical(placement);
+        if nodes == 0 {
+            return (f64::INFINITY, 0.0);
+        }
+        if let Some(curve) = key.and_then(|k| self.exact.get(&k)) {
+            return curve.eval(local_bsz);
+        }
+        self.interp.eval(nodes, replicas, local_bsz)
+    }
+
+    /// Reads a placements file and a scalability file (see the module docs).
+    fn load(placements_path: &Path, scalability_path: &Path) -> Result<StepTable, TraceError> {
+        let file_err = |path: &Path, reason: String| TraceError::File {
+            path: path.to_path_buf(),
+            reason,
+        };
+        let mut rows: BTreeMap<Vec<u32>, BTreeMap<u32, [f64; 2]>> = BTreeMap::new();
+        read_csv(placements_path, |r: PlacementRow, _| {
+            let parts = parse_placement(&r.placement)?;
+            check_coord("local_bsz", r.local_bsz)?;
+            check_times(r.step_time, r.sync_time)?;
+            let old = rows
+                .entry(parts)
+                .or_default()
+                .insert(r.local_bsz, [r.step_time, r.sync_time]);
+            if old.is_some() {
+                return Err(format!(
+                    "duplicate row for placement {} and local_bsz {}",
+                    r.placement, r.local_bsz
+                ));
+            }
+            Ok(())
+        })?;
+        if rows.is_empty() {
+            return Err(file_err(placements_path, "no rows".into()));
+        }
+        let mut exact = HashMap::new();
+        // Mean per (num_nodes, num_replicas, local_bsz), in that order (pandas groupby).
+        let mut groups: BTreeMap<[u32; 3], ([f64; 2], u32)> = BTreeMap::new();
+        let (mut min_local, mut max_local) = (u32::MAX, 0u32);
+        for (parts, by_bsz) in &rows {
+            let key = placement_key(parts)
+                .ok_or_else(|| file_err(placements_path, "bad placement".into()))?;
+            let curve = Curve {
+                xs: by_bsz.keys().map(|&b| f64::from(b)).collect(),
+                ys: by_bsz.values().copied().collect(),
+            };
+            exact.insert(key, curve);
+            let nodes = parts.len() as u32;
+            let replicas: u32 = parts.iter().sum();
+            for (&bsz, y) in by_bsz {
+                min_local = min_local.min(bsz);
+                max_local = max_local.max(bsz);
+                let g = groups
+                    .entry([nodes, replicas, bsz])
+                    .or_insert(([0.0; 2], 0));
+                g.0[0] += y[0];
+                g.0[1] += y[1];
+                g.1 += 1;
+            }
+        }
+        let mut points: Vec<[i64; 3]> = Vec::new();
+        let mut values: Vec<[f64; 2]> = Vec::new();
+        for (k, (sum, count)) in &groups {
+            points.push(k.map(i64::from));
+            let c = f64::from(*count);
+            values.push([sum[0] / c, sum[1] / c]);
+        }
+
+        // Scalability runs (appended after the grouped placements, as Pollux does).
+        read_csv(scalability_path, |r: ScalabilityRow, _| {
+            check_coord("num_nodes", r.num_nodes)?;
+            check_coord("num_replicas", r.num_replicas)?;
+            check_coord("local_bsz", r.local_bsz)?;
+            check_times(r.step_time, r.sync_time)?;
+            if r.num_replicas < r.num_nodes {
+                return Err("num_replicas must be at least num_nodes".into());
+            }
+            points.push([r.num_nodes, r.num_replicas, r.local_bsz].map(i64::from));
+            values.push([r.step_time, r.sync_time]);
+            Ok(())
+        })?;
+        // A point measured twice keeps its first value (qhull keeps one of them too).
+        let mut seen = std::collections::HashSet::new();
+        let (points, values): (Vec<_>, Vec<_>) = points
+            .into_iter()
+            .zip(values)
+            .filter(|(p, _)| seen.insert(*p))
+            .unzip();
+        let interp = Interpolator::build(&points, &values).ok_or_else(|| {
+            file_err(
+                scalability_path,
+                "placements and scalability rows are all coplanar: nothing to interpolate in 3-D"
+                    .into(),
+            )
+        })?;
+        Ok(StepTable {
+            exact,
+            interp,
+            local_bsz: (min_local, max_local),
+        })
+    }
+}
+
+/// The Sia artifact's calibration (its `simulator_config.py`, `SLOWDOWNS`, fitted on its
+/// `rtx` cluster): each application's measured step times are multiplied by its factor on
+/// every GPU type. Applications not listed keep theirs.
+pub const SIA_SLOWDOWNS: [(&str, f64); 6] = [
+    ("cifar10", 1.8),
+    ("imagenet", 1.2),
+    ("yolov3", 1.2),
+    ("bert", 1.2),
+    ("deepspeech2", 1.2),
+    ("ncf", 1.5),
+];
 
 /// One `validation-<B>.csv`.
 #[derive(Debug, Clone)]
@@ -661,89 +797,9 @@ impl Application {
             .min()
             .unwrap_or(0);
 
-        // Placements.
-        let placements_path = dir.join("placements.csv");
-        let mut rows: BTreeMap<Vec<u32>, BTreeMap<u32, [f64; 2]>> = BTreeMap::new();
-        read_csv(&placements_path, |r: PlacementRow, _| {
-            let parts = parse_placement(&r.placement)?;
-            check_coord("local_bsz", r.local_bsz)?;
-            check_times(r.step_time, r.sync_time)?;
-            let old = rows
-                .entry(parts)
-                .or_default()
-                .insert(r.local_bsz, [r.step_time, r.sync_time]);
-            if old.is_some() {
-                return Err(format!(
-                    "duplicate row for placement {} and local_bsz {}",
-                    r.placement, r.local_bsz
-                ));
-            }
-            Ok(())
-        })?;
-        if rows.is_empty() {
-            return Err(file_err(&placements_path, "no rows".into()));
-        }
-        let mut exact = HashMap::new();
-        // Mean per (num_nodes, num_replicas, local_bsz), in that order (pandas groupby).
-        let mut groups: BTreeMap<[u32; 3], ([f64; 2], u32)> = BTreeMap::new();
-        let (mut min_local, mut max_local) = (u32::MAX, 0u32);
-        for (parts, by_bsz) in &rows {
-            let key = placement_key(parts)
-                .ok_or_else(|| file_err(&placements_path, "bad placement".into()))?;
-            let curve = Curve {
-                xs: by_bsz.keys().map(|&b| f64::from(b)).collect(),
-                ys: by_bsz.values().copied().collect(),
-            };
-            exact.insert(key, curve);
-            let nodes = parts.len() as u32;
-            let replicas: u32 = parts.iter().sum();
-            for (&bsz, y) in by_bsz {
-                min_local = min_local.min(bsz);
-                max_local = max_local.max(bsz);
-                let g = groups
-                    .entry([nodes, replicas, bsz])
-                    .or_insert(([0.0; 2], 0));
-                g.0[0] += y[0];
-                g.0[1] += y[1];
-                g.1 += 1;
-            }
-        }
-        let mut points: Vec<[i64; 3]> = Vec::new();
-        let mut values: Vec<[f64; 2]> = Vec::new();
-        for (k, (sum, count)) in &groups {
-            points.push(k.map(i64::from));
-            let c = f64::from(*count);
-            values.push([sum[0] / c, sum[1] / c]);
-        }
-
-        // Scalability runs (appended after the grouped placements, as Pollux does).
-        let scalability_path = dir.join("scalability.csv");
-        read_csv(&scalability_path, |r: ScalabilityRow, _| {
-            check_coord("num_nodes", r.num_nodes)?;
-            check_coord("num_replicas", r.num_replicas)?;
-            check_coord("local_bsz", r.local_bsz)?;
-            check_times(r.step_time, r.sync_time)?;
-            if r.num_replicas < r.num_nodes {
-                return Err("num_replicas must be at least num_nodes".into());
-            }
-            points.push([r.num_nodes, r.num_replicas, r.local_bsz].map(i64::from));
-            values.push([r.step_time, r.sync_time]);
-            Ok(())
-        })?;
-        // A point measured twice keeps its first value (qhull keeps one of them too).
-        let mut seen = std::collections::HashSet::new();
-        let (points, values): (Vec<_>, Vec<_>) = points
-            .into_iter()
-            .zip(values)
-            .filter(|(p, _)| seen.insert(*p))
-            .unzip();
-        let interp = Interpolator::build(&points, &values).ok_or_else(|| {
-            file_err(
-                &scalability_path,
-                "placements and scalability rows are all coplanar: nothing to interpolate in 3-D"
-                    .into(),
-            )
-        })?;
+        // Step times.
+        let steps = StepTable::load(&dir.join("placements.csv"), &dir.join("scalability.csv"))?;
+        let (min_local, max_local) = steps.local_bsz;
 
         let known = POLLUX_CONSTANTS.iter().find(|c| c.0 == name);
         let max_epochs = known.map_or(min_rows as u32, |c| c.1);
@@ -772,9 +828,55 @@ impl Application {
             validations,
             metric_increases,
             metric_scale,
-            exact,
-            interp,
+            steps,
+            by_type: BTreeMap::new(),
+            step_scale: 1.0,
         })
+    }
+
+    /// Whether step times of `gpu_type` are loaded.
+    pub fn has_gpu_type(&self, gpu_type: &str) -> bool {
+        self.by_type.contains_key(gpu_type)
+    }
+
+    /// Loads the step times measured on `gpu_type` from `traces_dir/<name>/`
+    /// (`placements-<type>.csv`, `scalability-<type>.csv`, as the Sia artifact names them).
+    /// The batch limits stay those of `placements.csv`.
+    pub fn load_gpu_type(&mut self, traces_dir: &Path, gpu_type: &str) -> Result<(), TraceError> {
+        let dir = traces_dir.join(&self.name);
+        let table = StepTable::load(
+            &dir.join(format!("placements-{gpu_type}.csv")),
+            &dir.join(format!("scalability-{gpu_type}.csv")),
+        )?;
+        self.by_type.insert(gpu_type.to_string(), table);
+        Ok(())
+    }
+
+    /// `(step_time_s, sync_time_s)` of a placement whose GPUs are of the types `gpu_types`
+    /// (the distinct types of its nodes; empty: the types of `placements.csv`): each type's
+    /// measurements for the whole placement, the slowest one (a ring all-reduce runs at its
+    /// slowest member's speed), times [`Application::step_scale`]. A type without loaded
+    /// measurements counts as `placements.csv`'s.
+    pub fn throughput_on(
+        &self,
+        gpu_types: &[String],
+        placement: &[u32],
+        local_bsz: f64,
+    ) -> (f64, f64) {
+        let (step, sync) = if gpu_types.is_empty() {
+            self.steps.eval(placement, local_bsz)
+        } else {
+            gpu_types
+                .iter()
+                .map(|t| {
+                    self.by_type
+                        .get(t)
+                        .unwrap_or(&self.steps)
+                        .eval(placement, local_bsz)
+                })
+                .fold((0.0, 0.0), |a, b| if b.0 > a.0 { b } else { a })
+        };
+        (step * self.step_scale, sync * self.step_scale)
     }
 
     /// `(step_time_s, sync_time_s)`: seconds per optimizer step (one micro-batch per GPU)
@@ -783,14 +885,7 @@ impl Application {
     /// placement gives `(∞, 0)`. Never NaN; inputs outside the measurements are clamped (see
     /// the module docs).
     pub fn throughput(&self, placement: &[u32], local_bsz: f64) -> (f64, f64) {
-        let (nodes, replicas, key) = canonical(placement);
-        if nodes == 0 {
-            return (f64::INFINITY, 0.0);
-        }
-        if let Some(curve) = key.and_then(|k| self.exact.get(&k)) {
-            return curve.eval(local_bsz);
-        }
-        self.interp.eval(nodes, replicas, local_bsz)
+        self.throughput_on(&[], placement, local_bsz)
     }
 
     /// The two validated batch sizes that bracket `batch_size` (clamped into the validated
@@ -914,14 +1009,14 @@ impl Application {
     /// with `accum` accumulation steps in `epoch`.
     fn step_model(
         &self,
-        placement: &[u32],
+        (gpu_types, placement): (&[String], &[u32]),
         replicas: u32,
         atomic: u32,
         accum: u32,
         epoch: u32,
     ) -> (f64, f64, f64) {
         let batch = replicas * atomic * (accum + 1);
-        let (step, sync) = self.throughput(placement, f64::from(atomic));
+        let (step, sync) = self.throughput_on(gpu_types, placement, f64::from(atomic));
         let total = step + (step - sync) * f64::from(accum);
         let scale = f64::from(batch) / f64::from(self.init_batch_size);
         let (sqr, var) = self.grad_stats(batch, epoch);
@@ -972,6 +1067,10 @@ pub struct SimJob {
     /// divided by the algorithm's measured penalty
     /// ([`converge_sched::shadow::statistical_penalty`]).
     pub shadow: Option<converge_common::ShadowAlgorithm>,
+    /// The GPU types of the current placement's nodes, distinct and sorted (empty: the
+    /// types of `placements.csv`, or not placed); set by the simulator with each placement.
+    /// The job runs at the slowest one's speed ([`Application::throughput_on`]).
+    pub gpu_types: Vec<String>,
     atomic_bsz: u32,
     accum_steps: u32,
     started: bool,
@@ -1000,6 +1099,7 @@ impl SimJob {
             restarts: 0,
             restarting_for_s: 0.0,
             shadow: None,
+            gpu_types: Vec::new(),
             atomic_bsz: 0,
             accum_steps: 0,
             started: false,
@@ -1016,11 +1116,17 @@ impl SimJob {
         replicas: u32,
         (atomic, accum): (u32, u32),
     ) -> (f64, f64, f64) {
-        let (total, batch, gain) = app.step_model(placement, replicas, atomic, accum, self.epoch);
+        let (total, batch, gain) = app.step_model(
+            (&self.gpu_types, placement),
+            replicas,
+            atomic,
+            accum,
+            self.epoch,
+        );
         match self.shadow {
             None => (total, batch, gain),
             Some(algo) => {
-                let (step, sync) = app.throughput(placement, f64::from(atomic));
+                let (step, sync) = app.throughput_on(&self.gpu_types, placement, f64::from(atomic));
                 let compute = (step - sync).max(step * 1e-3) * f64::from(accum + 1);
                 (
                     compute,
@@ -1170,7 +1276,8 @@ impl SimJob {
         if self.placement.is_empty() {
             return None;
         }
-        let (step, sync) = app.throughput(&self.placement, f64::from(self.atomic_bsz));
+        let (step, sync) =
+            app.throughput_on(&self.gpu_types, &self.placement, f64::from(self.atomic_bsz));
         let total = if self.shadow.is_some() {
             (step - sync).max(step * 1e-3) * f64::from(self.accum_steps + 1)
         } else {

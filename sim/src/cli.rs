@@ -1,25 +1,123 @@
 //! The simulator's commands: `converge-sim simulate`, `converge-sim workload`
 //! and `converge-sim report`.
 
-use crate::apps::load_all;
-use crate::engine::{SimConfig, SimResult, simulate};
+use crate::apps::{Application, SIA_SLOWDOWNS, load_all};
+use crate::engine::{NodeGroup, SimConfig, SimResult, simulate};
 use crate::summary::{Summary, summarize};
 use crate::workload::{configurations, generate, read_philly, read_workload, to_csv};
 use anyhow::Context as _;
 use converge_sched::placement::PlacementKind;
 use converge_sched::policies::{Objective, PolicyParams};
 use converge_sched::policies::{POLICY_NAMES, by_name};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+/// GPUs per node of the Sia artifact's machines (its `simulator_config.py`), the default of
+/// `--cluster TYPE=NODES`.
+pub const SIA_GPUS_PER_NODE: [(&str, u32); 6] = [
+    ("aws", 4),
+    ("rtx", 8),
+    ("dgx-ext", 8),
+    ("dgx", 8),
+    ("quad", 4),
+    ("azure", 8),
+];
+
+/// The node groups of `--cluster`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuGroups(pub Vec<NodeGroup>);
+
+/// Parses `TYPE=NODES[xGPUS],...` (see [`ClusterArgs::cluster`]).
+pub fn parse_gpu_groups(s: &str) -> Result<GpuGroups, String> {
+    let mut groups: Vec<NodeGroup> = Vec::new();
+    for part in s.split(',').map(str::trim) {
+        let (gpu_type, size) = part
+            .split_once('=')
+            .ok_or_else(|| format!("{part:?} is not TYPE=NODES or TYPE=NODESxGPUS"))?;
+        let gpu_type = gpu_type.trim();
+        if gpu_type.is_empty()
+            || !gpu_type
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.')
+        {
+            return Err(format!(
+                "GPU type {gpu_type:?} must be letters, digits, '-', '_' or '.'"
+            ));
+        }
+        if groups.iter().any(|g| g.gpu_type == gpu_type) {
+            return Err(format!("GPU type {gpu_type:?} is listed twice"));
+        }
+        let (nodes, gpus) = match size.split_once('x') {
+            Some((n, g)) => (n, Some(g)),
+            None => (size, None),
+        };
+        let nodes: u32 = nodes
+            .trim()
+            .parse()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("{part:?}: nodes must be a positive integer"))?;
+        let gpus_per_node = match gpus {
+            Some(g) => g
+                .trim()
+                .parse()
+                .ok()
+                .filter(|&g| g > 0)
+                .ok_or_else(|| format!("{part:?}: GPUs per node must be a positive integer"))?,
+            None => SIA_GPUS_PER_NODE
+                .iter()
+                .find(|(t, _)| *t == gpu_type)
+                .map(|&(_, g)| g)
+                .ok_or_else(|| {
+                    format!(
+                        "{part:?}: GPUs per node of type {gpu_type:?} are not known; write \
+                         {gpu_type}={nodes}xGPUS"
+                    )
+                })?,
+        };
+        groups.push(NodeGroup {
+            gpu_type: gpu_type.to_string(),
+            nodes,
+            gpus_per_node,
+        });
+    }
+    Ok(GpuGroups(groups))
+}
+
+/// How measured step times are scaled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Calibration {
+    /// As measured.
+    #[default]
+    None,
+    /// The Sia artifact's per-application slowdowns ([`crate::apps::SIA_SLOWDOWNS`]: cifar10
+    /// 1.8, ncf 1.5, the others 1.2), so that figures compare with Sia's published ones.
+    Sia,
+}
 
 /// Cluster and timing settings shared by `simulate` and `report`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct ClusterArgs {
-    /// Nodes in the simulated cluster.
+    /// Nodes in the simulated cluster (one GPU type).
     #[arg(long, default_value_t = 16)]
     pub nodes: u32,
     /// GPUs per node.
     #[arg(long, default_value_t = 4)]
     pub gpus_per_node: u32,
+    /// A cluster of several GPU types instead of --nodes × --gpus-per-node:
+    /// `TYPE=NODES[xGPUS_PER_NODE],...`, e.g. `aws=6,rtx=3,dgx-ext=2` (the Sia paper's
+    /// 64-GPU cluster: 24 T4, 24 RTX 2080 Ti, 16 A100). GPUs per node default to the Sia
+    /// artifact's machines (aws 4, rtx 8, dgx-ext 8, dgx 8, quad 4, azure 8). Each type's
+    /// step times are read from TRACES/<app>/placements-<type>.csv and
+    /// scalability-<type>.csv: pass `--traces` the Sia artifact's traces folder
+    /// (../shared/data/sia/traces in this workspace). A job's new placement uses one type;
+    /// a job on several would run at its slowest type's speed.
+    #[arg(long, value_parser = parse_gpu_groups, conflicts_with_all = ["nodes", "gpus_per_node"])]
+    pub cluster: Option<GpuGroups>,
+    /// Step-time calibration: `none` (as measured) or `sia` (the Sia artifact's
+    /// per-application slowdowns, to compare with its published figures).
+    #[arg(long, value_enum, default_value_t = Calibration::None)]
+    pub calibration: Calibration,
     /// Scheduling interval: how often the policy re-decides, seconds (`--interval` is the old
     /// name).
     #[arg(long, visible_alias = "interval", default_value_t = 60.0)]
@@ -69,6 +167,35 @@ fn parse_shadow_algorithm(s: &str) -> Result<converge_common::ShadowAlgorithm, S
 }
 
 impl ClusterArgs {
+    /// The applications of `--traces`, with the step times of every `--cluster` type and the
+    /// `--calibration`.
+    pub fn applications(&self) -> anyhow::Result<BTreeMap<String, Application>> {
+        let mut apps = load_all(&self.traces)
+            .with_context(|| format!("cannot load traces from {}", self.traces.display()))?;
+        for app in apps.values_mut() {
+            for group in self.cluster.iter().flat_map(|g| &g.0) {
+                app.load_gpu_type(&self.traces, &group.gpu_type)
+                    .with_context(|| {
+                        format!(
+                            "cannot load {}'s step times on GPU type {} from {} (--cluster \
+                             needs a traces folder with placements-<type>.csv and \
+                             scalability-<type>.csv, such as the Sia artifact's)",
+                            app.name,
+                            group.gpu_type,
+                            self.traces.display()
+                        )
+                    })?;
+            }
+            if self.calibration == Calibration::Sia {
+                app.step_scale = SIA_SLOWDOWNS
+                    .iter()
+                    .find(|(name, _)| *name == app.name)
+                    .map_or(1.0, |&(_, f)| f);
+            }
+        }
+        Ok(apps)
+    }
+
     pub fn config(&self) -> anyhow::Result<SimConfig> {
         anyhow::ensure!(
             self.nodes > 0 && self.gpus_per_node > 0,
@@ -93,6 +220,7 @@ impl ClusterArgs {
         Ok(SimConfig {
             nodes: self.nodes,
             gpus_per_node: self.gpus_per_node,
+            gpu_groups: self.cluster.clone().map(|g| g.0).unwrap_or_default(),
             scheduling_interval_s: self.scheduling_interval,
             restart_delay_s: self.restart_delay,
             interference: self.interference,
@@ -218,8 +346,7 @@ pub fn run_policy(
     quality: &PolicyParams,
 ) -> anyhow::Result<(Summary, Vec<(String, SimResult)>)> {
     let cfg = cluster.config()?;
-    let apps = load_all(&cluster.traces)
-        .with_context(|| format!("cannot load traces from {}", cluster.traces.display()))?;
+    let apps = cluster.applications()?;
     let policy_impl = by_name(policy, *quality).map_err(|e| anyhow::anyhow!("{e}"))?;
     let mut runs = Vec::new();
     for path in workloads {
@@ -300,4 +427,40 @@ pub fn run_workload(args: &WorkloadArgs) -> anyhow::Result<()> {
         None => print!("{csv}"),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_groups_parse_with_known_and_given_gpus_per_node() {
+        let groups = parse_gpu_groups("aws=6, rtx=3,dgx-ext=2,h100=1x4")
+            .unwrap()
+            .0;
+        let got: Vec<(&str, u32, u32)> = groups
+            .iter()
+            .map(|g| (g.gpu_type.as_str(), g.nodes, g.gpus_per_node))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("aws", 6, 4),
+                ("rtx", 3, 8),
+                ("dgx-ext", 2, 8),
+                ("h100", 1, 4)
+            ]
+        );
+        for (bad, why) in [
+            ("aws", "is not TYPE=NODES"),
+            ("aws=0", "nodes must be a positive integer"),
+            ("aws=2x0", "GPUs per node must be a positive integer"),
+            ("h100=2", "write h100=2xGPUS"),
+            ("aws=1,aws=2", "listed twice"),
+            ("a b=1", "must be letters"),
+        ] {
+            let err = parse_gpu_groups(bad).unwrap_err();
+            assert!(err.contains(why), "{bad}: {err}");
+        }
+    }
 }

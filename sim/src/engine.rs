@@ -38,11 +38,28 @@ use rand_distr::{Distribution, Normal};
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+/// Nodes of one GPU type in a cluster of several ([`SimConfig::gpu_groups`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeGroup {
+    /// The GPU type, as the traces name it (`aws`, `rtx`, `dgx-ext`, ...): its step times
+    /// are the application's `placements-<type>.csv` and `scalability-<type>.csv`.
+    pub gpu_type: String,
+    pub nodes: u32,
+    pub gpus_per_node: u32,
+}
+
 /// Simulation settings (defaults as in the Pollux simulator).
 #[derive(Debug, Clone)]
 pub struct SimConfig {
+    /// Nodes of a cluster of one GPU type (the type of `placements.csv`); ignored when
+    /// `gpu_groups` is not empty.
     pub nodes: u32,
     pub gpus_per_node: u32,
+    /// A cluster of several GPU types: its node groups, in host order (node `n000` first);
+    /// empty: `nodes` × `gpus_per_node`. Each simulated host carries its type
+    /// ([`HostFree::gpu_type`]), so placements use one type per job, and a job runs at the
+    /// speed its type's measurements give.
+    pub gpu_groups: Vec<NodeGroup>,
     /// Scheduling interval: how often the policy re-decides, seconds.
     pub scheduling_interval_s: f64,
     /// Time an allocation change costs a job, with no progress, seconds.
@@ -92,11 +109,36 @@ pub fn is_shadow(name: &str, seed: u64, fraction: f64) -> bool {
     (hash as f64 / 18_446_744_073_709_551_616.0) < fraction
 }
 
+impl SimConfig {
+    /// Every node's GPU type (`None`: the type of `placements.csv`) and GPU count, in host
+    /// order.
+    pub fn layout(&self) -> Vec<(Option<&str>, u32)> {
+        if self.gpu_groups.is_empty() {
+            return vec![(None, self.gpus_per_node); self.nodes as usize];
+        }
+        self.gpu_groups
+            .iter()
+            .flat_map(|g| {
+                std::iter::repeat_n(
+                    (Some(g.gpu_type.as_str()), g.gpus_per_node),
+                    g.nodes as usize,
+                )
+            })
+            .collect()
+    }
+
+    /// GPUs in the cluster.
+    pub fn total_gpus(&self) -> u32 {
+        self.layout().iter().map(|(_, g)| g).sum()
+    }
+}
+
 impl Default for SimConfig {
     fn default() -> Self {
         Self {
             nodes: 16,
             gpus_per_node: 4,
+            gpu_groups: Vec::new(),
             scheduling_interval_s: 60.0,
             restart_delay_s: 30.0,
             interference: 0.0,
@@ -128,6 +170,12 @@ pub enum SimError {
     BadName(String),
     #[error("the cluster has no GPUs")]
     NoGpus,
+    /// A node group's GPU type without step times for an application of the workload.
+    #[error(
+        "application {app} has no step times for GPU type {gpu_type:?} (load its \
+         placements-{gpu_type}.csv and scalability-{gpu_type}.csv)"
+    )]
+    MissingGpuType { app: String, gpu_type: String },
     #[error("queue name {0:?} is not a valid queue name")]
     BadQueue(String),
     /// Jobs name queues the run does not define: they would wait forever, as the service
@@ -263,16 +311,16 @@ fn host_name(node: u32) -> HostId {
     HostId::new(format!("n{node:03}")).expect("valid host id")
 }
 
+/// The node index of a host named by [`host_name`].
+fn node_index(host: &HostId) -> Option<usize> {
+    host.as_str().strip_prefix('n')?.parse().ok()
+}
+
 /// GPUs per node, in node order, of a placement.
-fn per_node(placement: &[RankPlacement], nodes: u32) -> Vec<u32> {
-    let mut counts = vec![0u32; nodes as usize];
+fn per_node(placement: &[RankPlacement], nodes: usize) -> Vec<u32> {
+    let mut counts = vec![0u32; nodes];
     for p in placement {
-        if let Some(n) = p
-            .host
-            .as_str()
-            .strip_prefix('n')
-            .and_then(|s| s.parse::<usize>().ok())
-        {
+        if let Some(n) = node_index(&p.host).filter(|&n| n < nodes) {
             counts[n] += p.gpus.len() as u32;
         }
     }
@@ -322,9 +370,25 @@ pub fn simulate(
     cfg: &SimConfig,
 ) -> Result<SimResult, SimError> {
     let wall = Instant::now();
-    let total_gpus = cfg.nodes * cfg.gpus_per_node;
+    let layout = cfg.layout();
+    let total_gpus = cfg.total_gpus();
     if total_gpus == 0 {
         return Err(SimError::NoGpus);
+    }
+    // The oracle's and the restart accounting's packing: the largest node.
+    let gpus_per_node = layout.iter().map(|(_, g)| *g).max().unwrap_or(1);
+    for w in workload {
+        if let Some(app) = apps.get(&w.application)
+            && let Some(gpu_type) = layout
+                .iter()
+                .filter_map(|(t, _)| *t)
+                .find(|t| !app.has_gpu_type(t))
+        {
+            return Err(SimError::MissingGpuType {
+                app: app.name.clone(),
+                gpu_type: gpu_type.to_string(),
+            });
+        }
     }
     let known = apps.keys().cloned().collect::<Vec<_>>().join(", ");
     let wants = policy.inputs();
@@ -394,8 +458,13 @@ pub fn simulate(
         });
     }
     check_queues_defined(&jobs, &cfg.queues)?;
-    let hosts: Vec<HostFree> = (0..cfg.nodes)
-        .map(|n| HostFree::new(host_name(n), (0..cfg.gpus_per_node).collect()))
+    let hosts: Vec<HostFree> = layout
+        .iter()
+        .enumerate()
+        .map(|(n, &(gpu_type, gpus))| HostFree {
+            gpu_type: gpu_type.map(str::to_string),
+            ..HostFree::new(host_name(n as u32), (0..gpus).collect())
+        })
         .collect();
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
     let noise = Normal::new(0.0, cfg.loss_noise.max(0.0)).expect("finite noise");
@@ -571,7 +640,7 @@ pub fn simulate(
                 }),
                 oracle: wants.oracle.then(|| Oracle {
                     throughput: (1..=t.max_workers)
-                        .map(|w| t.job.progress_rate(app, w, cfg.gpus_per_node))
+                        .map(|w| t.job.progress_rate(app, w, gpus_per_node))
                         .collect(),
                     remaining_work: t.job.remaining_progress(app),
                 }),
@@ -650,7 +719,7 @@ pub fn simulate(
                         if w == 0 {
                             0.0
                         } else {
-                            t.job.progress_rate(app, w, cfg.gpus_per_node)
+                            t.job.progress_rate(app, w, gpus_per_node)
                         }
                     };
                     let (before, after) = (rate(t.placement.len()), rate(new.len()));
@@ -658,8 +727,20 @@ pub fn simulate(
                         t.low_gain_restarts += 1;
                     }
                 }
-                t.job
-                    .reallocate(app, per_node(&new, cfg.nodes), cfg.restart_delay_s, batch);
+                let mut types: Vec<String> = nodes_of(&new)
+                    .into_iter()
+                    .filter_map(|h| layout.get(node_index(h)?).and_then(|(t, _)| *t))
+                    .map(str::to_string)
+                    .collect();
+                types.sort();
+                types.dedup();
+                t.job.gpu_types = types;
+                t.job.reallocate(
+                    app,
+                    per_node(&new, layout.len()),
+                    cfg.restart_delay_s,
+                    batch,
+                );
                 t.started_at = (!new.is_empty()).then_some(now);
                 if !new.is_empty() {
                     t.first_placed_at.get_or_insert(now);
@@ -722,7 +803,8 @@ fn observe_step(job: &SimJob, app: &Application) -> Option<StepObservation> {
     }
     let workers: u32 = job.placement.iter().sum();
     let nodes = job.placement.iter().filter(|&&g| g > 0).count() as u32;
-    let (step_time_s, sync) = app.throughput(&job.placement, f64::from(job.atomic_bsz()));
+    let (step_time_s, sync) =
+        app.throughput_on(&job.gpu_types, &job.placement, f64::from(job.atomic_bsz()));
     // A shadow worker reports a local step, compute only, and sync_s 0.
     let (step_time_s, sync_time_s) = match job.shadow {
         Some(_) => ((step_time_s - sync).max(step_time_s * 1e-3), Some(0.0)),
@@ -799,6 +881,129 @@ mod tests {
 
     fn run(name: &str, jobs: &[WorkloadJob], cfg: &SimConfig) -> SimResult {
         simulate(apps(), jobs, policy(name).as_ref(), cfg).unwrap()
+    }
+
+    /// The applications with two GPU types written from the Pollux step times into a
+    /// temporary traces folder: `slow` (as measured) and `fast` (every step and sync time
+    /// halved).
+    fn two_type_apps() -> BTreeMap<String, Application> {
+        let traces = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/pollux/traces");
+        let dir = tempfile::tempdir().unwrap();
+        let mut apps = load_all(&traces).unwrap();
+        for (name, app) in &mut apps {
+            std::fs::create_dir_all(dir.path().join(name)).unwrap();
+            for file in ["placements", "scalability"] {
+                let text =
+                    std::fs::read_to_string(traces.join(name).join(format!("{file}.csv"))).unwrap();
+                let mut lines = text.lines();
+                let header = lines.next().unwrap();
+                let columns: Vec<&str> = header.split(',').collect();
+                let mut fast = format!("{header}\n");
+                for line in lines.filter(|l| !l.trim().is_empty()) {
+                    let cells: Vec<String> = line
+                        .split(',')
+                        .zip(&columns)
+                        .map(|(cell, column)| match *column {
+                            "step_time" | "sync_time" => {
+                                (cell.trim().parse::<f64>().unwrap() / 2.0).to_string()
+                            }
+                            _ => cell.to_string(),
+                        })
+                        .collect();
+                    fast += &format!("{}\n", cells.join(","));
+                }
+                let at = |t: &str| dir.path().join(name).join(format!("{file}-{t}.csv"));
+                std::fs::write(at("slow"), &text).unwrap();
+                std::fs::write(at("fast"), fast).unwrap();
+            }
+            app.load_gpu_type(dir.path(), "slow").unwrap();
+            app.load_gpu_type(dir.path(), "fast").unwrap();
+        }
+        apps
+    }
+
+    fn group(gpu_type: &str, nodes: u32) -> NodeGroup {
+        NodeGroup {
+            gpu_type: gpu_type.into(),
+            nodes,
+            gpus_per_node: 4,
+        }
+    }
+
+    #[test]
+    fn on_a_mixed_cluster_jobs_run_on_one_type_at_that_types_speed() {
+        let apps = two_type_apps();
+        // One job alone: twice as fast on `fast` as on `slow` (restart delay aside).
+        let lone: Vec<WorkloadJob> = workload(40)
+            .into_iter()
+            .filter(|j| j.application == "cifar10")
+            .take(1)
+            .map(|j| WorkloadJob { time: 0.0, ..j })
+            .collect();
+        let jct = |gpu_type: &str| {
+            let cfg = SimConfig {
+                gpu_groups: vec![group(gpu_type, 2)],
+                restart_delay_s: 0.0,
+                ..SimConfig::default()
+            };
+            let r = simulate(&apps, &lone, policy("fifo").as_ref(), &cfg).unwrap();
+            r.jobs[0].completed_at.unwrap()
+        };
+        let (slow, fast) = (jct("slow"), jct("fast"));
+        assert!(
+            (fast / slow - 0.5).abs() < 0.05,
+            "fast {fast} s, slow {slow} s"
+        );
+
+        // A mixed cluster: every placement of every decision is on one type, for a policy
+        // that places through `place` and for pollux, which allocates on hosts itself.
+        let jobs = workload(30);
+        for (name, placement) in [
+            ("quality", PlacementKind::Bco),
+            ("tiresias", PlacementKind::FirstFit),
+            ("pollux", PlacementKind::FirstFit),
+        ] {
+            let cfg = SimConfig {
+                gpu_groups: vec![group("slow", 2), group("fast", 2)],
+                placement,
+                record_decisions: true,
+                ..SimConfig::default()
+            };
+            let r = simulate(&apps, &jobs, policy(name).as_ref(), &cfg).unwrap();
+            assert!(r.finished, "{name}");
+            assert_eq!(r.policy_violations, 0, "{name}");
+            let mut spanning_nodes = 0;
+            let mut types_used = BTreeSet::new();
+            for d in &r.decisions {
+                let type_of = |h: &HostId| {
+                    d.hosts
+                        .iter()
+                        .find(|x| &x.host == h)
+                        .unwrap()
+                        .gpu_type
+                        .clone()
+                };
+                for ranks in d.allocation.placements.values() {
+                    let types: BTreeSet<_> = ranks.iter().map(|r| type_of(&r.host)).collect();
+                    assert!(types.len() <= 1, "{name} at {}: {ranks:?}", d.now);
+                    types_used.extend(types);
+                    spanning_nodes += usize::from(nodes_of(ranks).len() > 1);
+                }
+            }
+            assert_eq!(types_used.len(), 2, "{name}: both types used");
+            assert!(spanning_nodes > 0, "{name}: some jobs span nodes");
+        }
+
+        // A type without step times is refused by name.
+        let cfg = SimConfig {
+            gpu_groups: vec![group("slow", 1), group("h100", 1)],
+            ..SimConfig::default()
+        };
+        let err = simulate(&apps, &jobs, policy("fifo").as_ref(), &cfg).unwrap_err();
+        assert!(
+            matches!(&err, SimError::MissingGpuType { gpu_type, .. } if gpu_type == "h100"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -6,7 +6,6 @@
 //! allocator's ([`converge_sched::decide::decide_queued`]); this module only builds the
 //! workload and reads the run.
 
-use crate::apps::load_all;
 use crate::cli::{ClusterArgs, QualityArgs};
 use crate::engine::{SimResult, simulate};
 use crate::workload::{Teams, WorkloadJob, assign_queues, read_workload};
@@ -239,15 +238,14 @@ pub fn run_queues(args: &QueuesArgs) -> anyhow::Result<()> {
     cfg.queues = args.queues.clone();
     cfg.usage_half_life_s = args.usage_half_life;
     cfg.max_time_s = args.duration;
-    let apps = load_all(&args.cluster.traces)
-        .with_context(|| format!("cannot load traces from {}", args.cluster.traces.display()))?;
+    let apps = args.cluster.applications()?;
     let policy = by_name(&args.policy, args.quality.params(&args.cluster))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     let jobs = build_workload(args)?;
     let result = simulate(&apps, &jobs, policy.as_ref(), &cfg)?;
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("cannot create {}", args.out.display()))?;
-    let total = cfg.nodes * cfg.gpus_per_node;
+    let total = cfg.total_gpus();
     let md = report(args, &jobs, &result, total);
     std::fs::write(args.out.join("queues.md"), &md)?;
     plot_shares(
@@ -498,6 +496,7 @@ fn plot_shares(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::apps::load_all;
     use crate::engine::SimConfig;
     use std::sync::OnceLock;
 
