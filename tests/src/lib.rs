@@ -93,6 +93,21 @@ impl NatsServer {
             .expect("connect to test nats-server");
         Bus::open(client).await.expect("open buckets")
     }
+
+    /// `converge submit` of the job spec at `spec` against this server; panics with the
+    /// CLI's error when it is refused.
+    pub fn submit(&self, spec: &Path) {
+        let out = Command::new(bin_path("converge"))
+            .args(["--nats-url", &self.url, "submit", spec.to_str().unwrap()])
+            .output()
+            .expect("run converge submit");
+        assert!(
+            out.status.success(),
+            "converge submit {}: {}",
+            spec.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 impl Drop for NatsServer {

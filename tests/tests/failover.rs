@@ -18,19 +18,6 @@ async fn holder(bus: &converge_bus::Bus) -> Option<String> {
     decode::<LeaderLease>(&entry.value).ok().map(|l| l.holder)
 }
 
-/// `converge submit` of the spec at `path`, which must succeed.
-fn submit(nats: &NatsServer, path: &std::path::Path) {
-    let out = Command::new(bin_path("converge"))
-        .args(["--nats-url", &nats.url, "submit", path.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn config(nats: &NatsServer, replica: &str) -> converge_allocator::service::AllocatorConfig {
     let mut cfg = allocator_config(nats, Duration::from_secs(30));
     cfg.replica_id = replica.into();
@@ -52,8 +39,7 @@ async fn a_standby_allocator_takes_over_without_restarting_jobs() {
     .await;
     let second = start_allocator(config(&nats, "alloc-b"));
 
-    submit(
-        &nats,
+    nats.submit(
         &TrainerJob::new("opt", 1000)
             .workers(2, 2)
             .write(work.path()),
@@ -120,7 +106,7 @@ async fn a_generation_planned_without_its_status_is_not_issued_again() {
     let bus = nats.bus().await;
     let _agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
     let first = start_allocator(config(&nats, "alloc-a"));
-    submit(&nats, &TrainerJob::new("opt", 1000).write(work.path()));
+    nats.submit(&TrainerJob::new("opt", 1000).write(work.path()));
     let running = wait_for(Duration::from_secs(30), "job running", || async {
         let s = job_status(&bus, "opt").await?;
         (s.phase == JobPhase::Running && s.world_size == 1).then_some(s)

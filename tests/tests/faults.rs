@@ -5,7 +5,6 @@
 
 use converge_common::{HostTelemetry, JobPhase, subjects};
 use converge_tests::*;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 async fn pids(bus: &converge_bus::Bus, host: &str, job: &str) -> Option<(Vec<u32>, f64)> {
@@ -20,20 +19,7 @@ async fn pids(bus: &converge_bus::Bus, host: &str, job: &str) -> Option<(Vec<u32
 }
 
 fn submit(nats: &NatsServer, dir: &std::path::Path, id: &str) {
-    submit_spec(nats, &TrainerJob::new(id, 100_000).write(dir));
-}
-
-/// `converge submit spec` against `nats`; panics with the CLI's error when it is refused.
-fn submit_spec(nats: &NatsServer, spec: &std::path::Path) {
-    let out = Command::new(bin_path("converge"))
-        .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    nats.submit(&TrainerJob::new(id, 100_000).write(dir));
 }
 
 /// The highest step in the progress stream for `job` (its last report from n1, the tests'
@@ -239,7 +225,7 @@ max_workers = 1
 "#,
     )
     .unwrap();
-    submit_spec(&nats, &spec);
+    nats.submit(&spec);
     let (pids_before, _) = wait_for(Duration::from_secs(30), "worker pid", || async {
         pids(&bus, "n1", "stubborn")
             .await
