@@ -170,6 +170,8 @@ impl DecisionInputs {
                 priority: converge_common::PriorityClass::Normal,
                 started_at: None,
                 shadow: None,
+                family: None,
+                gpu_type_speeds: BTreeMap::new(),
             })
             .collect();
         let priority = priority_order(&views);
@@ -246,6 +248,7 @@ impl DecisionInputs {
                     min_workers: job.min_workers,
                     current: self.current[i].clone(),
                     hosts: None,
+                    gpu_type_speeds: BTreeMap::new(),
                 }
             })
             .collect()

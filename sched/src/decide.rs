@@ -145,6 +145,13 @@ pub struct JobView {
     /// ([`crate::shadow::statistical_penalty`]); its placement cost is
     /// [`JobCost::background`]. See [`crate::shadow`].
     pub shadow: Option<ShadowAlgorithm>,
+    /// The job's family for the GPU-type projection ([`crate::gpu_types`]): jobs of one
+    /// family (one model: a job spec's `model` label) share their speed ratios between GPU
+    /// types. `None`: ratios over every job.
+    pub family: Option<String>,
+    /// The job's measured speed on each GPU type it ran on, samples per second per GPU
+    /// ([`crate::gpu_types`]); empty when it has not run or the cluster has one type.
+    pub gpu_type_speeds: BTreeMap<String, f64>,
 }
 
 /// The cluster at decision time.
@@ -357,6 +364,34 @@ pub fn decide(
 /// placement when it declares `hosts`); `Some`, this function of the policy's views.
 type Sizing<'s> = Option<&'s mut dyn FnMut(&ClusterView, &[PolicyJob]) -> Decision>;
 
+/// Each job's speed per GPU type of `hosts`, measured or projected
+/// ([`crate::gpu_types::project`]), in the order of `jobs`; all empty when the hosts carry
+/// fewer than two types.
+fn gpu_type_speeds(hosts: &[HostFree], jobs: &[&JobView]) -> Vec<BTreeMap<String, f64>> {
+    let mut types: Vec<&str> = hosts.iter().filter_map(|h| h.gpu_type.as_deref()).collect();
+    types.sort_unstable();
+    types.dedup();
+    if types.len() < 2 {
+        return vec![BTreeMap::new(); jobs.len()];
+    }
+    let measured: Vec<crate::gpu_types::Measured<'_>> = jobs
+        .iter()
+        .map(|job| crate::gpu_types::Measured {
+            family: job.family.as_deref(),
+            speeds: &job.gpu_type_speeds,
+        })
+        .collect();
+    crate::gpu_types::project(&measured, &types)
+        .into_iter()
+        .map(|speeds| {
+            speeds
+                .into_iter()
+                .map(|(t, s)| (t, s.samples_per_s))
+                .collect()
+        })
+        .collect()
+}
+
 /// [`decide`] on jobs already in the order placement serves them.
 fn decide_in_order(
     cluster: &ClusterState<'_>,
@@ -379,6 +414,7 @@ fn decide_in_order(
     };
     let wants = policy.inputs();
     let index = wants.hosts.then(|| host_index(cluster.hosts));
+    let type_speeds = gpu_type_speeds(cluster.hosts, order);
     let goodput_of = |job: &JobView| -> Option<GoodputFn> {
         let adaptive = job.adaptive.as_ref().filter(|_| wants.goodput)?;
         Some(GoodputFn {
@@ -515,13 +551,15 @@ fn decide_in_order(
             };
             let requests: Vec<PlacementRequest> = order
                 .iter()
-                .map(|job| PlacementRequest {
+                .zip(type_speeds)
+                .map(|(job, gpu_type_speeds)| PlacementRequest {
                     job: job.id.clone(),
                     workers: decided.workers.get(&job.id).copied().unwrap_or(0),
                     gpus_per_worker: job.gpus_per_worker,
                     min_workers: job.min_workers,
                     current: job.placement.clone(),
                     hosts: job.hosts.clone(),
+                    gpu_type_speeds,
                 })
                 .collect();
             let costs: BTreeMap<JobId, JobCost> = match placement {

@@ -46,6 +46,8 @@ struct CurveFit {
 pub struct FitCache {
     curves: BTreeMap<JobId, CurveFit>,
     models: BTreeMap<(JobId, ModelScope), (Vec<StepObservation>, ThroughputModel)>,
+    /// Throughput models per (job, GPU type), fitted on the job's observations on that type.
+    type_models: BTreeMap<(JobId, String), (Vec<StepObservation>, ThroughputModel)>,
     curve_fits: u64,
     model_fits: u64,
 }
@@ -128,11 +130,34 @@ impl FitCache {
         model
     }
 
+    /// The job's throughput model on its `observations` on GPU type `gpu_type` (for its speed
+    /// there, [`crate::gpu_types`]), refitted only when they change, as [`FitCache::model`].
+    pub fn model_on_type(
+        &mut self,
+        job: &JobId,
+        gpu_type: &str,
+        observations: &[StepObservation],
+        prior: &ThroughputPrior,
+    ) -> ThroughputModel {
+        let key = (job.clone(), gpu_type.to_string());
+        if let Some((seen, model)) = self.type_models.get(&key)
+            && seen.as_slice() == observations
+        {
+            return model.clone();
+        }
+        let model = ThroughputModel::fit(observations, prior);
+        self.model_fits += 1;
+        self.type_models
+            .insert(key, (observations.to_vec(), model.clone()));
+        model
+    }
+
     /// Forgets every job for which `keep` is false (finished or deleted jobs), so the cache
     /// stays as large as the active jobs.
     pub fn retain(&mut self, mut keep: impl FnMut(&JobId) -> bool) {
         self.curves.retain(|job, _| keep(job));
         self.models.retain(|(job, _), _| keep(job));
+        self.type_models.retain(|(job, _), _| keep(job));
     }
 
     /// Curve fits and throughput-model fits run through this cache so far.

@@ -31,6 +31,7 @@ pub mod decide;
 pub mod fit;
 pub mod fit_cache;
 pub mod goodput;
+pub mod gpu_types;
 pub mod history;
 pub mod makespan;
 pub mod outlook;

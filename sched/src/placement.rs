@@ -65,7 +65,7 @@ impl HostFree {
 }
 
 /// One job's wish: `workers` workers of `gpus_per_worker` GPUs each.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct PlacementRequest {
     pub job: JobId,
     /// Workers the policy decided; 0 places nothing.
@@ -79,6 +79,10 @@ pub struct PlacementRequest {
     /// The only hosts it may use (its selector's matches); `None`: any host. A current
     /// placement on another host is not kept.
     pub hosts: Option<BTreeSet<HostId>>,
+    /// The job's speed on each GPU type, measured or projected (samples per second per
+    /// GPU, [`crate::gpu_types`]); empty when none is known. On a cluster of several types
+    /// it picks the type of a new placement (see [`place`], rule 3).
+    pub gpu_type_speeds: BTreeMap<String, f64>,
 }
 
 impl PlacementRequest {
@@ -143,18 +147,39 @@ fn second_pass_order(
             .map(|slot| slot.free.len())
             .sum()
     };
-    let mut order: Vec<(bool, usize, usize)> = placed
+    // On a cluster of several GPU types, the jobs that gain most from their fastest type
+    // over their slowest go first (comparative advantage).
+    let several_types = free.types.len() > 1;
+    let advantage = |r: &PlacementRequest| -> Reverse<u64> {
+        let speeds = r.gpu_type_speeds.values().copied();
+        let (lo, hi) = speeds.fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
+            (lo.min(v), hi.max(v))
+        });
+        let ratio = if several_types && lo > 0.0 && hi.is_finite() {
+            hi / lo
+        } else {
+            1.0
+        };
+        // Ratios ≥ 1 order like their bits.
+        Reverse(ratio.to_bits())
+    };
+    let mut order: Vec<(bool, usize, Reverse<u64>, usize)> = placed
         .iter()
         .enumerate()
         .filter(|(_, p)| p.is_none())
         .map(|(i, _)| {
             let r = requests[i];
             let restricted = r.hosts.is_some();
-            (!restricted, if restricted { eligible(r) } else { 0 }, i)
+            (
+                !restricted,
+                if restricted { eligible(r) } else { 0 },
+                advantage(r),
+                i,
+            )
         })
         .collect();
-    order.sort_by_key(|&(unrestricted, gpus, _)| (unrestricted, gpus));
-    order.into_iter().map(|(_, _, i)| i).collect()
+    order.sort_by_key(|&(unrestricted, gpus, advantage, _)| (unrestricted, gpus, advantage));
+    order.into_iter().map(|(_, _, _, i)| i).collect()
 }
 
 /// The first pass of every placement: the requests without repeated jobs (first request
@@ -301,6 +326,29 @@ impl<'a> FreeGpus<'a> {
             .first()
             .and_then(|rank| self.find(&rank.host))
             .map(|host| self.hosts[host].gpu_type);
+        // With speeds: the fastest type with room (a type without a speed counts as the
+        // slowest known one), ties to the current type, then to the most free GPUs.
+        let known: Vec<f64> = request.gpu_type_speeds.values().copied().collect();
+        if let Some(slowest) = known.iter().copied().reduce(f64::min) {
+            let speed = |t: usize| {
+                self.types[t]
+                    .and_then(|name| request.gpu_type_speeds.get(name))
+                    .copied()
+                    .unwrap_or(slowest)
+            };
+            let best = (0..free.len())
+                .filter(|&t| free[t] >= need)
+                .max_by(|&a, &b| {
+                    speed(a)
+                        .total_cmp(&speed(b))
+                        .then((current == Some(a)).cmp(&(current == Some(b))))
+                        .then(free[a].cmp(&free[b]))
+                        .then(b.cmp(&a))
+                });
+            if best.is_some() {
+                return best;
+            }
+        }
         if let Some(t) = current.filter(|&t| free[t] >= need) {
             return Some(t);
         }
@@ -1276,6 +1324,7 @@ mod tests {
             min_workers,
             current: Vec::new(),
             hosts: None,
+            gpu_type_speeds: BTreeMap::new(),
         }
     }
 
@@ -1462,6 +1511,59 @@ mod tests {
     }
 
     #[test]
+    fn with_speeds_each_job_gets_its_fastest_type_with_room_largest_gain_first() {
+        // t4: 2 hosts × 2 GPUs; a100: 1 host × 2 GPUs.
+        let hosts = [
+            host("a", &[0, 1]).with_gpu_type("t4"),
+            host("b", &[0, 1]).with_gpu_type("t4"),
+            host("c", &[0, 1]).with_gpu_type("a100"),
+        ];
+        let speeds = |r: PlacementRequest, pairs: &[(&str, f64)]| PlacementRequest {
+            gpu_type_speeds: pairs.iter().map(|&(t, v)| (t.to_string(), v)).collect(),
+            ..r
+        };
+        for kind in [PlacementKind::FirstFit, PlacementKind::Bco] {
+            let placed = place_with(
+                kind,
+                &hosts,
+                &[
+                    // Requested first, gains 1.2× on a100; "big-gain" gains 4×: it gets the
+                    // only a100 host although requested second.
+                    speeds(
+                        request("small-gain", 2, 1, 2),
+                        &[("t4", 10.0), ("a100", 12.0)],
+                    ),
+                    speeds(
+                        request("big-gain", 2, 1, 2),
+                        &[("t4", 10.0), ("a100", 40.0)],
+                    ),
+                    // Only t4 known: a100 counts as its slowest known type, t4 has room.
+                    speeds(request("t4-only", 2, 1, 2), &[("t4", 10.0)]),
+                ],
+                &BTreeMap::new(),
+            );
+            assert_eq!(servers_of(&placed[&job_id("big-gain")]), ["c"], "{kind:?}");
+            let t4: BTreeSet<String> = ["small-gain", "t4-only"]
+                .iter()
+                .flat_map(|j| servers_of(&placed[&job_id(j)]))
+                .collect();
+            assert_eq!(t4, BTreeSet::from(["a".into(), "b".into()]), "{kind:?}");
+            // No speeds: request order and the most free GPUs, as before: "small-gain"
+            // (first) goes to t4 (4 free), "big-gain" to a100 (2 free each, tie to the
+            // first name).
+            let placed = place_with(
+                kind,
+                &hosts,
+                &[request("small-gain", 2, 1, 2), request("big-gain", 2, 1, 2)],
+                &BTreeMap::new(),
+            );
+            let small = servers_of(&placed[&job_id("small-gain")]);
+            assert!(small == ["a"] || small == ["b"], "{kind:?}: {small:?}");
+            assert_eq!(servers_of(&placed[&job_id("big-gain")]), ["c"], "{kind:?}");
+        }
+    }
+
+    #[test]
     fn restricted_jobs_are_placed_before_jobs_that_may_go_anywhere() {
         // The only host "narrow" may use is the first one first fit would give "wide",
         // requested first (higher priority), and "anywhere", requested second.
@@ -1602,6 +1704,7 @@ mod tests {
                             .map(|(r, (h, gpus))| rank(r as u32, &format!("host-{h}"), &gpus))
                             .collect(),
                         hosts,
+                        gpu_type_speeds: BTreeMap::new(),
                     },
                 )
                 .collect()
@@ -1705,6 +1808,7 @@ mod tests {
                         min_workers: min,
                         current,
                         hosts,
+                        gpu_type_speeds: BTreeMap::new(),
                     }
                 })
                 .collect()

@@ -221,6 +221,7 @@ pub fn step(
     // Each active job's throughput model on all its step observations (computed once per
     // step) and the per-worker batch it last ran with.
     let mut models: BTreeMap<JobId, (ThroughputModel, f64)> = BTreeMap::new();
+    let mut type_speeds: BTreeMap<JobId, BTreeMap<String, f64>> = BTreeMap::new();
     // Each active `[batch]` job's gradient statistics at its reference batch.
     let mut gradients: BTreeMap<JobId, GradientStats> = BTreeMap::new();
     let refit = refits(inp, cache, settings.fit_budget);
@@ -294,6 +295,18 @@ pub fn step(
                 let all: Vec<StepObservation> = seen.iter().map(|(_, o)| *o).collect();
                 let model = cache.model(id, ModelScope::All, &all, &settings.throughput_prior);
                 models.insert(id.clone(), (model, last.local_batch));
+                if let Some(h) = history {
+                    let speeds = measured_type_speeds(
+                        (id, h),
+                        &seen,
+                        &live,
+                        cache,
+                        &settings.throughput_prior,
+                    );
+                    if !speeds.is_empty() {
+                        type_speeds.insert(id.clone(), speeds);
+                    }
+                }
             }
         }
         out.statuses.insert(id.clone(), status);
@@ -333,6 +346,7 @@ pub fn step(
             Fits {
                 curves: &curves,
                 models: &models,
+                type_speeds: &type_speeds,
                 gradients: &gradients,
                 contention,
             },
@@ -895,12 +909,59 @@ fn step_times(
     (current.map(|c| c.step_time_s), predicted)
 }
 
+/// A job's measured speed on each GPU type ([`crate::gpu_types`]) from its step
+/// observations: each generation's observation counts for the type of its hosts (the live
+/// hosts' `gpu.type` labels; a generation on several types, or on hosts no longer live,
+/// counts for none), the per-type model fitted on them, at the per-worker batch of its
+/// latest observation. Empty on a cluster of one type.
+fn measured_type_speeds(
+    (id, history): (&JobId, &JobHistory),
+    seen: &[(u64, StepObservation)],
+    live: &BTreeMap<&HostId, &HostTelemetry>,
+    cache: &mut FitCache,
+    prior: &crate::throughput::ThroughputPrior,
+) -> BTreeMap<String, f64> {
+    let Some((_, last)) = seen.last() else {
+        return BTreeMap::new();
+    };
+    let mut by_type: BTreeMap<String, Vec<StepObservation>> = BTreeMap::new();
+    for (generation, observation) in seen {
+        let types: BTreeSet<String> = history
+            .generation_hosts(*generation)
+            .filter_map(|host| live.get(host))
+            .filter_map(|t| converge_common::labels::host_gpu_type(&t.labels))
+            .collect();
+        if let (1, Some(t)) = (types.len(), types.first()) {
+            by_type.entry(t.clone()).or_default().push(*observation);
+        }
+    }
+    if by_type.is_empty() {
+        return BTreeMap::new();
+    }
+    let cluster_types: BTreeSet<String> = live
+        .values()
+        .filter_map(|t| converge_common::labels::host_gpu_type(&t.labels))
+        .collect();
+    if cluster_types.len() < 2 {
+        return BTreeMap::new();
+    }
+    by_type
+        .iter()
+        .filter_map(|(t, observations)| {
+            let model = cache.model_on_type(id, t, observations, prior);
+            crate::gpu_types::speed(&model, last.local_batch).map(|v| (t.clone(), v))
+        })
+        .collect()
+}
+
 /// What the step fitted for [`allocate`].
 struct Fits<'a> {
     curves: &'a BTreeMap<JobId, Curve>,
     /// Each active job's throughput model on all its generations, and the per-worker batch
     /// it last ran with.
     models: &'a BTreeMap<JobId, (ThroughputModel, f64)>,
+    /// Each active job's measured speed per GPU type ([`measured_type_speeds`]).
+    type_speeds: &'a BTreeMap<JobId, BTreeMap<String, f64>>,
     /// Each active `[batch]` job's gradient statistics (those with valid reports).
     gradients: &'a BTreeMap<JobId, GradientStats>,
     /// [`measured_contention`].
@@ -1053,8 +1114,18 @@ fn job_view(
             .then_some(status.started_at)
             .flatten(),
         shadow: spec.shadow_algorithm(),
+        family: spec.labels.get(MODEL_LABEL).cloned(),
+        gpu_type_speeds: fits
+            .type_speeds
+            .get(&status.job)
+            .cloned()
+            .unwrap_or_default(),
     }
 }
+
+/// The job-spec label naming a job's model (`labels = { model = "bert" }`): jobs with the same
+/// value share their speed ratios between GPU types ([`crate::gpu_types`]).
+pub const MODEL_LABEL: &str = "model";
 
 /// The status message of a job whose queue does not exist.
 pub fn unknown_queue_message(queue: &QueueId) -> String {

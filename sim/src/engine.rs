@@ -292,6 +292,9 @@ struct Tracked {
     time_to_95: Option<f64>,
     /// Step times observed per configuration (workers, nodes, per-worker batch).
     steps: Vec<StepObservation>,
+    /// The distinct step observations per GPU type (a placement on one type; on a cluster
+    /// of several), as the service groups a generation's by its hosts' `gpu.type`.
+    type_steps: BTreeMap<String, Vec<StepObservation>>,
     /// Batch limits when the job's batch size may adapt (its program applies the decided
     /// batch and reports gradient statistics).
     limits: Option<BatchLimits>,
@@ -375,6 +378,12 @@ pub fn simulate(
     if total_gpus == 0 {
         return Err(SimError::NoGpus);
     }
+    let several_types = {
+        let mut types: Vec<_> = layout.iter().map(|(t, _)| *t).collect();
+        types.sort_unstable();
+        types.dedup();
+        types.len() > 1
+    };
     // The oracle's and the restart accounting's packing: the largest node.
     let gpus_per_node = layout.iter().map(|(_, g)| *g).max().unwrap_or(1);
     for w in workload {
@@ -444,6 +453,7 @@ pub fn simulate(
             time_to_90: None,
             time_to_95: None,
             steps: Vec::new(),
+            type_steps: BTreeMap::new(),
             limits,
             gradient: None,
             low_gain_restarts: 0,
@@ -598,11 +608,28 @@ pub fn simulate(
             } else {
                 None
             };
-            if let Some(seen) = observe_step(&t.job, app)
-                && !t.steps.contains(&seen)
-            {
-                t.steps.push(seen);
+            if let Some(seen) = observe_step(&t.job, app) {
+                if !t.steps.contains(&seen) {
+                    t.steps.push(seen);
+                }
+                if let ([gpu_type], true) = (t.job.gpu_types.as_slice(), several_types) {
+                    let on_type = t.type_steps.entry(gpu_type.clone()).or_default();
+                    if !on_type.contains(&seen) {
+                        on_type.push(seen);
+                    }
+                }
             }
+            // Its speed on each type it ran on, at its latest per-worker batch.
+            let local_batch = t.steps.last().map_or(0.0, |o| o.local_batch);
+            let gpu_type_speeds: BTreeMap<String, f64> = t
+                .type_steps
+                .iter()
+                .filter_map(|(gpu_type, seen)| {
+                    let model = fits.model_on_type(&t.id, gpu_type, seen, &throughput_prior);
+                    converge_sched::gpu_types::speed(&model, local_batch)
+                        .map(|v| (gpu_type.clone(), v))
+                })
+                .collect();
             if let Some((sqr, var)) = t.job.grad_stats(app) {
                 t.gradient = GradientStats::new(sqr, var).or(t.gradient);
             }
@@ -649,6 +676,9 @@ pub fn simulate(
                 priority: t.priority,
                 started_at: t.started_at.filter(|_| !t.placement.is_empty()),
                 shadow: t.job.shadow,
+                // A workload names each job's model: the service's `model` label.
+                family: Some(t.job.app.clone()),
+                gpu_type_speeds,
             });
         }
         let cluster = ClusterState {

@@ -655,6 +655,8 @@ pub fn simulate(
                 priority: converge_common::PriorityClass::Normal,
                 started_at: None,
                 shadow: None,
+                family: None,
+                gpu_type_speeds: BTreeMap::new(),
             });
         }
         let cluster = ClusterState {
