@@ -2624,6 +2624,79 @@ mod tests {
     }
 
     #[test]
+    fn each_generations_step_times_count_for_its_hosts_gpu_type() {
+        let typed = |id: &str, kind: &str| {
+            let mut t = host(id, 2, 10.0, vec![]);
+            t.labels.insert("gpu.type".into(), kind.into());
+            t
+        };
+        let live_hosts = [
+            typed("t4-1", "t4"),
+            typed("a100-1", "a100"),
+            typed("a100-2", "a100"),
+        ];
+        let live: BTreeMap<&HostId, &HostTelemetry> =
+            live_hosts.iter().map(|t| (&t.host, t)).collect();
+        // One worker, 32 samples per step: 1 s per step on t4 (generation 1), 0.25 s on
+        // a100 (generation 2); generation 3 spans t4 and a100 and counts for neither.
+        let mut h = JobHistory::default();
+        // Steps and samples go on from one generation to the next (a resume from the last
+        // checkpoint).
+        for (generation, host, step_s, t0) in [(1, "t4-1", 1.0, 0.0), (2, "a100-1", 0.25, 100.0)] {
+            let base = 40 * (generation - 1);
+            for i in 0..5u64 {
+                let time = t0 + step_s * 10.0 * i as f64;
+                let step = base + 10 * i;
+                h.add(&progress(
+                    "j",
+                    generation,
+                    0,
+                    host,
+                    step,
+                    32 * step,
+                    1.0,
+                    time,
+                ));
+            }
+        }
+        for (rank, host) in [(0, "t4-1"), (1, "a100-2")] {
+            for i in 0..5u64 {
+                let time = 200.0 + 5.0 * i as f64;
+                let step = 80 + 10 * i;
+                h.add(&progress(
+                    "j",
+                    3,
+                    rank,
+                    host,
+                    step,
+                    2560 + 640 * i,
+                    1.0,
+                    time,
+                ));
+            }
+        }
+        let seen = h.step_observations();
+        assert_eq!(seen.len(), 3, "{seen:?}");
+        let id = JobId::new("j").unwrap();
+        let mut cache = FitCache::new();
+        let prior = crate::throughput::ThroughputPrior::default();
+        let speeds = measured_type_speeds((&id, &h), &seen, &live, &mut cache, &prior);
+        assert_eq!(
+            speeds.keys().collect::<Vec<_>>(),
+            ["a100", "t4"],
+            "{speeds:?}"
+        );
+        // Compute-only single-worker steps: the speeds are 32 samples per step time.
+        let ratio = speeds["a100"] / speeds["t4"];
+        assert!((ratio - 4.0).abs() < 0.4, "{speeds:?}");
+
+        // On a cluster of one type there is nothing to choose: no speeds.
+        let one: BTreeMap<&HostId, &HostTelemetry> =
+            live_hosts[..1].iter().map(|t| (&t.host, t)).collect();
+        assert!(measured_type_speeds((&id, &h), &seen, &one, &mut cache, &prior).is_empty());
+    }
+
+    #[test]
     fn gpu_type_jobs_run_only_on_their_types_or_wait_with_the_reason() {
         let typed = |id: &str, gpus: u32, time: f64, kind: &str| {
             let mut t = host(id, gpus, time, vec![]);
