@@ -292,20 +292,36 @@ pub fn step(
             }
             // The decision's model, only on steps that decide (lifecycle steps need none).
             if let Some((_, last)) = seen.last().filter(|_| run_policy) {
-                let all: Vec<StepObservation> = seen.iter().map(|(_, o)| *o).collect();
-                let model = cache.model(id, ModelScope::All, &all, &settings.throughput_prior);
-                models.insert(id.clone(), (model, last.local_batch));
-                if let Some(h) = history {
-                    let speeds = measured_type_speeds(
-                        (id, h),
-                        &seen,
-                        &live,
-                        cache,
-                        &settings.throughput_prior,
-                    );
-                    if !speeds.is_empty() {
-                        type_speeds.insert(id.clone(), speeds);
+                // On a cluster of several GPU types, the model of the type the job runs on
+                // (when its generations there have step times), else of all its steps.
+                let by_type = history
+                    .map(|h| observations_by_type(h, &seen, &live))
+                    .unwrap_or_default();
+                let current = status
+                    .placement
+                    .first()
+                    .and_then(|r| live.get(&r.host))
+                    .and_then(|t| converge_common::labels::host_gpu_type(&t.labels))
+                    .and_then(|t| Some((by_type.get(&t)?, t)));
+                let model = match current {
+                    Some((on_type, t)) => {
+                        cache.model_on_type(id, &t, on_type, &settings.throughput_prior)
                     }
+                    None => {
+                        let all: Vec<StepObservation> = seen.iter().map(|(_, o)| *o).collect();
+                        cache.model(id, ModelScope::All, &all, &settings.throughput_prior)
+                    }
+                };
+                models.insert(id.clone(), (model, last.local_batch));
+                let speeds: BTreeMap<String, f64> = by_type
+                    .iter()
+                    .filter_map(|(t, on_type)| {
+                        let model = cache.model_on_type(id, t, on_type, &settings.throughput_prior);
+                        crate::gpu_types::speed(&model, last.local_batch).map(|v| (t.clone(), v))
+                    })
+                    .collect();
+                if !speeds.is_empty() {
+                    type_speeds.insert(id.clone(), speeds);
                 }
             }
         }
@@ -909,22 +925,25 @@ fn step_times(
     (current.map(|c| c.step_time_s), predicted)
 }
 
-/// A job's measured speed on each GPU type ([`crate::gpu_types`]) from its step
-/// observations: each generation's observation counts for the type of its hosts (the live
+/// A job's step observations per GPU type, on a cluster of several types (empty on one of
+/// one type): each generation's observation counts for the type of its hosts (the live
 /// hosts' `gpu.type` labels; a generation on several types, or on hosts no longer live,
-/// counts for none), the per-type model fitted on them, at the per-worker batch of its
-/// latest observation. Empty on a cluster of one type.
-fn measured_type_speeds(
-    (id, history): (&JobId, &JobHistory),
+/// counts for none). The per-type models fitted on them give the job's speed on each type
+/// ([`crate::gpu_types`], at the per-worker batch of its latest observation) and, for the
+/// type it runs on, the decision's throughput model.
+fn observations_by_type(
+    history: &JobHistory,
     seen: &[(u64, StepObservation)],
     live: &BTreeMap<&HostId, &HostTelemetry>,
-    cache: &mut FitCache,
-    prior: &crate::throughput::ThroughputPrior,
-) -> BTreeMap<String, f64> {
-    let Some((_, last)) = seen.last() else {
-        return BTreeMap::new();
-    };
+) -> BTreeMap<String, Vec<StepObservation>> {
+    let cluster_types: BTreeSet<String> = live
+        .values()
+        .filter_map(|t| converge_common::labels::host_gpu_type(&t.labels))
+        .collect();
     let mut by_type: BTreeMap<String, Vec<StepObservation>> = BTreeMap::new();
+    if cluster_types.len() < 2 {
+        return by_type;
+    }
     for (generation, observation) in seen {
         let types: BTreeSet<String> = history
             .generation_hosts(*generation)
@@ -935,23 +954,7 @@ fn measured_type_speeds(
             by_type.entry(t.clone()).or_default().push(*observation);
         }
     }
-    if by_type.is_empty() {
-        return BTreeMap::new();
-    }
-    let cluster_types: BTreeSet<String> = live
-        .values()
-        .filter_map(|t| converge_common::labels::host_gpu_type(&t.labels))
-        .collect();
-    if cluster_types.len() < 2 {
-        return BTreeMap::new();
-    }
     by_type
-        .iter()
-        .filter_map(|(t, observations)| {
-            let model = cache.model_on_type(id, t, observations, prior);
-            crate::gpu_types::speed(&model, last.local_batch).map(|v| (t.clone(), v))
-        })
-        .collect()
 }
 
 /// What the step fitted for [`allocate`].
@@ -960,7 +963,7 @@ struct Fits<'a> {
     /// Each active job's throughput model on all its generations, and the per-worker batch
     /// it last ran with.
     models: &'a BTreeMap<JobId, (ThroughputModel, f64)>,
-    /// Each active job's measured speed per GPU type ([`measured_type_speeds`]).
+    /// Each active job's measured speed per GPU type ([`observations_by_type`]).
     type_speeds: &'a BTreeMap<JobId, BTreeMap<String, f64>>,
     /// Each active `[batch]` job's gradient statistics (those with valid reports).
     gradients: &'a BTreeMap<JobId, GradientStats>,
@@ -2677,10 +2680,16 @@ mod tests {
         }
         let seen = h.step_observations();
         assert_eq!(seen.len(), 3, "{seen:?}");
-        let id = JobId::new("j").unwrap();
         let mut cache = FitCache::new();
         let prior = crate::throughput::ThroughputPrior::default();
-        let speeds = measured_type_speeds((&id, &h), &seen, &live, &mut cache, &prior);
+        let id = JobId::new("j").unwrap();
+        let speeds: BTreeMap<String, f64> = observations_by_type(&h, &seen, &live)
+            .iter()
+            .filter_map(|(t, on_type)| {
+                let model = cache.model_on_type(&id, t, on_type, &prior);
+                Some((t.clone(), crate::gpu_types::speed(&model, 32.0)?))
+            })
+            .collect();
         assert_eq!(
             speeds.keys().collect::<Vec<_>>(),
             ["a100", "t4"],
@@ -2693,7 +2702,7 @@ mod tests {
         // On a cluster of one type there is nothing to choose: no speeds.
         let one: BTreeMap<&HostId, &HostTelemetry> =
             live_hosts[..1].iter().map(|t| (&t.host, t)).collect();
-        assert!(measured_type_speeds((&id, &h), &seen, &one, &mut cache, &prior).is_empty());
+        assert!(observations_by_type(&h, &seen, &one).is_empty());
     }
 
     #[test]

@@ -633,9 +633,20 @@ pub fn simulate(
             if let Some((sqr, var)) = t.job.grad_stats(app) {
                 t.gradient = GradientStats::new(sqr, var).or(t.gradient);
             }
-            // Every job gets a throughput model: BCO placement prices placements with it.
-            let model = (!t.steps.is_empty())
-                .then(|| fits.model(&t.id, ModelScope::All, &t.steps, &throughput_prior));
+            // Every job gets a throughput model: BCO placement prices placements with it. On
+            // a cluster of several types, a placed job's model is its current type's (as
+            // the service's).
+            let on_current_type = match t.job.gpu_types.as_slice() {
+                [gpu_type] => t.type_steps.get(gpu_type).map(|seen| (gpu_type, seen)),
+                _ => None,
+            };
+            let model = match on_current_type {
+                Some((gpu_type, seen)) => {
+                    Some(fits.model_on_type(&t.id, gpu_type, seen, &throughput_prior))
+                }
+                None => (!t.steps.is_empty())
+                    .then(|| fits.model(&t.id, ModelScope::All, &t.steps, &throughput_prior)),
+            };
             let workers: u32 = t.job.placement.iter().sum();
             views.push(JobView {
                 id: t.id.clone(),
