@@ -212,6 +212,38 @@ pub fn batch(spec: &JobSpec, status: Option<&JobStatus>) -> String {
     out
 }
 
+/// The GPU TYPES column: the job's speed on each GPU type, fastest first, compute samples
+/// per second per GPU; a type it has not run on is marked `(projected)` (scheduled from
+/// other jobs' ratios, docs/heterogeneous.md). `-` on a cluster of one type.
+pub fn gpu_type_speeds(status: &JobStatus) -> String {
+    let mut speeds: Vec<(&String, &converge_common::GpuTypeSpeed)> =
+        status.gpu_type_speeds.iter().collect();
+    if speeds.is_empty() {
+        return "-".into();
+    }
+    speeds.sort_by(|a, b| b.1.samples_per_s.total_cmp(&a.1.samples_per_s));
+    speeds
+        .iter()
+        .map(|(t, s)| {
+            let v = s.samples_per_s;
+            let v = if v >= 100.0 {
+                format!("{v:.0}")
+            } else {
+                format!("{v:.3}")
+                    .trim_end_matches('0')
+                    .trim_end_matches('.')
+                    .to_string()
+            };
+            if s.measured {
+                format!("{t} {v}")
+            } else {
+                format!("{t} ≈{v} (projected)")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// The jobs table.
 /// The jobs table; `queue` holds the pending jobs' queue entries (their PHASE cell adds the
 /// position and estimated start).
@@ -240,6 +272,7 @@ pub fn jobs(
         "STEP s (obs/pred)",
         "BATCH",
         "PLACEMENT",
+        "GPU TYPES (samples/s/GPU)",
         "AGE",
     ]);
     for (spec, st) in rows {
@@ -276,6 +309,7 @@ pub fn jobs(
                 step_times(s.step_time_s, s.predicted_step_time_s),
                 batch(spec, Some(s)),
                 placement(s),
+                gpu_type_speeds(s),
                 age(s.finished_at.unwrap_or(now) - s.submitted_at),
             ]),
             None => t.add_row(vec![
@@ -295,6 +329,7 @@ pub fn jobs(
                 "-".into(),
                 "-".into(),
                 batch(spec, None),
+                "-".into(),
                 "-".into(),
                 age(now - spec.submitted_at),
             ]),
@@ -543,6 +578,29 @@ pub(crate) mod tests {
         assert_eq!(phase(&s), "completed (target reached)");
         let text = jobs(&[(&spec, Some(&s))], 100.0, &BTreeMap::new(), None).to_string();
         assert!(text.contains("completed (target reached)"), "{text}");
+    }
+
+    #[test]
+    fn the_jobs_table_shows_speeds_per_gpu_type_and_which_are_projected() {
+        let spec = JobSpec::from_toml("id = \"j\"\ncommand = [\"t\"]\n").unwrap();
+        let mut s = running_status();
+        assert_eq!(gpu_type_speeds(&s), "-");
+        let speed = |samples_per_s, measured| converge_common::GpuTypeSpeed {
+            samples_per_s,
+            measured,
+        };
+        s.gpu_type_speeds = BTreeMap::from([
+            ("t4".to_string(), speed(95.4, true)),
+            ("a100".to_string(), speed(312.2, false)),
+            ("rtx".to_string(), speed(0.125, true)),
+        ]);
+        assert_eq!(
+            gpu_type_speeds(&s),
+            "a100 ≈312 (projected), t4 95.4, rtx 0.125"
+        );
+        let text = jobs(&[(&spec, Some(&s))], 1.0, &BTreeMap::new(), None).to_string();
+        assert!(text.contains("GPU TYPES (samples/s/GPU)"), "{text}");
+        assert!(text.contains("a100 ≈312 (projected)"), "{text}");
     }
 
     #[test]

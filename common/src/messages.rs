@@ -806,6 +806,21 @@ pub struct JobStatus {
     /// distance between a worker's model and the synchronized one, 0 to 2).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_gap: Option<f64>,
+    /// On a cluster of several GPU types: the job's speed on each type, measured where it
+    /// ran there, projected from other jobs' ratios where it has not (the allocator's
+    /// estimate, `converge_sched::gpu_types`; docs/heterogeneous.md). Empty on a cluster of
+    /// one type, before the job has step times, and in statuses of older allocators.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub gpu_type_speeds: BTreeMap<String, GpuTypeSpeed>,
+}
+
+/// A job's speed on one GPU type ([`JobStatus::gpu_type_speeds`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct GpuTypeSpeed {
+    /// Compute throughput per GPU, samples per second (finite, > 0).
+    pub samples_per_s: f64,
+    /// Measured on this type (`true`) or projected from another (`false`).
+    pub measured: bool,
 }
 
 /// Most entries kept in [`JobStatus::allocations`] (about 100 bytes each).
@@ -902,6 +917,7 @@ impl JobStatus {
             allocations: Vec::new(),
             sync_rounds_per_s: None,
             model_gap: None,
+            gpu_type_speeds: BTreeMap::new(),
         }
     }
 

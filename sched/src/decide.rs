@@ -181,6 +181,9 @@ pub struct Allocation {
     /// The batch plan of each placed adaptive job, for the allocation it got (only under a
     /// policy that declares `goodput`).
     pub batches: BTreeMap<JobId, BatchPlan>,
+    /// On a cluster of several GPU types, each job's speed per type, measured or projected
+    /// ([`crate::gpu_types::project`]; jobs with none left out); empty on one type.
+    pub gpu_type_speeds: BTreeMap<JobId, BTreeMap<String, crate::gpu_types::TypeSpeed>>,
 }
 
 impl Allocation {
@@ -367,7 +370,10 @@ type Sizing<'s> = Option<&'s mut dyn FnMut(&ClusterView, &[PolicyJob]) -> Decisi
 /// Each job's speed per GPU type of `hosts`, measured or projected
 /// ([`crate::gpu_types::project`]), in the order of `jobs`; all empty when the hosts carry
 /// fewer than two types.
-fn gpu_type_speeds(hosts: &[HostFree], jobs: &[&JobView]) -> Vec<BTreeMap<String, f64>> {
+fn gpu_type_speeds(
+    hosts: &[HostFree],
+    jobs: &[&JobView],
+) -> Vec<BTreeMap<String, crate::gpu_types::TypeSpeed>> {
     let mut types: Vec<&str> = hosts.iter().filter_map(|h| h.gpu_type.as_deref()).collect();
     types.sort_unstable();
     types.dedup();
@@ -382,14 +388,6 @@ fn gpu_type_speeds(hosts: &[HostFree], jobs: &[&JobView]) -> Vec<BTreeMap<String
         })
         .collect();
     crate::gpu_types::project(&measured, &types)
-        .into_iter()
-        .map(|speeds| {
-            speeds
-                .into_iter()
-                .map(|(t, s)| (t, s.samples_per_s))
-                .collect()
-        })
-        .collect()
 }
 
 /// [`decide`] on jobs already in the order placement serves them.
@@ -551,15 +549,18 @@ fn decide_in_order(
             };
             let requests: Vec<PlacementRequest> = order
                 .iter()
-                .zip(type_speeds)
-                .map(|(job, gpu_type_speeds)| PlacementRequest {
+                .zip(&type_speeds)
+                .map(|(job, speeds)| PlacementRequest {
                     job: job.id.clone(),
                     workers: decided.workers.get(&job.id).copied().unwrap_or(0),
                     gpus_per_worker: job.gpus_per_worker,
                     min_workers: job.min_workers,
                     current: job.placement.clone(),
                     hosts: job.hosts.clone(),
-                    gpu_type_speeds,
+                    gpu_type_speeds: speeds
+                        .iter()
+                        .map(|(t, s)| (t.clone(), s.samples_per_s))
+                        .collect(),
                 })
                 .collect();
             let costs: BTreeMap<JobId, JobCost> = match placement {
@@ -621,6 +622,12 @@ fn decide_in_order(
         placements,
         views,
         batches,
+        gpu_type_speeds: order
+            .iter()
+            .zip(type_speeds)
+            .filter(|(_, speeds)| !speeds.is_empty())
+            .map(|(job, speeds)| (job.id.clone(), speeds))
+            .collect(),
     }
 }
 
@@ -1217,6 +1224,83 @@ mod tests {
             shadow: None,
             ..base
         }
+    }
+
+    /// On a cluster of several GPU types the decision projects each job's speed on the
+    /// types it has not run on, reports it, and places the job on its fastest type; on a
+    /// cluster of one type it reports nothing and decides as before.
+    #[test]
+    fn on_several_gpu_types_jobs_get_projected_speeds_and_their_fastest_type() {
+        let base = gang("x", "default", PriorityClass::Normal, 2, 0.0);
+        let job = |id: &str, speeds: &[(&str, f64)]| JobView {
+            id: id.parse().unwrap(),
+            family: Some("bert".into()),
+            gpu_type_speeds: speeds.iter().map(|&(t, v)| (t.to_string(), v)).collect(),
+            ..base.clone()
+        };
+        let views = [
+            job("old", &[("t4", 10.0), ("a100", 40.0)]),
+            job("new", &[("t4", 5.0)]),
+        ];
+        let typed = |name: &str, t: &str| {
+            HostFree::new(name.parse().unwrap(), (0..2).collect()).with_gpu_type(t)
+        };
+        let hosts = [
+            typed("h1", "t4"),
+            typed("h2", "t4"),
+            typed("h3", "a100"),
+            typed("h4", "a100"),
+        ];
+        let cluster = ClusterState {
+            now: 10.0,
+            hosts: &hosts,
+            contention_per_shared_job: 0.0,
+        };
+        let fifo = by_name("fifo", PolicyParams::default()).unwrap();
+        let d = decide(&cluster, &views, fifo.as_ref(), PlacementKind::FirstFit);
+        let new = &d.gpu_type_speeds[&"new".parse::<JobId>().unwrap()];
+        assert_eq!(
+            new["a100"],
+            crate::gpu_types::TypeSpeed {
+                samples_per_s: 20.0,
+                measured: false
+            }
+        );
+        assert!(new["t4"].measured);
+        // Both are fastest on a100, which holds both (2 workers each).
+        for id in ["old", "new"] {
+            let ranks = &d.placements[&id.parse::<JobId>().unwrap()];
+            assert_eq!(ranks.len(), 2, "{id}");
+            assert!(
+                ranks
+                    .iter()
+                    .all(|r| ["h3", "h4"].contains(&r.host.as_str())),
+                "{id}: {ranks:?}"
+            );
+        }
+        // One type: no speeds, the same decision as without them.
+        let untyped: Vec<HostFree> = hosts
+            .iter()
+            .map(|h| HostFree::new(h.host.clone(), h.gpus.clone()))
+            .collect();
+        let one = ClusterState {
+            hosts: &untyped,
+            ..cluster
+        };
+        let plain: Vec<JobView> = views
+            .iter()
+            .map(|v| JobView {
+                family: None,
+                gpu_type_speeds: BTreeMap::new(),
+                ..v.clone()
+            })
+            .collect();
+        let d = decide(&one, &views, fifo.as_ref(), PlacementKind::FirstFit);
+        assert!(d.gpu_type_speeds.is_empty());
+        assert_eq!(
+            d,
+            decide(&one, &plain, fifo.as_ref(), PlacementKind::FirstFit)
+        );
     }
 
     /// A shadow job's throughput table is compute-only and linear in the workers, in

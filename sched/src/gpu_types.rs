@@ -33,14 +33,9 @@ pub fn speed(model: &ThroughputModel, local_batch: f64) -> Option<f64> {
     usable(v).then_some(v)
 }
 
-/// A job's speed on one GPU type.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TypeSpeed {
-    /// Compute throughput per GPU, samples per second (see the module docs).
-    pub samples_per_s: f64,
-    /// Measured on this type (`true`) or projected from another ([`project`]).
-    pub measured: bool,
-}
+/// A job's speed on one GPU type: compute throughput per GPU, samples per second (see the
+/// module docs), measured there or projected from another type ([`project`]).
+pub use converge_common::GpuTypeSpeed as TypeSpeed;
 
 /// One job's input to [`project`]: its family and what it measured per type (samples per
 /// second per GPU; non-finite or non-positive values are ignored).

@@ -1194,6 +1194,14 @@ fn allocate(
     let decision = queued.allocation;
     let mut placed = decision.placements;
     let batches = decision.batches;
+    // Every active job's speed per GPU type, as the decision estimated it (empty on one
+    // type), whether or not its placement changes.
+    let mut type_speeds = decision.gpu_type_speeds;
+    for view in &views {
+        if let Some(status) = out.statuses.get_mut(&view.id) {
+            status.gpu_type_speeds = type_speeds.remove(&view.id).unwrap_or_default();
+        }
+    }
     // Priority order, as the decision placed them.
     let mut slots: Vec<Option<(JobStatus, &JobSpec)>> = active.into_iter().map(Some).collect();
     let active: Vec<(JobStatus, &JobSpec)> = priority_order(&views)
