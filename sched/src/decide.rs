@@ -557,8 +557,10 @@ fn decide_in_order(
                     min_workers: job.min_workers,
                     current: job.placement.clone(),
                     hosts: job.hosts.clone(),
+                    // Only a policy that declares GPU types places by them.
                     gpu_type_speeds: speeds
                         .iter()
+                        .filter(|_| wants.gpu_types)
                         .map(|(t, s)| (t.clone(), s.samples_per_s))
                         .collect(),
                 })
@@ -1256,8 +1258,8 @@ mod tests {
             hosts: &hosts,
             contention_per_shared_job: 0.0,
         };
-        let fifo = by_name("fifo", PolicyParams::default()).unwrap();
-        let d = decide(&cluster, &views, fifo.as_ref(), PlacementKind::FirstFit);
+        let quality = by_name("quality", PolicyParams::default()).unwrap();
+        let d = decide(&cluster, &views, quality.as_ref(), PlacementKind::FirstFit);
         let new = &d.gpu_type_speeds[&"new".parse::<JobId>().unwrap()];
         assert_eq!(
             new["a100"],
@@ -1295,11 +1297,11 @@ mod tests {
                 ..v.clone()
             })
             .collect();
-        let d = decide(&one, &views, fifo.as_ref(), PlacementKind::FirstFit);
+        let d = decide(&one, &views, quality.as_ref(), PlacementKind::FirstFit);
         assert!(d.gpu_type_speeds.is_empty());
         assert_eq!(
             d,
-            decide(&one, &plain, fifo.as_ref(), PlacementKind::FirstFit)
+            decide(&one, &plain, quality.as_ref(), PlacementKind::FirstFit)
         );
     }
 

@@ -146,6 +146,11 @@ pub struct PolicyInputs {
     /// The hosts: the policy places as well as sizes ([`Policy::allocate_on_hosts`]) and
     /// reads each job's [`PolicyJob::current_hosts`].
     pub hosts: bool,
+    /// GPU types: on a cluster of several, each job is placed on its fastest type with room
+    /// by its measured or projected speeds ([`crate::gpu_types`]); without, on the type with
+    /// the most free GPUs (a heterogeneity-unaware policy; its placements still use one type
+    /// per job).
+    pub gpu_types: bool,
 }
 
 /// A scheduling policy: decides how many workers each job gets.

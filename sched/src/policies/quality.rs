@@ -630,6 +630,7 @@ impl Policy for Quality {
             curves: true,
             estimates: true,
             goodput: true,
+            gpu_types: true,
             ..PolicyInputs::default()
         }
     }
