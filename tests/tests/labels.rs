@@ -247,6 +247,25 @@ async fn jobs_run_on_their_gpu_types_and_a_slower_type_trains_slower() {
         rates[1] < 0.5 * rates[0],
         "samples/s on the A100 and the T4: {rates:?}"
     );
+    // The allocator measures each job's speed on its type (the cluster mixes two), and
+    // projects none: no job has run on both.
+    for (id, kind) in [("on-a100", "a100"), ("on-t4", "t4")] {
+        let s = wait_for(Duration::from_secs(30), "a speed per GPU type", || async {
+            let s = job_status(&bus, id).await?;
+            (!s.gpu_type_speeds.is_empty()).then_some(s)
+        })
+        .await;
+        let speeds = &s.gpu_type_speeds;
+        assert_eq!(
+            speeds.keys().collect::<Vec<_>>(),
+            [kind],
+            "{id}: {speeds:?}"
+        );
+        assert!(
+            speeds[kind].measured && speeds[kind].samples_per_s > 0.0,
+            "{id}: {speeds:?}"
+        );
+    }
 
     let s = wait_for(Duration::from_secs(30), "the h100 job's reason", || async {
         let s = job_status(&bus, "on-h100").await?;
