@@ -41,6 +41,26 @@ struct CurveFit {
     curve: Option<Curve>,
 }
 
+/// The model cached under `key` if it was fitted on `observations`, else a new fit (counted
+/// in `fits`) that replaces it.
+fn cached_fit<K: Ord>(
+    models: &mut BTreeMap<K, (Vec<StepObservation>, ThroughputModel)>,
+    fits: &mut u64,
+    key: K,
+    observations: &[StepObservation],
+    prior: &ThroughputPrior,
+) -> ThroughputModel {
+    if let Some((seen, model)) = models.get(&key)
+        && seen.as_slice() == observations
+    {
+        return model.clone();
+    }
+    let model = ThroughputModel::fit(observations, prior);
+    *fits += 1;
+    models.insert(key, (observations.to_vec(), model.clone()));
+    model
+}
+
 /// The caller-owned cache of fits (see the module docs).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct FitCache {
@@ -117,17 +137,13 @@ impl FitCache {
         observations: &[StepObservation],
         prior: &ThroughputPrior,
     ) -> ThroughputModel {
-        let key = (job.clone(), scope);
-        if let Some((seen, model)) = self.models.get(&key)
-            && seen.as_slice() == observations
-        {
-            return model.clone();
-        }
-        let model = ThroughputModel::fit(observations, prior);
-        self.model_fits += 1;
-        self.models
-            .insert(key, (observations.to_vec(), model.clone()));
-        model
+        cached_fit(
+            &mut self.models,
+            &mut self.model_fits,
+            (job.clone(), scope),
+            observations,
+            prior,
+        )
     }
 
     /// The job's throughput model on its `observations` on GPU type `gpu_type` (for its speed
@@ -139,17 +155,13 @@ impl FitCache {
         observations: &[StepObservation],
         prior: &ThroughputPrior,
     ) -> ThroughputModel {
-        let key = (job.clone(), gpu_type.to_string());
-        if let Some((seen, model)) = self.type_models.get(&key)
-            && seen.as_slice() == observations
-        {
-            return model.clone();
-        }
-        let model = ThroughputModel::fit(observations, prior);
-        self.model_fits += 1;
-        self.type_models
-            .insert(key, (observations.to_vec(), model.clone()));
-        model
+        cached_fit(
+            &mut self.type_models,
+            &mut self.model_fits,
+            (job.clone(), gpu_type.to_string()),
+            observations,
+            prior,
+        )
     }
 
     /// Forgets every job for which `keep` is false (finished or deleted jobs), so the cache

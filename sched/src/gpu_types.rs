@@ -49,7 +49,8 @@ fn usable(v: f64) -> bool {
     v.is_finite() && v > 0.0
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
+/// The median of `v` (the mean of the middle two for an even count); `None` when empty.
+pub(crate) fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {
         return None;
     }

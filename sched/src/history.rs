@@ -299,7 +299,7 @@ impl JobHistory {
                 _ => spans.push((p, p)),
             }
         }
-        let mut costs: Vec<f64> = spans
+        let costs: Vec<f64> = spans
             .windows(2)
             .filter_map(|w| {
                 let ((_, old), (first, last)) = (w[0], w[1]);
@@ -310,16 +310,7 @@ impl JobHistory {
                 stall.is_finite().then_some(stall.max(0.0))
             })
             .collect();
-        if costs.is_empty() {
-            return None;
-        }
-        costs.sort_by(f64::total_cmp);
-        let n = costs.len();
-        Some(if n % 2 == 1 {
-            costs[n / 2]
-        } else {
-            0.5 * (costs[n / 2 - 1] + costs[n / 2])
-        })
+        crate::gpu_types::median(costs)
     }
 
     /// The generation of the most recent point that has a measurable throughput, and that
