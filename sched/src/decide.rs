@@ -368,18 +368,17 @@ pub fn decide(
 type Sizing<'s> = Option<&'s mut dyn FnMut(&ClusterView, &[PolicyJob]) -> Decision>;
 
 /// Each job's speed per GPU type of `hosts`, measured or projected
-/// ([`crate::gpu_types::project`]), in the order of `jobs`; all empty when the hosts carry
-/// fewer than two types.
+/// ([`crate::gpu_types::project`]), in the order of `jobs`; all empty when the hosts with
+/// GPUs carry fewer than two types ([`crate::placement::gpu_types_of`]).
 fn gpu_type_speeds(
     hosts: &[HostFree],
     jobs: &[&JobView],
 ) -> Vec<BTreeMap<String, crate::gpu_types::TypeSpeed>> {
-    let mut types: Vec<&str> = hosts.iter().filter_map(|h| h.gpu_type.as_deref()).collect();
-    types.sort_unstable();
-    types.dedup();
-    if types.len() < 2 {
+    let all = crate::placement::gpu_types_of(hosts);
+    if all.len() < 2 {
         return vec![BTreeMap::new(); jobs.len()];
     }
+    let types: Vec<&str> = all.into_iter().flatten().collect();
     let measured: Vec<crate::gpu_types::Measured<'_>> = jobs
         .iter()
         .map(|job| crate::gpu_types::Measured {
@@ -531,10 +530,7 @@ fn decide_in_order(
     // only its worker counts are kept there, and `place_with` puts each job on one type
     // (a heterogeneity-unaware policy whose placements are then fixed to one type, as the
     // Sia paper runs Pollux on its mixed cluster).
-    let one_gpu_type = cluster
-        .hosts
-        .windows(2)
-        .all(|pair| pair[0].gpu_type == pair[1].gpu_type);
+    let one_gpu_type = crate::placement::gpu_types_of(cluster.hosts).len() < 2;
     let (decided_workers, placements) =
         if let Some(decided) = on_hosts.as_ref().filter(|_| one_gpu_type) {
             let placements = realize(cluster.hosts, order, &views, decided);

@@ -313,8 +313,11 @@ impl JobHistory {
         crate::gpu_types::median(costs)
     }
 
-    /// The generation of the most recent point that has a measurable throughput, and that
-    /// throughput.
+    /// The hosts seen reporting for `generation` (empty when unknown or forgotten).
+    pub fn generation_hosts(&self, generation: u64) -> impl Iterator<Item = &HostId> {
+        self.shapes.get(&generation).into_iter().flat_map(|s| &s.1)
+    }
+
     /// One step-time observation per generation with at least two rank-0 reports that
     /// advanced the step count: world size and servers spanned from the ranks and hosts seen
     /// reporting, seconds per step and samples per worker per step from the first and last
@@ -324,11 +327,6 @@ impl JobHistory {
     /// the generation's first report): the mean of the reports' `sync_time_s` after the first,
     /// each weighted by the steps it covers (its step minus the previous report's). Reports
     /// without the figure are left out of the mean; `None` when none after the first has it.
-    /// The hosts seen reporting for `generation` (empty when unknown or forgotten).
-    pub fn generation_hosts(&self, generation: u64) -> impl Iterator<Item = &HostId> {
-        self.shapes.get(&generation).into_iter().flat_map(|s| &s.1)
-    }
-
     pub fn step_observations(&self) -> Vec<(u64, StepObservation)> {
         let mut out = Vec::new();
         for (&generation, (ranks_seen, hosts_seen, declared_workers, declared_hosts)) in

@@ -64,6 +64,20 @@ impl HostFree {
     }
 }
 
+/// The distinct GPU types of the hosts that have GPUs, sorted (`None`, a host whose type is
+/// not known, counts as one type). Placement uses one type per job when there are two or
+/// more.
+pub fn gpu_types_of(hosts: &[HostFree]) -> Vec<Option<&str>> {
+    let mut types: Vec<Option<&str>> = hosts
+        .iter()
+        .filter(|h| !h.gpus.is_empty())
+        .map(|h| h.gpu_type.as_deref())
+        .collect();
+    types.sort_unstable();
+    types.dedup();
+    types
+}
+
 /// One job's wish: `workers` workers of `gpus_per_worker` GPUs each.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PlacementRequest {
@@ -106,11 +120,13 @@ impl PlacementRequest {
 ///    first. If not all workers fit, as many as fit are placed when that is at least
 ///    `min_workers`, otherwise none.
 ///
-/// 3. **GPU types.** When the hosts carry more than one GPU type ([`HostFree::gpu_type`]),
-///    a request the first pass did not keep uses GPUs of one type only, in both passes of
-///    the second one: its current type if that has room for every worker, else the type
-///    with the most free GPUs among those with room, else the one with the most free GPUs
-///    (`FreeGpus::one_type`). [`place_bco`] follows the same rule.
+/// 3. **GPU types.** When the hosts with GPUs carry more than one GPU type
+///    ([`HostFree::gpu_type`], [`gpu_types_of`]), a request the first pass did not keep
+///    uses GPUs of one type only (`FreeGpus::one_type`): with speeds
+///    ([`PlacementRequest::gpu_type_speeds`]) its fastest type with room for every worker;
+///    otherwise its current type if that has room, else the type with the most room among
+///    those with room for every worker, else the one with the most room. Requests keep
+///    their order. [`place_bco`] follows the same rule.
 ///
 /// So every job gets no ranks or between `min_workers` and `workers` of them (a request for
 /// fewer workers than its minimum gets none). A request with `hosts` gets GPUs of those
@@ -147,39 +163,18 @@ fn second_pass_order(
             .map(|slot| slot.free.len())
             .sum()
     };
-    // On a cluster of several GPU types, the jobs that gain most from their fastest type
-    // over their slowest go first (comparative advantage).
-    let several_types = free.types.len() > 1;
-    let advantage = |r: &PlacementRequest| -> Reverse<u64> {
-        let speeds = r.gpu_type_speeds.values().copied();
-        let (lo, hi) = speeds.fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
-            (lo.min(v), hi.max(v))
-        });
-        let ratio = if several_types && lo > 0.0 && hi.is_finite() {
-            hi / lo
-        } else {
-            1.0
-        };
-        // Ratios ≥ 1 order like their bits.
-        Reverse(ratio.to_bits())
-    };
-    let mut order: Vec<(bool, usize, Reverse<u64>, usize)> = placed
+    let mut order: Vec<(bool, usize, usize)> = placed
         .iter()
         .enumerate()
         .filter(|(_, p)| p.is_none())
         .map(|(i, _)| {
             let r = requests[i];
             let restricted = r.hosts.is_some();
-            (
-                !restricted,
-                if restricted { eligible(r) } else { 0 },
-                advantage(r),
-                i,
-            )
+            (!restricted, if restricted { eligible(r) } else { 0 }, i)
         })
         .collect();
-    order.sort_by_key(|&(unrestricted, gpus, advantage, _)| (unrestricted, gpus, advantage));
-    order.into_iter().map(|(_, _, _, i)| i).collect()
+    order.sort_by_key(|&(unrestricted, gpus, _)| (unrestricted, gpus));
+    order.into_iter().map(|(_, _, i)| i).collect()
 }
 
 /// The first pass of every placement: the requests without repeated jobs (first request
@@ -272,7 +267,13 @@ impl<'a> FreeGpus<'a> {
                 }
             }
         }
-        let mut types = first_types.clone();
+        // The types of the hosts with GPUs (a host without GPUs adds no type).
+        let mut types: Vec<Option<&'a str>> = slots
+            .iter()
+            .zip(&first_types)
+            .filter(|(slot, _)| !slot.free.is_empty())
+            .map(|(_, t)| *t)
+            .collect();
         types.sort_unstable();
         types.dedup();
         let mut type_free = vec![0; types.len()];
@@ -280,7 +281,9 @@ impl<'a> FreeGpus<'a> {
             slot.free.sort_unstable();
             slot.free.dedup();
             slot.gpu_type = types.binary_search(t).unwrap_or(0);
-            type_free[slot.gpu_type] += slot.free.len();
+            if let Some(free) = type_free.get_mut(slot.gpu_type) {
+                *free += slot.free.len();
+            }
         }
         let leaves = slots.len().next_power_of_two();
         let mut tree = vec![0; 2 * leaves];
@@ -300,27 +303,33 @@ impl<'a> FreeGpus<'a> {
     }
 
     /// The one GPU type (index in `types`) a new placement of `request` uses when the hosts
-    /// carry several types; `None` on a cluster of one type (no restriction). The type of
-    /// the job's current placement (its rank 0's host) if its hosts of that type have room
-    /// for every worker; else the type with the most free GPUs among those with room for
-    /// every worker; else the type with the most free GPUs (as many workers as fit are
-    /// placed there). Free GPUs are counted on the hosts the request allows; ties go to the
-    /// type first in name order. Heterogeneity-unaware: which type serves a job best is the
-    /// policy's to say (a type restriction in the request), not the placement's.
+    /// with GPUs carry several types; `None` on a cluster of one type (no restriction).
+    /// Room is counted in whole workers on the hosts the request allows. With speeds
+    /// ([`PlacementRequest::gpu_type_speeds`]): the fastest type with room for every worker
+    /// (a type without a speed counts as the slowest known one; ties to the current type,
+    /// then to the most room). Otherwise, or when no type has room for every worker: the
+    /// type of the job's current placement (its rank 0's host) if it has room for every
+    /// worker; else the type with the most room among those with room for every worker;
+    /// else the type with the most room (as many workers as fit are placed there); ties go
+    /// to the type first in name order.
     fn one_type(&self, request: &PlacementRequest) -> Option<usize> {
         if self.types.len() < 2 {
             return None;
         }
-        let free: std::borrow::Cow<'_, [usize]> = if request.hosts.is_some() {
+        // Room per type, in workers (one GPU per worker: the free GPUs kept per type).
+        let per_worker = request.gpus_per_worker.max(1) as usize;
+        let free: std::borrow::Cow<'_, [usize]> = if request.hosts.is_some() || per_worker > 1 {
             let mut free = vec![0; self.types.len()];
             for slot in self.hosts.iter().filter(|s| request.allows(s.host)) {
-                free[slot.gpu_type] += slot.free.len();
+                if let Some(room) = free.get_mut(slot.gpu_type) {
+                    *room += slot.free.len() / per_worker;
+                }
             }
             free.into()
         } else {
             (&self.type_free[..]).into()
         };
-        let need = request.workers as usize * request.gpus_per_worker as usize;
+        let need = request.workers as usize;
         let current = request
             .current
             .first()
@@ -393,7 +402,9 @@ impl<'a> FreeGpus<'a> {
     fn update(&mut self, index: usize) {
         let mut node = self.leaves + index;
         let t = self.hosts[index].gpu_type;
-        self.type_free[t] = self.type_free[t] + self.hosts[index].free.len() - self.tree[node];
+        if let Some(free) = self.type_free.get_mut(t) {
+            *free = *free + self.hosts[index].free.len() - self.tree[node];
+        }
         self.tree[node] = self.hosts[index].free.len();
         while node > 1 {
             node /= 2;
@@ -1503,15 +1514,44 @@ mod tests {
                 "{kind:?}"
             );
 
-            // Without types (or with one), nothing changes: first fit spans a and b.
-            let untyped = [host("a", &[0]), host("b", &[0, 1])];
-            let placed = place_with(kind, &untyped, &[request("j", 3, 1, 1)], &BTreeMap::new());
-            assert_eq!(placed[&job_id("j")].len(), 3, "{kind:?}");
+            // Without types, or with one type among the hosts that have GPUs (a CPU-only
+            // host of another type adds none), nothing changes: the job spans a and b.
+            for one in [
+                vec![host("a", &[0]), host("b", &[0, 1])],
+                vec![
+                    host("a", &[0]).with_gpu_type("t4"),
+                    host("b", &[0, 1]).with_gpu_type("t4"),
+                    host("cpu", &[]).with_gpu_type("none"),
+                ],
+            ] {
+                let placed = place_with(kind, &one, &[request("j", 3, 1, 1)], &BTreeMap::new());
+                assert_eq!(servers_of(&placed[&job_id("j")]), ["a", "b"], "{kind:?}");
+            }
+
+            // Room counts whole workers: three T4 hosts with one free GPU each hold no
+            // 2-GPU worker; the A100 host holds one.
+            let scattered = [
+                host("a", &[0]).with_gpu_type("t4"),
+                host("b", &[1]).with_gpu_type("t4"),
+                host("d", &[2]).with_gpu_type("t4"),
+                host("c", &[0, 1]).with_gpu_type("a100"),
+            ];
+            let placed = place_with(
+                kind,
+                &scattered,
+                &[request("wide-worker", 1, 2, 1)],
+                &BTreeMap::new(),
+            );
+            assert_eq!(
+                servers_of(&placed[&job_id("wide-worker")]),
+                ["c"],
+                "{kind:?}"
+            );
         }
     }
 
     #[test]
-    fn with_speeds_each_job_gets_its_fastest_type_with_room_largest_gain_first() {
+    fn with_speeds_each_job_gets_its_fastest_type_with_room_in_request_order() {
         // t4: 2 hosts × 2 GPUs; a100: 1 host × 2 GPUs.
         let hosts = [
             host("a", &[0, 1]).with_gpu_type("t4"),
@@ -1527,39 +1567,33 @@ mod tests {
                 kind,
                 &hosts,
                 &[
-                    // Requested first, gains 1.2× on a100; "big-gain" gains 4×: it gets the
-                    // only a100 host although requested second.
-                    speeds(
-                        request("small-gain", 2, 1, 2),
-                        &[("t4", 10.0), ("a100", 12.0)],
-                    ),
-                    speeds(
-                        request("big-gain", 2, 1, 2),
-                        &[("t4", 10.0), ("a100", 40.0)],
-                    ),
-                    // Only t4 known: a100 counts as its slowest known type, t4 has room.
+                    // Requested first (the policy's priority order): its fastest type, a100,
+                    // although t4 has more free GPUs.
+                    speeds(request("first", 2, 1, 2), &[("t4", 10.0), ("a100", 12.0)]),
+                    // Fastest on a100 too, which is full now: its next fastest with room.
+                    speeds(request("second", 2, 1, 2), &[("t4", 10.0), ("a100", 40.0)]),
+                    // Only t4 known: a100 counts as its slowest known type.
                     speeds(request("t4-only", 2, 1, 2), &[("t4", 10.0)]),
                 ],
                 &BTreeMap::new(),
             );
-            assert_eq!(servers_of(&placed[&job_id("big-gain")]), ["c"], "{kind:?}");
-            let t4: BTreeSet<String> = ["small-gain", "t4-only"]
+            assert_eq!(servers_of(&placed[&job_id("first")]), ["c"], "{kind:?}");
+            let t4: BTreeSet<String> = ["second", "t4-only"]
                 .iter()
                 .flat_map(|j| servers_of(&placed[&job_id(j)]))
                 .collect();
             assert_eq!(t4, BTreeSet::from(["a".into(), "b".into()]), "{kind:?}");
-            // No speeds: request order and the most free GPUs, as before: "small-gain"
-            // (first) goes to t4 (4 free), "big-gain" to a100 (2 free each, tie to the
-            // first name).
+            // No speeds: the most free GPUs: "first" goes to t4 (4 free), "second" to a100
+            // (2 free each, tie to the first name).
             let placed = place_with(
                 kind,
                 &hosts,
-                &[request("small-gain", 2, 1, 2), request("big-gain", 2, 1, 2)],
+                &[request("first", 2, 1, 2), request("second", 2, 1, 2)],
                 &BTreeMap::new(),
             );
-            let small = servers_of(&placed[&job_id("small-gain")]);
-            assert!(small == ["a"] || small == ["b"], "{kind:?}: {small:?}");
-            assert_eq!(servers_of(&placed[&job_id("big-gain")]), ["c"], "{kind:?}");
+            let first = servers_of(&placed[&job_id("first")]);
+            assert!(first == ["a"] || first == ["b"], "{kind:?}: {first:?}");
+            assert_eq!(servers_of(&placed[&job_id("second")]), ["c"], "{kind:?}");
         }
     }
 

@@ -222,6 +222,18 @@ pub fn step(
     // step) and the per-worker batch it last ran with.
     let mut models: BTreeMap<JobId, (ThroughputModel, f64)> = BTreeMap::new();
     let mut type_speeds: BTreeMap<JobId, BTreeMap<String, f64>> = BTreeMap::new();
+    // Whether the live hosts with GPUs carry several GPU types (then each generation's step
+    // times count for its hosts' type), once per step.
+    let several_gpu_types = {
+        let mut types: Vec<Option<String>> = live
+            .values()
+            .filter(|t| !t.gpus.is_empty())
+            .map(|t| converge_common::labels::host_gpu_type(&t.labels))
+            .collect();
+        types.sort_unstable();
+        types.dedup();
+        types.len() > 1
+    };
     // Each active `[batch]` job's gradient statistics at its reference batch.
     let mut gradients: BTreeMap<JobId, GradientStats> = BTreeMap::new();
     let refit = refits(inp, cache, settings.fit_budget);
@@ -295,6 +307,7 @@ pub fn step(
                 // On a cluster of several GPU types, the model of the type the job runs on
                 // (when its generations there have step times), else of all its steps.
                 let by_type = history
+                    .filter(|_| several_gpu_types)
                     .map(|h| observations_by_type(h, &seen, &live))
                     .unwrap_or_default();
                 let current = status
@@ -925,25 +938,18 @@ fn step_times(
     (current.map(|c| c.step_time_s), predicted)
 }
 
-/// A job's step observations per GPU type, on a cluster of several types (empty on one of
-/// one type): each generation's observation counts for the type of its hosts (the live
-/// hosts' `gpu.type` labels; a generation on several types, or on hosts no longer live,
-/// counts for none). The per-type models fitted on them give the job's speed on each type
-/// ([`crate::gpu_types`], at the per-worker batch of its latest observation) and, for the
-/// type it runs on, the decision's throughput model.
+/// A job's step observations per GPU type (the caller asks only on a cluster of several
+/// types): each generation's observation counts for the type of its hosts that are still
+/// live (their `gpu.type` labels; a generation whose live hosts carry several types, or
+/// none, counts for none). The per-type models fitted on them give the job's speed on each
+/// type ([`crate::gpu_types`], at the per-worker batch of its latest observation) and, for
+/// the type it runs on, the decision's throughput model.
 fn observations_by_type(
     history: &JobHistory,
     seen: &[(u64, StepObservation)],
     live: &BTreeMap<&HostId, &HostTelemetry>,
 ) -> BTreeMap<String, Vec<StepObservation>> {
-    let cluster_types: BTreeSet<String> = live
-        .values()
-        .filter_map(|t| converge_common::labels::host_gpu_type(&t.labels))
-        .collect();
     let mut by_type: BTreeMap<String, Vec<StepObservation>> = BTreeMap::new();
-    if cluster_types.len() < 2 {
-        return by_type;
-    }
     for (generation, observation) in seen {
         let types: BTreeSet<String> = history
             .generation_hosts(*generation)
@@ -2707,10 +2713,13 @@ mod tests {
         let ratio = speeds["a100"] / speeds["t4"];
         assert!((ratio - 4.0).abs() < 0.4, "{speeds:?}");
 
-        // On a cluster of one type there is nothing to choose: no speeds.
+        // Only the t4 host still live: generation 3 counts for t4 now (its live hosts carry
+        // one type), generation 2 for none.
         let one: BTreeMap<&HostId, &HostTelemetry> =
             live_hosts[..1].iter().map(|t| (&t.host, t)).collect();
-        assert!(observations_by_type(&h, &seen, &one).is_empty());
+        let by_type = observations_by_type(&h, &seen, &one);
+        assert_eq!(by_type.keys().collect::<Vec<_>>(), ["t4"]);
+        assert_eq!(by_type["t4"].len(), 2);
     }
 
     #[test]
