@@ -36,7 +36,9 @@ use crate::fit::Curve;
 use crate::goodput::{BatchLimits, BatchPlan, GoodputFn, GradientStats};
 use crate::placement::{HostFree, PlacementKind, PlacementRequest, place_with};
 pub use crate::policies::PolicyInputs;
-use crate::policies::{ClusterView, Decision, HostDecision, Policy, PolicyJob};
+use crate::policies::{
+    ClusterView, Decision, GpuTypePool, HostDecision, JobTypes, Policy, PolicyJob,
+};
 use crate::queues::{self, Held, QueueDemand, Running, Share};
 use crate::throughput::{ThroughputModel, packed_nodes};
 
@@ -389,6 +391,118 @@ fn gpu_type_speeds(
     crate::gpu_types::project(&measured, &types)
 }
 
+/// The hosts with GPUs grouped by GPU type, for [`Policy::allocate_on_types`].
+struct TypePools {
+    pools: Vec<GpuTypePool>,
+    /// Each host's pool (index into `pools`), `None` for a host without GPUs; indexed like
+    /// the hosts.
+    pool_of_host: Vec<Option<usize>>,
+}
+
+impl TypePools {
+    fn new(hosts: &[HostFree]) -> Self {
+        let mut pools: Vec<GpuTypePool> = Vec::new();
+        let mut pool_of_host = Vec::with_capacity(hosts.len());
+        for h in hosts {
+            if h.gpus.is_empty() {
+                pool_of_host.push(None);
+                continue;
+            }
+            let gpus = h.gpus.len() as u32;
+            let i = match pools.iter().position(|p| p.name == h.gpu_type) {
+                Some(i) => i,
+                None => {
+                    pools.push(GpuTypePool {
+                        name: h.gpu_type.clone(),
+                        gpus: 0,
+                        nodes: 0,
+                        gpus_per_node: 0,
+                    });
+                    pools.len() - 1
+                }
+            };
+            let p = &mut pools[i];
+            p.gpus += gpus;
+            p.nodes += 1;
+            p.gpus_per_node = p.gpus_per_node.max(gpus);
+            pool_of_host.push(Some(i));
+        }
+        Self {
+            pools,
+            pool_of_host,
+        }
+    }
+
+    /// The hosts of pool `t`, within `allowed` when the job has a selector.
+    fn hosts_of(
+        &self,
+        t: usize,
+        allowed: Option<&BTreeSet<HostId>>,
+        hosts: &[HostFree],
+    ) -> BTreeSet<HostId> {
+        self.pool_of_host
+            .iter()
+            .zip(hosts)
+            .filter(|(p, h)| **p == Some(t) && allowed.is_none_or(|a| a.contains(&h.host)))
+            .map(|(_, h)| h.host.clone())
+            .collect()
+    }
+
+    /// What the policy knows of `job`'s types: each type's speed relative to the type its
+    /// model describes (its current type's measured speed when it has one, else the
+    /// geometric mean of its measured speeds: the model of a job that is not placed is
+    /// fitted on all its observations), its current type, and its eligible GPUs per type.
+    fn job_types(
+        &self,
+        job: &JobView,
+        speeds: &BTreeMap<String, crate::gpu_types::TypeSpeed>,
+        hosts: &[HostFree],
+    ) -> JobTypes {
+        let index = |host: &HostId| hosts.iter().position(|h| &h.host == host);
+        let current = job
+            .placement
+            .first()
+            .and_then(|r| index(&r.host))
+            .and_then(|i| self.pool_of_host[i]);
+        let speed_of = |t: usize| {
+            let name = self.pools[t].name.as_deref()?;
+            speeds.get(name).map(|s| s.samples_per_s)
+        };
+        let measured: Vec<f64> = job
+            .gpu_type_speeds
+            .values()
+            .copied()
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .collect();
+        let reference = current
+            .and_then(|t| {
+                let name = self.pools[t].name.as_deref()?;
+                job.gpu_type_speeds.get(name).copied()
+            })
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .or_else(|| {
+                (!measured.is_empty()).then(|| {
+                    (measured.iter().map(|v| v.ln()).sum::<f64>() / measured.len() as f64).exp()
+                })
+            });
+        let mut eligible = vec![0u32; self.pools.len()];
+        for (h, p) in hosts.iter().zip(&self.pool_of_host) {
+            if let Some(p) = p
+                && job.hosts.as_ref().is_none_or(|a| a.contains(&h.host))
+            {
+                eligible[*p] += h.gpus.len() as u32;
+            }
+        }
+        JobTypes {
+            factors: (0..self.pools.len())
+                .map(|t| Some(speed_of(t)? / reference?).filter(|f| f.is_finite() && *f > 0.0))
+                .collect(),
+            current,
+            eligible_gpus: eligible,
+        }
+    }
+}
+
 /// [`decide`] on jobs already in the order placement serves them.
 fn decide_in_order(
     cluster: &ClusterState<'_>,
@@ -531,12 +645,33 @@ fn decide_in_order(
     // (a heterogeneity-unaware policy whose placements are then fixed to one type, as the
     // Sia paper runs Pollux on its mixed cluster).
     let one_gpu_type = crate::placement::gpu_types_of(cluster.hosts).len() < 2;
+    // A policy that picks each job's GPU type itself (Sia's) does so on a mixed cluster;
+    // placement then keeps each job to its type's hosts.
+    let on_types = if wants.gpu_types && !one_gpu_type && sizing.is_none() && on_hosts.is_none() {
+        let pools = TypePools::new(cluster.hosts);
+        let job_types: Vec<JobTypes> = order
+            .iter()
+            .zip(&type_speeds)
+            .map(|(job, speeds)| pools.job_types(job, speeds, cluster.hosts))
+            .collect();
+        policy
+            .allocate_on_types(&view, &pools.pools, &views, &job_types)
+            .map(|decided| (decided, pools))
+    } else {
+        None
+    };
     let (decided_workers, placements) =
         if let Some(decided) = on_hosts.as_ref().filter(|_| one_gpu_type) {
             let placements = realize(cluster.hosts, order, &views, decided);
             (decided.workers.clone(), placements)
         } else {
             let decided = match (on_hosts, sizing) {
+                _ if on_types.is_some() => Decision {
+                    workers: on_types
+                        .as_ref()
+                        .map(|(d, _)| d.workers.clone())
+                        .unwrap_or_default(),
+                },
                 (Some(on_hosts), _) => Decision {
                     workers: on_hosts.workers,
                 },
@@ -552,11 +687,18 @@ fn decide_in_order(
                     gpus_per_worker: job.gpus_per_worker,
                     min_workers: job.min_workers,
                     current: job.placement.clone(),
-                    hosts: job.hosts.clone(),
+                    hosts: match &on_types {
+                        // The policy's type: its hosts only (within the job's selector).
+                        Some((decided, pools)) => match decided.types.get(&job.id) {
+                            Some(&t) => Some(pools.hosts_of(t, job.hosts.as_ref(), cluster.hosts)),
+                            None => job.hosts.clone(),
+                        },
+                        None => job.hosts.clone(),
+                    },
                     // Only a policy that declares GPU types places by them.
                     gpu_type_speeds: speeds
                         .iter()
-                        .filter(|_| wants.gpu_types)
+                        .filter(|_| wants.gpu_types && on_types.is_none())
                         .map(|(t, s)| (t.clone(), s.samples_per_s))
                         .collect(),
                 })
@@ -1299,6 +1441,61 @@ mod tests {
             d,
             decide(&one, &plain, quality.as_ref(), PlacementKind::FirstFit)
         );
+    }
+
+    /// On a mixed cluster Sia picks each job's GPU type itself and placement keeps the job to
+    /// that type's hosts, moving a running job whose size is unchanged: the job 4x faster
+    /// on a100 (relative to its t4 speed) gets the a100 host, the one that gains 1.2x leaves
+    /// it for the t4 host.
+    #[test]
+    fn sia_places_each_job_on_the_type_it_chose() {
+        let model = ThroughputModel::from_coefficients([0.0025, 0.02, 0.01, 0.1, 0.01], 5);
+        let base = gang("x", "default", PriorityClass::Normal, 2, 0.0);
+        let job = |id: &str, speeds: &[(&str, f64)], at: f64| JobView {
+            id: id.parse().unwrap(),
+            min_workers: 1,
+            max_workers: 2,
+            submitted_at: at,
+            model: Some(model.clone()),
+            batch: BatchSize::PerWorker(32.0),
+            adaptive: None,
+            oracle: None,
+            curve: None,
+            family: Some(id.into()),
+            gpu_type_speeds: speeds.iter().map(|&(t, v)| (t.to_string(), v)).collect(),
+            ..base.clone()
+        };
+        let rank = |rank: u32, host: &str, gpu: u32| RankPlacement {
+            rank,
+            host: host.parse().unwrap(),
+            gpus: vec![gpu],
+        };
+        let views = [
+            job("gainer", &[("t4", 10.0), ("a100", 40.0)], 0.0),
+            JobView {
+                placement: vec![rank(0, "h2", 0), rank(1, "h2", 1)],
+                ..job("flat", &[("t4", 10.0), ("a100", 12.0)], 1.0)
+            },
+        ];
+        let hosts = [
+            HostFree::new("h1".parse().unwrap(), vec![0, 1]).with_gpu_type("t4"),
+            HostFree::new("h2".parse().unwrap(), vec![0, 1]).with_gpu_type("a100"),
+        ];
+        let cluster = ClusterState {
+            now: 10.0,
+            hosts: &hosts,
+            contention_per_shared_job: 0.0,
+        };
+        let sia = by_name("sia", PolicyParams::default()).unwrap();
+        let d = decide(&cluster, &views, sia.as_ref(), PlacementKind::FirstFit);
+        for (id, host) in [("gainer", "h2"), ("flat", "h1")] {
+            let ranks = &d.placements[&id.parse::<JobId>().unwrap()];
+            assert_eq!(ranks.len(), 2, "{id}: {d:?}");
+            assert!(
+                ranks.iter().all(|r| r.host.as_str() == host),
+                "{id}: {ranks:?}"
+            );
+        }
     }
 
     /// A shadow job's throughput table is compute-only and linear in the workers, in

@@ -8,6 +8,7 @@
 //! | `tiresias` | [`Tiresias`]: discretized 2D least-attained-service, gang | Gu et al., NSDI'19, as in the Pollux simulator |
 //! | `optimus` | [`Optimus`]: greedy by remaining-time reduction with an oracle | Peng et al., EuroSys'18, Pollux's "Optimus+Oracle" |
 //! | `quality` | [`Quality`]: the SLAQ quality policy of [`quality`] | Zhang et al., SoCC'17 |
+//! | `sia` | [`Sia`]: one (GPU type, GPU count) per job by a MILP over normalized goodput | Jayaram Subramanya et al., SOSP'23 |
 //! | `sjf-bco` | [`SjfBco`]: smallest estimated job first, gang, non-preemptive, backfilling (pair with BCO placement) | Yu, Ji, Rajan, Liu, MobiHoc'22 |
 //!
 //! Every policy is **pure**: the decision is a function of the [`ClusterView`] and the jobs
@@ -35,6 +36,7 @@ pub mod fifo;
 pub mod optimus;
 pub mod pollux;
 pub mod quality;
+pub mod sia;
 pub mod sjf_bco;
 pub mod tiresias;
 
@@ -43,6 +45,7 @@ pub use fifo::Fifo;
 pub use optimus::Optimus;
 pub use pollux::Pollux;
 pub use quality::{Objective, PolicyParams, Quality, quality_allocate};
+pub use sia::Sia;
 pub use sjf_bco::SjfBco;
 pub use tiresias::{TIRESIAS_QUEUE_THRESHOLD_GPU_SECONDS, Tiresias};
 
@@ -112,6 +115,43 @@ pub struct HostDecision {
     pub workers: BTreeMap<JobId, u32>,
     /// `(host index, workers)` per running job, hosts in index order, no zero counts.
     pub hosts: BTreeMap<JobId, Vec<(usize, u32)>>,
+}
+
+/// The GPUs of one type, for [`Policy::allocate_on_types`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuTypePool {
+    /// The type's name (the hosts' `gpu.type` label); `None`: hosts without one.
+    pub name: Option<String>,
+    /// GPUs of this type in the cluster.
+    pub gpus: u32,
+    /// Hosts with GPUs of this type.
+    pub nodes: u32,
+    /// GPUs of the largest such host.
+    pub gpus_per_node: u32,
+}
+
+/// What a type-aware policy knows of one job's GPU types, indexed like the pools of
+/// [`Policy::allocate_on_types`].
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct JobTypes {
+    /// The job's throughput on each type relative to what its throughput table and goodput
+    /// model describe (1: that type; 2: twice as fast), from its measured or projected speeds
+    /// ([`crate::gpu_types`]); `None` where not known.
+    pub factors: Vec<Option<f64>>,
+    /// The type it runs on now; `None` when pending.
+    pub current: Option<usize>,
+    /// GPUs of each type the job may use (all of them, unless its selector restricts it).
+    pub eligible_gpus: Vec<u32>,
+}
+
+/// A decision that picks each job's GPU type (Sia's): workers per job and the type of
+/// each running job.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TypeDecision {
+    /// Every job; 0 = not running.
+    pub workers: BTreeMap<JobId, u32>,
+    /// Index into the pools of [`Policy::allocate_on_types`] of each job with workers.
+    pub types: BTreeMap<JobId, usize>,
 }
 
 /// What every policy sees of the cluster.
@@ -184,17 +224,31 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     ) -> Option<HostDecision> {
         None
     }
+    /// For policies that declare `gpu_types`, on a cluster of several GPU types: workers
+    /// per job and the type each runs on, on `pools` (capacity and bounds as for
+    /// [`Policy::allocate`], and per type at most its GPUs). `types` is indexed like `jobs`.
+    /// `None` (the default) leaves the type to [`crate::placement`] (each job's fastest type
+    /// with room).
+    fn allocate_on_types(
+        &self,
+        _cluster: &ClusterView,
+        _pools: &[GpuTypePool],
+        _jobs: &[PolicyJob],
+        _types: &[JobTypes],
+    ) -> Option<TypeDecision> {
+        None
+    }
 }
 
 /// The names [`by_name`] accepts.
-pub const POLICY_NAMES: [&str; 7] = [
-    "fifo", "fair", "tiresias", "optimus", "quality", "sjf-bco", "pollux",
+pub const POLICY_NAMES: [&str; 8] = [
+    "fifo", "fair", "tiresias", "optimus", "quality", "sjf-bco", "pollux", "sia",
 ];
 
 /// A policy name that [`by_name`] does not know.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "unknown policy {name:?}; valid policies: fifo, fair, tiresias, optimus, quality, sjf-bco, pollux"
+    "unknown policy {name:?}; valid policies: fifo, fair, tiresias, optimus, quality, sjf-bco, pollux, sia"
 )]
 pub struct UnknownPolicy {
     /// The name asked for.
@@ -212,6 +266,7 @@ pub fn by_name(name: &str, quality: PolicyParams) -> Result<Box<dyn Policy>, Unk
         "quality" => Box::new(Quality { params: quality }),
         "sjf-bco" => Box::new(SjfBco),
         "pollux" => Box::new(Pollux::default()),
+        "sia" => Box::new(Sia::default()),
         _ => {
             return Err(UnknownPolicy {
                 name: name.to_owned(),
@@ -543,7 +598,9 @@ mod tests {
         fn applying_a_decision_and_deciding_again_changes_nothing(
             (view, jobs) in arbitrary_cluster()
         ) {
-            for policy in all_policies() {
+            // Not Sia: like its artifact it charges a restart only to a running job, so a
+            // job it stopped is worth more in the next decision.
+            for policy in all_policies().into_iter().filter(|p| p.name() != "sia") {
                 let first = policy.allocate(&view, &jobs);
                 let mut applied = jobs.clone();
                 for job in &mut applied {
