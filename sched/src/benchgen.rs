@@ -21,6 +21,12 @@
 //! - Throughput per worker 30 to 3,000 samples/s (unknown for new pending jobs), progress up
 //!   to four half-lives, loss scale = the observed loss range (0 = unknown for 3 %).
 //!
+//! - With `gpu_types` > 1, host `n` is of type `type-{n mod gpu_types}`; each job belongs
+//!   to one of 16 model families (by its id) whose speed on type `t` is 1 to 4 times its
+//!   speed on `type-0`; a job with a measured rate measured its current type (running; a
+//!   random one when pending) and, for half of them, one more type (±5 % noise), so the
+//!   decision projects the rest ([`crate::gpu_types`]).
+//!
 //! [`DecisionInputs::with_batches`] gives the same jobs throughput models (and, for
 //! [`BenchBatches::Adaptive`], batch limits and gradient statistics), so that the decision
 //! with batch-size choice is timed side by side with the same decision at fixed batches.
@@ -61,6 +67,9 @@ pub struct BenchConfig {
     pub nodes: u32,
     /// GPUs per host.
     pub gpus_per_node: u32,
+    /// GPU types (1: one type, no `gpu.type`). With several, host `n` carries type
+    /// `type-{n mod gpu_types}` and every job measured speeds per type (see the module docs).
+    pub gpu_types: u32,
     /// Seed of the generator; the same seed gives the same inputs.
     pub seed: u64,
 }
@@ -72,6 +81,7 @@ impl Default for BenchConfig {
             jobs: 10_000,
             nodes: 12_500,
             gpus_per_node: 8,
+            gpu_types: 1,
             seed: 1,
         }
     }
@@ -134,13 +144,27 @@ impl DecisionInputs {
         let width = cfg.nodes.saturating_sub(1).to_string().len().max(5);
         let hosts: Vec<HostFree> = (0..cfg.nodes)
             .map(|n| {
-                HostFree::new(
+                let host = HostFree::new(
                     HostId::new(format!("node-{n:0width$}")).expect("valid host id"),
                     (0..cfg.gpus_per_node).collect(),
-                )
+                );
+                if cfg.gpu_types > 1 {
+                    host.with_gpu_type(format!("type-{}", n % cfg.gpu_types))
+                } else {
+                    host
+                }
             })
             .collect();
         let current = place_running(&mut jobs, &hosts, cfg.gpus_per_node, &mut rng);
+        // GPU types draw from their own stream, so that one type leaves the inputs as they
+        // were.
+        let mut type_rng = ChaCha8Rng::seed_from_u64(cfg.seed ^ 0x7479_7065_7321);
+        let types = cfg.gpu_types.max(1) as usize;
+        let type_index = |placement: &[RankPlacement]| {
+            let host = &placement.first()?.host;
+            let n = hosts.binary_search_by(|h| h.host.cmp(host)).ok()?;
+            Some(n % types)
+        };
 
         let views: Vec<JobView> = jobs
             .iter()
@@ -170,8 +194,12 @@ impl DecisionInputs {
                 priority: converge_common::PriorityClass::Normal,
                 started_at: None,
                 shadow: None,
-                family: None,
-                gpu_type_speeds: BTreeMap::new(),
+                family: (types > 1).then(|| format!("model-{}", family_of(&job.id))),
+                gpu_type_speeds: if types > 1 {
+                    measured_speeds(job, type_index(placement), types, &mut type_rng)
+                } else {
+                    BTreeMap::new()
+                },
             })
             .collect();
         let priority = priority_order(&views);
@@ -289,6 +317,53 @@ impl DecisionInputs {
             .map(|j| u64::from(j.current_workers) * u64::from(j.gpus_per_worker))
             .sum()
     }
+}
+
+/// Model families of the generated jobs on clusters of several GPU types.
+const FAMILIES: u64 = 16;
+
+/// A job's family, from its id (0..[`FAMILIES`]).
+fn family_of(id: &JobId) -> u64 {
+    id.as_str()
+        .bytes()
+        .fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)))
+        % FAMILIES
+}
+
+/// Speed of family `f` on type `t` relative to type 0: 1 to 4, different per family, so
+/// that families gain differently from each type.
+fn type_factor(f: u64, t: usize) -> f64 {
+    if t == 0 {
+        1.0
+    } else {
+        1.0 + ((f * 7 + t as u64 * 5) % 13) as f64 / 4.0
+    }
+}
+
+/// What a generated job measured per GPU type: on its current type (a running job) and, for
+/// half of the jobs with a measured rate, on one other type; nothing for a job without a
+/// rate.
+fn measured_speeds(
+    job: &PolicyJob,
+    current: Option<usize>,
+    types: usize,
+    rng: &mut ChaCha8Rng,
+) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    let Some(rate) = job.samples_per_s_per_worker else {
+        return out;
+    };
+    let f = family_of(&job.id);
+    let base = rate / type_factor(f, current.unwrap_or(0));
+    let mut measured = vec![current.unwrap_or_else(|| rng.gen_range(0..types))];
+    if rng.gen_bool(0.5) {
+        measured.push(rng.gen_range(0..types));
+    }
+    for t in measured {
+        let noise = rng.gen_range(0.95..1.05);
+        out.insert(format!("type-{t}"), base * type_factor(f, t) * noise);
+    }
+    out
 }
 
 /// One job, not yet placed: `current_workers` is what it would like to run with now.
@@ -466,6 +541,7 @@ mod tests {
             jobs: 300,
             nodes: 300,
             gpus_per_node: 8,
+            gpu_types: 1,
             seed: 7,
         }
     }

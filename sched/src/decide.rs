@@ -392,15 +392,17 @@ fn gpu_type_speeds(
 }
 
 /// The hosts with GPUs grouped by GPU type, for [`Policy::allocate_on_types`].
-struct TypePools {
+struct TypePools<'h> {
     pools: Vec<GpuTypePool>,
     /// Each host's pool (index into `pools`), `None` for a host without GPUs; indexed like
     /// the hosts.
     pool_of_host: Vec<Option<usize>>,
+    /// Each host's index (its first listing).
+    index: BTreeMap<&'h HostId, usize>,
 }
 
-impl TypePools {
-    fn new(hosts: &[HostFree]) -> Self {
+impl<'h> TypePools<'h> {
+    fn new(hosts: &'h [HostFree]) -> Self {
         let mut pools: Vec<GpuTypePool> = Vec::new();
         let mut pool_of_host = Vec::with_capacity(hosts.len());
         for h in hosts {
@@ -430,6 +432,7 @@ impl TypePools {
         Self {
             pools,
             pool_of_host,
+            index: host_index(hosts),
         }
     }
 
@@ -458,12 +461,11 @@ impl TypePools {
         speeds: &BTreeMap<String, crate::gpu_types::TypeSpeed>,
         hosts: &[HostFree],
     ) -> JobTypes {
-        let index = |host: &HostId| hosts.iter().position(|h| &h.host == host);
         let current = job
             .placement
             .first()
-            .and_then(|r| index(&r.host))
-            .and_then(|i| self.pool_of_host[i]);
+            .and_then(|r| self.index.get(&r.host))
+            .and_then(|&i| self.pool_of_host[i]);
         let speed_of = |t: usize| {
             let name = self.pools[t].name.as_deref()?;
             speeds.get(name).map(|s| s.samples_per_s)
@@ -485,14 +487,18 @@ impl TypePools {
                     (measured.iter().map(|v| v.ln()).sum::<f64>() / measured.len() as f64).exp()
                 })
             });
-        let mut eligible = vec![0u32; self.pools.len()];
-        for (h, p) in hosts.iter().zip(&self.pool_of_host) {
-            if let Some(p) = p
-                && job.hosts.as_ref().is_none_or(|a| a.contains(&h.host))
-            {
-                eligible[*p] += h.gpus.len() as u32;
+        let eligible = match &job.hosts {
+            None => self.pools.iter().map(|p| p.gpus).collect(),
+            Some(allowed) => {
+                let mut eligible = vec![0u32; self.pools.len()];
+                for &i in allowed.iter().filter_map(|h| self.index.get(h)) {
+                    if let Some(p) = self.pool_of_host[i] {
+                        eligible[p] += hosts[i].gpus.len() as u32;
+                    }
+                }
+                eligible
             }
-        }
+        };
         JobTypes {
             factors: (0..self.pools.len())
                 .map(|t| Some(speed_of(t)? / reference?).filter(|f| f.is_finite() && *f > 0.0))
@@ -1265,6 +1271,7 @@ mod tests {
             jobs,
             nodes,
             gpus_per_node,
+            gpu_types: 1,
             seed,
         })
         .with_batches(BenchBatches::Adaptive, seed);

@@ -228,10 +228,80 @@ struct FreeGpus<'a> {
     types: Vec<Option<&'a str>>,
     /// Free GPUs per type (indexed like `types`).
     type_free: Vec<usize>,
+    /// Per type (indexed like `types`), the number of its hosts with `f` free GPUs at index
+    /// `f`: room in whole workers of any size per type without a scan of the hosts.
+    type_hosts_by_free: Vec<Vec<usize>>,
     /// Leaves (from `leaves` on) hold each host's free count; node `i` holds the largest
     /// count under it (children `2i`, `2i + 1`); unused leaves hold 0.
     tree: Vec<usize>,
     leaves: usize,
+    /// On a cluster of several types, one max-tree per type over its hosts only (empty on
+    /// one type), so that first fit within a type skips the other types' hosts.
+    type_trees: Vec<TypeTree>,
+    /// Each host's position among its type's hosts (in its [`TypeTree`]).
+    type_pos: Vec<usize>,
+}
+
+/// A max-tree over the free counts of one type's hosts.
+struct TypeTree {
+    /// The type's hosts (indices into [`FreeGpus::hosts`]), increasing.
+    members: Vec<usize>,
+    /// Node `i` holds the largest count under it; leaves from `leaves` on.
+    tree: Vec<usize>,
+    leaves: usize,
+}
+
+impl TypeTree {
+    fn new(members: Vec<usize>, free: impl Fn(usize) -> usize) -> Self {
+        let leaves = members.len().next_power_of_two();
+        let mut tree = vec![0; 2 * leaves];
+        for (i, &h) in members.iter().enumerate() {
+            tree[leaves + i] = free(h);
+        }
+        for node in (1..leaves).rev() {
+            tree[node] = tree[2 * node].max(tree[2 * node + 1]);
+        }
+        Self {
+            members,
+            tree,
+            leaves,
+        }
+    }
+
+    fn set(&mut self, pos: usize, free: usize) {
+        let mut node = self.leaves + pos;
+        self.tree[node] = free;
+        while node > 1 {
+            node /= 2;
+            self.tree[node] = self.tree[2 * node].max(self.tree[2 * node + 1]);
+        }
+    }
+
+    /// The first member host at host index `from` or later with at least `need` free GPUs.
+    fn first_with(&self, from: usize, need: usize) -> Option<usize> {
+        let start = self.members.partition_point(|&h| h < from);
+        self.first_below(1, 0, self.leaves, start, need)
+            .map(|pos| self.members[pos])
+    }
+
+    fn first_below(
+        &self,
+        node: usize,
+        low: usize,
+        high: usize,
+        from: usize,
+        need: usize,
+    ) -> Option<usize> {
+        if high <= from || self.tree[node] < need {
+            return None;
+        }
+        if high - low == 1 {
+            return (low < self.members.len()).then_some(low);
+        }
+        let middle = low + (high - low) / 2;
+        self.first_below(2 * node, low, middle, from, need)
+            .or_else(|| self.first_below(2 * node + 1, middle, high, from, need))
+    }
 }
 
 struct HostSlot<'a> {
@@ -285,6 +355,27 @@ impl<'a> FreeGpus<'a> {
                 *free += slot.free.len();
             }
         }
+        let most_free = slots.iter().map(|slot| slot.free.len()).max().unwrap_or(0);
+        let mut type_hosts_by_free = vec![vec![0; most_free + 1]; types.len()];
+        for slot in &slots {
+            if let Some(counts) = type_hosts_by_free.get_mut(slot.gpu_type) {
+                counts[slot.free.len()] += 1;
+            }
+        }
+        let mut type_pos = vec![0; slots.len()];
+        let type_trees: Vec<TypeTree> = if types.len() > 1 {
+            let mut members: Vec<Vec<usize>> = vec![Vec::new(); types.len()];
+            for (i, slot) in slots.iter().enumerate() {
+                type_pos[i] = members[slot.gpu_type].len();
+                members[slot.gpu_type].push(i);
+            }
+            members
+                .into_iter()
+                .map(|m| TypeTree::new(m, |h| slots[h].free.len()))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let leaves = slots.len().next_power_of_two();
         let mut tree = vec![0; 2 * leaves];
         for (i, slot) in slots.iter().enumerate() {
@@ -297,9 +388,49 @@ impl<'a> FreeGpus<'a> {
             hosts: slots,
             types,
             type_free,
+            type_hosts_by_free,
             tree,
             leaves,
+            type_trees,
+            type_pos,
         }
+    }
+
+    /// Room per type for `request`, in whole workers on the hosts it may use (indexed like
+    /// `types`): from the per-type free counts, without a scan of the hosts unless the
+    /// request is restricted to some of them.
+    fn room(&self, request: &PlacementRequest) -> std::borrow::Cow<'_, [usize]> {
+        let per_worker = request.gpus_per_worker.max(1) as usize;
+        if request.hosts.is_some() {
+            self.room_by_scan(request).into()
+        } else if per_worker > 1 {
+            self.type_hosts_by_free
+                .iter()
+                .map(|counts| {
+                    counts
+                        .iter()
+                        .enumerate()
+                        .map(|(f, &hosts)| hosts * (f / per_worker))
+                        .sum()
+                })
+                .collect::<Vec<usize>>()
+                .into()
+        } else {
+            // One GPU per worker: the free GPUs kept per type.
+            (&self.type_free[..]).into()
+        }
+    }
+
+    /// [`FreeGpus::room`] by a scan of every host the request may use.
+    fn room_by_scan(&self, request: &PlacementRequest) -> Vec<usize> {
+        let per_worker = request.gpus_per_worker.max(1) as usize;
+        let mut free = vec![0; self.types.len()];
+        for slot in self.hosts.iter().filter(|s| request.allows(s.host)) {
+            if let Some(room) = free.get_mut(slot.gpu_type) {
+                *room += slot.free.len() / per_worker;
+            }
+        }
+        free
     }
 
     /// The one GPU type (index in `types`) a new placement of `request` uses when the hosts
@@ -316,19 +447,7 @@ impl<'a> FreeGpus<'a> {
         if self.types.len() < 2 {
             return None;
         }
-        // Room per type, in workers (one GPU per worker: the free GPUs kept per type).
-        let per_worker = request.gpus_per_worker.max(1) as usize;
-        let free: std::borrow::Cow<'_, [usize]> = if request.hosts.is_some() || per_worker > 1 {
-            let mut free = vec![0; self.types.len()];
-            for slot in self.hosts.iter().filter(|s| request.allows(s.host)) {
-                if let Some(room) = free.get_mut(slot.gpu_type) {
-                    *room += slot.free.len() / per_worker;
-                }
-            }
-            free.into()
-        } else {
-            (&self.type_free[..]).into()
-        };
+        let free = self.room(request);
         let need = request.workers as usize;
         let current = request
             .current
@@ -402,10 +521,21 @@ impl<'a> FreeGpus<'a> {
     fn update(&mut self, index: usize) {
         let mut node = self.leaves + index;
         let t = self.hosts[index].gpu_type;
+        let (before, now) = (self.tree[node], self.hosts[index].free.len());
         if let Some(free) = self.type_free.get_mut(t) {
-            *free = *free + self.hosts[index].free.len() - self.tree[node];
+            *free = *free + now - before;
+        }
+        if let Some(counts) = self.type_hosts_by_free.get_mut(t) {
+            counts[before] -= 1;
+            if counts.len() <= now {
+                counts.resize(now + 1, 0);
+            }
+            counts[now] += 1;
         }
         self.tree[node] = self.hosts[index].free.len();
+        if let Some(tree) = self.type_trees.get_mut(t) {
+            tree.set(self.type_pos[index], now);
+        }
         while node > 1 {
             node /= 2;
             self.tree[node] = self.tree[2 * node].max(self.tree[2 * node + 1]);
@@ -491,7 +621,12 @@ impl<'a> FreeGpus<'a> {
         }
         let mut from = 0;
         while count < wanted {
-            let Some(host) = self.first_with(from, per_worker) else {
+            // Within the job's type, its own tree: the other types' hosts are never visited.
+            let next = match only.and_then(|t| self.type_trees.get(t)) {
+                Some(tree) => tree.first_with(from, per_worker),
+                None => self.first_with(from, per_worker),
+            };
+            let Some(host) = next else {
                 break;
             };
             from = host + 1;
@@ -1849,6 +1984,52 @@ mod tests {
         })
     }
 
+    /// On generated clusters of three GPU types, with each job's measured speeds: the
+    /// per-type trees and free counts give the same placements as first fit over every host
+    /// filtered by type, with room counted by a scan; each new placement uses one type.
+    #[test]
+    fn per_type_indexes_agree_with_scanning_every_host() {
+        use crate::benchgen::{BenchConfig, DecisionInputs};
+        for seed in 1..=3 {
+            let inputs = DecisionInputs::generate(&BenchConfig {
+                jobs: 300,
+                nodes: 200,
+                gpus_per_node: 8,
+                gpu_types: 3,
+                seed,
+            });
+            let mut requests = inputs.requests(&inputs.allocate());
+            for (r, &i) in requests.iter_mut().zip(&inputs.priority) {
+                r.gpu_type_speeds = inputs.views[i].gpu_type_speeds.clone();
+            }
+            let fast = place(&inputs.hosts, &requests);
+            let (mut free, reqs, mut placed) = keep_pass(&inputs.hosts, &requests);
+            free.type_trees.clear();
+            for i in second_pass_order(&free, &reqs, &placed) {
+                assert_eq!(free.room(reqs[i]).to_vec(), free.room_by_scan(reqs[i]));
+                placed[i] = Some(free.first_fit(reqs[i]));
+            }
+            let scanned = by_job(&reqs, placed);
+            assert_eq!(fast, scanned, "seed {seed}");
+            let type_of: BTreeMap<&HostId, Option<&str>> = inputs
+                .hosts
+                .iter()
+                .map(|h| (&h.host, h.gpu_type.as_deref()))
+                .collect();
+            let mut anew = 0;
+            for (k, r) in requests.iter().enumerate() {
+                let ranks = &fast[&r.job];
+                if ranks.is_empty() || *ranks == inputs.current[inputs.priority[k]] {
+                    continue;
+                }
+                anew += 1;
+                let types: BTreeSet<_> = ranks.iter().map(|rk| type_of[&rk.host]).collect();
+                assert_eq!(types.len(), 1, "{}: {ranks:?}", r.job);
+            }
+            assert!(anew > 50, "seed {seed}: only {anew} placed anew");
+        }
+    }
+
     #[test]
     fn agrees_with_the_reference_on_generated_clusters() {
         use crate::benchgen::{BenchConfig, DecisionInputs};
@@ -1857,6 +2038,7 @@ mod tests {
                 jobs,
                 nodes,
                 gpus_per_node: 8,
+                gpu_types: 1,
                 seed,
             });
             let requests = inputs.requests(&inputs.allocate());
@@ -2222,6 +2404,7 @@ mod tests {
                 jobs,
                 nodes,
                 gpus_per_node: 8,
+                gpu_types: 1,
                 seed,
             });
             let requests = inputs.requests(&inputs.allocate());

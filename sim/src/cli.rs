@@ -285,7 +285,9 @@ pub struct SimulateArgs {
     /// loss curves, remaining work and goodput with adaptive batch sizes), sjf-bco (smallest
     /// estimated job first, for makespan; pair it with `--placement bco`) or pollux (the
     /// Pollux baseline: goodput, a genetic search over job × node allocations; places jobs
-    /// itself, so `--placement` does not apply).
+    /// itself, so `--placement` does not apply) or sia (the Sia baseline: one GPU type and
+    /// count per job by a MILP over normalized goodput; on a mixed `--cluster` it picks the
+    /// type, placement the hosts within it).
     #[arg(long, default_value = "quality")]
     pub policy: String,
     #[command(flatten)]

@@ -22,6 +22,11 @@ pub struct BenchDecisionArgs {
     /// GPUs per host.
     #[arg(long, default_value_t = 8)]
     pub gpus_per_node: u32,
+    /// GPU types: with more than one, host n is of type `type-{n mod K}` and every job has
+    /// measured speeds per type (the decision projects the others and places each job on
+    /// its fastest type with room).
+    #[arg(long, default_value_t = 1)]
+    pub gpu_types: u32,
     /// Decisions timed; min and median are reported.
     #[arg(long, default_value_t = 5)]
     pub repeat: usize,
@@ -167,6 +172,12 @@ pub fn time_batch_modes(inputs: &DecisionInputs, repeat: usize) -> Vec<(BenchBat
 pub fn run_bench_decision(args: &BenchDecisionArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.repeat > 0, "--repeat must be at least 1");
     anyhow::ensure!(
+        args.gpu_types <= args.nodes,
+        "--gpu-types ({}) must not exceed --nodes ({})",
+        args.gpu_types,
+        args.nodes
+    );
+    anyhow::ensure!(
         args.nodes > 0 && args.gpus_per_node > 0,
         "the cluster needs at least one GPU"
     );
@@ -178,19 +189,21 @@ pub fn run_bench_decision(args: &BenchDecisionArgs) -> anyhow::Result<()> {
         jobs: args.jobs,
         nodes: args.nodes,
         gpus_per_node: args.gpus_per_node,
+        gpu_types: args.gpu_types,
         seed: args.seed,
     };
     let started = Instant::now();
     let inputs = DecisionInputs::generate(&cfg);
     println!(
-        "inputs: {} jobs ({} running on {} GPUs), {} nodes × {} GPUs = {} GPUs, seed {} \
-         (generated in {:.2} s)",
+        "inputs: {} jobs ({} running on {} GPUs), {} nodes × {} GPUs = {} GPUs of {} type(s), \
+         seed {} (generated in {:.2} s)",
         inputs.jobs.len(),
         inputs.running(),
         inputs.gpus_in_use(),
         cfg.nodes,
         cfg.gpus_per_node,
         inputs.total_gpus,
+        cfg.gpu_types.max(1),
         cfg.seed,
         started.elapsed().as_secs_f64(),
     );

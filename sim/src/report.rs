@@ -1803,6 +1803,7 @@ mod tests {
             jobs: 200,
             nodes: 200,
             gpus_per_node: 8,
+            gpu_types: 1,
             seed: 3,
         };
         let inputs = DecisionInputs::generate(&cfg);
