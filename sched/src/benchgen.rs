@@ -277,6 +277,7 @@ impl DecisionInputs {
                     current: self.current[i].clone(),
                     hosts: None,
                     gpu_type_speeds: BTreeMap::new(),
+                    gpu_type: None,
                 }
             })
             .collect()

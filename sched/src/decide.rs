@@ -436,21 +436,6 @@ impl<'h> TypePools<'h> {
         }
     }
 
-    /// The hosts of pool `t`, within `allowed` when the job has a selector.
-    fn hosts_of(
-        &self,
-        t: usize,
-        allowed: Option<&BTreeSet<HostId>>,
-        hosts: &[HostFree],
-    ) -> BTreeSet<HostId> {
-        self.pool_of_host
-            .iter()
-            .zip(hosts)
-            .filter(|(p, h)| **p == Some(t) && allowed.is_none_or(|a| a.contains(&h.host)))
-            .map(|(_, h)| h.host.clone())
-            .collect()
-    }
-
     /// What the policy knows of `job`'s types: each type's speed relative to the type its
     /// model describes (its current type's measured speed when it has one, else the
     /// geometric mean of its measured speeds: the model of a job that is not placed is
@@ -693,20 +678,19 @@ fn decide_in_order(
                     gpus_per_worker: job.gpus_per_worker,
                     min_workers: job.min_workers,
                     current: job.placement.clone(),
-                    hosts: match &on_types {
-                        // The policy's type: its hosts only (within the job's selector).
-                        Some((decided, pools)) => match decided.types.get(&job.id) {
-                            Some(&t) => Some(pools.hosts_of(t, job.hosts.as_ref(), cluster.hosts)),
-                            None => job.hosts.clone(),
-                        },
-                        None => job.hosts.clone(),
-                    },
+                    hosts: job.hosts.clone(),
                     // Only a policy that declares GPU types places by them.
                     gpu_type_speeds: speeds
                         .iter()
                         .filter(|_| wants.gpu_types && on_types.is_none())
                         .map(|(t, s)| (t.clone(), s.samples_per_s))
                         .collect(),
+                    // The type a type-picking policy chose for the job: its hosts only (a
+                    // pool of hosts without a type label is left to placement).
+                    gpu_type: on_types.as_ref().and_then(|(decided, pools)| {
+                        let t = *decided.types.get(&job.id)?;
+                        pools.pools.get(t)?.name.clone()
+                    }),
                 })
                 .collect();
             let costs: BTreeMap<JobId, JobCost> = match placement {

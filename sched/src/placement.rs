@@ -97,6 +97,11 @@ pub struct PlacementRequest {
     /// GPU, [`crate::gpu_types`]); empty when none is known. On a cluster of several types
     /// it picks the type of a new placement (see [`place`], rule 3).
     pub gpu_type_speeds: BTreeMap<String, f64>,
+    /// The one GPU type the job must run on (a policy that picks types chose it,
+    /// [`crate::policies::Policy::allocate_on_types`]); `None`: placement picks (see
+    /// [`place`], rule 3). A current placement on another type is not kept; a type no host
+    /// carries places nothing.
+    pub gpu_type: Option<String>,
 }
 
 impl PlacementRequest {
@@ -444,6 +449,15 @@ impl<'a> FreeGpus<'a> {
     /// else the type with the most room (as many workers as fit are placed there); ties go
     /// to the type first in name order.
     fn one_type(&self, request: &PlacementRequest) -> Option<usize> {
+        if let Some(name) = &request.gpu_type {
+            // The policy's type; one no host carries matches no host.
+            return Some(
+                self.types
+                    .iter()
+                    .position(|t| *t == Some(name.as_str()))
+                    .unwrap_or(usize::MAX),
+            );
+        }
         if self.types.len() < 2 {
             return None;
         }
@@ -545,6 +559,7 @@ impl<'a> FreeGpus<'a> {
     /// Takes the request's current GPUs if its current placement is still valid (see
     /// [`place`]); changes nothing and returns `false` otherwise.
     fn keep_current(&mut self, request: &PlacementRequest) -> bool {
+        let wanted_type = request.gpu_type.as_ref().map(|_| self.one_type(request));
         let mut claimed: Vec<(usize, u32)> = Vec::new();
         // Consecutive ranks are mostly on one host: look a host up only when it changes.
         let mut last: Option<(&HostId, usize)> = None;
@@ -552,8 +567,10 @@ impl<'a> FreeGpus<'a> {
             let host = match last {
                 Some((id, host)) if *id == rank.host => host,
                 _ => {
-                    let Some(host) = self.find(&rank.host).filter(|_| request.allows(&rank.host))
-                    else {
+                    let Some(host) = self.find(&rank.host).filter(|&h| {
+                        request.allows(&rank.host)
+                            && wanted_type.is_none_or(|t| t == Some(self.hosts[h].gpu_type))
+                    }) else {
                         return false;
                     };
                     last = Some((&rank.host, host));
@@ -1471,6 +1488,7 @@ mod tests {
             current: Vec::new(),
             hosts: None,
             gpu_type_speeds: BTreeMap::new(),
+            gpu_type: None,
         }
     }
 
@@ -1578,6 +1596,51 @@ mod tests {
         PlacementRequest {
             hosts: Some(names.iter().map(|n| HostId::new(*n).unwrap()).collect()),
             ..r
+        }
+    }
+
+    /// A request with a `gpu_type` uses that type's hosts only: a job of unchanged size on
+    /// another type moves, and a type no host carries places nothing.
+    #[test]
+    fn a_requested_gpu_type_is_the_only_one_used() {
+        let hosts = [
+            host("a", &[0, 1]).with_gpu_type("t4"),
+            host("c", &[0, 1]).with_gpu_type("a100"),
+        ];
+        let typed = |r: PlacementRequest, t: &str| PlacementRequest {
+            gpu_type: Some(t.to_owned()),
+            ..r
+        };
+        let on_a = |r: PlacementRequest| PlacementRequest {
+            current: (0..2)
+                .map(|g| RankPlacement {
+                    rank: g,
+                    host: HostId::new("a").unwrap(),
+                    gpus: vec![g],
+                })
+                .collect(),
+            ..r
+        };
+        for kind in [PlacementKind::FirstFit, PlacementKind::Bco] {
+            let placed = place_with(
+                kind,
+                &hosts,
+                &[
+                    typed(on_a(request("moves", 2, 1, 1)), "a100"),
+                    typed(request("nowhere", 1, 1, 1), "h100"),
+                    typed(request("stays", 2, 1, 1), "t4"),
+                ],
+                &BTreeMap::new(),
+            );
+            let on = |job: &str| -> Vec<&str> {
+                placed[&job_id(job)]
+                    .iter()
+                    .map(|r| r.host.as_str())
+                    .collect()
+            };
+            assert_eq!(on("moves"), ["c", "c"], "{kind:?}");
+            assert!(on("nowhere").is_empty(), "{kind:?}");
+            assert_eq!(on("stays"), ["a", "a"], "{kind:?}");
         }
     }
 
@@ -1874,6 +1937,7 @@ mod tests {
                             .collect(),
                         hosts,
                         gpu_type_speeds: BTreeMap::new(),
+                        gpu_type: None,
                     },
                 )
                 .collect()
@@ -1978,6 +2042,7 @@ mod tests {
                         current,
                         hosts,
                         gpu_type_speeds: BTreeMap::new(),
+                        gpu_type: None,
                     }
                 })
                 .collect()
