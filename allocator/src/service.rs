@@ -69,8 +69,9 @@ pub struct AllocatorConfig {
     /// mean JCT, by 28 % under Pollux's interference; see docs/scheduling.md).
     #[arg(long, env = "CONVERGE_PLACEMENT", value_enum, default_value_t = PlacementKind::Bco)]
     pub placement: PlacementKind,
-    /// Starvation guard: a job pending this long since submission is admitted ahead of
-    /// running jobs (which may stop one at its minimum to make room).
+    /// Starvation guard: a job that has never run and is pending this long since submission
+    /// is admitted ahead of running jobs (which may stop one at its minimum to make room); a
+    /// preempted job waits for its turn.
     #[arg(long, env = "CONVERGE_MAX_WAIT", default_value = "30m", value_parser = humantime_duration)]
     pub max_wait: Duration,
     /// Parameter-server shards one host may run, all jobs together (each is a CPU process

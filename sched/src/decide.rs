@@ -1434,12 +1434,13 @@ mod tests {
         );
     }
 
-    /// On a mixed cluster Sia picks each job's GPU type itself and placement keeps the job to
-    /// that type's hosts, moving a running job whose size is unchanged: the job 4x faster
-    /// on a100 (relative to its t4 speed) gets the a100 host, the one that gains 1.2x leaves
-    /// it for the t4 host.
+    /// On a mixed cluster Sia and the quality policy pick each job's GPU type themselves and
+    /// placement keeps the job to that type's hosts, moving a running job whose size is
+    /// unchanged: the job 4x faster on a100 (relative to its t4 speed) gets the a100 host,
+    /// the one that gains 1.2x leaves it for the t4 host (both jobs old enough for their
+    /// restart budgets to allow the move).
     #[test]
-    fn sia_places_each_job_on_the_type_it_chose() {
+    fn type_picking_policies_place_each_job_on_the_type_they_chose() {
         let model = ThroughputModel::from_coefficients([0.0025, 0.02, 0.01, 0.1, 0.01], 5);
         let base = gang("x", "default", PriorityClass::Normal, 2, 0.0);
         let job = |id: &str, speeds: &[(&str, f64)], at: f64| JobView {
@@ -1473,19 +1474,21 @@ mod tests {
             HostFree::new("h2".parse().unwrap(), vec![0, 1]).with_gpu_type("a100"),
         ];
         let cluster = ClusterState {
-            now: 10.0,
+            now: 10_000.0,
             hosts: &hosts,
             contention_per_shared_job: 0.0,
         };
-        let sia = by_name("sia", PolicyParams::default()).unwrap();
-        let d = decide(&cluster, &views, sia.as_ref(), PlacementKind::FirstFit);
-        for (id, host) in [("gainer", "h2"), ("flat", "h1")] {
-            let ranks = &d.placements[&id.parse::<JobId>().unwrap()];
-            assert_eq!(ranks.len(), 2, "{id}: {d:?}");
-            assert!(
-                ranks.iter().all(|r| r.host.as_str() == host),
-                "{id}: {ranks:?}"
-            );
+        for name in ["sia", "quality"] {
+            let policy = by_name(name, PolicyParams::default()).unwrap();
+            let d = decide(&cluster, &views, policy.as_ref(), PlacementKind::FirstFit);
+            for (id, host) in [("gainer", "h2"), ("flat", "h1")] {
+                let ranks = &d.placements[&id.parse::<JobId>().unwrap()];
+                assert_eq!(ranks.len(), 2, "{name}, {id}: {d:?}");
+                assert!(
+                    ranks.iter().all(|r| r.host.as_str() == host),
+                    "{name}, {id}: {ranks:?}"
+                );
+            }
         }
     }
 

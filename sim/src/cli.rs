@@ -246,8 +246,8 @@ pub struct QualityArgs {
     /// How far ahead the quality policy values an allocation, seconds.
     #[arg(long, default_value_t = 60.0)]
     pub horizon: f64,
-    /// Starvation guard: seconds a pending job waits before it is admitted ahead of running
-    /// jobs.
+    /// Starvation guard: seconds a pending job that has never run waits before it is admitted
+    /// ahead of running jobs (a preempted job waits for its turn).
     #[arg(long, default_value_t = 1800.0)]
     pub max_wait: f64,
 }

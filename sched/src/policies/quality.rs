@@ -8,8 +8,10 @@
 //!
 //! # Algorithm
 //!
-//! 1. **Admission.** Jobs are taken in order — pending jobs that have waited `max_wait_s`
-//!    since submission (the starvation guard), then running jobs (`current_workers > 0`), then
+//! 1. **Admission.** Jobs are taken in order — pending jobs that have never run and have
+//!    waited `max_wait_s` since submission (the starvation guard; a preempted job does not
+//!    count, or on an overloaded cluster every pending job would preempt another every
+//!    decision), then running jobs (`current_workers > 0`), then
 //!    other pending ones, each by `submitted_at`, then id. Under `loss` (SLAQ's objective),
 //!    after the starvation guard, jobs are taken by the value per GPU of their minimum over
 //!    the horizon instead (a running job's as if kept, a pending job's after its restart;
@@ -65,6 +67,16 @@
 //!    So GPUs left over after the hand-out never cause a needless restart, and capacity is
 //!    never exceeded.
 //!
+//! 5. **GPU types** (a cluster of several, [`Policy::allocate_on_types`]): the sizes of
+//!    steps 1–4 stand; each sized job then gets one type by comparative advantage
+//!    ([`super::assign_gpu_types`]): its value on type `t` is `ln(s_t · k_t)`, `s_t` its
+//!    speed there relative to the type its throughput model describes (measured or
+//!    projected, [`crate::gpu_types`]; an unknown type counts as its slowest known) and
+//!    `k_t` 1 for staying where it runs at the same size, else its restart share `f`
+//!    (step 2). Maximizing the sum of logarithms puts a type's GPUs on the jobs that gain
+//!    most there relative to elsewhere (BERT on A100s, CIFAR-10 on T4s), not on whichever
+//!    job comes first. A job that fits no type whole is left to placement.
+//!
 //! # Deviations from SLAQ
 //!
 //! - SLAQ reallocates Spark executors every few seconds at almost no cost; GPU jobs pay a
@@ -115,8 +127,8 @@ pub struct PolicyParams {
     pub min_gain: f64,
     /// What a job's allocation is worth (see [`Objective`]).
     pub objective: Objective,
-    /// Starvation guard: a pending job that has waited this long (seconds since submission)
-    /// is admitted before running jobs, which may stop one to make room.
+    /// Starvation guard: a pending job that has never run and has waited this long (seconds
+    /// since submission) is admitted before running jobs, which may stop one to make room.
     pub max_wait_s: f64,
     /// Restart budget `ρ` of the completion-aware objectives (`jct`, `both`): the share of
     /// its age a job may spend restarting. A change of allocation is worth
@@ -380,8 +392,13 @@ pub fn quality_allocate(
     params: &PolicyParams,
 ) -> Decision {
     let total_gpus = cluster.total_gpus;
+    // Only a job that never ran: a preempted job past the wait would preempt another at
+    // once, and that one the next, every decision (on an overloaded cluster every pending
+    // job is past the wait).
     let starving = |job: &PolicyJob| {
-        job.current_workers == 0 && cluster.now - job.submitted_at >= params.max_wait_s
+        job.current_workers == 0
+            && job.attained_gpu_seconds <= 0.0
+            && cluster.now - job.submitted_at >= params.max_wait_s
     };
     let mut order: Vec<usize> = (0..jobs.len()).collect();
     order.sort_by(|&a, &b| {
@@ -637,6 +654,65 @@ impl Policy for Quality {
 
     fn allocate(&self, cluster: &ClusterView, jobs: &[PolicyJob]) -> Decision {
         quality_allocate(cluster, jobs, &self.params)
+    }
+
+    fn allocate_on_types(
+        &self,
+        cluster: &ClusterView,
+        pools: &[super::GpuTypePool],
+        jobs: &[PolicyJob],
+        types: &[super::JobTypes],
+    ) -> Option<super::TypeDecision> {
+        let decision = quality_allocate(cluster, jobs, &self.params);
+        if types.len() != jobs.len() {
+            return None;
+        }
+        let refs: Vec<&PolicyJob> = jobs.iter().collect();
+        let terms = job_terms(&refs, cluster.now, &self.params);
+        let sized: Vec<(usize, u32)> = jobs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, j)| {
+                let w = decision.workers.get(&j.id).copied().unwrap_or(0);
+                (w > 0).then_some((i, w))
+            })
+            .collect();
+        let choice = super::assign_gpu_types(
+            pools,
+            &sized,
+            |i, w| w * jobs[i].gpus_per_worker,
+            |i, w, t| {
+                let job = &jobs[i];
+                let jt = &types[i];
+                let known: Vec<f64> = jt.factors.iter().flatten().copied().collect();
+                let slowest = known.iter().copied().fold(f64::INFINITY, f64::min);
+                let f = jt
+                    .factors
+                    .get(t)
+                    .copied()
+                    .flatten()
+                    .unwrap_or(if slowest.is_finite() { slowest } else { 1.0 });
+                let keep = if jt.current == Some(t) && job.current_workers == w {
+                    1.0
+                } else if job.current_workers > 0 {
+                    terms[i].change_factor
+                } else {
+                    1.0
+                };
+                let eligible = jt.eligible_gpus.get(t).copied().unwrap_or(0);
+                (eligible >= w * job.gpus_per_worker).then(|| (f * keep).max(1e-3).ln())
+            },
+        );
+        let mut out = super::TypeDecision {
+            workers: decision.workers,
+            types: Default::default(),
+        };
+        for ((i, _), t) in sized.iter().zip(choice) {
+            if let Some(t) = t {
+                out.types.insert(jobs[*i].id.clone(), t);
+            }
+        }
+        Some(out)
     }
 }
 
@@ -1169,9 +1245,17 @@ mod tests {
         let decision = quality_allocate(&at(500.0), &[old.clone(), waiting.clone()], &params);
         assert_eq!(workers_of(&decision, "old"), 4);
         assert_eq!(workers_of(&decision, "waiting"), 0);
-        let decision = quality_allocate(&at(700.0), &[old, waiting], &params);
+        let decision = quality_allocate(&at(700.0), &[old.clone(), waiting.clone()], &params);
         assert_eq!(workers_of(&decision, "old"), 0);
         assert_eq!(workers_of(&decision, "waiting"), 4);
+        // A job that ran before (preempted) waits for its turn: no preemption chain.
+        let preempted = PolicyJob {
+            attained_gpu_seconds: 60.0,
+            ..waiting
+        };
+        let decision = quality_allocate(&at(700.0), &[old, preempted], &params);
+        assert_eq!(workers_of(&decision, "old"), 4);
+        assert_eq!(workers_of(&decision, "waiting"), 0);
     }
 
     fn objectives() -> impl Strategy<Value = Objective> {
