@@ -236,27 +236,26 @@ struct FreeGpus<'a> {
     /// Per type (indexed like `types`), the number of its hosts with `f` free GPUs at index
     /// `f`: room in whole workers of any size per type without a scan of the hosts.
     type_hosts_by_free: Vec<Vec<usize>>,
-    /// Leaves (from `leaves` on) hold each host's free count; node `i` holds the largest
-    /// count under it (children `2i`, `2i + 1`); unused leaves hold 0.
-    tree: Vec<usize>,
-    leaves: usize,
+    /// Every host's free count (a host's position is its index).
+    tree: MaxTree,
     /// On a cluster of several types, one max-tree per type over its hosts only (empty on
     /// one type), so that first fit within a type skips the other types' hosts.
-    type_trees: Vec<TypeTree>,
-    /// Each host's position among its type's hosts (in its [`TypeTree`]).
+    type_trees: Vec<MaxTree>,
+    /// Each host's position among its type's hosts (in its [`MaxTree`]).
     type_pos: Vec<usize>,
 }
 
-/// A max-tree over the free counts of one type's hosts.
-struct TypeTree {
-    /// The type's hosts (indices into [`FreeGpus::hosts`]), increasing.
+/// A max-tree over the free counts of some hosts: leaves (from `leaves` on) hold each
+/// member's free count, node `i` the largest count under it (children `2i`, `2i + 1`);
+/// unused leaves hold 0.
+struct MaxTree {
+    /// The hosts (indices into [`FreeGpus::hosts`]), increasing.
     members: Vec<usize>,
-    /// Node `i` holds the largest count under it; leaves from `leaves` on.
     tree: Vec<usize>,
     leaves: usize,
 }
 
-impl TypeTree {
+impl MaxTree {
     fn new(members: Vec<usize>, free: impl Fn(usize) -> usize) -> Self {
         let leaves = members.len().next_power_of_two();
         let mut tree = vec![0; 2 * leaves];
@@ -271,6 +270,11 @@ impl TypeTree {
             tree,
             leaves,
         }
+    }
+
+    /// The free count of the member at `pos`.
+    fn get(&self, pos: usize) -> usize {
+        self.tree[self.leaves + pos]
     }
 
     fn set(&mut self, pos: usize, free: usize) {
@@ -368,7 +372,7 @@ impl<'a> FreeGpus<'a> {
             }
         }
         let mut type_pos = vec![0; slots.len()];
-        let type_trees: Vec<TypeTree> = if types.len() > 1 {
+        let type_trees: Vec<MaxTree> = if types.len() > 1 {
             let mut members: Vec<Vec<usize>> = vec![Vec::new(); types.len()];
             for (i, slot) in slots.iter().enumerate() {
                 type_pos[i] = members[slot.gpu_type].len();
@@ -376,26 +380,18 @@ impl<'a> FreeGpus<'a> {
             }
             members
                 .into_iter()
-                .map(|m| TypeTree::new(m, |h| slots[h].free.len()))
+                .map(|m| MaxTree::new(m, |h| slots[h].free.len()))
                 .collect()
         } else {
             Vec::new()
         };
-        let leaves = slots.len().next_power_of_two();
-        let mut tree = vec![0; 2 * leaves];
-        for (i, slot) in slots.iter().enumerate() {
-            tree[leaves + i] = slot.free.len();
-        }
-        for node in (1..leaves).rev() {
-            tree[node] = tree[2 * node].max(tree[2 * node + 1]);
-        }
+        let tree = MaxTree::new((0..slots.len()).collect(), |h| slots[h].free.len());
         Self {
             hosts: slots,
             types,
             type_free,
             type_hosts_by_free,
             tree,
-            leaves,
             type_trees,
             type_pos,
         }
@@ -509,33 +505,13 @@ impl<'a> FreeGpus<'a> {
 
     /// The first host at index `from` or later with at least `need` free GPUs.
     fn first_with(&self, from: usize, need: usize) -> Option<usize> {
-        self.first_below(1, 0, self.leaves, from, need)
+        self.tree.first_with(from, need)
     }
 
-    fn first_below(
-        &self,
-        node: usize,
-        low: usize,
-        high: usize,
-        from: usize,
-        need: usize,
-    ) -> Option<usize> {
-        if high <= from || self.tree[node] < need {
-            return None;
-        }
-        if high - low == 1 {
-            return (low < self.hosts.len()).then_some(low);
-        }
-        let middle = low + (high - low) / 2;
-        self.first_below(2 * node, low, middle, from, need)
-            .or_else(|| self.first_below(2 * node + 1, middle, high, from, need))
-    }
-
-    /// Records host `index`'s new free count in the tree.
+    /// Records host `index`'s new free count in the trees.
     fn update(&mut self, index: usize) {
-        let mut node = self.leaves + index;
         let t = self.hosts[index].gpu_type;
-        let (before, now) = (self.tree[node], self.hosts[index].free.len());
+        let (before, now) = (self.tree.get(index), self.hosts[index].free.len());
         if let Some(free) = self.type_free.get_mut(t) {
             *free = *free + now - before;
         }
@@ -546,13 +522,9 @@ impl<'a> FreeGpus<'a> {
             }
             counts[now] += 1;
         }
-        self.tree[node] = self.hosts[index].free.len();
+        self.tree.set(index, now);
         if let Some(tree) = self.type_trees.get_mut(t) {
             tree.set(self.type_pos[index], now);
-        }
-        while node > 1 {
-            node /= 2;
-            self.tree[node] = self.tree[2 * node].max(self.tree[2 * node + 1]);
         }
     }
 
