@@ -10,8 +10,8 @@
 //!    fitted on them, has no communication term worth reading. The decision reads only its
 //!    compute term ([`ThroughputModel::compute_time_s`]): `w` workers run `w·b / compute(b)`
 //!    samples per second on any placement ([`samples_per_s`]), linear in the workers.
-//! 2. **Contention lowers its sync frequency, not its throughput.** Its [`JobCost`] is
-//!    [`JobCost::background`]: the same step on one server or many, at any contention or
+//! 2. **Contention lowers its sync frequency, not its throughput.** Its [`JobCost`](crate::contention::JobCost) is
+//!    [`JobCost::background`](crate::contention::JobCost::background): the same step on one server or many, at any contention or
 //!    NIC factor. Its own step times therefore say nothing about contention, and the
 //!    service's contention measurement leaves them out (`schedule.rs`,
 //!    `measured_contention`).

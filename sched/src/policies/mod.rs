@@ -291,7 +291,7 @@ pub fn by_name(name: &str, quality: PolicyParams) -> Result<Box<dyn Policy>, Unk
 ///
 /// `O(rounds · pools² · jobs · log jobs)`: for the exact optimum a MILP (multiple-choice
 /// knapsack) took minutes on 500 jobs with `microlp`.
-pub(crate) fn assign_gpu_types(
+pub fn assign_gpu_types(
     pools: &[GpuTypePool],
     sized: &[(usize, u32)],
     gpus_of: impl Fn(usize, u32) -> u32,

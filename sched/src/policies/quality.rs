@@ -69,13 +69,14 @@
 //!
 //! 5. **GPU types** (a cluster of several, [`Policy::allocate_on_types`]): the sizes of
 //!    steps 1–4 stand; each sized job then gets one type by comparative advantage
-//!    ([`super::assign_gpu_types`]): its value on type `t` is `ln(s_t · k_t)`, `s_t` its
-//!    speed there relative to the type its throughput model describes (measured or
-//!    projected, [`crate::gpu_types`]; an unknown type counts as its slowest known) and
-//!    `k_t` 1 for staying where it runs at the same size, else its restart share `f`
-//!    (step 2). Maximizing the sum of logarithms puts a type's GPUs on the jobs that gain
-//!    most there relative to elsewhere (BERT on A100s, CIFAR-10 on T4s), not on whichever
-//!    job comes first. A job that fits no type whole is left to placement.
+//!    ([`super::assign_gpu_types`]): its value on type `t` is `g · ln(s_t · k_t)`, `g` its
+//!    GPUs, `s_t` its speed there relative to the type its throughput model describes
+//!    (measured or projected, [`crate::gpu_types`]; an unknown type counts as its slowest
+//!    known) and `k_t` 1 for staying where it runs at the same size, else its restart share
+//!    `f` (step 2). Maximizing the sum over GPUs of the log speed-up puts a type's GPUs on
+//!    the jobs that gain most per GPU there relative to elsewhere (BERT on A100s, CIFAR-10
+//!    on T4s), not on whichever job comes first. A job that fits no type whole is left to
+//!    placement.
 //!
 //! # Deviations from SLAQ
 //!
@@ -700,7 +701,8 @@ impl Policy for Quality {
                     1.0
                 };
                 let eligible = jt.eligible_gpus.get(t).copied().unwrap_or(0);
-                (eligible >= w * job.gpus_per_worker).then(|| (f * keep).max(1e-3).ln())
+                (eligible >= w * job.gpus_per_worker)
+                    .then(|| f64::from(w * job.gpus_per_worker) * (f * keep).max(1e-3).ln())
             },
         );
         let mut out = super::TypeDecision {
