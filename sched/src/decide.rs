@@ -429,11 +429,39 @@ impl<'h> TypePools<'h> {
             p.gpus_per_node = p.gpus_per_node.max(gpus);
             pool_of_host.push(Some(i));
         }
+        // Pools in name order (unlabelled first), whatever the order of the hosts: a
+        // policy's ties between pools then fall the same way every decision.
+        let mut order: Vec<usize> = (0..pools.len()).collect();
+        order.sort_by(|&a, &b| pools[a].name.cmp(&pools[b].name));
+        let mut rank = vec![0; pools.len()];
+        for (new, &old) in order.iter().enumerate() {
+            rank[old] = new;
+        }
+        let pools: Vec<GpuTypePool> = order.iter().map(|&i| pools[i].clone()).collect();
+        for p in pool_of_host.iter_mut().flatten() {
+            *p = rank[*p];
+        }
         Self {
             pools,
             pool_of_host,
             index: host_index(hosts),
         }
+    }
+
+    /// The hosts of pool `t` (within `allowed`, a job's selector), for a pool of hosts
+    /// without a type label, which [`PlacementRequest::gpu_type`] cannot name.
+    fn hosts_of(
+        &self,
+        t: usize,
+        allowed: Option<&BTreeSet<HostId>>,
+        hosts: &[HostFree],
+    ) -> BTreeSet<HostId> {
+        self.pool_of_host
+            .iter()
+            .zip(hosts)
+            .filter(|(p, h)| **p == Some(t) && allowed.is_none_or(|a| a.contains(&h.host)))
+            .map(|(_, h)| h.host.clone())
+            .collect()
     }
 
     /// What the policy knows of `job`'s types: each type's speed relative to the type its
@@ -669,6 +697,11 @@ fn decide_in_order(
                 (None, Some(size)) => size(&view, &views),
                 (None, None) => policy.allocate(&view, &views),
             };
+            let chosen = |job: &JobView| {
+                let (decided, pools) = on_types.as_ref()?;
+                let t = *decided.types.get(&job.id)?;
+                (t < pools.pools.len()).then_some((pools, t))
+            };
             let requests: Vec<PlacementRequest> = order
                 .iter()
                 .zip(&type_speeds)
@@ -678,19 +711,23 @@ fn decide_in_order(
                     gpus_per_worker: job.gpus_per_worker,
                     min_workers: job.min_workers,
                     current: job.placement.clone(),
-                    hosts: job.hosts.clone(),
-                    // Only a policy that declares GPU types places by them.
+                    // The pool a type-picking policy chose for the job, if it chose one.
+                    hosts: match chosen(job) {
+                        // Hosts without a type label: named by host, within its selector.
+                        Some((pools, t)) if pools.pools[t].name.is_none() => {
+                            Some(pools.hosts_of(t, job.hosts.as_ref(), cluster.hosts))
+                        }
+                        _ => job.hosts.clone(),
+                    },
+                    // Only a policy that declares GPU types places by them; a job the
+                    // policy gave a type needs none.
                     gpu_type_speeds: speeds
                         .iter()
-                        .filter(|_| wants.gpu_types && on_types.is_none())
+                        .filter(|_| wants.gpu_types && chosen(job).is_none())
                         .map(|(t, s)| (t.clone(), s.samples_per_s))
                         .collect(),
-                    // The type a type-picking policy chose for the job: its hosts only (a
-                    // pool of hosts without a type label is left to placement).
-                    gpu_type: on_types.as_ref().and_then(|(decided, pools)| {
-                        let t = *decided.types.get(&job.id)?;
-                        pools.pools.get(t)?.name.clone()
-                    }),
+                    // The type a type-picking policy chose for the job: its hosts only.
+                    gpu_type: chosen(job).and_then(|(pools, t)| pools.pools[t].name.clone()),
                 })
                 .collect();
             let costs: BTreeMap<JobId, JobCost> = match placement {

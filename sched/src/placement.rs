@@ -131,7 +131,9 @@ impl PlacementRequest {
 ///    ([`PlacementRequest::gpu_type_speeds`]) its fastest type with room for every worker;
 ///    otherwise its current type if that has room, else the type with the most room among
 ///    those with room for every worker, else the one with the most room. Requests keep
-///    their order. [`place_bco`] follows the same rule.
+///    their order. A request with [`PlacementRequest::gpu_type`] uses that type only, on
+///    any cluster, and keeps its current placement (rule 1) only if it is on that type.
+///    [`place_bco`] follows the same rule.
 ///
 /// So every job gets no ranks or between `min_workers` and `workers` of them (a request for
 /// fewer workers than its minimum gets none). A request with `hosts` gets GPUs of those

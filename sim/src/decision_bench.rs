@@ -23,8 +23,8 @@ pub struct BenchDecisionArgs {
     #[arg(long, default_value_t = 8)]
     pub gpus_per_node: u32,
     /// GPU types: with more than one, host n is of type `type-{n mod K}` and every job has
-    /// measured speeds per type (the decision projects the others and places each job on
-    /// its fastest type with room).
+    /// measured speeds per type (the decision projects the others and the quality policy
+    /// gives each job a type by comparative advantage).
     #[arg(long, default_value_t = 1)]
     pub gpu_types: u32,
     /// Decisions timed; min and median are reported.

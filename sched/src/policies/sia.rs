@@ -14,8 +14,9 @@
 //!   goodput at the best batch ([`crate::goodput`]); on another type that goodput scaled by
 //!   the job's speed ratio between the types ([`JobTypes::factors`], from
 //!   [`crate::gpu_types`]). A job with no goodput model yet, or a type with no known ratio,
-//!   gets only the one-worker configuration there, valued as the job's smallest goodput
-//!   (Sia's rule for a job it has not profiled).
+//!   gets only its smallest configuration there (its minimum workers), valued as the job's
+//!   smallest goodput (Sia's rule for a job it has not profiled). A job's minimum is always
+//!   one of its configurations, also when it is not one of Sia's counts (e.g. 3 GPUs).
 //! - Normalized per job by its smallest goodput over all configurations: `v = G / G_min`
 //!   (≥ 1).
 //! - A configuration other than the job's current one is multiplied by Pollux's restart
@@ -141,7 +142,15 @@ impl Sia {
             let factor = types.factors.get(t).copied().flatten();
             let per_node = pool.gpus_per_node.max(1);
             let known = factor.is_some() && (job.goodput.is_some() || job.throughput.is_some());
-            for gpus in gpu_counts(per_node, pool.nodes) {
+            // Sia's counts, and the job's minimum (a count it may need that is not one of
+            // them, e.g. 3 GPUs: without it such a job would never run).
+            let mut counts = gpu_counts(per_node, pool.nodes);
+            let least = min * gpw;
+            if !counts.contains(&least) {
+                counts.push(least);
+                counts.sort_unstable();
+            }
+            for gpus in counts {
                 if gpus > eligible || !gpus.is_multiple_of(gpw) {
                     continue;
                 }
@@ -362,7 +371,7 @@ impl Policy for Sia {
             decision.workers.entry(job.id.clone()).or_insert(0);
         }
         if types.len() != jobs.len() {
-            return Some(decision);
+            return None;
         }
         let order = arrival_order(jobs);
         let cands = self.candidates(cluster, pools, jobs, types, &order);
@@ -548,6 +557,24 @@ mod tests {
             .unwrap();
         assert_eq!(d.workers.values().copied().collect::<Vec<_>>(), [1]);
         assert_eq!(d.types.len(), 1);
+    }
+
+    /// A job whose minimum is not one of Sia's counts (3 GPUs on 4-GPU nodes) still gets a
+    /// configuration: its minimum.
+    #[test]
+    fn a_minimum_outside_sias_counts_is_a_configuration() {
+        let pools = [pool("a", 2, 4)];
+        let mut j = job("three", 0, 3);
+        j.min_workers = 3;
+        let types = [JobTypes {
+            factors: vec![None],
+            current: None,
+            eligible_gpus: vec![8],
+        }];
+        let d = Sia::default()
+            .allocate_on_types(&view(8, 0.0), &pools, &[j], &types)
+            .unwrap();
+        assert_eq!(d.workers.values().copied().collect::<Vec<_>>(), [3]);
     }
 
     /// On one type, `allocate` runs the same MILP and respects the total.
