@@ -670,16 +670,14 @@ impl Policy for Quality {
         }
         let refs: Vec<&PolicyJob> = jobs.iter().collect();
         let terms = job_terms(&refs, cluster.now, &self.params);
-        // Each id once (its first occurrence in admission order, as the sizing counts it).
-        let mut seen = BTreeSet::new();
-        let mut sized: Vec<(usize, u32)> = Vec::new();
-        for i in super::arrival_order(jobs) {
-            let j = &jobs[i];
-            let w = decision.workers.get(&j.id).copied().unwrap_or(0);
-            if w > 0 && seen.insert(&j.id) {
-                sized.push((i, w));
-            }
-        }
+        // Each id once: `arrival_order` keeps its first occurrence.
+        let sized: Vec<(usize, u32)> = super::arrival_order(jobs)
+            .into_iter()
+            .filter_map(|i| {
+                let w = decision.workers.get(&jobs[i].id).copied().unwrap_or(0);
+                (w > 0).then_some((i, w))
+            })
+            .collect();
         let choice = super::assign_gpu_types(
             pools,
             &sized,

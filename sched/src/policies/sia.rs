@@ -392,27 +392,11 @@ mod tests {
     use super::*;
     use converge_common::JobId;
 
+    /// A 1-GPU-per-worker job of 1 to `max` workers, running `current` of them.
     fn job(id: &str, current: u32, max: u32) -> PolicyJob {
         PolicyJob {
-            id: id.parse::<JobId>().unwrap(),
-            gpus_per_worker: 1,
-            min_workers: 1,
-            max_workers: max,
             current_workers: current,
-            submitted_at: 0.0,
-            curve: None,
-            samples: 0.0,
-            loss_scale: 0.0,
-            samples_per_s_per_worker: None,
-            requested_workers: 1,
-            attained_gpu_seconds: 0.0,
-            throughput: None,
-            remaining_work: None,
-            restarts: 0,
-            restart_cost_s: None,
-            goodput: None,
-            current_hosts: Vec::new(),
-            eligible_hosts: None,
+            ..crate::policies::test_support::job(id, 0.0, 1, max)
         }
     }
 
