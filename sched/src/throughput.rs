@@ -760,12 +760,15 @@ pub(crate) mod pollux_rows {
     }
 
     /// The rows of `data/pollux/traces/<app>/placements.csv` with their measured sync time
-    /// (seconds per step).
+    /// (seconds per step). bert's are not in this repository: they are read from the copy of
+    /// the Pollux artifact beside it (`../shared/data/pollux/traces`, data/README.md).
     pub fn pollux_rows_with_sync(app: &str) -> Vec<(Row, f64)> {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../data/pollux/traces")
-            .join(app)
-            .join("placements.csv");
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let path = ["data/pollux/traces", "../shared/data/pollux/traces"]
+            .iter()
+            .map(|dir| root.join(dir).join(app).join("placements.csv"))
+            .find(|p| p.is_file())
+            .unwrap_or_else(|| panic!("no placements.csv of {app}"));
         let text = std::fs::read_to_string(&path).unwrap();
         let mut lines = text.lines();
         assert_eq!(

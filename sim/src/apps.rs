@@ -152,6 +152,18 @@ pub enum TraceError {
         /// What is wrong.
         reason: String,
     },
+    /// No traces folder holds the application.
+    #[error(
+        "no traces of application {app} (<folder>/{app}/placements.csv) in {searched}; pass \
+         --traces with a folder that has them, such as a copy of the Pollux artifact's \
+         simulator/traces (bert's are not in this repository, see data/README.md)"
+    )]
+    Missing {
+        /// Application name.
+        app: String,
+        /// The folders searched, comma-separated.
+        searched: String,
+    },
 }
 
 /// One measured training application (see the module docs).
@@ -1025,11 +1037,59 @@ impl Application {
     }
 }
 
-/// Loads the six applications of [`APP_NAMES`] from `traces_dir` (`data/pollux/traces`).
-pub fn load_all(traces_dir: &Path) -> Result<BTreeMap<String, Application>, TraceError> {
+/// Where the simulator looks for the applications' traces unless told otherwise, relative to
+/// the repository root, in order. `bert`'s traces are not in this repository (see
+/// `data/README.md`): they come from a copy of the Pollux artifact's `simulator/traces`, which
+/// this workspace keeps at `../shared/data/pollux/traces`.
+pub const DEFAULT_TRACE_DIRS: [&str; 2] = ["data/pollux/traces", "../shared/data/pollux/traces"];
+
+/// [`DEFAULT_TRACE_DIRS`] under the repository root `root`.
+pub fn default_trace_dirs(root: &Path) -> Vec<PathBuf> {
+    DEFAULT_TRACE_DIRS.iter().map(|d| root.join(d)).collect()
+}
+
+/// [`DEFAULT_TRACE_DIRS`] under this crate's repository, for tests.
+#[cfg(test)]
+pub(crate) fn test_trace_dirs() -> Vec<PathBuf> {
+    default_trace_dirs(&Path::new(env!("CARGO_MANIFEST_DIR")).join(".."))
+}
+
+/// The first of `dirs` that holds `relative` (a file or folder), if any.
+pub fn find_in(dirs: &[PathBuf], relative: &str) -> Option<PathBuf> {
+    dirs.iter().map(|d| d.join(relative)).find(|p| p.exists())
+}
+
+/// The folder among `dirs` that application `name` is loaded from: the first one with
+/// `<name>/placements.csv`.
+///
+/// # Errors
+/// [`TraceError::Missing`] when none has it.
+pub fn app_dir<'a>(dirs: &'a [PathBuf], name: &str) -> Result<&'a Path, TraceError> {
+    dirs.iter()
+        .find(|d| d.join(name).join("placements.csv").is_file())
+        .map(PathBuf::as_path)
+        .ok_or_else(|| TraceError::Missing {
+            app: name.to_string(),
+            searched: dirs
+                .iter()
+                .map(|d| d.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+        })
+}
+
+/// Loads the six applications of [`APP_NAMES`], each from the first of `dirs` that has it
+/// ([`app_dir`]; by default [`DEFAULT_TRACE_DIRS`]).
+///
+/// # Errors
+/// [`TraceError::Missing`] when no folder has an application, or the first error reading one.
+pub fn load_all(dirs: &[PathBuf]) -> Result<BTreeMap<String, Application>, TraceError> {
     APP_NAMES
         .iter()
-        .map(|&name| Ok((name.to_string(), Application::load(traces_dir, name)?)))
+        .map(|&name| {
+            let dir = app_dir(dirs, name)?;
+            Ok((name.to_string(), Application::load(dir, name)?))
+        })
         .collect()
 }
 
@@ -1652,29 +1712,51 @@ mod tests {
     use super::*;
     use std::sync::OnceLock;
 
-    fn traces() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/pollux/traces")
+    /// The folder application `app` is loaded from under [`test_trace_dirs`].
+    fn traces(app: &str) -> PathBuf {
+        app_dir(&test_trace_dirs(), app).expect("traces").join(app)
     }
 
     fn apps() -> &'static BTreeMap<String, Application> {
         static APPS: OnceLock<BTreeMap<String, Application>> = OnceLock::new();
-        APPS.get_or_init(|| load_all(&traces()).expect("traces load"))
+        APPS.get_or_init(|| load_all(&test_trace_dirs()).expect("traces load"))
+    }
+
+    #[test]
+    fn a_missing_application_is_named_with_the_folders_searched() {
+        let dirs = [
+            PathBuf::from("/nonexistent/a"),
+            PathBuf::from("/nonexistent/b"),
+        ];
+        let err = load_all(&dirs).unwrap_err();
+        let TraceError::Missing { app, searched } = &err else {
+            panic!("{err}");
+        };
+        assert_eq!(app, "bert");
+        assert_eq!(searched, "/nonexistent/a, /nonexistent/b");
+        assert!(err.to_string().contains("--traces"), "{err}");
+    }
+
+    #[test]
+    fn each_application_comes_from_the_first_folder_that_has_it() {
+        let dirs = test_trace_dirs();
+        // cifar10 is in the repository's folder; a folder listed after it is not read.
+        assert_eq!(app_dir(&dirs, "cifar10").unwrap(), dirs[0]);
+        let reversed: Vec<PathBuf> = dirs.iter().rev().cloned().collect();
+        assert_eq!(app_dir(&reversed, "bert").unwrap(), reversed[0]);
     }
 
     fn placement_rows(app: &str) -> Vec<(String, f64, f64, f64)> {
         let mut out = Vec::new();
-        read_csv(
-            &traces().join(app).join("placements.csv"),
-            |r: PlacementRow, _| {
-                out.push((
-                    r.placement,
-                    f64::from(r.local_bsz),
-                    r.step_time,
-                    r.sync_time,
-                ));
-                Ok(())
-            },
-        )
+        read_csv(&traces(app).join("placements.csv"), |r: PlacementRow, _| {
+            out.push((
+                r.placement,
+                f64::from(r.local_bsz),
+                r.step_time,
+                r.sync_time,
+            ));
+            Ok(())
+        })
         .expect("placements.csv");
         out
     }
@@ -1767,7 +1849,7 @@ mod tests {
     #[test]
     fn interpolation_hits_scalability_rows_and_stays_finite() {
         for (name, app) in apps() {
-            let path = traces().join(name).join("scalability.csv");
+            let path = traces(name).join("scalability.csv");
             let mut rows = Vec::new();
             read_csv(&path, |r: ScalabilityRow, _| {
                 rows.push(r);
@@ -1829,7 +1911,7 @@ mod tests {
         }
         let mut pts: Vec<[i64; 3]> = pts.into_iter().collect();
         read_csv(
-            &traces().join(app).join("scalability.csv"),
+            &traces(app).join("scalability.csv"),
             |r: ScalabilityRow, _| {
                 pts.push([r.num_nodes, r.num_replicas, r.local_bsz].map(i64::from));
                 Ok(())
@@ -1956,7 +2038,7 @@ mod tests {
         // Progress at each epoch boundary: the smallest over the validation files.
         let mut bounds = vec![f64::INFINITY; 100];
         for b in [128, 256, 512, 1024, 2048, 4096] {
-            let path = traces().join(format!("cifar10/validation-{b}.csv"));
+            let path = traces("cifar10").join(format!("validation-{b}.csv"));
             let text = std::fs::read_to_string(path).expect("validation file");
             for (e, line) in text.lines().skip(1).take(100).enumerate() {
                 let p: f64 = line

@@ -145,9 +145,12 @@ pub struct ClusterArgs {
     /// batch sizes to allocations (`quality`, `pollux`), to see what goodput is worth.
     #[arg(long)]
     pub fixed_batch: bool,
-    /// Folder of the measured application traces.
-    #[arg(long, default_value = "data/pollux/traces")]
-    pub traces: PathBuf,
+    /// Folder of the measured application traces; repeat it to search several in order (each
+    /// application, and each `--cluster` type's step times, from the first that has the
+    /// application). The default's second folder supplies bert, whose traces are not in this
+    /// repository (data/README.md).
+    #[arg(long, default_values = crate::apps::DEFAULT_TRACE_DIRS)]
+    pub traces: Vec<PathBuf>,
     /// Fraction of the jobs (0–1, by a seeded hash of their names) run as shadow variants:
     /// background synchronization, compute-only steps, the algorithm's measured
     /// statistical-efficiency penalty (docs/communication.md, "Shadow jobs in the
@@ -170,21 +173,20 @@ impl ClusterArgs {
     /// The applications of `--traces`, with the step times of every `--cluster` type and the
     /// `--calibration`.
     pub fn applications(&self) -> anyhow::Result<BTreeMap<String, Application>> {
-        let mut apps = load_all(&self.traces)
-            .with_context(|| format!("cannot load traces from {}", self.traces.display()))?;
+        let mut apps = load_all(&self.traces)?;
         for app in apps.values_mut() {
+            let dir = crate::apps::app_dir(&self.traces, &app.name)?;
             for group in self.cluster.iter().flat_map(|g| &g.0) {
-                app.load_gpu_type(&self.traces, &group.gpu_type)
-                    .with_context(|| {
-                        format!(
-                            "cannot load {}'s step times on GPU type {} from {} (--cluster \
-                             needs a traces folder with placements-<type>.csv and \
-                             scalability-<type>.csv, such as the Sia artifact's)",
-                            app.name,
-                            group.gpu_type,
-                            self.traces.display()
-                        )
-                    })?;
+                app.load_gpu_type(dir, &group.gpu_type).with_context(|| {
+                    format!(
+                        "cannot load {}'s step times on GPU type {} from {} (--cluster \
+                         needs a traces folder with placements-<type>.csv and \
+                         scalability-<type>.csv, such as the Sia artifact's)",
+                        app.name,
+                        group.gpu_type,
+                        dir.display()
+                    )
+                })?;
             }
             if self.calibration == Calibration::Sia {
                 app.step_scale = SIA_SLOWDOWNS

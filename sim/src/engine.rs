@@ -216,6 +216,12 @@ pub struct JobOutcome {
     /// Times the queues preempted it whole (to serve a higher class of its queue, or to
     /// hand borrowed GPUs back).
     pub preemptions: u32,
+    /// GPU-seconds it held on each GPU type of a mixed cluster (`--cluster`), restart delays
+    /// included; empty on a cluster without types. A placement over several types splits
+    /// its time by GPUs per type.
+    pub gpu_seconds_by_type: BTreeMap<String, f64>,
+    /// GPU-seconds it held in all, restart delays included.
+    pub gpu_seconds: f64,
 }
 
 /// One scheduling interval.
@@ -308,6 +314,10 @@ struct Tracked {
     started_at: Option<f64>,
     first_placed_at: Option<f64>,
     preemptions: u32,
+    /// GPUs of the current placement per GPU type (types of `--cluster` only).
+    gpus_by_type: Vec<(String, u32)>,
+    /// See [`JobOutcome::gpu_seconds_by_type`].
+    gpu_seconds_by_type: BTreeMap<String, f64>,
 }
 
 fn host_name(node: u32) -> HostId {
@@ -465,6 +475,8 @@ pub fn simulate(
             started_at: None,
             first_placed_at: None,
             preemptions: 0,
+            gpus_by_type: Vec::new(),
+            gpu_seconds_by_type: BTreeMap::new(),
         });
     }
     check_queues_defined(&jobs, &cfg.queues)?;
@@ -531,7 +543,16 @@ pub fn simulate(
                 continue;
             }
             let app = &apps[&t.job.app];
+            let held_before = t.job.attained_gpu_seconds;
             t.samples += t.job.step(app, now, cfg.scheduling_interval_s, *f);
+            let held = t.job.attained_gpu_seconds - held_before;
+            let gpus: u32 = t.gpus_by_type.iter().map(|(_, g)| g).sum();
+            if held > 0.0 && gpus > 0 {
+                for (gpu_type, g) in &t.gpus_by_type {
+                    *t.gpu_seconds_by_type.entry(gpu_type.clone()).or_default() +=
+                        held * f64::from(*g) / f64::from(gpus);
+                }
+            }
         }
         now += cfg.scheduling_interval_s;
 
@@ -768,6 +789,16 @@ pub fn simulate(
                         t.low_gain_restarts += 1;
                     }
                 }
+                let mut by_type: BTreeMap<String, u32> = BTreeMap::new();
+                for rank in &new {
+                    if let Some(gpu_type) = node_index(&rank.host)
+                        .and_then(|n| layout.get(n))
+                        .and_then(|(t, _)| *t)
+                    {
+                        *by_type.entry(gpu_type.to_string()).or_default() += rank.gpus.len() as u32;
+                    }
+                }
+                t.gpus_by_type = by_type.into_iter().collect();
                 let mut types: Vec<String> = nodes_of(&new)
                     .into_iter()
                     .filter_map(|h| layout.get(node_index(h)?).and_then(|(t, _)| *t))
@@ -820,6 +851,8 @@ pub fn simulate(
                 priority: t.priority,
                 first_placed_at: t.first_placed_at,
                 preemptions: t.preemptions,
+                gpu_seconds_by_type: t.gpu_seconds_by_type,
+                gpu_seconds: t.job.attained_gpu_seconds,
             })
             .collect(),
         intervals,
@@ -896,9 +929,7 @@ mod tests {
 
     fn apps() -> &'static BTreeMap<String, Application> {
         static APPS: OnceLock<BTreeMap<String, Application>> = OnceLock::new();
-        APPS.get_or_init(|| {
-            load_all(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/pollux/traces")).unwrap()
-        })
+        APPS.get_or_init(|| load_all(&crate::apps::test_trace_dirs()).unwrap())
     }
 
     fn workload(n: usize) -> Vec<WorkloadJob> {
@@ -928,14 +959,14 @@ mod tests {
     /// temporary traces folder: `slow` (as measured) and `fast` (every step and sync time
     /// halved).
     fn two_type_apps() -> BTreeMap<String, Application> {
-        let traces = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/pollux/traces");
+        let traces = crate::apps::test_trace_dirs();
         let dir = tempfile::tempdir().unwrap();
         let mut apps = load_all(&traces).unwrap();
         for (name, app) in &mut apps {
             std::fs::create_dir_all(dir.path().join(name)).unwrap();
+            let from = crate::apps::app_dir(&traces, name).unwrap().join(name);
             for file in ["placements", "scalability"] {
-                let text =
-                    std::fs::read_to_string(traces.join(name).join(format!("{file}.csv"))).unwrap();
+                let text = std::fs::read_to_string(from.join(format!("{file}.csv"))).unwrap();
                 let mut lines = text.lines();
                 let header = lines.next().unwrap();
                 let columns: Vec<&str> = header.split(',').collect();
@@ -1033,6 +1064,40 @@ mod tests {
             }
             assert_eq!(types_used.len(), 2, "{name}: both types used");
             assert!(spanning_nodes > 0, "{name}: some jobs span nodes");
+            // The GPU time per type adds up to the GPU time held, job by job.
+            for j in &r.jobs {
+                let by_type: f64 = j.gpu_seconds_by_type.values().sum();
+                assert!(j.gpu_seconds > 0.0, "{name}: {}", j.name);
+                assert!(
+                    (by_type - j.gpu_seconds).abs() <= 1e-6 * j.gpu_seconds,
+                    "{name}: {}: {by_type} of {} GPU-s",
+                    j.name,
+                    j.gpu_seconds
+                );
+            }
+            let summary = crate::summary::summarize(name, &[("w".into(), r.clone())]);
+            let held: f64 = r.jobs.iter().map(|j| j.gpu_seconds).sum();
+            assert!(
+                (summary.gpu_hours_per_job * 3600.0 * r.jobs.len() as f64 - held).abs()
+                    < 1e-6 * held
+            );
+            let by_type: f64 = summary
+                .gpu_hours_by_type
+                .values()
+                .flat_map(|t| t.values())
+                .sum();
+            assert!((by_type * 3600.0 - held).abs() < 1e-6 * held, "{name}");
+            let types_with_time: BTreeSet<&String> = summary
+                .gpu_hours_by_type
+                .values()
+                .flat_map(|t| t.keys())
+                .collect();
+            assert_eq!(
+                types_with_time.len(),
+                2,
+                "{name}: {:?}",
+                summary.gpu_hours_by_type
+            );
         }
 
         // A type without step times is refused by name.

@@ -841,7 +841,7 @@ mod tests {
             crate::workload::read_philly(&data().join("pollux/traces/philly.csv")).unwrap();
         let trials = generate(&philly, &curves, 6, 0.5, 7).unwrap();
         assert_eq!(trials, generate(&philly, &curves, 6, 0.5, 7).unwrap());
-        let apps = load_all(&data().join("pollux/traces")).unwrap();
+        let apps = load_all(&crate::apps::test_trace_dirs()).unwrap();
         let cfg = ExploreConfig::default();
         let quality = Quality {
             params: PolicyParams {

@@ -24,9 +24,30 @@ pub struct ExploreData {
     /// Folder of recorded loss curves (`step,samples,loss,eval_loss,epoch` CSVs).
     #[arg(long, default_value = "data/curves/sweep")]
     pub curves: PathBuf,
-    /// Folder of the measured application traces (step times).
-    #[arg(long, default_value = "data/pollux/traces")]
-    pub traces: PathBuf,
+    /// Folder of the measured application traces (step times) and of `philly.csv`; repeat it
+    /// to search several in order (each file from the first that has it). The default's
+    /// second folder supplies bert, whose traces are not in this repository (data/README.md).
+    #[arg(long, default_values = crate::apps::DEFAULT_TRACE_DIRS)]
+    pub traces: Vec<PathBuf>,
+}
+
+impl ExploreData {
+    /// `philly.csv` from the first of `--traces` that has it.
+    ///
+    /// # Errors
+    /// When none has it.
+    pub fn philly(&self) -> anyhow::Result<PathBuf> {
+        crate::apps::find_in(&self.traces, "philly.csv").ok_or_else(|| {
+            anyhow::anyhow!(
+                "no philly.csv in {}",
+                self.traces
+                    .iter()
+                    .map(|d| d.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )
+        })
+    }
 }
 
 /// `converge-sim explore-workload`.
@@ -190,7 +211,7 @@ fn policy(
 
 pub fn run_explore_workload(args: &ExploreWorkloadArgs) -> anyhow::Result<()> {
     let curves = load_curves(&args.data.curves)?;
-    let philly = read_philly(&args.data.traces.join("philly.csv"))?;
+    let philly = read_philly(&args.data.philly()?)?;
     let trials = generate(&philly, &curves, args.sweeps, args.hours, args.seed)?;
     write_trials(&args.out, &trials)?;
     println!(
@@ -272,7 +293,7 @@ fn policy_table(runs: &[Vec<ExploreSummary>]) -> String {
 pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
     let curves = load_curves(&args.data.curves)?;
     let apps = load_all(&args.data.traces)?;
-    let philly = read_philly(&args.data.traces.join("philly.csv"))?;
+    let philly = read_philly(&args.data.philly()?)?;
     let cfg = args.cluster.config()?;
     let to_end = ExploreConfig {
         stop: None,

@@ -12,6 +12,7 @@ pub mod explore;
 pub mod explore_report;
 pub mod makespan_bench;
 pub mod markdown;
+pub mod mixed_report;
 pub mod predict;
 pub mod predict_bench;
 pub mod ps_bench;

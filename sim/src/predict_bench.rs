@@ -270,13 +270,15 @@ pub fn evaluate_groups(series: &[Series]) -> Vec<GroupResult> {
         .collect()
 }
 
-/// The validation curves of the six Pollux applications in `traces`, every batch size,
-/// as loss-like values against epochs (see the module docs).
-pub fn load_pollux(traces: &Path) -> anyhow::Result<Vec<Series>> {
+/// The validation curves of the six Pollux applications, each from the first of `traces`
+/// that has it ([`crate::apps::app_dir`]), every batch size, as loss-like values against
+/// epochs (see the module docs).
+pub fn load_pollux(traces: &[PathBuf]) -> anyhow::Result<Vec<Series>> {
     let mut out = Vec::new();
     for name in APP_NAMES {
-        let app = Application::load(traces, name)?;
-        let dir = traces.join(name);
+        let from = crate::apps::app_dir(traces, name)?;
+        let app = Application::load(from, name)?;
+        let dir = from.join(name);
         let mut files: Vec<(u32, PathBuf)> = Vec::new();
         for entry in
             std::fs::read_dir(&dir).with_context(|| format!("cannot read {}", dir.display()))?
@@ -390,9 +392,11 @@ pub struct PredictBenchArgs {
     /// Markdown report to write.
     #[arg(long, default_value = "docs/prediction.md")]
     pub out: PathBuf,
-    /// Folder of the measured Pollux application traces.
-    #[arg(long, default_value = "data/pollux/traces")]
-    pub traces: PathBuf,
+    /// Folder of the measured Pollux application traces; repeat it to search several in
+    /// order (each application from the first that has it). The default's second folder
+    /// supplies bert, whose traces are not in this repository (data/README.md).
+    #[arg(long, default_values = crate::apps::DEFAULT_TRACE_DIRS)]
+    pub traces: Vec<PathBuf>,
     /// Folder of the recorded converge-trainer curves.
     #[arg(long, default_value = "data/curves")]
     pub curves: PathBuf,
@@ -402,8 +406,10 @@ impl PredictBenchArgs {
     /// The command line that regenerates the report.
     fn command_line(&self) -> String {
         let mut line = format!("converge-sim predict-bench --out {}", self.out.display());
-        if self.traces != Path::new("data/pollux/traces") {
-            let _ = write!(line, " --traces {}", self.traces.display());
+        if self.traces != crate::apps::DEFAULT_TRACE_DIRS.map(PathBuf::from) {
+            for dir in &self.traces {
+                let _ = write!(line, " --traces {}", dir.display());
+            }
         }
         if self.curves != Path::new("data/curves") {
             let _ = write!(line, " --curves {}", self.curves.display());
@@ -426,9 +432,9 @@ pub struct PredictionResults {
 }
 
 impl PredictionResults {
-    /// Loads the Pollux validation curves from `traces` and the trainer curves from `curves`
-    /// and evaluates every predictor on them.
-    pub fn compute(traces: &Path, curves: &Path) -> anyhow::Result<Self> {
+    /// Loads the Pollux validation curves from `traces` (searched in order) and the trainer
+    /// curves from `curves` and evaluates every predictor on them.
+    pub fn compute(traces: &[PathBuf], curves: &Path) -> anyhow::Result<Self> {
         let pollux = evaluate_groups(&load_pollux(traces)?);
         let (train, held_out) = load_trainer_curves(curves)?;
         Ok(Self {
@@ -817,7 +823,8 @@ pub fn render(
     out.push_str(
         "## Pollux validation curves\n\n\
          The measured validation curves of the six Pollux applications \
-         (`data/pollux/traces/<app>/validation-<B>.csv`, every batch size B), as a loss-like \
+         (`<traces>/<app>/validation-<B>.csv`, every batch size B; bert's from the copy of the \
+         Pollux artifact outside the repository, data/README.md), as a loss-like \
          value (`1 − accuracy` for cifar10 and imagenet, `1 − hit rate` for ncf, \
          `1 − score/100` for bert, the word error rate of deepspeech2, yolov3's loss-like \
          score); progress in epochs, one point per epoch. bert has only 2 epochs per curve, \
@@ -977,7 +984,7 @@ mod tests {
     #[test]
     fn predictions_on_the_real_curves_are_finite_and_non_negative() {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
-        let pollux = load_pollux(&root.join("data/pollux/traces")).unwrap();
+        let pollux = load_pollux(&crate::apps::default_trace_dirs(&root)).unwrap();
         assert_eq!(pollux.iter().filter(|s| s.group == "cifar10").count(), 6);
         // cifar10 at batch 128: 1 − 0.4455 accuracy after epoch 1.
         let cifar = pollux

@@ -502,9 +502,7 @@ mod tests {
 
     fn apps() -> &'static BTreeMap<String, crate::apps::Application> {
         static APPS: OnceLock<BTreeMap<String, crate::apps::Application>> = OnceLock::new();
-        APPS.get_or_init(|| {
-            load_all(&Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/pollux/traces")).unwrap()
-        })
+        APPS.get_or_init(|| load_all(&crate::apps::test_trace_dirs()).unwrap())
     }
 
     fn workload(n: usize) -> Vec<WorkloadJob> {

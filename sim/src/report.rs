@@ -91,6 +91,8 @@ pub struct ReportArgs {
     pub threads: Option<usize>,
     #[command(flatten)]
     pub cluster: ClusterArgs,
+    #[command(flatten)]
+    pub mixed: crate::mixed_report::MixedArgs,
 }
 
 /// The policy (one of [`POLICY_NAMES`]) and its settings behind a report label: a policy
@@ -450,6 +452,9 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         }
     }
 
+    // The mixed-cluster section: the Sia traces on 64 GPUs of three types.
+    let mixed = crate::mixed_report::run(&args.mixed, &args.cluster, threads)?;
+
     let plot_rel = plot_dir
         .file_name()
         .map(|s| s.to_string_lossy().into_owned())
@@ -470,6 +475,7 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         sim_makespan: &sim_makespan,
         converge_bco: &converge_bco,
         ps: ps.as_deref(),
+        mixed: &crate::mixed_report::render(&mixed, &args.mixed.sia),
         threads,
         wall_s: started.elapsed().as_secs_f64(),
     });
@@ -620,6 +626,8 @@ struct Page<'a> {
     makespan: Option<&'a str>,
     sim_makespan: &'a [(String, Summary)],
     ps: Option<&'a str>,
+    /// The mixed-cluster section, rendered ([`crate::mixed_report::render`]).
+    mixed: &'a str,
     threads: usize,
     wall_s: f64,
 }
@@ -756,6 +764,7 @@ fn markdown(page: &Page) -> String {
         }
         let _ = writeln!(md);
     }
+    md.push_str(page.mixed);
     let _ = writeln!(md, "## Regenerate\n");
     let mut took = format!("The whole report took {:.0} s", page.wall_s);
     if let Some(p) = page.prediction {
@@ -796,6 +805,9 @@ fn markdown(page: &Page) -> String {
          cargo run --release -p converge-sim -- ps-bench\n\
          # one placement run (the placement table runs first-fit and bco, interference 0.5 and 0)\n\
          cargo run --release -p converge-sim -- simulate --workload data/pollux/workloads/*.csv --policy quality --interference 0.5 --placement bco\n\
+         # (the mixed-cluster section reads the Sia artifact from --sia, ../shared/data/sia by\n\
+         # default, and is left out without it; one of its runs:)\n\
+         cargo run --release -p converge-sim -- simulate --policy quality --workload ../shared/data/sia/workloads/philly/*.csv --traces ../shared/data/sia/traces --cluster aws=6,rtx=3,dgx-ext=2 --calibration sia\n\
          ```"
     );
     md
@@ -1724,6 +1736,7 @@ mod tests {
             sim_makespan: &[],
             converge_bco: &BTreeMap::new(),
             ps: Some("# PS\n| a | b |"),
+            mixed: "## Mixed GPU generations: the Sia traces on 64 GPUs of three types\n",
             threads: 2,
             wall_s: 1.0,
         });
@@ -1757,6 +1770,7 @@ mod tests {
             "--skip-prediction",
             "## Scale: one decision for 10,000 jobs",
             "--skip-scale",
+            "## Mixed GPU generations",
             "cargo run --release -p converge-sim -- report\n",
             "cargo bench -p converge-sim --bench decision\n",
         ] {

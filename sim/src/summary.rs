@@ -72,6 +72,13 @@ pub struct Summary {
     pub decision_ms: Option<Quantiles>,
     /// Wall time to simulate each workload on one thread, seconds.
     pub simulation_s: BTreeMap<String, f64>,
+    /// GPU-hours held per job (restart delays included), averaged over workloads.
+    #[serde(default)]
+    pub gpu_hours_per_job: f64,
+    /// `{application: {GPU type: GPU-hours}}` summed over all workloads (restart delays
+    /// included; Sia's Figure 6 shows the shares); empty on a cluster without types.
+    #[serde(default)]
+    pub gpu_hours_by_type: BTreeMap<String, BTreeMap<String, f64>>,
 }
 
 fn mean(xs: impl IntoIterator<Item = f64>) -> f64 {
@@ -103,7 +110,11 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
         mean_time_to_95: 0.0,
         decision_ms: None,
         simulation_s: BTreeMap::new(),
+        gpu_hours_per_job: 0.0,
+        gpu_hours_by_type: BTreeMap::new(),
     };
+    let mut gpu_hours = Vec::new();
+
     let mut all_restarts = Vec::new();
     let mut decisions = Vec::new();
     let mut t90 = Vec::new();
@@ -165,7 +176,22 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
         s.avg_normalized_loss.insert(name.clone(), losses);
         decisions.extend(r.intervals.iter().map(|i| i.decision_s * 1e3));
         s.simulation_s.insert(name.clone(), r.wall_s);
+        if !r.jobs.is_empty() {
+            let held: f64 = r.jobs.iter().map(|j| j.gpu_seconds).sum();
+            gpu_hours.push(held / 3600.0 / r.jobs.len() as f64);
+        }
+        for j in &r.jobs {
+            for (gpu_type, seconds) in &j.gpu_seconds_by_type {
+                *s.gpu_hours_by_type
+                    .entry(j.application.clone())
+                    .or_default()
+                    .entry(gpu_type.clone())
+                    .or_default() += seconds / 3600.0;
+            }
+        }
     }
+    s.gpu_hours_per_job = mean(gpu_hours);
+
     s.mean = mean(s.avgs.values().copied());
     s.mean_restarts_per_job = mean(all_restarts);
     s.mean_utilization = mean(util_means);
