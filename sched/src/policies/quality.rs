@@ -79,9 +79,12 @@
 //!    on that type's GPUs, over the jobs it got, with their throughput scaled to it (a move
 //!    counts as a restart), and the jobs still without a type compete for what is left
 //!    (types with the most GPUs left first). A job moved to a faster type is sized at that
-//!    speed, and the GPUs this saves go to waiting jobs: on the Sia traces (64 GPUs of three
-//!    types) this took the mean JCT from 2,904 / 3,285 / 4,160 s to 2,882 / 3,183 / 4,071 s
-//!    (Philly / Helios / newTrace; docs/heterogeneous.md).
+//!    speed, and the GPUs this saves go to waiting jobs. The assignment and the sizing per
+//!    type then run once more, from the new sizes. On the Sia traces (64 GPUs of three
+//!    types) the mean JCT went from 2,904 / 3,285 / 4,160 s (sizes of steps 1–4 kept) to
+//!    2,882 / 3,183 / 4,071 s with one sizing per type and 2,813 / 3,117 / 4,012 s with two
+//!    (Philly / Helios / newTrace; a third gained nothing; docs/heterogeneous.md). Each
+//!    round costs about as much as steps 1–4 again (docs/scheduling.md).
 //!
 //! # Deviations from SLAQ
 //!
@@ -108,7 +111,7 @@
 //!   §5.2), not linear scaling.
 
 use std::cmp::Ordering;
-use std::collections::{BTreeSet, BinaryHeap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
 
 use serde::{Deserialize, Serialize};
 
@@ -673,50 +676,66 @@ impl Policy for Quality {
             return None;
         }
         // 1. Sizes as on one type, at the speeds of each job's table.
-        let decision = quality_allocate(cluster, jobs, &self.params);
+        let first = quality_allocate(cluster, jobs, &self.params);
         let refs: Vec<&PolicyJob> = jobs.iter().collect();
         let terms = job_terms(&refs, cluster.now, &self.params);
         // 2. One type per sized job, by comparative advantage. Each id once:
         //    `arrival_order` keeps its first occurrence.
-        let sized: Vec<(usize, u32)> = super::arrival_order(jobs)
-            .into_iter()
-            .filter_map(|i| {
-                let w = decision.workers.get(&jobs[i].id).copied().unwrap_or(0);
-                (w > 0).then_some((i, w))
-            })
-            .collect();
-        let choice = super::assign_gpu_types(
-            pools,
-            &sized,
-            |i, w| w * jobs[i].gpus_per_worker,
-            |i, w, t| {
-                let job = &jobs[i];
-                let jt = &types[i];
-                let keep = if jt.current == Some(t) && job.current_workers == w {
-                    1.0
-                } else if job.current_workers > 0 {
-                    terms[i].change_factor
-                } else {
-                    1.0
-                };
-                let eligible = jt.eligible_gpus.get(t).copied().unwrap_or(0);
-                (eligible >= w * job.gpus_per_worker).then(|| {
-                    f64::from(w * job.gpus_per_worker) * (type_factor(jt, t) * keep).max(1e-3).ln()
+        let assign = |sizes: &BTreeMap<JobId, u32>| -> Vec<Option<usize>> {
+            let sized: Vec<(usize, u32)> = super::arrival_order(jobs)
+                .into_iter()
+                .filter_map(|i| {
+                    let w = sizes.get(&jobs[i].id).copied().unwrap_or(0);
+                    (w > 0).then_some((i, w))
                 })
-            },
-        );
-        let mut assigned: Vec<Option<usize>> = vec![None; jobs.len()];
-        for ((i, _), t) in sized.iter().zip(choice) {
-            assigned[*i] = t;
-        }
+                .collect();
+            let choice = super::assign_gpu_types(
+                pools,
+                &sized,
+                |i, w| w * jobs[i].gpus_per_worker,
+                |i, w, t| {
+                    let job = &jobs[i];
+                    let jt = &types[i];
+                    let keep = if jt.current == Some(t) && job.current_workers == w {
+                        1.0
+                    } else if job.current_workers > 0 {
+                        terms[i].change_factor
+                    } else {
+                        1.0
+                    };
+                    let eligible = jt.eligible_gpus.get(t).copied().unwrap_or(0);
+                    (eligible >= w * job.gpus_per_worker).then(|| {
+                        f64::from(w * job.gpus_per_worker)
+                            * (type_factor(jt, t) * keep).max(1e-3).ln()
+                    })
+                },
+            );
+            let mut assigned = vec![None; jobs.len()];
+            for ((i, _), t) in sized.iter().zip(choice) {
+                assigned[*i] = t;
+            }
+            assigned
+        };
         // 3. Sizes again within each type, at that type's speed.
+        let second = size_within_types(
+            cluster,
+            pools,
+            jobs,
+            types,
+            &assign(&first.workers),
+            &first.workers,
+            &self.params,
+        );
+        // 4. Steps 2 and 3 once more, from step 3's sizes: a job sized at its new type's
+        //    speed may suit another type better. (A third round gained nothing more on the
+        //    Sia traces.)
         Some(size_within_types(
             cluster,
             pools,
             jobs,
             types,
-            &assigned,
-            &decision,
+            &assign(&second.workers),
+            &second.workers,
             &self.params,
         ))
     }
@@ -756,7 +775,7 @@ fn size_within_types(
     jobs: &[PolicyJob],
     types: &[super::JobTypes],
     assigned: &[Option<usize>],
-    first: &Decision,
+    sizes: &BTreeMap<JobId, u32>,
     params: &PolicyParams,
 ) -> super::TypeDecision {
     let mut out = super::TypeDecision {
@@ -766,7 +785,7 @@ fn size_within_types(
     let mut used = vec![0u64; pools.len()];
     for (i, t) in assigned.iter().enumerate() {
         if let Some(t) = *t {
-            used[t] += u64::from(first.workers.get(&jobs[i].id).copied().unwrap_or(0))
+            used[t] += u64::from(sizes.get(&jobs[i].id).copied().unwrap_or(0))
                 * u64::from(jobs[i].gpus_per_worker);
         }
     }
