@@ -19,6 +19,11 @@ pub trait GpuSource: Send {
     fn gpu_type(&self) -> Option<&str> {
         None
     }
+    /// The nominal speed this source was told its GPUs have (the fake source's
+    /// `--fake-gpu-speed`), reported as the host's `gpu.speed`; `None`: not known.
+    fn gpu_speed(&self) -> Option<f64> {
+        None
+    }
 }
 
 /// Memory of one fake GPU, in bytes (16 GiB).
@@ -33,6 +38,7 @@ pub struct FakeGpus {
     count: u32,
     tick: u64,
     gpu_type: Option<String>,
+    gpu_speed: Option<f64>,
 }
 
 /// The fake GPUs' model name without a type.
@@ -45,6 +51,7 @@ impl FakeGpus {
             count,
             tick: 0,
             gpu_type: None,
+            gpu_speed: None,
         }
     }
 
@@ -52,6 +59,13 @@ impl FakeGpus {
     /// `gpu.type`, and in the model name (`Converge fake GPU (t4)`).
     pub fn with_type(mut self, gpu_type: Option<String>) -> Self {
         self.gpu_type = gpu_type;
+        self
+    }
+
+    /// Fake GPUs of nominal speed `speed` (the fraction of real speed the workers are told to
+    /// run at): reported as the host's `gpu.speed`.
+    pub fn with_speed(mut self, speed: Option<f64>) -> Self {
+        self.gpu_speed = speed;
         self
     }
 }
@@ -65,6 +79,9 @@ impl GpuSource for FakeGpus {
     }
     fn gpu_type(&self) -> Option<&str> {
         Some(self.gpu_type.as_deref().unwrap_or("fake"))
+    }
+    fn gpu_speed(&self) -> Option<f64> {
+        self.gpu_speed
     }
     fn sample(&mut self, busy: &BTreeSet<u32>) -> Vec<GpuSample> {
         self.tick += 1;
@@ -162,9 +179,14 @@ pub fn open_gpu_source(
     host: &str,
     fake_gpus: Option<u32>,
     fake_type: Option<String>,
+    fake_speed: Option<f64>,
 ) -> Result<Box<dyn GpuSource>, String> {
     if let Some(n) = fake_gpus {
-        return Ok(Box::new(FakeGpus::new(host, n).with_type(fake_type)));
+        return Ok(Box::new(
+            FakeGpus::new(host, n)
+                .with_type(fake_type)
+                .with_speed(fake_speed),
+        ));
     }
     match NvmlGpus::init() {
         Ok(nvml) => Ok(Box::new(nvml)),
@@ -197,9 +219,12 @@ mod tests {
     #[test]
     fn without_nvml_or_fake_the_error_says_what_to_do() {
         // This machine may or may not have NVML; only check the message when it has none.
-        if let Err(msg) = open_gpu_source("h", None, None) {
+        if let Err(msg) = open_gpu_source("h", None, None, None) {
             assert!(msg.contains("--fake-gpus"), "{msg}");
         }
-        assert_eq!(open_gpu_source("h", Some(2), None).unwrap().count(), 2);
+        assert_eq!(
+            open_gpu_source("h", Some(2), None, None).unwrap().count(),
+            2
+        );
     }
 }

@@ -9,8 +9,8 @@ use std::collections::BTreeMap;
 
 use converge_common::GpuSample;
 use converge_common::labels::{
-    GPU_COUNT, GPU_MEMORY, GPU_MODEL, GPU_TYPE, MAX_LABELS, RESERVED_PREFIX, gpu_type, parse_pair,
-    sanitize_value,
+    GPU_COUNT, GPU_MEMORY, GPU_MODEL, GPU_SPEED, GPU_TYPE, MAX_LABELS, RESERVED_PREFIX, gpu_type,
+    parse_pair, sanitize_value,
 };
 
 /// Checks one custom label argument (`key=value`), as clap's value parser for `--label`:
@@ -19,8 +19,9 @@ pub fn parse_label_arg(text: &str) -> Result<String, String> {
     let (key, _) = parse_pair(text)?;
     if key.starts_with(RESERVED_PREFIX) {
         return Err(format!(
-            "label {key} is reserved: the agent sets {GPU_MODEL}, {GPU_TYPE}, {GPU_MEMORY} and \
-             {GPU_COUNT} from its GPUs, and custom labels may not use the {RESERVED_PREFIX:?} prefix"
+            "label {key} is reserved: the agent sets {GPU_MODEL}, {GPU_TYPE}, {GPU_MEMORY}, \
+             {GPU_COUNT} and {GPU_SPEED} from its GPUs, and custom labels may not use the \
+             {RESERVED_PREFIX:?} prefix"
         ));
     }
     Ok(text.to_string())
@@ -47,7 +48,7 @@ pub fn custom_labels(args: &[String]) -> Result<BTreeMap<String, String>, String
         }
         labels.insert(key, value);
     }
-    let room = MAX_LABELS - 4;
+    let room = MAX_LABELS - 5;
     if labels.len() > room {
         return Err(format!(
             "{} custom labels, at most {room} allowed",
@@ -60,8 +61,13 @@ pub fn custom_labels(args: &[String]) -> Result<BTreeMap<String, String>, String
 /// The GPU labels of a host with `gpus`: `gpu.count`, and from the first GPU `gpu.model`
 /// (its name as a label value), `gpu.type` (`source_type`, the type a fake source was
 /// given, else [`gpu_type`] of the name) and `gpu.memory` (whole GiB, rounded); the model
-/// is absent when the name has nothing a label value can hold, all three without GPUs.
-pub fn gpu_labels(gpus: &[GpuSample], source_type: Option<&str>) -> BTreeMap<String, String> {
+/// is absent when the name has nothing a label value can hold, all three without GPUs;
+/// `gpu.speed` when the source knows its nominal speed (`source_speed`).
+pub fn gpu_labels(
+    gpus: &[GpuSample],
+    source_type: Option<&str>,
+    source_speed: Option<f64>,
+) -> BTreeMap<String, String> {
     let mut labels = BTreeMap::new();
     labels.insert(GPU_COUNT.to_string(), gpus.len().to_string());
     if let Some(first) = gpus.first() {
@@ -73,6 +79,9 @@ pub fn gpu_labels(gpus: &[GpuSample], source_type: Option<&str>) -> BTreeMap<Str
         labels.insert(GPU_TYPE.to_string(), kind);
         let gib = (first.memory_total_bytes as f64 / (1u64 << 30) as f64).round() as u64;
         labels.insert(GPU_MEMORY.to_string(), gib.to_string());
+        if let Some(speed) = source_speed.filter(|s| s.is_finite() && *s > 0.0) {
+            labels.insert(GPU_SPEED.to_string(), speed.to_string());
+        }
     }
     labels
 }
@@ -83,9 +92,10 @@ pub fn host_labels(
     custom: &[String],
     gpus: &[GpuSample],
     source_type: Option<&str>,
+    source_speed: Option<f64>,
 ) -> Result<BTreeMap<String, String>, String> {
     let mut labels = custom_labels(custom)?;
-    labels.extend(gpu_labels(gpus, source_type));
+    labels.extend(gpu_labels(gpus, source_type, source_speed));
     converge_common::labels::validate(&labels)?;
     Ok(labels)
 }
@@ -106,6 +116,7 @@ mod tests {
             &args(&["zone=a", "rack=r1,example.com/tier=gold", ""]),
             &gpus.sample(&Default::default()),
             gpus.gpu_type(),
+            gpus.gpu_speed(),
         )
         .unwrap();
         let expected: BTreeMap<String, String> = [
@@ -123,7 +134,7 @@ mod tests {
         assert_eq!(labels, expected);
         assert_eq!(FAKE_GPU_MEMORY_BYTES >> 30, 16);
         assert_eq!(
-            host_labels(&[], &[], None).unwrap(),
+            host_labels(&[], &[], None, None).unwrap(),
             BTreeMap::from([("gpu.count".to_string(), "0".to_string())])
         );
     }
@@ -133,7 +144,7 @@ mod tests {
         let mut gpu = FakeGpus::new("h", 1).sample(&Default::default()).remove(0);
         gpu.name = "NVIDIA H100 80GB HBM3".into();
         gpu.memory_total_bytes = 85_520_809_984;
-        let labels = gpu_labels(&[gpu.clone(), gpu], None);
+        let labels = gpu_labels(&[gpu.clone(), gpu], None, None);
         assert_eq!(labels["gpu.model"], "NVIDIA-H100-80GB-HBM3");
         assert_eq!(labels["gpu.type"], "h100");
         assert_eq!(labels["gpu.memory"], "80");
@@ -157,16 +168,26 @@ mod tests {
         assert!(e.contains("given twice"), "{e}");
         assert!(custom_labels(&args(&["zone=a", "zone=a"])).is_ok());
         let many: Vec<String> = (0..61).map(|i| format!("k{i}=v")).collect();
-        assert!(custom_labels(&many).unwrap_err().contains("at most 60"));
+        assert!(custom_labels(&many).unwrap_err().contains("at most 59"));
         let e = custom_labels(&args(&["gpu.type=a100"])).unwrap_err();
         assert!(e.contains("gpu.type"), "{e}");
     }
 
     #[test]
     fn a_typed_fake_source_reports_its_type_and_names_it_in_the_model() {
-        let mut gpus = FakeGpus::new("h", 2).with_type(Some("t4".into()));
-        let labels = host_labels(&[], &gpus.sample(&Default::default()), gpus.gpu_type()).unwrap();
+        let mut gpus = FakeGpus::new("h", 2)
+            .with_type(Some("t4".into()))
+            .with_speed(Some(0.25));
+        let labels = host_labels(
+            &[],
+            &gpus.sample(&Default::default()),
+            gpus.gpu_type(),
+            gpus.gpu_speed(),
+        )
+        .unwrap();
         assert_eq!(labels["gpu.type"], "t4");
+        assert_eq!(labels["gpu.speed"], "0.25");
+        assert_eq!(converge_common::labels::host_gpu_speed(&labels), Some(0.25));
         assert_eq!(labels["gpu.model"], "Converge-fake-GPU-t4");
     }
 }

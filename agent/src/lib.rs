@@ -174,12 +174,18 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
         Some(h) => HostId::new(h.clone()).with_context(|| format!("invalid --host-id {h:?}"))?,
         None => HostId::new(host::default_host_id()).context("cannot derive a host id")?,
     };
-    let mut gpus = gpu::open_gpu_source(host.as_str(), cfg.fake_gpus, cfg.fake_gpu_type.clone())
-        .map_err(anyhow::Error::msg)?;
+    let mut gpus = gpu::open_gpu_source(
+        host.as_str(),
+        cfg.fake_gpus,
+        cfg.fake_gpu_type.clone(),
+        cfg.fake_gpu_speed,
+    )
+    .map_err(anyhow::Error::msg)?;
     let host_labels = labels::host_labels(
         &cfg.labels,
         &gpus.sample(&Default::default()),
         gpus.gpu_type(),
+        gpus.gpu_speed(),
     )
     .map_err(|e| anyhow::anyhow!("invalid --label: {e}"))?;
     let mut host_sampler =

@@ -33,6 +33,12 @@ pub const GPU_COUNT: &str = "gpu.count";
 /// `a100`, `t4`, `rtx2080ti`), or the type a fake GPU source was given. Jobs restrict the
 /// types they run on with `gpu_types` ([`crate::JobSpec::gpu_types`]).
 pub const GPU_TYPE: &str = "gpu.type";
+/// The nominal speed of the host's GPUs relative to other types (a positive number, e.g.
+/// `0.25`), where the GPU source knows it: a fake GPU source reports its configured speed
+/// (`--fake-gpu-speed`). The allocator uses the ratio of two types' nominal speeds to
+/// project a job's speed onto a type until some job has run on both (sched's
+/// `gpu_types`). NVML hosts do not report it.
+pub const GPU_SPEED: &str = "gpu.speed";
 
 /// A name: 1..=63 characters, alphanumeric at both ends, `-`, `_`, `.` inside.
 fn valid_name(s: &str) -> bool {
@@ -218,6 +224,14 @@ pub fn host_gpu_type(labels: &BTreeMap<String, String>) -> Option<String> {
         .get(GPU_TYPE)
         .cloned()
         .or_else(|| labels.get(GPU_MODEL).map(|m| gpu_type(m)))
+}
+
+/// A host's nominal GPU speed: its `gpu.speed` label when that is a finite positive number.
+pub fn host_gpu_speed(labels: &BTreeMap<String, String>) -> Option<f64> {
+    labels
+        .get(GPU_SPEED)
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
 }
 
 /// GPUs per type ([`host_gpu_type`]; `-` for a host with GPUs but no type) over `hosts`.

@@ -381,6 +381,21 @@ fn gpu_type_speeds(
         return vec![BTreeMap::new(); jobs.len()];
     }
     let types: Vec<&str> = all.into_iter().flatten().collect();
+    // Each type's nominal speed: the median over its hosts that report one.
+    let mut reported: BTreeMap<&str, Vec<f64>> = BTreeMap::new();
+    for h in hosts {
+        if let (Some(t), Some(s)) = (h.gpu_type.as_deref(), h.gpu_speed)
+            && s.is_finite()
+            && s > 0.0
+            && !h.gpus.is_empty()
+        {
+            reported.entry(t).or_default().push(s);
+        }
+    }
+    let nominal: BTreeMap<&str, f64> = reported
+        .into_iter()
+        .filter_map(|(t, v)| Some((t, crate::gpu_types::median(v)?)))
+        .collect();
     let measured: Vec<crate::gpu_types::Measured<'_>> = jobs
         .iter()
         .map(|job| crate::gpu_types::Measured {
@@ -388,7 +403,7 @@ fn gpu_type_speeds(
             speeds: &job.gpu_type_speeds,
         })
         .collect();
-    crate::gpu_types::project(&measured, &types)
+    crate::gpu_types::project(&measured, &types, &nominal)
 }
 
 /// The hosts with GPUs grouped by GPU type, for [`Policy::allocate_on_types`].

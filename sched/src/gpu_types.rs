@@ -12,7 +12,11 @@
 //! other jobs that measured both `u` and `t` of `speed(u) / speed(t)`, taken over the jobs of
 //! the same family (the same model: the simulator's application, a job spec's `model` label)
 //! when at least one such job measured both, otherwise over every job. With no job that
-//! measured both, the type stays unknown. Sia (Jayaram Subramanya et al., SOSP'23, §4.2)
+//! measured both, the ratio of the two types' **nominal speeds** is used where the hosts
+//! report them (`gpu.speed`, [`converge_common::labels::GPU_SPEED`]: a fake GPU source's
+//! configured speed): it starts a cluster whose jobs have each run on one type only, and is
+//! replaced by measured ratios as soon as one job has run on both. Without either, the type
+//! stays unknown. Sia (Jayaram Subramanya et al., SOSP'23, §4.2)
 //! instead profiles every new job on one GPU of each type and scales the model learned on
 //! one type by the profiled ratio; learning the ratios from the jobs already running costs no
 //! profiling run and, within a family, carries the ratio a profile would measure (the
@@ -67,7 +71,14 @@ pub(crate) fn median(mut v: Vec<f64>) -> Option<f64> {
 /// ratio is known (see the module docs), absent otherwise. Output in the order of `jobs`.
 /// `O(jobs² · types)` in the worst case (every job compared with every other of its family
 /// for each type pair it needs); jobs measure few types, so in practice linear.
-pub fn project(jobs: &[Measured<'_>], types: &[&str]) -> Vec<BTreeMap<String, TypeSpeed>> {
+///
+/// `nominal`: each type's nominal speed (any unit, the same for all types; types without one
+/// left out), the last resort for a ratio.
+pub fn project(
+    jobs: &[Measured<'_>],
+    types: &[&str],
+    nominal: &BTreeMap<&str, f64>,
+) -> Vec<BTreeMap<String, TypeSpeed>> {
     // Ratios speed(u) / speed(t) per (family, u, t) and per (u, t) over all jobs.
     let mut by_family: BTreeMap<(&str, &str, &str), Vec<f64>> = BTreeMap::new();
     let mut overall: BTreeMap<(&str, &str), Vec<f64>> = BTreeMap::new();
@@ -123,6 +134,10 @@ pub fn project(jobs: &[Measured<'_>], types: &[&str]) -> Vec<BTreeMap<String, Ty
                         .and_then(|f| by_family.get(&(f, u, t)))
                         .or_else(|| overall.get(&(u, t)))
                         .copied()
+                        .or_else(|| {
+                            let (nu, nt) = (nominal.get(u)?, nominal.get(t)?);
+                            Some(nu / nt).filter(|r| usable(*r))
+                        })
                 };
                 if let Some(projected) = bases
                     .iter()
@@ -186,7 +201,7 @@ mod tests {
                 speeds: &lone,
             },
         ];
-        let out = project(&jobs, &["t4", "a100", "rtx"]);
+        let out = project(&jobs, &["t4", "a100", "rtx"], &BTreeMap::new());
         // Measured values are kept as measured.
         assert_eq!(
             out[0]["a100"],
@@ -225,8 +240,52 @@ mod tests {
                 speeds: &b,
             },
         ];
-        let out = project(&jobs, &["t4", "a100"]);
+        let out = project(&jobs, &["t4", "a100"], &BTreeMap::new());
         assert!(out[0].is_empty());
         assert_eq!(out[1].len(), 2);
+    }
+
+    #[test]
+    fn without_a_job_that_measured_both_types_the_nominal_speeds_give_the_ratio() {
+        let on_t4 = speeds(&[("t4", 10.0)]);
+        let on_a100 = speeds(&[("a100", 30.0)]);
+        let jobs = [
+            Measured {
+                family: Some("mlp"),
+                speeds: &on_t4,
+            },
+            Measured {
+                family: Some("mlp"),
+                speeds: &on_a100,
+            },
+        ];
+        let types = ["t4", "a100"];
+        // Without nominal speeds no ratio is known.
+        let out = project(&jobs, &types, &BTreeMap::new());
+        assert!(!out[0].contains_key("a100") && !out[1].contains_key("t4"));
+        let nominal = BTreeMap::from([("t4", 0.25), ("a100", 1.0)]);
+        let out = project(&jobs, &types, &nominal);
+        assert_eq!(
+            out[0]["a100"],
+            TypeSpeed {
+                samples_per_s: 40.0,
+                measured: false
+            }
+        );
+        assert_eq!(out[1]["t4"].samples_per_s, 7.5);
+        // A job that measured both replaces the nominal ratio with its own (2×).
+        let both = speeds(&[("t4", 10.0), ("a100", 20.0)]);
+        let jobs = [
+            jobs[0],
+            Measured {
+                family: Some("mlp"),
+                speeds: &both,
+            },
+        ];
+        let out = project(&jobs, &types, &nominal);
+        assert_eq!(out[0]["a100"].samples_per_s, 20.0);
+        // A type without a nominal speed stays unknown.
+        let out = project(&jobs[..1], &["t4", "h100"], &nominal);
+        assert!(!out[0].contains_key("h100"));
     }
 }

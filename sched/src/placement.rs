@@ -36,6 +36,11 @@ pub struct HostFree {
     /// only (see [`place`]): a ring all-reduce runs at its slowest member's speed, so a job
     /// spread over a T4 and an A100 runs at T4 speed on both.
     pub gpu_type: Option<String>,
+    /// The nominal speed of the host's GPUs (its `gpu.speed` label,
+    /// [`converge_common::labels::host_gpu_speed`]); `None`: not reported. Only the
+    /// projection of speeds to types no job has measured against another reads it
+    /// ([`crate::gpu_types`]).
+    pub gpu_speed: Option<f64>,
 }
 
 impl HostFree {
@@ -46,12 +51,19 @@ impl HostFree {
             gpus,
             nic_factor: 1.0,
             gpu_type: None,
+            gpu_speed: None,
         }
     }
 
     /// The same host with GPUs of type `gpu_type`.
     pub fn with_gpu_type(mut self, gpu_type: impl Into<String>) -> Self {
         self.gpu_type = Some(gpu_type.into());
+        self
+    }
+
+    /// The same host with GPUs of nominal speed `speed`.
+    pub fn with_gpu_speed(mut self, speed: f64) -> Self {
+        self.gpu_speed = Some(speed);
         self
     }
 

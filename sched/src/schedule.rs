@@ -1177,6 +1177,7 @@ fn allocate(
             gpus: t.gpus.iter().map(|g| g.index).collect(),
             nic_factor: nics[h].factor,
             gpu_type: converge_common::labels::host_gpu_type(&t.labels),
+            gpu_speed: converge_common::labels::host_gpu_speed(&t.labels),
         })
         .collect();
     let queued = decide_queued(

@@ -305,6 +305,82 @@ async fn jobs_run_on_their_gpu_types_and_a_slower_type_trains_slower() {
     allocator.stop().await;
 }
 
+/// A job running on T4s (fake, a quarter of the speed) moves to an A100 host when one joins:
+/// no job has run on both types, so the allocator projects its A100 speed from the hosts'
+/// nominal speeds (`gpu.speed`), and the move pays for its restart. After it, the job trains
+/// faster and its A100 speed is measured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_moves_to_a_faster_gpu_type_when_one_joins() {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    let mut slow = agent_config(&nats, "t4-1", 1, work.path());
+    slow.fake_gpu_type = Some("t4".into());
+    slow.fake_gpu_speed = Some(0.25);
+    let t4 = start_agent(slow);
+    // A restart costs something, so that a move needs a reason: without a known speed on
+    // the A100 the job would stay where it runs.
+    let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(3)));
+    assert_eq!(reported(&bus, "t4-1").await.labels["gpu.speed"], "0.25");
+
+    let mut job = TrainerJob::new("mover", 1000);
+    job.step_delay_ms = 20;
+    let out = converge(&nats, &["submit", job.write(work.path()).to_str().unwrap()]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let on_t4 = wait_for(Duration::from_secs(60), "the job running on the T4", || async {
+        let s = job_status(&bus, "mover").await?;
+        (s.phase == JobPhase::Running && s.step >= 30 && s.samples_per_s.is_some()).then_some(s)
+    })
+    .await;
+    assert!(
+        on_t4.placement.iter().all(|p| p.host.as_str() == "t4-1"),
+        "{:?}",
+        on_t4.placement
+    );
+
+    let mut fast = agent_config(&nats, "a100-1", 1, work.path());
+    fast.fake_gpu_type = Some("a100".into());
+    fast.fake_gpu_speed = Some(1.0);
+    let a100 = start_agent(fast);
+    let moved = wait_for(Duration::from_secs(90), "the job on the A100", || async {
+        let s = job_status(&bus, "mover").await?;
+        (s.phase == JobPhase::Running
+            && s.generation > on_t4.generation
+            && s.placement.iter().all(|p| p.host.as_str() == "a100-1")
+            && s.samples_per_s.is_some())
+        .then_some(s)
+    })
+    .await;
+    // The T4 speed stays measured; the A100's was projected (4× from the nominal speeds)
+    // until the job measured it there.
+    let measured = wait_for(Duration::from_secs(60), "its A100 speed measured", || async {
+        let s = job_status(&bus, "mover").await?;
+        let speeds = &s.gpu_type_speeds;
+        (s.generation == moved.generation
+            && speeds.get("a100").is_some_and(|v| v.measured)
+            && speeds.get("t4").is_some_and(|v| v.measured))
+        .then_some(s)
+    })
+    .await;
+    let (t4_speed, a100_speed) = (
+        measured.gpu_type_speeds["t4"].samples_per_s,
+        measured.gpu_type_speeds["a100"].samples_per_s,
+    );
+    eprintln!(
+        "samples/s on the T4 {:?}, then on the A100 {:?}; speed per GPU t4 {t4_speed:.1}, a100 {a100_speed:.1}",
+        on_t4.samples_per_s, moved.samples_per_s
+    );
+    assert!(
+        a100_speed > 2.0 * t4_speed,
+        "t4 {t4_speed}, a100 {a100_speed}"
+    );
+
+    t4.stop().await;
+    a100.stop().await;
+    allocator.stop().await;
+}
+
 #[test]
 fn the_agent_refuses_malformed_or_reserved_labels_at_start() {
     for (label, expect) in [
