@@ -121,6 +121,16 @@ if kind == "probe":
     if t.get("gpu_source") != "nvml":
         print(f"\n**FAILED**: the agent's GPU source is {t.get('gpu_source')!r}, not nvml")
         sys.exit(1)
+    # The GPU type (generation) the agent reports: the normalized model name, which the
+    # allocator groups hosts by (docs/heterogeneous.md); it must name nvidia-smi's model.
+    gpu_type = t.get("labels", {}).get("gpu.type")
+    smi_name = next(iter(smi.values()), {}).get("name", "")
+    squashed = re.sub(r"[^a-z0-9]", "", smi_name.lower())
+    print(f"\nGPU type reported ({phase}): `{gpu_type}` (gpu.model `{t.get('labels', {}).get('gpu.model')}`, "
+          f"nvidia-smi `{smi_name}`)")
+    if not gpu_type or gpu_type.replace("-", "") not in squashed:
+        print(f"\n**FAILED**: the reported GPU type {gpu_type!r} does not name {smi_name!r}")
+        sys.exit(1)
     for g in t["gpus"]:
         agent[g["index"]] = dict(uuid=g["uuid"], name=g["name"], util=g["utilization_pct"],
                                  used=g["memory_used_bytes"] / MIB, total=g["memory_total_bytes"] / MIB,
