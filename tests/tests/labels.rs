@@ -328,10 +328,14 @@ async fn a_job_moves_to_a_faster_gpu_type_when_one_joins() {
     job.step_delay_ms = 20;
     let out = converge(&nats, &["submit", job.write(work.path()).to_str().unwrap()]);
     assert!(out.status.success(), "{}", text(&out.stderr));
-    let on_t4 = wait_for(Duration::from_secs(60), "the job running on the T4", || async {
-        let s = job_status(&bus, "mover").await?;
-        (s.phase == JobPhase::Running && s.step >= 30 && s.samples_per_s.is_some()).then_some(s)
-    })
+    let on_t4 = wait_for(
+        Duration::from_secs(60),
+        "the job running on the T4",
+        || async {
+            let s = job_status(&bus, "mover").await?;
+            (s.phase == JobPhase::Running && s.step >= 30 && s.samples_per_s.is_some()).then_some(s)
+        },
+    )
     .await;
     assert!(
         on_t4.placement.iter().all(|p| p.host.as_str() == "t4-1"),
@@ -354,14 +358,18 @@ async fn a_job_moves_to_a_faster_gpu_type_when_one_joins() {
     .await;
     // The T4 speed stays measured; the A100's was projected (4× from the nominal speeds)
     // until the job measured it there.
-    let measured = wait_for(Duration::from_secs(60), "its A100 speed measured", || async {
-        let s = job_status(&bus, "mover").await?;
-        let speeds = &s.gpu_type_speeds;
-        (s.generation == moved.generation
-            && speeds.get("a100").is_some_and(|v| v.measured)
-            && speeds.get("t4").is_some_and(|v| v.measured))
-        .then_some(s)
-    })
+    let measured = wait_for(
+        Duration::from_secs(60),
+        "its A100 speed measured",
+        || async {
+            let s = job_status(&bus, "mover").await?;
+            let speeds = &s.gpu_type_speeds;
+            (s.generation == moved.generation
+                && speeds.get("a100").is_some_and(|v| v.measured)
+                && speeds.get("t4").is_some_and(|v| v.measured))
+            .then_some(s)
+        },
+    )
     .await;
     let (t4_speed, a100_speed) = (
         measured.gpu_type_speeds["t4"].samples_per_s,

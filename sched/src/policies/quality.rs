@@ -111,7 +111,7 @@
 //!   §5.2), not linear scaling.
 
 use std::cmp::Ordering;
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
+use std::collections::{BTreeSet, BinaryHeap};
 
 use serde::{Deserialize, Serialize};
 
@@ -400,6 +400,22 @@ pub fn quality_allocate(
     jobs: &[PolicyJob],
     params: &PolicyParams,
 ) -> Decision {
+    let (order, workers) = quality_sizes(cluster, jobs, params);
+    Decision {
+        workers: order
+            .iter()
+            .map(|&i| (jobs[i].id.clone(), workers[i]))
+            .collect(),
+    }
+}
+
+/// [`quality_allocate`] by index: the jobs considered (each id once, in admission order) and
+/// the workers of each job, indexed like `jobs` (0 for a duplicate id).
+fn quality_sizes(
+    cluster: &ClusterView,
+    jobs: &[PolicyJob],
+    params: &PolicyParams,
+) -> (Vec<usize>, Vec<u32>) {
     let total_gpus = cluster.total_gpus;
     // Only a job that never ran: a preempted job past the wait would preempt another at
     // once, and that one the next, every decision (on an overloaded cluster every pending
@@ -528,12 +544,7 @@ pub fn quality_allocate(
         }
     }
 
-    Decision {
-        workers: order
-            .iter()
-            .map(|&i| (jobs[i].id.clone(), workers[i]))
-            .collect(),
-    }
+    (order, workers)
 }
 
 /// Value per GPU of a job's minimum over the horizon, for admission under
@@ -675,19 +686,17 @@ impl Policy for Quality {
         if types.len() != jobs.len() {
             return None;
         }
-        // 1. Sizes as on one type, at the speeds of each job's table.
-        let first = quality_allocate(cluster, jobs, &self.params);
+        // 1. Sizes as on one type, at the speeds of each job's table. Each id once:
+        //    `quality_sizes` gives a duplicate 0 workers.
+        let (considered, first) = quality_sizes(cluster, jobs, &self.params);
         let refs: Vec<&PolicyJob> = jobs.iter().collect();
         let terms = job_terms(&refs, cluster.now, &self.params);
-        // 2. One type per sized job, by comparative advantage. Each id once:
-        //    `arrival_order` keeps its first occurrence.
-        let assign = |sizes: &BTreeMap<JobId, u32>| -> Vec<Option<usize>> {
-            let sized: Vec<(usize, u32)> = super::arrival_order(jobs)
-                .into_iter()
-                .filter_map(|i| {
-                    let w = sizes.get(&jobs[i].id).copied().unwrap_or(0);
-                    (w > 0).then_some((i, w))
-                })
+        let arrival = super::arrival_order(jobs);
+        // 2. One type per sized job, by comparative advantage.
+        let assign = |sizes: &[u32]| -> Vec<Option<usize>> {
+            let sized: Vec<(usize, u32)> = arrival
+                .iter()
+                .filter_map(|&i| (sizes[i] > 0).then_some((i, sizes[i])))
                 .collect();
             let choice = super::assign_gpu_types(
                 pools,
@@ -717,27 +726,39 @@ impl Policy for Quality {
             assigned
         };
         // 3. Sizes again within each type, at that type's speed.
-        let second = size_within_types(
+        let (second, _) = size_within_types(
             cluster,
             pools,
             jobs,
             types,
-            &assign(&first.workers),
-            &first.workers,
+            &assign(&first),
+            &first,
+            &considered,
             &self.params,
         );
         // 4. Steps 2 and 3 once more, from step 3's sizes: a job sized at its new type's
         //    speed may suit another type better. (A third round gained nothing more on the
         //    Sia traces.)
-        Some(size_within_types(
+        let (workers, typed) = size_within_types(
             cluster,
             pools,
             jobs,
             types,
-            &assign(&second.workers),
-            &second.workers,
+            &assign(&second),
+            &second,
+            &considered,
             &self.params,
-        ))
+        );
+        Some(super::TypeDecision {
+            workers: considered
+                .iter()
+                .map(|&i| (jobs[i].id.clone(), workers[i]))
+                .collect(),
+            types: considered
+                .iter()
+                .filter_map(|&i| Some((jobs[i].id.clone(), typed[i]?)))
+                .collect(),
+        })
     }
 }
 
@@ -769,32 +790,31 @@ fn type_factor(jt: &super::JobTypes, t: usize) -> f64 {
 /// as fast needs fewer GPUs for the same completion time, and a type's GPUs go further
 /// when the jobs on it are sized against one another; the GPUs a faster type saves go to
 /// jobs that were waiting.
+#[allow(clippy::too_many_arguments)]
 fn size_within_types(
     cluster: &ClusterView,
     pools: &[super::GpuTypePool],
     jobs: &[PolicyJob],
     types: &[super::JobTypes],
     assigned: &[Option<usize>],
-    sizes: &BTreeMap<JobId, u32>,
+    sizes: &[u32],
+    considered: &[usize],
     params: &PolicyParams,
-) -> super::TypeDecision {
-    let mut out = super::TypeDecision {
-        workers: jobs.iter().map(|j| (j.id.clone(), 0)).collect(),
-        types: Default::default(),
-    };
+) -> (Vec<u32>, Vec<Option<usize>>) {
+    let mut workers = vec![0u32; jobs.len()];
+    let mut typed: Vec<Option<usize>> = vec![None; jobs.len()];
     let mut used = vec![0u64; pools.len()];
     for (i, t) in assigned.iter().enumerate() {
         if let Some(t) = *t {
-            used[t] += u64::from(sizes.get(&jobs[i].id).copied().unwrap_or(0))
-                * u64::from(jobs[i].gpus_per_worker);
+            used[t] += u64::from(sizes[i]) * u64::from(jobs[i].gpus_per_worker);
         }
     }
     let mut pool_order: Vec<usize> = (0..pools.len()).collect();
     pool_order
         .sort_by_key(|&t| std::cmp::Reverse(u64::from(pools[t].gpus).saturating_sub(used[t])));
-    // Each id once, as in step 2.
+    // Each id once, as in step 1.
     let mut placed = vec![true; jobs.len()];
-    for i in super::arrival_order(jobs) {
+    for &i in considered {
         placed[i] = false;
     }
     for t in pool_order {
@@ -827,17 +847,17 @@ fn size_within_types(
             gpus_per_node: pools[t].gpus_per_node,
             now: cluster.now,
         };
-        let decision = quality_allocate(&view, &scaled, params);
-        for (&i, job) in members.iter().zip(&scaled) {
-            let w = decision.workers.get(&job.id).copied().unwrap_or(0);
+        // The members' ids are distinct: their workers come back indexed like them.
+        let (_, sized) = quality_sizes(&view, &scaled, params);
+        for (&i, &w) in members.iter().zip(&sized) {
             if w > 0 {
                 placed[i] = true;
-                out.workers.insert(job.id.clone(), w);
-                out.types.insert(job.id.clone(), t);
+                workers[i] = w;
+                typed[i] = Some(t);
             }
         }
     }
-    out
+    (workers, typed)
 }
 
 #[cfg(test)]
