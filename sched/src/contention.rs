@@ -67,7 +67,7 @@
 //!
 //! # Accuracy on measured data
 //!
-//! Checked against Pollux's measured step times (`data/pollux/traces/<app>/placements.csv`:
+//! Checked against Pollux's measured step times (`../shared/data/pollux/traces/<app>/placements.csv`:
 //! one job alone, so contention 1, on 1–4 nodes of 1–4 GPUs each, one worker per GPU, at
 //! several per-GPU batches). Per application and per-GPU batch a model is fitted
 //! ([`ThroughputModel::fit`], default prior) on the 1- and 2-node rows and evaluated through

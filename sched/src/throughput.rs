@@ -143,7 +143,7 @@
 //!
 //! # Accuracy on measured data
 //!
-//! On Pollux's measured step times (`data/pollux/traces/*/placements.csv`), fitting 1, 2, 4
+//! On Pollux's measured step times (`../shared/data/pollux/traces/*/placements.csv`), fitting 1, 2, 4
 //! and 8 workers on 1–2 nodes at one per-GPU batch, the median relative error on the fitted
 //! rows is up to 20 % depending on the application and batch (cifar10 at batch 129: 9.7 %,
 //! 90th percentile 14.5 %). The misfit is structural: there, cross-node synchronisation grows
@@ -751,7 +751,7 @@ pub(crate) mod pollux_rows {
     /// One row of a Pollux `placements.csv`: (workers, nodes, local batch, step time).
     pub type Row = (u32, u32, f64, f64);
 
-    /// The rows of `data/pollux/traces/<app>/placements.csv`.
+    /// The rows of `../shared/data/pollux/traces/<app>/placements.csv`.
     pub fn pollux_rows(app: &str) -> Vec<Row> {
         pollux_rows_with_sync(app)
             .into_iter()
@@ -759,9 +759,9 @@ pub(crate) mod pollux_rows {
             .collect()
     }
 
-    /// The rows of `data/pollux/traces/<app>/placements.csv` with their measured sync time
-    /// (seconds per step). bert's are not in this repository: they are read from the copy of
-    /// the Pollux artifact beside it (`../shared/data/pollux/traces`, data/README.md).
+    /// The rows of `../shared/data/pollux/traces/<app>/placements.csv` with their measured sync time
+    /// (seconds per step). They are not in this repository: they are read from the copy of the
+    /// Pollux artifact beside it (`../shared/data/pollux/traces`, data/README.md).
     pub fn pollux_rows_with_sync(app: &str) -> Vec<(Row, f64)> {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let path = ["data/pollux/traces", "../shared/data/pollux/traces"]

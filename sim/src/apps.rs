@@ -3,7 +3,7 @@
 //! This follows the job model of the Pollux simulator (Qiao et al., "Pollux: Co-adaptive
 //! Cluster Scheduling for Goodput-Optimized Deep Learning", OSDI'21; its public simulator in
 //! `petuum/adaptdl`, branch `osdi21-artifact`, files `simulator/applications.py` and
-//! `simulator/simulator.py`), over the measured traces in `data/pollux/traces/<app>/`. It is a
+//! `simulator/simulator.py`), over the measured traces in `../shared/data/pollux/traces/<app>/`. It is a
 //! re-implementation from the published behavior, not a translation of that code.
 //!
 //! Units: times are `f64` seconds, batch sizes are samples, statistical progress is counted in
@@ -156,7 +156,7 @@ pub enum TraceError {
     #[error(
         "no traces of application {app} (<folder>/{app}/placements.csv) in {searched}; pass \
          --traces with a folder that has them, such as a copy of the Pollux artifact's \
-         simulator/traces (bert's are not in this repository, see data/README.md)"
+         simulator/traces (the applications' traces are not in this repository, see data/README.md)"
     )]
     Missing {
         /// Application name.
@@ -1038,9 +1038,11 @@ impl Application {
 }
 
 /// Where the simulator looks for the applications' traces unless told otherwise, relative to
-/// the repository root, in order. `bert`'s traces are not in this repository (see
-/// `data/README.md`): they come from a copy of the Pollux artifact's `simulator/traces`, which
-/// this workspace keeps at `../shared/data/pollux/traces`.
+/// the repository root, in order. The applications' step times and validation curves are not
+/// in this repository (their files are byte-identical to files of the Sia artifact, which has
+/// no licence; see `data/README.md`): they come from a copy of the Pollux artifact's
+/// `simulator/traces`, which this workspace and CI keep at `../shared/data/pollux/traces`.
+/// The repository's folder holds `philly.csv`.
 pub const DEFAULT_TRACE_DIRS: [&str; 2] = ["data/pollux/traces", "../shared/data/pollux/traces"];
 
 /// [`DEFAULT_TRACE_DIRS`] under the repository root `root`.
@@ -1740,10 +1742,11 @@ mod tests {
     #[test]
     fn each_application_comes_from_the_first_folder_that_has_it() {
         let dirs = test_trace_dirs();
-        // cifar10 is in the repository's folder; a folder listed after it is not read.
-        assert_eq!(app_dir(&dirs, "cifar10").unwrap(), dirs[0]);
-        let reversed: Vec<PathBuf> = dirs.iter().rev().cloned().collect();
-        assert_eq!(app_dir(&reversed, "bert").unwrap(), reversed[0]);
+        // The repository's folder has no application: each comes from the second one.
+        assert_eq!(app_dir(&dirs, "cifar10").unwrap(), dirs[1]);
+        // A folder that has it first wins over a later one that has it too.
+        let twice = vec![dirs[1].clone(), dirs[1].join("../traces"), dirs[0].clone()];
+        assert_eq!(app_dir(&twice, "bert").unwrap(), twice[0]);
     }
 
     fn placement_rows(app: &str) -> Vec<(String, f64, f64, f64)> {

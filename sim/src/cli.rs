@@ -147,7 +147,7 @@ pub struct ClusterArgs {
     pub fixed_batch: bool,
     /// Folder of the measured application traces; repeat it to search several in order (each
     /// application, and each `--cluster` type's step times, from the first that has the
-    /// application). The default's second folder supplies bert, whose traces are not in this
+    /// application). The default's second folder supplies the applications, whose traces are not in this
     /// repository (data/README.md).
     #[arg(long, default_values = crate::apps::DEFAULT_TRACE_DIRS)]
     pub traces: Vec<PathBuf>,

@@ -26,7 +26,8 @@ pub struct ExploreData {
     pub curves: PathBuf,
     /// Folder of the measured application traces (step times) and of `philly.csv`; repeat it
     /// to search several in order (each file from the first that has it). The default's
-    /// second folder supplies bert, whose traces are not in this repository (data/README.md).
+    /// second folder supplies the applications, whose traces are not in this repository
+    /// (data/README.md).
     #[arg(long, default_values = crate::apps::DEFAULT_TRACE_DIRS)]
     pub traces: Vec<PathBuf>,
 }

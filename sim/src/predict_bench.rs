@@ -6,7 +6,7 @@
 //! off is the loss predicted some way ahead? Two kinds of real curves:
 //!
 //! - the measured validation curves of the six Pollux applications
-//!   (`data/pollux/traces/<app>/validation-<B>.csv`, every batch size), as the loss-like
+//!   (`../shared/data/pollux/traces/<app>/validation-<B>.csv`, every batch size), as the loss-like
 //!   value of [`Application::loss_like`] (`1 − metric` for accuracy, hit rate and bert's
 //!   score in percent; the metric itself for deepspeech2's word error rate and yolov3).
 //!   Progress is in epochs: row `r` of a file was measured at the end of epoch `r + 1`, so
@@ -394,7 +394,7 @@ pub struct PredictBenchArgs {
     pub out: PathBuf,
     /// Folder of the measured Pollux application traces; repeat it to search several in
     /// order (each application from the first that has it). The default's second folder
-    /// supplies bert, whose traces are not in this repository (data/README.md).
+    /// supplies the applications, whose traces are not in this repository (data/README.md).
     #[arg(long, default_values = crate::apps::DEFAULT_TRACE_DIRS)]
     pub traces: Vec<PathBuf>,
     /// Folder of the recorded converge-trainer curves.
@@ -823,7 +823,7 @@ pub fn render(
     out.push_str(
         "## Pollux validation curves\n\n\
          The measured validation curves of the six Pollux applications \
-         (`<traces>/<app>/validation-<B>.csv`, every batch size B; bert's from the copy of the \
+         (`<traces>/<app>/validation-<B>.csv`, every batch size B; from the copy of the \
          Pollux artifact outside the repository, data/README.md), as a loss-like \
          value (`1 − accuracy` for cifar10 and imagenet, `1 − hit rate` for ncf, \
          `1 − score/100` for bert, the word error rate of deepspeech2, yolov3's loss-like \
