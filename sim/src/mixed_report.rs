@@ -164,28 +164,8 @@ pub fn run(args: &MixedArgs, base: &ClusterArgs, threads: usize) -> anyhow::Resu
             !matches!(p.as_str(), "sia" | "pollux" | "quality"),
         )
     });
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let outcomes: Vec<anyhow::Result<MixedRun>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..threads.max(1))
-            .map(|_| {
-                let (pairs, next, cluster) = (&pairs, &next, &cluster);
-                scope.spawn(move || {
-                    let mut done = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some((label, trace, files)) = pairs.get(i) else {
-                            break;
-                        };
-                        done.push(run_one(label, trace, files, cluster));
-                    }
-                    done
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("simulation thread"))
-            .collect()
+    let outcomes = crate::report::on_threads(&pairs, threads, |(label, trace, files)| {
+        run_one(label, trace, files, &cluster)
     });
     let mut runs = outcomes.into_iter().collect::<anyhow::Result<Vec<_>>>()?;
     let order = |r: &MixedRun| {

@@ -339,28 +339,8 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         .threads
         .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
         .clamp(1, jobs.len().max(1));
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let outcomes: Vec<anyhow::Result<((String, String), Run)>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                let (jobs, next, cluster) = (&jobs, &next, &args.cluster);
-                scope.spawn(move || {
-                    let mut done = Vec::new();
-                    loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some((label, load, files)) = jobs.get(i) else {
-                            break;
-                        };
-                        done.push(simulate_one(label, load, files, cluster));
-                    }
-                    done
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().expect("simulation thread"))
-            .collect()
+    let outcomes = on_threads(&jobs, threads, |(label, load, files)| {
+        simulate_one(label, load, files, &args.cluster)
     });
     let mut results: BTreeMap<(String, String), Run> = BTreeMap::new();
     for o in outcomes {
@@ -490,6 +470,36 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64()
     );
     Ok(())
+}
+
+/// `run` on every item, `threads` at a time, each thread taking the next item left; the
+/// results in no particular order.
+pub(crate) fn on_threads<T: Sync, R: Send>(
+    items: &[T],
+    threads: usize,
+    run: impl Fn(&T) -> R + Sync,
+) -> Vec<R> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..threads.max(1))
+            .map(|_| {
+                let (next, run) = (&next, &run);
+                scope.spawn(move || {
+                    let mut done = Vec::new();
+                    while let Some(item) =
+                        items.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                    {
+                        done.push(run(item));
+                    }
+                    done
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("simulation thread"))
+            .collect()
+    })
 }
 
 /// Simulates one label over one load's workloads.
