@@ -798,15 +798,9 @@ pub fn simulate(
                         *by_type.entry(gpu_type.to_string()).or_default() += rank.gpus.len() as u32;
                     }
                 }
+                // The distinct types of the new placement, sorted (the map's keys).
+                t.job.gpu_types = by_type.keys().cloned().collect();
                 t.gpus_by_type = by_type.into_iter().collect();
-                let mut types: Vec<String> = nodes_of(&new)
-                    .into_iter()
-                    .filter_map(|h| layout.get(node_index(h)?).and_then(|(t, _)| *t))
-                    .map(str::to_string)
-                    .collect();
-                types.sort();
-                types.dedup();
-                t.job.gpu_types = types;
                 t.job.reallocate(
                     app,
                     per_node(&new, layout.len()),
