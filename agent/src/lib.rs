@@ -4,6 +4,7 @@
 
 pub mod gpu;
 pub mod host;
+pub mod isolation;
 pub mod labels;
 pub mod metrics;
 pub mod reconcile;
@@ -93,6 +94,35 @@ pub struct AgentConfig {
         default_value = "converge-work/state"
     )]
     pub state_dir: PathBuf,
+    /// Variables of the agent's environment that workers inherit: names, or prefixes ending
+    /// in `*` (repeatable; the environment variable takes a comma-separated list). Workers
+    /// get these, the job's `env` and the worker contract, nothing else; the agent's NATS
+    /// settings and credentials never, whatever this says. Giving the flag replaces the
+    /// default list.
+    #[arg(
+        long = "worker-env",
+        value_name = "NAME",
+        env = "CONVERGE_WORKER_ENV",
+        value_delimiter = ',',
+        default_value = isolation::DEFAULT_WORKER_ENV,
+        value_parser = isolation::EnvAllowList::parse_entry
+    )]
+    pub worker_env: Vec<String>,
+    /// Run each job's workers under a user id of its own from this range, `FIRST-LAST` (or
+    /// one id for every job), e.g. `61000-61999`: ids no account uses, each also the
+    /// group. The job's checkpoint directory is handed to that id (mode 0700) before each
+    /// start, so jobs cannot read or overwrite each other's checkpoints, read each other's
+    /// or the agent's environment, or edit the agent's state. Needs the agent to run as
+    /// root. Unset: workers run as the agent's user.
+    #[arg(long, value_name = "FIRST-LAST", env = "CONVERGE_WORKER_UIDS", value_parser = isolation::UidRange::parse)]
+    pub worker_uids: Option<isolation::UidRange>,
+    /// A cgroup v2 directory the agent may write (made when its parent is one; under
+    /// systemd: the unit's own with `Delegate=yes`): each worker runs in a cgroup of its
+    /// own below it, killed whole when the worker ends or is stopped, so that nothing it
+    /// started (`setsid`, daemons) outlives it; cgroups an earlier run left are killed at
+    /// start. Unset: processes that leave the worker's process group are out of reach.
+    #[arg(long, value_name = "DIR", env = "CONVERGE_WORKER_CGROUP")]
+    pub worker_cgroup: Option<PathBuf>,
     /// Time a worker gets between SIGTERM and SIGKILL to checkpoint and exit.
     #[arg(long, env = "CONVERGE_STOP_GRACE", default_value = DEFAULT_STOP_GRACE, value_parser = humantime_duration)]
     pub stop_grace: Duration,
@@ -229,11 +259,23 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
              start elsewhere; lower them or raise --host-timeout"
         );
     }
-    // Workers left by an earlier run go before anything else happens.
-    std::fs::create_dir_all(&cfg.state_dir)
+    if cfg.worker_uids.is_some() && !isolation::can_change_users() {
+        anyhow::bail!(
+            "--worker-uids needs the agent to run as root (it starts workers under other users and hands them their checkpoint directories)"
+        );
+    }
+    if let Some(root) = &cfg.worker_cgroup {
+        isolation::check_cgroup_root(root).map_err(anyhow::Error::msg)?;
+    }
+    // Workers left by an earlier run go before anything else happens. The state directory
+    // is the agent's alone (workers cannot read or forge the records of what it runs).
+    isolation::prepare_state_dir(&cfg.state_dir)
         .with_context(|| format!("cannot create --state-dir {}", cfg.state_dir.display()))?;
     let state_file = strays::state_path(&cfg.state_dir, host.as_str());
     strays::stop_strays(&state_file, cfg.stop_grace).await;
+    if let Some(root) = &cfg.worker_cgroup {
+        isolation::remove_stray_cgroups(root).await;
+    }
     strays::StateFile {
         boot_id: strays::boot_id(),
         workers: Vec::new(),
@@ -287,6 +329,9 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
             worker_shim: cfg.worker_shim.clone(),
             state_file: Some(state_file),
             gpu_speed: cfg.fake_gpu_speed,
+            worker_env: isolation::EnvAllowList::new(cfg.worker_env.clone()),
+            worker_uids: cfg.worker_uids,
+            worker_cgroup: cfg.worker_cgroup.clone(),
         },
         exit_tx,
         out_tx.clone(),
@@ -705,6 +750,44 @@ mod tests {
             &["--fake-gpus", "2", "--fake-gpu-type", ""],
             &["--fake-gpu-type", "t4"],
             &["--fake-gpu-speed", "0.5"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn isolation_flags_default_to_the_allow_list_and_refuse_bad_values() {
+        let parse = |extra: &[&str]| {
+            AgentConfig::try_parse_from(["converge-agent"].iter().chain(extra).copied())
+        };
+        let cfg = parse(&[]).unwrap();
+        let default: Vec<String> = isolation::DEFAULT_WORKER_ENV
+            .split(',')
+            .map(str::to_string)
+            .collect();
+        assert_eq!(cfg.worker_env, default);
+        assert_eq!((cfg.worker_uids, cfg.worker_cgroup), (None, None));
+        let cfg = parse(&[
+            "--worker-env",
+            "PATH,MY_*",
+            "--worker-uids",
+            "61000-61999",
+            "--worker-cgroup",
+            "/sys/fs/cgroup/converge",
+        ])
+        .unwrap();
+        assert_eq!(cfg.worker_env, ["PATH", "MY_*"]);
+        assert_eq!(
+            cfg.worker_uids,
+            Some(isolation::UidRange {
+                first: 61000,
+                last: 61999
+            })
+        );
+        for bad in [
+            &["--worker-env", "A-B"][..],
+            &["--worker-uids", "0-100"],
+            &["--worker-uids", "x"],
         ] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }

@@ -1,4 +1,5 @@
-//! The worker shim: `converge-agent worker-shim --stop-grace-ms N -- <command…>`, a hidden
+//! The worker shim: `converge-agent worker-shim --stop-grace-ms N [--cgroup-procs FILE]
+//! [--uid N] -- <command…>`, a hidden
 //! mode of the agent's own binary through which the supervisor starts every worker, so that
 //! workers end when their agent dies, however it dies (SIGKILL and OOM included).
 //!
@@ -20,6 +21,12 @@
 //! came in between is delivered then, with its default action). SIGKILL ends the shim with
 //! the group, which the agent reads as the worker's SIGKILL.
 //!
+//! Isolation ([`crate::isolation`]): with `--cgroup-procs` the shim joins the worker's
+//! cgroup before it starts the worker (exit 125, nothing started, when it cannot), so the
+//! worker and all it starts are in it; with `--uid N` the worker runs under user and group
+//! id `N` without supplementary groups (`--exec --uid N` changes them just before the
+//! `exec`), while the shim keeps the agent's user, out of the worker's reach.
+//!
 //! Exit status: the shim exits with the worker's exit code, or dies of the worker's signal
 //! (with core dumps off), so the supervisor's exit accounting (success, crash with backoff,
 //! stopped) reads the shim exactly as it read the worker. A worker that cannot be started
@@ -40,6 +47,7 @@ use nix::unistd::{Pid, getpgrp, getpid, setpgid};
 use std::ffi::OsString;
 use std::io::Read;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, ExitStatus, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -53,18 +61,35 @@ pub const SUBCOMMAND: &str = "worker-shim";
 pub struct ShimArgs {
     /// Time between SIGTERM and SIGKILL when the agent is gone.
     pub stop_grace: Duration,
+    /// The cgroup's `cgroup.procs` the shim joins before it starts the worker
+    /// (`--worker-cgroup`), so that every process the worker starts is in it.
+    pub cgroup_procs: Option<PathBuf>,
+    /// The user (and group) id the worker runs under (`--worker-uids`); the shim itself
+    /// keeps the agent's, so the worker cannot signal or trace it.
+    pub uid: Option<u32>,
     /// The worker's program and arguments.
     pub command: Vec<OsString>,
 }
 
 /// The shim's arguments (after the program name) for `command`.
-pub fn shim_args(stop_grace: Duration, command: &[String]) -> Vec<OsString> {
+pub fn shim_args(
+    stop_grace: Duration,
+    cgroup_procs: Option<&Path>,
+    uid: Option<u32>,
+    command: &[String],
+) -> Vec<OsString> {
     let mut args: Vec<OsString> = vec![
         SUBCOMMAND.into(),
         "--stop-grace-ms".into(),
         stop_grace.as_millis().to_string().into(),
-        "--".into(),
     ];
+    if let Some(procs) = cgroup_procs {
+        args.extend(["--cgroup-procs".into(), procs.as_os_str().to_owned()]);
+    }
+    if let Some(uid) = uid {
+        args.extend(["--uid".into(), uid.to_string().into()]);
+    }
+    args.push("--".into());
     args.extend(command.iter().map(OsString::from));
     args
 }
@@ -81,9 +106,20 @@ fn shim_signals() -> SigSet {
 /// Parses the arguments after [`SUBCOMMAND`].
 pub fn parse_args(args: &[OsString]) -> Result<ShimArgs, String> {
     let mut stop_grace = None;
+    let mut cgroup_procs = None;
+    let mut uid = None;
     let mut i = 0;
     while i < args.len() {
         match args[i].to_str() {
+            Some("--cgroup-procs") => {
+                let v = args.get(i + 1).ok_or("--cgroup-procs needs a value")?;
+                cgroup_procs = Some(PathBuf::from(v));
+                i += 2;
+            }
+            Some("--uid") => {
+                uid = Some(parse_uid(args.get(i + 1))?);
+                i += 2;
+            }
             Some("--stop-grace-ms") => {
                 let v = args
                     .get(i + 1)
@@ -102,6 +138,8 @@ pub fn parse_args(args: &[OsString]) -> Result<ShimArgs, String> {
                 }
                 return Ok(ShimArgs {
                     stop_grace: stop_grace.ok_or("--stop-grace-ms is missing")?,
+                    cgroup_procs,
+                    uid,
                     command,
                 });
             }
@@ -109,6 +147,17 @@ pub fn parse_args(args: &[OsString]) -> Result<ShimArgs, String> {
         }
     }
     Err("no `--` before the command".into())
+}
+
+/// A `--uid` value: a user id other than root's.
+fn parse_uid(value: Option<&OsString>) -> Result<u32, String> {
+    let v = value
+        .and_then(|v| v.to_str())
+        .ok_or("--uid needs a value")?;
+    match v.parse::<u32>() {
+        Ok(0) | Err(_) => Err(format!("bad --uid {v:?}: a user id other than 0")),
+        Ok(uid) => Ok(uid),
+    }
 }
 
 fn say(msg: std::fmt::Arguments) {
@@ -125,7 +174,7 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
         Ok(a) => a,
         Err(e) => {
             say(format_args!(
-                "{e}; usage: converge-agent {SUBCOMMAND} --stop-grace-ms N -- COMMAND [ARG…] (started by the agent, with its lifeline as stdin)"
+                "{e}; usage: converge-agent {SUBCOMMAND} --stop-grace-ms N [--cgroup-procs FILE] [--uid N] -- COMMAND [ARG…] (started by the agent, with its lifeline as stdin)"
             ));
             return ExitCode::from(2);
         }
@@ -135,14 +184,29 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
         let _ = setpgid(Pid::from_raw(0), Pid::from_raw(0));
     }
     let group = getpgrp();
+    // Into the worker's cgroup before the worker exists: whatever it starts is in it too.
+    // A worker that cannot be confined is not started.
+    if let Some(procs) = &args.cgroup_procs
+        && let Err(e) = crate::isolation::join(procs)
+    {
+        say(format_args!(
+            "cannot join the worker's cgroup ({}): {e}; the worker is not started",
+            procs.display()
+        ));
+        return ExitCode::from(125);
+    }
     // Before any thread starts, so that the lifeline thread blocks them too.
     if let Err(e) = shim_signals().thread_block() {
         say(format_args!("cannot block SIGTERM: {e}"));
     }
     // The worker, through `--exec` (unblocks the signals); this binary, even if replaced.
-    let mut child = match Command::new("/proc/self/exe")
-        .arg0("converge-agent")
-        .args([SUBCOMMAND, "--exec", "--"])
+    let mut exec = Command::new("/proc/self/exe");
+    exec.arg0("converge-agent").args([SUBCOMMAND, "--exec"]);
+    if let Some(uid) = args.uid {
+        exec.args(["--uid".to_string(), uid.to_string()]);
+    }
+    let mut child = match exec
+        .arg("--")
         .args(&args.command)
         .stdin(Stdio::null())
         .spawn()
@@ -176,8 +240,19 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
     mirror(status)
 }
 
-/// `--exec -- <command…>`: unblocks the shim's signals and becomes the worker.
+/// `--exec [--uid N] -- <command…>`: unblocks the shim's signals and becomes the worker,
+/// under user and group id `N` without supplementary groups when given.
 fn exec_worker(args: &[OsString]) -> ExitCode {
+    let (uid, args) = match args {
+        [flag, value, rest @ ..] if flag == "--uid" => match parse_uid(Some(value)) {
+            Ok(uid) => (Some(uid), rest),
+            Err(e) => {
+                say(format_args!("{e}"));
+                return ExitCode::from(2);
+            }
+        },
+        _ => (None, args),
+    };
     let (program, rest) = match args {
         [dash, program, rest @ ..] if dash == "--" => (program, rest),
         _ => {
@@ -186,7 +261,13 @@ fn exec_worker(args: &[OsString]) -> ExitCode {
         }
     };
     let _ = shim_signals().thread_unblock();
-    let e = Command::new(program).args(rest).exec();
+    let mut cmd = Command::new(program);
+    cmd.args(rest);
+    if let Some(uid) = uid {
+        // std drops the supplementary groups when root changes the user id.
+        cmd.uid(uid).gid(uid);
+    }
+    let e = cmd.exec();
     say(format_args!("cannot start {program:?}: {e}"));
     ExitCode::from(if e.kind() == std::io::ErrorKind::PermissionDenied {
         126
@@ -255,10 +336,16 @@ mod tests {
             "train.py".into(),
             "--".into(),
         ];
-        let args = shim_args(Duration::from_millis(2500), &cmd);
+        let args = shim_args(Duration::from_millis(2500), None, None, &cmd);
         assert_eq!(args[0], SUBCOMMAND);
         let parsed = parse_args(&args[1..]).unwrap();
         assert_eq!(parsed.stop_grace, Duration::from_millis(2500));
+        assert_eq!((parsed.cgroup_procs, parsed.uid), (None, None));
+        let procs = Path::new("/sys/fs/cgroup/w/j.g1.r0.3/cgroup.procs");
+        let args = shim_args(Duration::from_secs(1), Some(procs), Some(61000), &cmd);
+        let parsed = parse_args(&args[1..]).unwrap();
+        assert_eq!(parsed.cgroup_procs.as_deref(), Some(procs));
+        assert_eq!(parsed.uid, Some(61000));
         assert_eq!(
             parsed.command,
             cmd.iter().map(OsString::from).collect::<Vec<_>>()
@@ -276,6 +363,9 @@ mod tests {
             &["--stop-grace-ms", "x", "--", "sleep"],
             &["--stop-grace-ms"],
             &["sleep", "1"],
+            &["--stop-grace-ms", "10", "--uid", "0", "--", "sleep"],
+            &["--stop-grace-ms", "10", "--uid", "x", "--", "sleep"],
+            &["--stop-grace-ms", "10", "--cgroup-procs"],
         ] {
             assert!(parse_args(&os(bad)).is_err(), "{bad:?}");
         }

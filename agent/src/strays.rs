@@ -96,8 +96,18 @@ impl StateFile {
 
     /// Writes the file atomically (a temporary file renamed over it).
     pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
         let tmp = path.with_extension("state.tmp");
-        std::fs::write(&tmp, self.render())?;
+        // Readable by the agent's user alone (mode 0600), whatever the umask.
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        file.write_all(self.render().as_bytes())?;
+        drop(file);
         std::fs::rename(&tmp, path)
     }
 }

@@ -11,6 +11,7 @@
 //! (`killpg`) is the shim's, which is the process group id. Every start and exit rewrites
 //! the state file ([`crate::strays`]) that a restarted agent reads to stop strays.
 
+use crate::isolation::{EnvAllowList, UidRange, WorkerCgroup};
 use crate::reconcile::{Action, WorkerKey, WorkerView, decide, restart_delay};
 use converge_bus::unix_now;
 use converge_common::{
@@ -83,6 +84,35 @@ pub struct SupervisorConfig {
     /// The fake GPUs' relative speed (`--fake-gpu-speed`), given to workers as
     /// `CONVERGE_GPU_SPEED`; `None` (real GPUs, or not set): the variable is unset.
     pub gpu_speed: Option<f64>,
+    /// The variables of the agent's environment workers inherit (`--worker-env`).
+    pub worker_env: EnvAllowList,
+    /// The user ids jobs' workers run under, one per job (`--worker-uids`); `None`: the
+    /// agent's own user.
+    pub worker_uids: Option<UidRange>,
+    /// The cgroup v2 directory each worker gets a cgroup of its own in
+    /// (`--worker-cgroup`); `None`: no cgroups.
+    pub worker_cgroup: Option<PathBuf>,
+}
+
+impl SupervisorConfig {
+    /// Settings with the default isolation (the default environment allow-list, the
+    /// agent's user, no cgroups) and no state file.
+    pub fn new(host: HostId, log_dir: PathBuf, checkpoint_root: PathBuf) -> Self {
+        SupervisorConfig {
+            host,
+            log_dir,
+            checkpoint_root,
+            stop_grace: Duration::from_secs(10),
+            backoff_base: Duration::from_secs(1),
+            backoff_cap: Duration::from_secs(30),
+            worker_shim: None,
+            state_file: None,
+            gpu_speed: None,
+            worker_env: EnvAllowList::default_list(),
+            worker_uids: None,
+            worker_cgroup: None,
+        }
+    }
 }
 
 /// Something for the outbox task to publish.
@@ -113,6 +143,8 @@ struct Worker {
     restart_at: Option<Instant>,
     kill_at: Option<Instant>,
     incarnation: u64,
+    /// The user id its current start runs under (`--worker-uids`).
+    uid: Option<u32>,
 }
 
 /// Owns the host's worker processes.
@@ -278,6 +310,7 @@ impl Supervisor {
             restart_at: None,
             kill_at: None,
             incarnation,
+            uid: None,
         });
         entry.assignment = assignment.clone();
         entry.phase = WorkerPhase::Running;
@@ -286,10 +319,44 @@ impl Supervisor {
         entry.incarnation = incarnation;
         entry.pid = None;
         entry.start_ticks = None;
+        entry.uid = None;
+        let uid = match self.worker_uid(&key) {
+            Ok(uid) => uid,
+            Err(e) => {
+                tracing::error!(worker = %key, "cannot start worker: {e}");
+                self.exit_soon(key, incarnation, 126);
+                return;
+            }
+        };
+        if let Some(w) = self.workers.get_mut(&key) {
+            w.uid = uid;
+        }
+        let cgroup = match &self.cfg.worker_cgroup {
+            Some(root) => match WorkerCgroup::create(
+                root,
+                key.job.as_str(),
+                key.generation,
+                key.rank,
+                incarnation,
+            ) {
+                Ok(cg) => Some(cg),
+                Err(e) => {
+                    tracing::error!(worker = %key, root = %root.display(), "cannot make the worker's cgroup: {e}; not started");
+                    self.exit_soon(key, incarnation, 125);
+                    return;
+                }
+            },
+            None => None,
+        };
+        let Some(entry) = self.workers.get_mut(&key) else {
+            return;
+        };
 
         match spawn_worker(
             &self.cfg,
             &assignment,
+            uid,
+            cgroup.as_ref(),
             self.outbox.clone(),
             self.counters.clone(),
         ) {
@@ -312,6 +379,11 @@ impl Supervisor {
                     let status = child.wait().await;
                     // The shim has exited: its lifeline can close.
                     drop(lifeline);
+                    // Whatever the worker left running (setsid, daemons) goes before its
+                    // exit counts, so no process of this start outlives it.
+                    if let Some(cg) = cgroup {
+                        end_cgroup(&key, &cg).await;
+                    }
                     let _ = exit_tx
                         .send(ExitNotice {
                             key,
@@ -324,20 +396,60 @@ impl Supervisor {
             }
             Err(e) => {
                 tracing::error!(worker = %key, command = ?assignment.command, "cannot start worker: {e}");
-                let exit_tx = self.exit_tx.clone();
+                if let Some(cg) = cgroup {
+                    let _ = std::fs::remove_dir(&cg.path);
+                }
                 // Treat a failed spawn as an exit with code 127 (command not runnable), so it
                 // goes through the same backoff and failure accounting.
-                tokio::spawn(async move {
-                    let _ = exit_tx
-                        .send(ExitNotice {
-                            key,
-                            incarnation,
-                            status: Ok(std::process::ExitStatus::from_raw(127 << 8)),
-                        })
-                        .await;
-                });
+                self.exit_soon(key, incarnation, 127);
             }
         }
+    }
+
+    /// Reports an exit with `code` for a start that could not happen, so that it goes
+    /// through the same backoff and failure accounting as a crash.
+    fn exit_soon(&self, key: WorkerKey, incarnation: u64, code: i32) {
+        let exit_tx = self.exit_tx.clone();
+        tokio::spawn(async move {
+            let _ = exit_tx
+                .send(ExitNotice {
+                    key,
+                    incarnation,
+                    status: Ok(std::process::ExitStatus::from_raw(code << 8)),
+                })
+                .await;
+        });
+    }
+
+    /// The user id `key`'s worker runs under: its job's on this host when another of its
+    /// workers runs, else [`UidRange::uid_for`] among the ids other jobs here do not hold.
+    /// `Ok(None)`: no `--worker-uids`. `Err`: every id of the range is taken.
+    fn worker_uid(&self, key: &WorkerKey) -> Result<Option<u32>, String> {
+        let Some(range) = self.cfg.worker_uids else {
+            return Ok(None);
+        };
+        if let Some(uid) = self
+            .workers
+            .iter()
+            .find(|(k, w)| k.job == key.job && w.uid.is_some())
+            .and_then(|(_, w)| w.uid)
+        {
+            return Ok(Some(uid));
+        }
+        let taken = |uid: u32| {
+            self.workers
+                .iter()
+                .any(|(k, w)| k.job != key.job && w.uid == Some(uid))
+        };
+        range
+            .uid_for(key.job.as_str(), taken)
+            .map(Some)
+            .ok_or_else(|| {
+                format!(
+                    "all {} user ids of --worker-uids are held by other jobs on this host",
+                    range.count()
+                )
+            })
     }
 
     fn signal(&mut self, key: &WorkerKey, signal: Signal, now: Instant) {
@@ -613,15 +725,22 @@ fn shim_program(shim: &std::path::Path) -> PathBuf {
     shim.to_path_buf()
 }
 
-/// Whether a variable of the agent's environment is withheld from its workers: the NATS
-/// connection settings (`CONVERGE_NATS_*`: a URL that may carry a user and password, the
-/// user, password, password file, credentials file, nkey seed, TLS key...) and systemd's
-/// `CREDENTIALS_DIRECTORY` (where `LoadCredential=` puts the agent's secrets). Everything
-/// else is inherited (PATH, `CONVERGE_DATA_DIR`, a GPU stack's variables...).
-pub fn withheld_from_workers(name: &std::ffi::OsStr) -> bool {
-    let name = name.as_encoded_bytes();
-    name.starts_with(b"CONVERGE_NATS_") || name == b"CREDENTIALS_DIRECTORY"
+/// Kills and removes a worker's cgroup once its shim has exited, logging the processes the
+/// worker left behind.
+async fn end_cgroup(key: &WorkerKey, cg: &WorkerCgroup) {
+    match cg.kill_and_remove(CGROUP_KILL_WAIT).await {
+        Ok(0) => {}
+        Ok(n) => {
+            tracing::warn!(worker = %key, processes = n, "killed the processes the worker left running (its cgroup)")
+        }
+        Err(e) => {
+            tracing::error!(worker = %key, cgroup = %cg.path.display(), "cannot end the worker's cgroup: {e}")
+        }
+    }
 }
+
+/// How long the agent waits for a killed worker cgroup to empty.
+const CGROUP_KILL_WAIT: Duration = Duration::from_secs(10);
 
 /// Starts one worker process in its own process group (through the shim, which leads the
 /// group, when configured), with the worker-contract environment, stderr appended to its
@@ -630,13 +749,18 @@ pub fn withheld_from_workers(name: &std::ffi::OsStr) -> bool {
 fn spawn_worker(
     cfg: &SupervisorConfig,
     a: &WorkerAssignment,
+    uid: Option<u32>,
+    cgroup: Option<&WorkerCgroup>,
     outbox: mpsc::Sender<Outgoing>,
     counters: Arc<LineCounters>,
 ) -> std::io::Result<(tokio::process::Child, Option<std::io::PipeWriter>)> {
     let log_file = log_path(cfg, a);
-    std::fs::create_dir_all(log_file.parent().expect("log path has a parent"))?;
+    crate::isolation::prepare_private_dir(
+        log_file.parent().expect("log path has a parent"),
+        uid.is_some(),
+    )?;
     let checkpoint_dir = cfg.checkpoint_root.join(a.job.as_str());
-    std::fs::create_dir_all(&checkpoint_dir)?;
+    crate::isolation::prepare_checkpoint_dir(&checkpoint_dir, uid)?;
     let stderr_log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -645,8 +769,13 @@ fn spawn_worker(
     let (mut cmd, lifeline) = match &cfg.worker_shim {
         Some(shim) => {
             let mut cmd = tokio::process::Command::new(shim_program(shim));
-            cmd.arg0("converge-agent")
-                .args(crate::shim::shim_args(cfg.stop_grace, &a.command));
+            let procs = cgroup.map(WorkerCgroup::procs_file);
+            cmd.arg0("converge-agent").args(crate::shim::shim_args(
+                cfg.stop_grace,
+                procs.as_deref(),
+                uid,
+                &a.command,
+            ));
             // Close-on-exec on both ends: no other child inherits the write end.
             let (read, write) = std::io::pipe()?;
             cmd.stdin(Stdio::from(read));
@@ -655,17 +784,17 @@ fn spawn_worker(
         None => {
             let mut cmd = tokio::process::Command::new(&a.command[0]);
             cmd.args(&a.command[1..]).stdin(Stdio::null());
+            if let Some(uid) = uid {
+                cmd.uid(uid).gid(uid);
+            }
             (cmd, None)
         }
     };
-    // The agent's own NATS settings (credentials among them) never reach training code; a
-    // job's `env` may still set any of these names for itself.
-    for (name, _) in std::env::vars_os() {
-        if withheld_from_workers(&name) {
-            cmd.env_remove(name);
-        }
-    }
-    cmd.envs(&a.env)
+    // An explicit environment: the allowed part of the agent's (never its NATS settings or
+    // credentials), the job's `env`, the contract. A job's `env` may set any name.
+    cmd.env_clear()
+        .envs(cfg.worker_env.inherited(std::env::vars_os()))
+        .envs(&a.env)
         .stdout(Stdio::piped())
         .stderr(Stdio::from(stderr_log))
         .process_group(0)
@@ -677,6 +806,12 @@ fn spawn_worker(
     }
     let mut child = cmd.spawn()?;
     drop(cmd);
+    // Without the shim (library use) the worker joins its cgroup just after it started.
+    if cfg.worker_shim.is_none()
+        && let (Some(cg), Some(pid)) = (cgroup, child.id())
+    {
+        std::fs::write(cg.procs_file(), pid.to_string())?;
+    }
     let stdout = child.stdout.take().expect("stdout is piped");
     let report_base = ProgressReport {
         protocol: PROTOCOL_VERSION,
@@ -810,7 +945,6 @@ fn spawn_worker(
 mod tests {
     use super::*;
     use converge_common::{JobId, Message};
-    use std::ffi::OsStr;
 
     fn assignment(rank: u32, local_rank: u32, local_world_size: u32) -> WorkerAssignment {
         WorkerAssignment {
@@ -841,30 +975,6 @@ mod tests {
             .map(|(k, v)| (k, v.into_string().unwrap()))
             .collect();
         (map, unset)
-    }
-
-    #[test]
-    fn the_agents_nats_settings_are_withheld_from_workers() {
-        for name in [
-            "CONVERGE_NATS_URL",
-            "CONVERGE_NATS_PASSWORD",
-            "CONVERGE_NATS_PASSWORD_FILE",
-            "CONVERGE_NATS_CREDS",
-            "CONVERGE_NATS_NKEY",
-            "CONVERGE_NATS_TLS_KEY",
-            "CREDENTIALS_DIRECTORY",
-        ] {
-            assert!(withheld_from_workers(OsStr::new(name)), "{name}");
-        }
-        for name in [
-            "PATH",
-            "CONVERGE_DATA_DIR",
-            "CONVERGE_JOB_ID",
-            "NATS",
-            "CONVERGE_NAT",
-        ] {
-            assert!(!withheld_from_workers(OsStr::new(name)), "{name}");
-        }
     }
 
     #[test]

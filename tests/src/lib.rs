@@ -321,6 +321,12 @@ pub fn agent_config(
         probe: false,
         labels: Vec::new(),
         link_speeds: Vec::new(),
+        worker_env: converge_agent::isolation::DEFAULT_WORKER_ENV
+            .split(',')
+            .map(str::to_string)
+            .collect(),
+        worker_uids: None,
+        worker_cgroup: None,
         // Workers start through the built agent's shim, as the binary starts them.
         worker_shim: Some(bin_path("converge-agent")),
     }

@@ -3,7 +3,10 @@
 //! the stop grace for a worker that ignores it); a worker left alive by an agent killed
 //! together with its shim is stopped by the restarted agent before it starts that rank
 //! again, never two copies at once; the state file's pid-reuse check spares a process that
-//! only shares a recorded pid. Workers get none of the agent's NATS settings.
+//! only shares a recorded pid. Workers get none of the agent's NATS settings and only the
+//! allowed part of its environment; with `--worker-uids` and `--worker-cgroup` jobs cannot
+//! read each other's checkpoints or the agent's state and environment, and a process that
+//! left its worker's process group dies with the worker.
 
 use converge_agent::strays::{self, ProcStat, Recorded, StateFile};
 use converge_common::{HostId, HostPlan, HostTelemetry, JobId, PROTOCOL_VERSION, WorkerAssignment};
@@ -402,6 +405,9 @@ async fn workers_get_none_of_the_agents_nats_settings() {
         ("CONVERGE_NATS_CONNECT_TIMEOUT", "5s"),
         ("CREDENTIALS_DIRECTORY", work.path().to_str().unwrap()),
         ("CONVERGE_DATA_DIR", "/srv/data"),
+        // Not on the allow-list (--worker-env): an operator's or a CI's secret.
+        ("AWS_SECRET_ACCESS_KEY", "not-for-workers"),
+        ("NCCL_SOCKET_IFNAME", "eth0"),
     ];
     let (mut agent, _) = spawn_agent_with_env(&nats, "e1", work.path(), 1, &agent_env);
     // Written whole, then renamed: the test never reads half a file.
@@ -431,6 +437,7 @@ async fn workers_get_none_of_the_agents_nats_settings() {
         "CONVERGE_NATS_URL",
         "CONVERGE_NATS_CONNECT_TIMEOUT",
         "CREDENTIALS_DIRECTORY",
+        "AWS_SECRET_ACCESS_KEY",
     ] {
         assert!(
             !names.contains(withheld),
@@ -451,4 +458,232 @@ async fn workers_get_none_of_the_agents_nats_settings() {
         "{env}"
     );
     assert!(env.lines().any(|l| l == "CONVERGE_JOB_ID=envjob"), "{env}");
+    assert!(env.lines().any(|l| l == "NCCL_SOCKET_IFNAME=eth0"), "{env}");
+    assert!(names.contains("PATH"), "{env}");
+}
+
+/// The cgroup v2 mount point (`/sys/fs/cgroup`, or `/sys/fs/cgroup/unified` on a hybrid
+/// layout).
+fn cgroup2_mount() -> PathBuf {
+    let mounts = std::fs::read_to_string("/proc/self/mounts").unwrap();
+    mounts
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.get(2) == Some(&"cgroup2")).then(|| PathBuf::from(f[1]))
+        })
+        .expect("this test needs a cgroup v2 hierarchy (none in /proc/self/mounts)")
+}
+
+/// Prints a log file when the test fails (before its temporary directory goes).
+struct PrintOnPanic(PathBuf);
+
+impl Drop for PrintOnPanic {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let text = std::fs::read_to_string(&self.0).unwrap_or_default();
+            eprintln!("--- {} ---\n{text}", self.0.display());
+        }
+    }
+}
+
+/// `key=value` lines of a file a worker wrote whole.
+fn read_report(path: &Path) -> Option<BTreeMap<String, String>> {
+    let text = std::fs::read_to_string(path).ok()?;
+    Some(
+        text.lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+    )
+}
+
+/// Hostile jobs on an agent started with `--worker-uids` and `--worker-cgroup` (the real
+/// binary, a real nats-server, as root): each job's workers run under a user id of their
+/// own, so job A cannot read or write job B's checkpoint directory, read the agent's state
+/// file or its environment (`/proc/<agent>/environ`, where its NATS password would be);
+/// a process A started with `setsid` (out of its process group, where the agent's
+/// SIGTERM and SIGKILL go) and ignoring SIGTERM is killed with A's cgroup when A is
+/// stopped. Fails without the flags: A reads B's secret and the escaped process lives on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_are_isolated_from_each_other_and_from_the_agent() {
+    init_tracing();
+    let euid = Command::new("id").arg("-u").output().unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&euid.stdout).trim(),
+        "0",
+        "this test starts workers under other users: run it as root (CI does)"
+    );
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    // Workers under other users must reach their checkpoint directories below it.
+    std::fs::set_permissions(
+        work.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let cgroup_root = cgroup2_mount().join(format!("converge-test-{}", std::process::id()));
+    let bus = nats.bus().await;
+    let log = work.path().join("agent.log");
+    let mut agent = Command::new(bin_path("converge-agent"))
+        .args(["--nats-url", &nats.url, "--host-id", "i1"])
+        .args(["--advertise-addr", "127.0.0.1", "--fake-gpus", "2"])
+        .args(["--telemetry-interval", "300ms", "--stop-grace", "2s"])
+        .args(["--worker-uids", "61000-61999"])
+        .arg("--worker-cgroup")
+        .arg(&cgroup_root)
+        .arg("--log-dir")
+        .arg(work.path().join("logs"))
+        .arg("--checkpoint-root")
+        .arg(work.path().join("checkpoints"))
+        .arg("--state-dir")
+        .arg(work.path().join("state"))
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .env("AWS_SECRET_ACCESS_KEY", "agent-secret-in-environ")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let ckpt = |job: &str| work.path().join("checkpoints").join(job);
+    let state = work.path().join("state/workers-i1.state");
+    let _log_on_failure = PrintOnPanic(log.clone());
+
+    // Job B keeps a secret in its checkpoint directory.
+    let b_script = "echo b-secret > \"$CONVERGE_CHECKPOINT_DIR/secret\"; \
+                    echo \"uid=$(id -u)\" > \"$CONVERGE_CHECKPOINT_DIR/ready.tmp\"; \
+                    mv \"$CONVERGE_CHECKPOINT_DIR/ready.tmp\" \"$CONVERGE_CHECKPOINT_DIR/ready\"; \
+                    exec sleep 300";
+    let b = worker(
+        "iso-b",
+        0,
+        1,
+        vec!["sh".into(), "-c".into(), b_script.into()],
+    );
+    put_plan(&bus, "i1", vec![b.clone()]).await;
+    let b_ready = wait_for(Duration::from_secs(20), "job B's worker", || async {
+        read_report(&ckpt("iso-b").join("ready")).filter(|r| r.contains_key("uid"))
+    })
+    .await;
+
+    // Job A tries everything, and leaves a process outside its process group.
+    let a_script = r#"d="$CONVERGE_CHECKPOINT_DIR"
+setsid sh -c 'trap "" TERM; echo $$ > "$0/escapee.tmp"; mv "$0/escapee.tmp" "$0/escapee"; while :; do sleep 1; done' "$d" &
+{
+  echo "uid=$(id -u)"
+  if cat "$OTHER/secret" >/dev/null 2>&1; then echo read_other=yes; else echo read_other=no; fi
+  if echo x 2>/dev/null > "$OTHER/planted"; then echo wrote_other=yes; else echo wrote_other=no; fi
+  if cat "$STATE" >/dev/null 2>&1; then echo read_state=yes; else echo read_state=no; fi
+  if grep -q agent-secret "/proc/$AGENT_PID/environ" 2>/dev/null; then echo read_agent_env=yes; else echo read_agent_env=no; fi
+} > "$d/report.tmp"
+mv "$d/report.tmp" "$d/report"
+exec sleep 300"#;
+    let mut a = worker(
+        "iso-a",
+        1,
+        2,
+        vec!["sh".into(), "-c".into(), a_script.into()],
+    );
+    a.env.extend([
+        ("OTHER".to_string(), ckpt("iso-b").display().to_string()),
+        ("STATE".to_string(), state.display().to_string()),
+        ("AGENT_PID".to_string(), agent.id().to_string()),
+    ]);
+    put_plan(&bus, "i1", vec![b.clone(), a]).await;
+    let report = wait_for(Duration::from_secs(20), "job A's report", || async {
+        read_report(&ckpt("iso-a").join("report"))
+    })
+    .await;
+    let escapee: u32 = wait_for(
+        Duration::from_secs(10),
+        "job A's escaped process",
+        || async {
+            std::fs::read_to_string(ckpt("iso-a").join("escapee"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        },
+    )
+    .await;
+
+    let uid = |r: &BTreeMap<String, String>| r["uid"].parse::<u32>().unwrap();
+    let (uid_a, uid_b) = (uid(&report), uid(&b_ready));
+    assert!((61000..=61999).contains(&uid_a), "{report:?}");
+    assert!((61000..=61999).contains(&uid_b), "{b_ready:?}");
+    assert_ne!(uid_a, uid_b, "two jobs share a user id");
+    for (what, expect) in [
+        ("read_other", "no"),
+        ("wrote_other", "no"),
+        ("read_state", "no"),
+        ("read_agent_env", "no"),
+    ] {
+        assert_eq!(report[what], expect, "job A: {what}: {report:?}");
+    }
+    use std::os::unix::fs::MetadataExt;
+    for (job, owner) in [("iso-a", uid_a), ("iso-b", uid_b)] {
+        let meta = std::fs::metadata(ckpt(job)).unwrap();
+        assert_eq!((meta.uid(), meta.mode() & 0o777), (owner, 0o700), "{job}");
+    }
+    let state_meta = std::fs::metadata(&state).unwrap();
+    assert_eq!(
+        state_meta.mode() & 0o077,
+        0,
+        "the state file is the agent's alone"
+    );
+    // The escaped process left A's process group: the agent's killpg cannot reach it.
+    let stat = strays::read_stat(escapee).expect("the escaped process runs");
+    assert!(!stat.zombie);
+    assert_eq!(
+        stat.pgrp, escapee,
+        "setsid made it a group (and session) leader"
+    );
+
+    // A leaves the plan: its worker is stopped, and its cgroup with the escaped process.
+    put_plan(&bus, "i1", vec![b]).await;
+    let started = Instant::now();
+    wait_for(
+        Duration::from_secs(15),
+        "the escaped process to be killed",
+        || async {
+            strays::read_stat(escapee)
+                .is_none_or(|s| s.zombie)
+                .then_some(())
+        },
+    )
+    .await;
+    let killed_after = started.elapsed();
+    let a_cgroups = || {
+        std::fs::read_dir(&cgroup_root)
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("iso-a."))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    wait_for(
+        Duration::from_secs(10),
+        "job A's cgroup to be removed",
+        || async { (a_cgroups() == 0).then_some(()) },
+    )
+    .await;
+    eprintln!("the escaped process was gone {killed_after:?} after job A left the plan");
+
+    put_plan(&bus, "i1", vec![]).await;
+    wait_for(
+        Duration::from_secs(15),
+        "job B's cgroup to be removed",
+        || async {
+            // Interface files (cgroup.procs...) stay; no worker's cgroup does.
+            std::fs::read_dir(&cgroup_root)
+                .is_ok_and(|d| !d.flatten().any(|e| e.path().is_dir()))
+                .then_some(())
+        },
+    )
+    .await;
+    let _ = agent.kill();
+    let _ = agent.wait();
+    let _ = std::fs::remove_dir(&cgroup_root);
 }
