@@ -14,7 +14,7 @@
 //!   directory is 0700, and `/proc/<agent pid>/environ` is unreadable to other users.
 //! - **Cgroups.** With `--worker-cgroup DIR` (a cgroup v2 directory the agent may write,
 //!   e.g. systemd's `Delegate=yes`) every worker runs in a cgroup of its own,
-//!   `DIR/<job>.g<generation>.r<rank>.<start>`, which the shim joins before it starts the
+//!   `DIR/<host id>/<job>.g<generation>.r<rank>.<start>`, which the shim joins before it starts the
 //!   worker. When the worker ends (or is stopped), the agent kills the whole cgroup
 //!   (`cgroup.kill`) and removes it before it reports the exit, so processes that left the
 //!   worker's process group (`setsid`, daemons) go with it and never outlive their

@@ -118,7 +118,7 @@ pub struct AgentConfig {
     pub worker_uids: Option<isolation::UidRange>,
     /// A cgroup v2 directory the agent may write (made when its parent is one; under
     /// systemd: the unit's own with `Delegate=yes`): each worker runs in a cgroup of its
-    /// own below it, killed whole when the worker ends or is stopped, so that nothing it
+    /// own below it (`<DIR>/<host id>/<job>.g<generation>.r<rank>.<n>`), killed whole when the worker ends or is stopped, so that nothing it
     /// started (`setsid`, daemons) outlives it; cgroups an earlier run left are killed at
     /// start. Unset: processes that leave the worker's process group are out of reach.
     #[arg(long, value_name = "DIR", env = "CONVERGE_WORKER_CGROUP")]
@@ -264,16 +264,24 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
             "--worker-uids needs the agent to run as root (it starts workers under other users and hands them their checkpoint directories)"
         );
     }
-    if let Some(root) = &cfg.worker_cgroup {
-        isolation::check_cgroup_root(root).map_err(anyhow::Error::msg)?;
-    }
+    // Each agent keeps its workers' cgroups under `<--worker-cgroup>/<host id>`, so that
+    // agents of one machine sharing the directory never kill each other's as strays.
+    let worker_cgroup = match &cfg.worker_cgroup {
+        Some(root) => {
+            isolation::check_cgroup_root(root).map_err(anyhow::Error::msg)?;
+            let mine = root.join(host.as_str());
+            isolation::check_cgroup_root(&mine).map_err(anyhow::Error::msg)?;
+            Some(mine)
+        }
+        None => None,
+    };
     // Workers left by an earlier run go before anything else happens. The state directory
     // is the agent's alone (workers cannot read or forge the records of what it runs).
     isolation::prepare_state_dir(&cfg.state_dir)
         .with_context(|| format!("cannot create --state-dir {}", cfg.state_dir.display()))?;
     let state_file = strays::state_path(&cfg.state_dir, host.as_str());
     strays::stop_strays(&state_file, cfg.stop_grace).await;
-    if let Some(root) = &cfg.worker_cgroup {
+    if let Some(root) = &worker_cgroup {
         isolation::remove_stray_cgroups(root).await;
     }
     strays::StateFile {
@@ -331,7 +339,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
             gpu_speed: cfg.fake_gpu_speed,
             worker_env: isolation::EnvAllowList::new(cfg.worker_env.clone()),
             worker_uids: cfg.worker_uids,
-            worker_cgroup: cfg.worker_cgroup.clone(),
+            worker_cgroup,
         },
         exit_tx,
         out_tx.clone(),

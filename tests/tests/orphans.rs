@@ -487,6 +487,17 @@ impl Drop for PrintOnPanic {
     }
 }
 
+/// Removes empty directories when dropped, ignoring errors.
+struct RemoveDirsOnDrop(Vec<PathBuf>);
+
+impl Drop for RemoveDirsOnDrop {
+    fn drop(&mut self) {
+        for dir in &self.0 {
+            let _ = std::fs::remove_dir(dir);
+        }
+    }
+}
+
 /// `key=value` lines of a file a worker wrote whole.
 fn read_report(path: &Path) -> Option<BTreeMap<String, String>> {
     let text = std::fs::read_to_string(path).ok()?;
@@ -549,6 +560,8 @@ async fn jobs_are_isolated_from_each_other_and_from_the_agent() {
     let ckpt = |job: &str| work.path().join("checkpoints").join(job);
     let state = work.path().join("state/workers-i1.state");
     let _log_on_failure = PrintOnPanic(log.clone());
+    // On failure too, the test's cgroups go (deepest first; removing a busy one fails).
+    let _cgroups = RemoveDirsOnDrop(vec![cgroup_root.join("i1"), cgroup_root.clone()]);
 
     // Job B keeps a secret in its checkpoint directory.
     let b_script = "echo b-secret > \"$CONVERGE_CHECKPOINT_DIR/secret\"; \
@@ -654,8 +667,9 @@ exec sleep 300"#;
     )
     .await;
     let killed_after = started.elapsed();
+    let host_cgroup = cgroup_root.join("i1");
     let a_cgroups = || {
-        std::fs::read_dir(&cgroup_root)
+        std::fs::read_dir(&host_cgroup)
             .map(|d| {
                 d.flatten()
                     .filter(|e| e.file_name().to_string_lossy().starts_with("iso-a."))
@@ -677,7 +691,7 @@ exec sleep 300"#;
         "job B's cgroup to be removed",
         || async {
             // Interface files (cgroup.procs...) stay; no worker's cgroup does.
-            std::fs::read_dir(&cgroup_root)
+            std::fs::read_dir(&host_cgroup)
                 .is_ok_and(|d| !d.flatten().any(|e| e.path().is_dir()))
                 .then_some(())
         },
@@ -685,5 +699,6 @@ exec sleep 300"#;
     .await;
     let _ = agent.kill();
     let _ = agent.wait();
-    let _ = std::fs::remove_dir(&cgroup_root);
+    std::fs::remove_dir(&host_cgroup).unwrap();
+    std::fs::remove_dir(&cgroup_root).unwrap();
 }
