@@ -28,6 +28,16 @@
 #   --server-name NAME   server name (default converge-nats)
 #   --admin              also write an `admin` user with every right in the account (for
 #                        the `nats` CLI; keep its password off the cluster's hosts)
+#   --max-store SIZE     JetStream file storage the account may use in all (default 16G, sizes
+#                        in decimal units as NATS reads them: 16G = 16 x 10^9 bytes; the
+#                        progress stream keeps at most 2 GiB per replica, the buckets little)
+#   --max-mem SIZE       JetStream memory storage the account may use (default 256M;
+#                        Converge keeps everything on file)
+#   --max-streams N      streams (buckets count as one each) the account may create
+#                        (default 32; Converge makes 8)
+#   --max-consumers N    consumers the account may hold at once (default 200 + 4 per host:
+#                        each agent's plan watch, a re-created one for 30 s after a
+#                        reconnect, the allocator's, dashboards' and `converge watch`es')
 #   --tls-cert FILE      server certificate (PEM): clients must then use TLS
 #   --tls-key FILE       its private key (PEM)
 #   --tls-ca FILE        CA that signed client certificates (with --tls-verify)
@@ -59,6 +69,7 @@ die() {
 hosts="" out="" store_dir=/data listen=0.0.0.0:4222 http="" server_name=converge-nats
 admin=0 tls_cert="" tls_key="" tls_ca="" tls_verify=0
 cluster_name="" routes="" cluster_listen=0.0.0.0:6222
+max_store=16G max_mem=256M max_streams=32 max_consumers=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --hosts) hosts=${2:?--hosts needs a value}; shift 2 ;;
@@ -75,6 +86,10 @@ while [[ $# -gt 0 ]]; do
         --cluster-name) cluster_name=${2:?--cluster-name needs a value}; shift 2 ;;
         --routes) routes=${2:?--routes needs a value}; shift 2 ;;
         --cluster-listen) cluster_listen=${2:?--cluster-listen needs a value}; shift 2 ;;
+        --max-store) max_store=${2:?--max-store needs a value}; shift 2 ;;
+        --max-mem) max_mem=${2:?--max-mem needs a value}; shift 2 ;;
+        --max-streams) max_streams=${2:?--max-streams needs a value}; shift 2 ;;
+        --max-consumers) max_consumers=${2:?--max-consumers needs a value}; shift 2 ;;
         -h|--help) usage ;;
         *) echo "gen-config.sh: unknown option $1" >&2; usage ;;
     esac
@@ -102,6 +117,12 @@ if [[ -n "$cluster_name" || -n "$routes" ]]; then
     [[ -z "$tls_cert" || -n "$tls_ca" ]] \
         || die "routes over TLS need --tls-ca (the CA that signed every server's certificate)"
 fi
+for v in "$max_store" "$max_mem"; do
+    [[ "$v" =~ ^[1-9][0-9]*[KMGT]?$ ]] || die "invalid size '$v' (a number of bytes, or with K, M, G or T: 16G)"
+done
+for v in "$max_streams" ${max_consumers:+"$max_consumers"}; do
+    [[ "$v" =~ ^[1-9][0-9]*$ ]] || die "invalid count '$v' (a whole number above 0)"
+done
 # Quoted into the configuration below: no quotes or backslashes.
 for v in "$store_dir" "$listen" "$http" "$server_name" "$tls_cert" "$tls_key" "$tls_ca" "$cluster_listen"; do
     [[ "$v" != *[\"\\]* ]] || die "no quotes or backslashes in paths and names: $v"
@@ -300,7 +321,14 @@ trap 'rm -f "$tmp"' EXIT
     echo
     echo "accounts {"
     echo "  CONVERGE {"
-    echo "    jetstream: enabled"
+    echo "    # What the whole account may hold: a client that floods or opens consumers"
+    echo "    # without end is refused at these limits instead of filling the server."
+    echo "    jetstream {"
+    echo "      max_file: $max_store"
+    echo "      max_mem: $max_mem"
+    echo "      max_streams: $max_streams"
+    echo "      max_consumers: ${max_consumers:-$((200 + 4 * ${#host_list[@]}))}"
+    echo "    }"
     echo "    users: ["
     user_entry allocator "${pw[allocator]}" "$allocator_pub" "$allocator_sub"
     user_entry cli "${pw[cli]}" "$cli_pub" "$cli_sub"

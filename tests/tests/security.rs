@@ -1452,3 +1452,49 @@ async fn queues_are_written_by_the_cli_and_queue_statuses_by_the_allocator_only(
             .is_none()
     );
 }
+
+/// The account's JetStream limits from `gen-config.sh` hold: the server reports them, and
+/// consumers past `--max-consumers` are refused (a client opening consumers without end
+/// is stopped there instead of exhausting the server); the streams Converge creates fit
+/// within `--max-store` (the allocator opened them all under the limits).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_account_has_bounded_storage_and_consumers() {
+    use async_nats::jetstream::consumer::pull;
+    init_tracing();
+    let s = SecuredNats::start_with(&["n1"], &["--max-consumers", "6", "--max-store", "8G"]);
+    let alloc = s
+        .bus_as("allocator", Setup::CreateOrUpdate)
+        .await
+        .expect("the streams fit within the account's limits");
+    let account = alloc.js.query_account().await.unwrap();
+    assert_eq!(account.limits.max_storage, Some(8_000_000_000));
+    assert_eq!(account.limits.max_memory, Some(256_000_000));
+    assert_eq!(account.limits.max_streams, Some(32));
+    assert_eq!(account.limits.max_consumers, Some(6));
+    assert!(
+        account.streams >= 5,
+        "the allocator's streams: {}",
+        account.streams
+    );
+    let stream = alloc
+        .js
+        .get_stream(subjects::PROGRESS_STREAM)
+        .await
+        .unwrap();
+    let mut refused = None;
+    for i in 0..10 {
+        let created = stream
+            .create_consumer(pull::Config {
+                durable_name: Some(format!("flood-{i}")),
+                ..Default::default()
+            })
+            .await;
+        if let Err(e) = created {
+            refused = Some((i, e.to_string()));
+            break;
+        }
+    }
+    let (at, e) = refused.expect("consumers past the limit are refused");
+    assert!(at <= 6, "refused only at consumer {at}");
+    assert!(e.to_lowercase().contains("maximum consumers"), "{e}");
+}
