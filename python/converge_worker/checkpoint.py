@@ -9,7 +9,10 @@ renamed over the
 checkpoint and followed by a sync of the directory, so a reader sees the old or the new
 checkpoint, never a torn one. The checkpoint records the generation that wrote it; a
 worker of an older generation must not overwrite it (fencing), and a worker of generation
-0 (run by hand) is never fenced.
+0 (run by hand) is never fenced. The fence check and the rename happen under an exclusive
+lock on ``.<name>.lock`` in the directory (``flock``; NFS clients carry it to the server
+as a POSIX lock), which converge-trainer takes too: a stale generation that passed its
+check cannot rename over a newer generation's checkpoint written in between.
 
 File format: one header line ``CONVERGE-CHECKPOINT 1 {json}\\n`` (generation, encoding,
 payload size and SHA-256, the caller's metadata) followed by the payload, the bytes the
@@ -17,6 +20,8 @@ serializer wrote. The payload is whatever the serializer produced, so
 ``torch.save``/``torch.load`` work as the serializer and deserializer.
 """
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -163,20 +168,37 @@ def save_checkpoint(
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, target)
+        # The check again, and the rename, under the directory's lock: atomic with respect
+        # to every other writer of this checkpoint.
+        with _locked(directory, name):
+            _check_fence(directory, name, generation)
+            os.replace(tmp, target)
+            # Make the rename itself durable.
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
     except BaseException:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
         raise
-    # Make the rename itself durable.
-    fd = os.open(directory, os.O_RDONLY)
+    return target
+
+
+@contextlib.contextmanager
+def _locked(directory: Path, name: str):
+    """Holds the exclusive lock of checkpoint ``name`` in ``directory``
+    (``.<name>.lock``, created with mode 0600 when missing; converge-trainer locks the
+    same way) while the block runs."""
+    fd = os.open(directory / (".%s.lock" % name), os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        os.fsync(fd)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
     finally:
         os.close(fd)
-    return target
 
 
 def _check_fence(directory: Path, name: str, generation: int) -> None:

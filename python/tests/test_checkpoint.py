@@ -1,8 +1,10 @@
 import os
 import pickle
 import tempfile
+import threading
 import unittest
 from pathlib import Path
+from unittest import mock
 
 import _kit  # noqa: F401  (the kit from the source tree when not installed)
 
@@ -38,7 +40,7 @@ class Checkpoints(unittest.TestCase):
         self.assertEqual(got.metadata, {"step": 40, "loss": 0.31})
         self.assertEqual(read_checkpoint_header(self.dir)["encoding"], "pickle")
         # Only the checkpoint remains: no temporary file is left behind.
-        self.assertEqual(os.listdir(self.dir), ["checkpoint.ckpt"])
+        self.assertEqual(sorted(os.listdir(self.dir)), [".checkpoint.ckpt.lock", "checkpoint.ckpt"])
 
     def test_bytes_stay_bytes(self):
         save_checkpoint(b"\x00raw\xff", self.dir)
@@ -90,7 +92,7 @@ class Checkpoints(unittest.TestCase):
         with self.assertRaises(RuntimeError):
             save_checkpoint({"step": 2}, self.dir, serializer=broken)
         self.assertEqual(load_checkpoint(self.dir).state, {"step": 1})
-        self.assertEqual(os.listdir(self.dir), ["checkpoint.ckpt"])
+        self.assertEqual(sorted(os.listdir(self.dir)), [".checkpoint.ckpt.lock", "checkpoint.ckpt"])
 
     def test_another_writers_temporary_file_is_never_used(self):
         # A writer on another host with the same process id (shared storage) has its
@@ -102,8 +104,54 @@ class Checkpoints(unittest.TestCase):
         path = save_checkpoint({"step": 3}, self.dir)
         self.assertEqual(theirs.read_bytes(), b"their half-written checkpoint")
         self.assertEqual(load_checkpoint(self.dir).state, {"step": 3})
-        self.assertEqual(sorted(os.listdir(self.dir)), sorted(["checkpoint.ckpt", theirs.name]))
+        self.assertEqual(
+            sorted(os.listdir(self.dir)),
+            sorted([".checkpoint.ckpt.lock", "checkpoint.ckpt", theirs.name]),
+        )
         self.assertEqual(os.stat(path).st_mode & 0o777, 0o600)
+
+    def test_a_stale_generation_cannot_rename_over_a_newer_ones_checkpoint(self):
+        # Generation 1 has passed its fence check and is about to rename its file when
+        # generation 2 saves. Without the lock, generation 2 wrote in between and
+        # generation 1's rename then replaced the newer checkpoint with its stale one.
+        save_checkpoint(b"first", self.dir, generation=1)
+        real_replace = os.replace
+        newer_done = threading.Event()
+        outcome = {}
+
+        def newer():
+            outcome["newer"] = save_checkpoint(b"newer", self.dir, generation=2)
+            newer_done.set()
+
+        writer = threading.Thread(target=newer, name="generation-2")
+
+        def replace(src, dst):
+            if threading.current_thread().name == "generation-1":
+                writer.start()
+                # Long enough for generation 2 to finish, were it not held by the lock.
+                outcome["newer_finished_in_between"] = newer_done.wait(timeout=1.0)
+            return real_replace(src, dst)
+
+        def stale():
+            try:
+                save_checkpoint(b"stale", self.dir, generation=1)
+                outcome["stale"] = "written"
+            except CheckpointFenced:
+                outcome["stale"] = "fenced"
+
+        with mock.patch("converge_worker.checkpoint.os.replace", side_effect=replace):
+            t = threading.Thread(target=stale, name="generation-1")
+            t.start()
+            t.join(10)
+            writer.join(10)
+        self.assertFalse(outcome["newer_finished_in_between"], outcome)
+        self.assertEqual(outcome["stale"], "written", "it held the lock first")
+        loaded = load_checkpoint(self.dir)
+        self.assertEqual((loaded.state, loaded.generation), (b"newer", 2))
+        # And once the newer checkpoint is there, the stale generation is fenced.
+        with self.assertRaises(CheckpointFenced):
+            save_checkpoint(b"stale again", self.dir, generation=1)
+        self.assertEqual(load_checkpoint(self.dir).state, b"newer")
 
     def test_corrupt_truncated_and_foreign_files_are_errors(self):
         save_checkpoint({"params": list(range(100))}, self.dir)

@@ -1,5 +1,12 @@
 //! Checkpoints: the training state in `checkpoint.json`, written atomically.
 //!
+//! Generation fencing ([`Checkpoint::write_fenced`]): a process of an older generation of
+//! the job must not overwrite a newer generation's checkpoint. The check and the write
+//! happen under an exclusive lock on `.checkpoint.json.lock` in the directory (`flock`;
+//! NFS clients carry it to the server as a POSIX lock; the Python kit locks `.<name>.lock`
+//! the same way), so a stale writer that passed its check cannot rename over a checkpoint
+//! written in between.
+//!
 //! Rank 0 writes a temporary file in the checkpoint directory, flushes it to disk, renames
 //! it over `checkpoint.json` and syncs the directory, so a reader sees either the old or
 //! the new checkpoint, never a torn one. Rank 0 reads it on start and hands its state to
@@ -59,6 +66,31 @@ pub struct Checkpoint {
     /// ([`SmoothedStats`]), when the job has any: a resumed AdaScale job keeps its gain.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub scaling: Option<SmoothedStats>,
+}
+
+/// The lock file of the checkpoint in a directory ([`lock`]).
+pub const LOCK_NAME: &str = ".checkpoint.json.lock";
+
+/// Takes the exclusive lock of the checkpoint in `dir` (creating `dir`, and the lock file
+/// with mode 0600 when missing), waiting while another writer holds it; released when the
+/// returned file is dropped. `Err`: the directory or the lock file cannot be made or
+/// locked.
+pub fn lock(dir: &Path) -> Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create checkpoint directory {}", dir.display()))?;
+    let path = dir.join(LOCK_NAME);
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&path)
+        .with_context(|| format!("cannot open the checkpoint lock {}", path.display()))?;
+    file.lock()
+        .with_context(|| format!("cannot lock {}", path.display()))?;
+    Ok(file)
 }
 
 /// The checkpoint's path inside `dir`.
@@ -136,6 +168,23 @@ impl Checkpoint {
         result.with_context(|| format!("cannot write checkpoint {}", target.display()))
     }
 
+    /// Writes the checkpoint unless `dir` holds one of a newer generation than
+    /// `self.generation` (when that is above 0: generation 0, a run by hand, is never
+    /// fenced): the check and the write under the directory's [`lock`]. `Ok(Some(newer))`:
+    /// fenced by generation `newer`, nothing written. A corrupt existing checkpoint says
+    /// nothing about generations and is overwritten.
+    pub fn write_fenced(&self, dir: &Path) -> Result<Option<u64>> {
+        let _lock = lock(dir)?;
+        if self.generation > 0
+            && let Ok(Some(existing)) = Checkpoint::read(dir)
+            && existing.generation > self.generation
+        {
+            return Ok(Some(existing.generation));
+        }
+        self.write_atomic(dir)?;
+        Ok(None)
+    }
+
     /// Reads `dir/checkpoint.json`; `Ok(None)` if there is none.
     pub fn read(dir: &Path) -> Result<Option<Checkpoint>> {
         let path = path_in(dir);
@@ -208,6 +257,35 @@ mod tests {
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         assert_eq!(names, vec![FILE_NAME.to_string()]);
+    }
+
+    #[test]
+    fn a_stale_generation_never_overwrites_a_newer_ones_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = Model::new(ModelKind::Mlp, 64, 5, 10);
+        let mut stale = sample(&model);
+        stale.generation = 1;
+        stale.write_atomic(dir.path()).unwrap();
+        // A newer generation holds the lock while it writes; the stale writer, which
+        // could have passed its check before, waits and then finds the newer checkpoint.
+        let held = lock(dir.path()).unwrap();
+        let writer = {
+            let (dir, stale) = (dir.path().to_path_buf(), stale.clone());
+            std::thread::spawn(move || stale.write_fenced(&dir).unwrap())
+        };
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let mut newer = sample(&model);
+        newer.generation = 2;
+        newer.step = 999;
+        newer.write_atomic(dir.path()).unwrap();
+        drop(held);
+        assert_eq!(writer.join().unwrap(), Some(2), "fenced by generation 2");
+        assert_eq!(Checkpoint::read(dir.path()).unwrap().unwrap(), newer);
+        // Generation 2 and a run by hand (generation 0) write.
+        assert_eq!(newer.write_fenced(dir.path()).unwrap(), None);
+        let mut by_hand = sample(&model);
+        by_hand.generation = 0;
+        assert_eq!(by_hand.write_fenced(dir.path()).unwrap(), None);
     }
 
     #[test]

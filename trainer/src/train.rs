@@ -923,19 +923,6 @@ impl<'a> Trainer<'a> {
         let Some(dir) = &self.ckpt_dir else {
             return Ok(());
         };
-        // Generation fencing at the storage (for processes run by an agent: generation >
-        // 0): a checkpoint written by a newer generation means this process is a stale worker (its host was cut off and the job placed
-        // elsewhere); it must neither overwrite that checkpoint nor go on training.
-        if self.env.generation > 0
-            && let Ok(Some(existing)) = Checkpoint::read(dir)
-            && existing.generation > self.env.generation
-        {
-            return Err(Fenced {
-                ours: self.env.generation,
-                newer: existing.generation,
-            }
-            .into());
-        }
         if !state.momentum_fresh {
             bail!(
                 "the momentum of step {} is on the parameter-server shards; the previous checkpoint stands",
@@ -958,7 +945,18 @@ impl<'a> Trainer<'a> {
             block_velocity: block_velocity.map(<[f64]>::to_vec),
             scaling: (state.scaling != SmoothedStats::default()).then_some(state.scaling),
         }
-        .write_atomic(dir)
+        // Generation fencing at the storage (for processes run by an agent: generation >
+        // 0): a checkpoint written by a newer generation means this process is a stale
+        // worker (its host was cut off and the job placed elsewhere); it must neither
+        // overwrite that checkpoint nor go on training. Checked under the directory's lock.
+        .write_fenced(dir)?
+        .map_or(Ok(()), |newer| {
+            Err(Fenced {
+                ours: self.env.generation,
+                newer,
+            }
+            .into())
+        })
     }
 
     /// Stops at a step boundary: rank 0 checkpoints the last completed step.
