@@ -1425,6 +1425,28 @@ mod tests {
         }
     }
 
+    /// [`cluster`] with every throughput table replaced by one a throughput model gives:
+    /// increasing and concave in workers (Amdahl's law, `r·k / (1 + s·(k − 1))`, `r` the
+    /// one-worker rate, `s` the serial share). The greedy hand-out is exact for such
+    /// diminishing returns; on arbitrary tables (nothing until the seventh worker, then
+    /// much) no greedy is, and applying its decision can make a better one visible.
+    fn realistic_cluster() -> impl Strategy<Value = (u32, Vec<PolicyJob>)> {
+        (
+            cluster(),
+            prop::collection::vec((1.0..1e4f64, 0.0..1.0f64), 20),
+        )
+            .prop_map(|((total_gpus, mut jobs), shapes)| {
+                for (job, (rate, serial)) in jobs.iter_mut().zip(shapes) {
+                    if let Some(table) = &mut job.throughput {
+                        *table = (1..=table.len())
+                            .map(|k| rate * k as f64 / (1.0 + serial * (k as f64 - 1.0)))
+                            .collect();
+                    }
+                }
+                (total_gpus, jobs)
+            })
+    }
+
     /// A cluster of 0..64 GPUs with 0..20 jobs whose current allocations fit.
     fn cluster() -> impl Strategy<Value = (u32, Vec<PolicyJob>)> {
         (0u32..64, 0usize..20).prop_flat_map(|(total_gpus, count)| {
@@ -1551,7 +1573,7 @@ mod tests {
 
         #[test]
         fn applying_a_decision_and_deciding_again_changes_nothing(
-            (total_gpus, jobs) in cluster(),
+            (total_gpus, jobs) in realistic_cluster(),
             restart_cost_s in 0.0..100.0f64,
             objective in objectives(),
         ) {
