@@ -559,6 +559,10 @@ fn describe_metrics() {
         "Plan and status writes refused because another allocator changed the key since this one read it (compare-and-set), by bucket"
     );
     describe_counter!(
+        "converge_allocator_write_failures_total",
+        "Plan and status writes that failed (NATS errors and timeouts, not compare-and-set conflicts), by bucket; the next step writes them again"
+    );
+    describe_counter!(
         "converge_allocator_status_writes_total",
         "Job statuses written to KV (only changed statuses are written)"
     );
@@ -952,10 +956,16 @@ async fn write_changes(
                 view.reread = true;
             }
             Err(e) if started.elapsed() >= SLOW_WRITE => {
+                metrics::counter!("converge_allocator_write_failures_total", "bucket" => "plans")
+                    .increment(1);
                 tracing::warn!(%host, "plan not written: {e}; the others wait for the next step");
                 break;
             }
-            Err(e) => tracing::warn!(%host, "plan not written: {e}"),
+            Err(e) => {
+                metrics::counter!("converge_allocator_write_failures_total", "bucket" => "plans")
+                    .increment(1);
+                tracing::warn!(%host, "plan not written: {e}");
+            }
         }
     }
     for (id, mut status) in statuses {
@@ -985,10 +995,16 @@ async fn write_changes(
                 view.reread = true;
             }
             Err(e) if started.elapsed() >= SLOW_WRITE => {
+                metrics::counter!("converge_allocator_write_failures_total", "bucket" => "status")
+                    .increment(1);
                 tracing::warn!(job = %id, "status not written: {e}; the others wait for the next step");
                 break;
             }
-            Err(e) => tracing::warn!(job = %id, "status not written: {e}"),
+            Err(e) => {
+                metrics::counter!("converge_allocator_write_failures_total", "bucket" => "status")
+                    .increment(1);
+                tracing::warn!(job = %id, "status not written: {e}");
+            }
         }
     }
 }

@@ -20,6 +20,15 @@
 //!   summary (and JSON with `--summary`): a report acknowledged by JetStream but never
 //!   applied by the allocator counts as lost.
 //!
+//! - **Flood** (`--flood-hosts N`): N compromised agents, each publishing `--flood-bytes`
+//!   reports (garbage the allocator refuses as malformed, each on its own host's subject
+//!   with a new job id, so every one is a new subject) as fast as JetStream acknowledges
+//!   them, `--max-in-flight` at once each, while the honest load runs. Measured besides:
+//!   the progress stream's bytes (its largest size seen against its bound), the honest
+//!   heartbeats that failed, and the allocator's failed plan and status writes
+//!   (`converge_allocator_write_failures_total`). `deploy/flood-bench.sh` runs it on a
+//!   three-server cluster and times a restarted allocator's first decision after it.
+//!
 //! The allocator must be started with `--metrics-addr`, and its progress counter must not
 //! move for other reasons during the run (no real agents on the same NATS).
 
@@ -86,6 +95,12 @@ struct Args {
     /// Also write the summary as JSON here.
     #[arg(long)]
     summary: Option<std::path::PathBuf>,
+    /// Compromised agents flooding the progress stream as fast as it acknowledges.
+    #[arg(long, default_value_t = 0)]
+    flood_hosts: u32,
+    /// Bytes of each flood message (the stream refuses more than 64 KiB).
+    #[arg(long, default_value_t = 60_000)]
+    flood_bytes: usize,
 }
 
 /// One scrape of the allocator's metrics.
@@ -102,6 +117,8 @@ struct Scrape {
     rss_bytes: f64,
     input_queue: f64,
     hosts_live: f64,
+    /// Plan and status writes that failed, both buckets.
+    write_failures: f64,
 }
 
 fn scrape(url: &str) -> anyhow::Result<Scrape> {
@@ -131,6 +148,9 @@ fn scrape(url: &str) -> anyhow::Result<Scrape> {
             }
             ("converge_allocator_hosts_live", Value::Gauge(v) | Value::Untyped(v)) => {
                 s.hosts_live = *v
+            }
+            ("converge_allocator_write_failures_total", Value::Counter(v) | Value::Untyped(v)) => {
+                s.write_failures += v
             }
             ("converge_allocator_step_seconds", Value::Histogram(h)) => {
                 for b in h {
@@ -203,6 +223,8 @@ struct Counters {
     reports_sent: AtomicU64,
     reports_acked: AtomicU64,
     reports_failed: AtomicU64,
+    flood_acked: AtomicU64,
+    flood_failed: AtomicU64,
 }
 
 #[derive(Debug, Serialize)]
@@ -230,6 +252,14 @@ struct Summary {
     rss_peak_bytes: f64,
     rss_end_bytes: f64,
     hosts_live_end: f64,
+    flood_hosts: u32,
+    flood_reports_acked: u64,
+    flood_mib_per_s: f64,
+    flood_failed: u64,
+    /// Largest size of the progress stream seen during the run, and its bound.
+    stream_bytes_max: u64,
+    stream_bytes_bound: i64,
+    plan_and_status_write_failures: f64,
 }
 
 fn host_id(prefix: &str, i: u32) -> HostId {
@@ -459,6 +489,55 @@ async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, u
     }
 }
 
+/// One compromised agent: reports of `--flood-bytes` garbage on its own progress subject,
+/// each with a new job id, as fast as JetStream acknowledges, until `until`.
+async fn run_flood(
+    bus: Arc<Bus>,
+    args: Arc<Args>,
+    counters: Arc<Counters>,
+    index: u32,
+    until: Instant,
+) {
+    let host = HostId::new(format!("{}-flood-h{index}", args.prefix)).expect("a valid host id");
+    let pad = "x".repeat(args.flood_bytes.saturating_sub(64));
+    let mut acks = FuturesUnordered::new();
+    let mut n = 0u64;
+    while Instant::now() < until {
+        while acks.len() < args.max_in_flight {
+            n += 1;
+            let job =
+                JobId::new(format!("{}-flood-{index}-{n}", args.prefix)).expect("a valid job id");
+            let payload = Bytes::from(format!("{{\"flood\":{n},\"pad\":\"{pad}\"}}"));
+            let publish = bus.js.publish(subjects::progress(&job, &host), payload);
+            acks.push(async move {
+                publish
+                    .await?
+                    .await
+                    .map(|_| ())
+                    .map_err(anyhow::Error::from)
+            });
+        }
+        match acks.next().await {
+            Some(Ok(())) => counters.flood_acked.fetch_add(1, Ordering::Relaxed),
+            Some(Err(_)) => counters.flood_failed.fetch_add(1, Ordering::Relaxed),
+            None => 0,
+        };
+    }
+    while let Some(r) = acks.next().await {
+        match r {
+            Ok(()) => counters.flood_acked.fetch_add(1, Ordering::Relaxed),
+            Err(_) => counters.flood_failed.fetch_add(1, Ordering::Relaxed),
+        };
+    }
+}
+
+/// The progress stream's size in bytes and its bound (`max_bytes`).
+async fn stream_bytes(bus: &Bus) -> anyhow::Result<(u64, i64)> {
+    let mut stream = bus.js.get_stream(subjects::PROGRESS_STREAM).await?;
+    let info = stream.info().await?;
+    Ok((info.state.bytes, info.config.max_bytes))
+}
+
 async fn scrape_async(url: &str) -> anyhow::Result<Scrape> {
     let url = url.to_string();
     tokio::task::spawn_blocking(move || scrape(&url)).await?
@@ -497,6 +576,18 @@ async fn main() -> anyhow::Result<()> {
         counters.clone(),
         until,
     ));
+    let floods: Vec<_> = (0..args.flood_hosts)
+        .map(|i| {
+            tokio::spawn(run_flood(
+                bus.clone(),
+                args.clone(),
+                counters.clone(),
+                i,
+                until,
+            ))
+        })
+        .collect();
+    let (mut stream_max, mut stream_bound) = stream_bytes(&bus).await?;
 
     let mut peak_rss = start_scrape.rss_bytes;
     let mut last = start_scrape.clone();
@@ -508,6 +599,13 @@ async fn main() -> anyhow::Result<()> {
                 .min(until.saturating_duration_since(Instant::now())),
         )
         .await;
+        match stream_bytes(&bus).await {
+            Ok((bytes, bound)) => {
+                stream_max = stream_max.max(bytes);
+                stream_bound = bound;
+            }
+            Err(e) => tracing::warn!("cannot read the progress stream's size: {e:#}"),
+        }
         match scrape_async(&args.metrics_url).await {
             Ok(s) => {
                 peak_rss = peak_rss.max(s.rss_bytes);
@@ -533,7 +631,13 @@ async fn main() -> anyhow::Result<()> {
     }
     let _ = agents.await;
     let _ = progress.await;
+    for f in floods {
+        let _ = f.await;
+    }
     let sent_for = started.elapsed();
+    if let Ok((bytes, _)) = stream_bytes(&bus).await {
+        stream_max = stream_max.max(bytes);
+    }
 
     // Drain: wait until the allocator applied every acknowledged report.
     let acked = counters.reports_acked.load(Ordering::Relaxed);
@@ -580,6 +684,16 @@ async fn main() -> anyhow::Result<()> {
         rss_peak_bytes: peak_rss,
         rss_end_bytes: end.rss_bytes,
         hosts_live_end: end.hosts_live,
+        flood_hosts: args.flood_hosts,
+        flood_reports_acked: counters.flood_acked.load(Ordering::Relaxed),
+        flood_mib_per_s: counters.flood_acked.load(Ordering::Relaxed) as f64
+            * args.flood_bytes as f64
+            / 1048576.0
+            / secs,
+        flood_failed: counters.flood_failed.load(Ordering::Relaxed),
+        stream_bytes_max: stream_max,
+        stream_bytes_bound: stream_bound,
+        plan_and_status_write_failures: end.write_failures - start_scrape.write_failures,
     };
     print_summary(&summary);
     if let Some(path) = &args.summary {
@@ -644,6 +758,21 @@ fn print_summary(s: &Summary) {
         s.rss_end_bytes / 1048576.0
     );
     println!("| live hosts at the end | {:.0} |", s.hosts_live_end);
+    println!(
+        "| plan and status writes failed | {:.0} |",
+        s.plan_and_status_write_failures
+    );
+    if s.flood_hosts > 0 {
+        println!(
+            "| flood: hosts / reports acknowledged / rate | {} / {} ({} failed) / {:.1} MiB/s |",
+            s.flood_hosts, s.flood_reports_acked, s.flood_failed, s.flood_mib_per_s
+        );
+    }
+    println!(
+        "| progress stream: largest size / bound | {:.1} / {:.1} MiB |",
+        s.stream_bytes_max as f64 / 1048576.0,
+        s.stream_bytes_bound as f64 / 1048576.0
+    );
 }
 
 #[cfg(test)]
