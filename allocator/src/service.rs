@@ -169,6 +169,9 @@ enum Input {
     Status(Box<JobStatus>),
     StatusDeleted(JobId),
     Progress(Box<Progress>),
+    /// A message of the progress stream that is no report (refused and counted by the
+    /// follower as it read it): its sequence, for the leader to delete.
+    Undecodable(u64),
     ProgressCaughtUp,
     Queue(QueueSpec),
     QueueDeleted(QueueId),
@@ -380,7 +383,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                         let Ok(input) = rx.try_recv() else { break };
                         let due = (&mut policy_due, &mut lifecycle_due);
                         if let Some(seq) = take(&mut view, input, &rejects, due, &mut caught_up) {
-                            let _ = refused_tx.try_send(seq);
+                            queue_deletion(&refused_tx, seq);
                         }
                     }
                 }
@@ -392,7 +395,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                 if let Some(seq) = take(&mut view, input, &rejects, due, &mut caught_up)
                     && leadership.borrow().is_valid()
                 {
-                    let _ = refused_tx.try_send(seq);
+                    queue_deletion(&refused_tx, seq);
                 }
             }
             _ = scheduling.tick() => policy_due = true,
@@ -559,6 +562,10 @@ fn describe_metrics() {
         "Plan and status writes refused because another allocator changed the key since this one read it (compare-and-set), by bucket"
     );
     describe_counter!(
+        "converge_allocator_refused_kept_total",
+        "Refused progress messages left in the stream because the deletion queue was full (a flood faster than deletions); the stream's bounds evict them"
+    );
+    describe_counter!(
         "converge_allocator_write_failures_total",
         "Plan and status writes that failed (NATS errors and timeouts, not compare-and-set conflicts), by bucket; the next step writes them again"
     );
@@ -715,6 +722,7 @@ fn take(
             None
         }
         Input::Progress(p) => ingest(view, p, rejects, lifecycle_due, *caught_up),
+        Input::Undecodable(seq) => Some(seq),
         input => {
             apply(view, input, policy_due, lifecycle_due, *caught_up);
             None
@@ -768,7 +776,7 @@ fn apply(
             view.shadow.note(r);
             *lifecycle_due = true;
         }
-        Input::ProgressCaughtUp => {}
+        Input::ProgressCaughtUp | Input::Undecodable(_) => {}
         Input::Queue(spec) => {
             if view.queues.get(&spec.name) != Some(&spec) {
                 *policy_due = true;
@@ -1214,6 +1222,15 @@ async fn watch_statuses(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<
 
 /// Deletes the progress reports the leader refused for good ([`crate::reporters::Refusal`]'s
 /// `certain`) from the stream, so that no later replay and no reader of the stream sees them.
+/// Hands a refused report's sequence to [`delete_refused`]; when its queue is full (a flood
+/// faster than deletions), the report stays in the stream until its bounds evict it, and
+/// that is counted (`converge_allocator_refused_kept_total`).
+fn queue_deletion(refused_tx: &mpsc::Sender<u64>, seq: u64) {
+    if refused_tx.try_send(seq).is_err() {
+        metrics::counter!("converge_allocator_refused_kept_total").increment(1);
+    }
+}
+
 async fn delete_refused(js: jetstream::Context, mut rx: mpsc::Receiver<u64>) {
     let mut stream = None;
     while let Some(seq) = rx.recv().await {
@@ -1337,6 +1354,10 @@ async fn forward_report(
             replay: !at.caught_up,
         };
         tx.send(Input::Progress(Box::new(progress))).await?;
+    } else if seq != 0 {
+        // Malformed, another protocol version, too large: deleted by the leader too, so a
+        // flood of garbage neither stays in the stream nor is replayed after a restart.
+        tx.send(Input::Undecodable(seq)).await?;
     }
     at.last_seq = at.last_seq.max(seq);
     if !at.caught_up && seq >= at.last_at_start {
