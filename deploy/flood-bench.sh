@@ -97,22 +97,10 @@ start_allocator() {
     alloc=$!
     pids+=("$alloc")
 }
-start_allocator 1
-wait_http "http://127.0.0.1:$metrics/metrics" "the allocator"
-
-echo "flood-bench: three servers, allocator with 3 replicas; loading for $duration ($flood_hosts flooding host(s))" >&2
-status=0
-"$bin/converge-loadgen" --nats-url "$url" --bus-replicas 3 \
-    --metrics-url "http://127.0.0.1:$metrics/metrics" --agents "$agents" --jobs "$jobs" \
-    --reports-per-s "$rate" --duration "$duration" --scrape-every 10s \
-    --flood-hosts "$flood_hosts" --prefix flood --summary "$out/summary.json" \
-    | tee "$out/loadgen.txt" || status=$?
-
-# The restart: SIGTERM, then a new allocator; time to its first decision.
-kill -TERM "$alloc"
-wait "$alloc" 2>/dev/null || true
-start_allocator 2
-first=$(python3 - "http://127.0.0.1:$metrics/metrics" <<'EOF'
+# Seconds until the allocator's metrics show a decision (its buckets and stream made, its
+# lease taken, the stream replayed), polled every 0.1 s for at most 300 s.
+first_decision() {
+    python3 - "http://127.0.0.1:$metrics/metrics" <<'EOF'
 import sys, time, urllib.request
 url = sys.argv[1]
 t0 = time.time()
@@ -128,7 +116,23 @@ while time.time() - t0 < 300:
     time.sleep(0.1)
 print("none in 300")
 EOF
-)
+}
+start_allocator 1
+echo "flood-bench: first allocator decided $(first_decision) s after its start" >&2
+
+echo "flood-bench: three servers, allocator with 3 replicas; loading for $duration ($flood_hosts flooding host(s))" >&2
+status=0
+"$bin/converge-loadgen" --nats-url "$url" --bus-replicas 3 \
+    --metrics-url "http://127.0.0.1:$metrics/metrics" --agents "$agents" --jobs "$jobs" \
+    --reports-per-s "$rate" --duration "$duration" --scrape-every 10s \
+    --flood-hosts "$flood_hosts" --prefix flood --summary "$out/summary.json" \
+    | tee "$out/loadgen.txt" || status=$?
+
+# The restart: SIGTERM, then a new allocator; time to its first decision.
+kill -TERM "$alloc"
+wait "$alloc" 2>/dev/null || true
+start_allocator 2
+first=$(first_decision)
 echo "restarted allocator: first decision ${first} s after its start" | tee "$out/restart.txt"
 echo "flood-bench: results in $out" >&2
 exit "$status"

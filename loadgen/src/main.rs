@@ -547,8 +547,11 @@ async fn scrape_async(url: &str) -> anyhow::Result<Scrape> {
 async fn main() -> anyhow::Result<()> {
     converge_bus::init_tracing("info");
     let args = Arc::new(Args::parse());
-    let client = converge_bus::connect(&args.nats, "converge-loadgen").await?;
-    let bus = Arc::new(Bus::open(client).await?);
+    // Opens what the allocator made as it is (its replicas kept); creates with
+    // `--bus-replicas` only what is missing.
+    let bus = Arc::new(
+        Bus::connect(&args.nats, "converge-loadgen", converge_bus::Setup::OpenOrCreate).await?,
+    );
     let start_scrape = scrape_async(&args.metrics_url)
         .await
         .context("the allocator's metrics (start it with --metrics-addr)")?;
