@@ -550,7 +550,12 @@ async fn main() -> anyhow::Result<()> {
     // Opens what the allocator made as it is (its replicas kept); creates with
     // `--bus-replicas` only what is missing.
     let bus = Arc::new(
-        Bus::connect(&args.nats, "converge-loadgen", converge_bus::Setup::OpenOrCreate).await?,
+        Bus::connect(
+            &args.nats,
+            "converge-loadgen",
+            converge_bus::Setup::OpenOrCreate,
+        )
+        .await?,
     );
     let start_scrape = scrape_async(&args.metrics_url)
         .await
