@@ -68,20 +68,22 @@ async fn put_plan(bus: &converge_bus::Bus, host: &str, workers: Vec<WorkerAssign
 
 /// The real agent binary as a child process; its log goes to `<work>/agent-<n>.log`.
 fn spawn_agent(nats: &NatsServer, host: &str, work: &Path, n: u32) -> (Child, PathBuf) {
-    spawn_agent_with_env(nats, host, work, n, &[])
+    spawn_agent_with_env(nats, host, work, n, &[], &[])
 }
 
-/// [`spawn_agent`] with `env` added to the agent's environment.
+/// [`spawn_agent`] with `env` added to the agent's environment and `args` to its flags.
 fn spawn_agent_with_env(
     nats: &NatsServer,
     host: &str,
     work: &Path,
     n: u32,
     env: &[(&str, &str)],
+    args: &[&str],
 ) -> (Child, PathBuf) {
     let log = work.join(format!("agent-{n}.log"));
     let child = Command::new(bin_path("converge-agent"))
         .envs(env.iter().copied())
+        .args(args)
         .args(["--nats-url", &nats.url, "--host-id", host])
         .args(["--advertise-addr", "127.0.0.1", "--fake-gpus", "2"])
         .args(["--telemetry-interval", "300ms", "--stop-grace", "2s"])
@@ -409,7 +411,7 @@ async fn workers_get_none_of_the_agents_nats_settings() {
         ("AWS_SECRET_ACCESS_KEY", "not-for-workers"),
         ("NCCL_SOCKET_IFNAME", "eth0"),
     ];
-    let (mut agent, _) = spawn_agent_with_env(&nats, "e1", work.path(), 1, &agent_env);
+    let (mut agent, _) = spawn_agent_with_env(&nats, "e1", work.path(), 1, &agent_env, &[]);
     // Written whole, then renamed: the test never reads half a file.
     let dump = "env > \"$CONVERGE_CHECKPOINT_DIR/env.tmp\" && \
                 mv \"$CONVERGE_CHECKPOINT_DIR/env.tmp\" \"$CONVERGE_CHECKPOINT_DIR/env.txt\"; \
@@ -535,28 +537,19 @@ async fn jobs_are_isolated_from_each_other_and_from_the_agent() {
     .unwrap();
     let cgroup_root = cgroup2_mount().join(format!("converge-test-{}", std::process::id()));
     let bus = nats.bus().await;
-    let log = work.path().join("agent.log");
-    let mut agent = Command::new(bin_path("converge-agent"))
-        .args(["--nats-url", &nats.url, "--host-id", "i1"])
-        .args(["--advertise-addr", "127.0.0.1", "--fake-gpus", "2"])
-        .args(["--telemetry-interval", "300ms", "--stop-grace", "2s"])
-        .args(["--worker-uids", "61000-61999"])
-        .arg("--worker-cgroup")
-        .arg(&cgroup_root)
-        .arg("--log-dir")
-        .arg(work.path().join("logs"))
-        .arg("--checkpoint-root")
-        .arg(work.path().join("checkpoints"))
-        .arg("--state-dir")
-        .arg(work.path().join("state"))
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .env("AWS_SECRET_ACCESS_KEY", "agent-secret-in-environ")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let (mut agent, log) = spawn_agent_with_env(
+        &nats,
+        "i1",
+        work.path(),
+        1,
+        &[("AWS_SECRET_ACCESS_KEY", "agent-secret-in-environ")],
+        &[
+            "--worker-uids",
+            "61000-61999",
+            "--worker-cgroup",
+            cgroup_root.to_str().expect("a UTF-8 cgroup path"),
+        ],
+    );
     let ckpt = |job: &str| work.path().join("checkpoints").join(job);
     let state = work.path().join("state/workers-i1.state");
     let _log_on_failure = PrintOnPanic(log.clone());
