@@ -94,27 +94,6 @@ pub struct SupervisorConfig {
     pub worker_cgroup: Option<PathBuf>,
 }
 
-impl SupervisorConfig {
-    /// Settings with the default isolation (the default environment allow-list, the
-    /// agent's user, no cgroups) and no state file.
-    pub fn new(host: HostId, log_dir: PathBuf, checkpoint_root: PathBuf) -> Self {
-        SupervisorConfig {
-            host,
-            log_dir,
-            checkpoint_root,
-            stop_grace: Duration::from_secs(10),
-            backoff_base: Duration::from_secs(1),
-            backoff_cap: Duration::from_secs(30),
-            worker_shim: None,
-            state_file: None,
-            gpu_speed: None,
-            worker_env: EnvAllowList::default_list(),
-            worker_uids: None,
-            worker_cgroup: None,
-        }
-    }
-}
-
 /// Something for the outbox task to publish.
 #[derive(Debug)]
 pub enum Outgoing {
