@@ -30,7 +30,10 @@
 #                        the `nats` CLI; keep its password off the cluster's hosts)
 #   --max-store SIZE     JetStream file storage the account may use in all (default 16G, sizes
 #                        in decimal units as NATS reads them: 16G = 16 x 10^9 bytes; the
-#                        progress stream keeps at most 2 GiB per replica, the buckets little)
+#                        progress stream keeps at most 2 GiB per replica, the buckets little).
+#                        The server's own JetStream store is sized to the same figures
+#                        (max_file_store, max_memory_store), so the configuration starts
+#                        on any disk; keep SIZE below what the store directory's disk holds
 #   --max-mem SIZE       JetStream memory storage the account may use (default 256M;
 #                        Converge keeps everything on file)
 #   --max-streams N      streams (buckets count as one each) the account may create
@@ -281,6 +284,10 @@ trap 'rm -f "$tmp"' EXIT
     echo
     echo "jetstream {"
     echo "  store_dir: \"$store_dir\""
+    echo "  # Sized to the account's limits below, not to 75 % of whatever disk the server"
+    echo "  # finds: a server whose disk is smaller than the account limit would refuse to start."
+    echo "  max_file_store: $max_store"
+    echo "  max_memory_store: $max_mem"
     echo "}"
     if [[ -n "$tls_cert" ]]; then
         echo

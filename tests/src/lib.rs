@@ -126,6 +126,9 @@ fn spawn_server(dir: &Path, port: Option<u16>, config: Option<&Path>) -> (Child,
         let _ = std::fs::remove_file(entry.path());
     }
     let port_arg = port.map_or("-1".to_string(), |p| p.to_string());
+    // The server's own log, shown when it does not come up (e.g. a configuration it refuses).
+    let log_path = dir.join("nats-server.log");
+    let log_file = std::fs::File::create(&log_path).expect("server log");
     let mut server = Command::new(nats_server_bin());
     match config {
         // The server refuses `-sd` beside a configuration's `store_dir`.
@@ -137,7 +140,7 @@ fn spawn_server(dir: &Path, port: Option<u16>, config: Option<&Path>) -> (Child,
         .arg("--ports_file_dir")
         .arg(&ports_dir)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log_file.try_clone().expect("server log"))
         .spawn()
         .unwrap_or_else(|e| {
             panic!(
@@ -160,10 +163,23 @@ fn spawn_server(dir: &Path, port: Option<u16>, config: Option<&Path>) -> (Child,
         {
             return (child, port);
         }
-        if Instant::now() >= deadline {
+        let exited = child.try_wait().ok().flatten();
+        if exited.is_some() || Instant::now() >= deadline {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("nats-server did not write a readable ports file within 10 s");
+            let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(5).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            match exited {
+                Some(status) => panic!(
+                    "nats-server exited ({status}) before it was ready; its last lines:\n{}",
+                    tail.join("\n")
+                ),
+                None => panic!(
+                    "nats-server did not write a readable ports file within 10 s; its last lines:\n{}",
+                    tail.join("\n")
+                ),
+            }
         }
         std::thread::sleep(Duration::from_millis(20));
     }

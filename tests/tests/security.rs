@@ -1461,13 +1461,15 @@ async fn queues_are_written_by_the_cli_and_queue_statuses_by_the_allocator_only(
 async fn the_account_has_bounded_storage_and_consumers() {
     use async_nats::jetstream::consumer::pull;
     init_tracing();
-    let s = SecuredNats::start_with(&["n1"], &["--max-consumers", "6", "--max-store", "8G"]);
+    // An account limit far above any test machine's disk: the generated configuration
+    // must still start (the server's own store is sized to the limit, not to the disk).
+    let s = SecuredNats::start_with(&["n1"], &["--max-consumers", "6", "--max-store", "1000T"]);
     let alloc = s
         .bus_as("allocator", Setup::CreateOrUpdate)
         .await
         .expect("the streams fit within the account's limits");
     let account = alloc.js.query_account().await.unwrap();
-    assert_eq!(account.limits.max_storage, Some(8_000_000_000));
+    assert_eq!(account.limits.max_storage, Some(1_000_000_000_000_000));
     assert_eq!(account.limits.max_memory, Some(256_000_000));
     assert_eq!(account.limits.max_streams, Some(32));
     assert_eq!(account.limits.max_consumers, Some(6));
