@@ -22,7 +22,6 @@
 //! | [`stop`] | stop criteria: when the allocator ends a job (target, plateau, budget, deadline) |
 //! | [`ps_plan`] | parameter-server planner (LP relaxation + rounding) |
 //! | [`queues`] | queues: quotas, lending, fair share with usage decay, gang preemption |
-//! | [`makespan`] | offline SJF-BCO makespan scheduling and exact optima |
 //! | [`benchgen`] | seeded synthetic clusters for the decision benchmarks |
 
 pub mod benchgen;
@@ -33,7 +32,6 @@ pub mod fit_cache;
 pub mod goodput;
 pub mod gpu_types;
 pub mod history;
-pub mod makespan;
 pub mod outlook;
 pub mod placement;
 pub mod policies;

@@ -10,6 +10,7 @@ pub mod decision_bench;
 pub mod engine;
 pub mod explore;
 pub mod explore_report;
+pub mod makespan;
 pub mod makespan_bench;
 pub mod markdown;
 pub mod mixed_report;

@@ -1,5 +1,5 @@
 //! `converge-sim makespan-bench`: SJF-BCO and first-fit FIFO against the exact
-//! event-start optimum ([`converge_sched::makespan::optimal`]) on seeded random small instances, and SJF-BCO
+//! event-start optimum ([`crate::makespan::optimal`]) on seeded random small instances, and SJF-BCO
 //! against first-fit FIFO on larger ones; prints (and optionally writes) Markdown tables.
 //! This part does I/O and reads the clock; the algorithms are in [`super`].
 
@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use converge_sched::contention::JobCost;
-use converge_sched::makespan::{
+use crate::makespan::{
     Instance, ListMode, MakespanJob, bco_over_kappa, cmp_f64, fifo_first_fit, optimal_with_limit,
     sjf_bco, sjf_bco_with, sjf_order,
 };
@@ -229,7 +229,7 @@ pub fn render(args: &MakespanBenchArgs) -> anyhow::Result<String> {
          count, seed {}); iterations log-uniform in [100, 2000], compute 0.2–1 s per step, \
          NIC sync 0.5–2× compute, overhead 0–10 % of compute per extra server. The optimum \
          is the exact minimum over event-start schedules (every list schedule is one; see \
-         `sched/src/makespan.rs`). SJF-BCO is strict list order; \"backfill\" is the \
+         `sim/src/makespan.rs`). SJF-BCO is strict list order; \"backfill\" is the \
          same with backfilling; \"LPT-BCO\" (not part of SJF-BCO, for comparison) is BCO-κ \
          with the largest estimated job first. Reduction = 1 − SJF-BCO / FIFO-FF \
          makespan. Optimum time: total and slowest instance (release build, one \

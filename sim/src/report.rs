@@ -717,7 +717,7 @@ fn markdown(page: &Page) -> String {
             md,
             "## Makespan: SJF-BCO against first-fit FIFO and the optimum\n\n\
              `converge-sim makespan-bench` (defaults), run inside the report; the \
-             offline scheduler and the exact search are in `sched/src/makespan.rs`. Targets: \
+             offline scheduler and the exact search are in `sim/src/makespan.rs`. Targets: \
              SJF-BCO within 1.2× of the optimum on every small instance; makespan at least 20 % \
              below first-fit FIFO's.\n"
         );

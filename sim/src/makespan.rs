@@ -10,7 +10,7 @@
 //! *Balance Contention and Overhead* (BCO), searching the contention threshold `κ` as their
 //! LWF-κ does and keeping the best schedule. The paper's full text (its ILP reformulation and
 //! the constants of its approximation ratio) is not at hand; this module implements that
-//! framing on the step-time model of [`crate::contention`], and measures the result against
+//! framing on the step-time model of [`converge_sched::contention`], and measures the result against
 //! exact optima on small instances ([`optimal`], `converge-sim makespan-bench`) instead
 //! of relying on the paper's bound.
 //!
@@ -46,7 +46,7 @@
 //! Placement rules ([`PlacementRule`]):
 //!
 //! - **First fit**: servers in index order, each filled as far as the job needs before the
-//!   next is used (as [`crate::placement::place`] does with hosts in id order); the job
+//!   next is used (as [`converge_sched::placement::place`] does with hosts in id order); the job
 //!   waits if fewer GPUs than it needs are free in total.
 //! - **BCO-κ**: a job that fits on one server goes there, best fit (the server with the
 //!   fewest free GPUs that still hold it; ties: lowest index), adding no NIC contention.
@@ -117,7 +117,7 @@
 
 use std::cmp::Ordering;
 
-use crate::contention::JobCost;
+use converge_sched::contention::JobCost;
 
 /// One job of an [`Instance`].
 #[derive(Debug, Clone, Copy, PartialEq)]
