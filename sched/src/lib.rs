@@ -22,8 +22,9 @@
 //! | [`stop`] | stop criteria: when the allocator ends a job (target, plateau, budget, deadline) |
 //! | [`ps_plan`] | parameter-server planner (LP relaxation + rounding) |
 //! | [`queues`] | queues: quotas, lending, fair share with usage decay, gang preemption |
-//! | [`benchgen`] | seeded synthetic clusters for the decision benchmarks |
+//! | `benchgen` | seeded synthetic clusters for the decision benchmarks (feature `benchgen`: tests and the simulator only) |
 
+#[cfg(any(test, feature = "benchgen"))]
 pub mod benchgen;
 pub mod contention;
 pub mod decide;

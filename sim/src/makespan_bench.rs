@@ -11,11 +11,11 @@ use anyhow::ensure;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use converge_sched::contention::JobCost;
 use crate::makespan::{
     Instance, ListMode, MakespanJob, bco_over_kappa, cmp_f64, fifo_first_fit, optimal_with_limit,
     sjf_bco, sjf_bco_with, sjf_order,
 };
+use converge_sched::contention::JobCost;
 
 /// The target: SJF-BCO within this factor of the optimum on every small instance.
 pub const TARGET_RATIO: f64 = 1.2;

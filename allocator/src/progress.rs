@@ -1,0 +1,345 @@
+//! The progress follower: reads the progress stream from its start (the histories), then
+//! follows it, through a consumer or directly when the consumer stalls, and sends each report
+//! to the main loop; and the deletion of the reports the leader refused for good.
+
+use crate::followers::Input;
+use async_nats::jetstream;
+use converge_bus::Rejects;
+use converge_common::{ProgressReport, subjects};
+use futures::StreamExt;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// A decoded progress report as read from the stream, not yet checked against the job's
+/// placement ([`Reporters::check`](crate::reporters::Reporters::check)).
+pub(crate) struct Progress {
+    pub(crate) report: ProgressReport,
+    pub(crate) subject: String,
+    /// Its sequence in the stream (0 when unknown).
+    pub(crate) seq: u64,
+    /// When the stream stored it (UNIX seconds, the server's clock).
+    pub(crate) stored_at: Option<f64>,
+    /// It was in the stream when the allocator started (the history's replay).
+    pub(crate) replay: bool,
+}
+
+/// Hands a refused report's sequence to [`delete_refused`]; when its queue is full (a flood
+/// faster than deletions), the report stays in the stream until its bounds evict it, and
+/// that is counted (`converge_allocator_refused_kept_total`).
+pub(crate) fn queue_deletion(refused_tx: &mpsc::Sender<u64>, seq: u64) {
+    if refused_tx.try_send(seq).is_err() {
+        metrics::counter!("converge_allocator_refused_kept_total").increment(1);
+    }
+}
+
+/// Deletes the progress reports the leader refused for good ([`crate::reporters::Refusal`]'s
+/// `certain`) from the stream, so that no later replay and no reader of the stream sees them.
+pub(crate) async fn delete_refused(js: jetstream::Context, mut rx: mpsc::Receiver<u64>) {
+    let mut stream = None;
+    while let Some(seq) = rx.recv().await {
+        if stream.is_none() {
+            stream = js.get_stream(subjects::PROGRESS_STREAM).await.ok();
+        }
+        let Some(s) = &stream else { continue };
+        match s.delete_message(seq).await {
+            Ok(_) => tracing::debug!(seq, "refused progress report deleted from the stream"),
+            Err(e) => tracing::debug!(seq, "refused progress report not deleted: {e}"),
+        }
+    }
+}
+
+/// Reads the progress stream from its start (the histories), signals when it has caught up
+/// with what was there at start, then follows new reports. After an error, or when the
+/// client reconnects to NATS (a restarted server has lost the consumer, which the client
+/// would only notice after 15 s without heartbeats), it goes on from the report after the
+/// last one it read; until a consumer works again (creating one needs JetStream's meta
+/// leader, which a cluster that lost a server may be electing), it reads the new reports
+/// directly ([`converge_bus::read_after`]).
+pub(crate) async fn follow_progress(
+    client: async_nats::Client,
+    js: jetstream::Context,
+    tx: mpsc::Sender<Input>,
+    rejects: Arc<Rejects>,
+) {
+    let mut at = ProgressPosition::default();
+    let mut failures = 0u32;
+    loop {
+        match follow_progress_once(&client, &js, &tx, &rejects, &mut at).await {
+            Ok(()) => {
+                failures = 0;
+                tracing::info!(after = at.last_seq, "progress stream: following again")
+            }
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(
+                    "progress stream: {e}; following again after report {} (attempt {failures})",
+                    at.last_seq
+                )
+            }
+        }
+        if tx.is_closed() {
+            return;
+        }
+        // The pause before the next attempt, reading directly meanwhile.
+        let pause = Duration::from_millis(500 * u64::from(failures.clamp(1, 6)));
+        if read_directly_during(tokio::time::sleep(pause), &tx, &rejects, &mut at)
+            .await
+            .is_none()
+        {
+            return;
+        }
+    }
+}
+
+/// Runs `work` to its end while reading new reports directly every half
+/// [`PROGRESS_QUIET`] (once caught up with the stream's start and the stream is known): a
+/// consumer being created (bounded, but seconds while a cluster elects its meta leader) or
+/// a pause between attempts holds up no report. `None` once `tx` is closed.
+async fn read_directly_during<F: Future>(
+    work: F,
+    tx: &mpsc::Sender<Input>,
+    rejects: &Rejects,
+    at: &mut ProgressPosition,
+) -> Option<F::Output> {
+    let mut work = std::pin::pin!(work);
+    let mut tick = tokio::time::interval(PROGRESS_QUIET / 2);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            out = &mut work => return Some(out),
+            _ = tick.tick() => {
+                if !at.caught_up {
+                    continue;
+                }
+                let Some(stream) = at.stream.clone() else { continue };
+                if let Err(e) = forward_direct(&stream, tx, rejects, at).await {
+                    if tx.is_closed() {
+                        return None;
+                    }
+                    tracing::debug!("progress stream: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// Where [`follow_progress`] is in the progress stream.
+#[derive(Default)]
+struct ProgressPosition {
+    /// The stream, once looked up (a lookup needs its leader; reading directly does not).
+    stream: Option<jetstream::stream::Stream>,
+    /// The last report read (0: none).
+    last_seq: u64,
+    /// Whether the reports that were in the stream at the first start have been read.
+    caught_up: bool,
+    /// The stream's last report when the current consumer was created.
+    last_at_start: u64,
+}
+
+/// Sends the report stored as `seq` (unless already read) and moves `at` past it; sends
+/// [`Input::ProgressCaughtUp`] once, with the last report that was in the stream at start.
+async fn forward_report(
+    tx: &mpsc::Sender<Input>,
+    rejects: &Rejects,
+    at: &mut ProgressPosition,
+    (subject, payload, seq, stored_at): (&str, &[u8], u64, Option<f64>),
+) -> anyhow::Result<()> {
+    if seq != 0 && seq <= at.last_seq {
+        return Ok(()); // already read (before a reconnect, or directly)
+    }
+    if let Some(report) = rejects.decode::<ProgressReport>(subject, "", payload) {
+        // Checked against the job's placement by the receiver (`Reporters::check`).
+        let progress = Progress {
+            report,
+            subject: subject.to_string(),
+            seq,
+            stored_at,
+            replay: !at.caught_up,
+        };
+        tx.send(Input::Progress(Box::new(progress))).await?;
+    } else if seq != 0 {
+        // Malformed, another protocol version, too large: deleted by the leader too, so a
+        // flood of garbage neither stays in the stream nor is replayed after a restart.
+        tx.send(Input::Undecodable(seq)).await?;
+    }
+    at.last_seq = at.last_seq.max(seq);
+    if !at.caught_up && seq >= at.last_at_start {
+        tx.send(Input::ProgressCaughtUp).await?;
+        at.caught_up = true;
+    }
+    Ok(())
+}
+
+/// Reads the reports after `at.last_seq` directly (any replica answers; no consumer) and
+/// forwards them; returns how many.
+async fn forward_direct(
+    stream: &jetstream::stream::Stream,
+    tx: &mpsc::Sender<Input>,
+    rejects: &Rejects,
+    at: &mut ProgressPosition,
+) -> anyhow::Result<usize> {
+    let messages = converge_bus::read_after(
+        stream,
+        subjects::PROGRESS_ALL,
+        at.last_seq,
+        1000,
+        PROGRESS_QUIET,
+    )
+    .await
+    .map_err(|e| anyhow::anyhow!("direct read: {e}"))?;
+    let n = messages.len();
+    for msg in messages {
+        let stored_at = msg.time.unix_timestamp_nanos() as f64 / 1e9;
+        let report = (
+            msg.subject.as_str(),
+            &msg.payload[..],
+            msg.sequence,
+            Some(stored_at),
+        );
+        forward_report(tx, rejects, at, report).await?;
+    }
+    Ok(n)
+}
+
+/// How long the progress consumer may be quiet before newer reports are read directly
+/// (then every 500 ms while it stays quiet; also the bound on each direct read).
+const PROGRESS_QUIET: Duration = Duration::from_secs(1);
+
+/// How long the progress consumer may leave a report read directly undelivered before
+/// [`follow_progress_once`] re-creates it; creating it is bounded to twice this.
+const PROGRESS_STALL: Duration = Duration::from_secs(3);
+
+/// Follows the progress stream from `at.last_seq + 1` until the consumer ends or the client
+/// reconnects (`Ok`) or stalls (`Err`), updating `at`.
+async fn follow_progress_once(
+    client: &async_nats::Client,
+    js: &jetstream::Context,
+    tx: &mpsc::Sender<Input>,
+    rejects: &Rejects,
+    at: &mut ProgressPosition,
+) -> anyhow::Result<()> {
+    let deliver_policy = if at.last_seq == 0 {
+        jetstream::consumer::DeliverPolicy::All
+    } else {
+        jetstream::consumer::DeliverPolicy::ByStartSequence {
+            start_sequence: at.last_seq + 1,
+        }
+    };
+    // Bounded: on a cluster electing its meta leader, creating a consumer can hang for as
+    // long as the election (and longer when it lands on a dead server).
+    let setup = async {
+        let mut stream = js.get_stream(subjects::PROGRESS_STREAM).await?;
+        let last_at_start = stream.info().await?.state.last_sequence;
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: subjects::PROGRESS_ALL.to_string(),
+                deliver_policy,
+                ..Default::default()
+            })
+            .await?;
+        let messages = consumer.messages().await?;
+        anyhow::Ok((stream, last_at_start, messages))
+    };
+    // (Reports are read directly meanwhile, from the last one read: the consumer's first
+    // deliveries of those are skipped.)
+    let bounded = tokio::time::timeout(PROGRESS_STALL * 2, setup);
+    let (stream, last_at_start, mut messages) = read_directly_during(bounded, tx, rejects, at)
+        .await
+        .ok_or_else(|| anyhow::anyhow!("the allocator's loop has stopped"))?
+        .map_err(|_| {
+            anyhow::anyhow!(
+                "creating its consumer timed out after {:?}",
+                PROGRESS_STALL * 2
+            )
+        })??;
+    at.stream = Some(stream.clone());
+    if !at.caught_up {
+        at.last_at_start = last_at_start;
+        if last_at_start <= at.last_seq {
+            tx.send(Input::ProgressCaughtUp).await?;
+            at.caught_up = true;
+        }
+    }
+    let mut state_tick = tokio::time::interval(Duration::from_millis(500));
+    let mut was_connected = true;
+    // On a NATS cluster the consumer lives on one server, which may die while this client
+    // stays connected to another (or end up on a replica that no longer catches up): when
+    // it is quiet for PROGRESS_QUIET, newer reports are read directly, and when it still
+    // has not delivered one of those PROGRESS_STALL later, it is re-created (from the next
+    // report). Before the first catch-up (a replay) it is re-created after 3 stall periods.
+    let mut last_delivery = tokio::time::Instant::now();
+    let mut missed: Option<(u64, tokio::time::Instant)> = None;
+    loop {
+        let msg = tokio::select! {
+            msg = messages.next() => match msg {
+                Some(m) => m,
+                None => return Ok(()),
+            },
+            _ = state_tick.tick() => {
+                let connected =
+                    client.connection_state() == async_nats::connection::State::Connected;
+                if connected && !was_connected {
+                    return Ok(());
+                }
+                was_connected = connected;
+                if !connected || last_delivery.elapsed() < PROGRESS_QUIET {
+                    continue;
+                }
+                if !at.caught_up {
+                    if last_delivery.elapsed() >= PROGRESS_STALL * 3 {
+                        anyhow::bail!(
+                            "consumer stalled while replaying: nothing arrived for {:?} after \
+                             report {} (the stream held {} at start)",
+                            last_delivery.elapsed(),
+                            at.last_seq,
+                            at.last_at_start
+                        );
+                    }
+                    continue;
+                }
+                let before = at.last_seq;
+                if let Err(e) = forward_direct(&stream, tx, rejects, at).await {
+                    if tx.is_closed() {
+                        return Err(e);
+                    }
+                    tracing::debug!("progress stream: {e}");
+                }
+                if at.last_seq > before && missed.is_none() {
+                    missed = Some((at.last_seq, tokio::time::Instant::now()));
+                }
+                if let Some((seq, since)) = missed
+                    && since.elapsed() >= PROGRESS_STALL
+                {
+                    anyhow::bail!(
+                        "consumer stalled: report {seq} was read directly, the consumer \
+                         delivered nothing for {:?} (its server may be gone)",
+                        last_delivery.elapsed()
+                    );
+                }
+                continue;
+            }
+        };
+        let msg = match msg {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::debug!("progress consumer: {e}");
+                continue;
+            }
+        };
+        last_delivery = tokio::time::Instant::now();
+        let info = msg.info().ok();
+        let seq = info.as_ref().map_or(0, |i| i.stream_sequence);
+        let stored_at = info.map(|i| i.published.unix_timestamp_nanos() as f64 / 1e9);
+        if missed.is_some_and(|(s, _)| seq >= s) {
+            missed = None;
+        }
+        forward_report(
+            tx,
+            rejects,
+            at,
+            (msg.subject.as_str(), &msg.payload[..], seq, stored_at),
+        )
+        .await?;
+    }
+}
