@@ -589,6 +589,7 @@ mod tests {
     /// `data/netns/ring-steps.csv` (tests/netns/ring_grid.py, docs/communication.md): ring
     /// jobs of converge-trainer on the shaped netns cluster, one row per job and placement;
     /// the placement is the ranks per host, one digit each.
+    #[allow(clippy::disallowed_methods)] // a test fixture reading measured data
     fn shaped_rows() -> Vec<Shaped> {
         let path =
             std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/netns/ring-steps.csv");

@@ -24,6 +24,10 @@
 //! | [`queues`] | queues: quotas, lending, fair share with usage decay, gang preemption |
 //! | `benchgen` | seeded synthetic clusters for the decision benchmarks (feature `benchgen`: tests and the simulator only) |
 
+// No printing outside tests (`clippy.toml` allows it in tests); clocks, files, environment
+// and unseeded randomness are refused by `clippy.toml`'s disallowed methods and types.
+#![warn(clippy::print_stdout, clippy::print_stderr, clippy::dbg_macro)]
+
 #[cfg(any(test, feature = "benchgen"))]
 pub mod benchgen;
 pub mod contention;

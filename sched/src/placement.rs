@@ -2491,6 +2491,7 @@ mod tests {
     /// `cargo test --release -p converge-sched --lib bco_timing -- --ignored --nocapture`
     #[test]
     #[ignore = "timing; run in release with --ignored --nocapture"]
+    #[allow(clippy::disallowed_methods, clippy::disallowed_types)] // a timing run, ignored by default
     fn bco_timing_on_the_benchgen_cluster() {
         use crate::benchgen::{BenchConfig, DecisionInputs};
         use std::time::{Duration, Instant};

@@ -762,6 +762,7 @@ pub(crate) mod pollux_rows {
     /// The rows of `../shared/data/pollux/traces/<app>/placements.csv` with their measured sync time
     /// (seconds per step). They are not in this repository: they are read from the copy of the
     /// Pollux artifact beside it (`../shared/data/pollux/traces`, data/README.md).
+    #[allow(clippy::disallowed_methods)] // a test fixture reading measured data
     pub fn pollux_rows_with_sync(app: &str) -> Vec<(Row, f64)> {
         let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
         let path = ["data/pollux/traces", "../shared/data/pollux/traces"]
