@@ -542,7 +542,7 @@ fn progress_retry_pause(attempt: u32) -> Duration {
 fn progress_msg_id(report: &ProgressReport) -> String {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::hash::DefaultHasher::new();
-    converge_common::messages::encode(report).hash(&mut hasher);
+    converge_common::codec::encode(report).hash(&mut hasher);
     format!(
         "{}.{}.g{}.r{}.s{}.{:016x}",
         report.job,

@@ -6,7 +6,7 @@ use async_nats::jetstream::kv;
 use converge_bus::Rejects;
 use converge_common::{
     HostId, HostTelemetry, JobId, JobSpec, JobStatus, QueueId, QueueSpec, QueueStatus,
-    messages::decode, subjects,
+    codec::decode, subjects,
 };
 use std::sync::Arc;
 use tokio::sync::mpsc;

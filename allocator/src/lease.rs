@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use converge_bus::unix_now;
-use converge_common::messages::{decode, encode};
+use converge_common::codec::{decode, encode};
 use converge_common::{LeaderLease, PROTOCOL_VERSION, subjects};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;

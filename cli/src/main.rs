@@ -8,6 +8,7 @@ mod queues;
 mod selector;
 mod sweeps;
 mod tables;
+mod text;
 
 use anyhow::{Context as _, bail};
 use clap::{Parser, Subcommand};
@@ -217,7 +218,7 @@ async fn check_selectors<'a>(
 
 /// Stores a new job spec; refuses an id already taken.
 async fn create_job(bus: &Bus, spec: &JobSpec) -> anyhow::Result<()> {
-    let bytes = converge_common::messages::encode(spec);
+    let bytes = converge_common::codec::encode(spec);
     match bus.jobs.create(spec.id.as_str(), bytes.into()).await {
         Ok(_) => Ok(()),
         Err(e) if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists => {
@@ -338,10 +339,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if cli.json {
                 println!("{}", serde_json::to_string_pretty(&sweeps::json(&rows))?);
             } else {
-                println!(
-                    "{}",
-                    tables::terminal_safe(&sweeps::table(&rows).to_string())
-                );
+                println!("{}", text::terminal_safe(&sweeps::table(&rows).to_string()));
             }
         }
         Command::Jobs { all, .. } => {
@@ -373,7 +371,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&out)?);
             } else {
                 let table = tables::jobs(&rows, now, &queue, ctx.as_ref()).to_string();
-                println!("{}", tables::terminal_safe(&table));
+                println!("{}", text::terminal_safe(&table));
                 let hidden = specs.len() - rows.len();
                 if let Some(line) = tables::hidden_jobs_note(hidden) {
                     println!("{line}");
@@ -392,12 +390,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("{}", serde_json::to_string_pretty(&hosts)?);
             } else {
                 let table = tables::hosts(&hosts, unix_now()).to_string();
-                println!("{}", tables::terminal_safe(&table));
+                println!("{}", text::terminal_safe(&table));
                 if let Some(types) = tables::gpus_by_type(&hosts) {
-                    println!(
-                        "{}",
-                        tables::terminal_safe(&format!("GPUs by type: {types}"))
-                    );
+                    println!("{}", text::terminal_safe(&format!("GPUs by type: {types}")));
                 }
             }
         }
@@ -415,7 +410,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             bus.jobs
                 .update(
                     id.as_str(),
-                    converge_common::messages::encode(&spec).into(),
+                    converge_common::codec::encode(&spec).into(),
                     revision,
                 )
                 .await
@@ -436,11 +431,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 } else {
                     let line = format!(
                         "{} {:<20} {}",
-                        tables::clock(event.time),
+                        text::clock(event.time),
                         event.source,
                         event.message
                     );
-                    println!("{}", tables::terminal_safe(&line));
+                    println!("{}", text::terminal_safe(&line));
                 }
             }
         }

@@ -7,7 +7,7 @@
 //! and every [`PROGRESS_EVERY_S`] a line per running job, then the final table. Either way
 //! it ends with a one-line verdict ([`verdict`]).
 
-use crate::{load_jobs, tables};
+use crate::{load_jobs, tables, text};
 use converge_bus::{Bus, unix_now};
 use converge_common::{JobPhase, JobSpec, JobStatus};
 use serde::Serialize;
@@ -337,7 +337,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                 let changed = seen_before.get(spec.id.as_str()) != Some(&now_seen);
                 let running = st.is_some_and(|s| s.phase == JobPhase::Running);
                 if changed || (progress_due && running) {
-                    println!("{}", tables::terminal_safe(&job_line(t, spec, *st)));
+                    println!("{}", text::terminal_safe(&job_line(t, spec, *st)));
                 }
                 seen_before.insert(spec.id.to_string(), now_seen);
             }
@@ -350,10 +350,10 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
             println!(
                 "converge monitor: {} jobs ({done} finished), {} elapsed{}",
                 rows.len(),
-                tables::age(t),
+                text::age(t),
                 opts.duration.map_or(String::new(), |d| format!(
                     " of {}",
-                    tables::age(d.as_secs_f64())
+                    text::age(d.as_secs_f64())
                 ))
             );
             let now = unix_now();
@@ -361,7 +361,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
                 .await
                 .unwrap_or_default();
             let table = tables::jobs(&rows, now, &queue, None).to_string();
-            println!("{}", tables::terminal_safe(&table));
+            println!("{}", text::terminal_safe(&table));
         }
         let all_done = !statuses.is_empty()
             && specs.iter().all(|spec| {
@@ -390,7 +390,7 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
         if !opts.clear && !rows.is_empty() {
             let now = unix_now();
             let table = tables::jobs(&rows, now, &BTreeMap::new(), None).to_string();
-            println!("{}", tables::terminal_safe(&table));
+            println!("{}", text::terminal_safe(&table));
         }
         let line = format!(
             "converge monitor: {}",

@@ -369,7 +369,7 @@ pub fn table(rows: &[Row]) -> Table {
                 format!(
                     "{:.2} (half-life {})",
                     s.usage_gpu_seconds / 3600.0,
-                    crate::tables::age(s.half_life_s)
+                    crate::text::age(s.half_life_s)
                 ),
                 s.running_jobs.to_string(),
                 s.pending_jobs.to_string(),
@@ -473,7 +473,7 @@ pub async fn run(bus: &Bus, cmd: Checked, json: bool, now: f64) -> anyhow::Resul
                      change it with `converge queue set default --quota GPUS …`"
                 );
             }
-            let bytes = converge_common::messages::encode(&spec);
+            let bytes = converge_common::codec::encode(&spec);
             let create = async {
                 match buckets.queues.create(&key, bytes.into()).await {
                     Ok(_) => Ok(()),
@@ -515,7 +515,7 @@ pub async fn run(bus: &Bus, cmd: Checked, json: bool, now: f64) -> anyhow::Resul
             };
             let spec = changes.apply(&old, now);
             spec.check().map_err(|e| anyhow::anyhow!("{e}"))?;
-            let bytes = converge_common::messages::encode(&spec);
+            let bytes = converge_common::codec::encode(&spec);
             let store = async {
                 match revision {
                     Some(rev) => buckets
@@ -548,10 +548,7 @@ pub async fn run(bus: &Bus, cmd: Checked, json: bool, now: f64) -> anyhow::Resul
             if json {
                 println!("{}", serde_json::to_string_pretty(&rows)?);
             } else {
-                println!(
-                    "{}",
-                    crate::tables::terminal_safe(&table(&rows).to_string())
-                );
+                println!("{}", crate::text::terminal_safe(&table(&rows).to_string()));
             }
         }
         Checked::Delete(name, force) => {

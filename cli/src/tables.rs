@@ -1,5 +1,6 @@
 //! Human tables for `converge jobs`, `converge hosts` and the monitor (comfy-table).
 
+use crate::text::age;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use converge_common::{HostTelemetry, JobBatch, JobId, JobPhase, JobSpec, JobStatus, WorkerPhase};
 use converge_sched::outlook::QueueEntry;
@@ -41,22 +42,6 @@ pub fn phase_with_reason(s: &JobStatus) -> String {
 
 fn loss(x: Option<f64>) -> String {
     x.map_or("-".into(), |v| format!("{v:.4}"))
-}
-
-/// Seconds as `1h02m`, `3m05s` or `42s`.
-pub fn age(seconds: f64) -> String {
-    let s = seconds.max(0.0) as u64;
-    match s {
-        0..60 => format!("{s}s"),
-        60..3600 => format!("{}m{:02}s", s / 60, s % 60),
-        _ => format!("{}h{:02}m", s / 3600, s % 3600 / 60),
-    }
-}
-
-/// UNIX seconds as local-time-free `HH:MM:SS` (UTC).
-pub fn clock(t: f64) -> String {
-    let s = t.max(0.0) as u64 % 86_400;
-    format!("{:02}:{:02}:{:02}", s / 3600, s % 3600 / 60, s % 60)
 }
 
 /// The SAMPLES/S cell: the observed throughput and, for a shadow job whose generation
@@ -119,25 +104,6 @@ fn placement(s: &JobStatus) -> String {
     } else {
         format!("{workers} ps: {}", per_host(&s.ps_placement))
     }
-}
-
-/// `text` fit for a terminal: every control character but the newline is written as its
-/// Rust escape (`\u{1b}`), so that strings from agents and job specs (event messages,
-/// labels, GPU names) cannot move the cursor, clear the screen or retitle the window.
-pub fn terminal_safe(text: &str) -> std::borrow::Cow<'_, str> {
-    if !text.chars().any(|c| c.is_control() && c != '\n') {
-        return std::borrow::Cow::Borrowed(text);
-    }
-    text.chars()
-        .map(|c| {
-            if c.is_control() && c != '\n' {
-                c.escape_default().to_string()
-            } else {
-                c.to_string()
-            }
-        })
-        .collect::<String>()
-        .into()
 }
 
 /// How a job's batch is chosen: `adaptive` (a `[batch]` job with gradient statistics: its
@@ -496,16 +462,6 @@ pub(crate) mod tests {
             "adaptive 256 (64/worker ×2) φ≈812"
         );
         assert_eq!(batch_mode(&adaptive, Some(&s)), "adaptive");
-    }
-
-    #[test]
-    fn terminal_output_escapes_control_characters() {
-        assert_eq!(terminal_safe("node-1 ok\nnext"), "node-1 ok\nnext");
-        assert_eq!(
-            terminal_safe("gpu \u{1b}[2J\u{1b}]0;owned\u{7}\r!"),
-            "gpu \\u{1b}[2J\\u{1b}]0;owned\\u{7}\\r!"
-        );
-        assert_eq!(terminal_safe("┌─ résumé"), "┌─ résumé");
     }
 
     #[test]

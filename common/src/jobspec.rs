@@ -2,7 +2,7 @@
 //! from KV `converge-jobs`. Parsing from TOML and every check a spec must pass live here, so
 //! the CLI refuses a bad spec with the same reason the allocator would.
 
-use crate::PROTOCOL_VERSION;
+use crate::codec::{PROTOCOL_VERSION, default_protocol};
 use crate::ids::{JobId, QueueId};
 use crate::queues::PriorityClass;
 use serde::{Deserialize, Serialize};
@@ -323,9 +323,6 @@ fn default_one() -> u32 {
 }
 fn default_max_restarts() -> u32 {
     3
-}
-fn default_protocol() -> u32 {
-    PROTOCOL_VERSION
 }
 fn is_normal(p: &PriorityClass) -> bool {
     *p == PriorityClass::Normal

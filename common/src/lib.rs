@@ -4,6 +4,7 @@
 //! This crate deliberately has no async dependency: it is plain data plus checks, so the
 //! agent, the allocator, the CLI and the simulator share one definition of the protocol.
 
+pub mod codec;
 pub mod ids;
 pub mod jobspec;
 pub mod labels;
@@ -12,15 +13,10 @@ pub mod queues;
 pub mod subjects;
 pub mod sweep;
 
+pub use codec::{DecodeError, MAX_MESSAGE_BYTES, Message, PROTOCOL_VERSION, decode, encode};
 pub use ids::{HostId, IdError, JobId, QueueId};
 pub use jobspec::{
     BatchSpec, JobSpec, JobSpecError, PlateauSpec, ShadowAlgorithm, ShadowSpec, StopSpec, SyncArch,
 };
 pub use messages::*;
 pub use queues::{DEFAULT_QUEUE, PriorityClass, QueueSpec, QueueStatus};
-
-/// Version carried by every message (`"protocol": 1`). A reader refuses any other value.
-pub const PROTOCOL_VERSION: u32 = 1;
-
-/// Largest message any Converge process accepts, in bytes (1 MiB, NATS's default `max_payload`).
-pub const MAX_MESSAGE_BYTES: usize = 1024 * 1024;

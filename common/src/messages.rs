@@ -1,80 +1,17 @@
 //! Message types of protocol v1. Every top-level message has a `protocol` field that must
-//! equal [`PROTOCOL_VERSION`]; [`decode`] checks size, JSON shape, version and content.
+//! equal [`PROTOCOL_VERSION`]; [`crate::codec::decode`] checks size, JSON shape, version and
+//! content.
 //!
 //! Units are in field names or docs: times are UNIX seconds (f64), sizes bytes, rates per
 //! second, power milliwatts, utilization percent (0–100).
 
+use crate::codec::{Message, PROTOCOL_VERSION, default_protocol};
+// TEMPORARY re-export until bus moves to `converge_common::codec`.
+pub use crate::codec::{DecodeError, decode, encode};
 use crate::ids::{HostId, JobId};
 use crate::jobspec::JobSpec;
-use crate::{MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-
-/// A message of protocol v1: it knows its version and can check its own content.
-pub trait Message: Serialize + DeserializeOwned {
-    /// The `protocol` field.
-    fn protocol(&self) -> u32;
-    /// Content checks beyond what the types enforce (finite numbers, consistent ranks...).
-    fn validate(&self) -> Result<(), String> {
-        Ok(())
-    }
-}
-
-/// Why a received message was refused. Readers count and log these; they are never fatal.
-#[derive(Debug, thiserror::Error)]
-pub enum DecodeError {
-    #[error("message of {0} bytes exceeds the {MAX_MESSAGE_BYTES}-byte limit")]
-    TooLarge(usize),
-    #[error("malformed message: {0}")]
-    Malformed(#[from] serde_json::Error),
-    #[error("unsupported protocol version {found} (this build speaks {PROTOCOL_VERSION})")]
-    WrongVersion { found: u32 },
-    #[error("invalid message: {0}")]
-    Invalid(String),
-}
-
-impl DecodeError {
-    /// A short label for metrics and logs: `too_large`, `malformed`, `wrong_version`, `invalid`.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            DecodeError::TooLarge(_) => "too_large",
-            DecodeError::Malformed(_) => "malformed",
-            DecodeError::WrongVersion { .. } => "wrong_version",
-            DecodeError::Invalid(_) => "invalid",
-        }
-    }
-}
-
-/// Decodes and checks a message read from the bus.
-pub fn decode<T: Message>(bytes: &[u8]) -> Result<T, DecodeError> {
-    if bytes.len() > MAX_MESSAGE_BYTES {
-        return Err(DecodeError::TooLarge(bytes.len()));
-    }
-    // Check the version before the full shape, so a v2 message says "wrong version".
-    #[derive(Deserialize)]
-    struct Versioned {
-        protocol: Option<u32>,
-    }
-    let v: Versioned = serde_json::from_slice(bytes)?;
-    match v.protocol {
-        Some(PROTOCOL_VERSION) => {}
-        Some(found) => return Err(DecodeError::WrongVersion { found }),
-        None => return Err(DecodeError::Invalid("missing field `protocol`".into())),
-    }
-    let msg: T = serde_json::from_slice(bytes)?;
-    msg.validate().map_err(DecodeError::Invalid)?;
-    Ok(msg)
-}
-
-/// Encodes a message as JSON.
-pub fn encode<T: Message>(msg: &T) -> Vec<u8> {
-    serde_json::to_vec(msg).expect("protocol types always serialize")
-}
-
-fn default_protocol() -> u32 {
-    PROTOCOL_VERSION
-}
 
 fn finite(name: &str, x: f64) -> Result<(), String> {
     if x.is_finite() {
@@ -1192,6 +1129,7 @@ impl Event {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::codec::{MAX_MESSAGE_BYTES, decode, encode};
 
     fn job(s: &str) -> JobId {
         JobId::new(s).unwrap()

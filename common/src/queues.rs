@@ -18,9 +18,8 @@
 //! job of a higher class may preempt whole jobs of lower classes (gang preemption), never
 //! GPUs another queue holds within its quota.
 
-use crate::PROTOCOL_VERSION;
+use crate::codec::{Message, PROTOCOL_VERSION};
 use crate::ids::QueueId;
-use crate::messages::Message;
 use serde::{Deserialize, Serialize};
 
 /// Name of the queue of jobs whose spec names none.
@@ -251,7 +250,7 @@ impl Message for QueueStatus {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::messages::{decode, encode};
+    use crate::codec::{decode, encode};
 
     fn queue(quota: u32, borrow: Option<u32>, weight: f64) -> QueueSpec {
         QueueSpec {

@@ -41,7 +41,7 @@ use anyhow::Context;
 use bytes::Bytes;
 use clap::Parser;
 use converge_bus::{Bus, NatsArgs, Rejects, humantime_duration, unix_now};
-use converge_common::messages::encode;
+use converge_common::codec::encode;
 use converge_common::{
     GpuSample, HostId, HostTelemetry, JobId, JobSpec, JobStatus, NicSample, PROTOCOL_VERSION,
     ProgressReport, subjects,

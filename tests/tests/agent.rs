@@ -4,7 +4,7 @@
 
 use converge_common::{
     AssignedBatch, HostId, HostPlan, HostTelemetry, JobId, PROTOCOL_VERSION, ProgressReport,
-    WorkerAssignment, WorkerPhase, messages::decode, subjects,
+    WorkerAssignment, WorkerPhase, codec::decode, subjects,
 };
 use converge_tests::*;
 use futures::StreamExt;

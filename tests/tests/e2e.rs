@@ -2,7 +2,7 @@
 //! `converge` CLI and real `converge-trainer` processes.
 
 use converge_common::{
-    HostTelemetry, JobPhase, ProgressReport, WorkerPhase, messages::decode, subjects,
+    HostTelemetry, JobPhase, ProgressReport, WorkerPhase, codec::decode, subjects,
 };
 use converge_tests::*;
 use futures::StreamExt;

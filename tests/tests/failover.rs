@@ -3,7 +3,7 @@
 //! takes over within the documented time and the running job is not restarted; a clean stop
 //! hands the lease back.
 
-use converge_common::{JobPhase, LeaderLease, messages::decode, subjects};
+use converge_common::{JobPhase, LeaderLease, codec::decode, subjects};
 use converge_tests::*;
 use std::process::Command;
 use std::time::{Duration, Instant};

@@ -33,8 +33,7 @@ async fn last_step(bus: &converge_bus::Bus, job: &str) -> Option<u64> {
         ))
         .await
         .ok()?;
-    let r: converge_common::ProgressReport =
-        converge_common::messages::decode(&msg.payload).ok()?;
+    let r: converge_common::ProgressReport = converge_common::codec::decode(&msg.payload).ok()?;
     Some(r.step)
 }
 

@@ -3,7 +3,7 @@
 //! `converge jobs` showing why a job waits and `converge hosts` the labels; two agents with
 //! fake GPUs of different types and speeds, jobs restricted to one type by `gpu_types`.
 
-use converge_common::{HostTelemetry, JobPhase, JobSpec, WorkerPhase, messages::encode};
+use converge_common::{HostTelemetry, JobPhase, JobSpec, WorkerPhase, codec::encode};
 use converge_tests::*;
 use std::process::Command;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! real allocator; the two hosts' heartbeats are written to KV `converge-hosts` as their
 //! agents would (with the skewed `time`), so no clock needs changing.
 
-use converge_common::{HostTelemetry, JobPhase, messages::encode};
+use converge_common::{HostTelemetry, JobPhase, codec::encode};
 use converge_tests::*;
 use std::time::Duration;
 

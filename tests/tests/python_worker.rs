@@ -11,8 +11,7 @@
 
 use converge_bus::Bus;
 use converge_common::{
-    EndReason, HostTelemetry, JobPhase, JobSpec, JobStatus, ProgressReport, messages::decode,
-    subjects,
+    EndReason, HostTelemetry, JobPhase, JobSpec, JobStatus, ProgressReport, codec::decode, subjects,
 };
 use converge_tests::*;
 use futures::StreamExt;

@@ -684,7 +684,7 @@ async fn a_compromised_agent_cannot_forge_progress_or_purge_heartbeats() {
             .publish_with_headers(
                 "$KV.converge-hosts.n1",
                 headers,
-                converge_common::messages::encode(&t).into(),
+                converge_common::codec::encode(&t).into(),
             )
             .await
             .expect("published")
@@ -1427,7 +1427,7 @@ async fn queues_are_written_by_the_cli_and_queue_statuses_by_the_allocator_only(
         .publish_with_headers(
             "$KV.converge-queues.team-a",
             headers,
-            converge_common::messages::encode(&spec).into(),
+            converge_common::codec::encode(&spec).into(),
         )
         .await
         .expect("published")

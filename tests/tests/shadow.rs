@@ -4,7 +4,7 @@
 //! progress reports carry its background sync rounds per second and model gap, its status
 //! and `converge jobs` show them, and the ring job runs and completes as it would alone.
 
-use converge_common::{JobPhase, JobStatus, ProgressReport, messages::decode, subjects};
+use converge_common::{JobPhase, JobStatus, ProgressReport, codec::decode, subjects};
 use converge_tests::*;
 use futures::StreamExt;
 use std::process::Command;

@@ -4,7 +4,7 @@
 //! allocator would, so the ranking it reads back is known exactly; the second runs the
 //! trials to their end with an agent, the allocator and `converge-trainer`.
 
-use converge_common::{JobPhase, JobSpec, JobStatus, messages::encode};
+use converge_common::{JobPhase, JobSpec, JobStatus, codec::encode};
 use converge_tests::*;
 use std::process::{Command, Output};
 use std::time::Duration;

@@ -398,7 +398,7 @@ fn parameter_server_jobs_get_planned_shards() {
         w.add_host(host("h2", 2, 10.0, vec![]));
         let out = w.step(10.0, true);
         let s = w.status("ps").clone();
-        converge_common::messages::Message::validate(&s).unwrap();
+        converge_common::codec::Message::validate(&s).unwrap();
         assert_eq!((s.phase, s.world_size), (JobPhase::Running, 3));
         let shards = s.ps_placement.len();
         assert!(
@@ -420,7 +420,7 @@ fn parameter_server_jobs_get_planned_shards() {
             assert!(a.gpus.is_empty());
         }
         for p in out.plans.values() {
-            converge_common::messages::Message::validate(p).unwrap();
+            converge_common::codec::Message::validate(p).unwrap();
         }
         // The plan is at least as fast as co-locating a shard with each worker host
         // (the fallback) under the planner's own model.
