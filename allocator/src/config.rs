@@ -117,21 +117,21 @@ fn parse_policy(s: &str) -> Result<String, String> {
 impl AllocatorConfig {
     /// The pure step's settings from the command line.
     pub fn settings(&self) -> Settings {
-        let policy = PolicyParams {
+        let policy_params = PolicyParams {
             horizon_s: self.horizon.as_secs_f64(),
             restart_cost_s: self.restart_cost.as_secs_f64(),
             objective: self.objective,
             max_wait_s: self.max_wait.as_secs_f64(),
             ..PolicyParams::default()
         };
-        let scheduler = converge_sched::policies::by_name(&self.policy, policy)
+        let policy = converge_sched::policies::by_name(&self.policy, policy_params)
             .map(std::sync::Arc::from)
-            .unwrap_or_else(|_| Settings::default().scheduler);
+            .unwrap_or_else(|_| Settings::default().policy);
         Settings {
             host_timeout_s: self.host_timeout.as_secs_f64(),
             placement: self.placement,
+            policy_params,
             policy,
-            scheduler,
             ps_shards_per_host: self.ps_shards_per_host,
             fit_budget: self.fit_budget,
             usage_half_life_s: self.usage_half_life.as_secs_f64(),

@@ -61,7 +61,7 @@ pub(super) fn allocate(
             contention_per_shared_job: fits.contention,
         },
         &views,
-        settings.scheduler.as_ref(),
+        settings.policy.as_ref(),
         settings.placement,
         &QueueSetup {
             specs: inp.queues,
@@ -156,7 +156,7 @@ pub(super) fn allocate(
             status.message = None;
         }
         let to = status.world_size;
-        let policy = settings.scheduler.name();
+        let policy = settings.policy.name();
         let (cause, reason) = match (rebatch, old_total) {
             (Some(total), Some(old)) if from == to && !moved => (
                 ChangeCause::Batch,

@@ -47,15 +47,16 @@ pub struct Settings {
     /// A host whose latest telemetry is older than this (seconds) is lost: its GPUs leave
     /// the pool and its jobs are placed elsewhere.
     pub host_timeout_s: f64,
-    /// Knobs of the quality policy; its horizon also sets how far ahead statuses predict.
-    pub policy: PolicyParams,
+    /// Knobs of the policies (the quality policy's horizon, restart cost, …); the horizon
+    /// also sets how far ahead statuses predict.
+    pub policy_params: PolicyParams,
     pub fit: FitConfig,
     /// Prior of the per-job throughput model (before a job has step times to fit).
     pub throughput_prior: ThroughputPrior,
     /// How workers are put on hosts (first fit, or BCO priced by each job's model).
     pub placement: PlacementKind,
-    /// The policy that sizes jobs (default: `quality` with `policy`).
-    pub scheduler: Arc<dyn Policy>,
+    /// The policy that sizes jobs (default: `quality` with `policy_params`).
+    pub policy: Arc<dyn Policy>,
     /// Parameter-server shards one host may run (all jobs together); each takes a CPU
     /// process and no GPU. Bounds the planner's shard placement ([`DEFAULT_PS_SHARDS_PER_HOST`]).
     pub ps_shards_per_host: u32,
@@ -93,14 +94,16 @@ pub const PS_TARGET_FRACTION: f64 = 0.95;
 
 impl Default for Settings {
     fn default() -> Self {
-        let policy = PolicyParams::default();
+        let policy_params = PolicyParams::default();
         Self {
             host_timeout_s: 15.0,
-            policy,
+            policy_params,
             fit: FitConfig::default(),
             throughput_prior: ThroughputPrior::default(),
             placement: PlacementKind::default(),
-            scheduler: Arc::new(Quality { params: policy }),
+            policy: Arc::new(Quality {
+                params: policy_params,
+            }),
             ps_shards_per_host: DEFAULT_PS_SHARDS_PER_HOST,
             fit_budget: DEFAULT_FIT_BUDGET,
             usage_half_life_s: DEFAULT_USAGE_HALF_LIFE_S,
@@ -250,7 +253,7 @@ pub fn step(
                 &mut status,
                 history,
                 curve.as_ref(),
-                settings.policy.horizon_s,
+                settings.policy_params.horizon_s,
                 (&seen, cache, &settings.throughput_prior),
             );
             if let Some(c) = curve {

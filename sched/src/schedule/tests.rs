@@ -504,9 +504,9 @@ fn a_lost_shard_host_sends_the_job_back_to_pending() {
 fn a_resize_waits_for_the_old_generation_to_exit() {
     let mut w = World::default();
     // Free restarts, so that growing from 1 to 2 workers pays off.
-    w.settings.policy.restart_cost_s = 0.0;
-    w.settings.scheduler = Arc::new(Quality {
-        params: w.settings.policy,
+    w.settings.policy_params.restart_cost_s = 0.0;
+    w.settings.policy = Arc::new(Quality {
+        params: w.settings.policy_params,
     });
     w.specs
         .insert(JobId::new("a").unwrap(), job("a", 1, 2, 1.0));
@@ -939,7 +939,8 @@ const RESTRICTED_CASES: [(&str, PlacementKind); 5] = [
 /// An empty world scheduling with `policy` and `placement`.
 fn world_with(policy: &str, placement: PlacementKind) -> World {
     let mut w = World::default();
-    w.settings.scheduler = Arc::from(crate::policies::by_name(policy, w.settings.policy).unwrap());
+    w.settings.policy =
+        Arc::from(crate::policies::by_name(policy, w.settings.policy_params).unwrap());
     w.settings.placement = placement;
     w
 }
@@ -1196,7 +1197,8 @@ fn selector_parameter_server_jobs_keep_workers_and_shards_on_matching_hosts() {
 #[test]
 fn the_service_runs_any_policy() {
     let mut w = World::default();
-    w.settings.scheduler = Arc::from(crate::policies::by_name("fair", w.settings.policy).unwrap());
+    w.settings.policy =
+        Arc::from(crate::policies::by_name("fair", w.settings.policy_params).unwrap());
     w.specs
         .insert(JobId::new("a").unwrap(), job("a", 1, 4, 1.0));
     w.specs
@@ -1209,8 +1211,8 @@ fn the_service_runs_any_policy() {
 #[test]
 fn tiresias_in_the_service_sees_attained_service_and_requested_sizes() {
     let mut w = World::default();
-    w.settings.scheduler =
-        Arc::from(crate::policies::by_name("tiresias", w.settings.policy).unwrap());
+    w.settings.policy =
+        Arc::from(crate::policies::by_name("tiresias", w.settings.policy_params).unwrap());
     // `veteran` arrived first but has had 17 GPU-hours (2 workers, 8.5 h apart reports);
     // `fresh` has had none. One host of 2 GPUs: least attained service goes first.
     let mut veteran = job("veteran", 1, 2, 1.0);
@@ -1398,8 +1400,8 @@ fn bco_placement_puts_a_job_that_fits_on_one_host_there() {
     for (placement, spanned) in [(PlacementKind::FirstFit, 2), (PlacementKind::Bco, 1)] {
         let mut w = World::default();
         w.settings.placement = placement;
-        w.settings.scheduler =
-            Arc::from(crate::policies::by_name("fifo", w.settings.policy).unwrap());
+        w.settings.policy =
+            Arc::from(crate::policies::by_name("fifo", w.settings.policy_params).unwrap());
         let mut small = job("small", 1, 1, 1.0);
         small.gpus_per_worker = 2;
         let mut wide = job("wide", 2, 2, 2.0);
@@ -1431,8 +1433,8 @@ fn bco_keeps_a_spanning_ring_off_hosts_whose_nics_the_agents_report_busy() {
     let hosts_of_wide = |placement: PlacementKind, busy: f64| {
         let mut w = World::default();
         w.settings.placement = placement;
-        w.settings.scheduler =
-            Arc::from(crate::policies::by_name("fifo", w.settings.policy).unwrap());
+        w.settings.policy =
+            Arc::from(crate::policies::by_name("fifo", w.settings.policy_params).unwrap());
         let mut wide = job("wide", 2, 2, 1.0);
         wide.gpus_per_worker = 2;
         w.specs.insert(JobId::new("wide").unwrap(), wide);
