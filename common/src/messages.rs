@@ -6,8 +6,6 @@
 //! second, power milliwatts, utilization percent (0–100).
 
 use crate::codec::{Message, PROTOCOL_VERSION, default_protocol};
-// TEMPORARY re-export until bus moves to `converge_common::codec`.
-pub use crate::codec::{DecodeError, decode, encode};
 use crate::ids::{HostId, JobId};
 use crate::jobspec::JobSpec;
 use serde::{Deserialize, Serialize};
