@@ -369,6 +369,14 @@ pub struct JobSpec {
     /// it completed.
     #[serde(default)]
     pub target_loss: Option<f64>,
+    /// Declared work: the samples the job processes in all, over every worker (epochs ×
+    /// dataset size: `work_samples = 1_500_000` for 30 epochs of 50,000 samples, as a
+    /// trainer's `--epochs` implies). When given, the allocator's completion-time estimate
+    /// is this minus the samples reported so far; without it, the fitted loss curve's
+    /// estimate to `target_loss`, else none. It does not stop the job (the program ends
+    /// itself; `[stop]` ends it early). Refused: 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work_samples: Option<u64>,
     /// Non-zero exits of a worker tolerated (with capped backoff) before the job fails.
     #[serde(default = "default_max_restarts")]
     pub max_restarts: u32,
@@ -436,6 +444,8 @@ pub enum JobSpecError {
     Workers { workers: u32, min: u32, max: u32 },
     #[error("`target_loss` must be a finite number, got {0}")]
     TargetLoss(f64),
+    #[error("`work_samples` must be above 0 (the samples the job processes in all)")]
+    WorkSamples,
     #[error(
         "`max_ps` is only for `arch = \"ps\"` jobs and shadow jobs with `algorithm = \"easgd\"`"
     )]
@@ -566,6 +576,9 @@ impl JobSpec {
             && !t.is_finite()
         {
             return Err(JobSpecError::TargetLoss(t));
+        }
+        if self.work_samples == Some(0) {
+            return Err(JobSpecError::WorkSamples);
         }
         match (self.arch, &self.shadow) {
             (SyncArch::Shadow, None) => {
@@ -1029,6 +1042,18 @@ mod tests {
         check(
             "id = \"j\"\ncommand = [\"t\"]\ntarget_loss = nan\n",
             "finite",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\nwork_samples = 1_500_000\n",
+            "ok",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\nwork_samples = 0\n",
+            "`work_samples` must be above 0",
+        );
+        check(
+            "id = \"j\"\ncommand = [\"t\"]\nwork_samples = -5\n",
+            "work_samples",
         );
         check(
             "id = \"j\"\ncommand = [\"t\"]\ngpu = 1\n",

@@ -24,6 +24,7 @@ use lifecycle::{
     advance, apply_stop_criteria, finish, follow_master_addr, new_status, older_generation_alive,
     update_progress,
 };
+pub use observe::known_remaining_work;
 use observe::{Fits, measured_contention, note_unmatched_selectors, observations_by_type, refits};
 use plans::plans;
 

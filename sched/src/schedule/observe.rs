@@ -13,9 +13,27 @@ use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior};
 use converge_common::{HostId, HostTelemetry, JobId, JobPhase, JobSpec, JobStatus, SyncArch};
 use std::collections::{BTreeMap, BTreeSet};
 
+/// The work a job has left (samples, over all its workers) as the service can know it, in
+/// this order: the work its spec declares that is not done yet (`declared_left`, from
+/// [`converge_common::JobSpec::work_samples`]); else the fitted curve's estimate to its
+/// target loss ([`remaining_samples`]); else `None` (the policy then guesses, see
+/// [`crate::policies::quality::remaining_work`]). The service and the simulator both call
+/// it, so a simulated policy knows no more than a live one.
+pub fn known_remaining_work(
+    declared_left: Option<f64>,
+    curve: Option<&Curve>,
+    target_loss: Option<f64>,
+    samples: f64,
+) -> Option<f64> {
+    declared_left
+        .filter(|w| w.is_finite())
+        .map(|w| w.max(0.0))
+        .or_else(|| remaining_samples(curve, target_loss, samples))
+}
+
 /// Samples the job still needs, when it has a target loss and a fitted curve that reaches
 /// it within a thousand times the samples done so far (at least 10⁹): the curve's prediction,
-/// inverted. `None` otherwise (the policy then guesses, see [`crate::policies::quality::remaining_work`]).
+/// inverted. `None` otherwise.
 pub(super) fn remaining_samples(
     curve: Option<&Curve>,
     target_loss: Option<f64>,
@@ -297,8 +315,10 @@ pub(super) fn job_view(
     });
     let curve = fits.curves.get(&status.job).cloned();
     let model = fits.models.get(&status.job);
+    let samples = status.samples as f64;
+    let declared_left = spec.work_samples.map(|w| w as f64 - samples);
     let remaining_work =
-        remaining_samples(curve.as_ref(), spec.target_loss(), status.samples as f64);
+        known_remaining_work(declared_left, curve.as_ref(), spec.target_loss(), samples);
     JobView {
         id: status.job.clone(),
         gpus_per_worker: spec.gpus_per_worker,
@@ -348,5 +368,45 @@ pub(super) fn job_view(
             .get(&status.job)
             .cloned()
             .unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fit::CurveFamily;
+
+    /// `1/(k/1000 + 1) + 0`: loss 1 at 0 samples, 0.5 at 1,000, 0.1 at 9,000.
+    fn curve() -> Curve {
+        Curve {
+            family: CurveFamily::InvLinear,
+            params: vec![1e-3, 1.0, 0.0],
+            rmse: 0.0,
+            points: 10,
+        }
+    }
+
+    #[test]
+    fn declared_work_comes_first_then_the_curve_to_the_target_then_nothing() {
+        let c = curve();
+        // Declared: what is left of it, whatever the curve says.
+        assert_eq!(
+            known_remaining_work(Some(4000.0), Some(&c), Some(0.1), 1000.0),
+            Some(4000.0)
+        );
+        // Done more than declared: nothing left, never negative.
+        assert_eq!(
+            known_remaining_work(Some(-20.0), Some(&c), None, 1000.0),
+            Some(0.0)
+        );
+        // Not declared: the curve's samples to the target, less those done.
+        let left = known_remaining_work(None, Some(&c), Some(0.1), 1000.0).unwrap();
+        assert!((left - 8000.0).abs() < 1.0, "{left}");
+        // A declared figure that is not a number falls back to the curve.
+        let left = known_remaining_work(Some(f64::NAN), Some(&c), Some(0.1), 1000.0).unwrap();
+        assert!((left - 8000.0).abs() < 1.0, "{left}");
+        // Neither declared nor a target (or no curve): unknown.
+        assert_eq!(known_remaining_work(None, Some(&c), None, 1000.0), None);
+        assert_eq!(known_remaining_work(None, None, Some(0.1), 1000.0), None);
     }
 }
