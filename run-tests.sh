@@ -174,7 +174,7 @@ if wants python && [[ -z "${CONVERGE_PYTHON:-}" ]]; then
     py="$root/target/py"
     deps="numpy==2.2.6"
     [[ $quick == 1 ]] || deps="$deps torch==2.9.1"
-    kit="$(cat python/pyproject.toml python/converge_worker/*.py | sha256sum | cut -c1-16)"
+    kit="$(cat python/pyproject.toml python/converge_worker/*.py python/converge_worker/*.json | sha256sum | cut -c1-16)"
     if [[ $quick == 0 || -n "${required[python]:-}" ]]; then
         have="$(cat "$py/.converge-deps" 2>/dev/null || true)"
         if [[ ! -x "$py/bin/python" || ("$have" != "$deps" && ($quick == 0 || "$have" != "$deps torch==2.9.1")) ]]; then

@@ -326,6 +326,29 @@ mod tests {
 
     const ENV: &[u8] = b"PATH=/bin\0CONVERGE_JOB_ID=mnist\0CONVERGE_GENERATION=3\0RANK=1\0";
 
+    /// The variables a stray is recognized by are ones the agent sets on every worker
+    /// (the contract's table, `converge_common::contract`).
+    #[test]
+    fn strays_are_recognized_by_variables_every_worker_gets() {
+        use converge_common::contract::{When, get};
+        let r = rec(1, 1);
+        assert!(env_matches(ENV, &r));
+        for var in ENV.split(|&b| b == 0).filter(|v| !v.is_empty()) {
+            let name = std::str::from_utf8(var).unwrap().split('=').next().unwrap();
+            if name == "PATH" {
+                continue;
+            }
+            assert_eq!(get(name).map(|v| v.when), Some(When::Always), "{name}");
+            // Without it, no match.
+            let without: Vec<u8> = ENV
+                .split(|&b| b == 0)
+                .filter(|v| *v != var)
+                .flat_map(|v| v.iter().copied().chain([0]))
+                .collect();
+            assert!(!env_matches(&without, &r), "{name}");
+        }
+    }
+
     #[test]
     fn state_files_round_trip_and_bad_ones_are_refused() {
         let f = StateFile {

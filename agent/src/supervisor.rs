@@ -594,16 +594,13 @@ fn progress_report(base: &ProgressReport, p: WorkerProgressLine, time: f64) -> P
 }
 
 /// The batch variables of the worker contract, set for `[batch]` jobs only.
-const BATCH_VARS: [&str; 4] = [
-    "CONVERGE_BATCH_SIZE",
-    "CONVERGE_ACCUM_STEPS",
-    "CONVERGE_TOTAL_BATCH",
-    "CONVERGE_REFERENCE_BATCH",
-];
+const BATCH_VARS: [&str; 4] = converge_common::contract::BATCH_ENV;
 
 /// The worker-contract environment of assignment `a` (docs/protocol.md, "Worker
 /// contract"): the variables to set, which override the job spec's `env`, and those to
-/// remove from the inherited environment.
+/// remove from the inherited environment. The contract's one definition is
+/// `converge_common::contract::VARIABLES`; a test checks that this sets exactly the
+/// variables the table gives each kind of job and removes the rest of its conditional ones.
 ///
 /// torchrun's variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`,
 /// `MASTER_ADDR`, `MASTER_PORT`, `ROLE_RANK` (= `RANK`: every rank has the one role),
@@ -995,6 +992,93 @@ mod tests {
         assert_eq!(got, want);
         assert_eq!(unset[0], GPU_SPEED_VAR, "real GPUs: no speed");
         assert_eq!(unset[1..], SHADOW_ENV);
+    }
+
+    /// `worker_env` against the contract's table (`converge_common::contract`): for a batch
+    /// job, a parameter-server job (a worker and a shard), a shadow job, a fake GPU's
+    /// speed and a spec that sets the NCCL setting itself, exactly the table's variables
+    /// that apply to the job are set (once each), the table's other conditional ones are
+    /// removed, and no name outside the table is set or removed.
+    #[test]
+    fn worker_env_sets_exactly_the_contract_tables_variables() {
+        use converge_common::contract::{VARIABLES, When};
+        let mut batch = assignment(3, 1, 2);
+        batch.batch = Some(converge_common::AssignedBatch {
+            total: 96,
+            per_worker: 12,
+            accum_steps: 1,
+            reference: 64,
+        });
+        let mut ps_worker = assignment(0, 0, 2);
+        ps_worker.num_ps = 1;
+        let mut ps_shard = assignment(3, 1, 2);
+        ps_shard.num_ps = 1;
+        ps_shard.gpus = Vec::new();
+        let mut shadow = assignment(0, 0, 1);
+        shadow.shadow = Some(ShadowSpec {
+            algorithm: converge_common::ShadowAlgorithm::Bmuf,
+            block_momentum: Some(0.25),
+            block_lr: None,
+            block_nesterov: true,
+            elastic_alpha: None,
+            hogwild_threads: None,
+        });
+        let mut own_nccl = assignment(0, 0, 1);
+        own_nccl
+            .env
+            .insert("TORCH_NCCL_ASYNC_ERROR_HANDLING".into(), "0".into());
+        let cases = [
+            ("batch job", batch, None),
+            ("parameter-server job, worker", ps_worker, None),
+            ("parameter-server job, shard", ps_shard, None),
+            ("shadow job", shadow, None),
+            ("fake GPU", assignment(0, 0, 1), Some(0.5)),
+            ("spec's own NCCL setting", own_nccl, None),
+        ];
+        for (what, a, speed) in cases {
+            let (set, unset) = worker_env(&a, std::path::Path::new("/ckpt/mnist-ddp"), speed);
+            let set_names: BTreeSet<&str> = set.iter().map(|(k, _)| *k).collect();
+            let unset_names: BTreeSet<&str> = unset.iter().copied().collect();
+            assert_eq!(
+                set_names.len(),
+                set.len(),
+                "{what}: a variable is set twice"
+            );
+            assert_eq!(unset_names.len(), unset.len(), "{what}: removed twice");
+            let given: Vec<&str> = a
+                .shadow
+                .as_ref()
+                .map(ShadowSpec::env)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(k, _)| k)
+                .collect();
+            let (mut want_set, mut want_unset) = (BTreeSet::new(), BTreeSet::new());
+            for v in VARIABLES {
+                let applies = match v.when {
+                    When::Always => true,
+                    When::SpecDefault => !a.env.contains_key(v.name),
+                    When::FakeGpuSpeed => speed.is_some(),
+                    When::Batch => a.batch.is_some(),
+                    When::Shadow => a.shadow.is_some(),
+                    When::ShadowParameter => given.contains(&v.name),
+                };
+                if applies {
+                    want_set.insert(v.name);
+                } else if v.when != When::SpecDefault {
+                    want_unset.insert(v.name);
+                }
+            }
+            assert_eq!(set_names, want_set, "{what}: the variables set");
+            assert_eq!(unset_names, want_unset, "{what}: the variables removed");
+        }
+        // A shard has no GPU: the variable is set, empty.
+        let mut shard = assignment(3, 1, 2);
+        shard.num_ps = 1;
+        shard.gpus = Vec::new();
+        let (env, _) = env_map(&shard);
+        assert_eq!(env["CUDA_VISIBLE_DEVICES"], "");
+        assert_eq!(env["CONVERGE_SYNC"], "ps");
     }
 
     #[test]

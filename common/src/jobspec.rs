@@ -12,59 +12,12 @@ use std::collections::{BTreeMap, BTreeSet};
 pub const MAX_WORKERS: u32 = 4096;
 /// Largest number of GPUs per worker (one worker never spans hosts).
 pub const MAX_GPUS_PER_WORKER: u32 = 16;
-/// Environment variables set by the agent (worker contract) that a spec may not override.
-pub const RESERVED_ENV: [&str; 27] = [
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "GROUP_RANK",
-    "ROLE_RANK",
-    "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_RESTART_COUNT",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUDA_VISIBLE_DEVICES",
-    "CONVERGE_JOB_ID",
-    "CONVERGE_GENERATION",
-    "CONVERGE_CHECKPOINT_DIR",
-    "CONVERGE_NUM_PS",
-    "CONVERGE_BATCH_SIZE",
-    "CONVERGE_ACCUM_STEPS",
-    "CONVERGE_TOTAL_BATCH",
-    "CONVERGE_REFERENCE_BATCH",
-    "CONVERGE_SYNC",
-    GPU_SPEED_ENV,
-    SHADOW_ENV[0],
-    SHADOW_ENV[1],
-    SHADOW_ENV[2],
-    SHADOW_ENV[3],
-    SHADOW_ENV[4],
-    SHADOW_ENV[5],
-];
+/// Environment variables set by the agent (worker contract) that a spec may not override:
+/// every variable of [`crate::contract::VARIABLES`] but the one the spec may set itself
+/// (`TORCH_NCCL_ASYNC_ERROR_HANDLING`, [`crate::contract::When::SpecDefault`]).
+pub const RESERVED_ENV: [&str; crate::contract::RESERVED_COUNT] = crate::contract::RESERVED;
 
-/// The worker-contract variable giving a fake GPU's relative speed, in (0, 1], set by
-/// agents started with `--fake-gpus` and `--fake-gpu-speed` only (unset on real GPUs):
-/// converge-trainer stretches each step's compute time by its inverse, so that a local
-/// cluster can mix fast and slow GPU types.
-pub const GPU_SPEED_ENV: &str = "CONVERGE_GPU_SPEED";
-
-/// The worker-contract variables of a shadow job's `[shadow]` table (docs/protocol.md,
-/// "Worker contract"), set by the agent only for the parameters the spec gives (the others
-/// are unset, so the program's defaults apply) and for `arch = "shadow"` jobs only:
-/// `CONVERGE_SHADOW_ALGORITHM` (`ma`, `bmuf`, `easgd`), `CONVERGE_SHADOW_BLOCK_MOMENTUM`,
-/// `CONVERGE_SHADOW_BLOCK_LR`, `CONVERGE_SHADOW_BLOCK_NESTEROV` (`true`),
-/// `CONVERGE_SHADOW_ELASTIC_ALPHA`, `CONVERGE_SHADOW_HOGWILD_THREADS`. converge-trainer reads
-/// them as the defaults of `--shadow`, `--block-momentum`, `--block-lr`,
-/// `--block-nesterov`, `--elastic-alpha` and `--hogwild-threads`.
-pub const SHADOW_ENV: [&str; 6] = [
-    "CONVERGE_SHADOW_ALGORITHM",
-    "CONVERGE_SHADOW_BLOCK_MOMENTUM",
-    "CONVERGE_SHADOW_BLOCK_LR",
-    "CONVERGE_SHADOW_BLOCK_NESTEROV",
-    "CONVERGE_SHADOW_ELASTIC_ALPHA",
-    "CONVERGE_SHADOW_HOGWILD_THREADS",
-];
+pub use crate::contract::{GPU_SPEED_ENV, SHADOW_ENV};
 
 /// Most Hogwild training threads per worker a `[shadow]` table may ask for (the trainer's
 /// own bound).
@@ -615,7 +568,7 @@ impl JobSpec {
             validate_gpu_types(types).map_err(JobSpecError::GpuTypes)?;
         }
         for key in self.env.keys() {
-            if RESERVED_ENV.contains(&key.as_str()) {
+            if crate::contract::is_reserved(key) {
                 return Err(JobSpecError::ReservedEnv(key.clone()));
             }
             let valid = !key.is_empty()
@@ -803,6 +756,25 @@ mod tests {
             &format!("{base}priority = \"urgent\"\n"),
             "unknown variant `urgent`",
         );
+    }
+
+    #[test]
+    fn env_may_set_no_contract_variable_but_the_nccl_default() {
+        let base = "id = \"j\"\ncommand = [\"t\"]\n[env]\n";
+        for v in crate::contract::VARIABLES {
+            let spec = format!("{base}{} = \"1\"\n", v.name);
+            if v.when.reserved() {
+                assert!(RESERVED_ENV.contains(&v.name), "{}", v.name);
+                check(
+                    &spec,
+                    &format!("`env` may not set {}: the agent sets it", v.name),
+                );
+            } else {
+                assert!(!RESERVED_ENV.contains(&v.name), "{}", v.name);
+                check(&spec, "ok");
+            }
+        }
+        assert_eq!(RESERVED_ENV.len(), crate::contract::VARIABLES.len() - 1);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! agent, the allocator, the CLI and the simulator share one definition of the protocol.
 
 pub mod codec;
+pub mod contract;
 pub mod ids;
 pub mod jobspec;
 pub mod labels;

@@ -1,43 +1,46 @@
 """The worker contract's environment (docs/protocol.md, "Worker contract") as a dataclass.
 
 The Converge agent starts every worker with these variables. Run under an agent
-(``CONVERGE_JOB_ID`` is set), every variable the agent always sets is required and a
-missing one is an error: it means the program was not started by a Converge agent, or by
-an incompatible one. Run by hand (no ``CONVERGE_JOB_ID``), the rest default to a single
+(``CONVERGE_JOB_ID`` is set), every variable every agent sets (``AGENT_VARIABLES``, from
+the contract's table in common/src/contract.rs) is required and a missing one is an
+error: it means the program was not started by a Converge agent, or by an incompatible
+one. Run by hand (no ``CONVERGE_JOB_ID``), the rest default to a single
 process: rank 0 of 1, ``127.0.0.1:29500``, generation 0, no checkpoint directory.
 """
 
+import json
 import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from .gradstats import scaled_lr
 
 __all__ = ["Batch", "Contract", "ContractError"]
 
-# Variables the agent sets on every worker (agent/src/supervisor.rs, `worker_env`).
-AGENT_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUDA_VISIBLE_DEVICES",
-    "CONVERGE_JOB_ID",
-    "CONVERGE_GENERATION",
-    "CONVERGE_CHECKPOINT_DIR",
-    "CONVERGE_NUM_PS",
+
+def _load_variables() -> Tuple[Dict[str, Any], ...]:
+    path = Path(__file__).with_name("contract_variables.json")
+    with open(path, encoding="utf-8") as f:
+        return tuple(json.load(f)["variables"])
+
+
+#: The worker contract's variables, one dict each (``name``, ``when``, ``required``,
+#: ``reserved``, ``meaning``): ``contract_variables.json``, generated from the contract's one
+#: definition, the table in common/src/contract.rs (a Rust test keeps the file equal to it).
+VARIABLES: Tuple[Dict[str, Any], ...] = _load_variables()
+
+#: Variables every agent sets on every worker and a program may require under an agent
+#: (``when == "always"`` and ``required``), in the table's order.
+AGENT_VARIABLES: Tuple[str, ...] = tuple(
+    str(v["name"]) for v in VARIABLES if v["when"] == "always" and v["required"]
 )
 
-BATCH_VARIABLES = (
-    "CONVERGE_BATCH_SIZE",
-    "CONVERGE_ACCUM_STEPS",
-    "CONVERGE_TOTAL_BATCH",
-    "CONVERGE_REFERENCE_BATCH",
-)
+#: The planned batch's variables, set for jobs with a ``[batch]`` table only
+#: (``when == "batch"``): ``CONVERGE_BATCH_SIZE`` first, then ``CONVERGE_ACCUM_STEPS``,
+#: ``CONVERGE_TOTAL_BATCH``, ``CONVERGE_REFERENCE_BATCH``.
+BATCH_VARIABLES: Tuple[str, ...] = tuple(str(v["name"]) for v in VARIABLES if v["when"] == "batch")
 
 _WHOLE = re.compile(r"[0-9]+\Z")
 

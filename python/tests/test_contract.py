@@ -1,3 +1,4 @@
+import json
 import math
 import unittest
 
@@ -5,8 +6,16 @@ import _kit  # noqa: F401  (the kit from the source tree when not installed)
 from pathlib import Path
 
 from converge_worker import Batch, Contract, ContractError
+from converge_worker import contract as contract_module
+from converge_worker.contract import AGENT_VARIABLES, BATCH_VARIABLES
 
-# What the agent sets on a worker (agent/src/supervisor.rs, worker_env).
+PYTHON_DIR = Path(__file__).resolve().parents[1]
+# The worker contract's table (common/src/contract.rs) as the source tree has it; a Rust test
+# (cargo test -p converge-common contract) keeps the file equal to the table.
+TABLE_FILE = PYTHON_DIR / "converge_worker" / "contract_variables.json"
+
+# What the agent sets on a worker (agent/src/supervisor.rs, worker_env), but CONVERGE_SYNC:
+# it stands for agents older than that variable too.
 AGENT = {
     "RANK": "3",
     "WORLD_SIZE": "4",
@@ -166,6 +175,73 @@ class PlannedBatch(unittest.TestCase):
         with self.assertRaises(ValueError):
             b.scaled_lr(0.1, "cubic")
         self.assertTrue(math.isclose(Batch(8, 0, 16, 64).scaled_lr(1.0), 0.5))
+
+
+def table():
+    with open(TABLE_FILE, encoding="utf-8") as f:
+        return json.load(f)["variables"]
+
+
+class _Recording(dict):
+    """An environment that records the names read from it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+class ContractTable(unittest.TestCase):
+    """The kit's variables are the worker contract's one definition (common/src/contract.rs),
+    through contract_variables.json."""
+
+    def test_the_kits_tuples_are_the_tables(self):
+        t = table()
+        self.assertEqual(
+            AGENT_VARIABLES,
+            tuple(v["name"] for v in t if v["when"] == "always" and v["required"]),
+        )
+        self.assertEqual(BATCH_VARIABLES, tuple(v["name"] for v in t if v["when"] == "batch"))
+        # _batch reads the micro-batch first and the rest after it.
+        self.assertEqual(BATCH_VARIABLES[0], "CONVERGE_BATCH_SIZE")
+        self.assertIn("RANK", AGENT_VARIABLES)
+        self.assertIn("CONVERGE_JOB_ID", AGENT_VARIABLES)
+        # The kit imported (installed or from the source tree) has the source tree's table:
+        # reinstall it (pip install ./python) when this fails.
+        self.assertEqual(list(contract_module.VARIABLES), t)
+
+    def test_from_env_reads_only_the_tables_variables(self):
+        names = {v["name"] for v in table()}
+        for extra in [{}, BATCH, {"CONVERGE_SYNC": "shadow", "CONVERGE_SHADOW_ALGORITHM": "ma"}]:
+            with self.subTest(extra=extra):
+                environ = _Recording(AGENT, **extra)
+                Contract.from_env(environ)
+                self.assertLessEqual(environ.read, names, "names outside the contract's table")
+                self.assertLessEqual(set(AGENT_VARIABLES) | set(BATCH_VARIABLES), environ.read)
+
+    def test_the_fixtures_are_what_the_agent_sets(self):
+        t = table()
+        every_worker = {v["name"] for v in t if v["when"] in ("always", "spec_default")}
+        self.assertLessEqual(set(AGENT), every_worker)
+        self.assertEqual(every_worker - set(AGENT), {"CONVERGE_SYNC"})
+        self.assertEqual(set(BATCH), set(BATCH_VARIABLES))
+
+    def test_the_package_ships_the_table(self):
+        pyproject = (PYTHON_DIR / "pyproject.toml").read_text(encoding="utf-8")
+        package_data = [line for line in pyproject.splitlines() if line.startswith("converge_worker = [")]
+        self.assertEqual(len(package_data), 1, pyproject)
+        self.assertIn('"contract_variables.json"', package_data[0])
 
 
 if __name__ == "__main__":

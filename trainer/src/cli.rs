@@ -651,4 +651,112 @@ mod tests {
             .to_string();
         assert!(e.contains("unset CONVERGE_NUM_PS"), "{e}");
     }
+
+    /// The worker contract's table (`converge_common::contract::VARIABLES`; this crate does
+    /// not depend on converge-common) as the checked-in JSON the Python kit reads, which
+    /// converge-common's tests keep equal to the table: (name, when, required).
+    fn contract_table() -> Vec<(String, String, bool)> {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../python/converge_worker/contract_variables.json");
+        let text =
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        json["variables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| {
+                (
+                    v["name"].as_str().unwrap().to_string(),
+                    v["when"].as_str().unwrap().to_string(),
+                    v["required"].as_bool().unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    /// Variables the trainer reads that are not the agent's: the datasets' folder
+    /// (`--data-dir`), which workers inherit from the agent's environment (`--worker-env`).
+    const NOT_THE_AGENTS: [&str; 1] = ["CONVERGE_DATA_DIR"];
+
+    /// Every variable the trainer reads (through [`WorkerEnv`], its batch, and its options'
+    /// `env` fallbacks) or names in its `--help` is in the worker contract's table, and it
+    /// reads every variable a program may require and every batch, shadow and GPU-speed one.
+    #[test]
+    fn the_trainer_reads_the_worker_contract_by_the_tables_names() {
+        use clap::CommandFactory;
+        use std::cell::RefCell;
+        use std::collections::BTreeSet;
+        let table = contract_table();
+        let in_table = |name: &str| table.iter().any(|(n, _, _)| n == name);
+        // A parameter-server job's worker environment with a planned batch, so that every
+        // lookup happens.
+        let full: HashMap<&str, &str> = [
+            ("RANK", "1"),
+            ("WORLD_SIZE", "3"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.5"),
+            ("MASTER_PORT", "29400"),
+            ("CUDA_VISIBLE_DEVICES", "0"),
+            ("CONVERGE_JOB_ID", "job-1"),
+            ("CONVERGE_GENERATION", "3"),
+            ("CONVERGE_CHECKPOINT_DIR", "/ckpt/job-1"),
+            ("CONVERGE_NUM_PS", "1"),
+            ("CONVERGE_BATCH_SIZE", "8"),
+            ("CONVERGE_ACCUM_STEPS", "1"),
+            ("CONVERGE_TOTAL_BATCH", "32"),
+            ("CONVERGE_REFERENCE_BATCH", "16"),
+        ]
+        .into_iter()
+        .collect();
+        let asked = RefCell::new(BTreeSet::new());
+        WorkerEnv::from_lookup(|k| {
+            asked.borrow_mut().insert(k.to_string());
+            full.get(k).map(|v| v.to_string())
+        })
+        .unwrap();
+        let mut read = asked.into_inner();
+        read.extend(
+            Args::command()
+                .get_arguments()
+                .filter_map(|a| a.get_env())
+                .map(|e| e.to_str().unwrap().to_string()),
+        );
+        for name in &read {
+            assert!(
+                in_table(name) || NOT_THE_AGENTS.contains(&name.as_str()),
+                "the trainer reads {name}, which is not in the worker contract's table \
+                 (common/src/contract.rs)"
+            );
+        }
+        for (name, when, required) in &table {
+            let needed = *required
+                || ["batch", "shadow", "shadow_parameter", "fake_gpu_speed"]
+                    .contains(&when.as_str());
+            assert!(
+                !needed || read.contains(name),
+                "the trainer does not read the contract's {name} ({when})"
+            );
+        }
+        // Its --help names the contract's variables only, and every one it reads from the
+        // environment directly.
+        let named: BTreeSet<&str> = LONG_ABOUT
+            .split(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
+            .filter(|w| w.contains('_') && w.starts_with(|c: char| c.is_ascii_uppercase()))
+            .collect();
+        for name in &named {
+            // CONVERGE_PROGRESS: the progress lines' prefix, not a variable.
+            assert!(
+                in_table(name) || *name == "CONVERGE_PROGRESS",
+                "--help names {name}, not in the contract"
+            );
+        }
+        for name in full.keys() {
+            assert!(
+                named.contains(name) || !name.contains('_') && LONG_ABOUT.contains(name),
+                "--help does not describe {name}"
+            );
+        }
+    }
 }
