@@ -2,7 +2,7 @@
 //! and `converge-sim report`.
 
 use crate::apps::{Application, SIA_SLOWDOWNS, load_all};
-use crate::engine::{NodeGroup, SimConfig, SimResult, simulate};
+use crate::engine::{NodeGroup, SimConfig, SimResult, WorkKnowledge, simulate};
 use crate::summary::{Summary, summarize};
 use crate::workload::{configurations, generate, read_philly, read_workload, to_csv};
 use anyhow::Context as _;
@@ -160,6 +160,12 @@ pub struct ClusterArgs {
     /// The shadow variants' algorithm: `ma`, `bmuf` or `easgd`.
     #[arg(long, default_value = "ma", value_parser = parse_shadow_algorithm)]
     pub shadow_algorithm: converge_common::ShadowAlgorithm,
+    /// What the jobs tell the scheduler about their work: `declared` (each declares its
+    /// epochs, a spec's `work_samples`; a policy knows the work left) or `target-loss` (none
+    /// declares; each has a target loss, and a policy knows only the fitted curve's estimate
+    /// of the samples to it, as the live allocator for such a job).
+    #[arg(long, value_enum, default_value_t = WorkKnowledge::Declared)]
+    pub work: WorkKnowledge,
 }
 
 fn parse_shadow_algorithm(s: &str) -> Result<converge_common::ShadowAlgorithm, String> {
@@ -232,6 +238,7 @@ impl ClusterArgs {
             fixed_batch: self.fixed_batch,
             shadow_fraction: self.shadow_fraction,
             shadow_algorithm: self.shadow_algorithm,
+            work: self.work,
             ..SimConfig::default()
         })
     }

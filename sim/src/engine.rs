@@ -31,6 +31,7 @@ use converge_sched::history::JobHistory;
 use converge_sched::placement::{HostFree, PlacementKind};
 use converge_sched::policies::Policy;
 use converge_sched::queues::{DEFAULT_USAGE_HALF_LIFE_S, default_queue};
+use converge_sched::schedule::known_remaining_work;
 use converge_sched::throughput::{StepObservation, ThroughputPrior};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -93,6 +94,24 @@ pub struct SimConfig {
     pub shadow_fraction: f64,
     /// The shadow variants' algorithm (its measured statistical-efficiency penalty).
     pub shadow_algorithm: ShadowAlgorithm,
+    /// What a policy that wants each job's remaining work is told
+    /// ([`converge_sched::schedule::known_remaining_work`], as the service).
+    pub work: WorkKnowledge,
+}
+
+/// What the workload's jobs tell the service about their work, and so what a policy can know
+/// of a job's work left (`converge-sim simulate --work`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum WorkKnowledge {
+    /// Every job declares its work (a spec's `work_samples`: the epochs to its completion
+    /// epoch, as a user passing `--epochs` knows them); a policy is told what is left.
+    #[default]
+    Declared,
+    /// No job declares its work; each has a target loss (its loss-like value at its
+    /// completion epoch, what a user asking for that quality would write), and a policy is
+    /// told the fitted curve's estimate of the samples to it, or nothing while there is no
+    /// curve or it does not reach the target.
+    TargetLoss,
 }
 
 /// Whether job `name` runs as a shadow variant under `seed` and `fraction`: the 64-bit
@@ -152,6 +171,7 @@ impl Default for SimConfig {
             queues: BTreeMap::new(),
             shadow_fraction: 0.0,
             shadow_algorithm: ShadowAlgorithm::Ma,
+            work: WorkKnowledge::Declared,
             usage_half_life_s: DEFAULT_USAGE_HALF_LIFE_S,
         }
     }
@@ -411,6 +431,10 @@ pub fn simulate(
     }
     let known = apps.keys().cloned().collect::<Vec<_>>().join(", ");
     let wants = policy.inputs();
+    // The service fits every job's curve; here curves are fitted only where a policy uses
+    // them, or where they are all it can know of a job's work left.
+    let fit_curves = wants.curves
+        || (cfg.work == WorkKnowledge::TargetLoss && (wants.estimates || wants.oracle));
     let mut jobs = Vec::with_capacity(workload.len());
     for w in workload {
         let app = apps
@@ -585,7 +609,7 @@ pub fn simulate(
                 t.time_to_95.get_or_insert(age);
             }
             norm_losses.push(normalized);
-            if wants.curves && !t.placement.is_empty() {
+            if fit_curves && !t.placement.is_empty() {
                 let observed = (true_loss * (1.0 + noise.sample(&mut rng))).max(0.0);
                 t.reports += 1;
                 t.history.add(&ProgressReport::new(
@@ -624,7 +648,7 @@ pub fn simulate(
         for &i in &active {
             let t = &mut jobs[i];
             let app = &apps[&t.job.app];
-            let curve = if wants.curves {
+            let curve = if fit_curves {
                 fits.curve(&t.id, &t.history, &fit_cfg, true)
             } else {
                 None
@@ -669,6 +693,18 @@ pub fn simulate(
                     .then(|| fits.model(&t.id, ModelScope::All, &t.steps, &throughput_prior)),
             };
             let workers: u32 = t.job.placement.iter().sum();
+            let remaining_work = if wants.estimates || wants.oracle {
+                known_remaining_work(
+                    (cfg.work == WorkKnowledge::Declared)
+                        .then(|| declared_samples_left(&t.job, app)),
+                    curve.as_ref(),
+                    Some(t.final_loss),
+                    t.samples,
+                )
+            } else {
+                None
+            };
+            let curve = curve.filter(|_| wants.curves);
             views.push(JobView {
                 id: t.id.clone(),
                 gpus_per_worker: 1,
@@ -687,8 +723,7 @@ pub fn simulate(
                 attained_gpu_seconds: t.job.attained_gpu_seconds,
                 model,
                 batch: BatchSize::Total(f64::from(t.job.target_batch_size)),
-                remaining_work: (wants.estimates || wants.oracle)
-                    .then(|| declared_samples_left(&t.job, app)),
+                remaining_work,
                 restarts: t.job.restarts,
                 // Every restart stalls a simulated job for the restart delay: what a job
                 // that has restarted has measured.
@@ -1193,6 +1228,53 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `--work target-loss`: no job's declared work reaches the policy. A job's remaining work
+    /// is unknown until its curve is fitted, then the curve's estimate to its target, which
+    /// differs from the declared work the default mode passes.
+    #[test]
+    fn without_declared_work_the_policy_sees_only_the_curves_estimate() {
+        let jobs = workload(20);
+        let policy = by_name("quality", PolicyParams::default()).unwrap();
+        let run = |work| {
+            let cfg = SimConfig {
+                nodes: 4,
+                record_decisions: true,
+                work,
+                ..SimConfig::default()
+            };
+            simulate(apps(), &jobs, policy.as_ref(), &cfg).unwrap()
+        };
+        let declared = run(WorkKnowledge::Declared);
+        let target = run(WorkKnowledge::TargetLoss);
+        let first = |r: &SimResult| -> BTreeMap<JobId, Option<f64>> {
+            let mut seen = BTreeMap::new();
+            for d in &r.decisions {
+                for v in &d.jobs {
+                    seen.entry(v.id.clone()).or_insert(v.remaining_work);
+                }
+            }
+            seen
+        };
+        // A job's first decision: declared work is known at once, a curve needs reports.
+        let (d0, t0) = (first(&declared), first(&target));
+        assert!(d0.values().all(|w| w.is_some_and(|w| w > 0.0)), "{d0:?}");
+        assert!(t0.values().all(Option::is_none), "{t0:?}");
+        // Later the curve's estimates arrive for some jobs, and are not the declared figures.
+        let estimates: Vec<f64> = target
+            .decisions
+            .iter()
+            .flat_map(|d| d.jobs.iter().filter_map(|v| v.remaining_work))
+            .collect();
+        assert!(!estimates.is_empty(), "no curve reached its target");
+        let ends =
+            |r: &SimResult| -> Vec<Option<f64>> { r.jobs.iter().map(|j| j.completed_at).collect() };
+        assert_ne!(
+            ends(&declared),
+            ends(&target),
+            "the knowledge changed nothing"
+        );
     }
 
     #[test]

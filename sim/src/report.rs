@@ -309,6 +309,24 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         }
     }
 
+    // Converge with what a live allocator knows of jobs that declare no work: `quality` (first
+    // fit, as its row above) told only the fitted curve's estimate of each job's samples to
+    // its target loss (`--work target-loss`), on every load.
+    let mut converge_target_loss: BTreeMap<String, Summary> = BTreeMap::new();
+    if policies.iter().any(|p| p == "quality") {
+        let mut cluster = args.cluster.clone();
+        cluster.work = crate::engine::WorkKnowledge::TargetLoss;
+        let (policy, params) = policy_of("quality", &cluster).context("the quality policy")?;
+        for (load, files) in &loads {
+            let (summary, _) = run_policy(policy, files, &cluster, &params)?;
+            eprintln!(
+                "quality with target loss only at {load}x: mean JCT {:.0} s",
+                summary.mean
+            );
+            converge_target_loss.insert(load.to_string(), summary);
+        }
+    }
+
     // Makespan in the simulator: sjf-bco with BCO against fifo with first fit, at
     // interference 0.5 (a few seconds).
     let mut sim_makespan: Vec<(String, Summary)> = Vec::new();
@@ -348,6 +366,7 @@ pub fn run_report(args: &ReportArgs) -> anyhow::Result<()> {
         makespan: makespan.as_deref(),
         sim_makespan: &sim_makespan,
         converge_bco: &converge_bco,
+        converge_target_loss: &converge_target_loss,
         ps: ps.as_deref(),
         mixed: &crate::mixed_report::render(&mixed, &args.mixed.sia),
         threads,

@@ -45,6 +45,8 @@ pub(super) fn verdict(change: Option<f64>, target: f64) -> &'static str {
 pub(super) struct Page<'a> {
     /// `quality` with BCO placement per load (the service's placement).
     pub(super) converge_bco: &'a BTreeMap<String, Summary>,
+    /// `quality` with first fit told no job's declared work (`--work target-loss`), per load.
+    pub(super) converge_target_loss: &'a BTreeMap<String, Summary>,
     pub(super) results: &'a BTreeMap<(String, String), Run>,
     pub(super) policies: &'a [String],
     pub(super) published: &'a Published,
@@ -327,6 +329,7 @@ mod tests {
             makespan: Some("# Small instances\n| a | b |"),
             sim_makespan: &[],
             converge_bco: &BTreeMap::new(),
+            converge_target_loss: &BTreeMap::new(),
             ps: Some("# PS\n| a | b |"),
             mixed: "## Mixed GPU generations: the Sia traces on 64 GPUs of three types\n",
             threads: 2,

@@ -97,7 +97,12 @@ pub(super) fn against_pollux_section(md: &mut String, page: &Page) {
          `quality` (the default objective) against the `pollux` baseline run here on the same \
          workloads (`sched/src/policies/pollux.rs`, which places jobs itself), and against \
          Pollux's published means; `quality` with first-fit placement (as every other row of \
-         this page) and with BCO, the service's default placement. \
+         this page) and with BCO, the service's default placement. Every row but one tells \
+         the policy each job's declared work (the epochs to its completion epoch, a spec's \
+         `work_samples`); \"target loss only\" declares none (`--work target-loss`): each job \
+         has a target loss (its loss at the completion epoch) and the policy knows only the \
+         fitted curve's estimate of the samples to it, as the live allocator for such jobs \
+         (`sched::schedule::known_remaining_work`). `pollux` uses no remaining work either way. \
          Targets: mean JCT at most 0.9× the baseline's on every set with a p99 JCT no worse \
          (p99: mean over the workloads of each one's p99); below the published mean at 1.0× \
          and 0.5× (milestone), at most 0.8× of it (goal). `philly`: eight workloads generated \
@@ -115,6 +120,10 @@ pub(super) fn against_pollux_section(md: &mut String, page: &Page) {
         [
             ("first fit", page.run("quality", load)),
             ("BCO (the service's)", page.converge_bco.get(load)),
+            (
+                "first fit, target loss only",
+                page.converge_target_loss.get(load),
+            ),
         ]
         .map(|(placement, q)| (load, placement, q))
     });
