@@ -58,7 +58,8 @@ pub struct Pollux {
     pub generations: usize,
     /// Seed of the search's random stream (mixed with the decision time).
     pub seed: u64,
-    /// Seconds a restart costs a job, for the restart penalty (the artifact: 30).
+    /// Seconds a restart costs a job, for the restart penalty, until the job has measured its
+    /// own ([`PolicyJob::restart_cost_s`], which every policy is told; the artifact: 30).
     pub restart_delay_s: f64,
 }
 
@@ -345,7 +346,12 @@ impl Pollux {
                 .filter(|v| *v > 0.0)
         });
         let age = (cluster.now - job.submitted_at).max(0.0);
-        let delay = self.restart_delay_s.max(0.0);
+        // The job's measured restart cost, as every other policy is told, else the default.
+        let delay = job
+            .restart_cost_s
+            .filter(|d| d.is_finite() && *d >= 0.0)
+            .unwrap_or(self.restart_delay_s)
+            .max(0.0);
         let restart_factor = if age + delay > 0.0 {
             (age - f64::from(job.restarts) * delay).max(0.0) / (age + delay)
         } else {
@@ -552,6 +558,25 @@ mod tests {
         let mut c = cluster(16);
         c.gpus_per_node = 4;
         (c, vec![4; 4])
+    }
+
+    /// The restart penalty uses the job's measured restart cost when it has one (as every
+    /// policy is told), else `restart_delay_s`.
+    #[test]
+    fn the_restart_penalty_uses_the_measured_restart_cost() {
+        let (mut c, hosts) = hosts_cluster();
+        c.now = 600.0;
+        let mut j = scaling_job("a", 0.0, 10.0);
+        j.restarts = 2;
+        let p = Pollux::default();
+        let factor = |j: &PolicyJob| p.job_info(&c, j, (4, 1), hosts.len()).restart_factor;
+        // Default 30 s: (600 − 2·30) / (600 + 30).
+        assert!((factor(&j) - 540.0 / 630.0).abs() < 1e-12, "{}", factor(&j));
+        j.restart_cost_s = Some(120.0);
+        assert!((factor(&j) - 360.0 / 720.0).abs() < 1e-12, "{}", factor(&j));
+        // A cost that is not a number falls back to the default.
+        j.restart_cost_s = Some(f64::NAN);
+        assert!((factor(&j) - 540.0 / 630.0).abs() < 1e-12, "{}", factor(&j));
     }
 
     #[test]
