@@ -310,7 +310,7 @@ pub struct ExploreConfig {
     pub nodes: u32,
     pub gpus_per_node: u32,
     /// How often the policy decides, seconds.
-    pub interval_s: f64,
+    pub scheduling_interval_s: f64,
     /// Seconds without progress every allocation change costs (a small trainer's checkpoint
     /// and restart).
     pub restart_delay_s: f64,
@@ -328,7 +328,7 @@ impl Default for ExploreConfig {
         Self {
             nodes: 8,
             gpus_per_node: 4,
-            interval_s: 15.0,
+            scheduling_interval_s: 15.0,
             restart_delay_s: 10.0,
             report_every_s: 2.0,
             stop: Some(default_stop()),
@@ -494,7 +494,7 @@ pub fn simulate(
     let mut fits = FitCache::new();
     let mut intervals = Vec::new();
     let mut max_decision_s: f64 = 0.0;
-    let dt = cfg.interval_s;
+    let dt = cfg.scheduling_interval_s;
     let mut now = 0.0;
     loop {
         // 1. Progress over the interval, with a report every `report_every_s` of work.

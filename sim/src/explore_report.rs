@@ -120,7 +120,7 @@ impl ExploreClusterArgs {
         Ok(ExploreConfig {
             nodes: self.nodes,
             gpus_per_node: self.gpus_per_node,
-            interval_s: self.scheduling_interval,
+            scheduling_interval_s: self.scheduling_interval,
             restart_delay_s: self.restart_delay,
             stop: (!self.no_stop).then_some(stop),
             placement: self.placement,

@@ -55,7 +55,7 @@ pub struct State {
     pub host_timeout_s: f64,
     pub cluster: ClusterSummary,
     pub hosts: Vec<HostView>,
-    pub jobs: Vec<JobView>,
+    pub jobs: Vec<JobRow>,
     /// The queues, by name: every stored one, and the implicit `default` queue only when a
     /// job that has not ended is in it or the allocator published a status of it.
     pub queues: Vec<QueueView>,
@@ -169,7 +169,7 @@ pub struct PlacementView {
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct JobView {
+pub struct JobRow {
     pub job: JobId,
     pub phase: JobPhase,
     pub message: Option<String>,
@@ -335,14 +335,14 @@ pub fn build(
             .into_iter()
             .map(|e| (e.job.clone(), e))
             .collect();
-    let mut jobs: Vec<JobView> = model
+    let mut jobs: Vec<JobRow> = model
         .statuses
         .values()
         .filter_map(|s| {
             let spec = model.specs.get(&s.job)?;
             let points = model.points.get(&s.job).map_or(&[][..], Vec::as_slice);
             let q = queue.get(&s.job);
-            Some(JobView {
+            Some(JobRow {
                 job: s.job.clone(),
                 phase: s.phase,
                 message: s.message.clone(),
@@ -385,7 +385,7 @@ pub fn build(
             })
         })
         .collect();
-    let rank = |j: &JobView| match j.phase {
+    let rank = |j: &JobRow| match j.phase {
         JobPhase::Running => 0,
         JobPhase::Restarting => 1,
         JobPhase::Pending => 2,

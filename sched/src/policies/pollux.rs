@@ -60,7 +60,7 @@ pub struct Pollux {
     pub seed: u64,
     /// Seconds a restart costs a job, for the restart penalty, until the job has measured its
     /// own ([`PolicyJob::restart_cost_s`], which every policy is told; the artifact: 30).
-    pub restart_delay_s: f64,
+    pub restart_cost_s: f64,
 }
 
 impl Default for Pollux {
@@ -69,7 +69,7 @@ impl Default for Pollux {
             population: 100,
             generations: 100,
             seed: 0,
-            restart_delay_s: 30.0,
+            restart_cost_s: 30.0,
         }
     }
 }
@@ -350,7 +350,7 @@ impl Pollux {
         let delay = job
             .restart_cost_s
             .filter(|d| d.is_finite() && *d >= 0.0)
-            .unwrap_or(self.restart_delay_s)
+            .unwrap_or(self.restart_cost_s)
             .max(0.0);
         let restart_factor = if age + delay > 0.0 {
             (age - f64::from(job.restarts) * delay).max(0.0) / (age + delay)
@@ -561,7 +561,7 @@ mod tests {
     }
 
     /// The restart penalty uses the job's measured restart cost when it has one (as every
-    /// policy is told), else `restart_delay_s`.
+    /// policy is told), else `restart_cost_s`.
     #[test]
     fn the_restart_penalty_uses_the_measured_restart_cost() {
         let (mut c, hosts) = hosts_cluster();

@@ -21,7 +21,7 @@
 //!   (≥ 1).
 //! - A configuration other than the job's current one is multiplied by Pollux's restart
 //!   factor `max(age − restarts·δ, 0) / (age + δ)` (`δ`: the job's measured restart cost,
-//!   else [`Sia::restart_delay_s`]; 1 while `age < δ`).
+//!   else [`Sia::restart_cost_s`]; 1 while `age < δ`).
 //! - Minimize `Σ x(j, c) · min(round₂(v^p), clip) + λ_n · (jobs − Σ x)` with `p < 0`, subject
 //!   to: at most one configuration per job, and per GPU type at most its GPUs. `λ_n > 1`
 //!   makes every allocation better than none.
@@ -65,7 +65,7 @@ pub struct Sia {
     pub lambda_n: f64,
     /// Seconds a restart costs a job that has not measured its own (the artifact's default:
     /// 30).
-    pub restart_delay_s: f64,
+    pub restart_cost_s: f64,
     /// Largest value of a configuration's `v^p` (the artifact: 3000).
     pub clip: f64,
 }
@@ -75,7 +75,7 @@ impl Default for Sia {
         Self {
             p: -0.5,
             lambda_n: 1.1,
-            restart_delay_s: 30.0,
+            restart_cost_s: 30.0,
             clip: 3000.0,
         }
     }
@@ -206,7 +206,7 @@ impl Sia {
             let delay = job
                 .restart_cost_s
                 .filter(|d| d.is_finite() && *d >= 0.0)
-                .unwrap_or(self.restart_delay_s)
+                .unwrap_or(self.restart_cost_s)
                 .max(0.0);
             let restart = if age < delay {
                 1.0
