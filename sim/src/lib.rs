@@ -17,6 +17,7 @@ pub mod mixed_report;
 pub mod predict;
 pub mod predict_bench;
 pub mod ps_bench;
+pub mod ps_offline;
 pub mod queues_bench;
 pub mod report;
 pub mod summary;

@@ -1,7 +1,7 @@
 //! `converge-sim ps-bench`: the PS planner against its LP bound, the exhaustive
 //! optimum and the greedy baseline on seeded random small instances, and an online
 //! sequence; prints (and optionally writes) Markdown. This part does I/O and reads the
-//! clock; the algorithms are in [`super`].
+//! clock; the algorithms are in [`converge_sched::ps_plan`] and [`crate::ps_offline`].
 
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -12,9 +12,13 @@ use rand::SeedableRng as _;
 use rand_chacha::ChaCha8Rng;
 
 use converge_sched::ps_plan::{
-    PsHost, PsJob, PsMethod, PsOptions, exact_search_size, greedy_ps_job, optimal_ps_fixed,
-    optimal_ps_job, place_ps_jobs_online_with, plan_ps_job_with, random_host, random_instance,
-    random_job,
+    PsHost, PsJob, PsMethod, PsOptions, greedy_ps_job, plan_ps_job_with,
+};
+
+use converge_sched::ps_plan::random::{random_host, random_instance, random_job};
+
+use crate::ps_offline::{
+    exact_search_size, optimal_ps_fixed, optimal_ps_job, place_ps_jobs_online_with,
 };
 
 /// The target: within this factor of the LP bound on small instances.
