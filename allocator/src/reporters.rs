@@ -62,7 +62,7 @@ pub struct Reporters {
 impl Reporters {
     /// Learns the hosts and ranks of `status`'s generation (added to what earlier statuses of
     /// the same generation placed: a generation that lost a host keeps it). Generation 0 (never
-    /// placed) adds nothing; only the [`GENERATIONS`] newest generations are kept.
+    /// placed) adds nothing; only the `GENERATIONS` newest generations are kept.
     pub fn note(&mut self, status: &JobStatus) {
         if status.generation == 0 {
             return;

@@ -66,7 +66,7 @@ impl Bus {
     }
 
     /// Opens the four KV buckets and the progress stream as `setup` says, with `replicas`
-    /// replicas where this creates or updates them (see [`ensure_stream`]); `denials` are
+    /// replicas where this creates or updates them (see `ensure_stream`); `denials` are
     /// the connection's permission violations (from [`connect_tracked`]).
     pub async fn open_with(
         client: async_nats::Client,

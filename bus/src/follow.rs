@@ -22,7 +22,7 @@ use std::time::Duration;
 /// newer entries itself, by revision, with direct gets (answered by any replica, no consumer
 /// needed), and delivers them; a watch that leaves such an entry undelivered for
 /// [`KV_STALL`] is re-created. While there is no watch (being created, bounded to
-/// [`KV_WATCH_CREATE`], or waiting to be tried again after a failure) the direct reads go
+/// `KV_WATCH_CREATE`, or waiting to be tried again after a failure) the direct reads go
 /// on every half [`KV_QUIET`]: creating a watch never holds them up.
 pub async fn follow_kv<T>(
     store: kv::Store,

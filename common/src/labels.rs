@@ -187,7 +187,7 @@ fn uninformative(word: &str) -> bool {
 }
 
 /// The GPU type of a model name as NVML reports it: lowercase, the vendor, product line,
-/// memory size and form-factor words dropped ([`uninformative`]), the rest joined without
+/// memory size and form-factor words dropped (`uninformative`), the rest joined without
 /// separators. `NVIDIA H100 80GB HBM3` → `h100`, `NVIDIA A100-SXM4-40GB` → `a100`,
 /// `Tesla T4` → `t4`, `NVIDIA GeForce RTX 2080 Ti` → `rtx2080ti`, `NVIDIA RTX A6000` →
 /// `rtxa6000`. A model name with nothing else left keeps its own words (so an unknown

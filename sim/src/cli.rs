@@ -108,8 +108,8 @@ pub struct ClusterArgs {
     /// `TYPE=NODES[xGPUS_PER_NODE],...`, e.g. `aws=6,rtx=3,dgx-ext=2` (the Sia paper's
     /// 64-GPU cluster: 24 T4, 24 RTX 2080 Ti, 16 A100). GPUs per node default to the Sia
     /// artifact's machines (aws 4, rtx 8, dgx-ext 8, dgx 8, quad 4, azure 8). Each type's
-    /// step times are read from TRACES/<app>/placements-<type>.csv and
-    /// scalability-<type>.csv: pass `--traces` the Sia artifact's traces folder
+    /// step times are read from `TRACES/<app>/placements-<type>.csv` and
+    /// `scalability-<type>.csv`: pass `--traces` the Sia artifact's traces folder
     /// (../shared/data/sia/traces in this workspace). A job's new placement uses one type;
     /// a job on several would run at its slowest type's speed.
     #[arg(long, value_parser = parse_gpu_groups, conflicts_with_all = ["nodes", "gpus_per_node"])]

@@ -76,7 +76,7 @@ pub struct SimConfig {
     /// How workers are put on nodes: first fit, or balancing contention and overhead (BCO).
     pub placement: PlacementKind,
     /// Keep every decision's inputs and result in [`SimResult::decisions`] (for tests that
-    /// replay them through [`decide`]; memory grows with the run).
+    /// replay them through [`converge_sched::decide::decide`]; memory grows with the run).
     pub record_decisions: bool,
     /// Ablation: tell the decision that no contention was measured (as a cluster whose jobs
     /// never share a host would), whatever the simulated jobs show.
@@ -262,7 +262,7 @@ pub struct IntervalRecord {
     pub queues: BTreeMap<QueueId, QueueStatus>,
 }
 
-/// One decision as the simulator asked for it: the inputs of [`decide`] and what it returned.
+/// One decision as the simulator asked for it: the inputs of [`converge_sched::decide::decide`] and what it returned.
 #[derive(Debug, Clone)]
 pub struct RecordedDecision {
     pub now: f64,

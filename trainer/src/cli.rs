@@ -118,7 +118,7 @@ pub struct Args {
     pub lr_scaling: LrScaling,
 
     /// Leave the gradient statistics (grad_sqr, grad_var) out of the progress lines: a job
-    /// with a [batch] table then keeps its reference batch.
+    /// with a `[batch]` table then keeps its reference batch.
     #[arg(long)]
     pub no_grad_stats: bool,
 

@@ -5,7 +5,7 @@
 //! GPU counts); the *where*, balancing NIC contention against the overhead of spanning
 //! servers, is [`crate::placement::place_bco`] (`PlacementKind::Bco`, the simulator's
 //! `--placement bco`), which it is meant to run with. The offline algorithm, its κ search
-//! and its comparison with exact optima are in [`crate::makespan`].
+//! and its comparison with exact optima are in the simulator (`converge_sim::makespan`).
 //!
 //! # Algorithm
 //!

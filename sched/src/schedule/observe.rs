@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 /// The work a job has left (samples, over all its workers) as the service can know it, in
 /// this order: the work its spec declares that is not done yet (`declared_left`, from
 /// [`converge_common::JobSpec::work_samples`]); else the fitted curve's estimate to its
-/// target loss ([`remaining_samples`]); else `None` (the policy then guesses, see
+/// target loss (`remaining_samples`); else `None` (the policy then guesses, see
 /// [`crate::policies::quality::remaining_work`]). The service and the simulator both call
 /// it, so a simulated policy knows no more than a live one.
 pub fn known_remaining_work(
