@@ -1078,11 +1078,12 @@ pub fn commit_ps_plan(hosts: &mut [PsHost], original: &[PsHost], job: &PsJob, pl
     }
 }
 
-/// Seeded random instances for the planner's tests and `converge-sim ps-bench` (feature
-/// `benchgen`, as [`crate::benchgen`]; never in the allocator).
+/// Fixtures of the planner's tests and `converge-sim ps-bench`: seeded random instances and
+/// the check that a plan respects capacity and its step time (feature `benchgen`, as
+/// [`crate::benchgen`]; never in the allocator).
 #[cfg(any(test, feature = "benchgen"))]
-pub mod random {
-    use super::{PsHost, PsJob};
+pub mod fixtures {
+    use super::{PsHost, PsJob, PsPlan, step_time_s};
     use rand::Rng;
     use rand_chacha::ChaCha8Rng;
 
@@ -1128,20 +1129,15 @@ pub mod random {
         job.gpus_per_worker = g;
         (hosts, job)
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::random::random_instance;
-    use super::*;
-
-    const GBE10: f64 = 1.25e9;
-
-    fn close(a: f64, b: f64) -> bool {
+    /// Whether `a` and `b` agree to a relative 10⁻⁷.
+    pub fn close(a: f64, b: f64) -> bool {
         (a - b).abs() <= 1e-7 * a.abs().max(b.abs()).max(1e-9)
     }
 
-    fn check_capacity(hosts: &[PsHost], job: &PsJob, plan: &PsPlan) {
+    /// Panics unless `plan` gives `job` a worker and shard count within its bounds, within
+    /// every host's free GPUs and CPU slots, with the step time [`step_time_s`] computes.
+    pub fn check_capacity(hosts: &[PsHost], job: &PsJob, plan: &PsPlan) {
         let w: u32 = plan.workers_per_host.iter().map(|&(_, n)| n).sum();
         let p: u32 = plan.shards_per_host.iter().map(|&(_, n)| n).sum();
         assert_eq!(w, plan.workers);
@@ -1158,6 +1154,14 @@ mod tests {
         let y: Vec<u32> = (0..hosts.len()).map(|h| plan.shards_on(h)).collect();
         assert!(close(step_time_s(hosts, job, &x, &y), plan.step_time_s));
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fixtures::{check_capacity, close, random_instance};
+    use super::*;
+
+    const GBE10: f64 = 1.25e9;
 
     #[test]
     fn traffic_formula() {

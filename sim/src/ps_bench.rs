@@ -15,7 +15,7 @@ use converge_sched::ps_plan::{
     PsHost, PsJob, PsMethod, PsOptions, greedy_ps_job, plan_ps_job_with,
 };
 
-use converge_sched::ps_plan::random::{random_host, random_instance, random_job};
+use converge_sched::ps_plan::fixtures::{random_host, random_instance, random_job};
 
 use crate::ps_offline::{
     exact_search_size, optimal_ps_fixed, optimal_ps_job, place_ps_jobs_online_with,

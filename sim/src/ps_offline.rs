@@ -1,7 +1,7 @@
 //! Offline research code for the parameter-server planner of
 //! [`converge_sched::ps_plan`]: the exhaustive optimum on small instances, the online
 //! placement of a sequence of jobs (the seeded random instances are
-//! `converge_sched::ps_plan::random`, feature `benchgen`). Used by
+//! `converge_sched::ps_plan::fixtures`, feature `benchgen`). Used by
 //! `converge-sim ps-bench` ([`crate::ps_bench`]) and by tests; the allocator needs none of it,
 //! so it lives here and not in `converge-sched`. Pure like the planner: no I/O, no clock,
 //! randomness only from the caller's seed.
@@ -168,30 +168,9 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use converge_sched::ps_plan::fixtures::{check_capacity, close};
 
     const GBE10: f64 = 1.25e9;
-
-    fn close(a: f64, b: f64) -> bool {
-        (a - b).abs() <= 1e-7 * a.abs().max(b.abs()).max(1e-9)
-    }
-
-    fn check_capacity(hosts: &[PsHost], job: &PsJob, plan: &PsPlan) {
-        let w: u32 = plan.workers_per_host.iter().map(|&(_, n)| n).sum();
-        let p: u32 = plan.shards_per_host.iter().map(|&(_, n)| n).sum();
-        assert_eq!(w, plan.workers);
-        assert_eq!(p, plan.shards);
-        assert!((job.min_workers..=job.max_workers).contains(&w));
-        assert!((job.min_shards..=job.max_shards).contains(&p));
-        for &(h, n) in &plan.workers_per_host {
-            assert!(n * job.gpus_per_worker <= hosts[h].free_gpus, "GPUs on {h}");
-        }
-        for &(h, n) in &plan.shards_per_host {
-            assert!(n <= hosts[h].free_cpu_slots, "CPU slots on {h}");
-        }
-        let x: Vec<u32> = (0..hosts.len()).map(|h| plan.workers_on(h)).collect();
-        let y: Vec<u32> = (0..hosts.len()).map(|h| plan.shards_on(h)).collect();
-        assert!(close(step_time_s(hosts, job, &x, &y), plan.step_time_s));
-    }
 
     #[test]
     fn colocation_is_the_exhaustive_optimum() {

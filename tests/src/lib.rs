@@ -168,8 +168,8 @@ fn spawn_server(dir: &Path, port: Option<u16>, config: Option<&Path>) -> (Child,
             let _ = child.kill();
             let _ = child.wait();
             let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(5).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(5)..];
             match exited {
                 Some(status) => panic!(
                     "nats-server exited ({status}) before it was ready; its last lines:\n{}",
