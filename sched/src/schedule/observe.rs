@@ -333,9 +333,21 @@ pub(super) fn job_view(
         samples_per_s_per_worker: per_worker,
         attained_gpu_seconds: history.map_or(0.0, |h| h.attained_gpu_seconds(spec.gpus_per_worker)),
         model: model.map(|(m, _)| m.clone()),
-        batch: BatchSize::PerWorker(
-            model.map_or(crate::throughput::DEFAULT_PRIOR_LOCAL_BATCH, |(_, b)| *b),
-        ),
+        // A `[batch]` job trains with the total its generation was assigned (the reference
+        // before it has one), split over its workers; a job without one keeps its program's
+        // per-worker batch whatever its world size (the worker contract).
+        batch: match &spec.batch {
+            Some(b) => BatchSize::Total(f64::from(
+                status
+                    .batch
+                    .as_ref()
+                    .and_then(|jb| jb.plan)
+                    .map_or(b.reference, |plan| plan.total),
+            )),
+            None => BatchSize::PerWorker(
+                model.map_or(crate::throughput::DEFAULT_PRIOR_LOCAL_BATCH, |(_, b)| *b),
+            ),
+        },
         remaining_work,
         oracle: None,
         // Generation 1 is the first start.
@@ -408,5 +420,46 @@ mod tests {
         // Neither declared nor a target (or no curve): unknown.
         assert_eq!(known_remaining_work(None, Some(&c), None, 1000.0), None);
         assert_eq!(known_remaining_work(None, None, Some(0.1), 1000.0), None);
+    }
+
+    #[test]
+    fn a_batch_jobs_view_splits_its_total_and_any_other_keeps_its_per_worker_batch() {
+        let (curves, models, type_speeds, gradients) = Default::default();
+        let fits = Fits {
+            curves: &curves,
+            models: &models,
+            type_speeds: &type_speeds,
+            gradients: &gradients,
+            contention: 0.0,
+        };
+        let id = JobId::new("j").unwrap();
+        let mut status = JobStatus::pending(id.clone(), 0.0, 0.0);
+        let plain = JobSpec::from_toml("id = \"j\"\ncommand = [\"t\"]\n").unwrap();
+        assert_eq!(
+            job_view(&status, &plain, None, &fits, None).batch,
+            BatchSize::PerWorker(crate::throughput::DEFAULT_PRIOR_LOCAL_BATCH)
+        );
+        let batched = JobSpec::from_toml(
+            "id = \"j\"\ncommand = [\"t\"]\n[batch]\nreference = 256\nmax_total = 1024\n",
+        )
+        .unwrap();
+        // Before a generation has a batch: the reference, split over the workers.
+        assert_eq!(
+            job_view(&status, &batched, None, &fits, None).batch,
+            BatchSize::Total(256.0)
+        );
+        // Then the total its generation trains with.
+        let mut b = converge_common::JobBatch::new(256);
+        b.plan = Some(converge_common::AssignedBatch {
+            total: 512,
+            per_worker: 128,
+            accum_steps: 0,
+            reference: 256,
+        });
+        status.batch = Some(b);
+        assert_eq!(
+            job_view(&status, &batched, None, &fits, None).batch,
+            BatchSize::Total(512.0)
+        );
     }
 }
