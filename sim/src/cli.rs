@@ -2,7 +2,7 @@
 //! and `converge-sim report`.
 
 use crate::apps::{Application, SIA_SLOWDOWNS, load_all};
-use crate::engine::{NodeGroup, SimConfig, SimResult, WorkKnowledge, simulate};
+use crate::engine::{NodeGroup, SimConfig, SimLoop, SimResult, WorkKnowledge, simulate};
 use crate::summary::{Summary, summarize};
 use crate::workload::{configurations, generate, read_philly, read_workload, to_csv};
 use anyhow::Context as _;
@@ -166,6 +166,13 @@ pub struct ClusterArgs {
     /// of the samples to it, as the live allocator for such a job).
     #[arg(long, value_enum, default_value_t = WorkKnowledge::Declared)]
     pub work: WorkKnowledge,
+    /// Which loop simulates: `decision` (the simulator builds each decision's job views
+    /// and calls the service's decision function; allocations change at once) or `service`
+    /// (the allocator's whole scheduling step drives the simulated cluster through host
+    /// plans, heartbeats and progress reports: its lifecycle and generation fencing, stop
+    /// rules, batch-per-generation rule, measured step times and restart costs; no oracle).
+    #[arg(long = "loop", value_enum, default_value_t = SimLoop::Decision)]
+    pub sim_loop: SimLoop,
 }
 
 fn parse_shadow_algorithm(s: &str) -> Result<converge_common::ShadowAlgorithm, String> {
@@ -239,6 +246,7 @@ impl ClusterArgs {
             shadow_fraction: self.shadow_fraction,
             shadow_algorithm: self.shadow_algorithm,
             work: self.work,
+            sim_loop: self.sim_loop,
             ..SimConfig::default()
         })
     }
@@ -358,7 +366,10 @@ pub fn run_policy(
 ) -> anyhow::Result<(Summary, Vec<(String, SimResult)>)> {
     let cfg = cluster.config()?;
     let apps = cluster.applications()?;
-    let policy_impl = by_name(policy, *quality).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let policy_impl: std::sync::Arc<dyn converge_sched::policies::Policy> =
+        by_name(policy, *quality)
+            .map_err(|e| anyhow::anyhow!("{e}"))?
+            .into();
     let mut runs = Vec::new();
     for path in workloads {
         let mut jobs = read_workload(path)?;
@@ -376,7 +387,12 @@ pub fn run_policy(
                 job.queue = None;
             }
         }
-        let result = simulate(&apps, &jobs, policy_impl.as_ref(), &cfg)?;
+        let result = match cfg.sim_loop {
+            SimLoop::Decision => simulate(&apps, &jobs, policy_impl.as_ref(), &cfg)?,
+            SimLoop::Service => {
+                crate::world::simulate_service(&apps, &jobs, policy_impl.clone(), &cfg)?
+            }
+        };
         runs.push((workload_name(path), result));
     }
     Ok((summarize(policy, &runs), runs))

@@ -97,6 +97,9 @@ pub struct SimConfig {
     /// What a policy that wants each job's remaining work is told
     /// ([`converge_sched::schedule::known_remaining_work`], as the service).
     pub work: WorkKnowledge,
+    /// Which loop runs ([`SimLoop`]); [`simulate`] itself always runs the decision loop,
+    /// [`crate::cli::run_policy`] dispatches on this.
+    pub sim_loop: SimLoop,
 }
 
 /// What the workload's jobs tell the service about their work, and so what a policy can know
@@ -112,6 +115,20 @@ pub enum WorkKnowledge {
     /// told the fitted curve's estimate of the samples to it, or nothing while there is no
     /// curve or it does not reach the target.
     TargetLoss,
+}
+
+/// Which loop a simulation runs (`converge-sim simulate --loop`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum SimLoop {
+    /// The decision loop ([`simulate`]): each interval the simulator builds the decision's
+    /// job views itself and calls [`converge_sched::decide::decide_queued`]; allocations
+    /// change at once, batch sizes every interval.
+    #[default]
+    Decision,
+    /// The service loop ([`crate::world`]): the allocator's scheduling step drives a
+    /// simulated cluster through host plans, heartbeats and progress reports, with the
+    /// service's lifecycle, stop rules, batch-per-generation rule and measurements.
+    Service,
 }
 
 /// Whether job `name` runs as a shadow variant under `seed` and `fraction`: the 64-bit
@@ -172,6 +189,7 @@ impl Default for SimConfig {
             shadow_fraction: 0.0,
             shadow_algorithm: ShadowAlgorithm::Ma,
             work: WorkKnowledge::Declared,
+            sim_loop: SimLoop::Decision,
             usage_half_life_s: DEFAULT_USAGE_HALF_LIFE_S,
         }
     }
@@ -196,6 +214,9 @@ pub enum SimError {
          placements-{gpu_type}.csv and scalability-{gpu_type}.csv)"
     )]
     MissingGpuType { app: String, gpu_type: String },
+    /// An option the service loop (`--loop service`) does not simulate.
+    #[error("{0} is not available with --loop service")]
+    NotInServiceLoop(String),
     #[error("queue name {0:?} is not a valid queue name")]
     BadQueue(String),
     /// Jobs name queues the run does not define: they would wait forever, as the service
@@ -302,50 +323,145 @@ pub struct Preemption {
     pub reason: String,
 }
 
-struct Tracked {
-    job: SimJob,
-    id: JobId,
-    max_workers: u32,
-    placement: Vec<RankPlacement>,
-    samples: f64,
+pub(crate) struct Tracked {
+    pub(crate) job: SimJob,
+    pub(crate) id: JobId,
+    pub(crate) max_workers: u32,
+    pub(crate) placement: Vec<RankPlacement>,
+    pub(crate) samples: f64,
     /// What the allocator would have of the job's progress reports (rank 0, one per
     /// interval while placed).
-    history: JobHistory,
-    reports: u64,
-    start_loss: f64,
-    final_loss: f64,
-    time_to_90: Option<f64>,
-    time_to_95: Option<f64>,
+    pub(crate) history: JobHistory,
+    pub(crate) reports: u64,
+    pub(crate) start_loss: f64,
+    pub(crate) final_loss: f64,
+    pub(crate) time_to_90: Option<f64>,
+    pub(crate) time_to_95: Option<f64>,
     /// Step times observed per configuration (workers, nodes, per-worker batch).
-    steps: Vec<StepObservation>,
+    pub(crate) steps: Vec<StepObservation>,
     /// The distinct step observations per GPU type (a placement on one type; on a cluster
     /// of several), as the service groups a generation's by its hosts' `gpu.type`.
-    type_steps: BTreeMap<String, Vec<StepObservation>>,
+    pub(crate) type_steps: BTreeMap<String, Vec<StepObservation>>,
     /// Batch limits when the job's batch size may adapt (its program applies the decided
     /// batch and reports gradient statistics).
-    limits: Option<BatchLimits>,
+    pub(crate) limits: Option<BatchLimits>,
     /// Its latest gradient statistics.
-    gradient: Option<GradientStats>,
+    pub(crate) gradient: Option<GradientStats>,
     /// See [`JobOutcome::low_gain_restarts`].
-    low_gain_restarts: u32,
-    queue: QueueId,
-    priority: PriorityClass,
+    pub(crate) low_gain_restarts: u32,
+    pub(crate) queue: QueueId,
+    pub(crate) priority: PriorityClass,
     /// When its current run was placed.
-    started_at: Option<f64>,
-    first_placed_at: Option<f64>,
-    preemptions: u32,
+    pub(crate) started_at: Option<f64>,
+    pub(crate) first_placed_at: Option<f64>,
+    pub(crate) preemptions: u32,
     /// GPUs of the current placement per GPU type (types of `--cluster` only).
-    gpus_by_type: Vec<(String, u32)>,
+    pub(crate) gpus_by_type: Vec<(String, u32)>,
     /// See [`JobOutcome::gpu_seconds_by_type`].
-    gpu_seconds_by_type: BTreeMap<String, f64>,
+    pub(crate) gpu_seconds_by_type: BTreeMap<String, f64>,
 }
 
-fn host_name(node: u32) -> HostId {
+impl Tracked {
+    /// The job's true loss-like value and its normalized loss (1 = where it started, 0 =
+    /// where it ends) at `now`, noting when it first fell to 10 % and 5 %; `None` once it has
+    /// completed (its loss reduction is then complete at the completion time at the latest).
+    pub(crate) fn observe_loss(&mut self, app: &Application, now: f64) -> Option<(f64, f64)> {
+        let age = now - self.job.submitted_at;
+        if let Some(done) = self.job.completed_at {
+            self.time_to_90.get_or_insert(done - self.job.submitted_at);
+            self.time_to_95.get_or_insert(done - self.job.submitted_at);
+            return None;
+        }
+        let epoch = f64::from(self.job.epoch) + epoch_fraction(&self.job, app);
+        let true_loss = app.loss_like(self.job.target_batch_size, epoch);
+        let span = self.start_loss - self.final_loss;
+        let normalized = if span.abs() > 1e-12 {
+            ((true_loss - self.final_loss) / span).clamp(0.0, 1.0)
+        } else {
+            0.0
+        };
+        if normalized <= 0.10 {
+            self.time_to_90.get_or_insert(age);
+        }
+        if normalized <= 0.05 {
+            self.time_to_95.get_or_insert(age);
+        }
+        Some((true_loss, normalized))
+    }
+    /// Moves the job to placement `new` at `now` (empty: stops it), running `batch`
+    /// (per-worker micro-batch, accumulation steps) when given; a non-empty placement costs
+    /// the restart delay ([`SimJob::reallocate`]). `before`: the workers it ran with before
+    /// the change (0: it was not running), for [`JobOutcome::low_gain_restarts`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn place(
+        &mut self,
+        app: &Application,
+        new: Vec<RankPlacement>,
+        batch: Option<(u32, u32)>,
+        before: usize,
+        layout: &[(Option<&str>, u32)],
+        restart_delay_s: f64,
+        now: f64,
+    ) {
+        let gpus_per_node = layout.iter().map(|(_, g)| *g).max().unwrap_or(1);
+        if before > 0 && !new.is_empty() {
+            let rate = |w: usize| {
+                let w = u32::try_from(w).unwrap_or(u32::MAX);
+                self.job.progress_rate(app, w, gpus_per_node)
+            };
+            let (before, after) = (rate(before), rate(new.len()));
+            if before > 0.0 && (after / before - 1.0).abs() <= 0.1 {
+                self.low_gain_restarts += 1;
+            }
+        }
+        let mut by_type: BTreeMap<String, u32> = BTreeMap::new();
+        for rank in &new {
+            if let Some(gpu_type) = node_index(&rank.host)
+                .and_then(|n| layout.get(n))
+                .and_then(|(t, _)| *t)
+            {
+                *by_type.entry(gpu_type.to_string()).or_default() += rank.gpus.len() as u32;
+            }
+        }
+        // The distinct types of the new placement, sorted (the map's keys).
+        self.job.gpu_types = by_type.keys().cloned().collect();
+        self.gpus_by_type = by_type.into_iter().collect();
+        self.job
+            .reallocate(app, per_node(&new, layout.len()), restart_delay_s, batch);
+        self.started_at = (!new.is_empty()).then_some(now);
+        if !new.is_empty() {
+            self.first_placed_at.get_or_insert(now);
+        }
+        self.placement = new;
+    }
+    /// What the run reports of the job.
+    pub(crate) fn outcome(self) -> JobOutcome {
+        let t = self;
+        JobOutcome {
+            name: t.job.name.clone(),
+            application: t.job.app.clone(),
+            submitted_at: t.job.submitted_at,
+            completed_at: t.job.completed_at,
+            restarts: t.job.restarts,
+            low_gain_restarts: t.low_gain_restarts,
+            time_to_90: t.time_to_90,
+            time_to_95: t.time_to_95,
+            queue: t.queue,
+            priority: t.priority,
+            first_placed_at: t.first_placed_at,
+            preemptions: t.preemptions,
+            gpu_seconds_by_type: t.gpu_seconds_by_type,
+            gpu_seconds: t.job.attained_gpu_seconds,
+        }
+    }
+}
+
+pub(crate) fn host_name(node: u32) -> HostId {
     HostId::new(format!("n{node:03}")).expect("valid host id")
 }
 
 /// The node index of a host named by [`host_name`].
-fn node_index(host: &HostId) -> Option<usize> {
+pub(crate) fn node_index(host: &HostId) -> Option<usize> {
     host.as_str().strip_prefix('n')?.parse().ok()
 }
 
@@ -395,6 +511,144 @@ fn nodes_of(placement: &[RankPlacement]) -> Vec<&HostId> {
     hosts
 }
 
+/// The simulated cluster before the first interval: its jobs (none placed), hosts and
+/// node layout.
+pub(crate) struct Cluster<'c> {
+    pub(crate) jobs: Vec<Tracked>,
+    pub(crate) hosts: Vec<HostFree>,
+    pub(crate) layout: Vec<(Option<&'c str>, u32)>,
+    /// Whether the nodes carry several GPU types.
+    pub(crate) several_types: bool,
+    /// The largest node's GPUs: the oracle's and the restart accounting's packing.
+    pub(crate) gpus_per_node: u32,
+    pub(crate) total_gpus: u32,
+}
+
+impl<'c> Cluster<'c> {
+    /// The workload's jobs on `cfg`'s cluster; `adaptive`: jobs whose application allows it
+    /// adapt their batch size (a policy that reads goodput).
+    pub(crate) fn new(
+        apps: &BTreeMap<String, Application>,
+        workload: &[WorkloadJob],
+        cfg: &'c SimConfig,
+        adaptive: bool,
+    ) -> Result<Self, SimError> {
+        let layout = cfg.layout();
+        let total_gpus = cfg.total_gpus();
+        if total_gpus == 0 {
+            return Err(SimError::NoGpus);
+        }
+        let several_types = {
+            let mut types: Vec<_> = layout.iter().map(|(t, _)| *t).collect();
+            types.sort_unstable();
+            types.dedup();
+            types.len() > 1
+        };
+        // The oracle's and the restart accounting's packing: the largest node.
+        let gpus_per_node = layout.iter().map(|(_, g)| *g).max().unwrap_or(1);
+        for w in workload {
+            if let Some(app) = apps.get(&w.application)
+                && let Some(gpu_type) = layout
+                    .iter()
+                    .filter_map(|(t, _)| *t)
+                    .find(|t| !app.has_gpu_type(t))
+            {
+                return Err(SimError::MissingGpuType {
+                    app: app.name.clone(),
+                    gpu_type: gpu_type.to_string(),
+                });
+            }
+        }
+        let known = apps.keys().cloned().collect::<Vec<_>>().join(", ");
+        let mut jobs = Vec::with_capacity(workload.len());
+        for w in workload {
+            let app = apps
+                .get(&w.application)
+                .ok_or_else(|| SimError::UnknownApplication {
+                    job: w.name.clone(),
+                    app: w.application.clone(),
+                    known: known.clone(),
+                })?;
+            let id = JobId::new(w.name.clone()).map_err(|_| SimError::BadName(w.name.clone()))?;
+            // Every application but ncf adapts its batch size under a goodput policy (the
+            // Pollux artifact runs ncf at a fixed batch of 32,768 on one GPU).
+            let limits = (!cfg.fixed_batch && w.application != "ncf")
+                .then(|| {
+                    BatchLimits::new(
+                        app.init_batch_size,
+                        app.max_batch_size,
+                        app.min_local_bsz,
+                        app.max_local_bsz,
+                    )
+                    .ok()
+                })
+                .flatten()
+                .filter(|_| adaptive);
+            let by_batch = (w.batch_size / app.min_local_bsz.max(1)).max(1);
+            let max_workers = if w.application == "ncf" {
+                1
+            } else if let Some(l) = &limits {
+                l.max_workers().min(total_gpus)
+            } else {
+                by_batch.max(w.num_replicas).min(total_gpus)
+            };
+            let start_loss = app.loss_like(w.batch_size, 0.0);
+            let final_loss =
+                app.loss_like(w.batch_size, f64::from(app.completion_epoch(w.batch_size)));
+            jobs.push(Tracked {
+                job: {
+                    let mut job = SimJob::new(&w.name, app, w.time, w.num_replicas, w.batch_size);
+                    job.shadow = is_shadow(&w.name, cfg.seed, cfg.shadow_fraction)
+                        .then_some(cfg.shadow_algorithm);
+                    job
+                },
+                id,
+                max_workers,
+                placement: Vec::new(),
+                samples: 0.0,
+                history: JobHistory::default(),
+                reports: 0,
+                start_loss,
+                final_loss,
+                time_to_90: None,
+                time_to_95: None,
+                steps: Vec::new(),
+                type_steps: BTreeMap::new(),
+                limits,
+                gradient: None,
+                low_gain_restarts: 0,
+                queue: match &w.queue {
+                    Some(q) => q.parse().map_err(|_| SimError::BadQueue(q.clone()))?,
+                    None => default_queue(),
+                },
+                priority: w.priority,
+                started_at: None,
+                first_placed_at: None,
+                preemptions: 0,
+                gpus_by_type: Vec::new(),
+                gpu_seconds_by_type: BTreeMap::new(),
+            });
+        }
+        check_queues_defined(&jobs, &cfg.queues)?;
+        let hosts: Vec<HostFree> = layout
+            .iter()
+            .enumerate()
+            .map(|(n, &(gpu_type, gpus))| HostFree {
+                gpu_type: gpu_type.map(str::to_string),
+                ..HostFree::new(host_name(n as u32), (0..gpus).collect())
+            })
+            .collect();
+        Ok(Self {
+            jobs,
+            hosts,
+            layout,
+            several_types,
+            gpus_per_node,
+            total_gpus,
+        })
+    }
+}
+
 /// Runs `workload` under `policy`. Deterministic for a seed (decision times aside).
 pub fn simulate(
     apps: &BTreeMap<String, Application>,
@@ -403,115 +657,19 @@ pub fn simulate(
     cfg: &SimConfig,
 ) -> Result<SimResult, SimError> {
     let wall = Instant::now();
-    let layout = cfg.layout();
-    let total_gpus = cfg.total_gpus();
-    if total_gpus == 0 {
-        return Err(SimError::NoGpus);
-    }
-    let several_types = {
-        let mut types: Vec<_> = layout.iter().map(|(t, _)| *t).collect();
-        types.sort_unstable();
-        types.dedup();
-        types.len() > 1
-    };
-    // The oracle's and the restart accounting's packing: the largest node.
-    let gpus_per_node = layout.iter().map(|(_, g)| *g).max().unwrap_or(1);
-    for w in workload {
-        if let Some(app) = apps.get(&w.application)
-            && let Some(gpu_type) = layout
-                .iter()
-                .filter_map(|(t, _)| *t)
-                .find(|t| !app.has_gpu_type(t))
-        {
-            return Err(SimError::MissingGpuType {
-                app: app.name.clone(),
-                gpu_type: gpu_type.to_string(),
-            });
-        }
-    }
-    let known = apps.keys().cloned().collect::<Vec<_>>().join(", ");
     let wants = policy.inputs();
     // The service fits every job's curve; here curves are fitted only where a policy uses
     // them, or where they are all it can know of a job's work left.
     let fit_curves = wants.curves
         || (cfg.work == WorkKnowledge::TargetLoss && (wants.estimates || wants.oracle));
-    let mut jobs = Vec::with_capacity(workload.len());
-    for w in workload {
-        let app = apps
-            .get(&w.application)
-            .ok_or_else(|| SimError::UnknownApplication {
-                job: w.name.clone(),
-                app: w.application.clone(),
-                known: known.clone(),
-            })?;
-        let id = JobId::new(w.name.clone()).map_err(|_| SimError::BadName(w.name.clone()))?;
-        // Every application but ncf adapts its batch size under a goodput policy (the
-        // Pollux artifact runs ncf at a fixed batch of 32,768 on one GPU).
-        let limits = (!cfg.fixed_batch && w.application != "ncf")
-            .then(|| {
-                BatchLimits::new(
-                    app.init_batch_size,
-                    app.max_batch_size,
-                    app.min_local_bsz,
-                    app.max_local_bsz,
-                )
-                .ok()
-            })
-            .flatten()
-            .filter(|_| wants.goodput);
-        let by_batch = (w.batch_size / app.min_local_bsz.max(1)).max(1);
-        let max_workers = if w.application == "ncf" {
-            1
-        } else if let Some(l) = &limits {
-            l.max_workers().min(total_gpus)
-        } else {
-            by_batch.max(w.num_replicas).min(total_gpus)
-        };
-        let start_loss = app.loss_like(w.batch_size, 0.0);
-        let final_loss = app.loss_like(w.batch_size, f64::from(app.completion_epoch(w.batch_size)));
-        jobs.push(Tracked {
-            job: {
-                let mut job = SimJob::new(&w.name, app, w.time, w.num_replicas, w.batch_size);
-                job.shadow = is_shadow(&w.name, cfg.seed, cfg.shadow_fraction)
-                    .then_some(cfg.shadow_algorithm);
-                job
-            },
-            id,
-            max_workers,
-            placement: Vec::new(),
-            samples: 0.0,
-            history: JobHistory::default(),
-            reports: 0,
-            start_loss,
-            final_loss,
-            time_to_90: None,
-            time_to_95: None,
-            steps: Vec::new(),
-            type_steps: BTreeMap::new(),
-            limits,
-            gradient: None,
-            low_gain_restarts: 0,
-            queue: match &w.queue {
-                Some(q) => q.parse().map_err(|_| SimError::BadQueue(q.clone()))?,
-                None => default_queue(),
-            },
-            priority: w.priority,
-            started_at: None,
-            first_placed_at: None,
-            preemptions: 0,
-            gpus_by_type: Vec::new(),
-            gpu_seconds_by_type: BTreeMap::new(),
-        });
-    }
-    check_queues_defined(&jobs, &cfg.queues)?;
-    let hosts: Vec<HostFree> = layout
-        .iter()
-        .enumerate()
-        .map(|(n, &(gpu_type, gpus))| HostFree {
-            gpu_type: gpu_type.map(str::to_string),
-            ..HostFree::new(host_name(n as u32), (0..gpus).collect())
-        })
-        .collect();
+    let Cluster {
+        mut jobs,
+        hosts,
+        layout,
+        several_types,
+        gpus_per_node,
+        total_gpus,
+    } = Cluster::new(apps, workload, cfg, wants.goodput)?;
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
     let noise = Normal::new(0.0, cfg.loss_noise.max(0.0)).expect("finite noise");
     let fit_cfg = FitConfig::default();
@@ -530,54 +688,7 @@ pub fn simulate(
     let mut preemptions = Vec::new();
 
     loop {
-        // 1. Advance every placed job by one interval (Pollux's interference rule: a
-        //    multi-node job slows down when one of its nodes hosts another multi-node job).
-        let mut multi_node_jobs_per_node: BTreeMap<&HostId, u32> = BTreeMap::new();
-        // Completed jobs keep their last placement in `Tracked` but hold no GPUs.
-        for t in jobs.iter().filter(|t| t.job.completed_at.is_none()) {
-            let nodes = nodes_of(&t.placement);
-            if nodes.len() > 1 {
-                for n in nodes {
-                    *multi_node_jobs_per_node.entry(n).or_default() += 1;
-                }
-            }
-        }
-        let mut interference = vec![0.0; jobs.len()];
-        for (i, t) in jobs.iter().enumerate() {
-            let nodes = nodes_of(&t.placement);
-            let sharing = nodes
-                .iter()
-                .map(|n| multi_node_jobs_per_node.get(n).copied().unwrap_or(0))
-                .max()
-                .unwrap_or(0);
-            if nodes.len() > 1 && sharing > 1 {
-                interference[i] = cfg.interference;
-                // What the agents would measure: this job's steps are slower by
-                // 1/(1 − f) − 1 while `sharing` multi-node jobs share one of its NICs.
-                // A shadow job's step does not slow (its sync rounds do): no sample.
-                if cfg.interference > 0.0 && t.job.completed_at.is_none() && t.job.shadow.is_none()
-                {
-                    let slowdown = 1.0 / (1.0 - cfg.interference) - 1.0;
-                    contention_seen.add(slowdown, sharing);
-                }
-            }
-        }
-        for (t, f) in jobs.iter_mut().zip(&interference) {
-            if t.job.submitted_at > now || t.job.completed_at.is_some() {
-                continue;
-            }
-            let app = &apps[&t.job.app];
-            let held_before = t.job.attained_gpu_seconds;
-            t.samples += t.job.step(app, now, cfg.scheduling_interval_s, *f);
-            let held = t.job.attained_gpu_seconds - held_before;
-            let gpus: u32 = t.gpus_by_type.iter().map(|(_, g)| g).sum();
-            if held > 0.0 && gpus > 0 {
-                for (gpu_type, g) in &t.gpus_by_type {
-                    *t.gpu_seconds_by_type.entry(gpu_type.clone()).or_default() +=
-                        held * f64::from(*g) / f64::from(gpus);
-                }
-            }
-        }
+        advance(&mut jobs, apps, cfg, now, &mut contention_seen);
         now += cfg.scheduling_interval_s;
 
         // 2. What the allocator would observe: progress, a noisy loss-like signal, step times.
@@ -586,28 +697,9 @@ pub fn simulate(
             if t.job.submitted_at > now {
                 continue;
             }
-            let age = now - t.job.submitted_at;
-            if let Some(done) = t.job.completed_at {
-                // Done: its loss reduction is complete at the completion time at the latest.
-                t.time_to_90.get_or_insert(done - t.job.submitted_at);
-                t.time_to_95.get_or_insert(done - t.job.submitted_at);
+            let Some((true_loss, normalized)) = t.observe_loss(&apps[&t.job.app], now) else {
                 continue;
-            }
-            let app = &apps[&t.job.app];
-            let epoch = f64::from(t.job.epoch) + epoch_fraction(&t.job, app);
-            let true_loss = app.loss_like(t.job.target_batch_size, epoch);
-            let span = t.start_loss - t.final_loss;
-            let normalized = if span.abs() > 1e-12 {
-                ((true_loss - t.final_loss) / span).clamp(0.0, 1.0)
-            } else {
-                0.0
             };
-            if normalized <= 0.10 {
-                t.time_to_90.get_or_insert(age);
-            }
-            if normalized <= 0.05 {
-                t.time_to_95.get_or_insert(age);
-            }
             norm_losses.push(normalized);
             if fit_curves && !t.placement.is_empty() {
                 let observed = (true_loss * (1.0 + noise.sample(&mut rng))).max(0.0);
@@ -810,43 +902,8 @@ pub fn simulate(
                 .get(&t.id)
                 .map(|plan| (plan.per_worker, plan.accum_steps));
             if new != t.placement {
-                if !t.placement.is_empty() {
-                    let rate = |w: usize| {
-                        let w = u32::try_from(w).unwrap_or(u32::MAX);
-                        if w == 0 {
-                            0.0
-                        } else {
-                            t.job.progress_rate(app, w, gpus_per_node)
-                        }
-                    };
-                    let (before, after) = (rate(t.placement.len()), rate(new.len()));
-                    if before > 0.0 && (after / before - 1.0).abs() <= 0.1 {
-                        t.low_gain_restarts += 1;
-                    }
-                }
-                let mut by_type: BTreeMap<String, u32> = BTreeMap::new();
-                for rank in &new {
-                    if let Some(gpu_type) = node_index(&rank.host)
-                        .and_then(|n| layout.get(n))
-                        .and_then(|(t, _)| *t)
-                    {
-                        *by_type.entry(gpu_type.to_string()).or_default() += rank.gpus.len() as u32;
-                    }
-                }
-                // The distinct types of the new placement, sorted (the map's keys).
-                t.job.gpu_types = by_type.keys().cloned().collect();
-                t.gpus_by_type = by_type.into_iter().collect();
-                t.job.reallocate(
-                    app,
-                    per_node(&new, layout.len()),
-                    cfg.restart_delay_s,
-                    batch,
-                );
-                t.started_at = (!new.is_empty()).then_some(now);
-                if !new.is_empty() {
-                    t.first_placed_at.get_or_insert(now);
-                }
-                t.placement = new;
+                let before = t.placement.len();
+                t.place(app, new, batch, before, &layout, cfg.restart_delay_s, now);
             } else if batch.is_some() && batch != Some((t.job.atomic_bsz(), t.job.accum_steps())) {
                 t.job.set_batch(app, batch);
             }
@@ -865,25 +922,7 @@ pub fn simulate(
     let finished = jobs.iter().all(|t| t.job.completed_at.is_some());
     Ok(SimResult {
         policy: policy.name().to_string(),
-        jobs: jobs
-            .into_iter()
-            .map(|t| JobOutcome {
-                name: t.job.name.clone(),
-                application: t.job.app.clone(),
-                submitted_at: t.job.submitted_at,
-                completed_at: t.job.completed_at,
-                restarts: t.job.restarts,
-                low_gain_restarts: t.low_gain_restarts,
-                time_to_90: t.time_to_90,
-                time_to_95: t.time_to_95,
-                queue: t.queue,
-                priority: t.priority,
-                first_placed_at: t.first_placed_at,
-                preemptions: t.preemptions,
-                gpu_seconds_by_type: t.gpu_seconds_by_type,
-                gpu_seconds: t.job.attained_gpu_seconds,
-            })
-            .collect(),
+        jobs: jobs.into_iter().map(Tracked::outcome).collect(),
         intervals,
         finished,
         wall_s: wall.elapsed().as_secs_f64(),
@@ -891,6 +930,63 @@ pub fn simulate(
         decisions,
         preemptions,
     })
+}
+
+/// Advances every placed job by one scheduling interval from `now` (Pollux's interference
+/// rule: a multi-node job slows down when one of its nodes hosts another multi-node job),
+/// adding the slowdowns the agents' step times would show to `contention_seen`.
+pub(crate) fn advance(
+    jobs: &mut [Tracked],
+    apps: &BTreeMap<String, Application>,
+    cfg: &SimConfig,
+    now: f64,
+    contention_seen: &mut ContentionSamples,
+) {
+    let mut multi_node_jobs_per_node: BTreeMap<&HostId, u32> = BTreeMap::new();
+    // Completed jobs keep their last placement in `Tracked` but hold no GPUs.
+    for t in jobs.iter().filter(|t| t.job.completed_at.is_none()) {
+        let nodes = nodes_of(&t.placement);
+        if nodes.len() > 1 {
+            for n in nodes {
+                *multi_node_jobs_per_node.entry(n).or_default() += 1;
+            }
+        }
+    }
+    let mut interference = vec![0.0; jobs.len()];
+    for (i, t) in jobs.iter().enumerate() {
+        let nodes = nodes_of(&t.placement);
+        let sharing = nodes
+            .iter()
+            .map(|n| multi_node_jobs_per_node.get(n).copied().unwrap_or(0))
+            .max()
+            .unwrap_or(0);
+        if nodes.len() > 1 && sharing > 1 {
+            interference[i] = cfg.interference;
+            // What the agents would measure: this job's steps are slower by
+            // 1/(1 − f) − 1 while `sharing` multi-node jobs share one of its NICs.
+            // A shadow job's step does not slow (its sync rounds do): no sample.
+            if cfg.interference > 0.0 && t.job.completed_at.is_none() && t.job.shadow.is_none() {
+                let slowdown = 1.0 / (1.0 - cfg.interference) - 1.0;
+                contention_seen.add(slowdown, sharing);
+            }
+        }
+    }
+    for (t, f) in jobs.iter_mut().zip(&interference) {
+        if t.job.submitted_at > now || t.job.completed_at.is_some() {
+            continue;
+        }
+        let app = &apps[&t.job.app];
+        let held_before = t.job.attained_gpu_seconds;
+        t.samples += t.job.step(app, now, cfg.scheduling_interval_s, *f);
+        let held = t.job.attained_gpu_seconds - held_before;
+        let gpus: u32 = t.gpus_by_type.iter().map(|(_, g)| g).sum();
+        if held > 0.0 && gpus > 0 {
+            for (gpu_type, g) in &t.gpus_by_type {
+                *t.gpu_seconds_by_type.entry(gpu_type.clone()).or_default() +=
+                    held * f64::from(*g) / f64::from(gpus);
+            }
+        }
+    }
 }
 
 /// What an agent observes of a placed job's step: workers, nodes spanned, the per-worker
@@ -927,10 +1023,19 @@ fn observe_step(job: &SimJob, app: &Application) -> Option<StepObservation> {
 /// size, from the statistical progress of the measured runs). The simulator's stand-in for
 /// a job spec's epoch budget and a trainer's dataset size.
 fn declared_samples_left(job: &SimJob, app: &Application) -> f64 {
-    let epochs = f64::from(app.completion_epoch(job.target_batch_size) + 1);
     let done = f64::from(job.epoch) + epoch_fraction(job, app);
-    let epoch_samples = app.progress(1) * f64::from(app.init_batch_size);
-    ((epochs - done).max(0.0)) * epoch_samples
+    (declared_samples_total(job, app) - done * epoch_samples(app)).max(0.0)
+}
+
+/// Samples of one epoch at the application's initial batch size.
+fn epoch_samples(app: &Application) -> f64 {
+    app.progress(1) * f64::from(app.init_batch_size)
+}
+
+/// The work a job declares (a spec's `work_samples`): its epochs to its completion epoch
+/// at its submitted batch size, each of [`epoch_samples`].
+pub(crate) fn declared_samples_total(job: &SimJob, app: &Application) -> f64 {
+    f64::from(app.completion_epoch(job.target_batch_size) + 1) * epoch_samples(app)
 }
 
 /// Fraction of the current epoch done, from statistical progress.

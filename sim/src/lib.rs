@@ -22,3 +22,4 @@ pub mod queues_bench;
 pub mod report;
 pub mod summary;
 pub mod workload;
+pub mod world;
