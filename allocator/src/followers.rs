@@ -45,35 +45,33 @@ pub(crate) fn follow_buckets(
     tx: &mpsc::Sender<Input>,
     rejects: &Arc<Rejects>,
 ) {
-    let r = rejects;
-    let status = KvDecoder::named(r.clone(), |s: &JobStatus| &s.job);
     tasks.spawn(follow_kv_typed(
         bus.jobs.clone(),
-        jobs(r),
+        jobs(rejects),
         tx.clone(),
         Input::Spec,
     ));
     tasks.spawn(follow_kv_typed(
         bus.hosts.clone(),
-        hosts(r),
+        hosts(rejects),
         tx.clone(),
         Input::Host,
     ));
     tasks.spawn(follow_kv_typed(
         bus.status.clone(),
-        status,
+        KvDecoder::named(rejects.clone(), |s: &JobStatus| &s.job),
         tx.clone(),
         |c| Input::Status(Box::new(c)),
     ));
     tasks.spawn(follow_kv_typed(
         queues.queues.clone(),
-        KvDecoder::named(r.clone(), |q: &QueueSpec| &q.name),
+        KvDecoder::named(rejects.clone(), |q: &QueueSpec| &q.name),
         tx.clone(),
         Input::Queue,
     ));
     tasks.spawn(follow_kv_typed(
         queues.status.clone(),
-        KvDecoder::named(r.clone(), |s: &QueueStatus| &s.queue),
+        KvDecoder::named(rejects.clone(), |s: &QueueStatus| &s.queue),
         tx.clone(),
         |c| Input::QueueStatus(Box::new(c)),
     ));
