@@ -119,3 +119,104 @@ const CLOCK_SKEW_WARNING_S: f64 = 5.0;
 fn received_at(entry: &kv::Entry) -> f64 {
     entry.created.unix_timestamp_nanos() as f64 / 1e9
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_common::encode;
+
+    fn entry(bucket: &str, key: &str, value: &[u8], created_s: i64) -> kv::Entry {
+        kv::Entry {
+            bucket: bucket.into(),
+            key: key.into(),
+            value: value.to_vec().into(),
+            revision: 1,
+            delta: 0,
+            created: time::OffsetDateTime::from_unix_timestamp(created_s).unwrap(),
+            operation: kv::Operation::Put,
+            seen_current: false,
+        }
+    }
+
+    fn heartbeat(host: &str, time: f64) -> HostTelemetry {
+        serde_json::from_value(serde_json::json!({
+            "protocol": 1, "host": host, "addr": "127.0.0.1", "time": time,
+            "agent_version": "t", "gpu_source": "fake", "gpus": [], "nics": [],
+            "cpu_pct": 0.0, "memory_used_bytes": 0, "memory_total_bytes": 0,
+            "workers": [], "malformed_progress_lines": 0
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_spec_must_carry_its_key_and_an_undecodable_one_is_counted() {
+        let rejects = Arc::new(Rejects::default());
+        let d = jobs(&rejects);
+        let spec = JobSpec::from_toml("id = \"a\"\ncommand = [\"true\"]\n").unwrap();
+        let a: JobId = "a".parse().unwrap();
+        let put = |key: &str, value: &[u8]| d.decode(&entry("converge-jobs", key, value, 9));
+        assert_eq!(
+            put("a", &encode(&spec)),
+            KvChange::Put(a.clone(), spec.clone())
+        );
+        assert_eq!(
+            put("b", &encode(&spec)),
+            KvChange::Refused {
+                key: "b".parse().unwrap(),
+                reason: "spec id a differs from its key b".into()
+            }
+        );
+        assert_eq!(
+            rejects.total(),
+            0,
+            "a spec under another key is refused, not counted"
+        );
+        assert!(matches!(put("a", b"{"), KvChange::Refused { key, .. } if key == a));
+        assert_eq!(
+            rejects.snapshot().into_keys().collect::<Vec<_>>(),
+            [("kv:converge-jobs".to_string(), "malformed")]
+        );
+    }
+
+    #[test]
+    fn a_heartbeat_takes_the_servers_time_and_must_name_its_host() {
+        let rejects = Arc::new(Rejects::default());
+        let d = hosts(&rejects);
+        let h1: HostId = "h1".parse().unwrap();
+        // An agent's clock an hour ahead: its heartbeat counts from when it was stored.
+        let stored = entry(
+            "converge-hosts",
+            "h1",
+            &encode(&heartbeat("h1", 4_600.0)),
+            1_000,
+        );
+        assert_eq!(
+            d.decode(&stored),
+            KvChange::Put(h1.clone(), heartbeat("h1", 1_000.0))
+        );
+        let other = entry(
+            "converge-hosts",
+            "h1",
+            &encode(&heartbeat("h2", 1.0)),
+            1_000,
+        );
+        assert!(matches!(d.decode(&other), KvChange::Refused { key, .. } if key == h1));
+        assert_eq!(rejects.total(), 0);
+    }
+
+    #[test]
+    fn statuses_and_queues_must_name_their_key() {
+        let rejects = Arc::new(Rejects::default());
+        let d = KvDecoder::named(rejects.clone(), |s: &JobStatus| &s.job);
+        let s = JobStatus::pending("a".parse().unwrap(), 1.0, 1.0);
+        let at = |key: &str| d.decode(&entry("converge-job-status", key, &encode(&s), 1));
+        assert!(matches!(at("a"), KvChange::Put(..)));
+        assert!(matches!(at("b"), KvChange::Refused { .. }));
+        let d = KvDecoder::named(rejects.clone(), |q: &QueueSpec| &q.name);
+        let q = QueueSpec::implicit_default();
+        let at = |key: &str| d.decode(&entry("converge-queues", key, &encode(&q), 1));
+        assert!(matches!(at("default"), KvChange::Put(..)));
+        assert!(matches!(at("team-a"), KvChange::Refused { .. }));
+        assert_eq!(rejects.total(), 0);
+    }
+}

@@ -506,6 +506,50 @@ mod tests {
     }
 
     #[test]
+    fn a_refused_spec_refuses_the_job_and_other_refusals_change_nothing() {
+        let mut view = View::default();
+        let (mut policy, mut lifecycle) = (false, false);
+        let a: JobId = "a".parse().unwrap();
+        let refused = KvChange::Refused {
+            key: a.clone(),
+            reason: "spec id b differs from its key a".into(),
+        };
+        apply(
+            &mut view,
+            Input::Spec(refused),
+            &mut policy,
+            &mut lifecycle,
+            true,
+        );
+        assert_eq!(view.refused[&a], "spec id b differs from its key a");
+        assert!(lifecycle && !policy);
+        let (mut policy, mut lifecycle) = (false, false);
+        fn bad_key<K, V>() -> KvChange<K, V> {
+            KvChange::BadKey {
+                key: "x.y".into(),
+                reason: "bad".into(),
+            }
+        }
+        let host_refused = KvChange::Refused {
+            key: "h1".parse().unwrap(),
+            reason: "heartbeat of h2 stored under h1".into(),
+        };
+        for input in [
+            Input::Host(host_refused),
+            Input::Host(bad_key()),
+            Input::Spec(bad_key()),
+            Input::Status(Box::new(bad_key())),
+            Input::Queue(bad_key()),
+            Input::QueueStatus(Box::new(KvChange::CaughtUp)),
+        ] {
+            apply(&mut view, input, &mut policy, &mut lifecycle, true);
+        }
+        assert!(!policy && !lifecycle);
+        assert!(view.hosts.is_empty() && view.queues.is_empty() && view.specs.is_empty());
+        assert_eq!(view.refused.len(), 1);
+    }
+
+    #[test]
     fn a_forged_report_is_counted_and_leaves_history_and_fit_unchanged() {
         let mut view = View::default();
         let mut placed = status("j", JobPhase::Running, None);
