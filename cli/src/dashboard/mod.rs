@@ -551,6 +551,47 @@ mod tests {
     }
 
     #[test]
+    fn kv_changes_keep_the_model_and_refusals_are_counted() {
+        let mut m = Model::default();
+        let q = QueueSpec::implicit_default();
+        let name = q.name.clone();
+        apply(
+            &mut m,
+            Input::Queue(Box::new(KvChange::Put(name.clone(), q.clone()))),
+        );
+        // A refused value is counted and leaves the last readable one; a bad key is not
+        // counted here (its follower's `Rejects` counts it).
+        let refused = KvChange::Refused {
+            key: name.clone(),
+            reason: "x".into(),
+        };
+        apply(&mut m, Input::Queue(Box::new(refused)));
+        let bad_key = KvChange::BadKey {
+            key: "x.y".into(),
+            reason: "x".into(),
+        };
+        apply(&mut m, Input::Queue(Box::new(bad_key)));
+        assert_eq!((m.refused, m.queues.get(&name)), (1, Some(&q)));
+        // A deleted status takes its job's points along.
+        apply(&mut m, report("gone", 1.0));
+        let gone: JobId = "gone".parse().unwrap();
+        apply(
+            &mut m,
+            Input::Status(Box::new(KvChange::Deleted(gone.clone()))),
+        );
+        assert!(!m.points.contains_key(&gone));
+        // Caught up once each of the five buckets is.
+        assert!(!kv_caught_up(&m));
+        apply(&mut m, Input::Spec(Box::new(KvChange::CaughtUp)));
+        apply(&mut m, Input::Status(Box::new(KvChange::CaughtUp)));
+        apply(&mut m, Input::Host(Box::new(KvChange::CaughtUp)));
+        apply(&mut m, Input::Queue(Box::new(KvChange::CaughtUp)));
+        assert!(!kv_caught_up(&m));
+        apply(&mut m, Input::QueueStatus(Box::new(KvChange::CaughtUp)));
+        assert!(kv_caught_up(&m));
+    }
+
+    #[test]
     fn a_loopback_dashboard_answers_only_to_loopback_names() {
         let ok = |h: &str| loopback_host(Some(&header::HeaderValue::from_str(h).unwrap()));
         for host in [
