@@ -13,7 +13,7 @@ pub mod strays;
 pub mod supervisor;
 
 use anyhow::Context as _;
-use converge_bus::{Bus, NatsArgs, Rejects, humantime_duration, unix_now};
+use converge_bus::{Bus, KvChange, KvDecoder, NatsArgs, Rejects, humantime_duration, unix_now};
 use converge_common::{
     Event, EventKind, HostId, HostPlan, HostTelemetry, PROTOCOL_VERSION, ProgressReport,
     WorkerAssignment, subjects,
@@ -636,17 +636,13 @@ async fn watch_plan(
     rejects: Arc<Rejects>,
     shutdown: CancellationToken,
 ) {
-    let source = format!("kv:{}", subjects::BUCKET_PLANS);
-    let apply = |bytes: Option<&[u8]>| -> Option<Vec<WorkerAssignment>> {
-        let Some(bytes) = bytes else {
-            return Some(Vec::new());
-        };
-        let plan: HostPlan = rejects.decode(&source, host.as_str(), bytes)?;
-        if plan.host != host {
-            tracing::warn!(plan_host = %plan.host, "plan stored under this host names another host; ignored");
-            return None;
-        }
-        Some(plan.workers)
+    // A plan naming another host than its key is refused (logged) and ignored; an
+    // undecodable one is counted in `rejects` and ignored; a deleted key is no workers.
+    let decoder = KvDecoder::named(rejects, |p: &HostPlan| &p.host);
+    let apply = |entry: &async_nats::jetstream::kv::Entry| match decoder.decode(entry) {
+        KvChange::Put(_, plan) => Some(plan.workers),
+        KvChange::Deleted(_) => Some(Vec::new()),
+        _ => None,
     };
     let send = |plan: Vec<WorkerAssignment>| {
         tx.send_if_modified(|cur| {
@@ -680,19 +676,16 @@ async fn watch_plan(
                 _ = shutdown.cancelled() => return,
                 entry = watch.next() => match entry {
                     Some(Ok(entry)) => {
-                        let value = (entry.operation == async_nats::jetstream::kv::Operation::Put)
-                            .then_some(&entry.value[..]);
-                        if let Some(plan) = apply(value) { send(plan); }
+                        if let Some(plan) = apply(&entry) { send(plan); }
                     }
                     Some(Err(e)) => { tracing::warn!("plan watch error: {e}"); break; }
                     None => { tracing::warn!("plan watch ended; re-creating"); break; }
                 },
                 _ = resync.tick() => {
                     if let Ok(entry) = bus.plans.entry(host.as_str()).await {
-                        let value = entry.as_ref()
-                            .filter(|e| e.operation == async_nats::jetstream::kv::Operation::Put)
-                            .map(|e| &e.value[..]);
-                        if let Some(plan) = apply(value) { send(plan); }
+                        // A key never written: no workers.
+                        let plan = entry.as_ref().map_or(Some(Vec::new()), apply);
+                        if let Some(plan) = plan { send(plan); }
                     }
                 }
             }

@@ -1,99 +1,114 @@
-//! The KV watchers: each follows one bucket (job specs, heartbeats, job statuses, queues,
-//! queue statuses) and sends what changes to the main loop as an [`Input`].
+//! The KV followers: each follows one bucket (job specs, heartbeats, job statuses, queues,
+//! queue statuses) with [`converge_bus::follow_kv_typed`] and sends its typed changes to
+//! the main loop as an [`Input`]. The decoders here hold the allocator's rules of each
+//! bucket: a value must name the key it is stored under, and a heartbeat's time is the
+//! server's.
 
 use crate::progress::Progress;
 use async_nats::jetstream::kv;
-use converge_bus::Rejects;
+use converge_bus::{Bus, KvChange, KvDecoder, QueueBuckets, Rejects, follow_kv_typed};
 use converge_common::{
     HostId, HostTelemetry, JobId, JobSpec, JobStatus, QueueId, QueueSpec, QueueStatus,
-    codec::decode, subjects,
 };
 use std::sync::Arc;
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 
-/// An update for the main loop, from the KV watchers (here) and the progress follower
-/// ([`crate::progress`]).
+/// An update for the main loop, from the KV followers (here) and the progress follower
+/// ([`crate::progress`]). A KV change that is no put or delete (a bad key, a refused value
+/// other than a spec's, the end of the values at start) changes nothing.
 pub(crate) enum Input {
-    Spec(JobId, Result<JobSpec, String>),
-    SpecDeleted(JobId),
-    Host(HostTelemetry),
-    HostDeleted(HostId),
+    /// A job spec; `Refused` (undecodable, or its id not its key) makes the job refused.
+    Spec(KvChange<JobId, JobSpec>),
+    /// A heartbeat, its `time` the server's ([`hosts`]).
+    Host(KvChange<HostId, HostTelemetry>),
     /// A job status as stored (by this replica or another): where each generation runs.
-    Status(Box<JobStatus>),
-    StatusDeleted(JobId),
+    Status(Box<KvChange<JobId, JobStatus>>),
     Progress(Box<Progress>),
     /// A message of the progress stream that is no report (refused and counted by the
     /// follower as it read it): its sequence, for the leader to delete.
     Undecodable(u64),
     ProgressCaughtUp,
-    Queue(QueueSpec),
-    QueueDeleted(QueueId),
+    Queue(KvChange<QueueId, QueueSpec>),
     /// A queue status as stored (by this replica or another): the usage to continue from.
-    QueueStatus(Box<QueueStatus>),
-    QueueStatusDeleted(QueueId),
+    QueueStatus(Box<KvChange<QueueId, QueueStatus>>),
 }
 
-/// Follows KV `converge-jobs`: current values first, then updates.
-pub(crate) async fn watch_jobs(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
-    let source = format!("kv:{}", subjects::BUCKET_JOBS);
-    converge_bus::follow_kv(
-        store,
-        tx,
-        |entry| {
-            let Ok(id) = JobId::new(entry.key.clone()) else {
-                tracing::warn!(key = %entry.key, "job key is not a valid job id; ignored");
-                return None;
-            };
-            if entry.operation != kv::Operation::Put {
-                return Some(Input::SpecDeleted(id));
-            }
-            let spec = match decode::<JobSpec>(&entry.value) {
-                Ok(spec) if spec.id == id => Ok(spec),
-                Ok(spec) => Err(format!("spec id {} differs from its key {id}", spec.id)),
-                Err(e) => {
-                    rejects.record(&source, id.as_str(), &e);
-                    Err(e.to_string())
-                }
-            };
-            Some(Input::Spec(id, spec))
-        },
-        || None,
-    )
-    .await
+/// Follows the five buckets, current values first, then updates, each into `tx`. Statuses
+/// are followed whoever wrote them (the leader's own writes come back too and change
+/// nothing): followers learn new generations' placements from them (the leader also from
+/// its own steps), that is who may report progress.
+pub(crate) fn follow_buckets(
+    tasks: &mut JoinSet<()>,
+    bus: &Bus,
+    queues: &QueueBuckets,
+    tx: &mpsc::Sender<Input>,
+    rejects: &Arc<Rejects>,
+) {
+    tasks.spawn(follow_kv_typed(
+        bus.jobs.clone(),
+        jobs(rejects),
+        tx.clone(),
+        Input::Spec,
+    ));
+    tasks.spawn(follow_kv_typed(
+        bus.hosts.clone(),
+        hosts(rejects),
+        tx.clone(),
+        Input::Host,
+    ));
+    tasks.spawn(follow_kv_typed(
+        bus.status.clone(),
+        KvDecoder::named(rejects.clone(), |s: &JobStatus| &s.job),
+        tx.clone(),
+        |c| Input::Status(Box::new(c)),
+    ));
+    tasks.spawn(follow_kv_typed(
+        queues.queues.clone(),
+        KvDecoder::named(rejects.clone(), |q: &QueueSpec| &q.name),
+        tx.clone(),
+        Input::Queue,
+    ));
+    tasks.spawn(follow_kv_typed(
+        queues.status.clone(),
+        KvDecoder::named(rejects.clone(), |s: &QueueStatus| &s.queue),
+        tx.clone(),
+        |c| Input::QueueStatus(Box::new(c)),
+    ));
 }
 
-/// Follows KV `converge-hosts` (heartbeats). A heartbeat's `time` becomes the time the
-/// NATS server stored it ([`received_at`]): liveness is judged by when the heartbeat
-/// arrived, never by the agent's clock (a clock behind by more than the host timeout would
-/// mark an honest host lost, one ahead would keep a dead host live).
-pub(crate) async fn watch_hosts(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
-    let source = format!("kv:{}", subjects::BUCKET_HOSTS);
-    converge_bus::follow_kv(
-        store,
-        tx,
-        |entry| {
-            let id = HostId::new(entry.key.clone()).ok()?;
-            if entry.operation != kv::Operation::Put {
-                return Some(Input::HostDeleted(id));
-            }
-            let mut t: HostTelemetry = rejects.decode(&source, id.as_str(), &entry.value)?;
-            if t.host != id {
-                return None;
-            }
-            let sent = t.time;
-            t.time = received_at(&entry);
-            if (t.time - sent).abs() > CLOCK_SKEW_WARNING_S {
-                tracing::debug!(
-                    host = %id,
-                    skew_s = sent - t.time,
-                    "heartbeat time differs from its arrival; liveness follows the arrival"
-                );
-            }
-            Some(Input::Host(t))
-        },
-        || None,
-    )
-    .await
+/// KV `converge-jobs`: a spec whose id is not its key is refused, with the reason.
+fn jobs(rejects: &Arc<Rejects>) -> KvDecoder<JobId, JobSpec> {
+    KvDecoder::new(rejects.clone()).with_check(|id, spec: JobSpec, _| {
+        if spec.id == *id {
+            Ok(spec)
+        } else {
+            Err(format!("spec id {} differs from its key {id}", spec.id))
+        }
+    })
+}
+
+/// KV `converge-hosts` (heartbeats): a heartbeat naming another host than its key is
+/// refused (and ignored). A heartbeat's `time` becomes the time the NATS server stored it
+/// ([`received_at`]): liveness is judged by when the heartbeat arrived, never by the
+/// agent's clock (a clock behind by more than the host timeout would mark an honest host
+/// lost, one ahead would keep a dead host live).
+fn hosts(rejects: &Arc<Rejects>) -> KvDecoder<HostId, HostTelemetry> {
+    KvDecoder::new(rejects.clone()).with_check(|id, mut t: HostTelemetry, entry| {
+        if t.host != *id {
+            return Err(format!("heartbeat of {} stored under {id}", t.host));
+        }
+        let sent = t.time;
+        t.time = received_at(entry);
+        if (t.time - sent).abs() > CLOCK_SKEW_WARNING_S {
+            tracing::debug!(
+                host = %id,
+                skew_s = sent - t.time,
+                "heartbeat time differs from its arrival; liveness follows the arrival"
+            );
+        }
+        Ok(t)
+    })
 }
 
 /// Skew between an agent's clock and the NATS server's worth a debug line.
@@ -105,68 +120,103 @@ fn received_at(entry: &kv::Entry) -> f64 {
     entry.created.unix_timestamp_nanos() as f64 / 1e9
 }
 
-/// Follows KV `converge-job-status`: the placements of every job's generations, whoever
-/// wrote them (the leader's own writes come back too and change nothing).
-pub(crate) async fn watch_statuses(
-    store: kv::Store,
-    tx: mpsc::Sender<Input>,
-    rejects: Arc<Rejects>,
-) {
-    let source = format!("kv:{}", subjects::BUCKET_JOB_STATUS);
-    converge_bus::follow_kv(
-        store,
-        tx,
-        |entry| {
-            let id = JobId::new(entry.key.clone()).ok()?;
-            if entry.operation != kv::Operation::Put {
-                return Some(Input::StatusDeleted(id));
-            }
-            let s: JobStatus = rejects.decode(&source, id.as_str(), &entry.value)?;
-            (s.job == id).then(|| Input::Status(Box::new(s)))
-        },
-        || None,
-    )
-    .await
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_common::encode;
 
-/// Follows KV `converge-queues`: current values first, then updates.
-pub(crate) async fn watch_queues(store: kv::Store, tx: mpsc::Sender<Input>, rejects: Arc<Rejects>) {
-    let source = format!("kv:{}", subjects::BUCKET_QUEUES);
-    converge_bus::follow_kv(
-        store,
-        tx,
-        |entry| {
-            let name = QueueId::new(entry.key.clone()).ok()?;
-            if entry.operation != kv::Operation::Put {
-                return Some(Input::QueueDeleted(name));
-            }
-            let spec: QueueSpec = rejects.decode(&source, name.as_str(), &entry.value)?;
-            (spec.name == name).then_some(Input::Queue(spec))
-        },
-        || None,
-    )
-    .await
-}
+    fn entry(bucket: &str, key: &str, value: &[u8], created_s: i64) -> kv::Entry {
+        kv::Entry {
+            bucket: bucket.into(),
+            key: key.into(),
+            value: value.to_vec().into(),
+            revision: 1,
+            delta: 0,
+            created: time::OffsetDateTime::from_unix_timestamp(created_s).unwrap(),
+            operation: kv::Operation::Put,
+            seen_current: false,
+        }
+    }
 
-/// Follows KV `converge-queue-status` (the leader's own writes come back and change nothing).
-pub(crate) async fn watch_queue_statuses(
-    store: kv::Store,
-    tx: mpsc::Sender<Input>,
-    rejects: Arc<Rejects>,
-) {
-    let source = format!("kv:{}", subjects::BUCKET_QUEUE_STATUS);
-    converge_bus::follow_kv(
-        store,
-        tx,
-        |entry| {
-            let name = QueueId::new(entry.key.clone()).ok()?;
-            if entry.operation != kv::Operation::Put {
-                return Some(Input::QueueStatusDeleted(name));
+    fn heartbeat(host: &str, time: f64) -> HostTelemetry {
+        serde_json::from_value(serde_json::json!({
+            "protocol": 1, "host": host, "addr": "127.0.0.1", "time": time,
+            "agent_version": "t", "gpu_source": "fake", "gpus": [], "nics": [],
+            "cpu_pct": 0.0, "memory_used_bytes": 0, "memory_total_bytes": 0,
+            "workers": [], "malformed_progress_lines": 0
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_spec_must_carry_its_key_and_an_undecodable_one_is_counted() {
+        let rejects = Arc::new(Rejects::default());
+        let d = jobs(&rejects);
+        let spec = JobSpec::from_toml("id = \"a\"\ncommand = [\"true\"]\n").unwrap();
+        let a: JobId = "a".parse().unwrap();
+        let put = |key: &str, value: &[u8]| d.decode(&entry("converge-jobs", key, value, 9));
+        assert_eq!(
+            put("a", &encode(&spec)),
+            KvChange::Put(a.clone(), spec.clone())
+        );
+        assert_eq!(
+            put("b", &encode(&spec)),
+            KvChange::Refused {
+                key: "b".parse().unwrap(),
+                reason: "spec id a differs from its key b".into()
             }
-            let s: QueueStatus = rejects.decode(&source, name.as_str(), &entry.value)?;
-            (s.queue == name).then(|| Input::QueueStatus(Box::new(s)))
-        },
-        || None,
-    )
-    .await
+        );
+        assert_eq!(
+            rejects.total(),
+            0,
+            "a spec under another key is refused, not counted"
+        );
+        assert!(matches!(put("a", b"{"), KvChange::Refused { key, .. } if key == a));
+        assert_eq!(
+            rejects.snapshot().into_keys().collect::<Vec<_>>(),
+            [("kv:converge-jobs".to_string(), "malformed")]
+        );
+    }
+
+    #[test]
+    fn a_heartbeat_takes_the_servers_time_and_must_name_its_host() {
+        let rejects = Arc::new(Rejects::default());
+        let d = hosts(&rejects);
+        let h1: HostId = "h1".parse().unwrap();
+        // An agent's clock an hour ahead: its heartbeat counts from when it was stored.
+        let stored = entry(
+            "converge-hosts",
+            "h1",
+            &encode(&heartbeat("h1", 4_600.0)),
+            1_000,
+        );
+        assert_eq!(
+            d.decode(&stored),
+            KvChange::Put(h1.clone(), heartbeat("h1", 1_000.0))
+        );
+        let other = entry(
+            "converge-hosts",
+            "h1",
+            &encode(&heartbeat("h2", 1.0)),
+            1_000,
+        );
+        assert!(matches!(d.decode(&other), KvChange::Refused { key, .. } if key == h1));
+        assert_eq!(rejects.total(), 0);
+    }
+
+    #[test]
+    fn statuses_and_queues_must_name_their_key() {
+        let rejects = Arc::new(Rejects::default());
+        let d = KvDecoder::named(rejects.clone(), |s: &JobStatus| &s.job);
+        let s = JobStatus::pending("a".parse().unwrap(), 1.0, 1.0);
+        let at = |key: &str| d.decode(&entry("converge-job-status", key, &encode(&s), 1));
+        assert!(matches!(at("a"), KvChange::Put(..)));
+        assert!(matches!(at("b"), KvChange::Refused { .. }));
+        let d = KvDecoder::named(rejects.clone(), |q: &QueueSpec| &q.name);
+        let q = QueueSpec::implicit_default();
+        let at = |key: &str| d.decode(&entry("converge-queues", key, &encode(&q), 1));
+        assert!(matches!(at("default"), KvChange::Put(..)));
+        assert!(matches!(at("team-a"), KvChange::Refused { .. }));
+        assert_eq!(rejects.total(), 0);
+    }
 }

@@ -3,9 +3,7 @@
 //! follows updates, runs a step on every trigger and writes only the statuses and plans
 //! that changed. It keeps no local state: kill it at any time and start it anywhere.
 
-use crate::followers::{
-    Input, watch_hosts, watch_jobs, watch_queue_statuses, watch_queues, watch_statuses,
-};
+use crate::followers::{Input, follow_buckets};
 use crate::progress::{Progress, delete_refused, follow_progress, queue_deletion};
 use crate::reporters::Reporters;
 use crate::service_metrics::{
@@ -15,7 +13,7 @@ use crate::writes::{
     publish_event, reload_queue_statuses, reload_written, write_changes, write_queue_statuses,
     write_unissued_generations,
 };
-use converge_bus::{Bus, Rejects, unix_now};
+use converge_bus::{Bus, KvChange, Rejects, unix_now};
 use converge_common::{
     EventKind, HostId, HostPlan, HostTelemetry, JobId, JobSpec, JobStatus, QueueId, QueueSpec,
     QueueStatus,
@@ -142,33 +140,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     let (ctl_tx, mut ctl_rx) = mpsc::channel::<Input>(16_384);
     let (tx, mut rx) = mpsc::channel::<Input>(65_536);
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(watch_jobs(
-        bus.jobs.clone(),
-        ctl_tx.clone(),
-        rejects.clone(),
-    ));
-    tasks.spawn(watch_hosts(
-        bus.hosts.clone(),
-        ctl_tx.clone(),
-        rejects.clone(),
-    ));
-    // Followers learn new generations' placements from here (the leader also from its own
-    // steps): who may report progress.
-    tasks.spawn(watch_statuses(
-        bus.status.clone(),
-        ctl_tx.clone(),
-        rejects.clone(),
-    ));
-    tasks.spawn(watch_queues(
-        queue_buckets.queues.clone(),
-        ctl_tx.clone(),
-        rejects.clone(),
-    ));
-    tasks.spawn(watch_queue_statuses(
-        queue_buckets.status.clone(),
-        ctl_tx.clone(),
-        rejects.clone(),
-    ));
+    follow_buckets(&mut tasks, &bus, &queue_buckets, &ctl_tx, &rejects);
     // Reports the leader refused for good are deleted from the stream (bounded queue; a
     // report not deleted is refused again when read again).
     let (refused_tx, refused_rx) = mpsc::channel::<u64>(1_024);
@@ -403,33 +375,36 @@ fn apply(
     caught_up: bool,
 ) {
     match input {
-        Input::Spec(id, Ok(spec)) => {
+        Input::Spec(KvChange::Put(id, spec)) => {
             if view.specs.get(&id) != Some(&spec) {
                 *policy_due = true;
             }
             view.refused.remove(&id);
             view.specs.insert(id, spec);
         }
-        Input::Spec(id, Err(reason)) => {
+        Input::Spec(KvChange::Refused { key: id, reason }) => {
             view.specs.remove(&id);
             view.refused.insert(id, reason);
             *lifecycle_due = true;
         }
-        Input::SpecDeleted(id) => {
+        Input::Spec(KvChange::Deleted(id)) => {
             view.specs.remove(&id);
             view.refused.remove(&id);
             *policy_due = true;
         }
-        Input::Host(t) => {
+        Input::Host(KvChange::Put(_, t)) => {
             view.hosts.insert(t.host.clone(), t);
             *lifecycle_due = true;
         }
-        Input::HostDeleted(h) => {
+        Input::Host(KvChange::Deleted(h)) => {
             view.hosts.remove(&h);
             *policy_due = true;
         }
-        Input::Status(status) => view.reporters.note(&status),
-        Input::StatusDeleted(job) => view.reporters.forget(&job),
+        Input::Status(change) => match *change {
+            KvChange::Put(_, status) => view.reporters.note(&status),
+            KvChange::Deleted(job) => view.reporters.forget(&job),
+            _ => {}
+        },
         Input::Progress(p) => {
             metrics::counter!("converge_allocator_progress_reports_total").increment(1);
             if caught_up && let Some(at) = p.stored_at {
@@ -441,24 +416,30 @@ fn apply(
             view.shadow.note(r);
             *lifecycle_due = true;
         }
-        Input::ProgressCaughtUp | Input::Undecodable(_) => {}
-        Input::Queue(spec) => {
+        Input::Queue(KvChange::Put(_, spec)) => {
             if view.queues.get(&spec.name) != Some(&spec) {
                 *policy_due = true;
             }
             view.queues.insert(spec.name.clone(), spec);
         }
-        Input::QueueDeleted(name) => {
+        Input::Queue(KvChange::Deleted(name)) => {
             if view.queues.remove(&name).is_some() {
                 *policy_due = true;
             }
         }
-        Input::QueueStatus(status) => {
-            view.queue_statuses.insert(status.queue.clone(), *status);
-        }
-        Input::QueueStatusDeleted(name) => {
-            view.queue_statuses.remove(&name);
-        }
+        Input::QueueStatus(change) => match *change {
+            KvChange::Put(_, status) => {
+                view.queue_statuses.insert(status.queue.clone(), status);
+            }
+            KvChange::Deleted(name) => {
+                view.queue_statuses.remove(&name);
+            }
+            _ => {}
+        },
+        // Bad keys and refused values (counted or logged by the decoder, and the key's last
+        // valid value kept), the end of a bucket's values at start.
+        Input::Spec(_) | Input::Host(_) | Input::Queue(_) => {}
+        Input::ProgressCaughtUp | Input::Undecodable(_) => {}
     }
 }
 
@@ -522,6 +503,50 @@ mod tests {
             stored_at: None,
             replay: false,
         })
+    }
+
+    #[test]
+    fn a_refused_spec_refuses_the_job_and_other_refusals_change_nothing() {
+        let mut view = View::default();
+        let (mut policy, mut lifecycle) = (false, false);
+        let a: JobId = "a".parse().unwrap();
+        let refused = KvChange::Refused {
+            key: a.clone(),
+            reason: "spec id b differs from its key a".into(),
+        };
+        apply(
+            &mut view,
+            Input::Spec(refused),
+            &mut policy,
+            &mut lifecycle,
+            true,
+        );
+        assert_eq!(view.refused[&a], "spec id b differs from its key a");
+        assert!(lifecycle && !policy);
+        let (mut policy, mut lifecycle) = (false, false);
+        fn bad_key<K, V>() -> KvChange<K, V> {
+            KvChange::BadKey {
+                key: "x.y".into(),
+                reason: "bad".into(),
+            }
+        }
+        let host_refused = KvChange::Refused {
+            key: "h1".parse().unwrap(),
+            reason: "heartbeat of h2 stored under h1".into(),
+        };
+        for input in [
+            Input::Host(host_refused),
+            Input::Host(bad_key()),
+            Input::Spec(bad_key()),
+            Input::Status(Box::new(bad_key())),
+            Input::Queue(bad_key()),
+            Input::QueueStatus(Box::new(KvChange::CaughtUp)),
+        ] {
+            apply(&mut view, input, &mut policy, &mut lifecycle, true);
+        }
+        assert!(!policy && !lifecycle);
+        assert!(view.hosts.is_empty() && view.queues.is_empty() && view.specs.is_empty());
+        assert_eq!(view.refused.len(), 1);
     }
 
     #[test]

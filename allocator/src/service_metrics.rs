@@ -6,13 +6,14 @@ use std::collections::BTreeMap;
 
 /// The labels of `converge_allocator_refused_messages`: why a message was refused (each
 /// exported from the start, 0 until it happens).
-pub(crate) const REFUSAL_KINDS: [&str; 6] = [
+pub(crate) const REFUSAL_KINDS: [&str; 7] = [
     "malformed",
     "wrong_version",
     "invalid",
     "too_large",
     "wrong_subject",
     "not_placed",
+    "bad_key",
 ];
 
 /// Describes the allocator's metrics (names, units, help) to the recorder.

@@ -7,7 +7,8 @@
 //!
 //! Modules, each re-exported here: `args` (the `--nats-*` flags), `error` ([`BusError`]),
 //! `connect` (connecting with retry), `setup` (creating or opening the streams), `bus` (the
-//! [`Bus`] handle), `kv` (typed KV operations), `publish`, `follow` ([`follow_kv`]),
+//! [`Bus`] handle), `kv` (typed KV operations), `publish`, `follow` ([`follow_kv`]), `typed`
+//! (a bucket followed as typed changes: [`follow_kv_typed`], [`KvDecoder`], [`KvStore`]),
 //! `direct` ([`read_after`]), `rejects` ([`Rejects`]), `process` (logging, signals, time),
 //! `denials` (permission violations), `secure` (credentials and TLS); [`metrics`] is public.
 
@@ -25,6 +26,7 @@ mod publish;
 mod rejects;
 mod secure;
 mod setup;
+mod typed;
 
 pub use args::{DEFAULT_NATS_URL, NatsArgs, humantime_duration};
 pub use async_nats;
@@ -39,3 +41,4 @@ pub use process::{init_test_tracing, init_tracing, shutdown_signal, unix_now};
 pub use rejects::Rejects;
 pub use secure::{Secret, redact_url, url_user};
 pub use setup::{Setup, kv_stream_config, progress_stream_config};
+pub use typed::{KvChange, KvDecoder, KvStore, follow_kv_typed};

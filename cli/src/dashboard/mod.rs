@@ -19,7 +19,7 @@
 pub mod view;
 
 use anyhow::Context as _;
-use async_nats::jetstream::{self, consumer::push, kv};
+use async_nats::jetstream::{self, consumer::push};
 use axum::Router;
 use axum::extract::State as AxumState;
 use axum::http::{StatusCode, header};
@@ -27,7 +27,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::get;
 use converge_bus::metrics::ServeLimits;
-use converge_bus::{Bus, unix_now};
+use converge_bus::{Bus, KvChange, KvDecoder, KvStore, Rejects, follow_kv_typed, unix_now};
 use converge_common::{
     HostId, HostTelemetry, JobId, JobSpec, JobStatus, ProgressReport, QueueId, QueueSpec,
     QueueStatus, decode, subjects,
@@ -83,22 +83,19 @@ pub struct Options {
     pub max_ended: usize,
 }
 
-/// One thing read off NATS (boxed: the messages are large).
+/// One thing read off NATS (boxed: the messages are large): a change of one of the five
+/// KV buckets, each kept in its [`KvStore`] of the model, or of the progress stream.
 enum Input {
-    Spec(JobId, Option<Box<JobSpec>>),
-    Status(JobId, Option<Box<JobStatus>>),
-    Host(HostId, Option<Box<HostTelemetry>>),
-    Queue(QueueId, Option<Box<QueueSpec>>),
-    QueueStatus(QueueId, Option<Box<QueueStatus>>),
+    Spec(Box<KvChange<JobId, JobSpec>>),
+    Status(Box<KvChange<JobId, JobStatus>>),
+    Host(Box<KvChange<HostId, HostTelemetry>>),
+    Queue(Box<KvChange<QueueId, QueueSpec>>),
+    QueueStatus(Box<KvChange<QueueId, QueueStatus>>),
     Progress(Box<ProgressReport>),
     Refused,
-    /// A source has delivered what it held at start (one per KV bucket and the stream).
-    CaughtUp,
+    /// The progress stream has delivered what it held at start.
+    ProgressCaughtUp,
 }
-
-/// Sources that must catch up before the first picture is published: five KV buckets (jobs,
-/// job statuses, hosts, queues, queue statuses) and the progress stream.
-const SOURCES: usize = 6;
 
 /// The first picture is published after this long even if a source has not caught up (a
 /// source that cannot be read is logged; the page then shows what the others hold).
@@ -123,58 +120,41 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
     let queues = crate::queues::open(bus).await?;
     let (tx, rx) = mpsc::channel::<Input>(4096);
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(follow_kv(bus.jobs.clone(), tx.clone(), |key, value| {
-        let id = JobId::new(key).ok()?;
-        Some(match value {
-            None => Input::Spec(id, None),
-            Some(v) => match decode::<JobSpec>(v) {
-                Ok(spec) if spec.id == id => Input::Spec(id, Some(Box::new(spec))),
-                _ => Input::Refused,
-            },
-        })
-    }));
-    tasks.spawn(follow_kv(bus.status.clone(), tx.clone(), |key, value| {
-        let id = JobId::new(key).ok()?;
-        Some(match value {
-            None => Input::Status(id, None),
-            Some(v) => match decode::<JobStatus>(v) {
-                Ok(s) if s.job == id => Input::Status(id, Some(Box::new(s))),
-                _ => Input::Refused,
-            },
-        })
-    }));
-    tasks.spawn(follow_kv(bus.hosts.clone(), tx.clone(), |key, value| {
-        let id = HostId::new(key).ok()?;
-        Some(match value {
-            None => Input::Host(id, None),
-            Some(v) => match decode::<HostTelemetry>(v) {
-                Ok(t) if t.host == id => Input::Host(id, Some(Box::new(t))),
-                _ => Input::Refused,
-            },
-        })
-    }));
-    // A queue stored under a key that is not its name is no queue to the allocator (it
-    // ignores it), so it is refused here too.
-    tasks.spawn(follow_kv(queues.queues, tx.clone(), |key, value| {
-        let id = QueueId::new(key).ok()?;
-        Some(match value {
-            None => Input::Queue(id, None),
-            Some(v) => match decode::<QueueSpec>(v) {
-                Ok(q) if q.name == id => Input::Queue(id, Some(Box::new(q))),
-                _ => Input::Refused,
-            },
-        })
-    }));
-    tasks.spawn(follow_kv(queues.status, tx.clone(), |key, value| {
-        let id = QueueId::new(key).ok()?;
-        Some(match value {
-            None => Input::QueueStatus(id, None),
-            Some(v) => match decode::<QueueStatus>(v) {
-                Ok(s) if s.queue == id => Input::QueueStatus(id, Some(Box::new(s))),
-                _ => Input::Refused,
-            },
-        })
-    }));
+    // A value stored under a key it does not name is no value to the allocator (it ignores
+    // it, or refuses the job), so it is refused here too. Undecodable values are counted in
+    // the dashboard's own `Rejects` as well as in the page's `refused`.
+    let rejects = Arc::new(Rejects::default());
+    let r = || rejects.clone();
+    tasks.spawn(follow_kv_typed(
+        bus.jobs.clone(),
+        KvDecoder::named(r(), |s: &JobSpec| &s.id),
+        tx.clone(),
+        |c| Input::Spec(Box::new(c)),
+    ));
+    tasks.spawn(follow_kv_typed(
+        bus.status.clone(),
+        KvDecoder::named(r(), |s: &JobStatus| &s.job),
+        tx.clone(),
+        |c| Input::Status(Box::new(c)),
+    ));
+    tasks.spawn(follow_kv_typed(
+        bus.hosts.clone(),
+        KvDecoder::named(r(), |t: &HostTelemetry| &t.host),
+        tx.clone(),
+        |c| Input::Host(Box::new(c)),
+    ));
+    tasks.spawn(follow_kv_typed(
+        queues.queues,
+        KvDecoder::named(r(), |q: &QueueSpec| &q.name),
+        tx.clone(),
+        |c| Input::Queue(Box::new(c)),
+    ));
+    tasks.spawn(follow_kv_typed(
+        queues.status,
+        KvDecoder::named(r(), |s: &QueueStatus| &s.queue),
+        tx.clone(),
+        |c| Input::QueueStatus(Box::new(c)),
+    ));
     tasks.spawn(follow_progress(bus.client.clone(), bus.js.clone(), tx));
     let (state_tx, state_rx) = watch::channel(Arc::new(String::new()));
     tasks.spawn(keep_picture(rx, state_tx, opts.clone()));
@@ -328,7 +308,7 @@ async fn keep_picture(
     let mut model = Model::default();
     let mut version = 0u64;
     let mut dirty = true;
-    let mut caught_up = 0usize;
+    let mut progress_caught_up = false;
     let started = tokio::time::Instant::now();
     let mut last_build = tokio::time::Instant::now() - REFRESH_EVERY;
     let mut tick = tokio::time::interval(REBUILD_EVERY);
@@ -336,12 +316,12 @@ async fn keep_picture(
         tokio::select! {
             input = rx.recv() => {
                 let Some(input) = input else { return };
-                caught_up += usize::from(matches!(input, Input::CaughtUp));
+                progress_caught_up |= matches!(input, Input::ProgressCaughtUp);
                 apply(&mut model, input);
                 dirty = true;
                 // Drain what is queued before building.
                 while let Ok(input) = rx.try_recv() {
-                    caught_up += usize::from(matches!(input, Input::CaughtUp));
+                    progress_caught_up |= matches!(input, Input::ProgressCaughtUp);
                     apply(&mut model, input);
                 }
             }
@@ -349,7 +329,8 @@ async fn keep_picture(
         }
         // Nothing is published before every source has delivered what it held at start:
         // until then /api/state answers 503 and the page waits.
-        if caught_up < SOURCES && started.elapsed() < FIRST_PICTURE_WITHIN {
+        if !(progress_caught_up && kv_caught_up(&model)) && started.elapsed() < FIRST_PICTURE_WITHIN
+        {
             continue;
         }
         let since = last_build.elapsed();
@@ -374,39 +355,34 @@ async fn keep_picture(
     }
 }
 
+/// Whether each of the five buckets has delivered what it held at start.
+fn kv_caught_up(m: &Model) -> bool {
+    m.specs.is_caught_up()
+        && m.statuses.is_caught_up()
+        && m.hosts.is_caught_up()
+        && m.queues.is_caught_up()
+        && m.queue_statuses.is_caught_up()
+}
+
+/// Applies a KV change to its store (a refused value counts in `refused` and leaves the
+/// key's last valid value; a bad key, counted in the follower's `Rejects`, is ignored).
+fn apply_kv<K: Ord, V>(store: &mut KvStore<K, V>, change: KvChange<K, V>, refused: &mut u64) {
+    *refused += u64::from(matches!(change, KvChange::Refused { .. }));
+    store.apply(change);
+}
+
 fn apply(model: &mut Model, input: Input) {
     match input {
-        Input::Spec(id, Some(spec)) => {
-            model.specs.insert(id, *spec);
+        Input::Spec(c) => apply_kv(&mut model.specs, *c, &mut model.refused),
+        Input::Status(c) => {
+            if let KvChange::Deleted(id) = &*c {
+                model.points.remove(id);
+            }
+            apply_kv(&mut model.statuses, *c, &mut model.refused);
         }
-        Input::Spec(id, None) => {
-            model.specs.remove(&id);
-        }
-        Input::Status(id, Some(status)) => {
-            model.statuses.insert(id, *status);
-        }
-        Input::Status(id, None) => {
-            model.statuses.remove(&id);
-            model.points.remove(&id);
-        }
-        Input::Host(id, Some(t)) => {
-            model.hosts.insert(id, *t);
-        }
-        Input::Host(id, None) => {
-            model.hosts.remove(&id);
-        }
-        Input::Queue(id, Some(q)) => {
-            model.queues.insert(id, *q);
-        }
-        Input::Queue(id, None) => {
-            model.queues.remove(&id);
-        }
-        Input::QueueStatus(id, Some(s)) => {
-            model.queue_statuses.insert(id, *s);
-        }
-        Input::QueueStatus(id, None) => {
-            model.queue_statuses.remove(&id);
-        }
+        Input::Host(c) => apply_kv(&mut model.hosts, *c, &mut model.refused),
+        Input::Queue(c) => apply_kv(&mut model.queues, *c, &mut model.refused),
+        Input::QueueStatus(c) => apply_kv(&mut model.queue_statuses, *c, &mut model.refused),
         Input::Progress(r) => {
             if !model.statuses.contains_key(&r.job) && !model.points.contains_key(&r.job) {
                 forget_unknown_beyond(model, MAX_UNKNOWN_JOBS - 1);
@@ -424,7 +400,7 @@ fn apply(model: &mut Model, input: Input) {
             }
         }
         Input::Refused => model.refused += 1,
-        Input::CaughtUp => {}
+        Input::ProgressCaughtUp => {}
     }
 }
 
@@ -445,25 +421,6 @@ fn forget_unknown_beyond(model: &mut Model, keep: usize) {
     for (_, job) in unknown.into_iter().take(extra) {
         model.points.remove(&job);
     }
-}
-
-/// Follows a KV bucket ([`converge_bus::follow_kv`]): `read(key, value)` turns an entry
-/// into an input (`value` `None` for a delete or purge); an unreadable value is logged.
-async fn follow_kv(
-    store: kv::Store,
-    tx: mpsc::Sender<Input>,
-    read: impl Fn(String, Option<&[u8]>) -> Option<Input> + Send + 'static,
-) {
-    let bucket = store.name.clone();
-    let read_entry = move |e: kv::Entry| {
-        let value = (e.operation == kv::Operation::Put).then_some(&e.value[..]);
-        let input = read(e.key.clone(), value);
-        if matches!(input, Some(Input::Refused)) {
-            tracing::warn!(%bucket, key = %e.key, "unreadable value; skipped");
-        }
-        input
-    };
-    converge_bus::follow_kv(store, tx, read_entry, || Some(Input::CaughtUp)).await;
 }
 
 /// Follows the progress stream from its start (rank 0's reports only), through an ordered
@@ -498,7 +455,7 @@ async fn follow_progress_once(
     let mut stream = js.get_stream(subjects::PROGRESS_STREAM).await?;
     if !*caught_up && stream.info().await?.state.messages == 0 {
         *caught_up = true;
-        if tx.send(Input::CaughtUp).await.is_err() {
+        if tx.send(Input::ProgressCaughtUp).await.is_err() {
             return Ok(());
         }
     }
@@ -541,7 +498,7 @@ async fn follow_progress_once(
         }
         if last_of_start {
             *caught_up = true;
-            if tx.send(Input::CaughtUp).await.is_err() {
+            if tx.send(Input::ProgressCaughtUp).await.is_err() {
                 return Ok(());
             }
         }
@@ -573,7 +530,7 @@ mod tests {
         .unwrap();
         apply(
             &mut m,
-            Input::Status(status.job.clone(), Some(Box::new(status))),
+            Input::Status(Box::new(KvChange::Put(status.job.clone(), status))),
         );
         apply(&mut m, report("known", 0.0));
         for i in 0..(MAX_UNKNOWN_JOBS + 50) {
@@ -591,6 +548,47 @@ mod tests {
         // A report of a job already kept adds to it without evicting anyone.
         apply(&mut m, report(&last, 1e6));
         assert_eq!(m.points.len(), MAX_UNKNOWN_JOBS + 1);
+    }
+
+    #[test]
+    fn kv_changes_keep_the_model_and_refusals_are_counted() {
+        let mut m = Model::default();
+        let q = QueueSpec::implicit_default();
+        let name = q.name.clone();
+        apply(
+            &mut m,
+            Input::Queue(Box::new(KvChange::Put(name.clone(), q.clone()))),
+        );
+        // A refused value is counted and leaves the last readable one; a bad key is not
+        // counted here (its follower's `Rejects` counts it).
+        let refused = KvChange::Refused {
+            key: name.clone(),
+            reason: "x".into(),
+        };
+        apply(&mut m, Input::Queue(Box::new(refused)));
+        let bad_key = KvChange::BadKey {
+            key: "x.y".into(),
+            reason: "x".into(),
+        };
+        apply(&mut m, Input::Queue(Box::new(bad_key)));
+        assert_eq!((m.refused, m.queues.get(&name)), (1, Some(&q)));
+        // A deleted status takes its job's points along.
+        apply(&mut m, report("gone", 1.0));
+        let gone: JobId = "gone".parse().unwrap();
+        apply(
+            &mut m,
+            Input::Status(Box::new(KvChange::Deleted(gone.clone()))),
+        );
+        assert!(!m.points.contains_key(&gone));
+        // Caught up once each of the five buckets is.
+        assert!(!kv_caught_up(&m));
+        apply(&mut m, Input::Spec(Box::new(KvChange::CaughtUp)));
+        apply(&mut m, Input::Status(Box::new(KvChange::CaughtUp)));
+        apply(&mut m, Input::Host(Box::new(KvChange::CaughtUp)));
+        apply(&mut m, Input::Queue(Box::new(KvChange::CaughtUp)));
+        assert!(!kv_caught_up(&m));
+        apply(&mut m, Input::QueueStatus(Box::new(KvChange::CaughtUp)));
+        assert!(kv_caught_up(&m));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! host timeout (the allocator's `--host-timeout`, 15 s by default): the allocator has taken
 //! its GPUs out of the pool and its agent stops its workers (fencing).
 
+use converge_bus::KvStore;
 use converge_common::queues::PriorityClass;
 use converge_common::{
     AllocationChange, HostId, HostTelemetry, JobBatch, JobEnd, JobId, JobPhase, JobSpec, JobStatus,
@@ -35,15 +36,15 @@ pub struct LossPoint {
 /// Everything the dashboard has read.
 #[derive(Debug, Default, Clone)]
 pub struct Model {
-    pub specs: BTreeMap<JobId, JobSpec>,
-    pub statuses: BTreeMap<JobId, JobStatus>,
-    pub hosts: BTreeMap<HostId, HostTelemetry>,
+    pub specs: KvStore<JobId, JobSpec>,
+    pub statuses: KvStore<JobId, JobStatus>,
+    pub hosts: KvStore<HostId, HostTelemetry>,
     /// Rank 0's reports per job, in stream order.
     pub points: BTreeMap<JobId, Vec<LossPoint>>,
     /// Stored queues (KV `converge-queues`), each under its own name.
-    pub queues: BTreeMap<QueueId, QueueSpec>,
+    pub queues: KvStore<QueueId, QueueSpec>,
     /// The allocator's latest status of each queue (KV `converge-queue-status`).
-    pub queue_statuses: BTreeMap<QueueId, QueueStatus>,
+    pub queue_statuses: KvStore<QueueId, QueueStatus>,
     /// Messages the dashboard could not read (malformed KV values or reports), by source.
     pub refused: u64,
 }
@@ -330,11 +331,15 @@ pub fn build(
         .map(|t| host_view(t, now, host_timeout_s))
         .collect();
     let live_gpus: u32 = hosts.iter().filter(|h| !h.lost).map(|h| h.gpus_total).sum();
-    let queue: BTreeMap<JobId, outlook::QueueEntry> =
-        outlook::queue_estimates(&model.specs, &model.statuses, live_gpus, now)
-            .into_iter()
-            .map(|e| (e.job.clone(), e))
-            .collect();
+    let queue: BTreeMap<JobId, outlook::QueueEntry> = outlook::queue_estimates(
+        model.specs.as_map(),
+        model.statuses.as_map(),
+        live_gpus,
+        now,
+    )
+    .into_iter()
+    .map(|e| (e.job.clone(), e))
+    .collect();
     let mut jobs: Vec<JobRow> = model
         .statuses
         .values()
@@ -469,6 +474,7 @@ fn queue_views(model: &Model) -> Vec<QueueView> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use converge_bus::KvChange;
     use converge_common::{FittedCurve, GpuSample, RankPlacement, WorkerState};
 
     fn status(id: &str, phase: JobPhase, workers: u32, submitted: f64) -> JobStatus {
@@ -528,21 +534,24 @@ mod tests {
         let mut m = Model::default();
         let mut h1 = telemetry("h1", 100.0, &[0, 1]);
         h1.labels.insert("zone".into(), "a".into());
-        m.hosts.insert(HostId::new("h1").unwrap(), h1);
-        m.hosts
-            .insert(HostId::new("h2").unwrap(), telemetry("h2", 50.0, &[]));
+        m.hosts.apply(KvChange::Put(HostId::new("h1").unwrap(), h1));
+        m.hosts.apply(KvChange::Put(
+            HostId::new("h2").unwrap(),
+            telemetry("h2", 50.0, &[]),
+        ));
         for id in ["p", "done"] {
-            m.specs.insert(JobId::new(id).unwrap(), spec(id));
+            m.specs
+                .apply(KvChange::Put(JobId::new(id).unwrap(), spec(id)));
         }
         // "a" runs in queue team-a at high priority; "p" (pending) and "done" are in the
         // implicit default queue.
-        m.specs.insert(
+        m.specs.apply(KvChange::Put(
             JobId::new("a").unwrap(),
             JobSpec::from_toml(
                 "id = \"a\"\ncommand = [\"true\"]\nqueue = \"team-a\"\npriority = \"high\"\n",
             )
             .unwrap(),
-        );
+        ));
         let team_a = QueueSpec {
             name: "team-a".parse().unwrap(),
             quota_gpus: 2,
@@ -555,8 +564,10 @@ mod tests {
             quota_gpus: 1,
             ..QueueSpec::implicit_default()
         };
-        m.queues.insert(team_a.name.clone(), team_a.clone());
-        m.queues.insert(team_b.name.clone(), team_b.clone());
+        m.queues
+            .apply(KvChange::Put(team_a.name.clone(), team_a.clone()));
+        m.queues
+            .apply(KvChange::Put(team_b.name.clone(), team_b.clone()));
         let a_status = QueueStatus {
             protocol: converge_common::PROTOCOL_VERSION,
             queue: team_a.name.clone(),
@@ -571,16 +582,16 @@ mod tests {
             updated_at: 99.0,
         };
         m.queue_statuses
-            .insert(team_a.name.clone(), a_status.clone());
+            .apply(KvChange::Put(team_a.name.clone(), a_status.clone()));
         // A status of a queue deleted since is no queue.
         let gone: QueueId = "gone".parse().unwrap();
-        m.queue_statuses.insert(
+        m.queue_statuses.apply(KvChange::Put(
             gone.clone(),
             QueueStatus {
                 queue: gone,
                 ..a_status.clone()
             },
-        );
+        ));
         let mut a = status("a", JobPhase::Running, 2, 1.0);
         a.generation = 2;
         a.placement = vec![RankPlacement {
@@ -598,14 +609,14 @@ mod tests {
         a.samples_per_s = Some(10.0);
         a.sync_rounds_per_s = Some(6.8);
         a.model_gap = Some(0.0134);
-        m.statuses.insert(a.job.clone(), a);
-        m.statuses.insert(
+        m.statuses.apply(KvChange::Put(a.job.clone(), a));
+        m.statuses.apply(KvChange::Put(
             JobId::new("p").unwrap(),
             status("p", JobPhase::Pending, 0, 5.0),
-        );
+        ));
         let mut done = status("done", JobPhase::Completed, 0, 0.5);
         done.finished_at = Some(90.0);
-        m.statuses.insert(done.job.clone(), done);
+        m.statuses.apply(KvChange::Put(done.job.clone(), done));
         m.points.insert(
             JobId::new("a").unwrap(),
             (1..=1000)
@@ -715,8 +726,9 @@ mod tests {
         // An ended job keeps its fit but predicts nothing ahead; a job whose reports are not
         // (yet) read still gets its curve over its samples.
         let mut m2 = m.clone();
-        let a = m2.statuses.get_mut(&JobId::new("a").unwrap()).unwrap();
+        let mut a = m2.statuses.get(&JobId::new("a").unwrap()).unwrap().clone();
         a.phase = JobPhase::Completed;
+        m2.statuses.apply(KvChange::Put(a.job.clone(), a));
         m2.points.clear();
         let s2 = build(&m2, 9, 100.0, 15.0, 10);
         let c = s2.jobs.iter().find(|j| j.job.as_str() == "a").unwrap();
@@ -730,8 +742,9 @@ mod tests {
         // The implicit default queue without an active job or a status is left out (an
         // ended job does not count); once the allocator publishes its status it is shown.
         let mut m3 = m.clone();
-        m3.specs.remove(&JobId::new("p").unwrap());
-        m3.statuses.remove(&JobId::new("p").unwrap());
+        m3.specs.apply(KvChange::Deleted(JobId::new("p").unwrap()));
+        m3.statuses
+            .apply(KvChange::Deleted(JobId::new("p").unwrap()));
         let names =
             |s: &State| -> Vec<String> { s.queues.iter().map(|q| q.name.to_string()).collect() };
         assert_eq!(
@@ -739,7 +752,7 @@ mod tests {
             ["team-a", "team-b"]
         );
         let default: QueueId = "default".parse().unwrap();
-        m3.queue_statuses.insert(
+        m3.queue_statuses.apply(KvChange::Put(
             default.clone(),
             QueueStatus {
                 queue: default.clone(),
@@ -748,19 +761,19 @@ mod tests {
                 running_jobs: 0,
                 ..a_status
             },
-        );
+        ));
         let s3 = build(&m3, 11, 100.0, 15.0, 10);
         assert_eq!(names(&s3), ["default", "team-a", "team-b"]);
         assert_eq!((s3.queues[0].implicit, s3.queues[0].active_jobs), (true, 0));
         // A stored default queue replaces the implicit one, used or not.
-        m3.queue_statuses.remove(&default);
-        m3.queues.insert(
+        m3.queue_statuses.apply(KvChange::Deleted(default.clone()));
+        m3.queues.apply(KvChange::Put(
             default.clone(),
             QueueSpec {
                 quota_gpus: 1,
                 ..QueueSpec::implicit_default()
             },
-        );
+        ));
         let s3 = build(&m3, 12, 100.0, 15.0, 10);
         assert_eq!(names(&s3), ["default", "team-a", "team-b"]);
         assert_eq!((s3.queues[0].implicit, s3.queues[0].quota_gpus), (false, 1));

@@ -1,0 +1,219 @@
+//! A bucket followed as typed changes ([`follow_kv_typed`]) against a real `nats-server`
+//! (one server, JetStream, a dynamic port): the values at start, then changes and a
+//! deletion, arrive typed; a malformed value and a bad key are counted in `Rejects`,
+//! refused, and the follower goes on.
+//!
+//! Needs `nats-server` (2.10+) on PATH or in `NATS_SERVER_BIN`; skipped with a message
+//! when there is none, unless `CONVERGE_REQUIRE_NATS=1`.
+
+use converge_bus::{Bus, KvChange, KvDecoder, KvStore, Rejects, Setup, follow_kv_typed};
+use converge_common::{QueueId, QueueSpec, encode};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+fn nats_server_bin() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("NATS_SERVER_BIN") {
+        return Some(PathBuf::from(p));
+    }
+    let found = Command::new("nats-server")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if found {
+        Some(PathBuf::from("nats-server"))
+    } else if std::env::var("CONVERGE_REQUIRE_NATS").as_deref() == Ok("1") {
+        panic!("nats-server not found (PATH or NATS_SERVER_BIN) and CONVERGE_REQUIRE_NATS=1");
+    } else {
+        eprintln!("skipped: nats-server not found (set NATS_SERVER_BIN)");
+        None
+    }
+}
+
+/// One JetStream server on a free port, its store in a temporary directory; killed (and
+/// the directory removed) on drop.
+struct Server {
+    child: Child,
+    dir: PathBuf,
+    url: String,
+}
+
+impl Server {
+    fn start(bin: &PathBuf) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let dir =
+            std::env::temp_dir().join(format!("converge-bus-typed-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let child = Command::new(bin)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nats-server");
+        Self {
+            child,
+            dir,
+            url: format!("nats://127.0.0.1:{port}"),
+        }
+    }
+
+    async fn bus(&self) -> Bus {
+        for _ in 0..100 {
+            if let Ok(client) = async_nats::connect(&self.url).await {
+                return Bus::open(client).await.expect("open the buckets");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("nats-server at {} did not answer", self.url);
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn queue(name: &str, quota_gpus: u32) -> QueueSpec {
+    QueueSpec {
+        name: name.parse().unwrap(),
+        quota_gpus,
+        ..QueueSpec::implicit_default()
+    }
+}
+
+async fn next<T>(rx: &mut mpsc::Receiver<T>) -> T {
+    tokio::time::timeout(Duration::from_secs(10), rx.recv())
+        .await
+        .expect("a change within 10 s")
+        .expect("the follower is running")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_followed_as_typed_changes() {
+    let Some(bin) = nats_server_bin() else {
+        return;
+    };
+    let server = Server::start(&bin);
+    let bus = server.bus().await;
+    let queues = bus.open_queues(Setup::CreateOrUpdate).await.unwrap();
+    let store = queues.queues.clone();
+    // At start: two queues, a malformed value, a queue stored under another's name, and a
+    // key that is no queue name.
+    store.put("a", encode(&queue("a", 1)).into()).await.unwrap();
+    store.put("b", encode(&queue("b", 2)).into()).await.unwrap();
+    store.put("c", "{not json".into()).await.unwrap();
+    store.put("d", encode(&queue("a", 9)).into()).await.unwrap();
+    store
+        .put("x=y", encode(&queue("a", 9)).into())
+        .await
+        .unwrap();
+
+    // Opened again: the follower takes an empty bucket's emptiness from the store's info
+    // as opened.
+    let store = bus.js.get_key_value("converge-queues").await.unwrap();
+    let rejects = Arc::new(Rejects::default());
+    let decoder = KvDecoder::named(rejects.clone(), |q: &QueueSpec| &q.name);
+    let (tx, mut rx) = mpsc::channel(64);
+    let follower = tokio::spawn(follow_kv_typed(store.clone(), decoder, tx, |c| c));
+    let id = |s: &str| s.parse::<QueueId>().unwrap();
+
+    let mut changes = Vec::new();
+    let mut current = KvStore::new();
+    while !current.is_caught_up() {
+        let change: KvChange<QueueId, QueueSpec> = next(&mut rx).await;
+        changes.push(change.clone());
+        current.apply(change);
+    }
+    assert_eq!(changes.len(), 6, "{changes:?}");
+    assert_eq!(changes[0], KvChange::Put(id("a"), queue("a", 1)));
+    assert_eq!(changes[1], KvChange::Put(id("b"), queue("b", 2)));
+    assert!(
+        matches!(&changes[2], KvChange::Refused { key, .. } if *key == id("c")),
+        "{:?}",
+        changes[2]
+    );
+    assert_eq!(
+        changes[3],
+        KvChange::Refused {
+            key: id("d"),
+            reason: "value of a stored under d".into()
+        }
+    );
+    assert!(
+        matches!(&changes[4], KvChange::BadKey { key, .. } if key == "x=y"),
+        "{:?}",
+        changes[4]
+    );
+    assert_eq!(changes[5], KvChange::CaughtUp);
+    assert_eq!(
+        current
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.quota_gpus))
+            .collect::<Vec<_>>(),
+        [("a", 1), ("b", 2)]
+    );
+    let counts = rejects.snapshot();
+    assert_eq!(
+        counts
+            .keys()
+            .map(|(s, k)| (s.as_str(), *k))
+            .collect::<Vec<_>>(),
+        [
+            ("kv:converge-queues", "bad_key"),
+            ("kv:converge-queues", "malformed")
+        ]
+    );
+    assert_eq!(
+        rejects.total(),
+        2,
+        "a value under another key is refused, not counted"
+    );
+
+    // Then changes: a new value, a deletion, a malformed value that leaves the last valid
+    // one, and the follower still going after it.
+    store.put("a", encode(&queue("a", 5)).into()).await.unwrap();
+    store.delete("b").await.unwrap();
+    store.put("a", "garbage".into()).await.unwrap();
+    store.put("e", encode(&queue("e", 3)).into()).await.unwrap();
+    let mut after = Vec::new();
+    for _ in 0..4 {
+        let change = next(&mut rx).await;
+        after.push(change.clone());
+        current.apply(change);
+    }
+    assert_eq!(after[0], KvChange::Put(id("a"), queue("a", 5)));
+    assert_eq!(after[1], KvChange::Deleted(id("b")));
+    assert!(
+        matches!(&after[2], KvChange::Refused { key, .. } if *key == id("a")),
+        "{:?}",
+        after[2]
+    );
+    assert_eq!(after[3], KvChange::Put(id("e"), queue("e", 3)));
+    assert_eq!(
+        current
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.quota_gpus))
+            .collect::<Vec<_>>(),
+        [("a", 5), ("e", 3)]
+    );
+    assert_eq!(rejects.total(), 3);
+    assert!(!follower.is_finished());
+    // The follower ends when its receiver is gone.
+    drop(rx);
+    store.put("e", encode(&queue("e", 4)).into()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), follower)
+        .await
+        .expect("the follower ends")
+        .unwrap();
+}
