@@ -480,8 +480,7 @@ impl World for TraceWorld<'_> {
 
     fn apply(&mut self, now: f64, outcome: &Outcome) {
         // Each job's new placement and batch, from the host plans, ranks in order.
-        let mut planned: BTreeMap<&JobId, Planned> =
-            BTreeMap::new();
+        let mut planned: BTreeMap<&JobId, Planned> = BTreeMap::new();
         for plan in outcome.plans.values() {
             planned_workers(plan, &mut planned);
         }
@@ -553,10 +552,7 @@ impl World for TraceWorld<'_> {
 type Planned = (u64, Vec<RankPlacement>, Option<(u32, u32)>);
 
 /// Adds `plan`'s workers to each job's planned generation, ranks and batch.
-fn planned_workers<'p>(
-    plan: &'p HostPlan,
-    planned: &mut BTreeMap<&'p JobId, Planned>,
-) {
+fn planned_workers<'p>(plan: &'p HostPlan, planned: &mut BTreeMap<&'p JobId, Planned>) {
     for w in &plan.workers {
         let entry = planned
             .entry(&w.job)
