@@ -203,6 +203,39 @@ impl JobHistory {
         }
     }
 
+    /// The samples done, each counted at `efficiency` of the total batch it was processed
+    /// at: with the statistical efficiency relative to a job's reference batch
+    /// ([`crate::goodput::GradientStats::efficiency`]), the work done in samples at the
+    /// reference batch (Pollux's scale-invariant progress), the unit of a goodput. The batch of
+    /// the span between two consecutive rank-0 points is its samples over its steps; the
+    /// samples up to the first point kept count at the first point's batch (its samples over
+    /// its steps). A span without steps counts at efficiency 1, one that goes back (work
+    /// redone from a checkpoint) not at all. 0 without points.
+    pub fn samples_at(&self, efficiency: impl Fn(f64) -> f64) -> f64 {
+        let at = |samples: f64, steps: u64| {
+            if steps == 0 {
+                samples
+            } else {
+                let e = efficiency(samples / steps as f64);
+                samples * if e.is_finite() && e >= 0.0 { e } else { 1.0 }
+            }
+        };
+        let Some(first) = self.points.first() else {
+            return 0.0;
+        };
+        let mut done = at(first.samples as f64, first.step);
+        for pair in self.points.windows(2) {
+            let (a, b) = (&pair[0], &pair[1]);
+            if b.samples > a.samples {
+                done += at(
+                    (b.samples - a.samples) as f64,
+                    b.step.saturating_sub(a.step),
+                );
+            }
+        }
+        done
+    }
+
     pub fn points(&self) -> &[ProgressPoint] {
         &self.points
     }
@@ -671,6 +704,29 @@ pub(crate) mod tests {
         h.add(&report(3, 0, 620, 0.8, 64.0));
         let median = 0.5 * (37.8 + 12.0);
         assert!((h.restart_cost_s().unwrap() - median).abs() < 1e-9);
+    }
+
+    #[test]
+    fn samples_at_counts_each_span_at_its_batchs_efficiency() {
+        let mut h = JobHistory::default();
+        assert_eq!(h.samples_at(|_| 0.5), 0.0);
+        let at = |generation, step, samples, time| ProgressReport {
+            step,
+            ..report(generation, 0, samples, 1.0, time)
+        };
+        // Generation 1 at a batch of 100 (efficiency 1), generation 2 at 400 (0.5).
+        h.add(&at(1, 2, 200, 10.0));
+        h.add(&at(1, 5, 500, 11.0));
+        h.add(&at(2, 6, 900, 20.0));
+        h.add(&at(2, 8, 1700, 21.0));
+        let efficiency = |batch: f64| if batch > 150.0 { 0.5 } else { 1.0 };
+        assert_eq!(h.samples_at(efficiency), 500.0 + 0.5 * 1200.0);
+        // At efficiency 1 it is the samples done.
+        assert_eq!(h.samples_at(|_| 1.0), 1700.0);
+        // Work redone from a checkpoint is not counted twice.
+        h.add(&at(3, 7, 1300, 30.0));
+        h.add(&at(3, 8, 1700, 31.0));
+        assert_eq!(h.samples_at(efficiency), 500.0 + 0.5 * 800.0 + 0.5 * 400.0);
     }
 
     #[test]

@@ -316,9 +316,36 @@ pub(super) fn job_view(
     let curve = fits.curves.get(&status.job).cloned();
     let model = fits.models.get(&status.job);
     let samples = status.samples as f64;
-    let declared_left = spec.work_samples.map(|w| w as f64 - samples);
+    // An adaptive job's rate is its goodput, in samples at its reference batch, so its work
+    // is counted in those too: the declared work (samples at the reference batch) less the
+    // work done at that unit, or the curve's samples to the target at the efficiency of
+    // the batch it trains with now.
+    let gradient = fits
+        .gradients
+        .get(&status.job)
+        .filter(|_| spec.batch.is_some());
+    let reference = spec.batch.as_ref().map_or(0.0, |b| f64::from(b.reference));
+    let efficiency = |batch: f64| gradient.map_or(1.0, |g| g.efficiency(reference, batch));
+    let done = match (gradient, history) {
+        (Some(_), Some(h)) => h.samples_at(efficiency),
+        _ => samples,
+    };
+    let current = status
+        .batch
+        .as_ref()
+        .and_then(|b| b.plan)
+        .map_or(reference, |p| f64::from(p.total));
+    let declared_left = spec.work_samples.map(|w| w as f64 - done);
     let remaining_work =
-        known_remaining_work(declared_left, curve.as_ref(), spec.target_loss(), samples);
+        known_remaining_work(declared_left, curve.as_ref(), spec.target_loss(), samples).map(
+            |left| {
+                if declared_left.is_some() {
+                    left
+                } else {
+                    left * efficiency(current)
+                }
+            },
+        );
     JobView {
         id: status.job.clone(),
         gpus_per_worker: spec.gpus_per_worker,
@@ -461,5 +488,59 @@ mod tests {
             job_view(&status, &batched, None, &fits, None).batch,
             BatchSize::Total(512.0)
         );
+    }
+
+    #[test]
+    fn an_adaptive_jobs_work_counts_samples_at_its_reference_batch() {
+        let id = JobId::new("j").unwrap();
+        let spec = JobSpec::from_toml(
+            "id = \"j\"\ncommand = [\"t\"]\nwork_samples = 10000\n[batch]\nreference = 100\nmax_total = 1000\n",
+        )
+        .unwrap();
+        // 4,000 samples at a batch of 400 (10 steps).
+        let mut h = JobHistory::default();
+        for (step, samples, time) in [(0, 0, 0.0), (10, 4000, 4.0)] {
+            let mut r = converge_common::ProgressReport::new(
+                id.clone(),
+                1,
+                0,
+                HostId::new("h").unwrap(),
+                step,
+                samples,
+                1.0,
+                time,
+            );
+            r.workers = Some(1);
+            h.add(&r);
+        }
+        let mut status = JobStatus::pending(id.clone(), 0.0, 0.0);
+        status.samples = 4000;
+        // Noise scale 300 samples at the reference batch: a batch of 400 is half as
+        // efficient per sample as one of 100.
+        let g = GradientStats::new(1.0, 3.0).unwrap();
+        assert!((g.efficiency(100.0, 400.0) - 0.571_428_571).abs() < 1e-6);
+        let (curves, models, type_speeds) = Default::default();
+        let with = BTreeMap::from([(id.clone(), g)]);
+        let without = BTreeMap::new();
+        let fits = |gradients| Fits {
+            curves: &curves,
+            models: &models,
+            type_speeds: &type_speeds,
+            gradients,
+            contention: 0.0,
+        };
+        // With statistics: 4,000 samples at 4/7 efficiency did 2,286 samples' worth.
+        let left = job_view(&status, &spec, Some(&h), &fits(&with), None)
+            .remaining_work
+            .unwrap();
+        assert!(
+            (left - (10000.0 - 4000.0 * 4.0 / 7.0)).abs() < 1e-6,
+            "{left}"
+        );
+        // Without, the samples done.
+        let left = job_view(&status, &spec, Some(&h), &fits(&without), None)
+            .remaining_work
+            .unwrap();
+        assert_eq!(left, 6000.0);
     }
 }
