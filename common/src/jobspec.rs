@@ -326,8 +326,11 @@ pub struct JobSpec {
     /// dataset size: `work_samples = 1_500_000` for 30 epochs of 50,000 samples, as a
     /// trainer's `--epochs` implies). When given, the allocator's completion-time estimate
     /// is this minus the samples reported so far; without it, the fitted loss curve's
-    /// estimate to `target_loss`, else none. It does not stop the job (the program ends
-    /// itself; `[stop]` ends it early). Refused: 0.
+    /// estimate to `target_loss`, else none. For a `[batch]` job whose workers report
+    /// gradient statistics, the samples done count at the reference batch's efficiency
+    /// (samples at a larger batch do less each; Pollux's scale-invariant progress), since
+    /// its rate is a goodput. It does not stop the job (the program ends itself; `[stop]`
+    /// ends it early). Refused: 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work_samples: Option<u64>,
     /// Non-zero exits of a worker tolerated (with capped backoff) before the job fails.
