@@ -145,6 +145,11 @@ pub struct ClusterArgs {
     /// batch sizes to allocations (`quality`, `pollux`), to see what goodput is worth.
     #[arg(long)]
     pub fixed_batch: bool,
+    /// Ablation of the decision loop: a running job's batch changes only with a new
+    /// placement, as the service keeps a batch for a generation (the service loop always
+    /// does), instead of every interval at no cost.
+    #[arg(long)]
+    pub batch_per_generation: bool,
     /// Folder of the measured application traces; repeat it to search several in order (each
     /// application, and each `--cluster` type's step times, from the first that has the
     /// application). The default's second folder supplies the applications, whose traces are not in this
@@ -243,6 +248,7 @@ impl ClusterArgs {
             placement: self.placement,
             ignore_contention: self.ignore_contention,
             fixed_batch: self.fixed_batch,
+            batch_per_generation: self.batch_per_generation,
             shadow_fraction: self.shadow_fraction,
             shadow_algorithm: self.shadow_algorithm,
             work: self.work,

@@ -84,6 +84,9 @@ pub struct SimConfig {
     /// Ablation: every job keeps its submitted batch size, even under a policy that adapts
     /// batch sizes (goodput).
     pub fixed_batch: bool,
+    /// Ablation of the decision loop: a running job's batch changes only with a new
+    /// placement (the service's batch-per-generation rule), not every interval.
+    pub batch_per_generation: bool,
     /// The queues jobs are scheduled in ([`WorkloadJob::queue`]); empty: every job in the
     /// implicit default queue, which decides exactly as without queues.
     pub queues: BTreeMap<QueueId, QueueSpec>,
@@ -185,6 +188,7 @@ impl Default for SimConfig {
             record_decisions: false,
             ignore_contention: false,
             fixed_batch: false,
+            batch_per_generation: false,
             queues: BTreeMap::new(),
             shadow_fraction: 0.0,
             shadow_algorithm: ShadowAlgorithm::Ma,
@@ -904,7 +908,10 @@ pub fn simulate(
             if new != t.placement {
                 let before = t.placement.len();
                 t.place(app, new, batch, before, &layout, cfg.restart_delay_s, now);
-            } else if batch.is_some() && batch != Some((t.job.atomic_bsz(), t.job.accum_steps())) {
+            } else if !cfg.batch_per_generation
+                && batch.is_some()
+                && batch != Some((t.job.atomic_bsz(), t.job.accum_steps()))
+            {
                 t.job.set_batch(app, batch);
             }
         }
@@ -1532,6 +1539,36 @@ mod tests {
                 assert!(changed >= 2, "{totals:?}");
             }
         }
+    }
+
+    #[test]
+    fn with_batch_per_generation_a_placed_job_keeps_its_batch() {
+        // A lone adaptive job, placed once: by default its batch grows with its gradient
+        // noise scale every interval; under the service's rule it keeps its first one, and
+        // so it ends later.
+        let job = WorkloadJob {
+            name: "cifar10-0".into(),
+            time: 0.0,
+            application: "cifar10".into(),
+            num_replicas: 1,
+            batch_size: 128,
+            queue: None,
+            priority: PriorityClass::Normal,
+        };
+        let ends: Vec<(f64, u32)> = [false, true]
+            .into_iter()
+            .map(|batch_per_generation| {
+                let cfg = SimConfig {
+                    nodes: 1,
+                    batch_per_generation,
+                    ..SimConfig::default()
+                };
+                let r = run("quality", std::slice::from_ref(&job), &cfg);
+                (r.jobs[0].completed_at.unwrap(), r.jobs[0].restarts)
+            })
+            .collect();
+        assert_eq!((ends[0].1, ends[1].1), (0, 0), "{ends:?}");
+        assert!(ends[1].0 > ends[0].0, "{ends:?}");
     }
 
     #[test]
