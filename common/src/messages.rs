@@ -778,7 +778,8 @@ pub enum ChangeCause {
     /// A host it ran on stopped reporting: its workers are gone (0 workers) until the policy
     /// places it again.
     HostLost,
-    /// Same workers, a new batch plan (its first gradient statistics).
+    /// Same workers, a new batch plan (its first gradient statistics, or a goodput gain
+    /// that pays for the restart).
     Batch,
     /// Rank 0's host answers at a new address; restarted with the same placement.
     Address,

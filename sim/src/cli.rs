@@ -438,6 +438,13 @@ pub fn run_simulate(args: &SimulateArgs) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64(),
         path.display()
     );
+    if let Some(loss) = summary.mean_loss_at_stop {
+        eprintln!(
+            "{} job(s) ended by the service's stop rules before their completion epoch, at a \
+             mean normalized loss of {loss:.3} (0 = the completion epoch's loss)",
+            summary.stopped_by_service
+        );
+    }
     Ok(())
 }
 

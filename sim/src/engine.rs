@@ -267,6 +267,10 @@ pub struct JobOutcome {
     pub gpu_seconds_by_type: BTreeMap<String, f64>,
     /// GPU-seconds it held in all, restart delays included.
     pub gpu_seconds: f64,
+    /// The service loop only: the job's normalized loss (1 = where it started, 0 = where
+    /// its completion epoch ends it) when the service's stop rules ended it before its
+    /// completion epoch; `None` when its program finished (and always in the decision loop).
+    pub stopped_at_loss: Option<f64>,
 }
 
 /// One scheduling interval.
@@ -363,6 +367,8 @@ pub(crate) struct Tracked {
     pub(crate) gpus_by_type: Vec<(String, u32)>,
     /// See [`JobOutcome::gpu_seconds_by_type`].
     pub(crate) gpu_seconds_by_type: BTreeMap<String, f64>,
+    /// See [`JobOutcome::stopped_at_loss`].
+    pub(crate) stopped_at_loss: Option<f64>,
 }
 
 impl Tracked {
@@ -456,6 +462,7 @@ impl Tracked {
             preemptions: t.preemptions,
             gpu_seconds_by_type: t.gpu_seconds_by_type,
             gpu_seconds: t.job.attained_gpu_seconds,
+            stopped_at_loss: t.stopped_at_loss,
         }
     }
 }
@@ -631,6 +638,7 @@ impl<'c> Cluster<'c> {
                 preemptions: 0,
                 gpus_by_type: Vec::new(),
                 gpu_seconds_by_type: BTreeMap::new(),
+                stopped_at_loss: None,
             });
         }
         check_queues_defined(&jobs, &cfg.queues)?;

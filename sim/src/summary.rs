@@ -58,6 +58,14 @@ pub struct Summary {
     /// Such restarts, over all workloads.
     #[serde(default)]
     pub low_gain_restarts: u64,
+    /// Jobs the service's stop rules ended before their completion epoch (service loop),
+    /// over all workloads ([`crate::engine::JobOutcome::stopped_at_loss`]).
+    #[serde(default)]
+    pub stopped_by_service: usize,
+    /// Their mean normalized loss when stopped (0 = the loss of their completion epoch);
+    /// `None` when there were none.
+    #[serde(default)]
+    pub mean_loss_at_stop: Option<f64>,
     /// `[(time, fraction of GPUs allocated)]` per workload, one point per interval.
     pub utilization: BTreeMap<String, Vec<(f64, f64)>>,
     pub mean_utilization: f64,
@@ -102,6 +110,8 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
         mean_restarts_per_job: 0.0,
         thrashing_jobs: 0,
         low_gain_restarts: 0,
+        stopped_by_service: 0,
+        mean_loss_at_stop: None,
         utilization: BTreeMap::new(),
         mean_utilization: 0.0,
         avg_normalized_loss: BTreeMap::new(),
@@ -116,6 +126,7 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
     let mut gpu_hours = Vec::new();
 
     let mut all_restarts = Vec::new();
+    let mut stopped_losses: Vec<f64> = Vec::new();
     let mut decisions = Vec::new();
     let mut t90 = Vec::new();
     let mut t95 = Vec::new();
@@ -153,6 +164,7 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
         );
         all_restarts.extend(r.jobs.iter().map(|j| f64::from(j.restarts)));
         s.thrashing_jobs += r.jobs.iter().filter(|j| j.low_gain_restarts > 0).count();
+        stopped_losses.extend(r.jobs.iter().filter_map(|j| j.stopped_at_loss));
         s.low_gain_restarts += r
             .jobs
             .iter()
@@ -194,6 +206,8 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
 
     s.mean = mean(s.avgs.values().copied());
     s.mean_restarts_per_job = mean(all_restarts);
+    s.stopped_by_service = stopped_losses.len();
+    s.mean_loss_at_stop = (!stopped_losses.is_empty()).then(|| mean(stopped_losses));
     s.mean_utilization = mean(util_means);
     s.mean_normalized_loss = mean(loss_means);
     s.mean_time_to_90 = mean(t90);

@@ -495,6 +495,7 @@ impl World for TraceWorld<'_> {
                 .is_some_and(|s| s.phase.is_terminal());
             if ended {
                 // The service ended it (its stop criteria): its workers stop now.
+                t.stopped_at_loss = t.observe_loss(app, now).map(|(_, normalized)| normalized);
                 t.job.completed_at = Some(now);
                 let before = t.placement.len();
                 t.place(

@@ -5,7 +5,7 @@ use crate::contention::{HostNic, host_nic_background};
 use crate::decide::{ClusterState, JobView, QueueSetup, decide_queued, priority_order};
 use crate::placement::HostFree;
 
-use super::batch::{first_statistics_batch, generation_batch};
+use super::batch::{RebatchValue, batch_limits, generation_batch, rebatch};
 use super::lifecycle::bump_generation;
 use super::observe::{Fits, eligible_hosts, job_view, ring_nic_traffic};
 use super::ps::{PsContext, plan_ps_jobs};
@@ -111,7 +111,8 @@ pub(super) fn allocate(
         let new_placement = placed.get(&s.job).cloned().unwrap_or_default();
         let new_shards = shards.get(&s.job).cloned().unwrap_or_default();
         let decided = batches.get(&s.job);
-        let rebatch = first_statistics_batch(s, spec, decided);
+        let value = rebatch_value(s, spec, decided, &views, &fits, settings);
+        let rebatch = rebatch(s, spec, decided, value);
         if new_placement == s.placement && new_shards == s.ps_placement && rebatch.is_none() {
             if let Some(queue) = unknown_queue.get(&s.job) {
                 let status = out
@@ -158,10 +159,10 @@ pub(super) fn allocate(
         let to = status.world_size;
         let policy = settings.policy.name();
         let (cause, reason) = match (rebatch, old_total) {
-            (Some(total), Some(old)) if from == to && !moved => (
+            (Some((total, why)), Some(old)) if from == to && !moved => (
                 ChangeCause::Batch,
                 format!(
-                    "job {}: batch {old} -> {total} samples per step with its first gradient statistics, {from} workers (generation {})",
+                    "job {}: batch {old} -> {total} samples per step {why}, {from} workers (generation {})",
                     status.job, status.generation
                 ),
             ),
@@ -211,4 +212,48 @@ pub(super) fn allocate(
             reason,
         ));
     }
+}
+
+/// What [`rebatch`] weighs for a running job with a decided plan: its goodput with its
+/// generation's plan and with the decided one on its current workers (its throughput model
+/// and gradient statistics), its remaining work as the decision saw it (else the work done,
+/// the policies' guess) and its measured restart cost (else the policy's default). `None`
+/// without a model, statistics, limits or a current plan.
+fn rebatch_value(
+    status: &JobStatus,
+    spec: &JobSpec,
+    decided: Option<&crate::goodput::BatchPlan>,
+    views: &[JobView],
+    fits: &Fits<'_>,
+    settings: &Settings,
+) -> Option<RebatchValue> {
+    let decided = decided?;
+    let current = status.batch.as_ref()?.plan?;
+    let limits = batch_limits(spec.batch.as_ref()?)?;
+    let (model, _) = fits.models.get(&status.job)?;
+    let gradient = fits.gradients.get(&status.job)?;
+    let view = views.iter().find(|v| v.id == status.job)?;
+    let workers = status.world_size;
+    let nodes = status
+        .placement
+        .iter()
+        .map(|r| &r.host)
+        .collect::<BTreeSet<_>>()
+        .len() as u32;
+    let goodput = |plan: &crate::goodput::BatchPlan| {
+        crate::goodput::goodput(model, Some(gradient), &limits, workers, nodes, plan)
+    };
+    let now = crate::goodput::BatchPlan {
+        total: current.total,
+        per_worker: current.per_worker,
+        accum_steps: current.accum_steps,
+    };
+    Some(RebatchValue {
+        current: goodput(&now),
+        decided: goodput(decided),
+        remaining_work: view.remaining_work.unwrap_or(view.samples),
+        restart_cost_s: view
+            .restart_cost_s
+            .unwrap_or(settings.policy_params.restart_cost_s),
+    })
 }
