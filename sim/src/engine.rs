@@ -1068,24 +1068,12 @@ fn epoch_fraction(job: &SimJob, app: &Application) -> f64 {
 mod tests {
     use super::*;
     use crate::apps::load_all;
-    use crate::workload::read_workload;
     use converge_sched::decide::decide;
     use converge_sched::policies::PolicyParams;
     use converge_sched::policies::{POLICY_NAMES, by_name};
     use std::collections::BTreeSet;
-    use std::path::Path;
-    use std::sync::OnceLock;
 
-    fn apps() -> &'static BTreeMap<String, Application> {
-        static APPS: OnceLock<BTreeMap<String, Application>> = OnceLock::new();
-        APPS.get_or_init(|| load_all(&crate::apps::test_trace_dirs()).unwrap())
-    }
-
-    fn workload(n: usize) -> Vec<WorkloadJob> {
-        let path =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/pollux/workloads/workload-1.csv");
-        read_workload(&path).unwrap().into_iter().take(n).collect()
-    }
+    use crate::test_support::{apps, workload};
 
     /// The policy called `name`; Pollux with a short search (what these tests check holds
     /// for any search length, and the full one costs minutes here).

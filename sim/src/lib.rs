@@ -21,5 +21,7 @@ pub mod ps_offline;
 pub mod queues_bench;
 pub mod report;
 pub mod summary;
+#[cfg(test)]
+mod test_support;
 pub mod workload;
 pub mod world;

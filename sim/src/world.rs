@@ -30,14 +30,12 @@ use crate::engine::{
 };
 use crate::workload::WorkloadJob;
 use converge_common::{
-    GpuSample, HostId, HostPlan, HostTelemetry, JobId, JobSpec, JobStatus, PROTOCOL_VERSION,
-    ProgressReport, QueueId, QueueSpec, QueueStatus, RankPlacement, WorkerPhase, WorkerState,
+    GpuSample, HostId, HostPlan, HostTelemetry, JobId, JobSpec, PROTOCOL_VERSION, ProgressReport,
+    RankPlacement, WorkerPhase, WorkerState,
 };
 use converge_sched::contention::ContentionSamples;
-use converge_sched::fit_cache::FitCache;
-use converge_sched::history::JobHistory;
 use converge_sched::policies::Policy;
-use converge_sched::schedule::{Inputs, Outcome, Settings, step};
+use converge_sched::schedule::{Outcome, Settings, State};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
@@ -70,79 +68,28 @@ pub trait World {
     fn finished(&self) -> bool;
 }
 
-/// The allocator's state between steps, as its KV buckets and progress stream hold it.
-pub struct Service {
-    pub settings: Settings,
-    pub cache: FitCache,
-    pub specs: BTreeMap<JobId, JobSpec>,
-    pub refused: BTreeMap<JobId, String>,
-    pub statuses: BTreeMap<JobId, JobStatus>,
-    pub hosts: BTreeMap<HostId, HostTelemetry>,
-    pub histories: BTreeMap<JobId, JobHistory>,
-    pub queues: BTreeMap<QueueId, QueueSpec>,
-    pub queue_statuses: BTreeMap<QueueId, QueueStatus>,
-}
+/// The allocator's state between steps ([`converge_sched::schedule::State`]), fed from
+/// the world as the service feeds it from KV and the progress stream.
+pub type Service = State;
 
-impl Service {
-    /// A service with no job yet.
-    pub fn new(settings: Settings, queues: BTreeMap<QueueId, QueueSpec>) -> Self {
-        Self {
-            settings,
-            cache: FitCache::new(),
-            specs: BTreeMap::new(),
-            refused: BTreeMap::new(),
-            statuses: BTreeMap::new(),
-            hosts: BTreeMap::new(),
-            histories: BTreeMap::new(),
-            queues,
-            queue_statuses: BTreeMap::new(),
-        }
-    }
-
-    /// Takes in what was observed: a spec that does not validate is refused with the
-    /// reason (the job fails with it), as the service refuses it.
-    pub fn take(&mut self, observed: Observed) {
-        for spec in observed.specs {
-            match spec.validate() {
-                Ok(()) => {
-                    self.specs.insert(spec.id.clone(), spec);
-                }
-                Err(e) => {
-                    self.refused.insert(spec.id.clone(), e.to_string());
-                }
+/// Takes what was observed into `service`: a spec that does not validate is refused with
+/// the reason (the job fails with it), as the service refuses it.
+pub fn take(service: &mut Service, observed: Observed) {
+    for spec in observed.specs {
+        match spec.validate() {
+            Ok(()) => {
+                service.specs.insert(spec.id.clone(), spec);
+            }
+            Err(e) => {
+                service.refused.insert(spec.id.clone(), e.to_string());
             }
         }
-        for t in observed.hosts {
-            self.hosts.insert(t.host.clone(), t);
-        }
-        for r in observed.reports {
-            self.histories.entry(r.job.clone()).or_default().add(&r);
-        }
     }
-
-    /// One scheduling step at `now`; keeps the statuses (and, when the policy ran, the
-    /// queue statuses) it returns.
-    pub fn step(&mut self, now: f64, run_policy: bool) -> Outcome {
-        let out = step(
-            Inputs {
-                now,
-                specs: &self.specs,
-                refused_specs: &self.refused,
-                statuses: &self.statuses,
-                hosts: &self.hosts,
-                histories: &self.histories,
-                queues: &self.queues,
-                queue_statuses: &self.queue_statuses,
-            },
-            &self.settings,
-            &mut self.cache,
-            run_policy,
-        );
-        self.statuses.clone_from(&out.statuses);
-        if run_policy {
-            self.queue_statuses.clone_from(&out.queue_statuses);
-        }
-        out
+    for t in observed.hosts {
+        service.hosts.insert(t.host.clone(), t);
+    }
+    for r in observed.reports {
+        service.histories.entry(r.job.clone()).or_default().add(&r);
     }
 }
 
@@ -170,7 +117,7 @@ pub fn run<W: World>(
         now += interval_s;
         let mut seen = Observed::default();
         world.observe(now, &mut seen);
-        service.take(seen);
+        take(service, seen);
         if world.finished() || now >= max_time_s {
             // The service takes in the last ends.
             let last = service.step(now, false);
@@ -184,7 +131,7 @@ pub fn run<W: World>(
         // The agents' next heartbeats: jobs whose old generation has exited start.
         let mut seen = Observed::default();
         world.observe(now, &mut seen);
-        service.take(seen);
+        take(service, seen);
         let settled = service.step(now, false);
         world.apply(now, &settled);
         record(
@@ -590,7 +537,10 @@ pub fn simulate_service(
         policy,
         ..Settings::default()
     };
-    let mut service = Service::new(settings, cfg.queues.clone());
+    let mut service = Service {
+        queues: cfg.queues.clone(),
+        ..Service::new(settings)
+    };
     let mut records = Vec::new();
     let end = run(
         &mut world,
@@ -624,24 +574,12 @@ pub fn simulate_service(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::apps::load_all;
     use crate::engine::simulate;
-    use crate::workload::read_workload;
     use converge_common::{EndReason, JobPhase};
+    use converge_sched::history::JobHistory;
     use converge_sched::policies::{PolicyParams, by_name};
-    use std::path::Path;
-    use std::sync::OnceLock;
 
-    fn apps() -> &'static BTreeMap<String, Application> {
-        static APPS: OnceLock<BTreeMap<String, Application>> = OnceLock::new();
-        APPS.get_or_init(|| load_all(&crate::apps::test_trace_dirs()).unwrap())
-    }
-
-    fn workload(n: usize) -> Vec<WorkloadJob> {
-        let path =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/pollux/workloads/workload-1.csv");
-        read_workload(&path).unwrap().into_iter().take(n).collect()
-    }
+    use crate::test_support::{apps, workload};
 
     fn policy(name: &str) -> Arc<dyn Policy> {
         by_name(name, PolicyParams::default()).unwrap().into()
@@ -654,7 +592,7 @@ mod tests {
             host_timeout_s: cfg.scheduling_interval_s * 2.0,
             ..Settings::default()
         };
-        let mut service = Service::new(settings, BTreeMap::new());
+        let mut service = Service::new(settings);
         run(
             world,
             &mut service,

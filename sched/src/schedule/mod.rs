@@ -144,6 +144,59 @@ pub struct Outcome {
     pub queue_statuses: BTreeMap<QueueId, QueueStatus>,
 }
 
+/// The allocator's state between steps, as its KV buckets and progress stream hold it:
+/// what [`step`] reads, and the statuses and queue statuses it last wrote. The simulator's
+/// service loop (`converge-sim simulate --loop service`) and the step's tests drive steps
+/// through it; the allocator service keeps the same maps, filled from KV.
+#[derive(Debug, Clone, Default)]
+pub struct State {
+    pub settings: Settings,
+    pub cache: FitCache,
+    pub specs: BTreeMap<JobId, JobSpec>,
+    /// Specs that were refused, with the reason ([`Inputs::refused_specs`]).
+    pub refused: BTreeMap<JobId, String>,
+    pub statuses: BTreeMap<JobId, JobStatus>,
+    pub hosts: BTreeMap<HostId, HostTelemetry>,
+    pub histories: BTreeMap<JobId, JobHistory>,
+    pub queues: BTreeMap<QueueId, QueueSpec>,
+    pub queue_statuses: BTreeMap<QueueId, QueueStatus>,
+}
+
+impl State {
+    /// No job, host or queue yet.
+    pub fn new(settings: Settings) -> Self {
+        Self {
+            settings,
+            ..Self::default()
+        }
+    }
+
+    /// One [`step`] at `now` on this state; keeps the statuses it returns and, when the
+    /// policy ran, the queue statuses.
+    pub fn step(&mut self, now: f64, run_policy: bool) -> Outcome {
+        let out = step(
+            Inputs {
+                now,
+                specs: &self.specs,
+                refused_specs: &self.refused,
+                statuses: &self.statuses,
+                hosts: &self.hosts,
+                histories: &self.histories,
+                queues: &self.queues,
+                queue_statuses: &self.queue_statuses,
+            },
+            &self.settings,
+            &mut self.cache,
+            run_policy,
+        );
+        self.statuses.clone_from(&out.statuses);
+        if run_policy {
+            self.queue_statuses.clone_from(&out.queue_statuses);
+        }
+        out
+    }
+}
+
 const SOURCE: &str = "allocator";
 
 fn event(now: f64, kind: EventKind, message: String) -> Event {

@@ -80,44 +80,11 @@ fn worker(job: &str, generation: u64, rank: u32, phase: WorkerPhase) -> WorkerSt
 }
 
 /// The cluster state a test drives through steps.
-#[derive(Debug, Clone, Default)]
-struct World {
-    specs: BTreeMap<JobId, JobSpec>,
-    refused: BTreeMap<JobId, String>,
-    statuses: BTreeMap<JobId, JobStatus>,
-    hosts: BTreeMap<HostId, HostTelemetry>,
-    histories: BTreeMap<JobId, JobHistory>,
-    settings: Settings,
-    cache: FitCache,
-    queues: BTreeMap<QueueId, QueueSpec>,
-    queue_statuses: BTreeMap<QueueId, QueueStatus>,
-}
+type World = State;
 
-impl World {
+impl State {
     fn add_host(&mut self, t: HostTelemetry) {
         self.hosts.insert(t.host.clone(), t);
-    }
-    fn step(&mut self, now: f64, run_policy: bool) -> Outcome {
-        let out = step(
-            Inputs {
-                now,
-                specs: &self.specs,
-                refused_specs: &self.refused,
-                statuses: &self.statuses,
-                hosts: &self.hosts,
-                histories: &self.histories,
-                queues: &self.queues,
-                queue_statuses: &self.queue_statuses,
-            },
-            &self.settings,
-            &mut self.cache,
-            run_policy,
-        );
-        self.statuses = out.statuses.clone();
-        if run_policy {
-            self.queue_statuses = out.queue_statuses.clone();
-        }
-        out
     }
     fn status(&self, id: &str) -> &JobStatus {
         &self.statuses[&JobId::new(id).unwrap()]
