@@ -1396,6 +1396,91 @@ mod tests {
         }
     }
 
+    /// The wire JSON of a progress report, pinned: every key of a full report and of a
+    /// minimal one (`ProgressReport::new`), so that a change of the struct cannot change what
+    /// allocators of other versions read. Written only through `decode`, `encode`, `new` and
+    /// `gradient`, which every version of the struct has.
+    #[test]
+    fn progress_report_wire_format_is_pinned() {
+        let full = serde_json::json!({
+            "protocol": 1, "job": "a9a", "generation": 2, "rank": 1, "host": "h",
+            "step": 10, "samples": 640, "loss": 0.5, "eval_loss": 0.6, "epoch": 0.02,
+            "time": 1.7e9, "workers": 2, "hosts": 1, "sync_time_s": 0.012,
+            "model_bytes": 5200, "grad_sqr": 0.25, "grad_var": 3.5,
+            "sync_rounds_per_s": 6.5, "model_gap": 0.0134
+        });
+        let r: ProgressReport = decode(&serde_json::to_vec(&full).unwrap()).unwrap();
+        assert_eq!(
+            r.gradient(),
+            GradientReading::Valid {
+                sqr: 0.25,
+                var: 3.5
+            }
+        );
+        let wire: serde_json::Value = serde_json::from_slice(&encode(&r)).unwrap();
+        assert_eq!(wire, full);
+        assert_eq!(decode::<ProgressReport>(&encode(&r)).unwrap(), r);
+        // A minimal report: the four older optional keys written as null, the newer ones
+        // (gradient statistics, ShadowSync figures) not written at all.
+        let minimal = serde_json::json!({
+            "protocol": 1, "job": "a9a", "generation": 2, "rank": 1, "host": "h",
+            "step": 10, "samples": 640, "loss": 0.5, "eval_loss": null, "epoch": null,
+            "time": 1.7e9, "workers": null, "hosts": null, "sync_time_s": null,
+            "model_bytes": null
+        });
+        let m = ProgressReport::new(job("a9a"), 2, 1, host("h"), 10, 640, 0.5, 1.7e9);
+        let wire: serde_json::Value = serde_json::from_slice(&encode(&m)).unwrap();
+        assert_eq!(wire, minimal);
+        assert_eq!(decode::<ProgressReport>(&encode(&m)).unwrap(), m);
+        // Reading: the required keys only; `sync_s` is not a report key (ignored); null
+        // gradient statistics read as absent; a bad pair is accepted and reads as invalid.
+        let required = serde_json::json!({
+            "protocol": 1, "job": "a9a", "generation": 2, "rank": 1, "host": "h",
+            "step": 10, "samples": 640, "loss": 0.5, "time": 1.7e9
+        });
+        let old: ProgressReport = decode(&serde_json::to_vec(&required).unwrap()).unwrap();
+        assert_eq!(old, m);
+        let mut v = required.clone();
+        v["sync_s"] = 0.5.into();
+        let stray: ProgressReport = decode(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!(stray, m);
+        let wire: serde_json::Value = serde_json::from_slice(&encode(&stray)).unwrap();
+        assert_eq!(wire, minimal);
+        let mut v = required.clone();
+        v["grad_sqr"] = serde_json::Value::Null;
+        v["grad_var"] = serde_json::Value::Null;
+        let nulls: ProgressReport = decode(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!(nulls.gradient(), GradientReading::Absent);
+        let mut v = required.clone();
+        v["grad_sqr"] = (-1.0).into();
+        v["grad_var"] = 1.0.into();
+        let bad: ProgressReport = decode(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!(bad.gradient(), GradientReading::Invalid);
+        // Refused: a missing required key, a wrong type, bare NaN, a negative sync time
+        // (invalid, naming the key).
+        for key in ["step", "samples", "loss", "time", "job", "rank"] {
+            let mut v = required.clone();
+            v.as_object_mut().unwrap().remove(key);
+            assert!(
+                decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).is_err(),
+                "{key}"
+            );
+        }
+        let mut v = full.clone();
+        v["sync_rounds_per_s"] = "many".into();
+        assert!(decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).is_err());
+        let text = serde_json::to_string(&full)
+            .unwrap()
+            .replace("\"grad_sqr\":0.25", "\"grad_sqr\":NaN");
+        assert!(text.contains("NaN"));
+        assert!(decode::<ProgressReport>(text.as_bytes()).is_err());
+        let mut v = full.clone();
+        v["sync_time_s"] = (-0.5).into();
+        let e = decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), "invalid", "{e}");
+        assert!(e.to_string().contains("sync_time_s"), "{e}");
+    }
+
     #[test]
     fn progress_report_sync_time_is_validated_and_optional() {
         let base = ProgressReport {
