@@ -1579,7 +1579,10 @@ mod tests {
             "{text}"
         );
         let old: ProgressReport = decode(text.as_bytes()).unwrap();
-        assert_eq!((old.line.sync_rounds_per_s, old.line.model_gap), (None, None));
+        assert_eq!(
+            (old.line.sync_rounds_per_s, old.line.model_gap),
+            (None, None)
+        );
         // Negative, NaN and infinite figures are refused, naming the field.
         for bad in [-1e-9, -3.0, f64::NAN, f64::INFINITY] {
             let (mut rounds, mut gap) = (shadow.clone(), shadow.clone());
