@@ -1522,6 +1522,42 @@ mod tests {
     }
 
     #[test]
+    fn a_written_progress_line_reads_back_as_itself() {
+        // Absent gradient statistics are not written (a `null` would read as not a number).
+        let plain = WorkerProgressLine::new(3, 24, 0.75);
+        let text = serde_json::to_string(&plain).unwrap();
+        assert!(
+            !text.contains("grad_") && !text.contains("model_gap"),
+            "{text}"
+        );
+        let back = WorkerProgressLine::parse(&format!("{PROGRESS_LINE_PREFIX}{text}"));
+        assert_eq!(back.unwrap().unwrap(), plain);
+        let full = WorkerProgressLine {
+            eval_loss: Some(0.8),
+            epoch: Some(0.1),
+            sync_s: Some(0.01),
+            model_bytes: Some(5200),
+            grad_sqr: Some(0.25),
+            grad_var: Some(3.5),
+            sync_rounds_per_s: Some(6.5),
+            model_gap: Some(0.01),
+            ..plain
+        };
+        let text = serde_json::to_string(&full).unwrap();
+        let back = WorkerProgressLine::parse(&format!("{PROGRESS_LINE_PREFIX}{text}"));
+        assert_eq!(back.unwrap().unwrap(), full);
+        // In a report, the same line: its `sync_s` is the wire's `sync_time_s`.
+        let mut r = ProgressReport::new(job("j"), 1, 0, host("h"), 3, 24, 0.75, 1.0);
+        r.line = full.clone();
+        let wire: serde_json::Value = serde_json::from_slice(&encode(&r)).unwrap();
+        assert_eq!(
+            (wire["sync_time_s"].as_f64(), wire.get("sync_s")),
+            (Some(0.01), None)
+        );
+        assert_eq!(decode::<ProgressReport>(&encode(&r)).unwrap().line, full);
+    }
+
+    #[test]
     fn progress_report_sync_time_is_validated_and_optional() {
         let base = ProgressReport {
             protocol: 1,
