@@ -549,7 +549,7 @@ fn progress_msg_id(report: &ProgressReport) -> String {
         report.host,
         report.generation,
         report.rank,
-        report.step,
+        report.line.step,
         hasher.finish()
     )
 }

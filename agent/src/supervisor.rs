@@ -570,25 +570,18 @@ fn log_path(cfg: &SupervisorConfig, a: &WorkerAssignment) -> PathBuf {
         .join(format!("gen{}-rank{}.log", a.generation, a.rank))
 }
 
-/// The report for one parsed progress line of a worker: the line's figures (the sync time,
-/// model size, gradient statistics and a shadow job's sync rounds per second and model gap
-/// included, when the worker sends them; the statistics only when both are valid) on the worker's `base` (job, generation, rank, host, workers,
-/// hosts), read at `time` (UNIX seconds).
-fn progress_report(base: &ProgressReport, p: WorkerProgressLine, time: f64) -> ProgressReport {
+/// The report for one parsed progress line of a worker: the line as the worker sent it
+/// (the sync time, model size and a shadow job's sync rounds per second and model gap
+/// included), except that its gradient statistics are kept only when both are valid, on the
+/// worker's `base` (job, generation, rank, host, workers, hosts), read at `time` (UNIX
+/// seconds).
+fn progress_report(base: &ProgressReport, mut p: WorkerProgressLine, time: f64) -> ProgressReport {
     let gradient = p.gradient().valid();
+    p.grad_sqr = gradient.map(|(s, _)| s);
+    p.grad_var = gradient.map(|(_, v)| v);
     ProgressReport {
-        grad_sqr: gradient.map(|(s, _)| s),
-        grad_var: gradient.map(|(_, v)| v),
-        step: p.step,
-        samples: p.samples,
-        loss: p.loss,
-        eval_loss: p.eval_loss,
-        epoch: p.epoch,
+        line: p,
         time,
-        sync_time_s: p.sync_s,
-        model_bytes: p.model_bytes,
-        sync_rounds_per_s: p.sync_rounds_per_s,
-        model_gap: p.model_gap,
         ..base.clone()
     }
 }
@@ -795,20 +788,10 @@ fn spawn_worker(
         generation: a.generation,
         rank: a.rank,
         host: cfg.host.clone(),
-        step: 0,
-        samples: 0,
-        loss: 0.0,
-        eval_loss: None,
-        epoch: None,
+        line: WorkerProgressLine::new(0, 0, 0.0),
         time: 0.0,
         workers: Some(a.world_size.saturating_sub(a.num_ps)),
         hosts: (a.hosts > 0).then_some(a.hosts),
-        sync_time_s: None,
-        model_bytes: None,
-        grad_sqr: None,
-        grad_var: None,
-        sync_rounds_per_s: None,
-        model_gap: None,
     };
     tokio::spawn(async move {
         let mut log = match tokio::fs::OpenOptions::new()
@@ -1167,29 +1150,22 @@ mod tests {
             generation: 3,
             rank: 0,
             host: HostId::new("h").unwrap(),
-            step: 0,
-            samples: 0,
-            loss: 0.0,
-            eval_loss: None,
-            epoch: None,
+            line: WorkerProgressLine::new(0, 0, 0.0),
             time: 0.0,
             workers: Some(4),
             hosts: Some(2),
-            sync_time_s: None,
-            model_bytes: None,
-            grad_sqr: None,
-            grad_var: None,
-            sync_rounds_per_s: None,
-            model_gap: None,
         };
         let line = r#"CONVERGE_PROGRESS {"step":20,"samples":2560,"loss":0.4,"epoch":0.5,"sync_s":0.003,"model_bytes":5200}"#;
         let p = WorkerProgressLine::parse(line).unwrap().unwrap();
         let r = progress_report(&base, p, 12.5);
         assert_eq!(
-            (r.step, r.samples, r.loss, r.epoch),
+            (r.line.step, r.line.samples, r.line.loss, r.line.epoch),
             (20, 2560, 0.4, Some(0.5))
         );
-        assert_eq!((r.sync_time_s, r.model_bytes), (Some(0.003), Some(5200)));
+        assert_eq!(
+            (r.line.sync_s, r.line.model_bytes),
+            (Some(0.003), Some(5200))
+        );
         assert_eq!(
             (r.workers, r.hosts, r.generation, r.time),
             (Some(4), Some(2), 3, 12.5)
@@ -1200,9 +1176,9 @@ mod tests {
             .unwrap()
             .unwrap();
         let r = progress_report(&base, p, 1.0);
-        assert_eq!((r.sync_time_s, r.model_bytes), (None, None));
-        assert_eq!((r.grad_sqr, r.grad_var), (None, None));
-        assert_eq!((r.sync_rounds_per_s, r.model_gap), (None, None));
+        assert_eq!((r.line.sync_s, r.line.model_bytes), (None, None));
+        assert_eq!((r.line.grad_sqr, r.line.grad_var), (None, None));
+        assert_eq!((r.line.sync_rounds_per_s, r.line.model_gap), (None, None));
         // A shadow worker's (converge-trainer --shadow) sync rounds and model gap.
         let p = WorkerProgressLine::parse(
             r#"CONVERGE_PROGRESS {"step":40,"samples":5120,"loss":0.7,"sync_s":0,"model_bytes":1626880,"sync_rounds_per_s":13.6,"model_gap":0.0065}"#,
@@ -1211,10 +1187,10 @@ mod tests {
         .unwrap();
         let r = progress_report(&base, p, 2.0);
         assert_eq!(
-            (r.sync_rounds_per_s, r.model_gap),
+            (r.line.sync_rounds_per_s, r.line.model_gap),
             (Some(13.6), Some(0.0065))
         );
-        assert_eq!((r.sync_time_s, r.samples), (Some(0.0), 5120));
+        assert_eq!((r.line.sync_s, r.line.samples), (Some(0.0), 5120));
         assert!(r.validate().is_ok());
         // Valid statistics are copied; bad ones are dropped and the rest is kept.
         let p = WorkerProgressLine::parse(
@@ -1223,14 +1199,17 @@ mod tests {
         .unwrap()
         .unwrap();
         let r = progress_report(&base, p, 1.0);
-        assert_eq!((r.grad_sqr, r.grad_var), (Some(0.25), Some(4.0)));
+        assert_eq!((r.line.grad_sqr, r.line.grad_var), (Some(0.25), Some(4.0)));
         let p = WorkerProgressLine::parse(
             r#"CONVERGE_PROGRESS {"step":1,"samples":8,"loss":0.9,"grad_sqr":NaN,"grad_var":4}"#,
         )
         .unwrap()
         .unwrap();
         let r = progress_report(&base, p, 1.0);
-        assert_eq!((r.loss, r.grad_sqr, r.grad_var), (0.9, None, None));
+        assert_eq!(
+            (r.line.loss, r.line.grad_sqr, r.line.grad_var),
+            (0.9, None, None)
+        );
         assert!(r.validate().is_ok());
     }
 }

@@ -27,14 +27,14 @@ impl ShadowFigures {
     /// Takes `r` if it is rank 0's, carries a figure, and is not older (by generation, then
     /// time) than what the job has. Reports were validated on decoding (finite, >= 0).
     pub fn note(&mut self, r: &ProgressReport) {
-        if r.rank != 0 || (r.sync_rounds_per_s.is_none() && r.model_gap.is_none()) {
+        if r.rank != 0 || (r.line.sync_rounds_per_s.is_none() && r.line.model_gap.is_none()) {
             return;
         }
         let new = Latest {
             generation: r.generation,
             time: r.time,
-            sync_rounds_per_s: r.sync_rounds_per_s,
-            model_gap: r.model_gap,
+            sync_rounds_per_s: r.line.sync_rounds_per_s,
+            model_gap: r.line.model_gap,
         };
         let keep_old = self
             .0
@@ -74,8 +74,8 @@ mod tests {
             0.5,
             time,
         );
-        r.sync_rounds_per_s = rounds;
-        r.model_gap = rounds.map(|x| x / 1000.0);
+        r.line.sync_rounds_per_s = rounds;
+        r.line.model_gap = rounds.map(|x| x / 1000.0);
         r
     }
 

@@ -154,7 +154,9 @@ impl Message for HostTelemetry {
 // Progress
 // ---------------------------------------------------------------------------------------
 
-/// The JSON a worker prints after `CONVERGE_PROGRESS ` on stdout (worker contract).
+/// The JSON a worker prints after `CONVERGE_PROGRESS ` on stdout (worker contract), and
+/// the figures of a [`ProgressReport`] (its `line`). Written, the gradient statistics and
+/// ShadowSync figures are left out when absent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct WorkerProgressLine {
     /// Optimizer steps since the job began (continues across generations).
@@ -180,22 +182,30 @@ pub struct WorkerProgressLine {
     /// Squared L2 norm of the true (mean per-sample) gradient, an unbiased estimate over the
     /// steps since the previous line (AdaptDL's `grad_sqr`). With `grad_var`; see
     /// [`GradientReading`]. `null`, `NaN` or `Infinity` read as not a number.
-    #[serde(default, deserialize_with = "number_or_nan")]
+    #[serde(
+        default,
+        deserialize_with = "number_or_nan",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub grad_sqr: Option<f64>,
     /// Trace of the covariance of one sample's gradient (so a gradient averaged over `b`
     /// samples has variance `grad_var / b`), same window; `grad_var / grad_sqr` is the
     /// gradient noise scale in samples.
-    #[serde(default, deserialize_with = "number_or_nan")]
+    #[serde(
+        default,
+        deserialize_with = "number_or_nan",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub grad_var: Option<f64>,
     /// ShadowSync workers (trainer `--shadow`): background synchronization rounds completed
     /// per second since the previous line; their step time excludes synchronization, so
     /// contention shows here instead. Finite and >= 0 when present.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sync_rounds_per_s: Option<f64>,
     /// ShadowSync workers: mean relative distance `||local - synchronized|| / max(||local||,
     /// ||synchronized||)` between the worker's model and the synchronized one over those
     /// rounds (0 to 2). Finite and >= 0 when present.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_gap: Option<f64>,
 }
 
@@ -341,6 +351,10 @@ impl WorkerProgressLine {
 
 /// One progress report on `converge.v1.progress.<job>`: a worker's progress line plus who
 /// and when.
+///
+/// On the wire the line's keys sit beside the report's own (`#[serde(flatten)]`), with one
+/// renaming: the line's `sync_s` is the report's `sync_time_s`. A
+/// report's JSON is thus what it was when the report repeated the line's fields.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ProgressReport {
     #[serde(default = "default_protocol")]
@@ -349,13 +363,15 @@ pub struct ProgressReport {
     pub generation: u64,
     pub rank: u32,
     pub host: HostId,
-    pub step: u64,
-    pub samples: u64,
-    pub loss: f64,
-    #[serde(default)]
-    pub eval_loss: Option<f64>,
-    #[serde(default)]
-    pub epoch: Option<f64>,
+    /// The worker's progress line as the agent copied it: its step, samples, loss and
+    /// optional figures. Its `sync_s` (seconds per optimizer step spent synchronizing,
+    /// finite and >= 0) is the wire's `sync_time_s`. Its `grad_sqr` and `grad_var` are
+    /// copied by the agent only when both are valid ([`GradientReading::Valid`]); a report
+    /// whose pair is not valid is still accepted: the allocator ignores and counts the pair,
+    /// never the loss. `sync_rounds_per_s` and `model_gap` are a ShadowSync job's
+    /// (`arch = "shadow"`), absent for other jobs and in reports of older agents.
+    #[serde(flatten, with = "report_line")]
+    pub line: WorkerProgressLine,
     /// When the agent read the line (UNIX seconds).
     pub time: f64,
     /// Data-parallel workers of the generation (parameter-server shards not counted), from
@@ -365,38 +381,70 @@ pub struct ProgressReport {
     /// Hosts the generation's workers span, from the worker's assignment.
     #[serde(default)]
     pub hosts: Option<u32>,
-    /// The worker's `sync_s`: seconds per optimizer step spent synchronizing gradients or
-    /// parameters, mean over the steps since its previous line (finite, >= 0); absent when
-    /// the worker does not measure it.
-    #[serde(default)]
-    pub sync_time_s: Option<f64>,
-    /// The worker's `model_bytes`: bytes of the parameters the job synchronizes.
-    #[serde(default)]
-    pub model_bytes: Option<u64>,
-    /// The worker's `grad_sqr` and `grad_var` (see [`WorkerProgressLine`]), copied by the
-    /// agent only when both are valid ([`GradientReading::Valid`]). A report whose pair is
-    /// not valid is still accepted: the allocator ignores and counts the pair, never the
-    /// loss.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub grad_sqr: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub grad_var: Option<f64>,
-    /// ShadowSync workers (`arch = "shadow"`): the line's `sync_rounds_per_s`, background
-    /// synchronization rounds completed per second since the worker's previous line
-    /// (finite, >= 0). Absent for other jobs and in reports of older agents.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sync_rounds_per_s: Option<f64>,
-    /// ShadowSync workers: the line's `model_gap`, the mean relative distance between the
-    /// worker's model and the synchronized one over those rounds (dimensionless, 0 to 2;
-    /// finite, >= 0). Absent for other jobs and in reports of older agents.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub model_gap: Option<f64>,
+}
+
+/// How a [`ProgressReport`] writes and reads its [`WorkerProgressLine`]: the line's keys,
+/// with `sync_s` named `sync_time_s`, the report's name for it since before the report
+/// held the line.
+///
+/// Reading keeps what reports read before they held the line: a `sync_s` key is not a
+/// report's (ignored), and a `null` `grad_sqr` or `grad_var` is absent (in a worker's line
+/// it is not a number, [`GradientReading::Invalid`]).
+mod report_line {
+    use super::WorkerProgressLine;
+    use serde::de::Error as _;
+    use serde::ser::Error as _;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use serde_json::{Map, Value};
+
+    pub fn serialize<S: Serializer>(line: &WorkerProgressLine, s: S) -> Result<S::Ok, S::Error> {
+        let Value::Object(mut map) = serde_json::to_value(line).map_err(S::Error::custom)? else {
+            return Err(S::Error::custom("a progress line serializes to an object"));
+        };
+        if let Some(sync) = map.remove("sync_s") {
+            map.insert("sync_time_s".into(), sync);
+        }
+        map.serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<WorkerProgressLine, D::Error> {
+        let mut map = Map::<String, Value>::deserialize(d)?;
+        map.remove("sync_s");
+        if let Some(sync) = map.remove("sync_time_s") {
+            map.insert("sync_s".into(), sync);
+        }
+        for key in ["grad_sqr", "grad_var"] {
+            if map.get(key) == Some(&Value::Null) {
+                map.remove(key);
+            }
+        }
+        serde_json::from_value(Value::Object(map)).map_err(D::Error::custom)
+    }
+}
+
+impl WorkerProgressLine {
+    /// A line with the required figures and every optional one absent.
+    pub fn new(step: u64, samples: u64, loss: f64) -> Self {
+        Self {
+            step,
+            samples,
+            loss,
+            eval_loss: None,
+            epoch: None,
+            sync_s: None,
+            model_bytes: None,
+            grad_sqr: None,
+            grad_var: None,
+            sync_rounds_per_s: None,
+            model_gap: None,
+        }
+    }
 }
 
 impl ProgressReport {
     /// A report of the current protocol with the required fields; every optional field
-    /// (`eval_loss`, `epoch`, `workers`, `hosts`, `sync_time_s`, `model_bytes`, the
-    /// gradient statistics and the ShadowSync figures) absent.
+    /// (`workers`, `hosts` and the line's `eval_loss`, `epoch`, `sync_s`, `model_bytes`,
+    /// gradient statistics and ShadowSync figures) absent.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         job: JobId,
@@ -414,26 +462,16 @@ impl ProgressReport {
             generation,
             rank,
             host,
-            step,
-            samples,
-            loss,
-            eval_loss: None,
-            epoch: None,
+            line: WorkerProgressLine::new(step, samples, loss),
             time,
             workers: None,
             hosts: None,
-            sync_time_s: None,
-            model_bytes: None,
-            grad_sqr: None,
-            grad_var: None,
-            sync_rounds_per_s: None,
-            model_gap: None,
         }
     }
 
     /// The report's gradient statistics, classified.
     pub fn gradient(&self) -> GradientReading {
-        GradientReading::of(self.grad_sqr, self.grad_var)
+        self.line.gradient()
     }
 }
 
@@ -442,18 +480,20 @@ impl Message for ProgressReport {
         self.protocol
     }
     fn validate(&self) -> Result<(), String> {
-        finite("loss", self.loss)?;
+        let line = &self.line;
+        finite("loss", line.loss)?;
         finite("time", self.time)?;
-        if let Some(e) = self.eval_loss {
+        if let Some(e) = line.eval_loss {
             finite("eval_loss", e)?;
         }
-        if let Some(s) = self.sync_time_s {
+        // The line's `sync_s`, named as on the wire.
+        if let Some(s) = line.sync_s {
             sync_time("sync_time_s", s)?;
         }
-        if let Some(r) = self.sync_rounds_per_s {
+        if let Some(r) = line.sync_rounds_per_s {
             sync_time("sync_rounds_per_s", r)?;
         }
-        if let Some(g) = self.model_gap {
+        if let Some(g) = line.model_gap {
             sync_time("model_gap", g)?;
         }
         Ok(())
@@ -1183,20 +1223,20 @@ mod tests {
             generation: 2,
             rank: 0,
             host: host("h"),
-            step: 10,
-            samples: 640,
-            loss: 0.5,
-            eval_loss: Some(0.6),
-            epoch: Some(0.02),
+            line: WorkerProgressLine {
+                eval_loss: Some(0.6),
+                epoch: Some(0.02),
+                sync_s: Some(0.012),
+                model_bytes: Some(5200),
+                grad_sqr: Some(0.25),
+                grad_var: Some(3.5),
+                sync_rounds_per_s: Some(6.5),
+                model_gap: Some(0.0134),
+                ..WorkerProgressLine::new(10, 640, 0.5)
+            },
             time: 1.7e9,
             workers: Some(2),
             hosts: Some(1),
-            sync_time_s: Some(0.012),
-            model_bytes: Some(5200),
-            grad_sqr: Some(0.25),
-            grad_var: Some(3.5),
-            sync_rounds_per_s: Some(6.5),
-            model_gap: Some(0.0134),
         });
         round_trip(Event::new(
             1.0,
@@ -1397,6 +1437,127 @@ mod tests {
         }
     }
 
+    /// The wire JSON of a progress report, pinned: every key of a full report and of a
+    /// minimal one (`ProgressReport::new`), so that a change of the struct cannot change what
+    /// allocators of other versions read. Written only through `decode`, `encode`, `new` and
+    /// `gradient`, which every version of the struct has.
+    #[test]
+    fn progress_report_wire_format_is_pinned() {
+        let full = serde_json::json!({
+            "protocol": 1, "job": "a9a", "generation": 2, "rank": 1, "host": "h",
+            "step": 10, "samples": 640, "loss": 0.5, "eval_loss": 0.6, "epoch": 0.02,
+            "time": 1.7e9, "workers": 2, "hosts": 1, "sync_time_s": 0.012,
+            "model_bytes": 5200, "grad_sqr": 0.25, "grad_var": 3.5,
+            "sync_rounds_per_s": 6.5, "model_gap": 0.0134
+        });
+        let r: ProgressReport = decode(&serde_json::to_vec(&full).unwrap()).unwrap();
+        assert_eq!(
+            r.gradient(),
+            GradientReading::Valid {
+                sqr: 0.25,
+                var: 3.5
+            }
+        );
+        let wire: serde_json::Value = serde_json::from_slice(&encode(&r)).unwrap();
+        assert_eq!(wire, full);
+        assert_eq!(decode::<ProgressReport>(&encode(&r)).unwrap(), r);
+        // A minimal report: the four older optional keys written as null, the newer ones
+        // (gradient statistics, ShadowSync figures) not written at all.
+        let minimal = serde_json::json!({
+            "protocol": 1, "job": "a9a", "generation": 2, "rank": 1, "host": "h",
+            "step": 10, "samples": 640, "loss": 0.5, "eval_loss": null, "epoch": null,
+            "time": 1.7e9, "workers": null, "hosts": null, "sync_time_s": null,
+            "model_bytes": null
+        });
+        let m = ProgressReport::new(job("a9a"), 2, 1, host("h"), 10, 640, 0.5, 1.7e9);
+        let wire: serde_json::Value = serde_json::from_slice(&encode(&m)).unwrap();
+        assert_eq!(wire, minimal);
+        assert_eq!(decode::<ProgressReport>(&encode(&m)).unwrap(), m);
+        // Reading: the required keys only; `sync_s` is not a report key (ignored); null
+        // gradient statistics read as absent; a bad pair is accepted and reads as invalid.
+        let required = serde_json::json!({
+            "protocol": 1, "job": "a9a", "generation": 2, "rank": 1, "host": "h",
+            "step": 10, "samples": 640, "loss": 0.5, "time": 1.7e9
+        });
+        let old: ProgressReport = decode(&serde_json::to_vec(&required).unwrap()).unwrap();
+        assert_eq!(old, m);
+        let mut v = required.clone();
+        v["sync_s"] = 0.5.into();
+        let stray: ProgressReport = decode(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!(stray, m);
+        let wire: serde_json::Value = serde_json::from_slice(&encode(&stray)).unwrap();
+        assert_eq!(wire, minimal);
+        let mut v = required.clone();
+        v["grad_sqr"] = serde_json::Value::Null;
+        v["grad_var"] = serde_json::Value::Null;
+        let nulls: ProgressReport = decode(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!(nulls.gradient(), GradientReading::Absent);
+        let mut v = required.clone();
+        v["grad_sqr"] = (-1.0).into();
+        v["grad_var"] = 1.0.into();
+        let bad: ProgressReport = decode(&serde_json::to_vec(&v).unwrap()).unwrap();
+        assert_eq!(bad.gradient(), GradientReading::Invalid);
+        // Refused: a missing required key, a wrong type, bare NaN, a negative sync time
+        // (invalid, naming the key).
+        for key in ["step", "samples", "loss", "time", "job", "rank"] {
+            let mut v = required.clone();
+            v.as_object_mut().unwrap().remove(key);
+            assert!(
+                decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).is_err(),
+                "{key}"
+            );
+        }
+        let mut v = full.clone();
+        v["sync_rounds_per_s"] = "many".into();
+        assert!(decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).is_err());
+        let text = serde_json::to_string(&full)
+            .unwrap()
+            .replace("\"grad_sqr\":0.25", "\"grad_sqr\":NaN");
+        assert!(text.contains("NaN"));
+        assert!(decode::<ProgressReport>(text.as_bytes()).is_err());
+        let mut v = full.clone();
+        v["sync_time_s"] = (-0.5).into();
+        let e = decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.kind(), "invalid", "{e}");
+        assert!(e.to_string().contains("sync_time_s"), "{e}");
+    }
+
+    #[test]
+    fn a_written_progress_line_reads_back_as_itself() {
+        // Absent gradient statistics are not written (a `null` would read as not a number).
+        let plain = WorkerProgressLine::new(3, 24, 0.75);
+        let text = serde_json::to_string(&plain).unwrap();
+        assert!(
+            !text.contains("grad_") && !text.contains("model_gap"),
+            "{text}"
+        );
+        let back = WorkerProgressLine::parse(&format!("{PROGRESS_LINE_PREFIX}{text}"));
+        assert_eq!(back.unwrap().unwrap(), plain);
+        let full = WorkerProgressLine {
+            eval_loss: Some(0.8),
+            epoch: Some(0.1),
+            sync_s: Some(0.01),
+            model_bytes: Some(5200),
+            grad_sqr: Some(0.25),
+            grad_var: Some(3.5),
+            sync_rounds_per_s: Some(6.5),
+            model_gap: Some(0.01),
+            ..plain
+        };
+        let text = serde_json::to_string(&full).unwrap();
+        let back = WorkerProgressLine::parse(&format!("{PROGRESS_LINE_PREFIX}{text}"));
+        assert_eq!(back.unwrap().unwrap(), full);
+        // In a report, the same line: its `sync_s` is the wire's `sync_time_s`.
+        let mut r = ProgressReport::new(job("j"), 1, 0, host("h"), 3, 24, 0.75, 1.0);
+        r.line = full.clone();
+        let wire: serde_json::Value = serde_json::from_slice(&encode(&r)).unwrap();
+        assert_eq!(
+            (wire["sync_time_s"].as_f64(), wire.get("sync_s")),
+            (Some(0.01), None)
+        );
+        assert_eq!(decode::<ProgressReport>(&encode(&r)).unwrap().line, full);
+    }
+
     #[test]
     fn progress_report_sync_time_is_validated_and_optional() {
         let base = ProgressReport {
@@ -1405,27 +1566,19 @@ mod tests {
             generation: 2,
             rank: 0,
             host: host("h"),
-            step: 10,
-            samples: 640,
-            loss: 0.5,
-            eval_loss: None,
-            epoch: None,
+            line: WorkerProgressLine {
+                sync_s: Some(0.0),
+                model_bytes: Some(5200),
+                ..WorkerProgressLine::new(10, 640, 0.5)
+            },
             time: 1.7e9,
             workers: Some(2),
             hosts: Some(1),
-            sync_time_s: Some(0.0),
-            model_bytes: Some(5200),
-            grad_sqr: None,
-            grad_var: None,
-            sync_rounds_per_s: None,
-            model_gap: None,
         };
         assert!(base.validate().is_ok());
         for bad in [-1e-9, f64::NAN, f64::INFINITY] {
-            let r = ProgressReport {
-                sync_time_s: Some(bad),
-                ..base.clone()
-            };
+            let mut r = base.clone();
+            r.line.sync_s = Some(bad);
             assert!(r.validate().unwrap_err().contains("sync_time_s"), "{bad}");
         }
         // Reports of agents older than the fields decode with both absent.
@@ -1434,7 +1587,7 @@ mod tests {
         obj.remove("sync_time_s");
         obj.remove("model_bytes");
         let old: ProgressReport = decode(&serde_json::to_vec(&v).unwrap()).unwrap();
-        assert_eq!((old.sync_time_s, old.model_bytes), (None, None));
+        assert_eq!((old.line.sync_s, old.line.model_bytes), (None, None));
         // A negative sync time on the wire is refused as invalid.
         v["sync_time_s"] = (-0.5).into();
         let e = decode::<ProgressReport>(&serde_json::to_vec(&v).unwrap()).unwrap_err();
@@ -1444,17 +1597,15 @@ mod tests {
     #[test]
     fn progress_report_shadow_figures_round_trip_are_optional_and_validated() {
         let mut shadow = ProgressReport::new(job("sh"), 1, 0, host("h"), 40, 5120, 0.7, 1.7e9);
-        shadow.sync_time_s = Some(0.0);
-        shadow.sync_rounds_per_s = Some(13.6);
-        shadow.model_gap = Some(0.0065);
+        shadow.line.sync_s = Some(0.0);
+        shadow.line.sync_rounds_per_s = Some(13.6);
+        shadow.line.model_gap = Some(0.0065);
         let back: ProgressReport = decode(&encode(&shadow)).unwrap();
         assert_eq!(back, shadow);
         // Zero is a valid figure (a generation whose synchronization was dropped).
-        let zero = ProgressReport {
-            sync_rounds_per_s: Some(0.0),
-            model_gap: Some(0.0),
-            ..shadow.clone()
-        };
+        let mut zero = shadow.clone();
+        zero.line.sync_rounds_per_s = Some(0.0);
+        zero.line.model_gap = Some(0.0);
         assert!(zero.validate().is_ok());
         // Absent in reports of other jobs: not written at all, and reports of agents older
         // than the fields decode with both absent.
@@ -1465,25 +1616,16 @@ mod tests {
             "{text}"
         );
         let old: ProgressReport = decode(text.as_bytes()).unwrap();
-        assert_eq!((old.sync_rounds_per_s, old.model_gap), (None, None));
+        assert_eq!(
+            (old.line.sync_rounds_per_s, old.line.model_gap),
+            (None, None)
+        );
         // Negative, NaN and infinite figures are refused, naming the field.
         for bad in [-1e-9, -3.0, f64::NAN, f64::INFINITY] {
-            for (field, r) in [
-                (
-                    "sync_rounds_per_s",
-                    ProgressReport {
-                        sync_rounds_per_s: Some(bad),
-                        ..shadow.clone()
-                    },
-                ),
-                (
-                    "model_gap",
-                    ProgressReport {
-                        model_gap: Some(bad),
-                        ..shadow.clone()
-                    },
-                ),
-            ] {
+            let (mut rounds, mut gap) = (shadow.clone(), shadow.clone());
+            rounds.line.sync_rounds_per_s = Some(bad);
+            gap.line.model_gap = Some(bad);
+            for (field, r) in [("sync_rounds_per_s", rounds), ("model_gap", gap)] {
                 assert!(r.validate().unwrap_err().contains(field), "{field} {bad}");
             }
         }
@@ -1563,8 +1705,8 @@ mod tests {
         assert_eq!(nan_tokens_to_null(r#"{"k":"NaN"}"#), None);
         // A report with a bad pair on the wire is accepted; the pair reads as invalid.
         let mut r = ProgressReport::new(job("j"), 1, 0, host("h"), 1, 8, 0.9, 1.0);
-        r.grad_sqr = Some(-1.0);
-        r.grad_var = Some(1.0);
+        r.line.grad_sqr = Some(-1.0);
+        r.line.grad_var = Some(1.0);
         let back: ProgressReport = decode(&encode(&r)).unwrap();
         assert_eq!(back.gradient(), GradientReading::Invalid);
     }

@@ -44,7 +44,7 @@ use converge_bus::{Bus, NatsArgs, Rejects, humantime_duration, unix_now};
 use converge_common::codec::encode;
 use converge_common::{
     GpuSample, HostId, HostTelemetry, JobId, JobSpec, JobStatus, NicSample, PROTOCOL_VERSION,
-    ProgressReport, subjects,
+    ProgressReport, WorkerProgressLine, subjects,
 };
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -446,20 +446,17 @@ async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, u
                         generation,
                         rank,
                         host,
-                        step,
-                        samples: step * 64,
-                        loss: 2.0 / (1.0 + step as f64 / 500.0) + 0.1 + jitter,
-                        eval_loss: None,
-                        epoch: Some(step as f64 / 100.0),
+                        line: WorkerProgressLine {
+                            epoch: Some(step as f64 / 100.0),
+                            ..WorkerProgressLine::new(
+                                step,
+                                step * 64,
+                                2.0 / (1.0 + step as f64 / 500.0) + 0.1 + jitter,
+                            )
+                        },
                         time: unix_now(),
                         workers: Some(args.ranks_per_job.max(1)),
                         hosts: Some(1),
-                        sync_time_s: None,
-                        model_bytes: None,
-                        grad_sqr: None,
-                        grad_var: None,
-                        sync_rounds_per_s: None,
-                        model_gap: None,
                     };
                     let subject = subjects::progress(&report.job, &report.host);
                     let publish = bus.js.publish(subject, Bytes::from(encode(&report)));

@@ -125,24 +125,28 @@ impl JobHistory {
         }
         self.latest_generation = r.generation;
         if self.first_loss.is_none() {
-            self.first_loss = Some(r.loss);
+            self.first_loss = Some(r.line.loss);
         }
-        if r.eval_loss.is_some() {
-            self.last_eval_loss = r.eval_loss;
+        if r.line.eval_loss.is_some() {
+            self.last_eval_loss = r.line.eval_loss;
         }
-        if r.model_bytes.is_some() {
-            self.model_bytes = r.model_bytes;
+        if r.line.model_bytes.is_some() {
+            self.model_bytes = r.line.model_bytes;
         }
-        if let Some(e) = r.epoch.filter(|e| e.is_finite() && *e > 0.0)
-            && r.samples > 0
+        if let Some(e) = r.line.epoch.filter(|e| e.is_finite() && *e > 0.0)
+            && r.line.samples > 0
         {
-            let per_epoch = r.samples as f64 / e;
+            let per_epoch = r.line.samples as f64 / e;
             if per_epoch.is_finite() && per_epoch >= 1.0 {
                 self.epoch_samples = Some(per_epoch);
             }
         }
         let mut cut = false;
-        while self.points.last().is_some_and(|p| p.samples > r.samples) {
+        while self
+            .points
+            .last()
+            .is_some_and(|p| p.samples > r.line.samples)
+        {
             self.points.pop();
             cut = true;
         }
@@ -150,7 +154,11 @@ impl JobHistory {
             self.added = self.points.len();
             self.resets += 1;
         }
-        while self.gradient.last().is_some_and(|g| g.samples > r.samples) {
+        while self
+            .gradient
+            .last()
+            .is_some_and(|g| g.samples > r.line.samples)
+        {
             self.gradient.pop();
         }
         match r.gradient() {
@@ -161,9 +169,9 @@ impl JobHistory {
                 let covered = self
                     .points
                     .last()
-                    .map_or(0, |p| r.samples.saturating_sub(p.samples));
+                    .map_or(0, |p| r.line.samples.saturating_sub(p.samples));
                 self.gradient.push(GradientPoint {
-                    samples: r.samples,
+                    samples: r.line.samples,
                     covered,
                     sqr,
                     var,
@@ -190,12 +198,12 @@ impl JobHistory {
         self.added += 1;
         self.points.push(ProgressPoint {
             generation: r.generation,
-            step: r.step,
-            samples: r.samples,
-            loss: r.loss,
-            eval_loss: r.eval_loss,
+            step: r.line.step,
+            samples: r.line.samples,
+            loss: r.line.loss,
+            eval_loss: r.line.eval_loss,
             time: r.time,
-            sync_time_s: r.sync_time_s.filter(|s| s.is_finite() && *s >= 0.0),
+            sync_time_s: r.line.sync_s.filter(|s| s.is_finite() && *s >= 0.0),
         });
         if self.points.len() > MAX_POINTS {
             let excess = self.points.len() - MAX_POINTS;
@@ -481,8 +489,8 @@ pub(crate) mod tests {
     }
 
     fn with_gradient(mut r: ProgressReport, sqr: Option<f64>, var: Option<f64>) -> ProgressReport {
-        r.grad_sqr = sqr;
-        r.grad_var = var;
+        r.line.grad_sqr = sqr;
+        r.line.grad_var = var;
         r
     }
 
@@ -649,14 +657,12 @@ pub(crate) mod tests {
     #[test]
     fn step_observations_carry_the_step_weighted_sync_time_and_the_model_size() {
         let mut h = JobHistory::default();
-        let with =
-            |generation, samples, time, sync: Option<f64>, bytes: Option<u64>| ProgressReport {
-                workers: Some(4),
-                hosts: Some(2),
-                sync_time_s: sync,
-                model_bytes: bytes,
-                ..report(generation, 0, samples, 1.0, time)
-            };
+        let with = |generation, samples, time, sync: Option<f64>, bytes: Option<u64>| {
+            let mut r = report(generation, 0, samples, 1.0, time);
+            (r.workers, r.hosts) = (Some(4), Some(2));
+            (r.line.sync_s, r.line.model_bytes) = (sync, bytes);
+            r
+        };
         assert_eq!(h.model_bytes(), None);
         // Generation 1 (step = samples / 10): the first report's sync (its steps precede
         // the observed interval) is left out; 10 steps at 0.02 s, then 30 steps at 0.06 s.
@@ -710,9 +716,10 @@ pub(crate) mod tests {
     fn samples_at_counts_each_span_at_its_batchs_efficiency() {
         let mut h = JobHistory::default();
         assert_eq!(h.samples_at(|_| 0.5), 0.0);
-        let at = |generation, step, samples, time| ProgressReport {
-            step,
-            ..report(generation, 0, samples, 1.0, time)
+        let at = |generation, step, samples, time| {
+            let mut r = report(generation, 0, samples, 1.0, time);
+            r.line.step = step;
+            r
         };
         // Generation 1 at a batch of 100 (efficiency 1), generation 2 at 400 (0.5).
         h.add(&at(1, 2, 200, 10.0));

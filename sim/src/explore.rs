@@ -535,7 +535,7 @@ pub fn simulate(
                     t.curve.observed(x),
                     now + stall + elapsed,
                 );
-                r.epoch = Some(x / t.curve.epoch_samples);
+                r.line.epoch = Some(x / t.curve.epoch_samples);
                 r.workers = Some(workers);
                 r.hosts = Some(nodes);
                 t.history.add(&r);

@@ -382,8 +382,8 @@ impl World for TraceWorld<'_> {
             {
                 // The reports carry the per-sample variance; the application's figure is
                 // that of a gradient over its reference batch.
-                r.grad_sqr = Some(sqr);
-                r.grad_var = Some(var * f64::from(app.init_batch_size));
+                r.line.grad_sqr = Some(sqr);
+                r.line.grad_var = Some(var * f64::from(app.init_batch_size));
             }
             into.reports.push(r);
         }

@@ -128,16 +128,16 @@ async fn agent_starts_resizes_and_stops_real_workers() {
         assert_eq!((r.job.as_str(), r.generation), ("opt", 1));
         // On this host's subject of the job, the only one its NATS user may publish to.
         assert_eq!(msg.subject.as_str(), "converge.v1.progress.opt.n1");
-        if r.step >= 60 {
+        if r.line.step >= 60 {
             last_gen1 = Some(r);
             break;
         }
     }
     let last_gen1 = last_gen1.expect("generation 1 reached step 60");
     // The trainer's measured all-reduce time and model size (650 f64) reach the report.
-    let sync = last_gen1.sync_time_s.expect("sync time in the report");
+    let sync = last_gen1.line.sync_s.expect("sync time in the report");
     assert!(sync > 0.0 && sync.is_finite(), "{sync}");
-    assert_eq!(last_gen1.model_bytes, Some(650 * 8));
+    assert_eq!(last_gen1.line.model_bytes, Some(650 * 8));
 
     // Generation 2: one rank. The old generation is stopped first, then the new one resumes.
     bus.put(
@@ -162,14 +162,14 @@ async fn agent_starts_resizes_and_stops_real_workers() {
         "generation 1 processes still alive"
     );
     assert!(
-        first_gen2.step > 0,
+        first_gen2.line.step > 0,
         "generation 2 started at step 0 instead of the checkpoint"
     );
     assert!(
-        first_gen2.step + 40 >= last_gen1.step,
+        first_gen2.line.step + 40 >= last_gen1.line.step,
         "resumed too far back: {} vs {}",
-        first_gen2.step,
-        last_gen1.step
+        first_gen2.line.step,
+        last_gen1.line.step
     );
     let log = work.path().join("logs/opt/gen2-rank0.log");
     assert!(
@@ -221,12 +221,15 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
         .unwrap();
     let r: ProgressReport = decode(&msg.payload).unwrap();
     assert_eq!(
-        (r.job.as_str(), r.step, r.samples, r.loss),
+        (r.job.as_str(), r.line.step, r.line.samples, r.line.loss),
         ("chatty", 2, 16, 0.5)
     );
-    assert_eq!((r.sync_time_s, r.model_bytes), (Some(0.25), Some(4096)));
     assert_eq!(
-        (r.sync_rounds_per_s, r.model_gap),
+        (r.line.sync_s, r.line.model_bytes),
+        (Some(0.25), Some(4096))
+    );
+    assert_eq!(
+        (r.line.sync_rounds_per_s, r.line.model_gap),
         (Some(6.5), Some(0.0125)),
         "a shadow worker's sync figures reach the report"
     );
@@ -331,17 +334,21 @@ exec sleep 60"#;
             .unwrap();
         reports.push(decode::<ProgressReport>(&msg.payload).unwrap());
     }
-    let samples: Vec<u64> = reports.iter().map(|r| r.samples).collect();
+    let samples: Vec<u64> = reports.iter().map(|r| r.line.samples).collect();
     assert_eq!(
         samples,
         [96, 192, 288, 384],
         "every line's loss is reported"
     );
     for r in &reports[..3] {
-        assert_eq!((r.grad_sqr, r.grad_var), (None, None), "bad pair dropped");
+        assert_eq!(
+            (r.line.grad_sqr, r.line.grad_var),
+            (None, None),
+            "bad pair dropped"
+        );
     }
     assert_eq!(
-        (reports[3].grad_sqr, reports[3].grad_var),
+        (reports[3].line.grad_sqr, reports[3].line.grad_var),
         (Some(34.0), Some(16.0)),
         "CONVERGE_ACCUM_STEPS + CONVERGE_REFERENCE_BATCH, CONVERGE_BATCH_SIZE"
     );
@@ -401,8 +408,8 @@ async fn a_flooding_worker_loses_only_its_own_intermediate_reports() {
         };
         let r: ProgressReport = decode(&msg.payload).unwrap();
         match r.job.as_str() {
-            "flood" => flood_steps.push(r.step),
-            _ => steady_steps.push(r.step),
+            "flood" => flood_steps.push(r.line.step),
+            _ => steady_steps.push(r.line.step),
         }
     }
     let elapsed = started.elapsed().as_secs_f64();

@@ -1243,7 +1243,7 @@ async fn write_scale_cluster(bus: &Bus, jobs: &[ScaleJob]) {
                 loss,
                 now - 2.0 * (SCALE_POINTS - n) as f64,
             );
-            r.eval_loss = Some(loss * 1.05);
+            r.line.eval_loss = Some(loss * 1.05);
             bus.publish_acked(subjects::progress(&r.job, &r.host), &r)
                 .await
                 .unwrap();

@@ -68,7 +68,7 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
     // The loss falls.
     let first = next_report(&mut progress).await;
     let mut last = first.clone();
-    while last.step < first.step + 150 {
+    while last.line.step < first.line.step + 150 {
         last = next_report(&mut progress).await;
         assert_eq!(
             last.generation, s.generation,
@@ -76,10 +76,10 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
         );
     }
     assert!(
-        last.loss < 0.6 * first.loss,
+        last.line.loss < 0.6 * first.line.loss,
         "loss did not fall: {} -> {}",
-        first.loss,
-        last.loss
+        first.line.loss,
+        last.line.loss
     );
 
     // A third host joins: the job grows to three workers and resumes from its checkpoint.
@@ -93,12 +93,15 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
     };
     let s2 = job_status(&bus, "opt").await.unwrap();
     assert_eq!(s2.world_size, 3, "{s2:?}");
-    assert!(grown.step > 0, "the new generation restarted at step 0");
     assert!(
-        grown.step + 30 >= last.step && grown.step <= last.step + 30,
+        grown.line.step > 0,
+        "the new generation restarted at step 0"
+    );
+    assert!(
+        grown.line.step + 30 >= last.line.step && grown.line.step <= last.line.step + 30,
         "resumed at step {} but the previous generation reached {}",
-        grown.step,
-        last.step
+        grown.line.step,
+        last.line.step
     );
 
     // Cancel through the CLI: the job ends and every worker stops.
@@ -349,11 +352,11 @@ max_workers = 2
     {
         last = decode(&msg.payload).unwrap();
     }
-    let loss = done.loss.unwrap_or(last.loss);
+    let loss = done.loss.unwrap_or(last.line.loss);
     assert!(
-        loss < 0.5 * first.loss,
+        loss < 0.5 * first.line.loss,
         "loss did not fall: {} -> {loss}",
-        first.loss
+        first.line.loss
     );
 
     agent.stop().await;

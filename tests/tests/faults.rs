@@ -34,7 +34,7 @@ async fn last_step(bus: &converge_bus::Bus, job: &str) -> Option<u64> {
         .await
         .ok()?;
     let r: converge_common::ProgressReport = converge_common::codec::decode(&msg.payload).ok()?;
-    Some(r.step)
+    Some(r.line.step)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -180,27 +180,27 @@ async fn numpy_worker_trains_grows_to_a_second_host_resumes_and_completes() {
     let first = next_report(&mut progress).await;
     assert_eq!((first.generation, first.rank), (s1.generation, 0));
     let mut last = first.clone();
-    while last.step < first.step + 150 {
+    while last.line.step < first.line.step + 150 {
         last = next_report(&mut progress).await;
         assert_eq!(last.generation, s1.generation, "no resize with one GPU");
     }
     assert!(
-        last.loss < 0.7 * first.loss,
+        last.line.loss < 0.7 * first.line.loss,
         "the numpy worker's loss did not fall: {} -> {}",
-        first.loss,
-        last.loss
+        first.line.loss,
+        last.line.loss
     );
-    assert_eq!(last.model_bytes, Some((64 * 10 + 10) * 8));
+    assert_eq!(last.line.model_bytes, Some((64 * 10 + 10) * 8));
     assert_eq!(
-        last.sync_time_s,
+        last.line.sync_s,
         Some(0.0),
         "one worker synchronizes nothing"
     );
     assert!(
-        last.grad_sqr.is_some_and(|g| g >= 0.0) && last.grad_var.is_some_and(|v| v > 0.0),
+        last.line.grad_sqr.is_some_and(|g| g >= 0.0) && last.line.grad_var.is_some_and(|v| v > 0.0),
         "the kit's gradient statistics were dropped: {last:?}"
     );
-    assert!(last.epoch.is_some_and(|e| e > 0.0));
+    assert!(last.line.epoch.is_some_and(|e| e > 0.0));
     check_env(work.path(), &s1, 0);
 
     // A second host joins: the allocator grows the job, the agent stops the first
@@ -220,18 +220,20 @@ async fn numpy_worker_trains_grows_to_a_second_host_resumes_and_completes() {
         "{s2:?} {grown:?}"
     );
     assert!(
-        grown.step > 0 && grown.step + 30 >= last.step && grown.step <= last.step + 30,
+        grown.line.step > 0
+            && grown.line.step + 30 >= last.line.step
+            && grown.line.step <= last.line.step + 30,
         "resumed at step {} but the previous generation reached {}",
-        grown.step,
-        last.step
+        grown.line.step,
+        last.line.step
     );
     assert!(
-        grown.loss < 0.7 * first.loss,
+        grown.line.loss < 0.7 * first.line.loss,
         "the new generation started over: {} (first {})",
-        grown.loss,
-        first.loss
+        grown.line.loss,
+        first.line.loss
     );
-    assert!(grown.sync_time_s.is_some_and(|s| s > 0.0), "{grown:?}");
+    assert!(grown.line.sync_s.is_some_and(|s| s > 0.0), "{grown:?}");
     check_env(work.path(), &s2, 0);
     check_env(work.path(), &s2, 1);
 

@@ -110,7 +110,7 @@ async fn a_shadow_job_runs_through_the_agents_next_to_a_ring_job() {
     assert!(rank0.len() >= 5, "{} rank-0 reports", rank0.len());
     let synced: Vec<&&ProgressReport> = rank0
         .iter()
-        .filter(|r| r.sync_rounds_per_s.is_some_and(|x| x > 0.0))
+        .filter(|r| r.line.sync_rounds_per_s.is_some_and(|x| x > 0.0))
         .collect();
     assert!(
         synced.len() * 2 >= rank0.len(),
@@ -120,20 +120,21 @@ async fn a_shadow_job_runs_through_the_agents_next_to_a_ring_job() {
     );
     assert!(
         synced.iter().all(|r| r
+            .line
             .model_gap
             .is_some_and(|g| g.is_finite() && (0.0..=2.0).contains(&g))),
         "{synced:?}"
     );
     assert!(
-        rank0.iter().all(|r| r.sync_time_s.is_none_or(|s| s == 0.0)),
+        rank0.iter().all(|r| r.line.sync_s.is_none_or(|s| s == 0.0)),
         "a shadow step never waits on the network"
     );
     let (first, last) = (rank0[0], rank0[rank0.len() - 1]);
     assert!(
-        last.loss < 0.8 * first.loss,
+        last.line.loss < 0.8 * first.line.loss,
         "the shadow job's loss did not fall: {} -> {}",
-        first.loss,
-        last.loss
+        first.line.loss,
+        last.line.loss
     );
     // Its status showed the figures while it ran (and keeps the last ones).
     let shown = seen_in_status.expect("the shadow job's status showed its sync rounds");
@@ -147,13 +148,13 @@ async fn a_shadow_job_runs_through_the_agents_next_to_a_ring_job() {
     assert!(
         ring_reports
             .iter()
-            .all(|r| r.sync_rounds_per_s.is_none() && r.model_gap.is_none()),
+            .all(|r| r.line.sync_rounds_per_s.is_none() && r.line.model_gap.is_none()),
         "a ring job reports no shadow figures"
     );
     assert_eq!((rg_end.sync_rounds_per_s, rg_end.model_gap), (None, None));
     let ring0: Vec<&ProgressReport> = ring_reports.iter().filter(|r| r.rank == 0).collect();
     assert!(
-        ring0.last().unwrap().loss < 0.8 * ring0[0].loss,
+        ring0.last().unwrap().line.loss < 0.8 * ring0[0].line.loss,
         "the ring job's loss did not fall"
     );
 

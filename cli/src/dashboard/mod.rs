@@ -390,8 +390,8 @@ fn apply(model: &mut Model, input: Input) {
             let points = model.points.entry(r.job.clone()).or_default();
             points.push(LossPoint {
                 time: r.time,
-                samples: r.samples as f64,
-                loss: r.loss,
+                samples: r.line.samples as f64,
+                loss: r.line.loss,
                 generation: r.generation,
             });
             if points.len() > MAX_POINTS_KEPT {

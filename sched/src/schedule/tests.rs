@@ -700,9 +700,9 @@ fn batch_jobs_adapt_with_statistics_and_keep_their_reference_without() {
             r.workers = Some(workers);
             r.hosts = Some(1);
             if id == "ad" {
-                (r.grad_sqr, r.grad_var) = (Some(1e-3), Some(100.0));
+                (r.line.grad_sqr, r.line.grad_var) = (Some(1e-3), Some(100.0));
             } else {
-                (r.grad_sqr, r.grad_var) = (Some(f64::NAN), Some(-1.0));
+                (r.line.grad_sqr, r.line.grad_var) = (Some(f64::NAN), Some(-1.0));
             }
             h.add(&r);
         }
@@ -836,7 +836,7 @@ fn stop_criteria_end_jobs_with_their_reason() {
             10.0 + i as f64,
         );
         // 1,000 samples per epoch.
-        r.epoch = Some(samples as f64 / 1000.0);
+        r.line.epoch = Some(samples as f64 / 1000.0);
         w.histories.entry(id.clone()).or_default().add(&r);
         w.add_host(host("h1", 1, 10.0 + i as f64, vec![]));
         w.step(10.0 + i as f64, false);
@@ -1241,7 +1241,7 @@ fn own_multi_host_rings_are_taken_off_the_measured_nic_load() {
     let mut histories: BTreeMap<JobId, JobHistory> = BTreeMap::new();
     for id in ["a", "b", "c"] {
         let mut r = progress(id, 1, 0, "h1", 10, 100, 1.0, 1.0);
-        r.model_bytes = Some(10_000_000);
+        r.line.model_bytes = Some(10_000_000);
         histories
             .entry(JobId::new(id).unwrap())
             .or_default()
