@@ -7,6 +7,7 @@
 //! Needs `nats-server` (2.10+) on PATH or in `NATS_SERVER_BIN`; skipped with a message
 //! when there is none, unless `CONVERGE_REQUIRE_NATS=1`.
 
+mod support;
 use async_nats::jetstream::stream;
 use converge_bus::{Bus, NatsArgs, Setup};
 use converge_common::subjects;
@@ -14,30 +15,11 @@ use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use support::nats_server_bin;
 
 /// One three-server cluster at a time: four at once on a 2-core machine slowed elections
 /// until a write waited 11 s for its followers (a timing the tests assert).
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn nats_server_bin() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("NATS_SERVER_BIN") {
-        return Some(PathBuf::from(p));
-    }
-    let found = Command::new("nats-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if found {
-        Some(PathBuf::from("nats-server"))
-    } else if std::env::var("CONVERGE_REQUIRE_NATS").as_deref() == Ok("1") {
-        panic!("nats-server not found (PATH or NATS_SERVER_BIN) and CONVERGE_REQUIRE_NATS=1");
-    } else {
-        eprintln!("skipped: nats-server not found (set NATS_SERVER_BIN)");
-        None
-    }
-}
 
 /// `n` distinct free ports: each listener stays bound until all are chosen, so the OS
 /// cannot hand out one port twice (a server whose port is taken never joins the cluster).

@@ -6,33 +6,15 @@
 //! Needs `nats-server` (2.10+) on PATH or in `NATS_SERVER_BIN`; skipped with a message
 //! when there is none, unless `CONVERGE_REQUIRE_NATS=1`.
 
+mod support;
 use converge_bus::{Bus, KvChange, KvDecoder, KvStore, Rejects, Setup, follow_kv_typed};
 use converge_common::{QueueId, QueueSpec, encode};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
+use support::nats_server_bin;
 use tokio::sync::mpsc;
-
-fn nats_server_bin() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("NATS_SERVER_BIN") {
-        return Some(PathBuf::from(p));
-    }
-    let found = Command::new("nats-server")
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if found {
-        Some(PathBuf::from("nats-server"))
-    } else if std::env::var("CONVERGE_REQUIRE_NATS").as_deref() == Ok("1") {
-        panic!("nats-server not found (PATH or NATS_SERVER_BIN) and CONVERGE_REQUIRE_NATS=1");
-    } else {
-        eprintln!("skipped: nats-server not found (set NATS_SERVER_BIN)");
-        None
-    }
-}
 
 /// One JetStream server on a free port, its store in a temporary directory; killed (and
 /// the directory removed) on drop.

@@ -700,7 +700,14 @@ pub fn simulate(
     let mut preemptions = Vec::new();
 
     loop {
-        advance(&mut jobs, apps, cfg, now, &mut contention_seen);
+        advance(
+            &mut jobs,
+            apps,
+            cfg,
+            now,
+            cfg.scheduling_interval_s,
+            &mut contention_seen,
+        );
         now += cfg.scheduling_interval_s;
 
         // 2. What the allocator would observe: progress, a noisy loss-like signal, step times.
@@ -947,14 +954,15 @@ pub fn simulate(
     })
 }
 
-/// Advances every placed job by one scheduling interval from `now` (Pollux's interference
-/// rule: a multi-node job slows down when one of its nodes hosts another multi-node job),
-/// adding the slowdowns the agents' step times would show to `contention_seen`.
+/// Advances every placed job by `seconds` from `now` (Pollux's interference rule: a
+/// multi-node job slows down when one of its nodes hosts another multi-node job), adding
+/// the slowdowns the agents' step times would show to `contention_seen`.
 pub(crate) fn advance(
     jobs: &mut [Tracked],
     apps: &BTreeMap<String, Application>,
     cfg: &SimConfig,
     now: f64,
+    seconds: f64,
     contention_seen: &mut ContentionSamples,
 ) {
     let mut multi_node_jobs_per_node: BTreeMap<&HostId, u32> = BTreeMap::new();
@@ -992,7 +1000,7 @@ pub(crate) fn advance(
         }
         let app = &apps[&t.job.app];
         let held_before = t.job.attained_gpu_seconds;
-        t.samples += t.job.step(app, now, cfg.scheduling_interval_s, *f);
+        t.samples += t.job.step(app, now, seconds, *f);
         let held = t.job.attained_gpu_seconds - held_before;
         let gpus: u32 = t.gpus_by_type.iter().map(|(_, g)| g).sum();
         if held > 0.0 && gpus > 0 {

@@ -166,7 +166,6 @@ pub struct TraceWorld<'a> {
     noise: Normal<f64>,
     /// Normalized losses of the unfinished jobs at the latest observation.
     norm_losses: Vec<f64>,
-    reports: u64,
 }
 
 impl<'a> TraceWorld<'a> {
@@ -207,7 +206,6 @@ impl<'a> TraceWorld<'a> {
             rng: ChaCha8Rng::seed_from_u64(cfg.seed),
             noise: Normal::new(0.0, cfg.loss_noise.max(0.0)).expect("finite noise"),
             norm_losses: Vec::new(),
-            reports: 0,
         })
     }
 
@@ -302,9 +300,9 @@ impl World for TraceWorld<'_> {
             self.apps,
             self.cfg,
             now,
+            seconds,
             &mut unused,
         );
-        let _ = seconds;
         for (i, t) in self.cluster.jobs.iter().enumerate() {
             let batch = t.job.batch_size();
             if batch > 0 {
@@ -361,7 +359,6 @@ impl World for TraceWorld<'_> {
                 continue;
             }
             let observed = (true_loss * (1.0 + self.noise.sample(&mut self.rng))).max(0.0);
-            self.reports += 1;
             let mut r = ProgressReport::new(
                 t.id.clone(),
                 self.generation[i],

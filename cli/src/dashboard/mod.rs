@@ -121,8 +121,9 @@ pub async fn run(bus: &Bus, opts: Options) -> anyhow::Result<()> {
     let (tx, rx) = mpsc::channel::<Input>(4096);
     let mut tasks = tokio::task::JoinSet::new();
     // A value stored under a key it does not name is no value to the allocator (it ignores
-    // it, or refuses the job), so it is refused here too. Undecodable values are counted in
-    // the dashboard's own `Rejects` as well as in the page's `refused`.
+    // it, or refuses the job), so it is refused here too. Undecodable values are logged
+    // (through a `Rejects` of the dashboard's own, which nothing exports) and counted in the
+    // page's `refused`.
     let rejects = Arc::new(Rejects::default());
     let r = || rejects.clone();
     tasks.spawn(follow_kv_typed(

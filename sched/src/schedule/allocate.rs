@@ -11,7 +11,7 @@ use super::observe::{Fits, eligible_hosts, job_view, ring_nic_traffic};
 use super::ps::{PsContext, plan_ps_jobs};
 use super::{Inputs, Outcome, Settings, event, unknown_queue_message};
 use converge_common::{
-    ChangeCause, EventKind, HostId, HostTelemetry, JobBatch, JobPhase, JobSpec, JobStatus,
+    ChangeCause, EventKind, HostId, HostTelemetry, JobBatch, JobId, JobPhase, JobSpec, JobStatus,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -101,6 +101,7 @@ pub(super) fn allocate(
         &mut placed,
     );
 
+    let views_by_id: BTreeMap<&JobId, &JobView> = views.iter().map(|v| (&v.id, v)).collect();
     let mut taken_ports: BTreeSet<u16> = out
         .statuses
         .values()
@@ -111,7 +112,14 @@ pub(super) fn allocate(
         let new_placement = placed.get(&s.job).cloned().unwrap_or_default();
         let new_shards = shards.get(&s.job).cloned().unwrap_or_default();
         let decided = batches.get(&s.job);
-        let value = rebatch_value(s, spec, decided, &views, &fits, settings);
+        let value = rebatch_value(
+            s,
+            spec,
+            decided,
+            views_by_id.get(&s.job).copied(),
+            &fits,
+            settings,
+        );
         let rebatch = rebatch(s, spec, decided, value);
         if new_placement == s.placement && new_shards == s.ps_placement && rebatch.is_none() {
             if let Some(queue) = unknown_queue.get(&s.job) {
@@ -223,7 +231,7 @@ fn rebatch_value(
     status: &JobStatus,
     spec: &JobSpec,
     decided: Option<&crate::goodput::BatchPlan>,
-    views: &[JobView],
+    view: Option<&JobView>,
     fits: &Fits<'_>,
     settings: &Settings,
 ) -> Option<RebatchValue> {
@@ -232,7 +240,7 @@ fn rebatch_value(
     let limits = batch_limits(spec.batch.as_ref()?)?;
     let (model, _) = fits.models.get(&status.job)?;
     let gradient = fits.gradients.get(&status.job)?;
-    let view = views.iter().find(|v| v.id == status.job)?;
+    let view = view?;
     let workers = status.world_size;
     let nodes = status
         .placement
