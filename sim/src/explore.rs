@@ -386,67 +386,45 @@ pub struct ExploreResult {
     pub max_decision_s: f64,
 }
 
-struct Trial<'a> {
-    spec: &'a ExploreTrial,
-    curve: &'a RecordedCurve,
+/// One trial as the simulated cluster runs it (both loops: [`simulate`] and
+/// [`crate::sweep_world::SweepWorld`]).
+pub(crate) struct Trial<'a> {
+    pub(crate) spec: &'a ExploreTrial,
+    pub(crate) curve: &'a RecordedCurve,
     app: &'a Application,
-    id: JobId,
-    x: f64,
-    placement: Vec<RankPlacement>,
-    stall_s: f64,
-    restarts: u32,
-    generation: u64,
+    pub(crate) id: JobId,
+    /// Position on its curve, curve samples.
+    pub(crate) x: f64,
+    pub(crate) placement: Vec<RankPlacement>,
+    /// Seconds of the current generation's start still to come (no progress).
+    pub(crate) stall_s: f64,
+    pub(crate) restarts: u32,
+    pub(crate) generation: u64,
     history: JobHistory,
-    reports: u64,
+    /// Optimizer steps taken, over all generations (fractional).
+    step: f64,
     gpu_seconds: f64,
-    ended: Option<(f64, Option<EndReason>)>,
+    /// When it ended and why (`None`: the reason is not known yet).
+    pub(crate) ended: Option<(f64, Option<EndReason>)>,
     times: [Option<f64>; 3],
-    steps: Vec<StepObservation>,
+    /// Step times seen, one per shape (the decision loop's throughput model input).
+    step_times: Vec<StepObservation>,
     /// Curve samples per application sample (module docs: throughput).
     unit: f64,
 }
 
-impl Trial<'_> {
-    fn local_batch(&self) -> f64 {
-        f64::from(self.app.min_local_bsz.max(1))
-    }
-
-    /// Step time and curve samples per second on `per_node` GPUs per node.
-    fn rate(&self, per_node: &[u32]) -> (f64, f64) {
-        let workers: u32 = per_node.iter().sum();
-        if workers == 0 {
-            return (f64::INFINITY, 0.0);
-        }
-        let (step, _) = self.app.throughput(per_node, self.local_batch());
-        let rate = f64::from(workers) * self.local_batch() / step * self.unit;
-        (step, if rate.is_finite() { rate } else { 0.0 })
-    }
-
-    fn active(&self, now: f64) -> bool {
-        self.spec.time <= now && self.ended.is_none()
-    }
-}
-
-fn per_node(placement: &[RankPlacement]) -> Vec<u32> {
-    let mut counts: BTreeMap<&HostId, u32> = BTreeMap::new();
-    for p in placement {
-        *counts.entry(&p.host).or_default() += p.gpus.len() as u32;
-    }
-    counts.into_values().collect()
-}
-
-/// Runs `trials` under `policy` (module docs). Deterministic (decision times aside).
-pub fn simulate(
-    curves: &BTreeMap<String, RecordedCurve>,
-    apps: &BTreeMap<String, Application>,
-    trials: &[ExploreTrial],
-    policy: &dyn Policy,
-    cfg: &ExploreConfig,
-) -> anyhow::Result<ExploreResult> {
-    let wall = Instant::now();
-    let wants = policy.inputs();
-    let mut state = Vec::with_capacity(trials.len());
-    for spec in trials {
+/// Each trial of `specs`, not yet submitted, with its curve and application.
+///
+/// # Errors
+/// A trial names an unknown curve or application, has an invalid name, or its application
+/// has no throughput on one GPU.
+pub(crate) fn trials_of<'a>(
+    curves: &'a BTreeMap<String, RecordedCurve>,
+    apps: &'a BTreeMap<String, Application>,
+    specs: &'a [ExploreTrial],
+) -> anyhow::Result<Vec<Trial<'a>>> {
+    let mut state = Vec::with_capacity(specs.len());
+    for spec in specs {
         let curve = curves
             .get(&spec.curve)
             .with_context(|| format!("trial {}: unknown curve {:?}", spec.name, spec.curve))?;
@@ -469,11 +447,11 @@ pub fn simulate(
             restarts: 0,
             generation: 0,
             history: JobHistory::default(),
-            reports: 0,
+            step: 0.0,
             gpu_seconds: 0.0,
             ended: None,
             times: [None; 3],
-            steps: Vec::new(),
+            step_times: Vec::new(),
             unit: 1.0,
         };
         let (_, one) = t.rate(&[1]);
@@ -481,13 +459,160 @@ pub fn simulate(
         t.unit = curve.total() / spec.work_s / one;
         state.push(t);
     }
+    Ok(state)
+}
+
+/// The simulated cluster's hosts: `nodes` of `gpus_per_node` GPUs, `n000`, `n001`, ….
+pub(crate) fn host_id(n: u32) -> HostId {
+    HostId::new(format!("n{n:03}")).expect("valid host id")
+}
+
+impl Trial<'_> {
+    fn local_batch(&self) -> f64 {
+        f64::from(self.app.min_local_bsz.max(1))
+    }
+
+    /// Step time and curve samples per second on `per_node` GPUs per node.
+    fn rate(&self, per_node: &[u32]) -> (f64, f64) {
+        let workers: u32 = per_node.iter().sum();
+        if workers == 0 {
+            return (f64::INFINITY, 0.0);
+        }
+        let (step, _) = self.app.throughput(per_node, self.local_batch());
+        let rate = f64::from(workers) * self.local_batch() / step * self.unit;
+        (step, if rate.is_finite() { rate } else { 0.0 })
+    }
+
+    pub(crate) fn active(&self, now: f64) -> bool {
+        self.spec.time <= now && self.ended.is_none()
+    }
+
+    /// Runs the trial for `dt` seconds from `now` on its placement (its restart first),
+    /// handing `report` a progress report of rank 0 every `report_every_s` of work; it
+    /// ends `Finished` at the end of its curve.
+    pub(crate) fn advance(
+        &mut self,
+        now: f64,
+        dt: f64,
+        report_every_s: f64,
+        mut report: impl FnMut(ProgressReport),
+    ) {
+        let workers = self.placement.len() as u32;
+        if workers == 0 || !self.active(now) {
+            return;
+        }
+        self.gpu_seconds += f64::from(workers) * dt;
+        let stall = self.stall_s.min(dt);
+        self.stall_s -= stall;
+        let work = dt - stall;
+        let spread = per_node(&self.placement);
+        let (step_s, rate) = self.rate(&spread);
+        let nodes = spread.len() as u32;
+        let seen = StepObservation {
+            workers,
+            nodes,
+            local_batch: self.local_batch() * self.unit,
+            step_time_s: step_s,
+            sync_time_s: None,
+        };
+        if !self.step_times.contains(&seen) {
+            self.step_times.push(seen);
+        }
+        let left = (self.curve.total() - self.x).max(0.0);
+        let took = if rate > 0.0 {
+            (left / rate).min(work)
+        } else {
+            work
+        };
+        let reports = (took / report_every_s).ceil().max(1.0) as u32;
+        for k in 1..=reports {
+            let elapsed = took * f64::from(k) / f64::from(reports);
+            let x = (self.x + rate * elapsed).min(self.curve.total());
+            let mut r = ProgressReport::new(
+                self.id.clone(),
+                self.generation,
+                0,
+                self.placement[0].host.clone(),
+                (self.step + elapsed / step_s).floor() as u64,
+                x.round() as u64,
+                self.curve.observed(x),
+                now + stall + elapsed,
+            );
+            r.line.epoch = Some(x / self.curve.epoch_samples);
+            r.workers = Some(workers);
+            r.hosts = Some(nodes);
+            self.history.add(&r);
+            report(r);
+        }
+        self.step += took / step_s;
+        self.x = (self.x + rate * took).min(self.curve.total());
+        if self.x >= self.curve.total() {
+            self.ended = Some((now + stall + took, Some(EndReason::Finished)));
+        }
+    }
+
+    /// How it did, so far.
+    pub(crate) fn outcome(&self) -> TrialOutcome {
+        TrialOutcome {
+            name: self.spec.name.clone(),
+            sweep: self.spec.sweep.clone(),
+            curve: self.spec.curve.clone(),
+            submitted_at: self.spec.time,
+            ended_at: self.ended.map(|(e, _)| e),
+            reason: self.ended.and_then(|(_, r)| r),
+            final_loss: self.curve.true_loss(self.x),
+            final_normalized: self.curve.normalized(self.x),
+            gpu_hours: self.gpu_seconds / 3600.0,
+            time_to_80: self.times[0],
+            time_to_90: self.times[1],
+            time_to_95: self.times[2],
+            restarts: self.restarts,
+        }
+    }
+}
+
+/// SLAQ's measures at `now`, the end of an interval of `dt` seconds: the normalized loss of
+/// every submitted trial that has not ended or ended within the interval (each also marks
+/// the age it first reached 80/90/95 % of its loss reduction at).
+pub(crate) fn normalized_losses(trials: &mut [Trial<'_>], now: f64, dt: f64) -> Vec<f64> {
+    let mut norm = Vec::new();
+    for t in trials
+        .iter_mut()
+        .filter(|t| t.spec.time <= now && t.ended.is_none_or(|(e, _)| e > now - dt))
+    {
+        let n = t.curve.normalized(t.x);
+        let age = now - t.spec.time;
+        for (slot, level) in t.times.iter_mut().zip([0.2, 0.1, 0.05]) {
+            if n <= level {
+                slot.get_or_insert(age);
+            }
+        }
+        norm.push(n);
+    }
+    norm
+}
+
+fn per_node(placement: &[RankPlacement]) -> Vec<u32> {
+    let mut counts: BTreeMap<&HostId, u32> = BTreeMap::new();
+    for p in placement {
+        *counts.entry(&p.host).or_default() += p.gpus.len() as u32;
+    }
+    counts.into_values().collect()
+}
+
+/// Runs `trials` under `policy` (module docs). Deterministic (decision times aside).
+pub fn simulate(
+    curves: &BTreeMap<String, RecordedCurve>,
+    apps: &BTreeMap<String, Application>,
+    trials: &[ExploreTrial],
+    policy: &dyn Policy,
+    cfg: &ExploreConfig,
+) -> anyhow::Result<ExploreResult> {
+    let wall = Instant::now();
+    let wants = policy.inputs();
+    let mut state = trials_of(curves, apps, trials)?;
     let hosts: Vec<HostFree> = (0..cfg.nodes)
-        .map(|n| {
-            HostFree::new(
-                HostId::new(format!("n{n:03}")).expect("valid host id"),
-                (0..cfg.gpus_per_node).collect(),
-            )
-        })
+        .map(|n| HostFree::new(host_id(n), (0..cfg.gpus_per_node).collect()))
         .collect();
     let fit_cfg = FitConfig::default();
     let prior = ThroughputPrior::default();
@@ -498,76 +623,13 @@ pub fn simulate(
     let mut now = 0.0;
     loop {
         // 1. Progress over the interval, with a report every `report_every_s` of work.
-        for t in state.iter_mut().filter(|t| t.active(now)) {
-            let workers = t.placement.len() as u32;
-            if workers == 0 {
-                continue;
-            }
-            t.gpu_seconds += f64::from(workers) * dt;
-            let stall = t.stall_s.min(dt);
-            t.stall_s -= stall;
-            let work = dt - stall;
-            let spread = per_node(&t.placement);
-            let (step, rate) = t.rate(&spread);
-            let nodes = spread.len() as u32;
-            let seen = StepObservation {
-                workers,
-                nodes,
-                local_batch: t.local_batch() * t.unit,
-                step_time_s: step,
-                sync_time_s: None,
-            };
-            if !t.steps.contains(&seen) {
-                t.steps.push(seen);
-            }
-            let reports = (work / cfg.report_every_s).ceil().max(1.0) as u32;
-            for k in 1..=reports {
-                let elapsed = work * f64::from(k) / f64::from(reports);
-                let x = (t.x + rate * elapsed).min(t.curve.total());
-                t.reports += 1;
-                let mut r = ProgressReport::new(
-                    t.id.clone(),
-                    t.generation,
-                    0,
-                    t.placement[0].host.clone(),
-                    t.reports,
-                    x.round() as u64,
-                    t.curve.observed(x),
-                    now + stall + elapsed,
-                );
-                r.line.epoch = Some(x / t.curve.epoch_samples);
-                r.workers = Some(workers);
-                r.hosts = Some(nodes);
-                t.history.add(&r);
-            }
-            let before = t.x;
-            t.x = (t.x + rate * work).min(t.curve.total());
-            if t.x >= t.curve.total() {
-                let took = if rate > 0.0 {
-                    (t.curve.total() - before) / rate
-                } else {
-                    work
-                };
-                t.ended = Some((now + stall + took, Some(EndReason::Finished)));
-            }
+        for t in &mut state {
+            t.advance(now, dt, cfg.report_every_s, |_| {});
         }
         now += dt;
 
         // 2. Metrics: every submitted trial counts until the end of the interval it ends in.
-        let mut norm = Vec::new();
-        for t in state
-            .iter_mut()
-            .filter(|t| t.spec.time <= now && t.ended.is_none_or(|(e, _)| e > now - dt))
-        {
-            let n = t.curve.normalized(t.x);
-            let age = now - t.spec.time;
-            for (slot, level) in t.times.iter_mut().zip([0.2, 0.1, 0.05]) {
-                if n <= level {
-                    slot.get_or_insert(age);
-                }
-            }
-            norm.push(n);
-        }
+        let norm = normalized_losses(&mut state, now, dt);
 
         // 3. Stop criteria, as the service's step applies them.
         for t in state
@@ -624,8 +686,8 @@ pub fn simulate(
             } else {
                 None
             };
-            let model =
-                (!t.steps.is_empty()).then(|| fits.model(&t.id, ModelScope::All, &t.steps, &prior));
+            let model = (!t.step_times.is_empty())
+                .then(|| fits.model(&t.id, ModelScope::All, &t.step_times, &prior));
             let workers = t.placement.len() as u32;
             views.push(JobView {
                 id: t.id.clone(),
@@ -686,24 +748,7 @@ pub fn simulate(
     let finished = state.iter().all(|t| t.ended.is_some());
     Ok(ExploreResult {
         policy: policy.name().to_string(),
-        trials: state
-            .iter()
-            .map(|t| TrialOutcome {
-                name: t.spec.name.clone(),
-                sweep: t.spec.sweep.clone(),
-                curve: t.spec.curve.clone(),
-                submitted_at: t.spec.time,
-                ended_at: t.ended.map(|(e, _)| e),
-                reason: t.ended.and_then(|(_, r)| r),
-                final_loss: t.curve.true_loss(t.x),
-                final_normalized: t.curve.normalized(t.x),
-                gpu_hours: t.gpu_seconds / 3600.0,
-                time_to_80: t.times[0],
-                time_to_90: t.times[1],
-                time_to_95: t.times[2],
-                restarts: t.restarts,
-            })
-            .collect(),
+        trials: state.iter().map(Trial::outcome).collect(),
         intervals,
         finished,
         wall_s: wall.elapsed().as_secs_f64(),

@@ -4,19 +4,21 @@
 //! `docs/exploratory.md`.
 
 use crate::apps::load_all;
+use crate::engine::SimLoop;
 use crate::explore::{
-    ExploreConfig, ExploreSummary, default_stop, generate, load_curves, read_trials, simulate,
-    summarize, write_trials,
+    ExploreConfig, ExploreResult, ExploreSummary, ExploreTrial, RecordedCurve, default_stop,
+    generate, load_curves, read_trials, simulate, summarize, write_trials,
 };
 use crate::markdown::Table;
 use crate::workload::read_philly;
 use anyhow::Context as _;
 use converge_common::{PlateauSpec, StopSpec};
 use converge_sched::placement::PlacementKind;
-use converge_sched::policies::{Objective, PolicyParams, by_name};
+use converge_sched::policies::{Objective, Policy, PolicyParams, by_name};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// Where the inputs are.
 #[derive(Debug, Clone, clap::Args)]
@@ -96,6 +98,12 @@ pub struct ExploreClusterArgs {
     pub horizon: f64,
     #[arg(long, value_enum, default_value_t = PlacementKind::FirstFit)]
     pub placement: PlacementKind,
+    /// Which loop runs the trials: `decision` (the simulator builds the job views and
+    /// applies the stop rule itself) or `service` (the allocator's scheduling step drives
+    /// the cluster through plans, heartbeats and progress reports: its lifecycle, stop
+    /// rule and measured step times and restart costs).
+    #[arg(long = "loop", value_enum, default_value_t = SimLoop::Decision)]
+    pub sim_loop: SimLoop,
 }
 
 impl ExploreClusterArgs {
@@ -126,6 +134,28 @@ impl ExploreClusterArgs {
             placement: self.placement,
             ..ExploreConfig::default()
         })
+    }
+
+    /// Runs `trials` under `policy` in the loop `--loop` names.
+    ///
+    /// # Errors
+    /// An unknown curve or application, or an invalid trial or sweep name.
+    fn simulate(
+        &self,
+        (curves, apps): (
+            &BTreeMap<String, RecordedCurve>,
+            &BTreeMap<String, crate::apps::Application>,
+        ),
+        trials: &[ExploreTrial],
+        policy: Arc<dyn Policy>,
+        cfg: &ExploreConfig,
+    ) -> anyhow::Result<ExploreResult> {
+        match self.sim_loop {
+            SimLoop::Decision => simulate(curves, apps, trials, policy.as_ref(), cfg),
+            SimLoop::Service => {
+                crate::sweep_world::simulate_service(curves, apps, trials, policy, cfg)
+            }
+        }
     }
 
     fn params(&self, objective: Objective) -> PolicyParams {
@@ -196,10 +226,7 @@ pub const REPORT_POLICIES: [&str; 6] = [
     "tiresias",
 ];
 
-fn policy(
-    name: &str,
-    cluster: &ExploreClusterArgs,
-) -> anyhow::Result<Box<dyn converge_sched::policies::Policy>> {
+fn policy(name: &str, cluster: &ExploreClusterArgs) -> anyhow::Result<Arc<dyn Policy>> {
     let objective = match name {
         "quality-loss" => Some(Objective::Loss),
         "quality-jct" => Some(Objective::Jct),
@@ -207,7 +234,9 @@ fn policy(
         _ => None,
     };
     let base = if objective.is_some() { "quality" } else { name };
-    by_name(base, cluster.params(objective.unwrap_or_default())).map_err(|e| anyhow::anyhow!("{e}"))
+    by_name(base, cluster.params(objective.unwrap_or_default()))
+        .map(Arc::from)
+        .map_err(|e| anyhow::anyhow!("{e}"))
 }
 
 pub fn run_explore_workload(args: &ExploreWorkloadArgs) -> anyhow::Result<()> {
@@ -232,7 +261,7 @@ pub fn run_explore(args: &ExploreArgs) -> anyhow::Result<()> {
     let mut results = Vec::new();
     for name in &args.policies {
         let p = policy(name, &args.cluster)?;
-        let mut r = simulate(&curves, &apps, &trials, p.as_ref(), &cfg)?;
+        let mut r = args.cluster.simulate((&curves, &apps), &trials, p, &cfg)?;
         r.policy = name.clone();
         results.push(r);
     }
@@ -403,16 +432,16 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
 /// One policy (report name) on one workload, summarized.
 fn run_one(
     name: &str,
-    trials: &[crate::explore::ExploreTrial],
+    trials: &[ExploreTrial],
     cfg: &ExploreConfig,
     (curves, apps, args): (
-        &BTreeMap<String, crate::explore::RecordedCurve>,
+        &BTreeMap<String, RecordedCurve>,
         &BTreeMap<String, crate::apps::Application>,
         &ExploreReportArgs,
     ),
 ) -> anyhow::Result<ExploreSummary> {
     let p = policy(name, &args.cluster)?;
-    let mut r = simulate(curves, apps, trials, p.as_ref(), cfg)?;
+    let mut r = args.cluster.simulate((curves, apps), trials, p, cfg)?;
     r.policy = name.to_string();
     Ok(summarize(&r))
 }

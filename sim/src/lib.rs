@@ -21,6 +21,7 @@ pub mod ps_offline;
 pub mod queues_bench;
 pub mod report;
 pub mod summary;
+pub mod sweep_world;
 #[cfg(test)]
 mod test_support;
 pub mod workload;

@@ -330,24 +330,8 @@ impl World for TraceWorld<'_> {
                 continue;
             }
             let done = t.job.completed_at.is_some();
-            for (rank, p) in t.placement.iter().enumerate() {
-                workers
-                    .entry(p.host.clone())
-                    .or_default()
-                    .push(WorkerState {
-                        job: t.id.clone(),
-                        generation: self.generation[i],
-                        rank: rank as u32,
-                        phase: if done {
-                            WorkerPhase::Succeeded
-                        } else {
-                            WorkerPhase::Running
-                        },
-                        pid: None,
-                        restarts: 0,
-                        last_exit_code: done.then_some(0),
-                        gpus: p.gpus.clone(),
-                    });
+            for (host, w) in worker_states(&t.id, self.generation[i], &t.placement, done) {
+                workers.entry(host.clone()).or_default().push(w);
             }
             let app = &self.apps[&t.job.app];
             let Some((true_loss, normalized)) = t.observe_loss(app, now) else {
@@ -386,39 +370,9 @@ impl World for TraceWorld<'_> {
         }
         for (n, &(gpu_type, gpus)) in self.cluster.layout.iter().enumerate() {
             let host = host_name(n as u32);
-            let mut labels = BTreeMap::new();
-            if let Some(t) = gpu_type {
-                labels.insert(converge_common::labels::GPU_TYPE.to_string(), t.to_string());
-            }
-            into.hosts.push(HostTelemetry {
-                protocol: PROTOCOL_VERSION,
-                addr: format!("10.0.{}.{}", n / 250, n % 250 + 1),
-                time: now,
-                agent_version: "sim".into(),
-                gpu_source: "sim".into(),
-                gpus: (0..gpus)
-                    .map(|index| GpuSample {
-                        index,
-                        uuid: format!("GPU-{host}-{index}"),
-                        name: gpu_type.unwrap_or("sim").to_string(),
-                        memory_total_bytes: 1,
-                        memory_used_bytes: 0,
-                        utilization_pct: 0.0,
-                        power_mw: None,
-                        sm_clock_mhz: None,
-                    })
-                    .collect(),
-                nics: Vec::new(),
-                cpu_pct: 0.0,
-                memory_used_bytes: 0,
-                memory_total_bytes: 0,
-                workers: workers.remove(&host).unwrap_or_default(),
-                malformed_progress_lines: 0,
-                ignored_gradient_stats: 0,
-                skipped_progress_reports: 0,
-                labels,
-                host,
-            });
+            let workers = workers.remove(&host).unwrap_or_default();
+            into.hosts
+                .push(heartbeat(n, host, gpu_type, gpus, workers, now));
         }
     }
 
@@ -492,12 +446,86 @@ impl World for TraceWorld<'_> {
     }
 }
 
+/// The heartbeat of simulated host `n` (named `host`) at `now`: `gpus` GPUs of `gpu_type`
+/// (`None`: an unnamed type, no type label), running `workers`; no NICs, no load.
+pub(crate) fn heartbeat(
+    n: usize,
+    host: HostId,
+    gpu_type: Option<&str>,
+    gpus: u32,
+    workers: Vec<WorkerState>,
+    now: f64,
+) -> HostTelemetry {
+    let mut labels = BTreeMap::new();
+    if let Some(t) = gpu_type {
+        labels.insert(converge_common::labels::GPU_TYPE.to_string(), t.to_string());
+    }
+    HostTelemetry {
+        protocol: PROTOCOL_VERSION,
+        addr: format!("10.0.{}.{}", n / 250, n % 250 + 1),
+        time: now,
+        agent_version: "sim".into(),
+        gpu_source: "sim".into(),
+        gpus: (0..gpus)
+            .map(|index| GpuSample {
+                index,
+                uuid: format!("GPU-{host}-{index}"),
+                name: gpu_type.unwrap_or("sim").to_string(),
+                memory_total_bytes: 1,
+                memory_used_bytes: 0,
+                utilization_pct: 0.0,
+                power_mw: None,
+                sm_clock_mhz: None,
+            })
+            .collect(),
+        nics: Vec::new(),
+        cpu_pct: 0.0,
+        memory_used_bytes: 0,
+        memory_total_bytes: 0,
+        workers,
+        malformed_progress_lines: 0,
+        ignored_gradient_stats: 0,
+        skipped_progress_reports: 0,
+        labels,
+        host,
+    }
+}
+
+/// The workers of a job's `placement` as its agents report them: generation `generation`,
+/// running, or exited with code 0 once `done`.
+pub(crate) fn worker_states<'p>(
+    job: &'p JobId,
+    generation: u64,
+    placement: &'p [RankPlacement],
+    done: bool,
+) -> impl Iterator<Item = (&'p HostId, WorkerState)> + 'p {
+    placement.iter().enumerate().map(move |(rank, p)| {
+        (
+            &p.host,
+            WorkerState {
+                job: job.clone(),
+                generation,
+                rank: rank as u32,
+                phase: if done {
+                    WorkerPhase::Succeeded
+                } else {
+                    WorkerPhase::Running
+                },
+                pid: None,
+                restarts: 0,
+                last_exit_code: done.then_some(0),
+                gpus: p.gpus.clone(),
+            },
+        )
+    })
+}
+
 /// A job's planned generation, ranks, and batch (per-worker micro-batch, accumulation
 /// steps).
-type Planned = (u64, Vec<RankPlacement>, Option<(u32, u32)>);
+pub(crate) type Planned = (u64, Vec<RankPlacement>, Option<(u32, u32)>);
 
 /// Adds `plan`'s workers to each job's planned generation, ranks and batch.
-fn planned_workers<'p>(plan: &'p HostPlan, planned: &mut BTreeMap<&'p JobId, Planned>) {
+pub(crate) fn planned_workers<'p>(plan: &'p HostPlan, planned: &mut BTreeMap<&'p JobId, Planned>) {
     for w in &plan.workers {
         let entry = planned
             .entry(&w.job)
