@@ -774,6 +774,8 @@ pub struct ExploreSummary {
     /// How trials ended: reason (or `running`) → count.
     pub ends: BTreeMap<String, usize>,
     pub makespan_s: f64,
+    /// Mean allocation changes per trial that moved or resized it while it ran.
+    pub restarts_per_trial: f64,
 }
 
 /// Summarizes a run.
@@ -822,6 +824,7 @@ pub fn summarize(r: &ExploreResult) -> ExploreSummary {
             .iter()
             .filter_map(|t| t.ended_at)
             .fold(0.0, f64::max),
+        restarts_per_trial: r.trials.iter().map(|t| f64::from(t.restarts)).sum::<f64>() / n,
     }
 }
 

@@ -33,6 +33,10 @@ pub struct SweepWorld<'a> {
     submitted: Vec<bool>,
     /// Whether the service has ended the trial (its workers are gone).
     closed: Vec<bool>,
+    /// When the trial's workers were last stopped for a new allocation: started again at
+    /// the same time, that is a restart (the service stops a generation, then starts the
+    /// next once it has exited).
+    stopped_at: Vec<Option<f64>>,
     /// Progress reports since the latest observation.
     reports: Vec<ProgressReport>,
     /// `(time, average normalized loss, trials counted, GPUs held)` per interval with at
@@ -79,6 +83,7 @@ impl<'a> SweepWorld<'a> {
             specs,
             submitted: vec![false; n],
             closed: vec![false; n],
+            stopped_at: vec![None; n],
             reports: Vec::new(),
             intervals: Vec::new(),
         })
@@ -176,7 +181,10 @@ impl World for SweepWorld<'_> {
                     .unwrap_or((t.generation, Vec::new(), None));
             ranks.sort_by_key(|r| r.rank);
             if generation != t.generation || ranks != t.placement {
-                if !t.placement.is_empty() && !ranks.is_empty() {
+                let was_running = !t.placement.is_empty() || self.stopped_at[i] == Some(now);
+                if ranks.is_empty() {
+                    self.stopped_at[i] = Some(now);
+                } else if was_running {
                     t.restarts += 1;
                 }
                 t.stall_s = if ranks.is_empty() {
