@@ -17,10 +17,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=deploy/demo-common.sh
 source "$root/deploy/demo-common.sh"
-out=""
-extra=()
-spacing=10
-duration=400
+spacing=10 duration=400
 demo_args batch-demo.sh spacing spacing "$@"
 mkdir -p "$out/fixed-specs"
 

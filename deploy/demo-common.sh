@@ -3,10 +3,13 @@
 # demo_args SCRIPT OPTION VAR ARGS...: parses a demo's options into the caller's globals:
 # --debug (appended to `extra`), --out DIR (`out`, default a new temporary directory, made
 # and resolved), --duration SECONDS (`duration`), --OPTION VALUE (the variable named VAR)
-# and -h/--help (prints the script's header lines 2 to 14). Set the defaults before.
+# and -h/--help (prints the script's header lines 2 to 14). Set the defaults of `duration`
+# and VAR before.
 demo_args() {
     local script="$1" option="$2" var="$3"
     shift 3
+    out=""
+    extra=()
     while [[ $# -gt 0 ]]; do
         case "$1" in
             --debug) extra+=(--debug); shift ;;

@@ -16,10 +16,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 # shellcheck source=deploy/demo-common.sh
 source "$root/deploy/demo-common.sh"
-out=""
-extra=()
-agents=2
-duration=900
+agents=2 duration=900
 demo_args sweep-demo.sh agents agents "$@"
 sweep="$root/examples/sweeps/optdigits.toml"
 trials=12
