@@ -4,7 +4,7 @@
 //! once the job has finished, and a counted write conflict when another writer changed a
 //! status it was about to write), and the endpoint must stay read-only and bounded.
 
-use converge_common::{HostTelemetry, JobPhase, JobSpec};
+use converge_common::{JobPhase, JobSpec};
 use converge_tests::*;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -147,10 +147,7 @@ gpus_per_worker = 2
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_and_allocator_metrics_over_http() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let agent_addr = free_addr();
     let mut cfg = agent_config(&nats, "metrics-host", 4, work.path());
     cfg.metrics_addr = Some(agent_addr);
@@ -223,13 +220,10 @@ async fn agent_and_allocator_metrics_over_http() {
     assert!(lo_rx > 0.0, "NATS runs on loopback: {lo_rx}");
     assert_eq!(rx.len(), tx.len());
     assert!(rx.iter().all(|s| s.labels.len() == 1 && s.value >= 0.0));
-    let telemetry: HostTelemetry = bus
-        .get(&bus.hosts, "metrics-host")
+    let reported = telemetry(&bus, "metrics-host")
         .await
-        .unwrap()
-        .unwrap()
-        .0;
-    for nic in &telemetry.nics {
+        .expect("the host's telemetry");
+    for nic in &reported.nics {
         let speed = series(&samples, "node_network_speed_bytes")
             .into_iter()
             .find(|s| s.labels["device"] == nic.name)
@@ -322,13 +316,10 @@ async fn agent_and_allocator_metrics_over_http() {
         },
     )
     .await;
-    let telemetry: HostTelemetry = bus
-        .get(&bus.hosts, "metrics-host")
+    let reported = telemetry(&bus, "metrics-host")
         .await
-        .unwrap()
-        .unwrap()
-        .0;
-    let worker = telemetry
+        .expect("the host's telemetry");
+    let worker = reported
         .workers
         .iter()
         .find(|w| w.job.as_str() == "metrics-job")
@@ -415,11 +406,7 @@ async fn agent_and_allocator_metrics_over_http() {
     )
     .await;
 
-    wait_for(Duration::from_secs(40), "the job to complete", || async {
-        let s = job_status(&bus, "metrics-job").await?;
-        (s.phase == JobPhase::Completed).then_some(())
-    })
-    .await;
+    wait_for_phase(&bus, "metrics-job", JobPhase::Completed, 40).await;
     wait_for(
         Duration::from_secs(10),
         "the finished job's series to disappear",
