@@ -66,6 +66,23 @@ fn plan(host: &str, workers: Vec<WorkerAssignment>) -> HostPlan {
     }
 }
 
+/// A test's start with one agent of two fake GPUs for `host`: the server, the work
+/// directory, a bus, a subscription to every progress report and the agent.
+async fn start_with_agent(
+    host: &str,
+) -> (
+    NatsServer,
+    tempfile::TempDir,
+    converge_bus::Bus,
+    async_nats::Subscriber,
+    Running,
+) {
+    let (nats, work, bus) = start_test().await;
+    let progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
+    let agent = start_agent(agent_config(&nats, host, 2, work.path()));
+    (nats, work, bus, progress, agent)
+}
+
 /// Polls `host`'s telemetry until `ready` holds for it and returns it, or panics with
 /// `what` after `secs` seconds.
 async fn wait_for_telemetry(
@@ -84,9 +101,7 @@ async fn wait_for_telemetry(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_starts_resizes_and_stops_real_workers() {
-    let (nats, work, bus) = start_test().await;
-    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
-    let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
+    let (_nats, work, bus, mut progress, agent) = start_with_agent("n1").await;
 
     // Generation 1: two ranks on this host.
     let cmd = trainer_command();
@@ -203,9 +218,7 @@ async fn agent_starts_resizes_and_stops_real_workers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
-    let (nats, work, bus) = start_test().await;
-    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
-    let agent = start_agent(agent_config(&nats, "n2", 2, work.path()));
+    let (_nats, work, bus, mut progress, agent) = start_with_agent("n2").await;
 
     let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
     bus.put(&bus.plans, "n2", &plan("n2", vec![
@@ -278,9 +291,7 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
 /// them; valid statistics pass through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planned_batches_reach_workers_and_bad_gradient_statistics_are_counted_and_ignored() {
-    let (nats, work, bus) = start_test().await;
-    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
-    let agent = start_agent(agent_config(&nats, "n3", 2, work.path()));
+    let (_nats, _work, bus, mut progress, agent) = start_with_agent("n3").await;
 
     // Samples are the planned total per step; grad_var echoes the per-worker batch and
     // grad_sqr the accumulation steps + reference, so the report shows what the worker read.
@@ -351,9 +362,7 @@ exec sleep 60"#;
 /// step) arrives, and the agent counts what it skipped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_worker_loses_only_its_own_intermediate_reports() {
-    let (nats, work, bus) = start_test().await;
-    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
-    let agent = start_agent(agent_config(&nats, "n3", 2, work.path()));
+    let (_nats, _work, bus, mut progress, agent) = start_with_agent("n3").await;
 
     let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
     let flood = r#"awk 'BEGIN { for (i = 1; i <= 20001; i++) printf "CONVERGE_PROGRESS {\"step\":%d,\"samples\":%d,\"loss\":0.5}\n", i, 8 * i }'; exec sleep 60"#;

@@ -60,6 +60,13 @@ fn submit_to(nats: &NatsServer, id: &str, queue: &str, dir: &Path) {
     submit(nats, &write_job(&job, Some(queue), "normal", dir));
 }
 
+/// The queue buckets, created if need be.
+async fn queue_buckets(bus: &converge_bus::Bus) -> converge_bus::QueueBuckets {
+    bus.open_queues(converge_bus::Setup::CreateOrUpdate)
+        .await
+        .expect("open the queue buckets")
+}
+
 fn queue_list(nats: &NatsServer) -> BTreeMap<String, serde_json::Value> {
     let out = ok(nats, &["--json", "queue", "list"]);
     let rows: Vec<serde_json::Value> = serde_json::from_str(&out).expect("JSON list");
@@ -71,10 +78,7 @@ fn queue_list(nats: &NatsServer) -> BTreeMap<String, serde_json::Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_commands_round_trip_and_refuse_bad_input() {
     let (nats, work, bus) = start_test().await;
-    let qb = bus
-        .open_queues(converge_bus::Setup::CreateOrUpdate)
-        .await
-        .unwrap();
+    let qb = queue_buckets(&bus).await;
 
     // Only the implicit default queue at first.
     let list = queue_list(&nats);
@@ -459,10 +463,7 @@ async fn queue_status(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_quota_is_lent_and_reclaimed() {
     let (nats, work, bus) = start_test().await;
-    let qb = bus
-        .open_queues(converge_bus::Setup::CreateOrUpdate)
-        .await
-        .unwrap();
+    let qb = queue_buckets(&bus).await;
     ok(&nats, &["queue", "create", "team-a", "--quota", "2"]);
     ok(&nats, &["queue", "create", "team-b", "--quota", "2"]);
     let (hosts, period) = (HOSTS, PERIOD);
