@@ -310,6 +310,19 @@ fn start_cluster(nats: &NatsServer, dir: &Path) -> (Vec<Running>, Running) {
     (agents, start_allocator(cfg))
 }
 
+/// The jobs of `ids` whose generation or running workers differ between `before` and
+/// `after` (as [`workers`] reports them).
+fn changed<'a>(
+    ids: &[&'a str],
+    before: &BTreeMap<String, (u64, Vec<u32>)>,
+    after: &BTreeMap<String, (u64, Vec<u32>)>,
+) -> Vec<&'a str> {
+    ids.iter()
+        .copied()
+        .filter(|id| after.get(*id) != before.get(*id))
+        .collect()
+}
+
 /// Waits until each of `jobs` is running with `n` workers running on the hosts.
 async fn wait_running(
     bus: &converge_bus::Bus,
@@ -371,11 +384,7 @@ async fn a_high_priority_job_preempts_exactly_the_low_priority_jobs_it_needs() {
     .await;
     let after = wait_running(&bus, &hosts, &[("urgent", 2)], 60, "urgent running").await;
     let running = submitted.elapsed();
-    let preempted: Vec<&str> = low
-        .iter()
-        .copied()
-        .filter(|id| after.get(*id) != before.get(*id))
-        .collect();
+    let preempted = changed(&low, &before, &after);
     let kept: Vec<&str> = low
         .iter()
         .copied()
@@ -533,11 +542,7 @@ async fn idle_quota_is_lent_and_reclaimed() {
     )
     .await;
     let reclaimed = reclaim_at.elapsed();
-    let preempted: Vec<&str> = a_jobs
-        .iter()
-        .copied()
-        .filter(|id| after.get(*id) != before.get(*id))
-        .collect();
+    let preempted = changed(&a_jobs, &before, &after);
     println!(
         "reclaim: team-b's jobs running {:.2} s after submission; team-a jobs preempted {preempted:?}",
         reclaimed.as_secs_f64()
