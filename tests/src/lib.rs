@@ -428,6 +428,14 @@ pub fn allocator_config(
     }
 }
 
+/// Starts an in-process agent for each of `hosts`, `gpus` fake GPUs each.
+pub fn start_agents(nats: &NatsServer, hosts: &[&str], gpus: u32, work: &Path) -> Vec<Running> {
+    hosts
+        .iter()
+        .map(|h| start_agent(agent_config(nats, h, gpus, work)))
+        .collect()
+}
+
 /// Starts an allocator in-process.
 pub fn start_allocator(cfg: converge_allocator::service::AllocatorConfig) -> Running {
     let token = CancellationToken::new();

@@ -768,8 +768,7 @@ async fn live_cluster_page_matches_the_cli() {
         return;
     };
     let work = tempfile::tempdir().unwrap();
-    let a1 = start_agent(agent_config(&nats, "n1", 2, work.path()));
-    let a2 = start_agent(agent_config(&nats, "n2", 2, work.path()));
+    let agents = start_agents(&nats, &["n1", "n2"], 2, work.path());
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
     let spec = TrainerJob::new("live", 1000)
         .workers(1, 4)
@@ -987,7 +986,7 @@ async fn live_cluster_page_matches_the_cli() {
 
     browser.close().await;
     dashboard.stop().await;
-    for r in [a1, a2, allocator] {
+    for r in agents.into_iter().chain([allocator]) {
         r.stop().await;
     }
 }

@@ -10,8 +10,7 @@ use std::time::Duration;
 async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
     let (nats, work, bus) = start_test().await;
     let mut progress = subscribe_progress(&bus, "opt").await;
-    let a1 = start_agent(agent_config(&nats, "n1", 1, work.path()));
-    let a2 = start_agent(agent_config(&nats, "n2", 1, work.path()));
+    let mut agents = start_agents(&nats, &["n1", "n2"], 1, work.path());
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
 
     let spec = TrainerJob::new("opt", 1000)
@@ -44,7 +43,7 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
     );
 
     // A third host joins: the job grows to three workers and resumes from its checkpoint.
-    let a3 = start_agent(agent_config(&nats, "n3", 1, work.path()));
+    agents.push(start_agent(agent_config(&nats, "n3", 1, work.path())));
     let grown = first_report_after(&mut progress, s.generation, 30, &mut last).await;
     let s2 = job_status(&bus, "opt").await.unwrap();
     assert_eq!(s2.world_size, 3, "{s2:?}");
@@ -84,7 +83,7 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed[0]["status"]["phase"], "cancelled");
 
-    for a in [a1, a2, a3] {
+    for a in agents {
         a.stop().await;
     }
     allocator.stop().await;

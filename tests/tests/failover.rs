@@ -26,8 +26,7 @@ fn config(nats: &NatsServer, replica: &str) -> converge_allocator::service::Allo
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_allocator_takes_over_without_restarting_jobs() {
     let (nats, work, bus) = start_test().await;
-    let _a1 = start_agent(agent_config(&nats, "n1", 1, work.path()));
-    let _a2 = start_agent(agent_config(&nats, "n2", 1, work.path()));
+    let _agents = start_agents(&nats, &["n1", "n2"], 1, work.path());
     let first = start_allocator(config(&nats, "alloc-a"));
     wait_for(Duration::from_secs(10), "alloc-a leads", || async {
         (holder(&bus).await.as_deref() == Some("alloc-a")).then_some(())

@@ -301,10 +301,7 @@ const PERIOD: Duration = Duration::from_secs(2);
 
 /// Agents for [`HOSTS`] and an allocator that schedules every [`PERIOD`].
 fn start_cluster(nats: &NatsServer, dir: &Path) -> (Vec<Running>, Running) {
-    let agents = HOSTS
-        .iter()
-        .map(|h| start_agent(agent_config(nats, h, 2, dir)))
-        .collect();
+    let agents = start_agents(nats, &HOSTS, 2, dir);
     let mut cfg = allocator_config(nats, Duration::ZERO);
     cfg.scheduling_interval = PERIOD;
     (agents, start_allocator(cfg))

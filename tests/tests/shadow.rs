@@ -24,8 +24,7 @@ async fn a_shadow_job_runs_through_the_agents_next_to_a_ring_job() {
     let (nats, work, bus) = start_test().await;
     let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
     // Two hosts of two GPUs: room for both two-worker jobs at once.
-    let a1 = start_agent(agent_config(&nats, "n1", 2, work.path()));
-    let a2 = start_agent(agent_config(&nats, "n2", 2, work.path()));
+    let agents = start_agents(&nats, &["n1", "n2"], 2, work.path());
     let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(600)));
 
     // About 1,200 local steps of 10 ms per worker: 15-25 s on two busy cores.
@@ -158,7 +157,7 @@ async fn a_shadow_job_runs_through_the_agents_next_to_a_ring_job() {
     assert!(status_of("shadow-ma")["sync_rounds_per_s"].is_number());
     assert!(status_of("ring").get("sync_rounds_per_s").is_none());
 
-    for a in [a1, a2] {
+    for a in agents {
         a.stop().await;
     }
     allocator.stop().await;
