@@ -14,24 +14,12 @@
 # (default: a new temporary directory).
 set -euo pipefail
 
-out=""
-extra=()
-spacing=10
-duration=400
-while [[ $# -gt 0 ]]; do
-    case "$1" in
-        --debug) extra+=(--debug); shift ;;
-        --out) out="$2"; shift 2 ;;
-        --spacing) spacing="$2"; shift 2 ;;
-        --duration) duration="$2"; shift 2 ;;
-        -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "batch-demo.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
-    esac
-done
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-[[ -n "$out" ]] || out=$(mktemp -d -t converge-batch-demo.XXXXXX)
+# shellcheck source=deploy/demo-common.sh
+source "$root/deploy/demo-common.sh"
+spacing=10 duration=400
+demo_args batch-demo.sh spacing spacing "$@"
 mkdir -p "$out/fixed-specs"
-out=$(realpath "$out")
 
 specs=("$root/examples/jobs/optdigits-softmax.toml" "$root/examples/jobs/mnist-mlp.toml")
 fixed=()
@@ -45,9 +33,7 @@ done
 run() {
     local name="$1"; shift
     echo "==> $name run"
-    "$root/deploy/local-cluster.sh" "${extra[@]}" --duration "$duration" --spacing "$spacing" \
-        --summary "$out/$name.json" --jobs "$*" >"$out/$name.log" 2>&1 || true
-    grep "^converge monitor: " "$out/$name.log" | tail -n 1 || tail -n 3 "$out/$name.log"
+    demo_run_cluster "$name" --spacing "$spacing" --jobs "$*"
 }
 run adaptive "${specs[@]}"
 run fixed "${fixed[@]}"

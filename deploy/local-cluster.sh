@@ -95,6 +95,8 @@ fi
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+# shellcheck source=deploy/cluster-common.sh
+source deploy/cluster-common.sh
 
 echo "==> building ($profile)"
 # Only the four binaries the cluster runs.
@@ -198,32 +200,8 @@ if [[ "$dashboard" != off ]]; then
 fi
 
 # Jobs arrive over time: (seconds after the previous submission, spec).
-if [[ -n "$job_list" ]]; then
-    jobs=()
-    delay=0
-    for spec in $job_list; do
-        [[ -f "$spec" ]] || { echo "local-cluster.sh: no job spec $spec" >&2; exit 2; }
-        jobs+=("$delay $spec")
-        delay=$spacing
-    done
-else
-    jobs=(
-        "0 examples/jobs/a9a-logreg.toml"
-        "$spacing examples/jobs/optdigits-softmax.toml"
-        "$spacing examples/jobs/millionsong-linreg.toml"
-        "$spacing examples/jobs/mnist-mlp.toml"
-        "$spacing examples/jobs/optdigits-mlp.toml"
-        "$spacing examples/jobs/optdigits-ps.toml"
-    )
-fi
-(
-    for entry in "${jobs[@]}"; do
-        read -r delay spec <<<"$entry"
-        sleep "$delay"
-        converge submit "$spec" >>"$work/submit.log" 2>&1 || echo "submit $spec failed" >>"$work/submit.log"
-    done
-) &
-submitter=$!
+schedule_jobs || { echo "local-cluster.sh: no job spec $missing_spec" >&2; exit 2; }
+submit_jobs_in_background converge
 
 monitor_args=(monitor --interval 2s --duration "${duration}s" --until-done "${until_done:-${#jobs[@]}}"
     --verdict-file "$work/verdict")

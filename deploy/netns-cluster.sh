@@ -236,6 +236,8 @@ ip netns del "$probe_ns"
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
+# shellcheck source=deploy/cluster-common.sh
+source deploy/cluster-common.sh
 remove_stale
 
 if [[ "$build" == 1 ]]; then
@@ -408,32 +410,8 @@ if [[ "$up" == 1 ]]; then
     exit 0
 fi
 
-if [[ -n "$job_list" ]]; then
-    jobs=()
-    delay=0
-    for spec in $job_list; do
-        [[ -f "$spec" ]] || die "no job spec $spec"
-        jobs+=("$delay $spec")
-        delay=$spacing
-    done
-else
-    jobs=(
-        "0 examples/jobs/a9a-logreg.toml"
-        "$spacing examples/jobs/optdigits-softmax.toml"
-        "$spacing examples/jobs/millionsong-linreg.toml"
-        "$spacing examples/jobs/mnist-mlp.toml"
-        "$spacing examples/jobs/optdigits-mlp.toml"
-        "$spacing examples/jobs/optdigits-ps.toml"
-    )
-fi
-(
-    for entry in "${jobs[@]}"; do
-        read -r delay spec <<<"$entry"
-        sleep "$delay"
-        ctl converge submit "$spec" >>"$work/submit.log" 2>&1 || echo "submit $spec failed" >>"$work/submit.log"
-    done
-) &
-submitter=$!
+schedule_jobs || die "no job spec $missing_spec"
+submit_jobs_in_background ctl converge
 
 monitor_args=(monitor --interval 2s --duration "${duration}s" --until-done "${until_done:-${#jobs[@]}}")
 [[ -n "$summary" ]] && monitor_args+=(--summary "$summary")

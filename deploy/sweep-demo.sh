@@ -13,24 +13,11 @@
 # new temporary directory). About twice --duration at most (default 900 s per run).
 set -euo pipefail
 
-out=""
-extra=()
-agents=2
-duration=900
-while [[ $# -gt 0 ]]; do
-    case "$1" in
-        --debug) extra+=(--debug); shift ;;
-        --out) out="$2"; shift 2 ;;
-        --agents) agents="$2"; shift 2 ;;
-        --duration) duration="$2"; shift 2 ;;
-        -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "sweep-demo.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
-    esac
-done
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-[[ -n "$out" ]] || out=$(mktemp -d -t converge-sweep-demo.XXXXXX)
-mkdir -p "$out"
-out=$(realpath "$out")
+# shellcheck source=deploy/demo-common.sh
+source "$root/deploy/demo-common.sh"
+agents=2 duration=900
+demo_args sweep-demo.sh agents agents "$@"
 sweep="$root/examples/sweeps/optdigits.toml"
 trials=12
 
@@ -39,10 +26,7 @@ run() {
     echo "==> $name run ($agents agents x 4 GPUs, $trials trials)"
     local args=()
     for a in "$@"; do args+=(--allocator-arg "$a"); done
-    "$root/deploy/local-cluster.sh" "${extra[@]}" --agents "$agents" --duration "$duration" \
-        --until-done "$trials" --summary "$out/$name.json" --jobs "$sweep" "${args[@]}" \
-        >"$out/$name.log" 2>&1 || true
-    grep "^converge monitor: " "$out/$name.log" | tail -n 1 || tail -n 3 "$out/$name.log"
+    demo_run_cluster "$name" --agents "$agents" --until-done "$trials" --jobs "$sweep" "${args[@]}"
 }
 run quality-loss --policy quality --objective loss
 run fair --policy fair

@@ -219,6 +219,35 @@ fn args(url: String, replicas: u8) -> NatsArgs {
     }
 }
 
+/// A bus on `cluster` as client `name`, with `replicas` and `setup`.
+async fn connect(
+    cluster: &Cluster,
+    replicas: u8,
+    name: &str,
+    setup: Setup,
+) -> Result<Bus, converge_bus::BusError> {
+    Bus::connect(&args(cluster.url(), replicas), name, setup).await
+}
+
+/// Checks that the jobs bucket still holds `want` under `kept`.
+async fn assert_kept(bus: &Bus, want: &str) {
+    let kept = bus
+        .jobs
+        .get("kept")
+        .await
+        .expect("get")
+        .expect("value kept");
+    assert_eq!(&kept[..], want.as_bytes());
+}
+
+/// The three-server cluster, once no other test runs one, and the guard that keeps it
+/// so; `None` (the test skips) when there is no nats-server.
+async fn one_cluster_at_a_time() -> Option<(tokio::sync::MutexGuard<'static, ()>, Cluster)> {
+    let serial = SERIAL.lock().await;
+    let bin = nats_server_bin()?;
+    Some((serial, Cluster::start(bin)))
+}
+
 async fn stream_info(bus: &Bus, name: &str) -> stream::Info {
     let mut s = bus.js.get_stream(name).await.expect("stream exists");
     s.info().await.expect("stream info").clone()
@@ -248,13 +277,9 @@ async fn put_retrying(store: &async_nats::jetstream::kv::Store, key: &str, value
 
 /// A bus on `cluster` that creates everything with 3 replicas, once every stream has them.
 async fn connect_replicated(cluster: &Cluster) -> Bus {
-    let bus = Bus::connect(
-        &args(cluster.url(), 3),
-        "converge-test",
-        Setup::CreateOrUpdate,
-    )
-    .await
-    .expect("bus with 3 replicas");
+    let bus = connect(cluster, 3, "converge-test", Setup::CreateOrUpdate)
+        .await
+        .expect("bus with 3 replicas");
     for name in all_streams() {
         wait_replicated(&bus, &name, 3).await;
     }
@@ -288,19 +313,15 @@ async fn wait_replicated(bus: &Bus, name: &str, want: usize) -> stream::Info {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_raised_in_place() {
-    let _one_cluster_at_a_time = SERIAL.lock().await;
-    let Some(bin) = nats_server_bin() else { return };
-    let cluster = Cluster::start(bin);
+    let Some((_serial, cluster)) = one_cluster_at_a_time().await else {
+        return;
+    };
 
     // A previous single-replica deployment: the buckets and the stream with 1 replica and
     // one job spec stored.
-    let old = Bus::connect(
-        &args(cluster.url(), 1),
-        "converge-test",
-        Setup::CreateOrUpdate,
-    )
-    .await
-    .expect("bus with 1 replica");
+    let old = connect(&cluster, 1, "converge-test", Setup::CreateOrUpdate)
+        .await
+        .expect("bus with 1 replica");
     for name in all_streams() {
         assert_eq!(
             stream_info(&old, &name).await.config.num_replicas,
@@ -312,34 +333,20 @@ async fn replicas_raised_in_place() {
     drop(old);
 
     // The allocator with --bus-replicas 3 raises every one to 3 in place.
-    let bus = Bus::connect(
-        &args(cluster.url(), 3),
-        "converge-test",
-        Setup::CreateOrUpdate,
-    )
-    .await
-    .expect("bus with 3 replicas");
+    let bus = connect(&cluster, 3, "converge-test", Setup::CreateOrUpdate)
+        .await
+        .expect("bus with 3 replicas");
     assert_eq!(bus.replicas, 3);
     for name in all_streams() {
         let info = wait_replicated(&bus, &name, 3).await;
         assert_eq!(info.config.num_replicas, 3, "{name}");
     }
-    let kept = bus
-        .jobs
-        .get("kept")
-        .await
-        .expect("get")
-        .expect("value kept");
-    assert_eq!(&kept[..], b"spec written with one replica");
+    assert_kept(&bus, "spec written with one replica").await;
 
     // An agent-like client with --bus-replicas 1 opens them as they are.
-    Bus::connect(
-        &args(cluster.url(), 1),
-        "converge-test",
-        Setup::OpenOrCreate,
-    )
-    .await
-    .expect("open as they are");
+    connect(&cluster, 1, "converge-test", Setup::OpenOrCreate)
+        .await
+        .expect("open as they are");
     assert_eq!(
         stream_info(&bus, "KV_converge-hosts")
             .await
@@ -351,9 +358,9 @@ async fn replicas_raised_in_place() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leader_killed_and_back() {
-    let _one_cluster_at_a_time = SERIAL.lock().await;
-    let Some(bin) = nats_server_bin() else { return };
-    let mut cluster = Cluster::start(bin);
+    let Some((_serial, mut cluster)) = one_cluster_at_a_time().await else {
+        return;
+    };
     let bus = connect_replicated(&cluster).await;
     put_retrying(&bus.jobs, "kept", "spec written before the kill").await;
 
@@ -396,13 +403,7 @@ async fn leader_killed_and_back() {
         .and_then(|c| c.leader)
         .expect("a new leader");
     assert_ne!(new_leader, leader);
-    let kept = bus
-        .jobs
-        .get("kept")
-        .await
-        .expect("get")
-        .expect("value kept");
-    assert_eq!(&kept[..], b"spec written before the kill");
+    assert_kept(&bus, "spec written before the kill").await;
 
     // The server comes back. A replica catches up with the next write to its stream (an
     // idle stream's restarted replica stays behind until then): the hosts bucket, written
@@ -435,28 +436,18 @@ async fn leader_killed_and_back() {
     );
     put_retrying(&bus.jobs, "after", "spec written after the restart").await;
     wait_replicated(&bus, "KV_converge-jobs", 3).await;
-    let kept = bus
-        .jobs
-        .get("kept")
-        .await
-        .expect("get")
-        .expect("value kept");
-    assert_eq!(&kept[..], b"spec written before the kill");
+    assert_kept(&bus, "spec written before the kill").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_replicas_than_servers_is_explained() {
-    let _one_cluster_at_a_time = SERIAL.lock().await;
-    let Some(bin) = nats_server_bin() else { return };
-    let cluster = Cluster::start(bin);
+    let Some((_serial, cluster)) = one_cluster_at_a_time().await else {
+        return;
+    };
     let t0 = Instant::now();
-    let e = Bus::connect(
-        &args(cluster.url(), 5),
-        "converge-test",
-        Setup::CreateOrUpdate,
-    )
-    .await
-    .expect_err("5 replicas on 3 servers");
+    let e = connect(&cluster, 5, "converge-test", Setup::CreateOrUpdate)
+        .await
+        .expect_err("5 replicas on 3 servers");
     let text = e.to_string();
     eprintln!("{text} (after {:?})", t0.elapsed());
     assert!(
@@ -477,17 +468,13 @@ async fn more_replicas_than_servers_is_explained() {
 async fn followers_survive_a_server_kill() {
     use std::sync::{Arc, Mutex};
     type Log = Arc<Mutex<Vec<(&'static str, String, u64, Instant)>>>;
-    let _one_cluster_at_a_time = SERIAL.lock().await;
-    let Some(bin) = nats_server_bin() else { return };
-    let mut cluster = Cluster::start(bin);
+    let Some((_serial, mut cluster)) = one_cluster_at_a_time().await else {
+        return;
+    };
     let bus = connect_replicated(&cluster).await;
-    let writer = Bus::connect(
-        &args(cluster.url(), 3),
-        "converge-test-writer",
-        Setup::OpenOrCreate,
-    )
-    .await
-    .expect("writer");
+    let writer = connect(&cluster, 3, "converge-test-writer", Setup::OpenOrCreate)
+        .await
+        .expect("writer");
     // Acknowledged writes and deliveries: (bucket, key, revision, when).
     let written: Log = Arc::default();
     let delivered: Log = Arc::default();

@@ -104,6 +104,21 @@ def run_until_progress(workers, lines):
 
 @unittest.skipIf(SKIP, SKIP or "")
 class Examples(unittest.TestCase):
+    def stop_two_ranks_and_resume_on_one(self, script, ckpt, args):
+        """Two ranks of `script` until three progress lines, then SIGTERM: both exit 143; one
+        rank of generation 2 resumes from the checkpoint and finishes. Returns the first
+        run's rank 0 stderr and the resumed run's progress lines."""
+        port = free_port()
+        ranks = [Worker(script, ckpt, 1, 2, r, port, args) for r in range(2)]
+        self.assertEqual(run_until_progress(ranks, 3), 3)
+        results = [w.finish() for w in ranks]
+        for code, _, err in results:
+            self.assertEqual(code, 143, err)
+        code, out, err = Worker(script, ckpt, 2, 1, 0, free_port(), args).finish()
+        self.assertEqual(code, 0, err)
+        self.assertIn("resumed at step", err)
+        return results[0][2], progress_lines(out)
+
     def test_plain_mnist_stops_resumes_and_finishes(self):
         args = ["--epochs", "3", "--log-every", "5", "--step-delay-ms", "20"]
         with tempfile.TemporaryDirectory() as ckpt:
@@ -130,18 +145,8 @@ class Examples(unittest.TestCase):
         args = ["--epochs", "3", "--log-every", "5", "--eval-every", "10",
                 "--step-delay-ms", "20", "--timeout-s", "60"]
         with tempfile.TemporaryDirectory() as ckpt:
-            port = free_port()
-            ranks = [Worker("ddp_mnist.py", ckpt, 1, 2, r, port, args) for r in range(2)]
-            self.assertEqual(run_until_progress(ranks, 3), 3)
-            results = [w.finish() for w in ranks]
-            for code, _, err in results:
-                self.assertEqual(code, 143, err)
-            self.assertIn("checkpointed", results[0][2])
-            w = Worker("ddp_mnist.py", ckpt, 2, 1, 0, free_port(), args)
-            code, out, err = w.finish()
-            self.assertEqual(code, 0, err)
-            self.assertIn("resumed at step", err)
-            lines = progress_lines(out)
+            rank0_err, lines = self.stop_two_ranks_and_resume_on_one("ddp_mnist.py", ckpt, args)
+            self.assertIn("checkpointed", rank0_err)
             self.assertGreater(lines[0]["step"], 5, "did not resume: %s" % lines[0])
             self.assertLess(lines[-1]["loss"], lines[0]["loss"])
             self.assertTrue(any("eval_loss" in p for p in lines))
@@ -178,17 +183,7 @@ class Examples(unittest.TestCase):
                 "--log-every", "2", "--eval-every", "4", "--batch-size", "16",
                 "--timeout-s", "60"]
         with tempfile.TemporaryDirectory() as ckpt:
-            port = free_port()
-            ranks = [Worker("ddp_resnet.py", ckpt, 1, 2, r, port, args) for r in range(2)]
-            self.assertEqual(run_until_progress(ranks, 3), 3)
-            results = [w.finish() for w in ranks]
-            for code, _, err in results:
-                self.assertEqual(code, 143, err)
-            w = Worker("ddp_resnet.py", ckpt, 2, 1, 0, free_port(), args)
-            code, out, err = w.finish()
-            self.assertEqual(code, 0, err)
-            self.assertIn("resumed at step", err)
-            lines = progress_lines(out)
+            _, lines = self.stop_two_ranks_and_resume_on_one("ddp_resnet.py", ckpt, args)
             self.assertTrue(any("grad_var" in p for p in lines), lines)
             self.assertLess(lines[-1]["loss"], 2.3)  # below chance (ln 10)
             self.assertGreaterEqual(lines[-1]["epoch"], 2.0)

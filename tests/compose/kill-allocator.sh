@@ -21,16 +21,8 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cv_init kill-allocator "$@"
 cv_build
 cv_up
-jobs_dir="$cv_root/tests/compose/fault-jobs"
 interval_s=${CONVERGE_SCHEDULING_INTERVAL%s}
-cv_submit "$jobs_dir/ft-span.toml"
-cv_submit "$jobs_dir/ft-small.toml"
-
-both_run() {
-    read -r p1 h1 s1 < <(cv_job ft-span phase hosts step) && read -r p2 s2 < <(cv_job ft-small phase step) &&
-        [[ "$p1" == running && "$h1" -ge 2 && "$s1" -ge 50 && "$p2" == running && "$s2" -ge 20 ]]
-}
-wait_for 90 "ft-span running on two agents and ft-small running, both with progress" both_run
+cv_run_with_small ft-span 90 50 20
 read -r gen_span step_span < <(cv_job ft-span generation step)
 read -r gen_small < <(cv_job ft-small generation)
 [[ "$(cv_metric allocator converge_allocator_leader)" == 1 ]] || fail "the allocator does not report converge_allocator_leader 1 before the kill"

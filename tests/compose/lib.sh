@@ -192,6 +192,21 @@ cv_job() { local j="$1"; shift; cv_jobs_json | python3 "$cv_tool" job "$j" "$@" 
 cv_submit() { "${cli[@]}" submit "$1" >/dev/null || fail "submit $1 failed"; }
 # cv_pids JOB: 'host gen rank pid' of JOB's live workers, from the agents' telemetry.
 cv_pids() { "${cli[@]}" --json hosts 2>/dev/null | python3 "$cv_tool" pids "$1"; }
+# cv_run_with_small SPAN SECONDS SPAN_STEPS SMALL_STEPS: submits fault-jobs/SPAN.toml and
+# ft-small.toml and waits (SECONDS at most) until SPAN runs on two agents past SPAN_STEPS
+# steps and ft-small runs past SMALL_STEPS.
+cv_run_with_small() {
+    local span="$1" limit="$2"; shift 2
+    cv_submit "$cv_root/tests/compose/fault-jobs/$span.toml"
+    cv_submit "$cv_root/tests/compose/fault-jobs/ft-small.toml"
+    wait_for "$limit" "$span running on two agents and ft-small running, both with progress" \
+        cv_both_run "$span" "$@"
+}
+cv_both_run() {
+    local p1 h1 s1 p2 s2
+    read -r p1 h1 s1 < <(cv_job "$1" phase hosts step) && read -r p2 s2 < <(cv_job ft-small phase step) &&
+        [[ "$p1" == running && "$h1" -ge 2 && "$s1" -ge "$2" && "$p2" == running && "$s2" -ge "$3" ]]
+}
 cv_container() { compose ps -a -q "$1"; }
 cv_ip() { docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$(cv_container "$1")"; }
 cv_volume() { docker volume inspect -f "{{.Mountpoint}}" "${project}_$1"; }

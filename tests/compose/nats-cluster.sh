@@ -42,7 +42,6 @@ cv_init nats-cluster "$@"
 cv_build
 cv_up
 servers=(nats nats-2 nats-3)
-jobs_dir="$cv_root/tests/compose/fault-jobs"
 
 # mon SERVICE PATH: a NATS server's monitoring endpoint. It listens on the container's
 # loopback only (deploy/nats/compose-secrets.sh), so the host's python3 reads it from
@@ -79,13 +78,7 @@ wait_for 90 "every stream with 3 current replicas" all_replicated
 jsz_any | awk '$1 == "meta"' | sed 's/^/    /'
 streams_led | sed 's/^/    /'
 
-cv_submit "$jobs_dir/ft-span-long.toml"
-cv_submit "$jobs_dir/ft-small.toml"
-both_run() {
-    read -r p1 h1 s1 < <(cv_job ft-span-long phase hosts step) && read -r p2 s2 < <(cv_job ft-small phase step) &&
-        [[ "$p1" == running && "$h1" -ge 2 && "$s1" -ge 50 && "$p2" == running && "$s2" -ge 20 ]]
-}
-wait_for 120 "ft-span-long running on two agents and ft-small running, both with progress" both_run
+cv_run_with_small ft-span-long 120 50 20
 read -r gen_long placed < <(cv_job ft-span-long generation placed)
 read -r gen_small < <(cv_job ft-small generation)
 pids_before=$( { cv_pids ft-span-long; cv_pids ft-small; } )

@@ -23,15 +23,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 cv_init nats-restart "$@"
 cv_build
 cv_up
-jobs_dir="$cv_root/tests/compose/fault-jobs"
-cv_submit "$jobs_dir/ft-span.toml"
-cv_submit "$jobs_dir/ft-small.toml"
-
-both_run() {
-    read -r p1 h1 s1 < <(cv_job ft-span phase hosts step) && read -r p2 s2 < <(cv_job ft-small phase step) &&
-        [[ "$p1" == running && "$h1" -ge 2 && "$s1" -ge 50 && "$p2" == running && "$s2" -ge 20 ]]
-}
-wait_for 90 "ft-span running on two agents and ft-small running, both with progress" both_run
+cv_run_with_small ft-span 90 50 20
 read -r gen_span step_span placed < <(cv_job ft-span generation step placed)
 read -r gen_small step_small < <(cv_job ft-small generation step)
 pids_before=$( { cv_pids ft-span; cv_pids ft-small; } )

@@ -23,7 +23,6 @@ cv_init two-allocators "$@"
 cv_profiles=(ha)
 cv_build
 cv_up
-jobs_dir="$cv_root/tests/compose/fault-jobs"
 
 leaders() { echo "$(cv_metric allocator converge_allocator_leader) $(cv_metric allocator-2 converge_allocator_leader)"; }
 one_leader() { local l; l=$(leaders); [[ "$l" == "1 0" || "$l" == "0 1" ]]; }
@@ -32,13 +31,7 @@ read -r l1 l2 < <(leaders)
 if [[ "$l1" == 1 ]]; then leader=allocator standby=allocator-2; else leader=allocator-2 standby=allocator; fi
 log "leader: $leader, standby: $standby (converge_allocator_leader $l1 / $l2)"
 
-cv_submit "$jobs_dir/ft-span.toml"
-cv_submit "$jobs_dir/ft-small.toml"
-both_run() {
-    read -r p1 h1 s1 < <(cv_job ft-span phase hosts step) && read -r p2 s2 < <(cv_job ft-small phase step) &&
-        [[ "$p1" == running && "$h1" -ge 2 && "$s1" -ge 30 && "$p2" == running && "$s2" -ge 10 ]]
-}
-wait_for 90 "ft-span running on two agents and ft-small running" both_run
+cv_run_with_small ft-span 90 30 10
 read -r gen_span < <(cv_job ft-span generation)
 read -r gen_small < <(cv_job ft-small generation)
 for m in plan_writes_total status_writes_total; do

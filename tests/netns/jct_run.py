@@ -9,19 +9,13 @@ finished - submitted) and phase, as JSON.
 """
 import argparse
 import json
-import shlex
+import os
 import subprocess
 import sys
 import time
 
-
-def read_env(path):
-    env = {}
-    for line in open(path):
-        key, _, value = line.strip().partition("=")
-        if key:
-            env[key] = shlex.split(value)[0] if value else ""
-    return env
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from netns_common import read_env  # noqa: E402
 
 
 def main():

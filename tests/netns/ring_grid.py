@@ -15,71 +15,33 @@ Usage (inside a cluster started by deploy/netns-cluster.sh --up --env-file ENV):
                [--steps 120] [--grid "2:1 11:1 ..."]
 """
 import argparse
-import json
 import os
-import shlex
 import statistics
-import subprocess
 import sys
-import threading
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from netns_common import read_env, start_rank  # noqa: E402
 
 DEFAULT_GRID = "2:1 11:1 4:1 22:1 211:1 1111:1 3:1 21:1 111:1 11:2 22:2 1111:2"
 
 
-def read_env(path):
-    env = {}
-    for line in open(path):
-        key, _, value = line.strip().partition("=")
-        if key:
-            env[key] = shlex.split(value)[0] if value else ""
-    return env
-
-
 def run_config(cfg, placement, contention, args, port_base):
     hosts = cfg["NETNS_HOSTS"].split()
-    addrs = cfg["NETNS_ADDRS"].split()
     digits = [int(d) for d in placement]
     if len(digits) > len(hosts):
         raise SystemExit(f"placement {placement} needs {len(digits)} hosts, the cluster has {len(hosts)}")
     world = sum(digits)
     procs, lines = [], {}
-    trainer = os.path.join(cfg["NETNS_BIN"], "converge-trainer")
     for job in range(contention):
-        port = port_base + job
         rank = 0
         lines[job] = []
         for host_index, count in enumerate(digits):
             for _ in range(count):
-                env = {
-                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(world),
-                    "LOCAL_RANK": "0",
-                    "MASTER_ADDR": addrs[0],
-                    "MASTER_PORT": str(port),
-                    "CONVERGE_JOB_ID": f"grid-{placement}-{contention}-{job}",
-                    "CONVERGE_GENERATION": "1",
-                }
-                cmd = [
-                    "ip", "netns", "exec", hosts[host_index], "env", "-i",
-                    *[f"{k}={v}" for k, v in env.items()],
-                    trainer, "--dataset", "mnist", "--model", "mlp",
-                    "--hidden", str(args.hidden), "--batch-size", str(args.batch),
-                    "--step-delay-ms", str(args.delay_ms), "--no-grad-stats",
-                    "--log-every", str(args.log_every), "--eval-every", "0",
-                    "--max-steps", str(args.steps), "--epochs", "100000",
-                ]
-                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-                procs.append(p)
-                if rank == 0:
-                    def reader(p=p, out=lines[job]):
-                        for line in p.stdout:
-                            if line.startswith("CONVERGE_PROGRESS "):
-                                out.append((time.monotonic(), json.loads(line.split(" ", 1)[1])))
-                    threading.Thread(target=reader, daemon=True).start()
-                else:
-                    threading.Thread(target=p.stdout.read, daemon=True).start()
+                procs.append(start_rank(
+                    cfg, hosts[host_index], rank, world, port_base + job,
+                    f"grid-{placement}-{contention}-{job}", args, lines[job],
+                ))
                 rank += 1
     deadline = time.monotonic() + args.timeout
     for p in procs:

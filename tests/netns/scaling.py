@@ -31,16 +31,14 @@ least max(workers) + shards hosts):
              [--ps 1]
 """
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ring_grid import read_env  # noqa: E402
+from netns_common import read_env, start_rank  # noqa: E402
 
 MODES = {
     # name: (label, extra trainer args, shards)
@@ -54,46 +52,18 @@ MODES = {
 
 def run_point(cfg, mode, workers, args, port):
     hosts = cfg["NETNS_HOSTS"].split()
-    addrs = cfg["NETNS_ADDRS"].split()
     _, extra, sharded = MODES[mode]
     shards = args.ps if sharded else 0
     world = workers + shards
     if world > len(hosts):
         raise SystemExit(f"{mode} x{workers}: needs {world} hosts, the cluster has {len(hosts)}")
-    trainer = os.path.join(cfg["NETNS_BIN"], "converge-trainer")
     procs, lines = [], []
     for rank in range(world):
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": "0",
-            "MASTER_ADDR": addrs[0],
-            "MASTER_PORT": str(port),
-            "CONVERGE_JOB_ID": f"scaling-{mode}-{workers}",
-            "CONVERGE_GENERATION": "1",
-        }
-        if shards:
-            env["CONVERGE_NUM_PS"] = str(shards)
-        cmd = [
-            "ip", "netns", "exec", hosts[rank], "env", "-i",
-            *[f"{k}={v}" for k, v in env.items()],
-            trainer, "--dataset", "mnist", "--model", "mlp",
-            "--hidden", str(args.hidden), "--batch-size", str(args.batch),
-            "--step-delay-ms", str(args.delay_ms), "--no-grad-stats",
-            "--log-every", str(args.log_every), "--eval-every", "0",
-            "--max-steps", str(args.steps), "--epochs", "100000", *extra,
-        ]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        procs.append(p)
-        if rank == 0:
-            def reader(p=p, out=lines):
-                for line in p.stdout:
-                    if line.startswith("CONVERGE_PROGRESS "):
-                        out.append((time.monotonic(), json.loads(line.split(" ", 1)[1])))
-            threading.Thread(target=reader, daemon=True).start()
-        else:
-            threading.Thread(target=p.stdout.read, daemon=True).start()
+        extra_env = {"CONVERGE_NUM_PS": str(shards)} if shards else None
+        procs.append(start_rank(
+            cfg, hosts[rank], rank, world, port, f"scaling-{mode}-{workers}", args, lines,
+            extra_env=extra_env, extra_args=extra,
+        ))
     # Each point runs --seconds from rank 0's first progress line (or to --steps), then
     # every rank gets SIGTERM (a shadow job then ends with its consensus round).
     deadline = time.monotonic() + args.timeout

@@ -248,6 +248,31 @@ impl SecuredNats {
     ) -> Result<Bus, converge_bus::BusError> {
         Bus::connect(&self.args_as(user), &format!("converge-test/{user}"), setup).await
     }
+
+    /// Starts an in-process allocator connected as the `allocator` user.
+    pub fn start_allocator(&self) -> Running {
+        start_allocator(converge_allocator::service::AllocatorConfig {
+            nats: self.args_as("allocator"),
+            ..allocator_config(&self.nats, Duration::ZERO)
+        })
+    }
+
+    /// Starts an in-process agent for `host` (one GPU) connected as `agent-<host>`.
+    pub fn start_agent(&self, host: &str, dir: &Path) -> Running {
+        let mut cfg = agent_config(&self.nats, host, 1, dir);
+        cfg.nats = self.args_as(&format!("agent-{host}"));
+        start_agent(cfg)
+    }
+
+    /// The `cli` user's bus, once the allocator has created the buckets (20 s at most).
+    pub async fn cli_bus(&self) -> Bus {
+        wait_for(Duration::from_secs(20), "buckets created", || async {
+            self.bus_as("cli", converge_bus::Setup::OpenOrCreate)
+                .await
+                .ok()
+        })
+        .await
+    }
 }
 
 /// Path of a workspace binary built in the same profile as the running test
@@ -266,6 +291,27 @@ pub fn bin_path(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// Runs the `converge` CLI with `args` against `nats` and returns its output.
+pub fn converge(nats: &NatsServer, args: &[&str]) -> std::process::Output {
+    Command::new(bin_path("converge"))
+        .arg("--nats-url")
+        .arg(&nats.url)
+        .args(args)
+        .output()
+        .expect("run converge")
+}
+
+/// Bytes (a process's stdout or stderr) as text, invalid UTF-8 replaced.
+pub fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The stdout of a finished process as text; panics with its stderr unless it succeeded.
+pub fn succeeded(out: &std::process::Output) -> String {
+    assert!(out.status.success(), "failed: {}", text(&out.stderr));
+    text(&out.stdout)
 }
 
 /// Root of the repository (for `data/`).
@@ -382,6 +428,14 @@ pub fn allocator_config(
     }
 }
 
+/// Starts an in-process agent for each of `hosts`, `gpus` fake GPUs each.
+pub fn start_agents(nats: &NatsServer, hosts: &[&str], gpus: u32, work: &Path) -> Vec<Running> {
+    hosts
+        .iter()
+        .map(|h| start_agent(agent_config(nats, h, gpus, work)))
+        .collect()
+}
+
 /// Starts an allocator in-process.
 pub fn start_allocator(cfg: converge_allocator::service::AllocatorConfig) -> Running {
     let token = CancellationToken::new();
@@ -390,6 +444,16 @@ pub fn start_allocator(cfg: converge_allocator::service::AllocatorConfig) -> Run
         token,
         handle: Some(handle),
     }
+}
+
+/// What most end-to-end tests start from: tracing on, a fresh nats-server, a work
+/// directory and a bus on the server.
+pub async fn start_test() -> (NatsServer, tempfile::TempDir, Bus) {
+    init_tracing();
+    let nats = NatsServer::start();
+    let work = tempfile::tempdir().unwrap();
+    let bus = nats.bus().await;
+    (nats, work, bus)
 }
 
 /// Polls `check` every 100 ms until it returns `Some`, or panics with `what` after `timeout`.
@@ -409,6 +473,107 @@ where
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Polls `job`'s status until `ready` holds for it and returns it, or panics with `what`
+/// after `secs` seconds.
+pub async fn wait_for_status(
+    bus: &Bus,
+    job: &str,
+    secs: u64,
+    what: &str,
+    ready: impl Fn(&converge_common::JobStatus) -> bool,
+) -> converge_common::JobStatus {
+    wait_for(Duration::from_secs(secs), what, || async {
+        let s = job_status(bus, job).await?;
+        ready(&s).then_some(s)
+    })
+    .await
+}
+
+/// Polls `job`'s status until it is in `phase` and returns it (`secs` seconds at most).
+pub async fn wait_for_phase(
+    bus: &Bus,
+    job: &str,
+    phase: converge_common::JobPhase,
+    secs: u64,
+) -> converge_common::JobStatus {
+    let what = format!("job {job} {phase:?}");
+    wait_for_status(bus, job, secs, &what, |s| s.phase == phase).await
+}
+
+/// The telemetry `host` last reported; `None` while there is none.
+pub async fn telemetry(bus: &Bus, host: &str) -> Option<converge_common::HostTelemetry> {
+    kv_value(bus, &bus.hosts, host).await
+}
+
+/// The value under `key` in `store`; `None` when absent or unreadable.
+pub async fn kv_value<T: converge_common::Message>(
+    bus: &Bus,
+    store: &async_nats::jetstream::kv::Store,
+    key: &str,
+) -> Option<T> {
+    bus.get::<T>(store, key)
+        .await
+        .ok()
+        .flatten()
+        .map(|(v, _)| v)
+}
+
+/// A subscription to every progress report of `job`.
+pub async fn subscribe_progress(bus: &Bus, job: &str) -> async_nats::Subscriber {
+    let job: converge_common::JobId = job.parse().expect("a job id");
+    bus.client
+        .subscribe(converge_common::subjects::progress_of_job(&job))
+        .await
+        .expect("subscribe to progress")
+}
+
+/// The next progress report on `sub`; panics unless one arrives within `secs` seconds.
+pub async fn next_report(
+    sub: &mut async_nats::Subscriber,
+    secs: u64,
+) -> converge_common::ProgressReport {
+    use futures::StreamExt;
+    let msg = tokio::time::timeout(Duration::from_secs(secs), sub.next())
+        .await
+        .unwrap_or_else(|_| panic!("a progress report within {secs} s"))
+        .expect("subscription open");
+    converge_common::codec::decode(&msg.payload).unwrap()
+}
+
+/// Reads `sub` until a report of a generation after `generation` arrives (each within
+/// `secs` seconds) and returns it; `last` becomes the last report before it.
+pub async fn first_report_after(
+    sub: &mut async_nats::Subscriber,
+    generation: u64,
+    secs: u64,
+    last: &mut converge_common::ProgressReport,
+) -> converge_common::ProgressReport {
+    loop {
+        let r = next_report(sub, secs).await;
+        if r.generation > generation {
+            return r;
+        }
+        *last = r;
+    }
+}
+
+/// The hosts of a job's placement, one per worker, sorted.
+pub fn placed_hosts(status: &converge_common::JobStatus) -> Vec<&str> {
+    let mut hosts: Vec<&str> = status.placement.iter().map(|p| p.host.as_str()).collect();
+    hosts.sort();
+    hosts
+}
+
+/// Writes the job spec `toml` straight into the jobs bucket (no CLI), submitted now.
+pub async fn create_job(bus: &Bus, toml: &str) {
+    let mut spec = converge_common::JobSpec::from_toml(toml).expect("a valid job spec");
+    spec.submitted_at = converge_bus::unix_now();
+    bus.jobs
+        .create(spec.id.as_str(), converge_common::encode(&spec).into())
+        .await
+        .expect("a new job");
 }
 
 /// Whether a process with this pid exists (and is not a zombie).
@@ -431,11 +596,7 @@ pub fn init_tracing() {
 
 /// The job's status in KV; `None` when absent or unreadable.
 pub async fn job_status(bus: &Bus, job: &str) -> Option<converge_common::JobStatus> {
-    bus.get::<converge_common::JobStatus>(&bus.status, job)
-        .await
-        .ok()
-        .flatten()
-        .map(|(s, _)| s)
+    kv_value(bus, &bus.status, job).await
 }
 
 /// A `converge-trainer` job on optdigits with the repository's data, for the end-to-end

@@ -66,22 +66,42 @@ fn plan(host: &str, workers: Vec<WorkerAssignment>) -> HostPlan {
     }
 }
 
-async fn telemetry(bus: &converge_bus::Bus, host: &str) -> Option<HostTelemetry> {
-    bus.get::<HostTelemetry>(&bus.hosts, host)
-        .await
-        .ok()
-        .flatten()
-        .map(|(t, _)| t)
+/// A test's start with one agent of two fake GPUs for `host`: the server, the work
+/// directory, a bus, a subscription to every progress report and the agent.
+async fn start_with_agent(
+    host: &str,
+) -> (
+    NatsServer,
+    tempfile::TempDir,
+    converge_bus::Bus,
+    async_nats::Subscriber,
+    Running,
+) {
+    let (nats, work, bus) = start_test().await;
+    let progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
+    let agent = start_agent(agent_config(&nats, host, 2, work.path()));
+    (nats, work, bus, progress, agent)
+}
+
+/// Polls `host`'s telemetry until `ready` holds for it and returns it, or panics with
+/// `what` after `secs` seconds.
+async fn wait_for_telemetry(
+    bus: &converge_bus::Bus,
+    host: &str,
+    secs: u64,
+    what: &str,
+    ready: impl Fn(&HostTelemetry) -> bool,
+) -> HostTelemetry {
+    wait_for(Duration::from_secs(secs), what, || async {
+        let t = telemetry(bus, host).await?;
+        ready(&t).then_some(t)
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_starts_resizes_and_stops_real_workers() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
-    let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
+    let (_nats, work, bus, mut progress, agent) = start_with_agent("n1").await;
 
     // Generation 1: two ranks on this host.
     let cmd = trainer_command();
@@ -148,11 +168,7 @@ async fn agent_starts_resizes_and_stops_real_workers() {
     .await
     .unwrap();
     let first_gen2 = loop {
-        let msg = tokio::time::timeout(Duration::from_secs(30), progress.next())
-            .await
-            .expect("progress within 30 s")
-            .unwrap();
-        let r: ProgressReport = decode(&msg.payload).unwrap();
+        let r = next_report(&mut progress, 30).await;
         if r.generation == 2 {
             break r;
         }
@@ -202,12 +218,7 @@ async fn agent_starts_resizes_and_stops_real_workers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
-    let agent = start_agent(agent_config(&nats, "n2", 2, work.path()));
+    let (_nats, work, bus, mut progress, agent) = start_with_agent("n2").await;
 
     let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
     bus.put(&bus.plans, "n2", &plan("n2", vec![
@@ -215,11 +226,7 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
         worker("crashy", 1, 0, 1, 1, sh("echo dying >&2; exit 3")),
     ])).await.unwrap();
 
-    let msg = tokio::time::timeout(Duration::from_secs(20), progress.next())
-        .await
-        .expect("a valid report")
-        .unwrap();
-    let r: ProgressReport = decode(&msg.payload).unwrap();
+    let r = next_report(&mut progress, 20).await;
     assert_eq!(
         (r.job.as_str(), r.line.step, r.line.samples, r.line.loss),
         ("chatty", 2, 16, 0.5)
@@ -234,17 +241,11 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
         "a shadow worker's sync figures reach the report"
     );
 
-    let t = wait_for(
-        Duration::from_secs(20),
-        "crashy failed after 2 restarts",
-        || async {
-            let t = telemetry(&bus, "n2").await?;
-            t.workers
-                .iter()
-                .any(|w| w.job.as_str() == "crashy" && w.phase == WorkerPhase::Failed)
-                .then_some(t)
-        },
-    )
+    let t = wait_for_telemetry(&bus, "n2", 20, "crashy failed after 2 restarts", |t| {
+        t.workers
+            .iter()
+            .any(|w| w.job.as_str() == "crashy" && w.phase == WorkerPhase::Failed)
+    })
     .await;
     assert_eq!(
         t.malformed_progress_lines, 4,
@@ -290,12 +291,7 @@ async fn malformed_lines_are_counted_and_crashes_back_off_then_fail() {
 /// them; valid statistics pass through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planned_batches_reach_workers_and_bad_gradient_statistics_are_counted_and_ignored() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
-    let agent = start_agent(agent_config(&nats, "n3", 2, work.path()));
+    let (_nats, _work, bus, mut progress, agent) = start_with_agent("n3").await;
 
     // Samples are the planned total per step; grad_var echoes the per-worker batch and
     // grad_sqr the accumulation steps + reference, so the report shows what the worker read.
@@ -328,11 +324,7 @@ exec sleep 60"#;
 
     let mut reports = Vec::new();
     while reports.len() < 4 {
-        let msg = tokio::time::timeout(Duration::from_secs(20), progress.next())
-            .await
-            .expect("four reports")
-            .unwrap();
-        reports.push(decode::<ProgressReport>(&msg.payload).unwrap());
+        reports.push(next_report(&mut progress, 20).await);
     }
     let samples: Vec<u64> = reports.iter().map(|r| r.line.samples).collect();
     assert_eq!(
@@ -352,13 +344,12 @@ exec sleep 60"#;
         (Some(34.0), Some(16.0)),
         "CONVERGE_ACCUM_STEPS + CONVERGE_REFERENCE_BATCH, CONVERGE_BATCH_SIZE"
     );
-    let t = wait_for(
-        Duration::from_secs(10),
+    let t = wait_for_telemetry(
+        &bus,
+        "n3",
+        10,
         "three ignored statistics in the telemetry",
-        || async {
-            let t = telemetry(&bus, "n3").await?;
-            (t.ignored_gradient_stats == 3).then_some(t)
-        },
+        |t| t.ignored_gradient_stats == 3,
     )
     .await;
     assert_eq!(t.malformed_progress_lines, 0, "no line was refused");
@@ -371,12 +362,7 @@ exec sleep 60"#;
 /// step) arrives, and the agent counts what it skipped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_worker_loses_only_its_own_intermediate_reports() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
-    let agent = start_agent(agent_config(&nats, "n3", 2, work.path()));
+    let (_nats, _work, bus, mut progress, agent) = start_with_agent("n3").await;
 
     let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
     let flood = r#"awk 'BEGIN { for (i = 1; i <= 20001; i++) printf "CONVERGE_PROGRESS {\"step\":%d,\"samples\":%d,\"loss\":0.5}\n", i, 8 * i }'; exec sleep 60"#;
@@ -431,14 +417,9 @@ async fn a_flooding_worker_loses_only_its_own_intermediate_reports() {
         "in order, newest kept"
     );
     let skipped = 20001 - flood_steps.len() as u64;
-    let t = wait_for(
-        Duration::from_secs(10),
-        "the skipped reports counted",
-        || async {
-            let t = telemetry(&bus, "n3").await?;
-            (t.skipped_progress_reports == skipped).then_some(t)
-        },
-    )
+    let t = wait_for_telemetry(&bus, "n3", 10, "the skipped reports counted", |t| {
+        t.skipped_progress_reports == skipped
+    })
     .await;
     eprintln!(
         "flood: {} of 20001 reports sent in {elapsed:.1} s, {} skipped; steady: 20 of 20",

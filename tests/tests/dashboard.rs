@@ -682,24 +682,29 @@ fn get_request(addr: &str, path: &str) -> Vec<u8> {
 /// not slow the scale test's timed render.
 static ONE_BROWSER: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// A browser test's start, once no other browser test runs: the browser (`None`: the test
+/// skips), the guard that keeps the others waiting, the output directory and a fresh
+/// nats-server.
+async fn browser_test() -> Option<(
+    PathBuf,
+    tokio::sync::MutexGuard<'static, ()>,
+    PathBuf,
+    NatsServer,
+)> {
+    let chromium = chromium()?;
+    let one = ONE_BROWSER.lock().await;
+    init_tracing();
+    Some((chromium, one, output_dir(), NatsServer::start()))
+}
+
 // ---------------------------------------------------------------------------------------
 // The tests
 // ---------------------------------------------------------------------------------------
 
+/// `converge --json args`'s output; panics with its stderr if it failed.
 fn converge_json(nats: &NatsServer, args: &[&str]) -> Value {
-    let out = std::process::Command::new(bin_path("converge"))
-        .arg("--nats-url")
-        .arg(&nats.url)
-        .arg("--json")
-        .args(args)
-        .output()
-        .expect("run converge");
-    assert!(
-        out.status.success(),
-        "converge {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("converge --json prints JSON")
+    let stdout = succeeded(&converge(nats, &[&["--json"][..], args].concat()));
+    serde_json::from_str(&stdout).expect("converge --json prints JSON")
 }
 
 /// The cells of queue team-a's row once the allocator's figures are in (quota, limit, in
@@ -759,32 +764,16 @@ fn expected_from_cli(nats: &NatsServer) -> Shown {
 /// agree with `converge hosts` and `converge jobs`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_cluster_page_matches_the_cli() {
-    let Some(chromium) = chromium() else {
+    let Some((chromium, _one, out, nats)) = browser_test().await else {
         return;
     };
-    let _one = ONE_BROWSER.lock().await;
-    init_tracing();
-    let out = output_dir();
-    let nats = NatsServer::start();
     let work = tempfile::tempdir().unwrap();
-    let a1 = start_agent(agent_config(&nats, "n1", 2, work.path()));
-    let a2 = start_agent(agent_config(&nats, "n2", 2, work.path()));
+    let agents = start_agents(&nats, &["n1", "n2"], 2, work.path());
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
     let spec = TrainerJob::new("live", 1000)
         .workers(1, 4)
         .write(work.path());
-    let submitted = std::process::Command::new(bin_path("converge"))
-        .arg("--nats-url")
-        .arg(&nats.url)
-        .arg("submit")
-        .arg(&spec)
-        .output()
-        .expect("run converge submit");
-    assert!(
-        submitted.status.success(),
-        "{}",
-        String::from_utf8_lossy(&submitted.stderr)
-    );
+    nats.submit(&spec);
 
     let dashboard = Dashboard::start(&nats).await;
     let browser = Browser::launch(&chromium, &out.join("chromium-live.log")).await;
@@ -997,7 +986,7 @@ async fn live_cluster_page_matches_the_cli() {
 
     browser.close().await;
     dashboard.stop().await;
-    for r in [a1, a2, allocator] {
+    for r in agents.into_iter().chain([allocator]) {
         r.stop().await;
     }
 }
@@ -1325,13 +1314,9 @@ impl Failures {
 /// serves nothing but reads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scale_first_render_and_live_update_latency() {
-    let Some(chromium) = chromium() else {
+    let Some((chromium, _one, out, nats)) = browser_test().await else {
         return;
     };
-    let _one = ONE_BROWSER.lock().await;
-    init_tracing();
-    let out = output_dir();
-    let nats = NatsServer::start();
     let bus = nats.bus().await;
     let jobs = scale_jobs();
     write_scale_cluster(&bus, &jobs).await;

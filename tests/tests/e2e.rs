@@ -1,75 +1,35 @@
 //! End to end on loopback: a real nats-server, in-process agents and allocator, the
 //! `converge` CLI and real `converge-trainer` processes.
 
-use converge_common::{
-    HostTelemetry, JobPhase, ProgressReport, WorkerPhase, codec::decode, subjects,
-};
+use converge_common::{HostTelemetry, JobPhase, WorkerPhase, codec::decode};
 use converge_tests::*;
 use futures::StreamExt;
-use std::process::Command;
 use std::time::Duration;
-
-fn converge(nats: &NatsServer, args: &[&str]) -> std::process::Output {
-    Command::new(bin_path("converge"))
-        .arg("--nats-url")
-        .arg(&nats.url)
-        .args(args)
-        .output()
-        .expect("run converge")
-}
-
-async fn next_report(sub: &mut async_nats::Subscriber) -> ProgressReport {
-    let msg = tokio::time::timeout(Duration::from_secs(30), sub.next())
-        .await
-        .expect("a progress report within 30 s")
-        .expect("subscription open");
-    decode(&msg.payload).unwrap()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let mut progress = bus
-        .client
-        .subscribe(subjects::progress_of_job(&"opt".parse().unwrap()))
-        .await
-        .unwrap();
-    let a1 = start_agent(agent_config(&nats, "n1", 1, work.path()));
-    let a2 = start_agent(agent_config(&nats, "n2", 1, work.path()));
+    let (nats, work, bus) = start_test().await;
+    let mut progress = subscribe_progress(&bus, "opt").await;
+    let mut agents = start_agents(&nats, &["n1", "n2"], 1, work.path());
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
 
     let spec = TrainerJob::new("opt", 1000)
         .workers(2, 3)
         .write(work.path());
-    let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    nats.submit(&spec);
 
     // Placed over both single-GPU hosts.
-    let s = wait_for(
-        Duration::from_secs(30),
-        "job running on n1 and n2",
-        || async {
-            let s = job_status(&bus, "opt").await?;
-            (s.phase == JobPhase::Running && s.world_size == 2).then_some(s)
-        },
-    )
+    let s = wait_for_status(&bus, "opt", 30, "job running on n1 and n2", |s| {
+        s.phase == JobPhase::Running && s.world_size == 2
+    })
     .await;
-    let mut hosts: Vec<&str> = s.placement.iter().map(|p| p.host.as_str()).collect();
-    hosts.sort();
-    assert_eq!(hosts, ["n1", "n2"]);
+    assert_eq!(placed_hosts(&s), ["n1", "n2"]);
 
     // The loss falls.
-    let first = next_report(&mut progress).await;
+    let first = next_report(&mut progress, 30).await;
     let mut last = first.clone();
     while last.line.step < first.line.step + 150 {
-        last = next_report(&mut progress).await;
+        last = next_report(&mut progress, 30).await;
         assert_eq!(
             last.generation, s.generation,
             "no resize while only two GPUs exist"
@@ -83,14 +43,8 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
     );
 
     // A third host joins: the job grows to three workers and resumes from its checkpoint.
-    let a3 = start_agent(agent_config(&nats, "n3", 1, work.path()));
-    let grown = loop {
-        let r = next_report(&mut progress).await;
-        if r.generation > s.generation {
-            break r;
-        }
-        last = r;
-    };
+    agents.push(start_agent(agent_config(&nats, "n3", 1, work.path())));
+    let grown = first_report_after(&mut progress, s.generation, 30, &mut last).await;
     let s2 = job_status(&bus, "opt").await.unwrap();
     assert_eq!(s2.world_size, 3, "{s2:?}");
     assert!(
@@ -106,11 +60,7 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
 
     // Cancel through the CLI: the job ends and every worker stops.
     let out = converge(&nats, &["cancel", "opt"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     wait_for(
         Duration::from_secs(30),
         "cancelled and no workers left",
@@ -133,7 +83,7 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed[0]["status"]["phase"], "cancelled");
 
-    for a in [a1, a2, a3] {
+    for a in agents {
         a.stop().await;
     }
     allocator.stop().await;
@@ -141,52 +91,32 @@ async fn two_worker_job_across_agents_trains_and_resumes_after_resize() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allocator_restart_rebuilds_state_and_rewrites_no_plan() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
     let first = start_allocator(allocator_config(&nats, Duration::from_secs(600)));
     let spec = TrainerJob::new("steady", 1000)
         .workers(1, 2)
         .write(work.path());
-    let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    nats.submit(&spec);
 
-    let before = wait_for(
-        Duration::from_secs(60),
-        "job running with a fitted curve",
-        || async {
-            let s = job_status(&bus, "steady").await?;
-            (s.phase == JobPhase::Running && s.curve.is_some()).then_some(s)
-        },
-    )
+    let before = wait_for_status(&bus, "steady", 60, "job running with a fitted curve", |s| {
+        s.phase == JobPhase::Running && s.curve.is_some()
+    })
     .await;
     let plan_rev = bus.plans.entry("n1").await.unwrap().unwrap().revision;
     let pids = |t: HostTelemetry| -> Vec<u32> { t.workers.iter().filter_map(|w| w.pid).collect() };
-    let pids_before = pids(
-        bus.get::<HostTelemetry>(&bus.hosts, "n1")
-            .await
-            .unwrap()
-            .unwrap()
-            .0,
-    );
+    let pids_before = pids(telemetry(&bus, "n1").await.unwrap());
 
     // Like kill -9: no shutdown path runs.
     first.abort();
     let restarted_at = converge_bus::unix_now();
     let second = start_allocator(allocator_config(&nats, Duration::from_secs(600)));
-    let after = wait_for(
-        Duration::from_secs(30),
+    let after = wait_for_status(
+        &bus,
+        "steady",
+        30,
         "status rewritten by the new allocator",
-        || async {
-            let s = job_status(&bus, "steady").await?;
-            (s.updated_at > restarted_at + 0.5).then_some(s)
-        },
+        |s| s.updated_at > restarted_at + 0.5,
     )
     .await;
     assert_eq!(after.phase, JobPhase::Running);
@@ -208,13 +138,7 @@ async fn allocator_restart_rebuilds_state_and_rewrites_no_plan() {
         plan_rev_after, plan_rev,
         "the restarted allocator rewrote an unchanged plan"
     );
-    let pids_after = pids(
-        bus.get::<HostTelemetry>(&bus.hosts, "n1")
-            .await
-            .unwrap()
-            .unwrap()
-            .0,
-    );
+    let pids_after = pids(telemetry(&bus, "n1").await.unwrap());
     assert_eq!(pids_after, pids_before);
 
     second.stop().await;
@@ -223,9 +147,7 @@ async fn allocator_restart_rebuilds_state_and_rewrites_no_plan() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_refuses_bad_specs_with_the_reason_and_writes_nothing() {
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let cases = [
         ("id = \"a.b\"\ncommand = [\"x\"]\n", "'.'"),
         (
@@ -276,15 +198,8 @@ async fn cli_refuses_bad_specs_with_the_reason_and_writes_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parameter_server_job_trains_with_a_shard_next_to_its_workers() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let mut progress = bus
-        .client
-        .subscribe(subjects::progress_of_job(&"ps".parse().unwrap()))
-        .await
-        .unwrap();
+    let (nats, work, bus) = start_test().await;
+    let mut progress = subscribe_progress(&bus, "ps").await;
     let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
 
@@ -307,12 +222,7 @@ max_workers = 2
         ),
     )
     .unwrap();
-    let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    nats.submit(&spec);
 
     // Two workers and one shard (no GPU) run on n1.
     wait_for(
@@ -340,12 +250,8 @@ max_workers = 2
         .map(|r| (r.rank, r.host.as_str()))
         .collect();
     assert_eq!(shards, [(2, "n1")]);
-    let first = next_report(&mut progress).await;
-    let done = wait_for(Duration::from_secs(60), "the job completes", || async {
-        let s = job_status(&bus, "ps").await?;
-        (s.phase == JobPhase::Completed).then_some(s)
-    })
-    .await;
+    let first = next_report(&mut progress, 30).await;
+    let done = wait_for_phase(&bus, "ps", JobPhase::Completed, 60).await;
     let mut last = first.clone();
     while let Ok(Some(msg)) =
         tokio::time::timeout(Duration::from_millis(200), progress.next()).await
@@ -369,10 +275,7 @@ max_workers = 2
 /// and `converge jobs` says which is which.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_jobs_get_their_batch_and_the_one_without_statistics_stays_fixed() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let _agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
     let _allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
     let table = "reference = 32\nmax_total = 256\nmin_per_worker = 8\nmax_per_worker = 64";
@@ -382,12 +285,7 @@ async fn batch_jobs_get_their_batch_and_the_one_without_statistics_stays_fixed()
             .batch(table)
             .arg("--no-grad-stats"),
     ] {
-        let out = converge(&nats, &["submit", job.write(work.path()).to_str().unwrap()]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        nats.submit(&job.write(work.path()));
     }
     let adapt = wait_for(
         Duration::from_secs(60),
@@ -423,14 +321,9 @@ async fn batch_jobs_get_their_batch_and_the_one_without_statistics_stays_fixed()
         },
     )
     .await;
-    let fixed = wait_for(
-        Duration::from_secs(30),
-        "fixed running with reports",
-        || async {
-            let s = job_status(&bus, "fixed").await?;
-            (s.phase == JobPhase::Running && s.step > 10).then_some(s)
-        },
-    )
+    let fixed = wait_for_status(&bus, "fixed", 30, "fixed running with reports", |s| {
+        s.phase == JobPhase::Running && s.step > 10
+    })
     .await;
     let b = fixed.batch.as_ref().unwrap();
     assert!(!b.adaptive && b.gradient_reports == 0, "{b:?}");

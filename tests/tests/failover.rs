@@ -5,7 +5,6 @@
 
 use converge_common::{JobPhase, LeaderLease, codec::decode, subjects};
 use converge_tests::*;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// The lease's holder, `None` when there is no lease.
@@ -26,12 +25,8 @@ fn config(nats: &NatsServer, replica: &str) -> converge_allocator::service::Allo
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_standby_allocator_takes_over_without_restarting_jobs() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let _a1 = start_agent(agent_config(&nats, "n1", 1, work.path()));
-    let _a2 = start_agent(agent_config(&nats, "n2", 1, work.path()));
+    let (nats, work, bus) = start_test().await;
+    let _agents = start_agents(&nats, &["n1", "n2"], 1, work.path());
     let first = start_allocator(config(&nats, "alloc-a"));
     wait_for(Duration::from_secs(10), "alloc-a leads", || async {
         (holder(&bus).await.as_deref() == Some("alloc-a")).then_some(())
@@ -44,9 +39,8 @@ async fn a_standby_allocator_takes_over_without_restarting_jobs() {
             .workers(2, 2)
             .write(work.path()),
     );
-    let running = wait_for(Duration::from_secs(30), "job running", || async {
-        let s = job_status(&bus, "opt").await?;
-        (s.phase == JobPhase::Running && s.world_size == 2).then_some(s)
+    let running = wait_for_status(&bus, "opt", 30, "job running", |s| {
+        s.phase == JobPhase::Running && s.world_size == 2
     })
     .await;
     // The standby has not taken the lease while the leader renews it (several TTLs).
@@ -75,20 +69,8 @@ async fn a_standby_allocator_takes_over_without_restarting_jobs() {
     assert_eq!(after.generation, running.generation, "{after:?}");
     assert_eq!(after.placement, running.placement);
     // It does decide: a cancel is carried out.
-    let out = Command::new(bin_path("converge"))
-        .args(["--nats-url", &nats.url, "cancel", "opt"])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    wait_for(Duration::from_secs(15), "job cancelled", || async {
-        let s = job_status(&bus, "opt").await?;
-        (s.phase == JobPhase::Cancelled).then_some(())
-    })
-    .await;
+    succeeded(&converge(&nats, &["cancel", "opt"]));
+    wait_for_phase(&bus, "opt", JobPhase::Cancelled, 15).await;
 
     // A clean stop hands the lease back at once.
     second.stop().await;
@@ -100,16 +82,12 @@ async fn a_standby_allocator_takes_over_without_restarting_jobs() {
 /// and never issues the planned number again nor goes back to an older one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_generation_planned_without_its_status_is_not_issued_again() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let _agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
     let first = start_allocator(config(&nats, "alloc-a"));
     nats.submit(&TrainerJob::new("opt", 1000).write(work.path()));
-    let running = wait_for(Duration::from_secs(30), "job running", || async {
-        let s = job_status(&bus, "opt").await?;
-        (s.phase == JobPhase::Running && s.world_size == 1).then_some(s)
+    let running = wait_for_status(&bus, "opt", 30, "job running", |s| {
+        s.phase == JobPhase::Running && s.world_size == 1
     })
     .await;
     first.abort();

@@ -18,6 +18,23 @@ async fn pids(bus: &converge_bus::Bus, host: &str, job: &str) -> Option<(Vec<u32
     Some((pids, t.time))
 }
 
+/// The pids of `job`'s workers on n1 once there are any (30 s at most).
+async fn worker_pids(bus: &converge_bus::Bus, job: &str) -> Vec<u32> {
+    let (pids, _) = wait_for(Duration::from_secs(30), "worker pid", || async {
+        pids(bus, "n1", job).await.filter(|(p, _)| !p.is_empty())
+    })
+    .await;
+    pids
+}
+
+/// Waits until none of `pids` is alive; panics with `what` after 20 s.
+async fn wait_for_exits(pids: &[u32], what: &str) {
+    wait_for(Duration::from_secs(20), what, || async {
+        pids.iter().all(|&p| !pid_alive(p)).then_some(())
+    })
+    .await;
+}
+
 fn submit(nats: &NatsServer, dir: &std::path::Path, id: &str) {
     nats.submit(&TrainerJob::new(id, 100_000).write(dir));
 }
@@ -39,24 +56,12 @@ async fn last_step(bus: &converge_bus::Bus, job: &str) -> Option<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nats_restart_leaves_workers_running() {
-    init_tracing();
-    let mut nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (mut nats, work, bus) = start_test().await;
     let _agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
     let _allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
     submit(&nats, work.path(), "steady");
-    let before = wait_for(Duration::from_secs(30), "job running", || async {
-        let s = job_status(&bus, "steady").await?;
-        (s.phase == JobPhase::Running).then_some(s)
-    })
-    .await;
-    let (pids_before, _) = wait_for(Duration::from_secs(30), "worker pid", || async {
-        pids(&bus, "n1", "steady")
-            .await
-            .filter(|(p, _)| !p.is_empty())
-    })
-    .await;
+    let before = wait_for_phase(&bus, "steady", JobPhase::Running, 30).await;
+    let pids_before = worker_pids(&bus, "steady").await;
     let step_before = wait_for(Duration::from_secs(30), "progress", || async {
         last_step(&bus, "steady").await
     })
@@ -98,21 +103,13 @@ async fn a_nats_restart_leaves_workers_running() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_long_nats_outage_fences_workers_and_the_job_resumes_from_its_checkpoint() {
-    init_tracing();
-    let mut nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (mut nats, work, bus) = start_test().await;
     let mut cfg = agent_config(&nats, "n1", 1, work.path());
     cfg.fence_after = Duration::from_secs(3);
     let _agent = start_agent(cfg);
     let _allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
     submit(&nats, work.path(), "fenced");
-    let (pids_before, _) = wait_for(Duration::from_secs(30), "worker pid", || async {
-        pids(&bus, "n1", "fenced")
-            .await
-            .filter(|(p, _)| !p.is_empty())
-    })
-    .await;
+    let pids_before = worker_pids(&bus, "fenced").await;
     wait_for(Duration::from_secs(30), "progress", || async {
         last_step(&bus, "fenced").await.filter(|&s| s > 50)
     })
@@ -121,12 +118,7 @@ async fn a_long_nats_outage_fences_workers_and_the_job_resumes_from_its_checkpoi
     nats.stop();
     let down = Instant::now();
     // Within fence-after plus the worker's checkpoint and exit, the worker is gone.
-    wait_for(
-        Duration::from_secs(20),
-        "worker stopped by the fence",
-        || async { pids_before.iter().all(|&p| !pid_alive(p)).then_some(()) },
-    )
-    .await;
+    wait_for_exits(&pids_before, "worker stopped by the fence").await;
     let fenced_after = down.elapsed();
     let checkpoint = work
         .path()
@@ -204,10 +196,7 @@ async fn a_retried_progress_report_is_stored_once() {
 /// the fence grace instead: gone within fence-after (2 s) + fence grace (2 s) + slack.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fenced_worker_that_ignores_sigterm_is_killed_within_the_fence_grace() {
-    init_tracing();
-    let mut nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (mut nats, work, bus) = start_test().await;
     let mut cfg = agent_config(&nats, "n1", 1, work.path());
     cfg.stop_grace = Duration::from_secs(60);
     cfg.fence_after = Duration::from_secs(2);
@@ -225,20 +214,10 @@ max_workers = 1
     )
     .unwrap();
     nats.submit(&spec);
-    let (pids_before, _) = wait_for(Duration::from_secs(30), "worker pid", || async {
-        pids(&bus, "n1", "stubborn")
-            .await
-            .filter(|(p, _)| !p.is_empty())
-    })
-    .await;
+    let pids_before = worker_pids(&bus, "stubborn").await;
     nats.stop();
     let down = Instant::now();
-    wait_for(
-        Duration::from_secs(20),
-        "the stubborn worker killed by the fence",
-        || async { pids_before.iter().all(|&p| !pid_alive(p)).then_some(()) },
-    )
-    .await;
+    wait_for_exits(&pids_before, "the stubborn worker killed by the fence").await;
     let gone = down.elapsed();
     eprintln!("a worker ignoring SIGTERM was gone {gone:?} after NATS went away");
     assert!(

@@ -33,9 +33,7 @@ fn hostile_job(id: &str, epochs: u32) -> String {
 async fn hostile_messages_are_refused_and_nothing_is_lost() {
     init_tracing();
     converge_bus::metrics::recorder();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
     let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
 
@@ -153,31 +151,15 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
             serde_json::json!({"protocol": 1, "name": name, "quota_gpus": quota, "weight": weight}),
         )
     };
-    queue_buckets
-        .queues
-        .put("q-json", garbage.clone())
-        .await
-        .unwrap();
-    queue_buckets
-        .queues
-        .put("q-version", wrong_version.clone())
-        .await
-        .unwrap();
-    queue_buckets
-        .queues
-        .put("q-negative", queue("q-negative", -1, 1.0))
-        .await
-        .unwrap();
-    queue_buckets
-        .queues
-        .put("q-weightless", queue("q-weightless", 1, 0.0))
-        .await
-        .unwrap();
-    queue_buckets
-        .queues
-        .put("q-other", queue("not-the-key", 1, 1.0))
-        .await
-        .unwrap();
+    for (key, value) in [
+        ("q-json", garbage.clone()),
+        ("q-version", wrong_version.clone()),
+        ("q-negative", queue("q-negative", -1, 1.0)),
+        ("q-weightless", queue("q-weightless", 1, 0.0)),
+        ("q-other", queue("not-the-key", 1, 1.0)),
+    ] {
+        queue_buckets.queues.put(key, value).await.unwrap();
+    }
     queue_buckets
         .status
         .put("q-ghost", garbage.clone())
@@ -280,11 +262,7 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
     let short = work.path().join("short.toml");
     std::fs::write(&short, hostile_job("short", 3)).unwrap();
     assert!(submit(&short).status.success());
-    wait_for(Duration::from_secs(60), "short job completes", || async {
-        let s = job_status(&bus, "short").await?;
-        (s.phase == JobPhase::Completed).then_some(())
-    })
-    .await;
+    wait_for_phase(&bus, "short", JobPhase::Completed, 60).await;
     assert!(agent.is_running() && allocator.is_running());
     allocator.stop().await;
     agent.stop().await;

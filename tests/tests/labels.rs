@@ -3,34 +3,17 @@
 //! `converge jobs` showing why a job waits and `converge hosts` the labels; two agents with
 //! fake GPUs of different types and speeds, jobs restricted to one type by `gpu_types`.
 
-use converge_common::{HostTelemetry, JobPhase, JobSpec, WorkerPhase, codec::encode};
+use converge_common::{HostTelemetry, JobPhase, JobSpec, WorkerPhase};
 use converge_tests::*;
 use std::process::Command;
 use std::time::Duration;
 
-fn converge(nats: &NatsServer, args: &[&str]) -> std::process::Output {
-    Command::new(bin_path("converge"))
-        .arg("--nats-url")
-        .arg(&nats.url)
-        .args(args)
-        .output()
-        .expect("run converge")
-}
-
 /// The first telemetry `host` reports (20 s at most).
 async fn reported(bus: &converge_bus::Bus, host: &str) -> HostTelemetry {
-    wait_for(Duration::from_secs(20), "the host's telemetry", || async {
-        bus.get::<HostTelemetry>(&bus.hosts, host)
-            .await
-            .ok()
-            .flatten()
-            .map(|(t, _)| t)
+    wait_for(Duration::from_secs(20), "the host's telemetry", || {
+        telemetry(bus, host)
     })
     .await
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
 }
 
 /// A trainer job's spec with a `[selector]` table of `selector` (TOML lines).
@@ -42,10 +25,7 @@ fn with_selector(job: &TrainerJob, selector: &str, dir: &std::path::Path) -> std
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_runs_only_on_hosts_its_selector_matches() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let mut a = agent_config(&nats, "n1", 2, work.path());
     a.labels = vec!["zone=a".into(), "rack=r1".into()];
     let mut b = agent_config(&nats, "n2", 2, work.path());
@@ -63,8 +43,7 @@ async fn a_job_runs_only_on_hosts_its_selector_matches() {
         assert_eq!(t.labels["gpu.model"], "Converge-fake-GPU");
     }
     let out = converge(&nats, &["hosts"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let table = text(&out.stdout);
+    let table = succeeded(&out);
     assert!(table.contains("LABELS"), "{table}");
     assert!(table.contains("rack=r1,zone=a"), "{table}");
     assert!(table.contains("rack=r1,zone=b"), "{table}");
@@ -72,11 +51,9 @@ async fn a_job_runs_only_on_hosts_its_selector_matches() {
     // Four workers asked for, only zone b's two GPUs may be used: two workers, both on n2.
     let job = TrainerJob::new("picky", 1000).workers(1, 4);
     let spec = with_selector(&job, "zone = \"b\"", work.path());
-    let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let s = wait_for(Duration::from_secs(30), "picky running", || async {
-        let s = job_status(&bus, "picky").await?;
-        (s.phase == JobPhase::Running && s.world_size >= 1).then_some(s)
+    nats.submit(&spec);
+    let s = wait_for_status(&bus, "picky", 30, "picky running", |s| {
+        s.phase == JobPhase::Running && s.world_size >= 1
     })
     .await;
     assert!(
@@ -104,13 +81,8 @@ async fn a_job_runs_only_on_hosts_its_selector_matches() {
     .await;
     // A job without a selector may use the other host.
     let free = TrainerJob::new("free", 1000).write(work.path());
-    let out = converge(&nats, &["submit", free.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let f = wait_for(Duration::from_secs(30), "free running", || async {
-        let s = job_status(&bus, "free").await?;
-        (s.phase == JobPhase::Running).then_some(s)
-    })
-    .await;
+    nats.submit(&free);
+    let f = wait_for_phase(&bus, "free", JobPhase::Running, 30).await;
     assert_eq!(f.placement[0].host.as_str(), "n1", "{f:?}");
     let again = job_status(&bus, "picky").await.unwrap();
     assert!(again.placement.iter().all(|p| p.host.as_str() == "n2"));
@@ -143,19 +115,10 @@ async fn a_job_runs_only_on_hosts_its_selector_matches() {
     );
 
     // Written past the CLI (or before its hosts left), such a job waits with the reason.
-    let mut spec = JobSpec::from_toml(&format!(
-        "{}[selector]\nzone = \"c\"\n",
-        TrainerJob::new("waiting", 10).toml()
-    ))
-    .unwrap();
-    spec.submitted_at = converge_bus::unix_now();
-    bus.jobs
-        .create("waiting", encode(&spec).into())
-        .await
-        .unwrap();
-    let s = wait_for(Duration::from_secs(30), "waiting job's reason", || async {
-        let s = job_status(&bus, "waiting").await?;
-        s.message.is_some().then_some(s)
+    let waiting = TrainerJob::new("waiting", 10).toml();
+    create_job(&bus, &format!("{waiting}[selector]\nzone = \"c\"\n")).await;
+    let s = wait_for_status(&bus, "waiting", 30, "waiting job's reason", |s| {
+        s.message.is_some()
     })
     .await;
     assert_eq!(s.phase, JobPhase::Pending);
@@ -164,8 +127,7 @@ async fn a_job_runs_only_on_hosts_its_selector_matches() {
         Some("no live host matches selector zone=c")
     );
     let out = converge(&nats, &["jobs"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let table = text(&out.stdout);
+    let table = succeeded(&out);
     assert!(
         table.contains("pending: no live host matches selector zone=c"),
         "{table}"
@@ -187,17 +149,27 @@ fn with_gpu_types(job: &TrainerJob, types: &str, dir: &std::path::Path) -> std::
     path
 }
 
+/// An agent for `host` with `gpus` fake GPUs of type `kind`, at `speed` times the nominal
+/// speed (`None`: the agent's default).
+fn typed_agent(
+    nats: &NatsServer,
+    host: &str,
+    gpus: u32,
+    dir: &std::path::Path,
+    kind: &str,
+    speed: Option<f64>,
+) -> converge_agent::AgentConfig {
+    let mut cfg = agent_config(nats, host, gpus, dir);
+    cfg.fake_gpu_type = Some(kind.into());
+    cfg.fake_gpu_speed = speed;
+    cfg
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_run_on_their_gpu_types_and_a_slower_type_trains_slower() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let mut slow = agent_config(&nats, "t4-1", 2, work.path());
-    slow.fake_gpu_type = Some("t4".into());
-    slow.fake_gpu_speed = Some(0.25);
-    let mut fast = agent_config(&nats, "a100-1", 2, work.path());
-    fast.fake_gpu_type = Some("a100".into());
+    let (nats, work, bus) = start_test().await;
+    let slow = typed_agent(&nats, "t4-1", 2, work.path(), "t4", Some(0.25));
+    let fast = typed_agent(&nats, "a100-1", 2, work.path(), "a100", None);
     let agents = [start_agent(slow), start_agent(fast)];
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
 
@@ -207,8 +179,7 @@ async fn jobs_run_on_their_gpu_types_and_a_slower_type_trains_slower() {
         assert_eq!(t.labels["gpu.model"], format!("Converge-fake-GPU-{kind}"));
     }
     let out = converge(&nats, &["hosts"]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let table = text(&out.stdout);
+    let table = succeeded(&out);
     assert!(table.contains("GPU TYPE"), "{table}");
     assert!(table.contains("GPUs by type: a100 2, t4 2"), "{table}");
 
@@ -220,18 +191,15 @@ async fn jobs_run_on_their_gpu_types_and_a_slower_type_trains_slower() {
     on_t4.step_delay_ms = 20;
     for (job, types) in [(&on_a100, "[\"a100\", \"h100\"]"), (&on_t4, "[\"t4\"]")] {
         let spec = with_gpu_types(job, types, work.path());
-        let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
-        assert!(out.status.success(), "{}", text(&out.stderr));
+        nats.submit(&spec);
     }
     let newest = with_gpu_types(&TrainerJob::new("on-h100", 10), "[\"h100\"]", work.path());
-    let out = converge(&nats, &["submit", newest.to_str().unwrap()]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    nats.submit(&newest);
 
     let mut rates = Vec::new();
     for (id, host) in [("on-a100", "a100-1"), ("on-t4", "t4-1")] {
-        let s = wait_for(Duration::from_secs(60), "a measured throughput", || async {
-            let s = job_status(&bus, id).await?;
-            (s.phase == JobPhase::Running && s.step >= 30 && s.samples_per_s.is_some()).then_some(s)
+        let s = wait_for_status(&bus, id, 60, "a measured throughput", |s| {
+            s.phase == JobPhase::Running && s.step >= 30 && s.samples_per_s.is_some()
         })
         .await;
         assert!(
@@ -250,9 +218,8 @@ async fn jobs_run_on_their_gpu_types_and_a_slower_type_trains_slower() {
     // The allocator measures each job's speed on its type (the cluster mixes two), and
     // projects none: no job has run on both.
     for (id, kind) in [("on-a100", "a100"), ("on-t4", "t4")] {
-        let s = wait_for(Duration::from_secs(30), "a speed per GPU type", || async {
-            let s = job_status(&bus, id).await?;
-            (!s.gpu_type_speeds.is_empty()).then_some(s)
+        let s = wait_for_status(&bus, id, 30, "a speed per GPU type", |s| {
+            !s.gpu_type_speeds.is_empty()
         })
         .await;
         let speeds = &s.gpu_type_speeds;
@@ -267,9 +234,8 @@ async fn jobs_run_on_their_gpu_types_and_a_slower_type_trains_slower() {
         );
     }
 
-    let s = wait_for(Duration::from_secs(30), "the h100 job's reason", || async {
-        let s = job_status(&bus, "on-h100").await?;
-        s.message.is_some().then_some(s)
+    let s = wait_for_status(&bus, "on-h100", 30, "the h100 job's reason", |s| {
+        s.message.is_some()
     })
     .await;
     assert_eq!((s.phase, s.world_size), (JobPhase::Pending, 0));
@@ -311,14 +277,8 @@ async fn jobs_run_on_their_gpu_types_and_a_slower_type_trains_slower() {
 /// faster and its A100 speed is measured.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_moves_to_a_faster_gpu_type_when_one_joins() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let mut slow = agent_config(&nats, "t4-1", 1, work.path());
-    slow.fake_gpu_type = Some("t4".into());
-    slow.fake_gpu_speed = Some(0.25);
-    let t4 = start_agent(slow);
+    let (nats, work, bus) = start_test().await;
+    let t4 = start_agent(typed_agent(&nats, "t4-1", 1, work.path(), "t4", Some(0.25)));
     // A restart costs something, so that a move needs a reason: without a known speed on
     // the A100 the job would stay where it runs.
     let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(3)));
@@ -326,16 +286,10 @@ async fn a_job_moves_to_a_faster_gpu_type_when_one_joins() {
 
     let mut job = TrainerJob::new("mover", 1000);
     job.step_delay_ms = 20;
-    let out = converge(&nats, &["submit", job.write(work.path()).to_str().unwrap()]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let on_t4 = wait_for(
-        Duration::from_secs(60),
-        "the job running on the T4",
-        || async {
-            let s = job_status(&bus, "mover").await?;
-            (s.phase == JobPhase::Running && s.step >= 30 && s.samples_per_s.is_some()).then_some(s)
-        },
-    )
+    nats.submit(&job.write(work.path()));
+    let on_t4 = wait_for_status(&bus, "mover", 60, "the job running on the T4", |s| {
+        s.phase == JobPhase::Running && s.step >= 30 && s.samples_per_s.is_some()
+    })
     .await;
     assert!(
         on_t4.placement.iter().all(|p| p.host.as_str() == "t4-1"),
@@ -343,9 +297,7 @@ async fn a_job_moves_to_a_faster_gpu_type_when_one_joins() {
         on_t4.placement
     );
 
-    let mut fast = agent_config(&nats, "a100-1", 1, work.path());
-    fast.fake_gpu_type = Some("a100".into());
-    fast.fake_gpu_speed = Some(1.0);
+    let fast = typed_agent(&nats, "a100-1", 1, work.path(), "a100", Some(1.0));
     let a100 = start_agent(fast);
     let moved = wait_for(Duration::from_secs(90), "the job on the A100", || async {
         let s = job_status(&bus, "mover").await?;

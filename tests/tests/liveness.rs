@@ -55,16 +55,9 @@ async fn liveness_follows_the_heartbeats_arrival_not_the_agents_clock() {
 
     // First-fit takes hosts in id order: "ahead" first, if it were live.
     let job = TrainerJob::new("placed", 1000).workers(2, 2);
-    let spec = converge_common::JobSpec::from_toml(&job.toml()).unwrap();
-    let mut spec = spec;
-    spec.submitted_at = converge_bus::unix_now();
-    bus.jobs
-        .create("placed", encode(&spec).into())
-        .await
-        .unwrap();
-    let s = wait_for(Duration::from_secs(30), "the job placed", || async {
-        let s = job_status(&bus, "placed").await?;
-        (s.phase != JobPhase::Pending && !s.placement.is_empty()).then_some(s)
+    create_job(&bus, &job.toml()).await;
+    let s = wait_for_status(&bus, "placed", 30, "the job placed", |s| {
+        s.phase != JobPhase::Pending && !s.placement.is_empty()
     })
     .await;
     let hosts: Vec<&str> = s.placement.iter().map(|p| p.host.as_str()).collect();

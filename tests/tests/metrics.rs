@@ -4,7 +4,7 @@
 //! once the job has finished, and a counted write conflict when another writer changed a
 //! status it was about to write), and the endpoint must stay read-only and bounded.
 
-use converge_common::{HostTelemetry, JobPhase, JobSpec};
+use converge_common::{JobPhase, JobSpec};
 use converge_tests::*;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -110,6 +110,21 @@ fn parse(page: &str) -> Vec<Sample> {
     out
 }
 
+/// Scrapes `addr` until `ready` holds for what it serves and returns that, or panics with
+/// `what` after `secs` seconds.
+async fn wait_for_scrape(
+    addr: SocketAddr,
+    secs: u64,
+    what: &str,
+    ready: impl Fn(&[Sample]) -> bool,
+) -> Vec<Sample> {
+    wait_for(Duration::from_secs(secs), what, || async {
+        let s = scrape(addr).await;
+        ready(&s).then_some(s)
+    })
+    .await
+}
+
 async fn scrape(addr: SocketAddr) -> Vec<Sample> {
     let page = exchange(addr, &request("GET", "/metrics")).await;
     assert!(page.starts_with("HTTP/1.1 200"), "{page}");
@@ -147,10 +162,7 @@ gpus_per_worker = 2
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_and_allocator_metrics_over_http() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let agent_addr = free_addr();
     let mut cfg = agent_config(&nats, "metrics-host", 4, work.path());
     cfg.metrics_addr = Some(agent_addr);
@@ -223,13 +235,10 @@ async fn agent_and_allocator_metrics_over_http() {
     assert!(lo_rx > 0.0, "NATS runs on loopback: {lo_rx}");
     assert_eq!(rx.len(), tx.len());
     assert!(rx.iter().all(|s| s.labels.len() == 1 && s.value >= 0.0));
-    let telemetry: HostTelemetry = bus
-        .get(&bus.hosts, "metrics-host")
+    let reported = telemetry(&bus, "metrics-host")
         .await
-        .unwrap()
-        .unwrap()
-        .0;
-    for nic in &telemetry.nics {
+        .expect("the host's telemetry");
+    for nic in &reported.nics {
         let speed = series(&samples, "node_network_speed_bytes")
             .into_iter()
             .find(|s| s.labels["device"] == nic.name)
@@ -261,21 +270,17 @@ async fn agent_and_allocator_metrics_over_http() {
         .create("metrics-job", serde_json::to_vec(&spec).unwrap().into())
         .await
         .unwrap();
-    let running = wait_for(
-        Duration::from_secs(30),
-        "the job's loss, workers and throughput on the allocator's endpoint",
-        || async {
-            let s = scrape(alloc_addr).await;
-            let ok = [
-                "converge_job_loss",
-                "converge_job_workers",
-                "converge_job_samples_per_second",
-            ]
+    let families = [
+        "converge_job_loss",
+        "converge_job_workers",
+        "converge_job_samples_per_second",
+    ];
+    let what = "the job's loss, workers and throughput on the allocator's endpoint";
+    let running = wait_for_scrape(alloc_addr, 30, what, |s| {
+        families
             .iter()
-            .all(|n| job_value(&s, n, "metrics-job").is_some());
-            ok.then_some(s)
-        },
-    )
+            .all(|n| job_value(s, n, "metrics-job").is_some())
+    })
     .await;
     assert_eq!(
         job_value(&running, "converge_job_workers", "metrics-job"),
@@ -308,27 +313,22 @@ async fn agent_and_allocator_metrics_over_http() {
     assert!(running_workers <= 1.0);
     // The GPUs its worker holds carry the job and the rank on every DCGM family; the other
     // GPUs none, and each GPU still has one series per family.
-    let held = wait_for(
-        Duration::from_secs(20),
+    let held = wait_for_scrape(
+        agent_addr,
+        20,
         "the job's id on the agent's GPU series",
-        || async {
-            let s = scrape(agent_addr).await;
-            s.iter()
-                .any(|s| {
-                    s.name == "DCGM_FI_DEV_GPU_UTIL"
-                        && s.labels.get("job_id").map(String::as_str) == Some("metrics-job")
-                })
-                .then_some(s)
+        |s| {
+            s.iter().any(|s| {
+                s.name == "DCGM_FI_DEV_GPU_UTIL"
+                    && s.labels.get("job_id").map(String::as_str) == Some("metrics-job")
+            })
         },
     )
     .await;
-    let telemetry: HostTelemetry = bus
-        .get(&bus.hosts, "metrics-host")
+    let reported = telemetry(&bus, "metrics-host")
         .await
-        .unwrap()
-        .unwrap()
-        .0;
-    let worker = telemetry
+        .expect("the host's telemetry");
+    let worker = reported
         .workers
         .iter()
         .find(|w| w.job.as_str() == "metrics-job")
@@ -398,57 +398,37 @@ async fn agent_and_allocator_metrics_over_http() {
         .expect("a status");
     foreign.message = Some("written by another allocator".into());
     bus.put(&bus.status, "metrics-job", &foreign).await.unwrap();
-    wait_for(
-        Duration::from_secs(20),
-        "a counted write conflict",
-        || async {
-            scrape(alloc_addr)
-                .await
-                .iter()
-                .any(|s| {
-                    s.name == "converge_allocator_write_conflicts_total"
-                        && s.labels.get("bucket").map(String::as_str) == Some("status")
-                        && s.value >= 1.0
-                })
-                .then_some(())
-        },
-    )
-    .await;
-
-    wait_for(Duration::from_secs(40), "the job to complete", || async {
-        let s = job_status(&bus, "metrics-job").await?;
-        (s.phase == JobPhase::Completed).then_some(())
+    wait_for_scrape(alloc_addr, 20, "a counted write conflict", |s| {
+        s.iter().any(|s| {
+            s.name == "converge_allocator_write_conflicts_total"
+                && s.labels.get("bucket").map(String::as_str) == Some("status")
+                && s.value >= 1.0
+        })
     })
     .await;
-    wait_for(
-        Duration::from_secs(10),
+
+    wait_for_phase(&bus, "metrics-job", JobPhase::Completed, 40).await;
+    wait_for_scrape(
+        alloc_addr,
+        10,
         "the finished job's series to disappear",
-        || async {
-            let s = scrape(alloc_addr).await;
-            (!s.iter()
-                .any(|s| s.labels.get("job_id").map(String::as_str) == Some("metrics-job")))
-            .then_some(())
+        |s| {
+            !s.iter()
+                .any(|s| s.labels.get("job_id").map(String::as_str) == Some("metrics-job"))
         },
     )
     .await;
     // Its worker has exited: the agent's GPU series are back to idle (no job_id, no rank),
     // with no series left over from the job.
-    wait_for(
-        Duration::from_secs(10),
-        "the agent's GPU series back to idle",
-        || async {
-            let s = scrape(agent_addr).await;
-            DCGM.iter()
-                .all(|name| {
-                    let found = series(&s, name);
-                    found.len() == 4
-                        && found.iter().all(|s| {
-                            !s.labels.contains_key("job_id") && !s.labels.contains_key("rank")
-                        })
-                })
-                .then_some(())
-        },
-    )
+    wait_for_scrape(agent_addr, 10, "the agent's GPU series back to idle", |s| {
+        DCGM.iter().all(|name| {
+            let found = series(s, name);
+            found.len() == 4
+                && found
+                    .iter()
+                    .all(|s| !s.labels.contains_key("job_id") && !s.labels.contains_key("rank"))
+        })
+    })
     .await;
     let after = scrape(alloc_addr).await;
     assert!(

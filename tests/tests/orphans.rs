@@ -168,10 +168,7 @@ async fn wait_gone(pids: &[u32], within: Duration) -> Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkilled_agent_takes_its_workers_down() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let (mut agent, agent_log) = spawn_agent(&nats, "o1", work.path(), 1);
     // Rank 0 stops on SIGTERM; rank 1 ignores it and needs the SIGKILL after the grace.
     put_plan(
@@ -240,10 +237,7 @@ async fn a_sigkilled_agent_takes_its_workers_down() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_agent_stops_strays_before_starting_the_rank_again() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let (mut agent, _) = spawn_agent(&nats, "o2", work.path(), 1);
     put_plan(&bus, "o2", vec![worker("stray", 0, 1, looping(true))]).await;
     let old = wait_for(Duration::from_secs(20), "worker running", || async {
@@ -325,10 +319,7 @@ async fn a_restarted_agent_stops_strays_before_starting_the_rank_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_state_file_check_spares_a_reused_pid() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     // Two process groups of `sleep`: the state file records one with its start time, the
     // other with another start time (as if its pid had been reused).
     let sleeper = || {
@@ -393,10 +384,7 @@ async fn the_state_file_check_spares_a_reused_pid() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_get_none_of_the_agents_nats_settings() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let secret = work.path().join("nats-password");
     std::fs::write(&secret, "s3cret").unwrap();
     let url = nats.url.clone();

@@ -10,11 +10,8 @@
 //! `CONVERGE_REQUIRE_PYTHON=1`, where they fail.
 
 use converge_bus::Bus;
-use converge_common::{
-    EndReason, HostTelemetry, JobPhase, JobSpec, JobStatus, ProgressReport, codec::decode, subjects,
-};
+use converge_common::{EndReason, HostTelemetry, JobPhase, JobSpec, JobStatus};
 use converge_tests::*;
-use futures::StreamExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -66,14 +63,6 @@ fn numpy_job(python: &Path, id: &str, max_workers: u32, args: &[&str], extra: &s
     let mut spec = JobSpec::from_toml(&toml).unwrap_or_else(|e| panic!("{e}:\n{toml}"));
     spec.submitted_at = converge_bus::unix_now();
     spec
-}
-
-async fn next_report(sub: &mut async_nats::Subscriber) -> ProgressReport {
-    let msg = tokio::time::timeout(Duration::from_secs(60), sub.next())
-        .await
-        .expect("a progress report within 60 s")
-        .expect("subscription open");
-    decode(&msg.payload).unwrap()
 }
 
 /// The `CONVERGE_WORKER_ENV` line the worker printed first, from its log file.
@@ -136,16 +125,9 @@ async fn malformed_lines(bus: &Bus, host: &str) -> (u64, u64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn numpy_worker_trains_grows_to_a_second_host_resumes_and_completes() {
     let Some(python) = python() else { return };
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let job = "py-numpy";
-    let mut progress = bus
-        .client
-        .subscribe(subjects::progress_of_job(&job.parse().unwrap()))
-        .await
-        .unwrap();
+    let mut progress = subscribe_progress(&bus, job).await;
     let a1 = start_agent(agent_config(&nats, "n1", 1, work.path()));
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
     // 12 epochs of optdigits at 32 samples per worker per step, 10 ms per step: about
@@ -170,18 +152,17 @@ async fn numpy_worker_trains_grows_to_a_second_host_resumes_and_completes() {
     );
     bus.put(&bus.jobs, job, &spec).await.unwrap();
 
-    let s1 = wait_for(Duration::from_secs(60), "the job running on n1", || async {
-        let s = job_status(&bus, job).await?;
-        (s.phase == JobPhase::Running && s.world_size == 1).then_some(s)
+    let s1 = wait_for_status(&bus, job, 60, "the job running on n1", |s| {
+        s.phase == JobPhase::Running && s.world_size == 1
     })
     .await;
 
     // The first generation's reports: the kit's line reaches the allocator whole.
-    let first = next_report(&mut progress).await;
+    let first = next_report(&mut progress, 60).await;
     assert_eq!((first.generation, first.rank), (s1.generation, 0));
     let mut last = first.clone();
     while last.line.step < first.line.step + 150 {
-        last = next_report(&mut progress).await;
+        last = next_report(&mut progress, 60).await;
         assert_eq!(last.generation, s1.generation, "no resize with one GPU");
     }
     assert!(
@@ -206,13 +187,7 @@ async fn numpy_worker_trains_grows_to_a_second_host_resumes_and_completes() {
     // A second host joins: the allocator grows the job, the agent stops the first
     // generation (SIGTERM: checkpoint, exit) and both hosts resume from the checkpoint.
     let a2 = start_agent(agent_config(&nats, "n2", 1, work.path()));
-    let grown = loop {
-        let r = next_report(&mut progress).await;
-        if r.generation > s1.generation {
-            break r;
-        }
-        last = r;
-    };
+    let grown = first_report_after(&mut progress, s1.generation, 60, &mut last).await;
     let s2 = job_status(&bus, job).await.unwrap();
     assert_eq!(
         (s2.world_size, grown.workers),
@@ -285,10 +260,7 @@ async fn numpy_worker_trains_grows_to_a_second_host_resumes_and_completes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_jobs_planned_batch_reaches_the_numpy_worker() {
     let Some(python) = python() else { return };
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let job = "py-batch";
     let a1 = start_agent(agent_config(&nats, "n1", 1, work.path()));
     let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(600)));

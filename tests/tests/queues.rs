@@ -9,27 +9,11 @@
 //!   preempted jobs' workers stop, and they resume from their checkpoints later;
 //! - lending and reclaim between two queues of equal quota.
 
-use converge_common::{
-    HostTelemetry, JobPhase, JobSpec, JobStatus, QueueSpec, QueueStatus, WorkerPhase,
-};
+use converge_common::{JobPhase, JobSpec, JobStatus, QueueSpec, QueueStatus, WorkerPhase};
 use converge_tests::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
-
-fn converge(nats: &NatsServer, args: &[&str]) -> std::process::Output {
-    Command::new(bin_path("converge"))
-        .arg("--nats-url")
-        .arg(&nats.url)
-        .args(args)
-        .output()
-        .expect("run converge")
-}
-
-fn text(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes).into_owned()
-}
 
 /// Runs `converge args` and returns its stdout; panics with its stderr if it failed.
 fn ok(nats: &NatsServer, args: &[&str]) -> String {
@@ -70,6 +54,19 @@ fn submit(nats: &NatsServer, path: &Path) {
 }
 
 /// Queue rows of `converge --json queue list`, by name.
+/// Submits a 1000-epoch trainer job `id` to `queue` at normal priority.
+fn submit_to(nats: &NatsServer, id: &str, queue: &str, dir: &Path) {
+    let job = TrainerJob::new(id, 1000);
+    submit(nats, &write_job(&job, Some(queue), "normal", dir));
+}
+
+/// The queue buckets, created if need be.
+async fn queue_buckets(bus: &converge_bus::Bus) -> converge_bus::QueueBuckets {
+    bus.open_queues(converge_bus::Setup::CreateOrUpdate)
+        .await
+        .expect("open the queue buckets")
+}
+
 fn queue_list(nats: &NatsServer) -> BTreeMap<String, serde_json::Value> {
     let out = ok(nats, &["--json", "queue", "list"]);
     let rows: Vec<serde_json::Value> = serde_json::from_str(&out).expect("JSON list");
@@ -80,14 +77,8 @@ fn queue_list(nats: &NatsServer) -> BTreeMap<String, serde_json::Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_commands_round_trip_and_refuse_bad_input() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let qb = bus
-        .open_queues(converge_bus::Setup::CreateOrUpdate)
-        .await
-        .unwrap();
+    let (nats, work, bus) = start_test().await;
+    let qb = queue_buckets(&bus).await;
 
     // Only the implicit default queue at first.
     let list = queue_list(&nats);
@@ -279,7 +270,7 @@ async fn queue_commands_round_trip_and_refuse_bad_input() {
 async fn workers(bus: &converge_bus::Bus, hosts: &[&str]) -> BTreeMap<String, (u64, Vec<u32>)> {
     let mut out: BTreeMap<String, (u64, Vec<u32>)> = BTreeMap::new();
     for h in hosts {
-        let Some((t, _)) = bus.get::<HostTelemetry>(&bus.hosts, h).await.ok().flatten() else {
+        let Some(t) = telemetry(bus, h).await else {
             continue;
         };
         for w in t.workers {
@@ -303,15 +294,41 @@ async fn status(bus: &converge_bus::Bus, job: &str) -> JobStatus {
         .unwrap_or_else(|| panic!("no status of {job}"))
 }
 
+/// The hosts of the preemption and lending tests, two GPUs each.
+const HOSTS: [&str; 2] = ["n1", "n2"];
+/// Their allocator's scheduling period.
+const PERIOD: Duration = Duration::from_secs(2);
+
+/// Agents for [`HOSTS`] and an allocator that schedules every [`PERIOD`].
+fn start_cluster(nats: &NatsServer, dir: &Path) -> (Vec<Running>, Running) {
+    let agents = start_agents(nats, &HOSTS, 2, dir);
+    let mut cfg = allocator_config(nats, Duration::ZERO);
+    cfg.scheduling_interval = PERIOD;
+    (agents, start_allocator(cfg))
+}
+
+/// The jobs of `ids` whose generation or running workers differ between `before` and
+/// `after` (as [`workers`] reports them).
+fn changed<'a>(
+    ids: &[&'a str],
+    before: &BTreeMap<String, (u64, Vec<u32>)>,
+    after: &BTreeMap<String, (u64, Vec<u32>)>,
+) -> Vec<&'a str> {
+    ids.iter()
+        .copied()
+        .filter(|id| after.get(*id) != before.get(*id))
+        .collect()
+}
+
 /// Waits until each of `jobs` is running with `n` workers running on the hosts.
 async fn wait_running(
     bus: &converge_bus::Bus,
     hosts: &[&str],
     jobs: &[(&str, usize)],
-    timeout: Duration,
+    secs: u64,
     what: &str,
 ) -> BTreeMap<String, (u64, Vec<u32>)> {
-    wait_for(timeout, what, || async {
+    wait_for(Duration::from_secs(secs), what, || async {
         let w = workers(bus, hosts).await;
         for (job, n) in jobs {
             let s = job_status(bus, job).await?;
@@ -333,19 +350,9 @@ async fn wait_running(
 /// their checkpoints once the high-priority job has finished.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_high_priority_job_preempts_exactly_the_low_priority_jobs_it_needs() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let hosts = ["n1", "n2"];
-    let agents: Vec<_> = hosts
-        .iter()
-        .map(|h| start_agent(agent_config(&nats, h, 2, work.path())))
-        .collect();
-    let period = Duration::from_secs(2);
-    let mut cfg = allocator_config(&nats, Duration::ZERO);
-    cfg.scheduling_interval = period;
-    let allocator = start_allocator(cfg);
+    let (nats, work, bus) = start_test().await;
+    let (hosts, period) = (HOSTS, PERIOD);
+    let (agents, allocator) = start_cluster(&nats, work.path());
 
     let low = ["low-1", "low-2", "low-3", "low-4"];
     for id in low {
@@ -355,14 +362,7 @@ async fn a_high_priority_job_preempts_exactly_the_low_priority_jobs_it_needs() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let jobs: Vec<(&str, usize)> = low.iter().map(|id| (*id, 1)).collect();
-    let before = wait_running(
-        &bus,
-        &hosts,
-        &jobs,
-        Duration::from_secs(60),
-        "four low-priority jobs running",
-    )
-    .await;
+    let before = wait_running(&bus, &hosts, &jobs, 60, "four low-priority jobs running").await;
     // Let them checkpoint (every second) and report.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut steps_before = BTreeMap::new();
@@ -379,20 +379,9 @@ async fn a_high_priority_job_preempts_exactly_the_low_priority_jobs_it_needs() {
         (s.generation >= 1 && s.placement.len() == 2).then(|| submitted.elapsed())
     })
     .await;
-    let after = wait_running(
-        &bus,
-        &hosts,
-        &[("urgent", 2)],
-        Duration::from_secs(60),
-        "urgent running",
-    )
-    .await;
+    let after = wait_running(&bus, &hosts, &[("urgent", 2)], 60, "urgent running").await;
     let running = submitted.elapsed();
-    let preempted: Vec<&str> = low
-        .iter()
-        .copied()
-        .filter(|id| after.get(*id) != before.get(*id))
-        .collect();
+    let preempted = changed(&low, &before, &after);
     let kept: Vec<&str> = low
         .iter()
         .copied()
@@ -438,29 +427,13 @@ async fn a_high_priority_job_preempts_exactly_the_low_priority_jobs_it_needs() {
     );
 
     // The urgent job finishes; the preempted jobs resume from their checkpoints.
-    wait_for(Duration::from_secs(120), "urgent completed", || async {
-        let s = job_status(&bus, "urgent").await?;
-        (s.phase == JobPhase::Completed).then_some(())
-    })
-    .await;
-    let resumed = wait_running(
-        &bus,
-        &hosts,
-        &jobs,
-        Duration::from_secs(60),
-        "the preempted jobs resumed",
-    )
-    .await;
+    wait_for_phase(&bus, "urgent", JobPhase::Completed, 120).await;
+    let resumed = wait_running(&bus, &hosts, &jobs, 60, "the preempted jobs resumed").await;
     for id in &preempted {
         assert!(resumed[*id].0 > before[*id].0, "{id}: a new generation");
-        let s = wait_for(
-            Duration::from_secs(30),
-            "progress after resuming",
-            || async {
-                let s = job_status(&bus, id).await?;
-                (s.step > steps_before[id]).then_some(s)
-            },
-        )
+        let s = wait_for_status(&bus, id, 30, "progress after resuming", |s| {
+            s.step > steps_before[id]
+        })
         .await;
         assert!(
             s.step >= steps_before[id],
@@ -495,47 +468,25 @@ async fn queue_status(
 /// two whole team-a jobs, and both queues end at their quota.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_quota_is_lent_and_reclaimed() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
-    let qb = bus
-        .open_queues(converge_bus::Setup::CreateOrUpdate)
-        .await
-        .unwrap();
+    let (nats, work, bus) = start_test().await;
+    let qb = queue_buckets(&bus).await;
     ok(&nats, &["queue", "create", "team-a", "--quota", "2"]);
     ok(&nats, &["queue", "create", "team-b", "--quota", "2"]);
-    let hosts = ["n1", "n2"];
-    let agents: Vec<_> = hosts
-        .iter()
-        .map(|h| start_agent(agent_config(&nats, h, 2, work.path())))
-        .collect();
-    let period = Duration::from_secs(2);
-    let mut cfg = allocator_config(&nats, Duration::ZERO);
-    cfg.scheduling_interval = period;
-    let allocator = start_allocator(cfg);
+    let (hosts, period) = (HOSTS, PERIOD);
+    let (agents, allocator) = start_cluster(&nats, work.path());
     for h in hosts {
-        wait_for(
-            Duration::from_secs(20),
-            "both hosts' heartbeats",
-            || async { bus.get::<HostTelemetry>(&bus.hosts, h).await.ok().flatten() },
-        )
+        wait_for(Duration::from_secs(20), "both hosts' heartbeats", || {
+            telemetry(&bus, h)
+        })
         .await;
     }
     tokio::time::sleep(Duration::from_secs(1)).await;
 
     let a_jobs = ["a-1", "a-2", "a-3", "a-4"];
+    let one_each = a_jobs.map(|id| (id, 1));
     let submitted = Instant::now();
     for id in a_jobs {
-        submit(
-            &nats,
-            &write_job(
-                &TrainerJob::new(id, 1000),
-                Some("team-a"),
-                "normal",
-                work.path(),
-            ),
-        );
+        submit_to(&nats, id, "team-a", work.path());
     }
     let lent = wait_for(
         Duration::from_secs(30),
@@ -551,14 +502,7 @@ async fn idle_quota_is_lent_and_reclaimed() {
         },
     )
     .await;
-    let before = wait_running(
-        &bus,
-        &hosts,
-        &a_jobs.map(|id| (id, 1)),
-        Duration::from_secs(60),
-        "team-a's four jobs running",
-    )
-    .await;
+    let before = wait_running(&bus, &hosts, &one_each, 60, "team-a's four jobs running").await;
     let a = wait_for(Duration::from_secs(10), "team-a's status", || async {
         queue_status(&bus, &qb, "team-a")
             .await
@@ -584,30 +528,18 @@ async fn idle_quota_is_lent_and_reclaimed() {
     let b_jobs = ["b-1", "b-2"];
     let reclaim_at = Instant::now();
     for id in b_jobs {
-        submit(
-            &nats,
-            &write_job(
-                &TrainerJob::new(id, 1000),
-                Some("team-b"),
-                "normal",
-                work.path(),
-            ),
-        );
+        submit_to(&nats, id, "team-b", work.path());
     }
     let after = wait_running(
         &bus,
         &hosts,
         &[("b-1", 1), ("b-2", 1)],
-        Duration::from_secs(60),
+        60,
         "team-b's jobs running",
     )
     .await;
     let reclaimed = reclaim_at.elapsed();
-    let preempted: Vec<&str> = a_jobs
-        .iter()
-        .copied()
-        .filter(|id| after.get(*id) != before.get(*id))
-        .collect();
+    let preempted = changed(&a_jobs, &before, &after);
     println!(
         "reclaim: team-b's jobs running {:.2} s after submission; team-a jobs preempted {preempted:?}",
         reclaimed.as_secs_f64()
@@ -628,15 +560,7 @@ async fn idle_quota_is_lent_and_reclaimed() {
 
     // A third team-b job waits: both queues are at their quota, nothing is lent. The
     // preempted team-a jobs say why they wait, the new one what its queue holds.
-    submit(
-        &nats,
-        &write_job(
-            &TrainerJob::new("b-3", 1000),
-            Some("team-b"),
-            "normal",
-            work.path(),
-        ),
-    );
+    submit_to(&nats, "b-3", "team-b", work.path());
     tokio::time::sleep(2 * period).await;
     let jobs = ok(&nats, &["jobs"]);
     println!("{jobs}");
@@ -656,8 +580,8 @@ async fn idle_quota_is_lent_and_reclaimed() {
     let after_delete = wait_running(
         &bus,
         &hosts,
-        &a_jobs.map(|id| (id, 1)),
-        Duration::from_secs(60),
+        &one_each,
+        60,
         "team-a's four jobs running again",
     )
     .await;

@@ -94,40 +94,18 @@ async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
     let work = tempfile::tempdir().unwrap();
 
     // The allocator creates the buckets; agents and the CLI may only open them.
-    let allocator = start_allocator(converge_allocator::service::AllocatorConfig {
-        nats: s.args_as("allocator"),
-        ..allocator_config(&s.nats, Duration::ZERO)
-    });
-    let cli = wait_for(Duration::from_secs(20), "buckets created", || async {
-        s.bus_as("cli", Setup::OpenOrCreate).await.ok()
-    })
-    .await;
-    let agent = |host: &str| {
-        let mut cfg = agent_config(&s.nats, host, 1, work.path());
-        cfg.nats = s.args_as(&format!("agent-{host}"));
-        start_agent(cfg)
-    };
+    let allocator = s.start_allocator();
+    let cli = s.cli_bus().await;
+    let agent = |host: &str| s.start_agent(host, work.path());
     let (agent1, agent2) = (agent("n1"), agent("n2"));
 
     let spec = write_spec(work.path(), "secure");
-    let out = converge_as(&s, "cli", &["submit", spec.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let running = wait_for(
-        Duration::from_secs(30),
-        "job running on n1 and n2",
-        || async {
-            let s = job_status(&cli, "secure").await?;
-            (s.phase == JobPhase::Running && s.world_size == 2).then_some(s)
-        },
-    )
+    submit_as_cli(&s, &spec);
+    let running = wait_for_status(&cli, "secure", 30, "job running on n1 and n2", |s| {
+        s.phase == JobPhase::Running && s.world_size == 2
+    })
     .await;
-    let mut hosts: Vec<&str> = running.placement.iter().map(|p| p.host.as_str()).collect();
-    hosts.sort();
-    assert_eq!(hosts, ["n1", "n2"]);
+    assert_eq!(placed_hosts(&running), ["n1", "n2"]);
 
     // A second connection with n1's credentials.
     let a1 = s.bus_as("agent-n1", Setup::OpenOrCreate).await.unwrap();
@@ -304,9 +282,8 @@ async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
     .await;
 
     // Nothing of that disturbed the cluster: the job completes, every process still runs.
-    let done = wait_for(Duration::from_secs(120), "the job completes", || async {
-        let s = job_status(&cli, "secure").await?;
-        s.phase.is_terminal().then_some(s)
+    let done = wait_for_status(&cli, "secure", 120, "the job completes", |s| {
+        s.phase.is_terminal()
     })
     .await;
     assert_eq!(done.phase, JobPhase::Completed, "{done:?}");
@@ -327,17 +304,9 @@ async fn secured_cluster_runs_a_job_and_refuses_what_each_role_may_not_do() {
         );
     }
     let out = converge_as(&s, "cli", &["--json", "hosts"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let out = converge_as(&s, "cli", &["--json", "jobs", "--all"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    succeeded(&out);
     let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(listed[0]["status"]["phase"], "completed");
     dashboard_reads_the_cluster_as_viewer(&s).await;
@@ -422,6 +391,83 @@ min_workers = 1
 max_workers = 1
 "#;
 
+/// `converge submit spec` as the `cli` user; panics with its stderr if it is refused.
+fn submit_as_cli(s: &SecuredNats, spec: &Path) {
+    succeeded(&converge_as(s, "cli", &["submit", spec.to_str().unwrap()]));
+}
+
+/// `job`'s status once it runs with all thirty reports of [`QUIET_JOB`] in and a curve
+/// fitted, and `fit` of it no longer changes over two seconds.
+async fn settled_fit<K: PartialEq>(
+    cli: &Bus,
+    job: &str,
+    fit: impl Fn(&converge_common::JobStatus) -> K,
+) -> converge_common::JobStatus {
+    wait_for(Duration::from_secs(60), "the job's fit settles", || async {
+        let a = job_status(cli, job).await?;
+        if a.phase != JobPhase::Running || a.samples != 960 || a.curve.is_none() {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let b = job_status(cli, job).await?;
+        (fit(&a) == fit(&b)).then_some(b)
+    })
+    .await
+}
+
+/// A rank 0 report of `job` for `generation` from `host`, far ahead of any real one
+/// (a billion samples, loss 1e-6).
+fn forged_report(job: &str, generation: u64, host: &str) -> converge_common::ProgressReport {
+    serde_json::from_value(serde_json::json!({
+        "protocol": PROTOCOL_VERSION, "job": job, "generation": generation,
+        "rank": 0, "host": host, "step": 1_000_000, "samples": 1_000_000_000u64,
+        "loss": 1e-6, "time": converge_bus::unix_now()
+    }))
+    .unwrap()
+}
+
+/// Waits until the allocator has counted `more` refusals of `kind` than `before`.
+async fn wait_for_refusals(kind: &str, before: f64, more: f64) {
+    wait_for(Duration::from_secs(10), "the refusals counted", || async {
+        (refused_by_allocator(kind) >= before + more).then_some(())
+    })
+    .await;
+}
+
+/// The progress stream, read as the allocator (the cli user may follow the stream, not
+/// get messages).
+async fn progress_stream(s: &SecuredNats) -> async_nats::jetstream::stream::Stream {
+    let alloc = s.bus_as("allocator", Setup::CreateOrUpdate).await.unwrap();
+    alloc
+        .js
+        .get_stream(subjects::PROGRESS_STREAM)
+        .await
+        .unwrap()
+}
+
+/// Waits until the last message on `subject` of `stream` passes `gone` (`None`: the
+/// subject holds none; `Some`: the payload of the last one).
+async fn wait_for_forged_deleted(
+    stream: &async_nats::jetstream::stream::Stream,
+    subject: &str,
+    gone: impl Fn(Option<String>) -> bool,
+) {
+    wait_for(
+        Duration::from_secs(10),
+        "the forged reports deleted from the stream",
+        || async {
+            use async_nats::jetstream::stream::LastRawMessageErrorKind;
+            let last = match stream.get_last_raw_message_by_subject(subject).await {
+                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => None,
+                Err(e) => panic!("reading the stream: {e}"),
+                Ok(last) => Some(String::from_utf8_lossy(&last.payload).into_owned()),
+            };
+            gone(last).then_some(())
+        },
+    )
+    .await;
+}
+
 /// A two-rank job placed on n1 and n2 (one GPU each): the host of rank 1, compromised,
 /// publishes "rank 0" reports of the job's generation on its own subject. The server lets
 /// it (its own subject), the allocator refuses them as `wrong_rank` (the generation placed
@@ -433,19 +479,11 @@ async fn a_host_of_a_job_cannot_speak_for_rank_0() {
     converge_bus::metrics::recorder();
     let s = SecuredNats::start(&["n1", "n2"]);
     let work = tempfile::tempdir().unwrap();
-    let allocator = start_allocator(converge_allocator::service::AllocatorConfig {
-        nats: s.args_as("allocator"),
-        ..allocator_config(&s.nats, Duration::ZERO)
-    });
-    let cli = wait_for(Duration::from_secs(20), "buckets created", || async {
-        s.bus_as("cli", Setup::OpenOrCreate).await.ok()
-    })
-    .await;
+    let allocator = s.start_allocator();
+    let cli = s.cli_bus().await;
     let mut agents = Vec::new();
     for host in ["n1", "n2"] {
-        let mut cfg = agent_config(&s.nats, host, 1, &work.path().join(host));
-        cfg.nats = s.args_as(&format!("agent-{host}"));
-        agents.push(start_agent(cfg));
+        agents.push(s.start_agent(host, &work.path().join(host)));
     }
     let spec = work.path().join("pair.toml");
     std::fs::write(
@@ -456,12 +494,7 @@ async fn a_host_of_a_job_cannot_speak_for_rank_0() {
             .replace("min_workers = 1", "min_workers = 2"),
     )
     .unwrap();
-    let out = converge_as(&s, "cli", &["submit", spec.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    submit_as_cli(&s, &spec);
     let fingerprint = |a: &converge_common::JobStatus| {
         (
             a.generation,
@@ -472,16 +505,7 @@ async fn a_host_of_a_job_cannot_speak_for_rank_0() {
             serde_json::to_string(&a.curve).unwrap(),
         )
     };
-    let before = wait_for(Duration::from_secs(60), "the job's fit settles", || async {
-        let a = job_status(&cli, "pair").await?;
-        if a.phase != JobPhase::Running || a.samples != 960 || a.curve.is_none() {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let b = job_status(&cli, "pair").await?;
-        (fingerprint(&a) == fingerprint(&b)).then_some(b)
-    })
-    .await;
+    let before = settled_fit(&cli, "pair", fingerprint).await;
     let host_of = |rank: u32| {
         before
             .placement
@@ -500,12 +524,7 @@ async fn a_host_of_a_job_cannot_speak_for_rank_0() {
         .unwrap();
     let job: converge_common::JobId = "pair".parse().unwrap();
     let subject = subjects::progress(&job, &rank1_host);
-    let forged: converge_common::ProgressReport = serde_json::from_value(serde_json::json!({
-        "protocol": PROTOCOL_VERSION, "job": "pair", "generation": before.generation,
-        "rank": 0, "host": rank1_host.as_str(), "step": 1_000_000, "samples": 1_000_000_000u64,
-        "loss": 1e-6, "time": converge_bus::unix_now()
-    }))
-    .unwrap();
+    let forged = forged_report("pair", before.generation, rank1_host.as_str());
     let refused_before = refused_by_allocator("wrong_rank");
     for _ in 0..2 {
         attacker
@@ -513,33 +532,13 @@ async fn a_host_of_a_job_cannot_speak_for_rank_0() {
             .await
             .expect("an agent may publish on its own subject");
     }
-    wait_for(Duration::from_secs(10), "the refusals counted", || async {
-        (refused_by_allocator("wrong_rank") >= refused_before + 2.0).then_some(())
-    })
-    .await;
+    wait_for_refusals("wrong_rank", refused_before, 2.0).await;
     // Deleted: nothing forged is left on the subject (the agents publish rank 0's lines
     // only, so the subject is empty or holds an honest report).
-    let alloc = s.bus_as("allocator", Setup::CreateOrUpdate).await.unwrap();
-    let stream = alloc
-        .js
-        .get_stream(subjects::PROGRESS_STREAM)
-        .await
-        .unwrap();
-    wait_for(
-        Duration::from_secs(10),
-        "the forged reports deleted from the stream",
-        || async {
-            use async_nats::jetstream::stream::LastRawMessageErrorKind;
-            match stream.get_last_raw_message_by_subject(&subject).await {
-                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Some(()),
-                Err(e) => panic!("reading the stream: {e}"),
-                Ok(last) => {
-                    let text = String::from_utf8_lossy(&last.payload).into_owned();
-                    (!text.contains("1000000000")).then_some(())
-                }
-            }
-        },
-    )
+    let stream = progress_stream(&s).await;
+    wait_for_forged_deleted(&stream, &subject, |last| {
+        last.is_none_or(|text| !text.contains("1000000000"))
+    })
     .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let after = job_status(&cli, "pair").await.unwrap();
@@ -563,25 +562,12 @@ async fn a_compromised_agent_cannot_forge_progress_or_purge_heartbeats() {
     converge_bus::metrics::recorder();
     let s = SecuredNats::start(&["n1", "n2"]);
     let work = tempfile::tempdir().unwrap();
-    let allocator = start_allocator(converge_allocator::service::AllocatorConfig {
-        nats: s.args_as("allocator"),
-        ..allocator_config(&s.nats, Duration::ZERO)
-    });
-    let cli = wait_for(Duration::from_secs(20), "buckets created", || async {
-        s.bus_as("cli", Setup::OpenOrCreate).await.ok()
-    })
-    .await;
-    let mut cfg = agent_config(&s.nats, "n2", 1, work.path());
-    cfg.nats = s.args_as("agent-n2");
-    let agent2 = start_agent(cfg);
+    let allocator = s.start_allocator();
+    let cli = s.cli_bus().await;
+    let agent2 = s.start_agent("n2", work.path());
     let spec = work.path().join("victim.toml");
     std::fs::write(&spec, QUIET_JOB).unwrap();
-    let out = converge_as(&s, "cli", &["submit", spec.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    submit_as_cli(&s, &spec);
     // Placed on n2, all thirty reports in, a curve fitted and no longer changing.
     let settled = |a: &converge_common::JobStatus| {
         (
@@ -595,28 +581,12 @@ async fn a_compromised_agent_cannot_forge_progress_or_purge_heartbeats() {
             a.placement.clone(),
         )
     };
-    let before = wait_for(Duration::from_secs(60), "the job's fit settles", || async {
-        let a = job_status(&cli, "victim").await?;
-        if a.phase != JobPhase::Running || a.samples != 960 || a.curve.is_none() {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let b = job_status(&cli, "victim").await?;
-        (settled(&a) == settled(&b)).then_some(b)
-    })
-    .await;
+    let before = settled_fit(&cli, "victim", settled).await;
     let hosts: Vec<&str> = before.placement.iter().map(|p| p.host.as_str()).collect();
     assert_eq!(hosts, ["n2"]);
 
     let a1 = s.bus_as("agent-n1", Setup::OpenOrCreate).await.unwrap();
-    let forged = |generation: u64, host: &str| -> converge_common::ProgressReport {
-        serde_json::from_value(serde_json::json!({
-            "protocol": PROTOCOL_VERSION, "job": "victim", "generation": generation,
-            "rank": 0, "host": host, "step": 1_000_000, "samples": 1_000_000_000u64,
-            "loss": 1e-6, "time": converge_bus::unix_now()
-        }))
-        .unwrap()
-    };
+    let forged = |generation: u64, host: &str| forged_report("victim", generation, host);
     let victim: converge_common::JobId = "victim".parse().unwrap();
     let (n1, n2) = (
         "n1".parse::<converge_common::HostId>().unwrap(),
@@ -639,30 +609,9 @@ async fn a_compromised_agent_cannot_forge_progress_or_purge_heartbeats() {
             .await
             .expect("an agent may publish on its own subject");
     }
-    // Read as the allocator (the cli user may follow the stream, not get messages).
-    let alloc = s.bus_as("allocator", Setup::CreateOrUpdate).await.unwrap();
-    let stream = alloc
-        .js
-        .get_stream(subjects::PROGRESS_STREAM)
-        .await
-        .unwrap();
-    wait_for(
-        Duration::from_secs(10),
-        "the forged reports deleted from the stream",
-        || async {
-            use async_nats::jetstream::stream::LastRawMessageErrorKind;
-            match stream.get_last_raw_message_by_subject(&own_subject).await {
-                Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Some(()),
-                Err(e) => panic!("reading the stream: {e}"),
-                Ok(_) => None,
-            }
-        },
-    )
-    .await;
-    wait_for(Duration::from_secs(10), "the refusals counted", || async {
-        (refused_by_allocator("not_placed") >= refused_before + 2.0).then_some(())
-    })
-    .await;
+    let stream = progress_stream(&s).await;
+    wait_for_forged_deleted(&stream, &own_subject, |last| last.is_none()).await;
+    wait_for_refusals("not_placed", refused_before, 2.0).await;
     // A few steps later the job is as it was: same progress, same fit.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let after = job_status(&cli, "victim").await.unwrap();
@@ -712,6 +661,7 @@ async fn a_compromised_agent_cannot_forge_progress_or_purge_heartbeats() {
 
     // The allocator's user still deletes a key (a KV delete marker) and purges one through
     // the stream API; it never needs a rollup.
+    let alloc = s.bus_as("allocator", Setup::CreateOrUpdate).await.unwrap();
     alloc
         .put(&alloc.plans, "n9", &plan("n9", "x"))
         .await
@@ -1075,9 +1025,7 @@ async fn only_the_allocator_creates_buckets_on_a_secured_server() {
     }
     // The agent process runs and its heartbeat arrives.
     let work = tempfile::tempdir().unwrap();
-    let mut cfg = agent_config(&s.nats, "n1", 1, work.path());
-    cfg.nats = s.args_as("agent-n1");
-    let agent = start_agent(cfg);
+    let agent = s.start_agent("n1", work.path());
     wait_for(Duration::from_secs(10), "n1's heartbeat", || async {
         alloc
             .get::<HostTelemetry>(&alloc.hosts, "n1")
@@ -1119,11 +1067,7 @@ async fn tls_with_a_test_ca() {
             .args(["--clients", clients])
             .output()
             .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        succeeded(&out);
     };
     gen_tls(certs.path(), "allocator");
     let other_ca = tempfile::tempdir().unwrap();
@@ -1211,17 +1155,9 @@ async fn a_secured_cluster_recovers_from_a_server_restart() {
     init_tracing();
     let mut s = SecuredNats::start(&["n1"]);
     let work = tempfile::tempdir().unwrap();
-    let allocator = start_allocator(converge_allocator::service::AllocatorConfig {
-        nats: s.args_as("allocator"),
-        ..allocator_config(&s.nats, Duration::ZERO)
-    });
-    wait_for(Duration::from_secs(20), "buckets created", || async {
-        s.bus_as("cli", Setup::OpenOrCreate).await.ok()
-    })
-    .await;
-    let mut cfg = agent_config(&s.nats, "n1", 1, work.path());
-    cfg.nats = s.args_as("agent-n1");
-    let agent = start_agent(cfg);
+    let allocator = s.start_allocator();
+    s.cli_bus().await;
+    let agent = s.start_agent("n1", work.path());
     let heartbeat = |s: &SecuredNats| {
         let args = s.args_as("cli");
         async move {
@@ -1242,16 +1178,10 @@ async fn a_secured_cluster_recovers_from_a_server_restart() {
     )
     .await;
     let spec = write_spec_sized(work.path(), "after-restart", 1);
-    let out = converge_as(&s, "cli", &["submit", spec.to_str().unwrap()]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    submit_as_cli(&s, &spec);
     let cli = s.bus_as("cli", Setup::OpenOrCreate).await.unwrap();
-    let done = wait_for(Duration::from_secs(90), "the job completes", || async {
-        let s = job_status(&cli, "after-restart").await?;
-        s.phase.is_terminal().then_some(s)
+    let done = wait_for_status(&cli, "after-restart", 90, "the job completes", |s| {
+        s.phase.is_terminal()
     })
     .await;
     assert_eq!(done.phase, JobPhase::Completed, "{done:?}");
@@ -1296,11 +1226,7 @@ async fn queues_are_written_by_the_cli_and_queue_statuses_by_the_allocator_only(
 
     // The CLI manages queues through the binary.
     let ok = |out: std::process::Output| {
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        succeeded(&out);
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     ok(converge_as(

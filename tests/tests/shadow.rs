@@ -7,17 +7,7 @@
 use converge_common::{JobPhase, JobStatus, ProgressReport, codec::decode, subjects};
 use converge_tests::*;
 use futures::StreamExt;
-use std::process::Command;
 use std::time::Duration;
-
-fn converge(nats: &NatsServer, args: &[&str]) -> std::process::Output {
-    Command::new(bin_path("converge"))
-        .arg("--nats-url")
-        .arg(&nats.url)
-        .args(args)
-        .output()
-        .expect("run converge")
-}
 
 /// `job` as an `arch = "shadow"` job with `[shadow] algorithm = "ma"`.
 fn shadow_toml(job: &TrainerJob) -> String {
@@ -31,14 +21,10 @@ fn shadow_toml(job: &TrainerJob) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shadow_job_runs_through_the_agents_next_to_a_ring_job() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
     // Two hosts of two GPUs: room for both two-worker jobs at once.
-    let a1 = start_agent(agent_config(&nats, "n1", 2, work.path()));
-    let a2 = start_agent(agent_config(&nats, "n2", 2, work.path()));
+    let agents = start_agents(&nats, &["n1", "n2"], 2, work.path());
     let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(600)));
 
     // About 1,200 local steps of 10 ms per worker: 15-25 s on two busy cores.
@@ -48,12 +34,7 @@ async fn a_shadow_job_runs_through_the_agents_next_to_a_ring_job() {
     std::fs::write(&shadow_spec, shadow_toml(&shadow)).unwrap();
     let ring_spec = ring.write(work.path());
     for spec in [&shadow_spec, &ring_spec] {
-        let out = converge(&nats, &["submit", spec.to_str().unwrap()]);
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        nats.submit(spec);
     }
 
     // Both run at once, each with its two workers.
@@ -176,7 +157,7 @@ async fn a_shadow_job_runs_through_the_agents_next_to_a_ring_job() {
     assert!(status_of("shadow-ma")["sync_rounds_per_s"].is_number());
     assert!(status_of("ring").get("sync_rounds_per_s").is_none());
 
-    for a in [a1, a2] {
+    for a in agents {
         a.stop().await;
     }
     allocator.stop().await;

@@ -6,26 +6,7 @@
 
 use converge_common::{JobPhase, JobSpec, JobStatus, codec::encode};
 use converge_tests::*;
-use std::process::{Command, Output};
 use std::time::Duration;
-
-fn converge(nats: &NatsServer, args: &[&str]) -> Output {
-    Command::new(bin_path("converge"))
-        .arg("--nats-url")
-        .arg(&nats.url)
-        .args(args)
-        .output()
-        .expect("run converge")
-}
-
-fn ok(out: &Output) -> String {
-    assert!(
-        out.status.success(),
-        "converge failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 /// A 2 × 2 sweep of a program that is never run (the statuses are written by the test).
 const SWEEP: &str = r#"
@@ -71,9 +52,7 @@ async fn specs(bus: &converge_bus::Bus) -> Vec<JobSpec> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sweep_is_submitted_whole_and_its_trials_are_ranked_best_first() {
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let file = work.path().join("sweep.toml");
     std::fs::write(&file, SWEEP).unwrap();
     let file = file.to_str().unwrap();
@@ -87,7 +66,7 @@ async fn a_sweep_is_submitted_whole_and_its_trials_are_ranked_best_first() {
     );
     assert!(specs(&bus).await.is_empty(), "a refused sweep was written");
 
-    let stdout = ok(&converge(&nats, &["submit", file]));
+    let stdout = succeeded(&converge(&nats, &["submit", file]));
     assert!(
         stdout.contains("submitted sweep lr-sweep: 4 trials"),
         "{stdout}"
@@ -109,7 +88,7 @@ async fn a_sweep_is_submitted_whole_and_its_trials_are_ranked_best_first() {
         "{stderr}"
     );
     // Under another id it is a new sweep; its trials are not lr-sweep's.
-    let out = ok(&converge(
+    let out = succeeded(&converge(
         &nats,
         &["--json", "submit", "--id", "again", file],
     ));
@@ -149,7 +128,7 @@ async fn a_sweep_is_submitted_whole_and_its_trials_are_ranked_best_first() {
             .unwrap();
     }
 
-    let out = ok(&converge(&nats, &["jobs", "--sweep", "lr-sweep", "--json"]));
+    let out = succeeded(&converge(&nats, &["jobs", "--sweep", "lr-sweep", "--json"]));
     let ranked: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rows = ranked.as_array().unwrap();
     let order: Vec<(u64, &str)> = rows
@@ -176,13 +155,13 @@ async fn a_sweep_is_submitted_whole_and_its_trials_are_ranked_best_first() {
     assert_eq!(rows[2]["state"], "completed (deadline)");
     assert_eq!(rows[3]["state"], "submitted");
 
-    let table = ok(&converge(&nats, &["jobs", "--sweep", "lr-sweep"]));
+    let table = succeeded(&converge(&nats, &["jobs", "--sweep", "lr-sweep"]));
     let pos = |s: &str| table.find(s).unwrap_or_else(|| panic!("{s}: {table}"));
     assert!(pos("lr-sweep-2") < pos("lr-sweep-1") && pos("lr-sweep-1") < pos("lr-sweep-3"));
     assert!(table.contains("completed (converged)"), "{table}");
     assert!(!table.contains("again"), "{table}");
     // Finished jobs show how they ended in the plain listing too.
-    let all = ok(&converge(&nats, &["jobs", "--all"]));
+    let all = succeeded(&converge(&nats, &["jobs", "--all"]));
     assert!(all.contains("completed (deadline)"), "{all}");
 
     let out = converge(&nats, &["jobs", "--sweep", "nope"]);
@@ -195,10 +174,7 @@ async fn a_sweep_is_submitted_whole_and_its_trials_are_ranked_best_first() {
 /// its GPU-hours and its losses, and the ranking lists both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sweep_trials_run_to_their_end_and_are_ranked() {
-    init_tracing();
-    let nats = NatsServer::start();
-    let work = tempfile::tempdir().unwrap();
-    let bus = nats.bus().await;
+    let (nats, work, bus) = start_test().await;
     let _agent = start_agent(agent_config(&nats, "n1", 2, work.path()));
     let _allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
     let sweep = format!(
@@ -218,7 +194,7 @@ deadline_s = 300
     );
     let file = work.path().join("run.toml");
     std::fs::write(&file, sweep).unwrap();
-    ok(&converge(&nats, &["submit", file.to_str().unwrap()]));
+    succeeded(&converge(&nats, &["submit", file.to_str().unwrap()]));
     for trial in ["run-1", "run-2"] {
         wait_for(Duration::from_secs(120), trial, || async {
             let s = job_status(&bus, trial).await?;
@@ -226,7 +202,7 @@ deadline_s = 300
         })
         .await;
     }
-    let out = ok(&converge(&nats, &["--json", "jobs", "--sweep", "run"]));
+    let out = succeeded(&converge(&nats, &["--json", "jobs", "--sweep", "run"]));
     let ranked: serde_json::Value = serde_json::from_str(&out).unwrap();
     let rows = ranked.as_array().unwrap();
     assert_eq!(rows.len(), 2);
@@ -244,6 +220,6 @@ deadline_s = 300
             .unwrap()
     };
     assert!(score(&rows[0]) <= score(&rows[1]), "{rows:?}");
-    let table = ok(&converge(&nats, &["jobs", "--sweep", "run"]));
+    let table = succeeded(&converge(&nats, &["jobs", "--sweep", "run"]));
     assert!(table.contains("completed ("), "{table}");
 }

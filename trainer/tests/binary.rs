@@ -2,14 +2,14 @@
 //! another world size, SIGTERM handling, refusal of a mismatched checkpoint and the
 //! learning-rate rules at a planned batch.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::{checkpoint, free_port, progress, show};
+use common::{
+    SLOW, checkpoint, follow_progress, free_port, progress, show, signal, wait_for_checkpoint_of,
+};
 
 /// A trainer command with a clean worker environment and the repository's data.
 fn trainer(ckpt: &Path, args: &[&str]) -> Command {
@@ -34,11 +34,35 @@ fn wait_with_timeout(mut child: Child, limit: Duration) -> Output {
     child.wait_with_output().unwrap()
 }
 
+/// Runs rank 1, then rank 0, of a two-rank job of generation 1 with `args` and the
+/// variables `env` to their end (120 s each at most); their outputs, rank 0's first.
+fn run_two_ranks(ckpt: &Path, args: &[&str], env: &[(&str, &str)]) -> (Output, Output) {
+    let port = free_port().to_string();
+    let spawn = |rank: &str| {
+        trainer(ckpt, args)
+            .env("RANK", rank)
+            .env("LOCAL_RANK", rank)
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("CONVERGE_GENERATION", "1")
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let rank1 = spawn("1");
+    let rank0 = spawn("0");
+    let out0 = wait_with_timeout(rank0, Duration::from_secs(120));
+    let out1 = wait_with_timeout(rank1, Duration::from_secs(120));
+    (out0, out1)
+}
+
 #[test]
 fn two_ranks_train_then_one_rank_resumes() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    let port = free_port().to_string();
     let common = [
         "--dataset",
         "optdigits",
@@ -49,23 +73,7 @@ fn two_ranks_train_then_one_rank_resumes() {
         "--eval-every",
         "50",
     ];
-    let spawn = |rank: &str| {
-        trainer(&ckpt, &common)
-            .env("RANK", rank)
-            .env("LOCAL_RANK", rank)
-            .env("WORLD_SIZE", "2")
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
-            .env("CONVERGE_GENERATION", "1")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-    };
-    let rank1 = spawn("1");
-    let rank0 = spawn("0");
-    let out0 = wait_with_timeout(rank0, Duration::from_secs(120));
-    let out1 = wait_with_timeout(rank1, Duration::from_secs(120));
+    let (out0, out1) = run_two_ranks(&ckpt, &common, &[]);
     show("rank 0", &out0);
     show("rank 1", &out1);
     assert_eq!(out0.status.code(), Some(0));
@@ -132,46 +140,25 @@ fn two_ranks_train_then_one_rank_resumes() {
 fn sigterm_checkpoints_and_exits_143() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    let mut child = trainer(
-        &ckpt,
-        &[
-            "--dataset",
-            "optdigits",
-            "--epochs",
-            "1000",
-            "--step-delay-ms",
-            "5",
-            "--log-every",
-            "5",
-            "--checkpoint-every",
-            "3600",
-        ],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
+    let args = [
+        &["--dataset", "optdigits"][..],
+        &SLOW,
+        &["--checkpoint-every", "3600"],
+    ]
+    .concat();
+    let mut child = trainer(&ckpt, &args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
     // A progress line shows that training is under way.
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines() {
-            let line = line.unwrap();
-            if line.starts_with("CONVERGE_PROGRESS ") {
-                let _ = tx.send(line);
-            }
-        }
-    });
+    let (rx, _) = follow_progress(child.stdout.take().unwrap());
     let line = rx
         .recv_timeout(Duration::from_secs(60))
         .expect("a progress line");
-    assert!(line.contains("\"step\":5"), "{line}");
+    assert_eq!(line["step"], 5, "{line}");
     assert!(!ckpt.join("checkpoint.json").exists(), "no checkpoint yet");
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    assert!(signal(child.id(), "-TERM"));
     let out = wait_with_timeout(child, Duration::from_secs(30));
     show("terminated", &out);
     assert_eq!(out.status.code(), Some(143));
@@ -278,11 +265,12 @@ fn a_stale_generation_is_fenced_by_a_newer_checkpoint() {
     .stderr(Stdio::piped())
     .spawn()
     .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while checkpoint(&ckpt)["generation"] != 4 {
-        assert!(Instant::now() < deadline, "generation 4 never checkpointed");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_checkpoint_of(
+        &ckpt,
+        4,
+        Duration::from_secs(30),
+        "generation 4 never checkpointed",
+    );
     let mut newer = checkpoint(&ckpt);
     newer["generation"] = 9.into();
     let newer_text = serde_json::to_string(&newer).unwrap();
@@ -309,6 +297,36 @@ fn losses(stdout: &[u8]) -> (f64, f64, f64) {
     )
 }
 
+/// Runs `cmd` to its end, shows its stderr and checks that it exited 0; its output and
+/// stderr.
+fn run_ok(what: &str, cmd: &mut Command) -> (Output, String) {
+    let out = cmd.output().unwrap();
+    show(what, &out);
+    assert_eq!(out.status.code(), Some(0), "{what}");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out, stderr)
+}
+
+/// One rank under AdaScale for `steps` steps at a planned batch of 128 (reference 32),
+/// with `extra` options.
+fn adascale_alone(ckpt: &Path, steps: &str, extra: &[&str]) -> Command {
+    let mut cmd = trainer(
+        ckpt,
+        &[
+            "--dataset",
+            "optdigits",
+            "--max-steps",
+            steps,
+            "--lr-scaling",
+            "adascale",
+        ],
+    );
+    cmd.args(extra)
+        .env("CONVERGE_BATCH_SIZE", "128")
+        .env("CONVERGE_REFERENCE_BATCH", "32");
+    cmd
+}
+
 /// AdaScale at a planned batch 4x the reference (two ranks, 64 samples each, reference 32):
 /// the gain from the first step's statistics on, the loss falls further than without
 /// scaling, the smoothed statistics reach the checkpoint and carry over to the next
@@ -318,37 +336,23 @@ fn losses(stdout: &[u8]) -> (f64, f64, f64) {
 fn adascale_at_four_times_the_reference_batch() {
     let dir = tempfile::tempdir().unwrap();
     let run_two = |ckpt: &Path, rule: &str| {
-        let port = free_port().to_string();
-        let spawn = |rank: &str| {
-            trainer(
-                ckpt,
-                &[
-                    "--dataset",
-                    "optdigits",
-                    "--max-steps",
-                    "60",
-                    "--log-every",
-                    "10",
-                    "--lr-scaling",
-                    rule,
-                ],
-            )
-            .env("RANK", rank)
-            .env("WORLD_SIZE", "2")
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
-            .env("CONVERGE_GENERATION", "1")
-            .env("CONVERGE_BATCH_SIZE", "64")
-            .env("CONVERGE_REFERENCE_BATCH", "32")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
-        };
-        let rank1 = spawn("1");
-        let rank0 = spawn("0");
-        let out0 = wait_with_timeout(rank0, Duration::from_secs(120));
-        let out1 = wait_with_timeout(rank1, Duration::from_secs(120));
+        let (out0, out1) = run_two_ranks(
+            ckpt,
+            &[
+                "--dataset",
+                "optdigits",
+                "--max-steps",
+                "60",
+                "--log-every",
+                "10",
+                "--lr-scaling",
+                rule,
+            ],
+            &[
+                ("CONVERGE_BATCH_SIZE", "64"),
+                ("CONVERGE_REFERENCE_BATCH", "32"),
+            ],
+        );
         show(&format!("{rule} rank 0"), &out0);
         assert_eq!(out0.status.code(), Some(0));
         assert_eq!(out1.status.code(), Some(0));
@@ -379,25 +383,8 @@ fn adascale_at_four_times_the_reference_batch() {
     assert!((60.0..=240.0).contains(&progress_60), "{scaling}");
 
     // The next generation, one rank at 128 per step, starts from them.
-    let out = trainer(
-        &ada,
-        &[
-            "--dataset",
-            "optdigits",
-            "--max-steps",
-            "80",
-            "--lr-scaling",
-            "adascale",
-        ],
-    )
-    .env("CONVERGE_GENERATION", "2")
-    .env("CONVERGE_BATCH_SIZE", "128")
-    .env("CONVERGE_REFERENCE_BATCH", "32")
-    .output()
-    .unwrap();
-    show("adascale resumed", &out);
-    assert_eq!(out.status.code(), Some(0));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let mut resumed = adascale_alone(&ada, "80", &[]);
+    let (_, stderr) = run_ok("adascale resumed", resumed.env("CONVERGE_GENERATION", "2"));
     assert!(
         stderr.contains(
             "AdaScale starts from the checkpoint's smoothed gradient statistics (60 steps observed"
@@ -409,25 +396,8 @@ fn adascale_at_four_times_the_reference_batch() {
     assert!(scaling["progress"].as_f64().unwrap() > progress_60 + 20.0);
 
     // Without statistics: the square-root rule, said in the log.
-    let out = trainer(
-        &dir.path().join("nostats"),
-        &[
-            "--dataset",
-            "optdigits",
-            "--max-steps",
-            "60",
-            "--lr-scaling",
-            "adascale",
-            "--no-grad-stats",
-        ],
-    )
-    .env("CONVERGE_BATCH_SIZE", "128")
-    .env("CONVERGE_REFERENCE_BATCH", "32")
-    .output()
-    .unwrap();
-    show("adascale without statistics", &out);
-    assert_eq!(out.status.code(), Some(0));
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let mut nostats = adascale_alone(&dir.path().join("nostats"), "60", &["--no-grad-stats"]);
+    let (out, stderr) = run_ok("adascale without statistics", &mut nostats);
     assert!(
         stderr.contains(
             "AdaScale needs the gradient statistics, which --no-grad-stats turns off: lr 0.05 scaled to 0.1 by the square-root rule instead"

@@ -1,9 +1,8 @@
 //! End-to-end tests of the parameter-server mode (`CONVERGE_NUM_PS`) of the
 //! `converge-trainer` binary: workers and shards as real processes on loopback.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -11,7 +10,10 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 mod common;
-use common::{checkpoint, free_port, progress, show};
+use common::{
+    SLOW, checkpoint, codes, expect_codes, f, follow_progress, free_port, progress, rank_command,
+    show_all, signal, u, wait_all,
+};
 
 /// optdigits has 3,823 training rows.
 const OPTDIGITS_ROWS: f64 = 3823.0;
@@ -19,96 +21,55 @@ const OPTDIGITS_ROWS: f64 = 3823.0;
 /// One generation of a job: `world` ranks of which the last `num_ps` are shards
 /// (`num_ps == 0` is ring mode). Ranks are spawned shards first, rank 0 last.
 struct Job {
-    children: Vec<Option<Child>>,
+    children: Vec<(usize, Child)>,
 }
 
 impl Job {
     fn spawn(ckpt: &Path, world: usize, num_ps: usize, generation: u64, args: &[&str]) -> Job {
-        let port = free_port().to_string();
-        let mut children: Vec<Option<Child>> = (0..world).map(|_| None).collect();
-        for rank in (0..world).rev() {
-            let mut cmd = common::trainer(ckpt, "ps-test");
-            cmd.env("RANK", rank.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("CONVERGE_GENERATION", generation.to_string())
-                .args(["--dataset", "optdigits", "--rendezvous-timeout", "30"])
-                .args(args)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            if num_ps > 0 {
-                cmd.env("CONVERGE_NUM_PS", num_ps.to_string());
-            }
-            children[rank] = Some(cmd.spawn().unwrap());
-        }
+        let port = free_port();
+        let mut children: Vec<(usize, Child)> = (0..world)
+            .rev()
+            .map(|rank| {
+                let mut cmd =
+                    rank_command(ckpt, "ps-test", rank, world, num_ps, generation, port, args);
+                (
+                    rank,
+                    cmd.env("LOCAL_RANK", rank.to_string()).spawn().unwrap(),
+                )
+            })
+            .collect();
+        children.reverse();
         Job { children }
     }
 
+    /// A slow job of generation 1 once rank 0 has reported progress, and the handle that
+    /// returns rank 0's progress lines.
+    fn training_slowly(ckpt: &Path, world: usize, num_ps: usize) -> (Job, JoinHandle<Vec<Value>>) {
+        let mut job = Job::spawn(ckpt, world, num_ps, 1, &SLOW);
+        let (rx, lines) = job.follow_rank0();
+        rx.recv_timeout(Duration::from_secs(30))
+            .expect("a progress line");
+        (job, lines)
+    }
+
     fn pid(&self, rank: usize) -> u32 {
-        self.children[rank].as_ref().unwrap().id()
+        self.children[rank].1.id()
+    }
+
+    /// Sends `sig` to rank `rank`, which must still be there.
+    fn signal(&self, rank: usize, sig: &str) {
+        assert!(signal(self.pid(rank), sig), "kill {sig} rank {rank}");
     }
 
     /// Rank 0's progress lines as they arrive, and a handle that returns all of them.
     fn follow_rank0(&mut self) -> (mpsc::Receiver<Value>, JoinHandle<Vec<Value>>) {
-        let stdout = self.children[0].as_mut().unwrap().stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        let handle = std::thread::spawn(move || {
-            let mut all = Vec::new();
-            for line in BufReader::new(stdout).lines() {
-                let line = line.unwrap();
-                if let Some(json) = line.strip_prefix("CONVERGE_PROGRESS ") {
-                    let v: Value = serde_json::from_str(json).expect("progress JSON");
-                    let _ = tx.send(v.clone());
-                    all.push(v);
-                }
-            }
-            all
-        });
-        (rx, handle)
+        follow_progress(self.children[0].1.stdout.take().unwrap())
     }
 
     /// Waits for every rank (all within `limit`), killing the rest on a timeout.
-    fn wait(mut self, limit: Duration) -> Vec<Output> {
-        let start = Instant::now();
-        let mut outs = Vec::new();
-        for rank in 0..self.children.len() {
-            let mut child = self.children[rank].take().unwrap();
-            while child.try_wait().unwrap().is_none() {
-                if start.elapsed() > limit {
-                    let _ = child.kill();
-                    for c in self.children.iter_mut().flatten() {
-                        let _ = c.kill();
-                    }
-                    let out = child.wait_with_output().unwrap();
-                    show(&format!("rank {rank} (killed)"), &out);
-                    panic!("rank {rank} did not exit within {limit:?}");
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            outs.push(child.wait_with_output().unwrap());
-        }
-        outs
+    fn wait(self, limit: Duration) -> Vec<Output> {
+        wait_all(self.children, limit)
     }
-}
-
-fn show_all(what: &str, outs: &[Output]) {
-    for (rank, out) in outs.iter().enumerate() {
-        show(&format!("{what} rank {rank}"), out);
-    }
-}
-
-fn codes(outs: &[Output]) -> Vec<Option<i32>> {
-    outs.iter().map(|o| o.status.code()).collect()
-}
-
-fn f(v: &Value, key: &str) -> f64 {
-    v[key].as_f64().unwrap_or_else(|| panic!("{key} in {v}"))
-}
-
-fn u(v: &Value, key: &str) -> u64 {
-    v[key].as_u64().unwrap_or_else(|| panic!("{key} in {v}"))
 }
 
 /// Test 1: two workers and one shard train for three epochs; everybody exits 0, the loss
@@ -120,8 +81,7 @@ fn two_workers_and_one_shard_train_three_epochs() {
     let ckpt = dir.path().join("ckpt");
     let args = ["--epochs", "3", "--log-every", "10", "--eval-every", "100"];
     let outs = Job::spawn(&ckpt, 3, 1, 1, &args).wait(Duration::from_secs(60));
-    show_all("ps 2+1", &outs);
-    assert_eq!(codes(&outs), vec![Some(0); 3]);
+    expect_codes("ps 2+1", &outs, &[Some(0); 3]);
     assert!(progress(&outs[1].stdout).is_empty(), "only rank 0 reports");
     assert!(progress(&outs[2].stdout).is_empty(), "only rank 0 reports");
     let shard_log = String::from_utf8_lossy(&outs[2].stderr);
@@ -163,8 +123,7 @@ fn two_workers_and_one_shard_train_three_epochs() {
     // The PS checkpoint resumes in ring mode.
     let more = (steps + 20).to_string();
     let outs = Job::spawn(&ckpt, 2, 0, 2, &["--max-steps", &more]).wait(Duration::from_secs(60));
-    show_all("ring resume", &outs);
-    assert_eq!(codes(&outs), vec![Some(0); 2]);
+    expect_codes("ring resume", &outs, &[Some(0); 2]);
     let lines = progress(&outs[0].stdout);
     assert_eq!(u(&lines[0], "step"), steps + 10);
     assert_eq!(u(&lines[0], "samples"), (steps + 10) * 64);
@@ -180,16 +139,7 @@ fn sigterm_then_resume_with_one_worker_and_two_shards() {
     let started = Instant::now();
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    let args = [
-        "--epochs",
-        "1000",
-        "--step-delay-ms",
-        "5",
-        "--log-every",
-        "5",
-        "--checkpoint-every",
-        "3600",
-    ];
+    let args = [&SLOW[..], &["--checkpoint-every", "3600"]].concat();
     let mut job = Job::spawn(&ckpt, 3, 1, 1, &args);
     let (rx, lines) = job.follow_rank0();
     let seen = loop {
@@ -202,15 +152,10 @@ fn sigterm_then_resume_with_one_worker_and_two_shards() {
     };
     assert!(!ckpt.join("checkpoint.json").exists(), "no checkpoint yet");
     for rank in 0..3 {
-        let status = Command::new("kill")
-            .args(["-TERM", &job.pid(rank).to_string()])
-            .status()
-            .unwrap();
-        assert!(status.success());
+        job.signal(rank, "-TERM");
     }
     let outs = job.wait(Duration::from_secs(30));
-    show_all("terminated", &outs);
-    assert_eq!(codes(&outs), vec![Some(143); 3]);
+    expect_codes("terminated", &outs, &[Some(143); 3]);
     let lines = lines.join().unwrap();
     let gen1_first_loss = f(&lines[0], "loss");
     let ck = checkpoint(&ckpt);
@@ -230,8 +175,7 @@ fn sigterm_then_resume_with_one_worker_and_two_shards() {
         &["--max-steps", &target_arg, "--log-every", "10"],
     )
     .wait(Duration::from_secs(60));
-    show_all("resumed 1+2", &outs);
-    assert_eq!(codes(&outs), vec![Some(0); 3]);
+    expect_codes("resumed 1+2", &outs, &[Some(0); 3]);
     let stderr0 = String::from_utf8_lossy(&outs[0].stderr);
     assert!(
         stderr0.contains(&format!("resumed from checkpoint at step {ck_step}")),
@@ -276,26 +220,10 @@ fn sigterm_then_resume_with_one_worker_and_two_shards() {
 fn sigterm_to_a_shard_alone_stops_the_job_consistently() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    let args = [
-        "--epochs",
-        "1000",
-        "--step-delay-ms",
-        "5",
-        "--log-every",
-        "5",
-    ];
-    let mut job = Job::spawn(&ckpt, 4, 2, 1, &args);
-    let (rx, lines) = job.follow_rank0();
-    rx.recv_timeout(Duration::from_secs(30))
-        .expect("a progress line");
-    let status = Command::new("kill")
-        .args(["-TERM", &job.pid(3).to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    let (job, lines) = Job::training_slowly(&ckpt, 4, 2);
+    job.signal(3, "-TERM");
     let outs = job.wait(Duration::from_secs(30));
-    show_all("shard terminated", &outs);
-    assert_eq!(codes(&outs), vec![Some(143); 4]);
+    expect_codes("shard terminated", &outs, &[Some(143); 4]);
     drop(lines.join().unwrap());
     let shard_log = String::from_utf8_lossy(&outs[3].stderr);
     assert!(
@@ -318,24 +246,9 @@ fn sigterm_to_a_shard_alone_stops_the_job_consistently() {
 fn a_killed_shard_fails_the_workers() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    let args = [
-        "--epochs",
-        "1000",
-        "--step-delay-ms",
-        "5",
-        "--log-every",
-        "5",
-    ];
-    let mut job = Job::spawn(&ckpt, 3, 1, 1, &args);
-    let (rx, lines) = job.follow_rank0();
-    rx.recv_timeout(Duration::from_secs(30))
-        .expect("a progress line");
+    let (job, lines) = Job::training_slowly(&ckpt, 3, 1);
     let killed = Instant::now();
-    let status = Command::new("kill")
-        .args(["-KILL", &job.pid(2).to_string()])
-        .status()
-        .unwrap();
-    assert!(status.success());
+    job.signal(2, "-KILL");
     let outs = job.wait(Duration::from_secs(30));
     show_all("shard killed", &outs);
     assert!(killed.elapsed() < Duration::from_secs(10));
@@ -370,8 +283,11 @@ fn ps_and_ring_reach_the_same_loss() {
         let dir = tempfile::tempdir().unwrap();
         let ckpt = dir.path().join("ckpt");
         let outs = Job::spawn(&ckpt, world, num_ps, 1, &args).wait(Duration::from_secs(60));
-        show_all(&format!("world {world}, {num_ps} shard(s)"), &outs);
-        assert_eq!(codes(&outs), vec![Some(0); world]);
+        expect_codes(
+            &format!("world {world}, {num_ps} shard(s)"),
+            &outs,
+            &vec![Some(0); world],
+        );
         let lines = progress(&outs[0].stdout);
         let ck = checkpoint(&ckpt);
         (lines, ck)

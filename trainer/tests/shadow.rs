@@ -5,18 +5,22 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::{Child, Output, Stdio};
+use std::process::{Child, Output};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 mod common;
-use common::{checkpoint, free_port, progress, show};
+use common::{
+    checkpoint, codes, expect_codes, follow_progress, free_port, progress, rank_command, show_all,
+    signal, stderr, wait_all, wait_for_checkpoint_of,
+};
 
 /// optdigits has 3,823 training rows; softmax has 650 parameters.
 const OPTDIGITS_ROWS: u64 = 3823;
 const SOFTMAX_PARAMS: usize = 650;
 
+/// Spawns `ranks` of one generation of an optdigits job meeting at 127.0.0.1:`port`.
 fn spawn(
     ckpt: &Path,
     world: usize,
@@ -28,22 +32,31 @@ fn spawn(
 ) -> Vec<(usize, Child)> {
     ranks
         .map(|rank| {
-            let mut cmd = common::trainer(ckpt, "shadow-test");
-            cmd.env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("CONVERGE_GENERATION", generation.to_string())
-                .args(["--dataset", "optdigits", "--rendezvous-timeout", "30"])
-                .args(args)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            if num_ps > 0 {
-                cmd.env("CONVERGE_NUM_PS", num_ps.to_string());
-            }
+            let mut cmd = rank_command(
+                ckpt,
+                "shadow-test",
+                rank,
+                world,
+                num_ps,
+                generation,
+                port,
+                args,
+            );
             (rank, cmd.spawn().unwrap())
         })
         .collect()
+}
+
+/// Spawns every rank of one generation, the last first.
+fn spawn_all(
+    ckpt: &Path,
+    world: usize,
+    num_ps: usize,
+    generation: u64,
+    args: &[&str],
+) -> Vec<(usize, Child)> {
+    let ranks = (0..world).rev();
+    spawn(ckpt, world, num_ps, generation, free_port(), ranks, args)
 }
 
 /// Runs one generation to its end (all ranks within `limit`); outputs in rank order.
@@ -55,49 +68,39 @@ fn run(
     args: &[&str],
     limit: Duration,
 ) -> Vec<Output> {
-    let children = spawn(
-        ckpt,
-        world,
-        num_ps,
-        generation,
-        free_port(),
-        (0..world).rev(),
-        args,
-    );
-    wait_all(children, limit)
+    wait_all(spawn_all(ckpt, world, num_ps, generation, args), limit)
 }
 
-fn wait_all(mut children: Vec<(usize, Child)>, limit: Duration) -> Vec<Output> {
+/// Spawns all `world` ranks with the `shadow` options, training slowly (200 epochs, 2 ms a
+/// step, a line every 5 steps), then sends SIGTERM to the ranks `targets` once
+/// `when_to_stop` returns; the outputs in rank order and rank 0's progress lines.
+fn terminated(
+    ckpt: &Path,
+    world: usize,
+    num_ps: usize,
+    generation: u64,
+    shadow: &[&str],
+    targets: &[usize],
+    when_to_stop: impl FnOnce(),
+) -> (Vec<Output>, Vec<Value>) {
+    let slowly = [
+        "--epochs",
+        "200",
+        "--step-delay-ms",
+        "2",
+        "--log-every",
+        "5",
+    ];
+    let args = [shadow, &slowly].concat();
+    let mut children = spawn_all(ckpt, world, num_ps, generation, &args);
     children.sort_by_key(|(r, _)| *r);
-    let start = Instant::now();
-    let mut outs = Vec::new();
-    for (rank, mut child) in children {
-        while child.try_wait().unwrap().is_none() {
-            if start.elapsed() > limit {
-                let _ = child.kill();
-                let out = child.wait_with_output().unwrap();
-                show(&format!("rank {rank} (killed)"), &out);
-                panic!("rank {rank} did not exit within {limit:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        outs.push(child.wait_with_output().unwrap());
+    let (_, lines) = follow_progress(children[0].1.stdout.take().unwrap());
+    when_to_stop();
+    for rank in targets {
+        let _ = signal(children[*rank].1.id(), "-TERM");
     }
-    outs
-}
-
-fn codes(outs: &[Output]) -> Vec<Option<i32>> {
-    outs.iter().map(|o| o.status.code()).collect()
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-fn show_all(what: &str, outs: &[Output]) {
-    for (rank, out) in outs.iter().enumerate() {
-        show(&format!("{what} rank {rank}"), out);
-    }
+    let outs = wait_all(children, Duration::from_secs(60));
+    (outs, lines.join().unwrap())
 }
 
 /// S-MA with two workers, then S-BMUF with three (two Hogwild threads each) resuming from
@@ -110,10 +113,7 @@ fn shadow_jobs_train_and_resume_at_other_world_sizes_and_modes() {
     let ckpt = dir.path().join("ckpt");
     let limit = Duration::from_secs(120);
     let outs = run(&ckpt, 2, 0, 1, &["--shadow", "ma", "--epochs", "2"], limit);
-    if codes(&outs) != vec![Some(0), Some(0)] {
-        show_all("S-MA", &outs);
-        panic!("S-MA exit codes {:?}", codes(&outs));
-    }
+    expect_codes("S-MA", &outs, &[Some(0), Some(0)]);
     let lines = progress(&outs[0].stdout);
     assert!(lines.len() >= 3, "{lines:?}");
     assert!(progress(&outs[1].stdout).is_empty(), "only rank 0 reports");
@@ -158,10 +158,7 @@ fn shadow_jobs_train_and_resume_at_other_world_sizes_and_modes() {
         ],
         limit,
     );
-    if codes(&outs) != vec![Some(0); 3] {
-        show_all("S-BMUF", &outs);
-        panic!("S-BMUF exit codes {:?}", codes(&outs));
-    }
+    expect_codes("S-BMUF", &outs, &[Some(0); 3]);
     assert!(stderr(&outs[1]).contains(&format!("resumed from checkpoint at step {step1}")));
     assert!(stderr(&outs[0]).contains("block momentum η = 0.3"));
     let e2 = stderr(&outs[2]);
@@ -178,10 +175,7 @@ fn shadow_jobs_train_and_resume_at_other_world_sizes_and_modes() {
     assert!(v.iter().any(|x| x.as_f64().unwrap() != 0.0));
 
     let outs = run(&ckpt, 1, 0, 3, &["--epochs", "3.5"], limit);
-    if codes(&outs) != vec![Some(0)] {
-        show_all("ring", &outs);
-        panic!("ring exit code {:?}", codes(&outs));
-    }
+    expect_codes("ring", &outs, &[Some(0)]);
     let c3 = checkpoint(&ckpt);
     assert!(c3["samples"].as_u64().unwrap() >= (3.5 * OPTDIGITS_ROWS as f64) as u64);
     assert!(c3.get("block_velocity").is_none());
@@ -193,63 +187,28 @@ fn shadow_jobs_train_and_resume_at_other_world_sizes_and_modes() {
 fn easgd_terminates_with_a_checkpoint_and_resumes_in_another_algorithm() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    let port = free_port();
-    let mut children = spawn(
+    // Wait for a few progress lines from rank 0, then terminate every rank.
+    let (outs, lines) = terminated(
         &ckpt,
         3,
         1,
         4,
-        port,
-        (0..3).rev(),
-        &[
-            "--shadow",
-            "easgd",
-            "--elastic-alpha",
-            "0.4",
-            "--epochs",
-            "200",
-            "--step-delay-ms",
-            "2",
-            "--log-every",
-            "5",
-        ],
+        &["--shadow", "easgd", "--elastic-alpha", "0.4"],
+        &[0, 1, 2],
+        || {
+            let started = Instant::now();
+            loop {
+                std::thread::sleep(Duration::from_millis(300));
+                if ckpt.join("checkpoint.json").exists()
+                    || started.elapsed() > Duration::from_secs(8)
+                {
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        },
     );
-    children.sort_by_key(|(r, _)| *r);
-    // Wait for a few progress lines from rank 0, then terminate every rank.
-    let stdout = children[0].1.stdout.take().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut lines = Vec::new();
-        for line in BufReader::new(stdout).lines() {
-            let line = line.unwrap();
-            lines.push(line);
-        }
-        lines
-    });
-    let started = Instant::now();
-    loop {
-        std::thread::sleep(Duration::from_millis(300));
-        if ckpt.join("checkpoint.json").exists() || started.elapsed() > Duration::from_secs(8) {
-            break;
-        }
-    }
-    std::thread::sleep(Duration::from_millis(500));
-    for (_, c) in &children {
-        let _ = std::process::Command::new("kill")
-            .args(["-TERM", &c.id().to_string()])
-            .status();
-    }
-    let outs = wait_all(children, Duration::from_secs(60));
-    let lines: Vec<Value> = reader
-        .join()
-        .unwrap()
-        .iter()
-        .filter_map(|l| l.strip_prefix("CONVERGE_PROGRESS "))
-        .map(|j| serde_json::from_str(j).unwrap())
-        .collect();
-    if codes(&outs) != vec![Some(143); 3] {
-        show_all("S-EASGD", &outs);
-        panic!("S-EASGD exit codes {:?}", codes(&outs));
-    }
+    expect_codes("S-EASGD", &outs, &[Some(143); 3]);
     assert!(stderr(&outs[2]).contains("S-EASGD shard 0/1"));
     assert!(!lines.is_empty());
     assert!(
@@ -271,10 +230,7 @@ fn easgd_terminates_with_a_checkpoint_and_resumes_in_another_algorithm() {
         &["--shadow", "ma", "--epochs", &epochs],
         Duration::from_secs(60),
     );
-    if codes(&outs) != vec![Some(0)] {
-        show_all("resume", &outs);
-        panic!("resume exit code {:?}", codes(&outs));
-    }
+    expect_codes("resume", &outs, &[Some(0)]);
     assert!(stderr(&outs[0]).contains("resumed from checkpoint"));
     assert!(checkpoint(&ckpt)["samples"].as_u64().unwrap() > samples);
 }
@@ -288,51 +244,10 @@ fn ring_shadow_jobs_end_on_a_termination_of_any_rank() {
     for targets in [vec![1], vec![0, 1]] {
         let dir = tempfile::tempdir().unwrap();
         let ckpt = dir.path().join("ckpt");
-        let port = free_port();
-        let mut children = spawn(
-            &ckpt,
-            2,
-            0,
-            6,
-            port,
-            (0..2).rev(),
-            &[
-                "--shadow",
-                "bmuf",
-                "--epochs",
-                "200",
-                "--step-delay-ms",
-                "2",
-                "--log-every",
-                "5",
-            ],
-        );
-        children.sort_by_key(|(r, _)| *r);
-        let stdout = children[0].1.stdout.take().unwrap();
-        let reader = std::thread::spawn(move || {
-            BufReader::new(stdout)
-                .lines()
-                .map(Result::unwrap)
-                .collect::<Vec<_>>()
+        let (outs, lines) = terminated(&ckpt, 2, 0, 6, &["--shadow", "bmuf"], &targets, || {
+            std::thread::sleep(Duration::from_millis(1500))
         });
-        std::thread::sleep(Duration::from_millis(1500));
-        for rank in &targets {
-            let _ = std::process::Command::new("kill")
-                .args(["-TERM", &children[*rank].1.id().to_string()])
-                .status();
-        }
-        let outs = wait_all(children, Duration::from_secs(60));
-        let lines: Vec<Value> = reader
-            .join()
-            .unwrap()
-            .iter()
-            .filter_map(|l| l.strip_prefix("CONVERGE_PROGRESS "))
-            .map(|j| serde_json::from_str(j).unwrap())
-            .collect();
-        if codes(&outs) != vec![Some(143); 2] {
-            show_all(&format!("SIGTERM to {targets:?}"), &outs);
-            panic!("SIGTERM to {targets:?}: exit codes {:?}", codes(&outs));
-        }
+        expect_codes(&format!("SIGTERM to {targets:?}"), &outs, &[Some(143); 2]);
         let err = stderr(&outs[0]);
         assert!(err.contains("checkpointed the synchronized model"), "{err}");
         let last = lines.last().expect("progress lines");
@@ -568,11 +483,7 @@ fn stale_shadow_generations_are_fenced() {
             "1",
         ],
     );
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while checkpoint(&ckpt)["generation"] != 4 {
-        assert!(Instant::now() < deadline, "no periodic checkpoint");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_checkpoint_of(&ckpt, 4, Duration::from_secs(20), "no periodic checkpoint");
     let mut newer = checkpoint(&ckpt);
     newer["generation"] = 9.into();
     let tmp = ckpt.join("newer.tmp");
