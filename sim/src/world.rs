@@ -101,20 +101,20 @@ pub struct Interval<'a> {
     pub decision_s: f64,
 }
 
-/// Drives `world` with `service` every `interval_s` seconds until the world has finished
+/// Drives `world` with `service` every `scheduling_interval_s` seconds until the world has finished
 /// or `max_time_s` has passed (see the module docs); `record` sees every interval after its
 /// decision has been applied. Returns the time the loop stopped at.
 pub fn run<W: World>(
     world: &mut W,
     service: &mut Service,
-    interval_s: f64,
+    scheduling_interval_s: f64,
     max_time_s: f64,
     mut record: impl FnMut(&W, Interval<'_>),
 ) -> f64 {
     let mut now = 0.0;
     loop {
-        world.advance(now, interval_s);
-        now += interval_s;
+        world.advance(now, scheduling_interval_s);
+        now += scheduling_interval_s;
         let mut seen = Observed::default();
         world.observe(now, &mut seen);
         take(service, seen);
