@@ -1249,18 +1249,20 @@ mod tests {
         matches!(r.0, 1 | 2 | 4 | 8) && r.1 <= 2
     }
 
+    /// A row as an observation without sync time.
+    fn row_observation(r: &Row) -> StepObservation {
+        StepObservation {
+            workers: r.0,
+            nodes: r.1,
+            local_batch: r.2,
+            step_time_s: r.3,
+            sync_time_s: None,
+        }
+    }
+
     /// Relative step-time errors of a fit on `fit_rows`, evaluated on `eval_rows`.
     fn errors(fit_rows: &[&Row], eval_rows: &[&Row]) -> Vec<f64> {
-        let obs: Vec<StepObservation> = fit_rows
-            .iter()
-            .map(|r| StepObservation {
-                workers: r.0,
-                nodes: r.1,
-                local_batch: r.2,
-                step_time_s: r.3,
-                sync_time_s: None,
-            })
-            .collect();
+        let obs: Vec<StepObservation> = fit_rows.iter().map(|r| row_observation(r)).collect();
         let m = ThroughputModel::fit(&obs, &ThroughputPrior::default());
         eval_rows
             .iter()
@@ -1321,13 +1323,7 @@ mod tests {
         let obs: Vec<StepObservation> = rows
             .iter()
             .filter(|r| r.2 == 129.0 && in_fit_set(r))
-            .map(|r| StepObservation {
-                workers: r.0,
-                nodes: r.1,
-                local_batch: r.2,
-                step_time_s: r.3,
-                sync_time_s: None,
-            })
+            .map(row_observation)
             .collect();
         let m = ThroughputModel::fit(&obs, &ThroughputPrior::default());
         println!(

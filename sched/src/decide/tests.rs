@@ -32,15 +32,20 @@ fn run(
 ) -> Allocation {
     let policy = by_name(policy, PolicyParams::default()).unwrap();
     decide(
-        &ClusterState {
-            now: DECISION_TIME_S,
-            hosts: &inputs.hosts,
-            contention_per_shared_job: 0.0,
-        },
+        &cluster_at(DECISION_TIME_S, &inputs.hosts),
         views,
         policy.as_ref(),
         placement,
     )
+}
+
+/// A cluster of `hosts` at `now`, with no contention measured.
+fn cluster_at(now: f64, hosts: &[HostFree]) -> ClusterState<'_> {
+    ClusterState {
+        now,
+        hosts,
+        contention_per_shared_job: 0.0,
+    }
 }
 
 fn setup() -> impl Strategy<Value = (u64, usize, u32, u32, Vec<Option<Vec<bool>>>)> {
@@ -63,11 +68,7 @@ fn queued(
 ) -> QueuedAllocation {
     let policy = by_name(policy, PolicyParams::default()).unwrap();
     decide_queued(
-        &ClusterState {
-            now: DECISION_TIME_S,
-            hosts: &inputs.hosts,
-            contention_per_shared_job: 0.0,
-        },
+        &cluster_at(DECISION_TIME_S, &inputs.hosts),
         views,
         policy.as_ref(),
         placement,
@@ -137,11 +138,7 @@ fn on_several_gpu_types_jobs_get_projected_speeds_and_their_fastest_type() {
         typed("h3", "a100"),
         typed("h4", "a100"),
     ];
-    let cluster = ClusterState {
-        now: 10.0,
-        hosts: &hosts,
-        contention_per_shared_job: 0.0,
-    };
+    let cluster = cluster_at(10.0, &hosts);
     let quality = by_name("quality", PolicyParams::default()).unwrap();
     let d = decide(&cluster, &views, quality.as_ref(), PlacementKind::FirstFit);
     let new = &d.gpu_type_speeds[&"new".parse::<JobId>().unwrap()];
@@ -228,11 +225,7 @@ fn type_picking_policies_place_each_job_on_the_type_they_chose() {
         HostFree::new("h1".parse().unwrap(), vec![0, 1]).with_gpu_type("t4"),
         HostFree::new("h2".parse().unwrap(), vec![0, 1]).with_gpu_type("a100"),
     ];
-    let cluster = ClusterState {
-        now: 10_000.0,
-        hosts: &hosts,
-        contention_per_shared_job: 0.0,
-    };
+    let cluster = cluster_at(10_000.0, &hosts);
     for name in ["sia", "quality"] {
         let policy = by_name(name, PolicyParams::default()).unwrap();
         let d = decide(&cluster, &views, policy.as_ref(), PlacementKind::FirstFit);
@@ -278,11 +271,7 @@ fn shadow_jobs_get_compute_only_tables_at_the_measured_penalty() {
         .collect();
     let policy = by_name("optimus", PolicyParams::default()).unwrap();
     let d = decide(
-        &ClusterState {
-            now: 0.0,
-            hosts: &hosts,
-            contention_per_shared_job: 0.0,
-        },
+        &cluster_at(0.0, &hosts),
         &views,
         policy.as_ref(),
         PlacementKind::Bco,

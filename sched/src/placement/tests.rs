@@ -3,296 +3,12 @@ use proptest::prelude::*;
 
 /// The placement as first written (a linear scan of every host per request), kept as the
 /// reference the faster [`place`] must agree with.
-mod reference {
-    use std::collections::{BTreeMap, BTreeSet};
-
-    use converge_common::{HostId, JobId, RankPlacement};
-
-    use super::super::{HostFree, PlacementRequest};
-
-    pub fn place(
-        hosts: &[HostFree],
-        requests: &[PlacementRequest],
-    ) -> BTreeMap<JobId, Vec<RankPlacement>> {
-        let mut free: BTreeMap<&HostId, BTreeSet<u32>> = BTreeMap::new();
-        for host in hosts {
-            free.entry(&host.host).or_default().extend(&host.gpus);
-        }
-        let mut seen = BTreeSet::new();
-        let requests: Vec<&PlacementRequest> =
-            requests.iter().filter(|r| seen.insert(&r.job)).collect();
-
-        let mut placed = BTreeMap::new();
-        for request in &requests {
-            let wanted = request.workers as usize;
-            let keepable =
-                wanted == request.current.len() && request.workers >= request.min_workers;
-            if keepable && keep_current(request, &mut free) {
-                placed.insert(request.job.clone(), request.current.clone());
-            }
-        }
-        for request in second_pass(&requests, &placed, &free) {
-            placed.insert(request.job.clone(), first_fit(request, &mut free));
-        }
-        placed
-    }
-
-    /// The requests not kept, restricted ones first by the free GPUs of their hosts,
-    /// then the others, each group in request order.
-    pub fn second_pass<'r>(
-        requests: &[&'r PlacementRequest],
-        placed: &BTreeMap<JobId, Vec<RankPlacement>>,
-        free: &BTreeMap<&HostId, BTreeSet<u32>>,
-    ) -> Vec<&'r PlacementRequest> {
-        let left: Vec<&PlacementRequest> = requests
-            .iter()
-            .copied()
-            .filter(|r| !placed.contains_key(&r.job))
-            .collect();
-        let mut restricted: Vec<(usize, &PlacementRequest)> = Vec::new();
-        let mut others = Vec::new();
-        for r in left {
-            if r.hosts.is_some() {
-                let gpus = free
-                    .iter()
-                    .filter(|(h, _)| r.allows(h))
-                    .map(|(_, g)| g.len())
-                    .sum();
-                restricted.push((gpus, r));
-            } else {
-                others.push(r);
-            }
-        }
-        restricted.sort_by_key(|(gpus, _)| *gpus);
-        restricted
-            .into_iter()
-            .map(|(_, r)| r)
-            .chain(others)
-            .collect()
-    }
-
-    /// Takes the request's current GPUs out of `free` if its current placement is still valid
-    /// (see [`place`]); leaves `free` untouched and returns `false` otherwise.
-    pub fn keep_current(
-        request: &PlacementRequest,
-        free: &mut BTreeMap<&HostId, BTreeSet<u32>>,
-    ) -> bool {
-        let mut claimed: BTreeSet<(&HostId, u32)> = BTreeSet::new();
-        for (index, rank) in request.current.iter().enumerate() {
-            let Some(host_free) = free.get(&rank.host).filter(|_| request.allows(&rank.host))
-            else {
-                return false;
-            };
-            let well_formed = rank.rank as usize == index
-                && request.gpus_per_worker > 0
-                && rank.gpus.len() == request.gpus_per_worker as usize;
-            if !well_formed
-                || !rank
-                    .gpus
-                    .iter()
-                    .all(|gpu| host_free.contains(gpu) && claimed.insert((&rank.host, *gpu)))
-            {
-                return false;
-            }
-        }
-        for (host, gpu) in claimed {
-            if let Some(host_free) = free.get_mut(host) {
-                host_free.remove(&gpu);
-            }
-        }
-        true
-    }
-
-    /// First-fit placement of one request (see [`place`]), taking its GPUs out of `free`.
-    fn first_fit(
-        request: &PlacementRequest,
-        free: &mut BTreeMap<&HostId, BTreeSet<u32>>,
-    ) -> Vec<RankPlacement> {
-        let per_worker = request.gpus_per_worker as usize;
-        if per_worker == 0 {
-            return Vec::new();
-        }
-        let current_hosts: BTreeSet<&HostId> = request.current.iter().map(|r| &r.host).collect();
-        let (preferred, others): (Vec<&HostId>, Vec<&HostId>) = free
-            .keys()
-            .copied()
-            .filter(|h| request.allows(h))
-            .partition(|h| current_hosts.contains(h));
-        let mut ranks: Vec<RankPlacement> = Vec::new();
-        for host in preferred.into_iter().chain(others) {
-            let gpus: Vec<u32> = free[host].iter().copied().collect();
-            for chunk in gpus.chunks_exact(per_worker) {
-                if ranks.len() == request.workers as usize {
-                    break;
-                }
-                ranks.push(RankPlacement {
-                    rank: ranks.len() as u32,
-                    host: host.clone(),
-                    gpus: chunk.to_vec(),
-                });
-            }
-        }
-        if ranks.len() < request.min_workers as usize {
-            return Vec::new();
-        }
-        for rank in &ranks {
-            if let Some(host_free) = free.get_mut(&rank.host) {
-                for gpu in &rank.gpus {
-                    host_free.remove(gpu);
-                }
-            }
-        }
-        ranks
-    }
-}
+mod reference;
 
 /// [`place_bco`] written directly from its documentation with linear scans (every
 /// threshold `κ = 1..=max + 1`, every host), the reference the indexed version must agree
 /// with.
-mod bco_reference {
-    use std::cmp::Reverse;
-    use std::collections::{BTreeMap, BTreeSet};
-
-    use converge_common::{HostId, JobId, RankPlacement};
-
-    use super::super::{HostFree, PlacementRequest};
-    use super::reference::{keep_current, second_pass};
-    use crate::contention::JobCost;
-
-    type Free<'a> = BTreeMap<&'a HostId, BTreeSet<u32>>;
-
-    pub fn place_bco(
-        hosts: &[HostFree],
-        requests: &[PlacementRequest],
-        costs: &BTreeMap<JobId, JobCost>,
-    ) -> BTreeMap<JobId, Vec<RankPlacement>> {
-        let mut free: Free = BTreeMap::new();
-        for host in hosts {
-            free.entry(&host.host).or_default().extend(&host.gpus);
-        }
-        let mut seen = BTreeSet::new();
-        let requests: Vec<&PlacementRequest> =
-            requests.iter().filter(|r| seen.insert(&r.job)).collect();
-        let mut multi: BTreeMap<HostId, usize> = BTreeMap::new();
-        let mut placed = BTreeMap::new();
-        for request in &requests {
-            let keepable = request.workers as usize == request.current.len()
-                && request.workers >= request.min_workers;
-            if keepable && keep_current(request, &mut free) {
-                count_multi(&request.current, &mut multi);
-                placed.insert(request.job.clone(), request.current.clone());
-            }
-        }
-        for request in second_pass(&requests, &placed, &free) {
-            let cost = costs.get(&request.job).copied().unwrap_or_default();
-            let ranks = place_one(request, &cost, &mut free, &multi);
-            count_multi(&ranks, &mut multi);
-            placed.insert(request.job.clone(), ranks);
-        }
-        placed
-    }
-
-    fn count_multi(ranks: &[RankPlacement], multi: &mut BTreeMap<HostId, usize>) {
-        let hosts: BTreeSet<&HostId> = ranks.iter().map(|r| &r.host).collect();
-        if hosts.len() > 1 {
-            for host in hosts {
-                *multi.entry(host.clone()).or_default() += 1;
-            }
-        }
-    }
-
-    fn place_one(
-        request: &PlacementRequest,
-        cost: &JobCost,
-        free: &mut Free,
-        multi: &BTreeMap<HostId, usize>,
-    ) -> Vec<RankPlacement> {
-        let per_worker = request.gpus_per_worker as usize;
-        let wanted = request.workers as usize;
-        if per_worker == 0 || wanted == 0 || request.workers < request.min_workers {
-            return Vec::new();
-        }
-        let current: BTreeSet<&HostId> = request.current.iter().map(|r| &r.host).collect();
-        let level = |host: &HostId| multi.get(host).copied().unwrap_or(0);
-        // Hosts with room for a worker, and their free GPUs.
-        let room: Vec<(HostId, usize)> = free
-            .iter()
-            .filter(|(host, gpus)| gpus.len() >= per_worker && request.allows(host))
-            .map(|(host, gpus)| ((*host).clone(), gpus.len()))
-            .collect();
-        let order = |(host, free): &(HostId, usize)| {
-            (Reverse(*free), !current.contains(host), host.clone())
-        };
-        let capacity: usize = room.iter().map(|(_, f)| f / per_worker).sum();
-        let picks: Vec<(HostId, usize)> = if capacity < wanted {
-            if capacity < request.min_workers as usize || capacity == 0 {
-                return Vec::new();
-            }
-            let mut all = room.clone();
-            all.sort_by_key(order);
-            all.into_iter().map(|(h, f)| (h, f / per_worker)).collect()
-        } else if let Some((host, _)) = room
-            .iter()
-            .filter(|(_, f)| *f >= wanted * per_worker)
-            .min_by_key(|(h, f)| (*f, !current.contains(h), h.clone()))
-        {
-            vec![(host.clone(), wanted)]
-        } else {
-            let max_level = room.iter().map(|(h, _)| level(h)).max().unwrap_or(0);
-            let mut best: Option<(f64, Vec<(HostId, usize)>)> = None;
-            for kappa in 1..=max_level + 1 {
-                let mut candidates: Vec<(HostId, usize)> = room
-                    .iter()
-                    .filter(|(h, _)| level(h) < kappa)
-                    .cloned()
-                    .collect();
-                candidates.sort_by_key(order);
-                let (mut picks, mut count, mut worst) = (Vec::new(), 0, 0);
-                for (host, f) in candidates {
-                    if count == wanted {
-                        break;
-                    }
-                    let fits = (f / per_worker).min(wanted - count);
-                    worst = worst.max(level(&host));
-                    picks.push((host, fits));
-                    count += fits;
-                }
-                if count < wanted {
-                    continue;
-                }
-                let time = cost.step_time_s(picks.len() as u32, worst as u32 + 1);
-                if best
-                    .as_ref()
-                    .is_none_or(|(t, p)| time < *t || (time == *t && picks.len() < p.len()))
-                {
-                    best = Some((time, picks));
-                }
-            }
-            best.unwrap().1
-        };
-        let mut ranks = Vec::new();
-        for (host, workers) in picks {
-            let gpus: Vec<u32> = free[&host]
-                .iter()
-                .copied()
-                .take(workers * per_worker)
-                .collect();
-            for chunk in gpus.chunks_exact(per_worker) {
-                ranks.push(RankPlacement {
-                    rank: ranks.len() as u32,
-                    host: host.clone(),
-                    gpus: chunk.to_vec(),
-                });
-            }
-            if let Some(host_free) = free.get_mut(&host) {
-                for gpu in gpus {
-                    host_free.remove(&gpu);
-                }
-            }
-        }
-        ranks
-    }
-}
+mod bco_reference;
 
 fn host(name: &str, gpus: &[u32]) -> HostFree {
     HostFree::new(HostId::new(name).unwrap(), gpus.to_vec())
@@ -924,31 +640,47 @@ fn per_type_indexes_agree_with_scanning_every_host() {
     }
 }
 
+/// The generated cluster of `nodes` hosts of 8 GPUs of one type and `jobs` jobs from
+/// `seed`, and the placement requests of its allocation.
+fn generated(
+    seed: u64,
+    jobs: usize,
+    nodes: u32,
+) -> (crate::benchgen::DecisionInputs, Vec<PlacementRequest>) {
+    use crate::benchgen::{BenchConfig, DecisionInputs};
+    let inputs = DecisionInputs::generate(&BenchConfig {
+        jobs,
+        nodes,
+        gpus_per_node: 8,
+        gpu_types: 1,
+        seed,
+    });
+    let requests = inputs.requests(&inputs.allocate());
+    (inputs, requests)
+}
+
+/// `requests` with one worker more each.
+fn one_worker_more(requests: &[PlacementRequest]) -> Vec<PlacementRequest> {
+    requests
+        .iter()
+        .map(|r| PlacementRequest {
+            workers: r.workers + 1,
+            ..r.clone()
+        })
+        .collect()
+}
+
 #[test]
 fn agrees_with_the_reference_on_generated_clusters() {
-    use crate::benchgen::{BenchConfig, DecisionInputs};
     for (seed, jobs, nodes) in [(1, 200, 150), (2, 400, 300), (3, 300, 500)] {
-        let inputs = DecisionInputs::generate(&BenchConfig {
-            jobs,
-            nodes,
-            gpus_per_node: 8,
-            gpu_types: 1,
-            seed,
-        });
-        let requests = inputs.requests(&inputs.allocate());
+        let (inputs, requests) = generated(seed, jobs, nodes);
         assert_eq!(
             place(&inputs.hosts, &requests),
             reference::place(&inputs.hosts, &requests),
             "seed {seed}"
         );
         // Also from scratch, and with every job resized by one worker.
-        let fresh: Vec<PlacementRequest> = requests
-            .iter()
-            .map(|r| PlacementRequest {
-                workers: r.workers + 1,
-                ..r.clone()
-            })
-            .collect();
+        let fresh = one_worker_more(&requests);
         assert_eq!(
             place(&inputs.hosts, &fresh),
             reference::place(&inputs.hosts, &fresh),
@@ -1292,16 +1024,8 @@ fn place_with_dispatches_and_kinds_parse() {
 
 #[test]
 fn bco_agrees_with_the_reference_on_generated_clusters() {
-    use crate::benchgen::{BenchConfig, DecisionInputs};
     for (seed, jobs, nodes) in [(1, 200, 150), (2, 400, 300), (3, 300, 500)] {
-        let inputs = DecisionInputs::generate(&BenchConfig {
-            jobs,
-            nodes,
-            gpus_per_node: 8,
-            gpu_types: 1,
-            seed,
-        });
-        let requests = inputs.requests(&inputs.allocate());
+        let (inputs, requests) = generated(seed, jobs, nodes);
         let costs: BTreeMap<JobId, JobCost> = requests
             .iter()
             .enumerate()
@@ -1311,13 +1035,7 @@ fn bco_agrees_with_the_reference_on_generated_clusters() {
                 (r.job.clone(), JobCost::new(1.0, 0.1, sync))
             })
             .collect();
-        let fresh: Vec<PlacementRequest> = requests
-            .iter()
-            .map(|r| PlacementRequest {
-                workers: r.workers + 1,
-                ..r.clone()
-            })
-            .collect();
+        let fresh = one_worker_more(&requests);
         for requests in [&requests, &fresh] {
             let placed = place_bco(&inputs.hosts, requests, &costs);
             assert_eq!(
@@ -1340,13 +1058,7 @@ fn bco_timing_on_the_benchgen_cluster() {
     use std::time::{Duration, Instant};
     let inputs = DecisionInputs::generate(&BenchConfig::default());
     let requests = inputs.requests(&inputs.allocate());
-    let resized: Vec<PlacementRequest> = requests
-        .iter()
-        .map(|r| PlacementRequest {
-            workers: r.workers + 1,
-            ..r.clone()
-        })
-        .collect();
+    let resized = one_worker_more(&requests);
     let costs = BTreeMap::new();
     let median = |f: &dyn Fn() -> BTreeMap<JobId, Vec<RankPlacement>>| {
         let mut times: Vec<Duration> = (0..7)

@@ -501,6 +501,21 @@ pub(crate) mod test_support {
         }
     }
 
+    /// Makes the jobs' current allocations valid and jointly within `total_gpus`.
+    pub fn make_current_feasible(total_gpus: u32, jobs: &mut [PolicyJob]) {
+        let mut free = u64::from(total_gpus);
+        for job in jobs {
+            let need = gpus(job, job.current_workers);
+            let valid = minimum_workers(job)
+                .is_some_and(|min| (min..=job.max_workers).contains(&job.current_workers));
+            if valid && need <= free {
+                free -= need;
+            } else {
+                job.current_workers = 0;
+            }
+        }
+    }
+
     /// The decision as `(name, workers)` pairs in id order.
     pub fn pairs(decision: &Decision) -> Vec<(&str, u32)> {
         decision
@@ -516,7 +531,7 @@ mod tests {
     use converge_common::JobId;
     use proptest::prelude::*;
 
-    use super::test_support::{cluster, job};
+    use super::test_support::{cluster, job, make_current_feasible};
     use super::*;
 
     fn pools(gpus: &[u32]) -> Vec<GpuTypePool> {
@@ -715,21 +730,6 @@ mod tests {
                     eligible_hosts: None,
                 },
             )
-    }
-
-    /// Makes the jobs' current allocations valid and jointly within `total_gpus`.
-    fn make_current_feasible(total_gpus: u32, jobs: &mut [PolicyJob]) {
-        let mut free = u64::from(total_gpus);
-        for job in jobs {
-            let need = gpus(job, job.current_workers);
-            let valid = minimum_workers(job)
-                .is_some_and(|min| (min..=job.max_workers).contains(&job.current_workers));
-            if valid && need <= free {
-                free -= need;
-            } else {
-                job.current_workers = 0;
-            }
-        }
     }
 
     /// A cluster of 0..64 GPUs with 0..30 jobs whose current allocations fit.

@@ -1,5 +1,6 @@
 use super::*;
 use crate::fit::{Curve, CurveFamily};
+use crate::policies::test_support::make_current_feasible;
 use proptest::prelude::*;
 
 /// `job_value` of a job decided alone at time 0.
@@ -13,27 +14,7 @@ fn id(name: &str) -> JobId {
 
 /// A pending job without history: 1 GPU per worker, 1 to `max_workers` workers.
 fn job(name: &str, max_workers: u32) -> PolicyJob {
-    PolicyJob {
-        id: id(name),
-        gpus_per_worker: 1,
-        min_workers: 1,
-        max_workers,
-        current_workers: 0,
-        submitted_at: 0.0,
-        curve: None,
-        samples: 0.0,
-        loss_scale: 0.0,
-        samples_per_s_per_worker: None,
-        requested_workers: max_workers,
-        attained_gpu_seconds: 0.0,
-        throughput: None,
-        remaining_work: None,
-        restarts: 0,
-        restart_cost_s: None,
-        goodput: None,
-        current_hosts: Vec::new(),
-        eligible_hosts: None,
-    }
+    crate::policies::test_support::job(name, 0.0, max_workers, max_workers)
 }
 
 /// `0.33 + 0.36/(1 + k/2000)` in the inv_linear form: far from converged at `k = 0`.
@@ -544,21 +525,6 @@ fn objectives() -> impl Strategy<Value = Objective> {
         Just(Objective::Jct),
         Just(Objective::Both)
     ]
-}
-
-/// Makes the jobs' current allocations valid and jointly within `total_gpus`.
-fn make_current_feasible(total_gpus: u32, jobs: &mut [PolicyJob]) {
-    let mut free = u64::from(total_gpus);
-    for job in jobs {
-        let need = gpus(job, job.current_workers);
-        let valid = minimum_workers(job)
-            .is_some_and(|min| (min..=job.max_workers).contains(&job.current_workers));
-        if valid && need <= free {
-            free -= need;
-        } else {
-            job.current_workers = 0;
-        }
-    }
 }
 
 /// [`cluster`] with every throughput table replaced by one a throughput model gives:
