@@ -337,6 +337,25 @@ struct HostSlot<'a> {
     gpu_type: usize,
 }
 
+impl HostSlot<'_> {
+    /// Takes the first `workers · per_worker` free GPUs, `per_worker` a worker, as the next
+    /// ranks of `ranks`.
+    fn take_workers(&mut self, workers: usize, per_worker: usize, ranks: &mut Vec<RankPlacement>) {
+        for chunk in self
+            .free
+            .drain(..workers * per_worker)
+            .as_slice()
+            .chunks_exact(per_worker)
+        {
+            ranks.push(RankPlacement {
+                rank: ranks.len() as u32,
+                host: self.host.clone(),
+                gpus: chunk.to_vec(),
+            });
+        }
+    }
+}
+
 impl<'a> FreeGpus<'a> {
     fn new(hosts: &'a [HostFree]) -> Self {
         let mut listed: Vec<&HostFree> = hosts.iter().collect();
@@ -644,19 +663,7 @@ impl<'a> FreeGpus<'a> {
         }
         let mut ranks = Vec::with_capacity(count);
         for (host, workers) in picks {
-            let slot = &mut self.hosts[host];
-            for chunk in slot
-                .free
-                .drain(..workers * per_worker)
-                .as_slice()
-                .chunks_exact(per_worker)
-            {
-                ranks.push(RankPlacement {
-                    rank: ranks.len() as u32,
-                    host: slot.host.clone(),
-                    gpus: chunk.to_vec(),
-                });
-            }
+            self.hosts[host].take_workers(workers, per_worker, &mut ranks);
             self.update(host);
         }
         ranks
@@ -1095,19 +1102,7 @@ impl<'a> BcoIndex<'a> {
         let mut ranks = Vec::with_capacity(picks.iter().map(|p| p.1).sum());
         for &(host, workers) in picks {
             self.remove(host);
-            let slot = &mut self.free.hosts[host];
-            for chunk in slot
-                .free
-                .drain(..workers * per_worker)
-                .as_slice()
-                .chunks_exact(per_worker)
-            {
-                ranks.push(RankPlacement {
-                    rank: ranks.len() as u32,
-                    host: slot.host.clone(),
-                    gpus: chunk.to_vec(),
-                });
-            }
+            self.free.hosts[host].take_workers(workers, per_worker, &mut ranks);
             self.free.update(host);
             if multi_server {
                 self.multi[host] += 1;

@@ -1043,23 +1043,40 @@ fn plan_ps_job_impl(
 /// The greedy placement alone (the baseline), over every `(w, p)` in the job's ranges, with
 /// the same choice of `(w, p)` as [`plan_ps_job`]; its bounds are the trivial ones.
 pub fn greedy_ps_job(hosts: &[PsHost], job: &PsJob) -> Option<PsPlan> {
+    search_pairs(hosts, job, PsMethod::Greedy, |w, p, xs, ys| {
+        let (x, y) = greedy_fixed(xs, ys, w, p)?;
+        let step = step_time_s(hosts, job, &x, &y);
+        Some((x, y, step))
+    })
+}
+
+/// The plan, with the trivial bounds ([`trivial_plan`]), of the `(w, p)` that [`select`]
+/// picks among the feasible pairs ([`feasible_pairs`]) that `place` places:
+/// `place(w, p, xs, ys)`, given the pair and its worker and shard slots per host, returns
+/// the workers and shards per host and the step time, or `None`. The search of
+/// [`greedy_ps_job`] and of the simulator's exhaustive optimum.
+pub fn search_pairs(
+    hosts: &[PsHost],
+    job: &PsJob,
+    method: PsMethod,
+    place: impl Fn(u32, u32, &[u32], &[u32]) -> Option<(Vec<u32>, Vec<u32>, f64)>,
+) -> Option<PsPlan> {
     let results: Vec<PairResult> = feasible_pairs(hosts, job)
         .into_iter()
         .filter_map(|(w, p, xs, ys)| {
-            let (x, y) = greedy_fixed(&xs, &ys, w, p)?;
-            let step = step_time_s(hosts, job, &x, &y);
+            let (x, y, step) = place(w, p, &xs, &ys)?;
             Some(PairResult {
                 w,
                 p,
                 workers: x,
                 shards: y,
                 step_time_s: step,
-                method: PsMethod::Greedy,
+                method,
             })
         })
         .collect();
     let chosen = select(job, &results)?;
-    Some(trivial_plan(job, &results, chosen, PsMethod::Greedy))
+    Some(trivial_plan(job, &results, chosen, method))
 }
 
 /// Reduces `hosts` by `plan` (GPUs, CPU slots, and the plan's average NIC rate `D_h/S`,

@@ -7,8 +7,8 @@
 //! randomness only from the caller's seed.
 
 use converge_sched::ps_plan::{
-    PairResult, PsHost, PsJob, PsMethod, PsPlan, commit_ps_plan, feasible_pairs, plan_ps_job,
-    select, shard_slots, step_time_s, trivial_plan, worker_slots,
+    PsHost, PsJob, PsMethod, PsPlan, commit_ps_plan, feasible_pairs, plan_ps_job, search_pairs,
+    shard_slots, step_time_s, worker_slots,
 };
 
 /// Calls `f` with every `v` such that `Σ v = sum` and `v_h ≤ caps_h`.
@@ -111,22 +111,9 @@ pub fn optimal_ps_fixed(
 /// [`exact_search_size`]; meant for tiny instances (a few hosts, `w ≤ 4`, `p ≤ 2` is
 /// instantaneous). Its bounds are the trivial ones.
 pub fn optimal_ps_job(hosts: &[PsHost], job: &PsJob) -> Option<PsPlan> {
-    let results: Vec<PairResult> = feasible_pairs(hosts, job)
-        .into_iter()
-        .filter_map(|(w, p, _, _)| {
-            let (x, y, step) = optimal_ps_fixed(hosts, job, w, p)?;
-            Some(PairResult {
-                w,
-                p,
-                workers: x,
-                shards: y,
-                step_time_s: step,
-                method: PsMethod::Exact,
-            })
-        })
-        .collect();
-    let chosen = select(job, &results)?;
-    Some(trivial_plan(job, &results, chosen, PsMethod::Exact))
+    search_pairs(hosts, job, PsMethod::Exact, |w, p, _, _| {
+        optimal_ps_fixed(hosts, job, w, p)
+    })
 }
 
 /// Places arriving jobs one by one with [`plan_ps_job`] (job `i` seeded by `seed` and `i`),

@@ -453,6 +453,27 @@ fn keep_running(jobs: &[PolicyJob], order: &[usize], total_gpus: u32) -> (Vec<u3
     (workers, free)
 }
 
+/// Gives each job of `queue` in turn its requested size where that fits in the `free`
+/// GPUs, which it takes; a job that does not fit is passed over (backfilling). The
+/// admission step of SJF-BCO and Tiresias.
+fn backfill(
+    jobs: &[PolicyJob],
+    queue: impl IntoIterator<Item = usize>,
+    workers: &mut [u32],
+    free: &mut u64,
+) {
+    for i in queue {
+        let Some(size) = requested_size(&jobs[i]) else {
+            continue;
+        };
+        let need = gpus(&jobs[i], size);
+        if need <= *free {
+            workers[i] = size;
+            *free -= need;
+        }
+    }
+}
+
 fn decision(jobs: &[PolicyJob], order: &[usize], workers: &[u32]) -> Decision {
     Decision {
         workers: order

@@ -491,20 +491,12 @@ fn quality_sizes(
     while let Some(step) = heap.pop() {
         let job = &jobs[step.job];
         let need = gpus(job, step.workers_added);
-        if need > free_gpus {
-            heap.extend(best_step(
-                jobs,
-                step.job,
-                workers[step.job],
-                free_gpus,
-                params,
-                threshold,
-                &terms[step.job],
-            ));
-            continue;
+        // A step that no longer fits is passed over; either way the job's next best step
+        // goes back on the heap.
+        if need <= free_gpus {
+            workers[step.job] += step.workers_added;
+            free_gpus -= need;
         }
-        workers[step.job] += step.workers_added;
-        free_gpus -= need;
         heap.extend(best_step(
             jobs,
             step.job,
