@@ -105,12 +105,7 @@ pub fn mixed_cluster(base: &ClusterArgs, sia: &Path) -> anyhow::Result<ClusterAr
 }
 
 fn csv_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot read {}", dir.display()))?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "csv"))
-        .collect();
+    let mut files = crate::report::workload_files(dir)?;
     // workload-2 before workload-10.
     files.sort_by_key(|p| {
         let stem = p.file_stem().map(|s| s.to_string_lossy().into_owned());

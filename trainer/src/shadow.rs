@@ -509,14 +509,7 @@ impl EasgdClient {
         init: Option<EasgdInit<'_>>,
         cancel: Arc<AtomicBool>,
     ) -> Result<(EasgdClient, EasgdStart)> {
-        cfg.check()?;
-        let workers = cfg.workers();
-        ensure!(cfg.rank < workers, "rank {} is not a worker", cfg.rank);
-        ensure!(
-            (cfg.rank == 0) == init.is_some(),
-            "exactly worker 0 provides the initial state"
-        );
-        let who = format!("worker {}/{workers}", cfg.rank);
+        let who = ps::worker_name(cfg, init.is_some())?;
         let shards =
             ps::connect_to_shards(cfg, master, num_params, EASGD_MAGIC, "S-EASGD", &cancel)?
                 .into_iter()
@@ -594,11 +587,7 @@ impl EasgdClient {
             "{}: connected to {} S-EASGD shard(s): {}",
             me.who,
             me.shards.len(),
-            me.shards
-                .iter()
-                .map(|s| format!("shard {} at {} ({} values)", s.shard, s.addr, s.range.len()))
-                .collect::<Vec<_>>()
-                .join(", ")
+            ps::describe_shards(me.shards.iter().map(|s| (s.shard, s.addr, s.range.len())))
         );
         let start = EasgdStart {
             step: m0[0],

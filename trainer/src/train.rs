@@ -74,6 +74,16 @@ pub enum Outcome {
     Terminated,
 }
 
+impl From<ShardOutcome> for Outcome {
+    /// A shard's run ends as its workers' does.
+    fn from(outcome: ShardOutcome) -> Self {
+        match outcome {
+            ShardOutcome::Completed => Outcome::Completed,
+            ShardOutcome::Terminated => Outcome::Terminated,
+        }
+    }
+}
+
 /// One `CONVERGE_PROGRESS` line.
 #[derive(Debug, Clone, Serialize)]
 pub struct Progress {
@@ -225,11 +235,7 @@ fn serve_shard(args: &Args, env: &WorkerEnv, stop: &Arc<AtomicBool>) -> Result<O
         args.model_kind(),
         env.local_rank.as_deref().unwrap_or("(unset)"),
     );
-    let outcome = ps::run_shard(&ps_config(args, env), stop)?;
-    Ok(match outcome {
-        ShardOutcome::Completed => Outcome::Completed,
-        ShardOutcome::Terminated => Outcome::Terminated,
-    })
+    Ok(ps::run_shard(&ps_config(args, env), stop)?.into())
 }
 
 /// The optimizer state that checkpoints carry.

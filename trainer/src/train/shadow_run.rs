@@ -28,12 +28,7 @@ pub(super) fn serve_easgd_shard(
         args.dataset,
         args.model_kind(),
     );
-    Ok(
-        match shadow::run_easgd_shard(&ps_config(args, env), stop)? {
-            ShardOutcome::Completed => Outcome::Completed,
-            ShardOutcome::Terminated => Outcome::Terminated,
-        },
-    )
+    Ok(shadow::run_easgd_shard(&ps_config(args, env), stop)?.into())
 }
 
 /// How a worker synchronizes in the background.
