@@ -1407,20 +1407,23 @@ mod tests {
         errors.map(|e| (quantile(e.clone(), 0.5), quantile(e, 0.9)))
     }
 
+    /// The applications of the Pollux traces.
+    const POLLUX_APPS: [&str; 6] = [
+        "bert",
+        "cifar10",
+        "deepspeech2",
+        "imagenet",
+        "ncf",
+        "yolov3",
+    ];
+
     #[test]
     fn pollux_sync_times_report() {
         println!(
             "app: all placements median/p90, fitted on 1-8 workers on 1-2 nodes without | with \
              sync; fitted on 4 workers on 2 nodes without | with sync"
         );
-        for app in [
-            "bert",
-            "cifar10",
-            "deepspeech2",
-            "imagenet",
-            "ncf",
-            "yolov3",
-        ] {
+        for app in POLLUX_APPS {
             let [a, a_sync, b, b_sync] = pollux_sync_report(app);
             println!(
                 "  {app}: {:.3}/{:.3} | {:.3}/{:.3}; {:.3}/{:.3} | {:.3}/{:.3}",
@@ -1434,14 +1437,7 @@ mod tests {
 
     #[test]
     fn pollux_report_all_apps() {
-        for app in [
-            "bert",
-            "cifar10",
-            "deepspeech2",
-            "imagenet",
-            "ncf",
-            "yolov3",
-        ] {
+        for app in POLLUX_APPS {
             let report = pollux_report(app);
             println!("{app} batch: fitted-rows median/p90 | all-placements median/p90");
             for (b, (m, p, am, ap)) in &report {

@@ -155,21 +155,15 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use converge_sched::ps_plan::fixtures::{check_capacity, close};
+    use converge_sched::ps_plan::fixtures::{check_capacity, close, colocation_instance};
 
     const GBE10: f64 = 1.25e9;
 
     #[test]
     fn colocation_is_the_exhaustive_optimum() {
-        // Two hosts of 2 GPUs and 1 CPU slot, a CPU-only host behind 1 GbE, 2 shards: one
-        // shard with each pair of workers (3.2 s of NIC time per step), not on the CPU host
-        // (32 s). (The plan itself is tested in `converge_sched::ps_plan`.)
-        let hosts = [
-            PsHost::new(2, 1, GBE10),
-            PsHost::new(0, 4, GBE10 / 10.0),
-            PsHost::new(2, 1, GBE10),
-        ];
-        let job = PsJob::new(1e9, 0.2, 4..=4, 2..=2);
+        // One shard with each pair of workers, not on the CPU host. (The plan itself is
+        // tested in `converge_sched::ps_plan`.)
+        let (hosts, job) = colocation_instance();
         let plan = plan_ps_job(&hosts, &job, 7).unwrap();
         let exact = optimal_ps_job(&hosts, &job).unwrap();
         assert!(close(plan.step_time_s, exact.step_time_s));
