@@ -551,19 +551,11 @@ impl PsWorker {
     }
 
     fn link<'a>(&'a self, sh: &'a ShardConnection, failed: &'a AtomicU8) -> Link<'a> {
-        Link {
-            stream: &sh.stream,
-            timeout: self.io_timeout,
-            cancel: &self.cancel,
-            failed,
-        }
+        sh.link(self.io_timeout, &self.cancel, failed)
     }
 
     fn peer(&self, sh: &ShardConnection, what: &str) -> String {
-        format!(
-            "{what} parameter-server shard {} (rank {}, {})",
-            sh.shard, sh.rank, sh.addr
-        )
+        sh.peer(what, "parameter-server")
     }
 
     /// Pushes step `seq`'s gradient (or a stop vote) to every shard and pulls the answer.
@@ -993,6 +985,32 @@ pub(crate) struct ShardConnection {
     pub shard: usize,
     pub rank: usize,
     pub addr: SocketAddr,
+}
+
+impl ShardConnection {
+    /// I/O on this connection with `timeout`, `cancel` and `failed` ([`Link`]).
+    pub(crate) fn link<'a>(
+        &'a self,
+        timeout: Duration,
+        cancel: &'a AtomicBool,
+        failed: &'a AtomicU8,
+    ) -> Link<'a> {
+        Link {
+            stream: &self.stream,
+            timeout,
+            cancel,
+            failed,
+        }
+    }
+
+    /// `<what> <kind> shard <index> (rank <rank>, <address>)`, the shard in messages;
+    /// `kind` is parameter-server or S-EASGD.
+    pub(crate) fn peer(&self, what: &str, kind: &str) -> String {
+        format!(
+            "{what} {kind} shard {} (rank {}, {})",
+            self.shard, self.rank, self.addr
+        )
+    }
 }
 
 /// A worker's side of the shards' rendezvous: joins it, connects to every shard (ranks
