@@ -383,6 +383,13 @@ mod tests {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/sia")
     }
 
+    /// The report's arguments with the Sia data of [`sia`] and `extra`.
+    fn with_sia(extra: &[&str]) -> ReportArgs {
+        let sia = sia();
+        let head = ["report", "--sia", sia.to_str().unwrap()];
+        Cli::parse_from(head.iter().chain(extra)).report
+    }
+
     #[test]
     fn without_the_sia_data_the_section_says_why() {
         let args = Cli::parse_from(["report", "--sia", "/nonexistent/sia"]).report;
@@ -401,15 +408,7 @@ mod tests {
 
     #[test]
     fn an_unknown_policy_is_refused() {
-        let sia = sia();
-        let args = Cli::parse_from([
-            "report",
-            "--sia",
-            sia.to_str().unwrap(),
-            "--mixed-policies",
-            "nope",
-        ])
-        .report;
+        let args = with_sia(&["--mixed-policies", "nope"]);
         let err = run(&args.mixed, &args.cluster, 1).unwrap_err();
         assert!(err.to_string().contains("\"nope\""), "{err}");
     }
@@ -420,17 +419,13 @@ mod tests {
     #[test]
     fn each_trace_runs_on_the_mixed_cluster_and_renders_next_to_the_paper() {
         let sia = sia();
-        let args = Cli::parse_from([
-            "report",
-            "--sia",
-            sia.to_str().unwrap(),
+        let args = with_sia(&[
             "--mixed-policies",
             "fifo",
             "quality",
             "--mixed-workloads",
             "1",
-        ])
-        .report;
+        ]);
         let Mixed::Ran(runs) = run(&args.mixed, &args.cluster, 2).unwrap() else {
             panic!(
                 "skipped: the Sia artifact data is expected at {}",
