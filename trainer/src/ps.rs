@@ -1063,41 +1063,21 @@ mod tests {
 
     #[test]
     fn roles_and_ranges() {
-        assert_eq!(
-            Role::of(0, 3, 1),
-            Role::Worker {
-                index: 0,
-                workers: 2
-            }
-        );
-        assert_eq!(
-            Role::of(1, 3, 1),
-            Role::Worker {
-                index: 1,
-                workers: 2
-            }
-        );
-        assert_eq!(
-            Role::of(2, 3, 1),
-            Role::Shard {
-                index: 0,
-                shards: 1
-            }
-        );
-        assert_eq!(
-            Role::of(2, 3, 2),
-            Role::Shard {
-                index: 1,
-                shards: 2
-            }
-        );
-        assert_eq!(
-            Role::of(0, 3, 0),
-            Role::Worker {
-                index: 0,
-                workers: 3
-            }
-        );
+        let worker = |index, workers| Role::Worker { index, workers };
+        let shard = |index, shards| Role::Shard { index, shards };
+        for ((rank, world_size, num_ps), role) in [
+            ((0, 3, 1), worker(0, 2)),
+            ((1, 3, 1), worker(1, 2)),
+            ((2, 3, 1), shard(0, 1)),
+            ((2, 3, 2), shard(1, 2)),
+            ((0, 3, 0), worker(0, 3)),
+        ] {
+            assert_eq!(
+                Role::of(rank, world_size, num_ps),
+                role,
+                "{rank} of {world_size}"
+            );
+        }
         let n = 650;
         for p in 1..=4 {
             let rs: Vec<_> = (0..p).map(|s| shard_range(n, s, p)).collect();
