@@ -10,17 +10,28 @@ use converge_common::{
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+/// The entries read back from KV whose key parses (`parse`), as their revisions and their
+/// values by key.
+fn by_key<K: Ord + Clone, V>(
+    all: BTreeMap<String, (V, u64)>,
+    parse: impl Fn(String) -> Option<K>,
+) -> (BTreeMap<K, u64>, BTreeMap<K, V>) {
+    let (mut revisions, mut values) = (BTreeMap::new(), BTreeMap::new());
+    for (key, (value, revision)) in all {
+        if let Some(key) = parse(key) {
+            revisions.insert(key.clone(), revision);
+            values.insert(key, value);
+        }
+    }
+    (revisions, values)
+}
+
 /// Re-reads the statuses and plans in KV (when this replica becomes the leader: the previous
 /// leader wrote them).
 pub(crate) async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects) {
     match bus.load_all::<JobStatus>(&bus.status, rejects).await {
         Ok(all) => {
-            let all: Vec<(JobId, JobStatus, u64)> = all
-                .into_iter()
-                .filter_map(|(k, (s, rev))| Some((JobId::new(k).ok()?, s, rev)))
-                .collect();
-            view.status_revisions = all.iter().map(|(k, _, rev)| (k.clone(), *rev)).collect();
-            view.statuses = all.into_iter().map(|(k, s, _)| (k, s)).collect();
+            (view.status_revisions, view.statuses) = by_key(all, |k| JobId::new(k).ok());
             for s in view.statuses.values() {
                 view.reporters.note(s);
             }
@@ -29,12 +40,7 @@ pub(crate) async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects
     }
     match bus.load_all::<HostPlan>(&bus.plans, rejects).await {
         Ok(all) => {
-            let all: Vec<(HostId, HostPlan, u64)> = all
-                .into_iter()
-                .filter_map(|(k, (p, rev))| Some((HostId::new(k).ok()?, p, rev)))
-                .collect();
-            view.plan_revisions = all.iter().map(|(k, _, rev)| (k.clone(), *rev)).collect();
-            view.plans = all.into_iter().map(|(k, p, _)| (k, p)).collect();
+            (view.plan_revisions, view.plans) = by_key(all, |k| HostId::new(k).ok());
         }
         Err(e) => tracing::warn!("cannot re-read plans: {e}"),
     }

@@ -2,7 +2,7 @@
 //! (and the queue buckets apart, [`QueueBuckets`]), and running operations the server's
 //! permissions may refuse.
 
-use crate::setup::{ensure_stream, kv_stream_config, progress_stream_config};
+use crate::setup::{ensure_bucket, ensure_stream, progress_stream_config};
 use crate::{BusError, Denials, NatsArgs, Setup, connect_tracked};
 use async_nats::jetstream::{self, kv, stream};
 use converge_common::subjects;
@@ -94,12 +94,7 @@ impl Bus {
         }
         let mut stores = Vec::new();
         for bucket in subjects::ALL_BUCKETS {
-            let what = format!("KV bucket {bucket}");
-            let config = stream::Config {
-                num_replicas: replicas,
-                ..kv_stream_config(bucket)
-            };
-            ensure_stream(&js, &denials, setup, config, &what).await?;
+            let what = ensure_bucket(&js, &denials, setup, bucket, replicas).await?;
             let store = js
                 .get_key_value(bucket)
                 .await
@@ -118,12 +113,7 @@ impl Bus {
         // CLI of a secured cluster finds them. Agents never open them.
         if setup == Setup::CreateOrUpdate {
             for bucket in subjects::QUEUE_BUCKETS {
-                let what = format!("KV bucket {bucket}");
-                let config = stream::Config {
-                    num_replicas: replicas,
-                    ..kv_stream_config(bucket)
-                };
-                ensure_stream(&js, &denials, setup, config, &what).await?;
+                ensure_bucket(&js, &denials, setup, bucket, replicas).await?;
             }
         }
         let mut it = stores.into_iter();
@@ -147,12 +137,7 @@ impl Bus {
     pub async fn open_queues(&self, setup: Setup) -> Result<QueueBuckets, BusError> {
         let mut stores = Vec::new();
         for bucket in subjects::QUEUE_BUCKETS {
-            let what = format!("KV bucket {bucket}");
-            let config = stream::Config {
-                num_replicas: self.replicas,
-                ..kv_stream_config(bucket)
-            };
-            ensure_stream(&self.js, &self.denials, setup, config, &what).await?;
+            let what = ensure_bucket(&self.js, &self.denials, setup, bucket, self.replicas).await?;
             let store = self
                 .js
                 .get_key_value(bucket)

@@ -138,6 +138,24 @@ fn create_failure(e: &jetstream::context::CreateStreamError) -> Option<String> {
     }
 }
 
+/// [`ensure_stream`] for KV bucket `bucket` ([`kv_stream_config`]) with `replicas`
+/// replicas; returns the bucket's name in messages, `KV bucket <bucket>`.
+pub(crate) async fn ensure_bucket(
+    js: &jetstream::Context,
+    denials: &Denials,
+    setup: Setup,
+    bucket: &str,
+    replicas: usize,
+) -> Result<String, BusError> {
+    let what = format!("KV bucket {bucket}");
+    let config = stream::Config {
+        num_replicas: replicas,
+        ..kv_stream_config(bucket)
+    };
+    ensure_stream(js, denials, setup, config, &what).await?;
+    Ok(what)
+}
+
 /// Makes sure the stream `config` describes exists as `setup` says: created or updated to
 /// `config` ([`Setup::CreateOrUpdate`]), or opened as it is and created only when missing
 /// ([`Setup::OpenOrCreate`]). `what` names it in errors; a permissions violation becomes

@@ -1043,23 +1043,40 @@ fn plan_ps_job_impl(
 /// The greedy placement alone (the baseline), over every `(w, p)` in the job's ranges, with
 /// the same choice of `(w, p)` as [`plan_ps_job`]; its bounds are the trivial ones.
 pub fn greedy_ps_job(hosts: &[PsHost], job: &PsJob) -> Option<PsPlan> {
+    search_pairs(hosts, job, PsMethod::Greedy, |w, p, xs, ys| {
+        let (x, y) = greedy_fixed(xs, ys, w, p)?;
+        let step = step_time_s(hosts, job, &x, &y);
+        Some((x, y, step))
+    })
+}
+
+/// The plan, with the trivial bounds ([`trivial_plan`]), of the `(w, p)` that [`select`]
+/// picks among the feasible pairs ([`feasible_pairs`]) that `place` places:
+/// `place(w, p, xs, ys)`, given the pair and its worker and shard slots per host, returns
+/// the workers and shards per host and the step time, or `None`. The search of
+/// [`greedy_ps_job`] and of the simulator's exhaustive optimum.
+pub fn search_pairs(
+    hosts: &[PsHost],
+    job: &PsJob,
+    method: PsMethod,
+    place: impl Fn(u32, u32, &[u32], &[u32]) -> Option<(Vec<u32>, Vec<u32>, f64)>,
+) -> Option<PsPlan> {
     let results: Vec<PairResult> = feasible_pairs(hosts, job)
         .into_iter()
         .filter_map(|(w, p, xs, ys)| {
-            let (x, y) = greedy_fixed(&xs, &ys, w, p)?;
-            let step = step_time_s(hosts, job, &x, &y);
+            let (x, y, step) = place(w, p, &xs, &ys)?;
             Some(PairResult {
                 w,
                 p,
                 workers: x,
                 shards: y,
                 step_time_s: step,
-                method: PsMethod::Greedy,
+                method,
             })
         })
         .collect();
     let chosen = select(job, &results)?;
-    Some(trivial_plan(job, &results, chosen, PsMethod::Greedy))
+    Some(trivial_plan(job, &results, chosen, method))
 }
 
 /// Reduces `hosts` by `plan` (GPUs, CPU slots, and the plan's average NIC rate `D_h/S`,
@@ -1130,6 +1147,20 @@ pub mod fixtures {
         (hosts, job)
     }
 
+    /// Two hosts of 2 GPUs and 1 CPU slot on 10 GbE around a CPU-only host (4 slots) behind
+    /// 1 GbE, and a job of 4 workers and 2 shards (1 GB of parameters, 0.2 s of compute per
+    /// step): the best plan puts one shard with each pair of workers (3.2 s of NIC time per
+    /// step), not on the CPU host (32 s).
+    pub fn colocation_instance() -> ([PsHost; 3], PsJob) {
+        const GBE10: f64 = 1.25e9;
+        let hosts = [
+            PsHost::new(2, 1, GBE10),
+            PsHost::new(0, 4, GBE10 / 10.0),
+            PsHost::new(2, 1, GBE10),
+        ];
+        (hosts, PsJob::new(1e9, 0.2, 4..=4, 2..=2))
+    }
+
     /// Whether `a` and `b` agree to a relative 10⁻⁷.
     pub fn close(a: f64, b: f64) -> bool {
         (a - b).abs() <= 1e-7 * a.abs().max(b.abs()).max(1e-9)
@@ -1190,15 +1221,8 @@ mod tests {
         assert_eq!(plan.method, PsMethod::Lp);
         check_capacity(&hosts, &job, &plan);
 
-        // Two hosts of 2 GPUs and 1 CPU slot, a CPU-only host behind 1 GbE, 2 shards: one
-        // shard with each pair of workers (3.2 s of NIC time per step), not on the CPU host
-        // (32 s).
-        let hosts = [
-            PsHost::new(2, 1, GBE10),
-            PsHost::new(0, 4, GBE10 / 10.0),
-            PsHost::new(2, 1, GBE10),
-        ];
-        let job = PsJob::new(1e9, 0.2, 4..=4, 2..=2);
+        // One shard with each pair of workers, not on the CPU host.
+        let (hosts, job) = fixtures::colocation_instance();
         let plan = plan_ps_job(&hosts, &job, 7).unwrap();
         assert_eq!(plan.workers_per_host, vec![(0, 2), (2, 2)]);
         assert_eq!(plan.shards_per_host, vec![(0, 1), (2, 1)]);

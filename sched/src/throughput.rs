@@ -1249,18 +1249,20 @@ mod tests {
         matches!(r.0, 1 | 2 | 4 | 8) && r.1 <= 2
     }
 
+    /// A row as an observation without sync time.
+    fn row_observation(r: &Row) -> StepObservation {
+        StepObservation {
+            workers: r.0,
+            nodes: r.1,
+            local_batch: r.2,
+            step_time_s: r.3,
+            sync_time_s: None,
+        }
+    }
+
     /// Relative step-time errors of a fit on `fit_rows`, evaluated on `eval_rows`.
     fn errors(fit_rows: &[&Row], eval_rows: &[&Row]) -> Vec<f64> {
-        let obs: Vec<StepObservation> = fit_rows
-            .iter()
-            .map(|r| StepObservation {
-                workers: r.0,
-                nodes: r.1,
-                local_batch: r.2,
-                step_time_s: r.3,
-                sync_time_s: None,
-            })
-            .collect();
+        let obs: Vec<StepObservation> = fit_rows.iter().map(|r| row_observation(r)).collect();
         let m = ThroughputModel::fit(&obs, &ThroughputPrior::default());
         eval_rows
             .iter()
@@ -1321,13 +1323,7 @@ mod tests {
         let obs: Vec<StepObservation> = rows
             .iter()
             .filter(|r| r.2 == 129.0 && in_fit_set(r))
-            .map(|r| StepObservation {
-                workers: r.0,
-                nodes: r.1,
-                local_batch: r.2,
-                step_time_s: r.3,
-                sync_time_s: None,
-            })
+            .map(row_observation)
             .collect();
         let m = ThroughputModel::fit(&obs, &ThroughputPrior::default());
         println!(
@@ -1411,20 +1407,23 @@ mod tests {
         errors.map(|e| (quantile(e.clone(), 0.5), quantile(e, 0.9)))
     }
 
+    /// The applications of the Pollux traces.
+    const POLLUX_APPS: [&str; 6] = [
+        "bert",
+        "cifar10",
+        "deepspeech2",
+        "imagenet",
+        "ncf",
+        "yolov3",
+    ];
+
     #[test]
     fn pollux_sync_times_report() {
         println!(
             "app: all placements median/p90, fitted on 1-8 workers on 1-2 nodes without | with \
              sync; fitted on 4 workers on 2 nodes without | with sync"
         );
-        for app in [
-            "bert",
-            "cifar10",
-            "deepspeech2",
-            "imagenet",
-            "ncf",
-            "yolov3",
-        ] {
+        for app in POLLUX_APPS {
             let [a, a_sync, b, b_sync] = pollux_sync_report(app);
             println!(
                 "  {app}: {:.3}/{:.3} | {:.3}/{:.3}; {:.3}/{:.3} | {:.3}/{:.3}",
@@ -1438,14 +1437,7 @@ mod tests {
 
     #[test]
     fn pollux_report_all_apps() {
-        for app in [
-            "bert",
-            "cifar10",
-            "deepspeech2",
-            "imagenet",
-            "ncf",
-            "yolov3",
-        ] {
+        for app in POLLUX_APPS {
             let report = pollux_report(app);
             println!("{app} batch: fitted-rows median/p90 | all-placements median/p90");
             for (b, (m, p, am, ap)) in &report {

@@ -105,12 +105,7 @@ pub fn mixed_cluster(base: &ClusterArgs, sia: &Path) -> anyhow::Result<ClusterAr
 }
 
 fn csv_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .with_context(|| format!("cannot read {}", dir.display()))?
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.extension().is_some_and(|x| x == "csv"))
-        .collect();
+    let mut files = crate::report::workload_files(dir)?;
     // workload-2 before workload-10.
     files.sort_by_key(|p| {
         let stem = p.file_stem().map(|s| s.to_string_lossy().into_owned());
@@ -388,6 +383,13 @@ mod tests {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/sia")
     }
 
+    /// The report's arguments with the Sia data of [`sia`] and `extra`.
+    fn with_sia(extra: &[&str]) -> ReportArgs {
+        let sia = sia();
+        let head = ["report", "--sia", sia.to_str().unwrap()];
+        Cli::parse_from(head.iter().chain(extra)).report
+    }
+
     #[test]
     fn without_the_sia_data_the_section_says_why() {
         let args = Cli::parse_from(["report", "--sia", "/nonexistent/sia"]).report;
@@ -406,15 +408,7 @@ mod tests {
 
     #[test]
     fn an_unknown_policy_is_refused() {
-        let sia = sia();
-        let args = Cli::parse_from([
-            "report",
-            "--sia",
-            sia.to_str().unwrap(),
-            "--mixed-policies",
-            "nope",
-        ])
-        .report;
+        let args = with_sia(&["--mixed-policies", "nope"]);
         let err = run(&args.mixed, &args.cluster, 1).unwrap_err();
         assert!(err.to_string().contains("\"nope\""), "{err}");
     }
@@ -425,17 +419,13 @@ mod tests {
     #[test]
     fn each_trace_runs_on_the_mixed_cluster_and_renders_next_to_the_paper() {
         let sia = sia();
-        let args = Cli::parse_from([
-            "report",
-            "--sia",
-            sia.to_str().unwrap(),
+        let args = with_sia(&[
             "--mixed-policies",
             "fifo",
             "quality",
             "--mixed-workloads",
             "1",
-        ])
-        .report;
+        ]);
         let Mixed::Ran(runs) = run(&args.mixed, &args.cluster, 2).unwrap() else {
             panic!(
                 "skipped: the Sia artifact data is expected at {}",

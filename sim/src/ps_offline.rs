@@ -7,8 +7,8 @@
 //! randomness only from the caller's seed.
 
 use converge_sched::ps_plan::{
-    PairResult, PsHost, PsJob, PsMethod, PsPlan, commit_ps_plan, feasible_pairs, plan_ps_job,
-    select, shard_slots, step_time_s, trivial_plan, worker_slots,
+    PsHost, PsJob, PsMethod, PsPlan, commit_ps_plan, feasible_pairs, plan_ps_job, search_pairs,
+    shard_slots, step_time_s, worker_slots,
 };
 
 /// Calls `f` with every `v` such that `Σ v = sum` and `v_h ≤ caps_h`.
@@ -111,22 +111,9 @@ pub fn optimal_ps_fixed(
 /// [`exact_search_size`]; meant for tiny instances (a few hosts, `w ≤ 4`, `p ≤ 2` is
 /// instantaneous). Its bounds are the trivial ones.
 pub fn optimal_ps_job(hosts: &[PsHost], job: &PsJob) -> Option<PsPlan> {
-    let results: Vec<PairResult> = feasible_pairs(hosts, job)
-        .into_iter()
-        .filter_map(|(w, p, _, _)| {
-            let (x, y, step) = optimal_ps_fixed(hosts, job, w, p)?;
-            Some(PairResult {
-                w,
-                p,
-                workers: x,
-                shards: y,
-                step_time_s: step,
-                method: PsMethod::Exact,
-            })
-        })
-        .collect();
-    let chosen = select(job, &results)?;
-    Some(trivial_plan(job, &results, chosen, PsMethod::Exact))
+    search_pairs(hosts, job, PsMethod::Exact, |w, p, _, _| {
+        optimal_ps_fixed(hosts, job, w, p)
+    })
 }
 
 /// Places arriving jobs one by one with [`plan_ps_job`] (job `i` seeded by `seed` and `i`),
@@ -168,21 +155,15 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use converge_sched::ps_plan::fixtures::{check_capacity, close};
+    use converge_sched::ps_plan::fixtures::{check_capacity, close, colocation_instance};
 
     const GBE10: f64 = 1.25e9;
 
     #[test]
     fn colocation_is_the_exhaustive_optimum() {
-        // Two hosts of 2 GPUs and 1 CPU slot, a CPU-only host behind 1 GbE, 2 shards: one
-        // shard with each pair of workers (3.2 s of NIC time per step), not on the CPU host
-        // (32 s). (The plan itself is tested in `converge_sched::ps_plan`.)
-        let hosts = [
-            PsHost::new(2, 1, GBE10),
-            PsHost::new(0, 4, GBE10 / 10.0),
-            PsHost::new(2, 1, GBE10),
-        ];
-        let job = PsJob::new(1e9, 0.2, 4..=4, 2..=2);
+        // One shard with each pair of workers, not on the CPU host. (The plan itself is
+        // tested in `converge_sched::ps_plan`.)
+        let (hosts, job) = colocation_instance();
         let plan = plan_ps_job(&hosts, &job, 7).unwrap();
         let exact = optimal_ps_job(&hosts, &job).unwrap();
         assert!(close(plan.step_time_s, exact.step_time_s));

@@ -169,7 +169,8 @@ fn philly_workloads(pollux: &Path, dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
         .collect()
 }
 
-fn workload_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+/// The `.csv` files in `dir`, sorted by path.
+pub(crate) fn workload_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot read {}", dir.display()))?
         .flatten()

@@ -418,18 +418,10 @@ pub(crate) fn meta_loss(present: u64, bits: u64) -> Option<f64> {
     (present != 0).then(|| f64::from_bits(bits))
 }
 
-struct ShardLink {
-    stream: TcpStream,
-    range: Range<usize>,
-    shard: usize,
-    rank: usize,
-    addr: SocketAddr,
-}
-
 /// A worker's connections to every shard.
 pub struct PsWorker {
     index: usize,
-    shards: Vec<ShardLink>,
+    shards: Vec<ShardConnection>,
     num_params: usize,
     io_timeout: Duration,
     cancel: std::sync::Arc<AtomicBool>,
@@ -468,14 +460,7 @@ impl PsWorker {
         init: Option<InitState<'_>>,
         cancel: std::sync::Arc<AtomicBool>,
     ) -> Result<(PsWorker, Snapshot)> {
-        cfg.check()?;
-        let workers = cfg.workers();
-        ensure!(cfg.rank < workers, "rank {} is not a worker", cfg.rank);
-        ensure!(
-            (cfg.rank == 0) == init.is_some(),
-            "exactly worker 0 provides the initial state"
-        );
-        let who = format!("worker {}/{workers}", cfg.rank);
+        let who = worker_name(cfg, init.is_some())?;
         let shards = connect_to_shards(
             cfg,
             master,
@@ -483,16 +468,7 @@ impl PsWorker {
             PS_MAGIC,
             "parameter-server",
             &cancel,
-        )?
-        .into_iter()
-        .map(|c| ShardLink {
-            stream: c.stream,
-            range: c.range,
-            shard: c.shard,
-            rank: c.rank,
-            addr: c.addr,
-        })
-        .collect();
+        )?;
         let me = PsWorker {
             index: cfg.rank,
             shards,
@@ -569,29 +545,17 @@ impl PsWorker {
         eprintln!(
             "{who}: connected to {} parameter-server shard(s): {}",
             me.shards.len(),
-            me.shards
-                .iter()
-                .map(|s| format!("shard {} at {} ({} values)", s.shard, s.addr, s.range.len()))
-                .collect::<Vec<_>>()
-                .join(", ")
+            describe_shards(me.shards.iter().map(|s| (s.shard, s.addr, s.range.len())))
         );
         Ok((me, snapshot))
     }
 
-    fn link<'a>(&'a self, sh: &'a ShardLink, failed: &'a AtomicU8) -> Link<'a> {
-        Link {
-            stream: &sh.stream,
-            timeout: self.io_timeout,
-            cancel: &self.cancel,
-            failed,
-        }
+    fn link<'a>(&'a self, sh: &'a ShardConnection, failed: &'a AtomicU8) -> Link<'a> {
+        sh.link(self.io_timeout, &self.cancel, failed)
     }
 
-    fn peer(&self, sh: &ShardLink, what: &str) -> String {
-        format!(
-            "{what} parameter-server shard {} (rank {}, {})",
-            sh.shard, sh.rank, sh.addr
-        )
+    fn peer(&self, sh: &ShardConnection, what: &str) -> String {
+        sh.peer(what, "parameter-server")
     }
 
     /// Pushes step `seq`'s gradient (or a stop vote) to every shard and pulls the answer.
@@ -990,6 +954,29 @@ pub(crate) fn accept_workers(
     Ok((slots.into_iter().map(|(w, _)| w).collect(), n as usize))
 }
 
+/// Checks a worker's settings (`cfg.check`, its rank is a worker's, and worker 0 alone
+/// brings the initial state: `has_init`) and returns its name in messages,
+/// `worker <rank>/<workers>`. Used by the parameter-server worker and S-EASGD's client.
+pub(crate) fn worker_name(cfg: &PsConfig, has_init: bool) -> Result<String> {
+    cfg.check()?;
+    let workers = cfg.workers();
+    ensure!(cfg.rank < workers, "rank {} is not a worker", cfg.rank);
+    ensure!(
+        (cfg.rank == 0) == has_init,
+        "exactly worker 0 provides the initial state"
+    );
+    Ok(format!("worker {}/{workers}", cfg.rank))
+}
+
+/// `shard <index> at <address> (<values> values), …` of a worker's shards, given as
+/// `(index, address, values)`, for the line it logs once connected.
+pub(crate) fn describe_shards(shards: impl Iterator<Item = (usize, SocketAddr, usize)>) -> String {
+    shards
+        .map(|(shard, addr, len)| format!("shard {shard} at {addr} ({len} values)"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// A worker's TCP connection to one shard, handshake sent ([`connect_to_shards`]).
 pub(crate) struct ShardConnection {
     pub stream: TcpStream,
@@ -998,6 +985,32 @@ pub(crate) struct ShardConnection {
     pub shard: usize,
     pub rank: usize,
     pub addr: SocketAddr,
+}
+
+impl ShardConnection {
+    /// I/O on this connection with `timeout`, `cancel` and `failed` ([`Link`]).
+    pub(crate) fn link<'a>(
+        &'a self,
+        timeout: Duration,
+        cancel: &'a AtomicBool,
+        failed: &'a AtomicU8,
+    ) -> Link<'a> {
+        Link {
+            stream: &self.stream,
+            timeout,
+            cancel,
+            failed,
+        }
+    }
+
+    /// `<what> <kind> shard <index> (rank <rank>, <address>)`, the shard in messages;
+    /// `kind` is parameter-server or S-EASGD.
+    pub(crate) fn peer(&self, what: &str, kind: &str) -> String {
+        format!(
+            "{what} {kind} shard {} (rank {}, {})",
+            self.shard, self.rank, self.addr
+        )
+    }
 }
 
 /// A worker's side of the shards' rendezvous: joins it, connects to every shard (ranks
@@ -1050,41 +1063,21 @@ mod tests {
 
     #[test]
     fn roles_and_ranges() {
-        assert_eq!(
-            Role::of(0, 3, 1),
-            Role::Worker {
-                index: 0,
-                workers: 2
-            }
-        );
-        assert_eq!(
-            Role::of(1, 3, 1),
-            Role::Worker {
-                index: 1,
-                workers: 2
-            }
-        );
-        assert_eq!(
-            Role::of(2, 3, 1),
-            Role::Shard {
-                index: 0,
-                shards: 1
-            }
-        );
-        assert_eq!(
-            Role::of(2, 3, 2),
-            Role::Shard {
-                index: 1,
-                shards: 2
-            }
-        );
-        assert_eq!(
-            Role::of(0, 3, 0),
-            Role::Worker {
-                index: 0,
-                workers: 3
-            }
-        );
+        let worker = |index, workers| Role::Worker { index, workers };
+        let shard = |index, shards| Role::Shard { index, shards };
+        for ((rank, world_size, num_ps), role) in [
+            ((0, 3, 1), worker(0, 2)),
+            ((1, 3, 1), worker(1, 2)),
+            ((2, 3, 1), shard(0, 1)),
+            ((2, 3, 2), shard(1, 2)),
+            ((0, 3, 0), worker(0, 3)),
+        ] {
+            assert_eq!(
+                Role::of(rank, world_size, num_ps),
+                role,
+                "{rank} of {world_size}"
+            );
+        }
         let n = 650;
         for p in 1..=4 {
             let rs: Vec<_> = (0..p).map(|s| shard_range(n, s, p)).collect();

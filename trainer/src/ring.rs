@@ -125,14 +125,7 @@ impl Ring {
         master: Option<TcpListener>,
         cancel: Arc<AtomicBool>,
     ) -> Result<Ring> {
-        ensure!(cfg.world_size >= 2, "a ring needs at least two ranks");
-        ensure!(
-            cfg.rank < cfg.world_size,
-            "rank {} is not below world size {}",
-            cfg.rank,
-            cfg.world_size
-        );
-        let deadline = Instant::now() + cfg.rendezvous_timeout;
+        let deadline = check_ranks(cfg, "ring")?;
         let ring_listener =
             TcpListener::bind(("0.0.0.0", 0)).context("cannot bind the ring listener")?;
         let ring_port = ring_listener.local_addr()?.port();
@@ -286,15 +279,21 @@ pub fn rendezvous(
     own_port: u16,
     cancel: &AtomicBool,
 ) -> Result<Vec<String>> {
-    ensure!(cfg.world_size >= 2, "a rendezvous needs at least two ranks");
+    let deadline = check_ranks(cfg, "rendezvous")?;
+    rendezvous_until(cfg, num_ps, master, own_port, deadline, cancel)
+}
+
+/// Checks that `cfg` has two ranks or more and its rank among them (`what`, ring or
+/// rendezvous, names the group in the error); returns the rendezvous deadline.
+fn check_ranks(cfg: &RingConfig, what: &str) -> Result<Instant> {
+    ensure!(cfg.world_size >= 2, "a {what} needs at least two ranks");
     ensure!(
         cfg.rank < cfg.world_size,
         "rank {} is not below world size {}",
         cfg.rank,
         cfg.world_size
     );
-    let deadline = Instant::now() + cfg.rendezvous_timeout;
-    rendezvous_until(cfg, num_ps, master, own_port, deadline, cancel)
+    Ok(Instant::now() + cfg.rendezvous_timeout)
 }
 
 fn rendezvous_until(

@@ -77,8 +77,7 @@
 //! shard drops only the failed worker. Checkpoints are written atomically from completed
 //! rounds only, so no lost worker can leave a torn or half-averaged checkpoint.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::ops::Range;
+use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread;
@@ -88,7 +87,8 @@ use anyhow::{Context, Result, bail, ensure};
 use serde::{Deserialize, Serialize};
 
 use crate::ps::{
-    self, Frame, Link, PsConfig, ShardOutcome, WorkerLink, loss_meta, meta_loss, shard_range,
+    self, Frame, Link, PsConfig, ShardConnection, ShardOutcome, WorkerLink, loss_meta, meta_loss,
+    shard_range,
 };
 use crate::ring::{self, Ring};
 
@@ -469,13 +469,18 @@ pub struct EasgdRound {
     pub all_done: bool,
 }
 
+/// A connection to one shard, and whether the worker still synchronizes with it.
 struct ShardConn {
-    stream: TcpStream,
-    range: Range<usize>,
-    shard: usize,
-    rank: usize,
-    addr: SocketAddr,
+    conn: ShardConnection,
     alive: bool,
+}
+
+impl std::ops::Deref for ShardConn {
+    type Target = ShardConnection;
+
+    fn deref(&self) -> &ShardConnection {
+        &self.conn
+    }
 }
 
 /// A worker's connections to the S-EASGD shards.
@@ -509,25 +514,11 @@ impl EasgdClient {
         init: Option<EasgdInit<'_>>,
         cancel: Arc<AtomicBool>,
     ) -> Result<(EasgdClient, EasgdStart)> {
-        cfg.check()?;
-        let workers = cfg.workers();
-        ensure!(cfg.rank < workers, "rank {} is not a worker", cfg.rank);
-        ensure!(
-            (cfg.rank == 0) == init.is_some(),
-            "exactly worker 0 provides the initial state"
-        );
-        let who = format!("worker {}/{workers}", cfg.rank);
+        let who = ps::worker_name(cfg, init.is_some())?;
         let shards =
             ps::connect_to_shards(cfg, master, num_params, EASGD_MAGIC, "S-EASGD", &cancel)?
                 .into_iter()
-                .map(|c| ShardConn {
-                    stream: c.stream,
-                    range: c.range,
-                    shard: c.shard,
-                    rank: c.rank,
-                    addr: c.addr,
-                    alive: true,
-                })
+                .map(|conn| ShardConn { conn, alive: true })
                 .collect();
         let me = EasgdClient {
             shards,
@@ -594,11 +585,7 @@ impl EasgdClient {
             "{}: connected to {} S-EASGD shard(s): {}",
             me.who,
             me.shards.len(),
-            me.shards
-                .iter()
-                .map(|s| format!("shard {} at {} ({} values)", s.shard, s.addr, s.range.len()))
-                .collect::<Vec<_>>()
-                .join(", ")
+            ps::describe_shards(me.shards.iter().map(|s| (s.shard, s.addr, s.range.len())))
         );
         let start = EasgdStart {
             step: m0[0],
@@ -611,19 +598,11 @@ impl EasgdClient {
     }
 
     fn link<'a>(&'a self, sh: &'a ShardConn, failed: &'a AtomicU8) -> Link<'a> {
-        Link {
-            stream: &sh.stream,
-            timeout: self.io_timeout,
-            cancel: &self.cancel,
-            failed,
-        }
+        sh.link(self.io_timeout, &self.cancel, failed)
     }
 
     fn peer(&self, sh: &ShardConn, what: &str) -> String {
-        format!(
-            "{what} S-EASGD shard {} (rank {}, {})",
-            sh.shard, sh.rank, sh.addr
-        )
+        sh.peer(what, "S-EASGD")
     }
 
     /// Shards still synchronized with.

@@ -74,6 +74,16 @@ pub enum Outcome {
     Terminated,
 }
 
+impl From<ShardOutcome> for Outcome {
+    /// A shard's run ends as its workers' does.
+    fn from(outcome: ShardOutcome) -> Self {
+        match outcome {
+            ShardOutcome::Completed => Outcome::Completed,
+            ShardOutcome::Terminated => Outcome::Terminated,
+        }
+    }
+}
+
 /// One `CONVERGE_PROGRESS` line.
 #[derive(Debug, Clone, Serialize)]
 pub struct Progress {
@@ -211,25 +221,30 @@ fn ps_config(args: &Args, env: &WorkerEnv) -> PsConfig {
     }
 }
 
-/// A parameter-server shard: checks the options, then serves its slice until the workers
-/// finish or stop. It reads neither the dataset nor the checkpoint.
-fn serve_shard(args: &Args, env: &WorkerEnv, stop: &Arc<AtomicBool>) -> Result<Outcome> {
-    args.validate().map_err(refuse)?;
-    eprintln!(
-        "{} generation {}: job {}, parameter-server shard for {} worker(s), dataset {}, model {}, local rank {}",
+/// What a shard logs as it starts: `<who> generation <g>: job <id>, <role> for <n>
+/// worker(s), dataset <dataset>, model <model>`.
+fn shard_banner(args: &Args, env: &WorkerEnv, role: &str) -> String {
+    format!(
+        "{} generation {}: job {}, {role} for {} worker(s), dataset {}, model {}",
         who(env),
         env.generation,
         env.job_id.as_deref().unwrap_or("(unset)"),
         env.workers(),
         args.dataset,
         args.model_kind(),
+    )
+}
+
+/// A parameter-server shard: checks the options, then serves its slice until the workers
+/// finish or stop. It reads neither the dataset nor the checkpoint.
+fn serve_shard(args: &Args, env: &WorkerEnv, stop: &Arc<AtomicBool>) -> Result<Outcome> {
+    args.validate().map_err(refuse)?;
+    eprintln!(
+        "{}, local rank {}",
+        shard_banner(args, env, "parameter-server shard"),
         env.local_rank.as_deref().unwrap_or("(unset)"),
     );
-    let outcome = ps::run_shard(&ps_config(args, env), stop)?;
-    Ok(match outcome {
-        ShardOutcome::Completed => Outcome::Completed,
-        ShardOutcome::Terminated => Outcome::Terminated,
-    })
+    Ok(ps::run_shard(&ps_config(args, env), stop)?.into())
 }
 
 /// The optimizer state that checkpoints carry.

@@ -453,6 +453,27 @@ fn keep_running(jobs: &[PolicyJob], order: &[usize], total_gpus: u32) -> (Vec<u3
     (workers, free)
 }
 
+/// Gives each job of `queue` in turn its requested size where that fits in the `free`
+/// GPUs, which it takes; a job that does not fit is passed over (backfilling). The
+/// admission step of SJF-BCO and Tiresias.
+fn backfill(
+    jobs: &[PolicyJob],
+    queue: impl IntoIterator<Item = usize>,
+    workers: &mut [u32],
+    free: &mut u64,
+) {
+    for i in queue {
+        let Some(size) = requested_size(&jobs[i]) else {
+            continue;
+        };
+        let need = gpus(&jobs[i], size);
+        if need <= *free {
+            workers[i] = size;
+            *free -= need;
+        }
+    }
+}
+
 fn decision(jobs: &[PolicyJob], order: &[usize], workers: &[u32]) -> Decision {
     Decision {
         workers: order
@@ -501,6 +522,21 @@ pub(crate) mod test_support {
         }
     }
 
+    /// Makes the jobs' current allocations valid and jointly within `total_gpus`.
+    pub fn make_current_feasible(total_gpus: u32, jobs: &mut [PolicyJob]) {
+        let mut free = u64::from(total_gpus);
+        for job in jobs {
+            let need = gpus(job, job.current_workers);
+            let valid = minimum_workers(job)
+                .is_some_and(|min| (min..=job.max_workers).contains(&job.current_workers));
+            if valid && need <= free {
+                free -= need;
+            } else {
+                job.current_workers = 0;
+            }
+        }
+    }
+
     /// The decision as `(name, workers)` pairs in id order.
     pub fn pairs(decision: &Decision) -> Vec<(&str, u32)> {
         decision
@@ -516,7 +552,7 @@ mod tests {
     use converge_common::JobId;
     use proptest::prelude::*;
 
-    use super::test_support::{cluster, job};
+    use super::test_support::{cluster, job, make_current_feasible};
     use super::*;
 
     fn pools(gpus: &[u32]) -> Vec<GpuTypePool> {
@@ -715,21 +751,6 @@ mod tests {
                     eligible_hosts: None,
                 },
             )
-    }
-
-    /// Makes the jobs' current allocations valid and jointly within `total_gpus`.
-    fn make_current_feasible(total_gpus: u32, jobs: &mut [PolicyJob]) {
-        let mut free = u64::from(total_gpus);
-        for job in jobs {
-            let need = gpus(job, job.current_workers);
-            let valid = minimum_workers(job)
-                .is_some_and(|min| (min..=job.max_workers).contains(&job.current_workers));
-            if valid && need <= free {
-                free -= need;
-            } else {
-                job.current_workers = 0;
-            }
-        }
     }
 
     /// A cluster of 0..64 GPUs with 0..30 jobs whose current allocations fit.

@@ -39,7 +39,8 @@ use std::cmp::Ordering;
 use crate::policies::{Decision, PolicyInputs, PolicyJob};
 
 use super::{
-    ClusterView, Policy, arrival_cmp, arrival_order, decision, gpus, keep_running, requested_size,
+    ClusterView, Policy, arrival_cmp, arrival_order, backfill, decision, gpus, keep_running,
+    requested_size,
 };
 
 /// Smallest job first, gang at the requested size, non-preemptive, backfilling (see the
@@ -102,16 +103,7 @@ impl Policy for SjfBco {
         // 2. The queue, smallest first, with backfilling.
         let mut queue: Vec<usize> = order.iter().copied().filter(|&i| workers[i] == 0).collect();
         queue.sort_by(|&a, &b| Self::queue_cmp(&jobs[a], &jobs[b]));
-        for i in queue {
-            let Some(size) = requested_size(&jobs[i]) else {
-                continue;
-            };
-            let need = gpus(&jobs[i], size);
-            if need <= free {
-                workers[i] = size;
-                free -= need;
-            }
-        }
+        backfill(jobs, queue, &mut workers, &mut free);
 
         decision(jobs, &order, &workers)
     }

@@ -27,7 +27,7 @@
 
 use crate::policies::{Decision, PolicyJob};
 
-use super::{ClusterView, Policy, arrival_order, decision, gpus, requested_size};
+use super::{ClusterView, Policy, arrival_order, backfill, decision};
 
 /// The attained service, in GPU-seconds, from which a job is in the second queue: 16 GPU-hours,
 /// as in the Pollux simulator.
@@ -72,16 +72,7 @@ impl Policy for Tiresias {
 
         let mut free = u64::from(cluster.total_gpus);
         let mut workers = vec![0u32; jobs.len()];
-        for i in priority {
-            let Some(size) = requested_size(&jobs[i]) else {
-                continue;
-            };
-            let need = gpus(&jobs[i], size);
-            if need <= free {
-                workers[i] = size;
-                free -= need;
-            }
-        }
+        backfill(jobs, priority, &mut workers, &mut free);
 
         decision(jobs, &order, &workers)
     }

@@ -6,7 +6,7 @@ use crate::decide::{ClusterState, JobView, QueueSetup, decide_queued, priority_o
 use crate::placement::HostFree;
 
 use super::batch::{RebatchValue, batch_limits, generation_batch, rebatch};
-use super::lifecycle::bump_generation;
+use super::lifecycle::{bump_generation, taken_ports};
 use super::observe::{Fits, eligible_hosts, job_view, ring_nic_traffic};
 use super::ps::{PsContext, plan_ps_jobs};
 use super::{Inputs, Outcome, Settings, event, unknown_queue_message};
@@ -102,12 +102,7 @@ pub(super) fn allocate(
     );
 
     let views_by_id: BTreeMap<&JobId, &JobView> = views.iter().map(|v| (&v.id, v)).collect();
-    let mut taken_ports: BTreeSet<u16> = out
-        .statuses
-        .values()
-        .filter(|s| !s.phase.is_terminal())
-        .filter_map(|s| s.master_port)
-        .collect();
+    let mut taken_ports = taken_ports(out);
     for (s, spec) in &active {
         let new_placement = placed.get(&s.job).cloned().unwrap_or_default();
         let new_shards = shards.get(&s.job).cloned().unwrap_or_default();

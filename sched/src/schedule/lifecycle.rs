@@ -15,6 +15,15 @@ use converge_common::{
 };
 use std::collections::{BTreeMap, BTreeSet};
 
+/// The master ports of the jobs that have not ended.
+pub(super) fn taken_ports(out: &Outcome) -> BTreeSet<u16> {
+    out.statuses
+        .values()
+        .filter(|s| !s.phase.is_terminal())
+        .filter_map(|s| s.master_port)
+        .collect()
+}
+
 /// A job's new generation: frees its master port in `taken_ports`, bumps the generation and
 /// takes a fresh port (`None` when the job has no workers). The one place a generation
 /// changes, so old and new workers never meet (generation fencing; see the module docs).
@@ -39,12 +48,7 @@ pub(super) fn follow_master_addr(
     live: &BTreeMap<&HostId, &HostTelemetry>,
     now: f64,
 ) {
-    let mut taken_ports: BTreeSet<u16> = out
-        .statuses
-        .values()
-        .filter(|s| !s.phase.is_terminal())
-        .filter_map(|s| s.master_port)
-        .collect();
+    let mut taken_ports = taken_ports(out);
     for status in out.statuses.values_mut() {
         if status.phase.is_terminal() || status.world_size == 0 {
             status.master_addr = None;

@@ -905,16 +905,57 @@ const RESTRICTED_CASES: [(&str, PlacementKind); 5] = [
 
 /// An empty world scheduling with `policy` and `placement`.
 fn world_with(policy: &str, placement: PlacementKind) -> World {
+    let mut w = world_with_policy(policy);
+    w.settings.placement = placement;
+    w
+}
+
+/// An empty world scheduling with `policy` and the default placement.
+fn world_with_policy(policy: &str) -> World {
     let mut w = World::default();
     w.settings.policy =
         Arc::from(crate::policies::by_name(policy, w.settings.policy_params).unwrap());
-    w.settings.placement = placement;
     w
+}
+
+/// The status of job `id` running on `hosts` (rank `r` on GPU `r` of `hosts[r]`) at
+/// `step_s` seconds per step.
+fn running_on(id: &str, hosts: &[&str], step_s: f64) -> (JobId, JobStatus) {
+    let job = JobId::new(id).unwrap();
+    let mut s = new_status(&job, 0.0, 0.0);
+    s.phase = JobPhase::Running;
+    s.placement = hosts
+        .iter()
+        .enumerate()
+        .map(|(rank, h)| RankPlacement {
+            rank: rank as u32,
+            host: HostId::new(*h).unwrap(),
+            gpus: vec![rank as u32],
+        })
+        .collect();
+    s.world_size = hosts.len() as u32;
+    s.step_time_s = Some(step_s);
+    (job, s)
 }
 
 /// The hosts of a job's placement.
 fn hosts_of(s: &JobStatus) -> BTreeSet<String> {
     s.placement.iter().map(|p| p.host.to_string()).collect()
+}
+
+/// Asserts that job `id` of `w` runs, on `host` alone; `what` names the case.
+fn assert_runs_only_on(w: &World, id: &str, host: &str, what: &str) {
+    let s = w.status(id);
+    assert!(s.world_size >= 1, "{what}: {s:?}");
+    assert_eq!(hosts_of(s), BTreeSet::from([host.to_string()]), "{what}");
+}
+
+/// Asserts that job `id` of `w` waits with no workers and returns its status; `what`
+/// names the case.
+fn assert_waits<'a>(w: &'a World, id: &str, what: &str) -> &'a JobStatus {
+    let s = w.status(id);
+    assert_eq!((s.phase, s.world_size), (JobPhase::Pending, 0), "{what}");
+    s
 }
 
 #[test]
@@ -940,21 +981,10 @@ fn selector_jobs_run_only_on_matching_hosts_or_wait_with_the_reason() {
         }
         w.step(10.0, true);
         let picky = w.status("picky");
-        assert!(picky.world_size >= 1, "{what}: {picky:?}");
         assert!(picky.world_size <= 4, "{what}: {picky:?}");
+        assert_runs_only_on(&w, "picky", "h2", &what);
         assert_eq!(
-            hosts_of(picky),
-            BTreeSet::from(["h2".to_string()]),
-            "{what}"
-        );
-        let waiting = w.status("waiting");
-        assert_eq!(
-            (waiting.phase, waiting.world_size),
-            (JobPhase::Pending, 0),
-            "{what}"
-        );
-        assert_eq!(
-            waiting.message.as_deref(),
+            assert_waits(&w, "waiting", &what).message.as_deref(),
             Some("no live host matches selector gpu.count=2,zone=c"),
             "{what}"
         );
@@ -963,28 +993,14 @@ fn selector_jobs_run_only_on_matching_hosts_or_wait_with_the_reason() {
         // A matching host appears: the waiting job goes there, and the reason goes.
         w.add_host(labelled("h3", 2, 11.0, "c"));
         w.step(11.0, true);
-        let waiting = w.status("waiting");
-        assert!(waiting.world_size >= 1, "{what}: {waiting:?}");
-        assert_eq!(
-            hosts_of(waiting),
-            BTreeSet::from(["h3".to_string()]),
-            "{what}"
-        );
-        assert_eq!(waiting.message, None, "{what}");
-        assert_eq!(
-            hosts_of(w.status("picky")),
-            BTreeSet::from(["h2".to_string()])
-        );
+        assert_runs_only_on(&w, "waiting", "h3", &what);
+        assert_eq!(w.status("waiting").message, None, "{what}");
+        assert_runs_only_on(&w, "picky", "h2", &what);
 
         // Its host is relabelled: the running job is taken off it and waits again.
         w.add_host(labelled("h3", 2, 12.0, "d"));
         w.step(12.0, true);
-        let waiting = w.status("waiting");
-        assert_eq!(
-            (waiting.phase, waiting.world_size),
-            (JobPhase::Pending, 0),
-            "{what}"
-        );
+        let waiting = assert_waits(&w, "waiting", &what);
         assert!(
             waiting
                 .message
@@ -1097,21 +1113,9 @@ fn gpu_type_jobs_run_only_on_their_types_or_wait_with_the_reason() {
             w.specs.insert(spec.id.clone(), spec);
         }
         w.step(10.0, true);
-        let fast = w.status("fast");
-        assert!(fast.world_size >= 1, "{what}: {fast:?}");
+        assert_runs_only_on(&w, "fast", "a100-1", &what);
         assert_eq!(
-            hosts_of(fast),
-            BTreeSet::from(["a100-1".to_string()]),
-            "{what}"
-        );
-        let newest = w.status("newest");
-        assert_eq!(
-            (newest.phase, newest.world_size),
-            (JobPhase::Pending, 0),
-            "{what}"
-        );
-        assert_eq!(
-            newest.message.as_deref(),
+            assert_waits(&w, "newest", &what).message.as_deref(),
             Some("no live host offers GPU type h100 (live hosts' types: a100, t4)"),
             "{what}"
         );
@@ -1120,14 +1124,8 @@ fn gpu_type_jobs_run_only_on_their_types_or_wait_with_the_reason() {
         // An H100 host joins: the waiting job goes there and the reason goes.
         w.add_host(typed("h100-1", 2, 11.0, "h100"));
         w.step(11.0, true);
-        let newest = w.status("newest");
-        assert!(newest.world_size >= 1, "{what}: {newest:?}");
-        assert_eq!(
-            hosts_of(newest),
-            BTreeSet::from(["h100-1".to_string()]),
-            "{what}"
-        );
-        assert_eq!(newest.message, None, "{what}");
+        assert_runs_only_on(&w, "newest", "h100-1", &what);
+        assert_eq!(w.status("newest").message, None, "{what}");
         assert!(
             hosts_of(w.status("fast")).iter().all(|h| h != "t4-1"),
             "{what}: never on a T4"
@@ -1163,9 +1161,7 @@ fn selector_parameter_server_jobs_keep_workers_and_shards_on_matching_hosts() {
 
 #[test]
 fn the_service_runs_any_policy() {
-    let mut w = World::default();
-    w.settings.policy =
-        Arc::from(crate::policies::by_name("fair", w.settings.policy_params).unwrap());
+    let mut w = world_with_policy("fair");
     w.specs
         .insert(JobId::new("a").unwrap(), job("a", 1, 4, 1.0));
     w.specs
@@ -1177,9 +1173,7 @@ fn the_service_runs_any_policy() {
 
 #[test]
 fn tiresias_in_the_service_sees_attained_service_and_requested_sizes() {
-    let mut w = World::default();
-    w.settings.policy =
-        Arc::from(crate::policies::by_name("tiresias", w.settings.policy_params).unwrap());
+    let mut w = world_with_policy("tiresias");
     // `veteran` arrived first but has had 17 GPU-hours (2 workers, 8.5 h apart reports);
     // `fresh` has had none. One host of 2 GPUs: least attained service goes first.
     let mut veteran = job("veteran", 1, 2, 1.0);
@@ -1205,23 +1199,7 @@ fn tiresias_in_the_service_sees_attained_service_and_requested_sizes() {
 
 #[test]
 fn own_multi_host_rings_are_taken_off_the_measured_nic_load() {
-    let ring = |id: &str, hosts: &[&str], step_s: f64| {
-        let job = JobId::new(id).unwrap();
-        let mut s = new_status(&job, 0.0, 0.0);
-        s.phase = JobPhase::Running;
-        s.placement = hosts
-            .iter()
-            .enumerate()
-            .map(|(rank, h)| RankPlacement {
-                rank: rank as u32,
-                host: HostId::new(*h).unwrap(),
-                gpus: vec![rank as u32],
-            })
-            .collect();
-        s.world_size = hosts.len() as u32;
-        s.step_time_s = Some(step_s);
-        (job, s)
-    };
+    let ring = running_on;
     let statuses: BTreeMap<JobId, JobStatus> = [
         // 4 ranks on h1 and h2, 10 MB every 0.2 s: 1.5 · 10 MB / 0.2 s = 75 MB/s each.
         ring("a", &["h1", "h1", "h2", "h2"], 0.2),
@@ -1263,21 +1241,8 @@ fn own_multi_host_rings_are_taken_off_the_measured_nic_load() {
 #[test]
 fn contention_is_measured_on_multi_host_jobs_that_share_a_host() {
     let running = |id: &str, hosts: &[&str], observed: f64, predicted: f64| {
-        let job = JobId::new(id).unwrap();
-        let mut s = new_status(&job, 0.0, 0.0);
-        s.phase = JobPhase::Running;
+        let (job, mut s) = running_on(id, hosts, observed);
         s.generation = 2;
-        s.placement = hosts
-            .iter()
-            .enumerate()
-            .map(|(rank, h)| RankPlacement {
-                rank: rank as u32,
-                host: HostId::new(*h).unwrap(),
-                gpus: vec![rank as u32],
-            })
-            .collect();
-        s.world_size = hosts.len() as u32;
-        s.step_time_s = Some(observed);
         s.predicted_step_time_s = Some(predicted);
         (job, s)
     };
@@ -1317,20 +1282,7 @@ fn contention_is_measured_on_multi_host_jobs_that_share_a_host() {
 #[test]
 fn shadow_jobs_are_left_out_of_measured_contention() {
     let running = |id: &str, hosts: &[&str], observed: f64, predicted: f64| {
-        let job = JobId::new(id).unwrap();
-        let mut s = new_status(&job, 0.0, 0.0);
-        s.phase = JobPhase::Running;
-        s.placement = hosts
-            .iter()
-            .enumerate()
-            .map(|(rank, h)| RankPlacement {
-                rank: rank as u32,
-                host: HostId::new(*h).unwrap(),
-                gpus: vec![rank as u32],
-            })
-            .collect();
-        s.world_size = hosts.len() as u32;
-        s.step_time_s = Some(observed);
+        let (job, mut s) = running_on(id, hosts, observed);
         s.predicted_step_time_s = Some(predicted);
         (job, s)
     };
@@ -1365,10 +1317,7 @@ fn bco_placement_puts_a_job_that_fits_on_one_host_there() {
     // `small` (2 GPUs) goes first on h1; `wide` (2 workers × 2 GPUs) then fits on h2
     // alone. First fit fills h1's 2 free GPUs first and spans both hosts; BCO does not.
     for (placement, spanned) in [(PlacementKind::FirstFit, 2), (PlacementKind::Bco, 1)] {
-        let mut w = World::default();
-        w.settings.placement = placement;
-        w.settings.policy =
-            Arc::from(crate::policies::by_name("fifo", w.settings.policy_params).unwrap());
+        let mut w = world_with("fifo", placement);
         let mut small = job("small", 1, 1, 1.0);
         small.gpus_per_worker = 2;
         let mut wide = job("wide", 2, 2, 2.0);
@@ -1398,10 +1347,7 @@ fn bco_keeps_a_spanning_ring_off_hosts_whose_nics_the_agents_report_busy() {
         link_speed_bps: Some(1_000_000_000),
     };
     let hosts_of_wide = |placement: PlacementKind, busy: f64| {
-        let mut w = World::default();
-        w.settings.placement = placement;
-        w.settings.policy =
-            Arc::from(crate::policies::by_name("fifo", w.settings.policy_params).unwrap());
+        let mut w = world_with("fifo", placement);
         let mut wide = job("wide", 2, 2, 1.0);
         wide.gpus_per_worker = 2;
         w.specs.insert(JobId::new("wide").unwrap(), wide);

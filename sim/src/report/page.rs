@@ -80,6 +80,18 @@ impl Page<'_> {
     }
 }
 
+/// Appends a bench's own text to `md`, its headings one level down, then a blank line.
+fn push_demoted(md: &mut String, text: &str) {
+    for line in text.lines() {
+        if line.starts_with('#') {
+            let _ = writeln!(md, "##{line}");
+        } else {
+            let _ = writeln!(md, "{line}");
+        }
+    }
+    let _ = writeln!(md);
+}
+
 pub(super) fn markdown(page: &Page) -> String {
     let mut md = String::new();
     let cluster = page.cluster;
@@ -167,15 +179,7 @@ pub(super) fn markdown(page: &Page) -> String {
                 verdict(c, -0.20)
             );
         }
-        // The bench's own headings one level down.
-        for line in text.lines() {
-            if line.starts_with('#') {
-                let _ = writeln!(md, "##{line}");
-            } else {
-                let _ = writeln!(md, "{line}");
-            }
-        }
-        let _ = writeln!(md);
+        push_demoted(&mut md, text);
     }
 
     if let Some(text) = page.ps {
@@ -187,14 +191,7 @@ pub(super) fn markdown(page: &Page) -> String {
              after Yu et al., IEEE TNSE 2021). Target: within 1.25× of the LP bound on small \
              instances.\n"
         );
-        for line in text.lines() {
-            if line.starts_with('#') {
-                let _ = writeln!(md, "##{line}");
-            } else {
-                let _ = writeln!(md, "{line}");
-            }
-        }
-        let _ = writeln!(md);
+        push_demoted(&mut md, text);
     }
     md.push_str(page.mixed);
     let _ = writeln!(md, "## Regenerate\n");

@@ -20,20 +20,10 @@ pub(super) fn serve_easgd_shard(
     args.validate().map_err(refuse)?;
     args.check_shadow_env(env).map_err(refuse)?;
     eprintln!(
-        "{} generation {}: job {}, S-EASGD shard (central copy) for {} worker(s), dataset {}, model {}",
-        who(env),
-        env.generation,
-        env.job_id.as_deref().unwrap_or("(unset)"),
-        env.workers(),
-        args.dataset,
-        args.model_kind(),
+        "{}",
+        shard_banner(args, env, "S-EASGD shard (central copy)")
     );
-    Ok(
-        match shadow::run_easgd_shard(&ps_config(args, env), stop)? {
-            ShardOutcome::Completed => Outcome::Completed,
-            ShardOutcome::Terminated => Outcome::Terminated,
-        },
-    )
+    Ok(shadow::run_easgd_shard(&ps_config(args, env), stop)?.into())
 }
 
 /// How a worker synchronizes in the background.
