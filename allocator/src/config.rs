@@ -41,9 +41,11 @@ pub struct AllocatorConfig {
     /// samples its curve predicts to reach it.
     #[arg(long, env = "CONVERGE_POLICY", default_value = "quality", value_parser = parse_policy)]
     pub policy: String,
-    /// What the quality policy maximizes over the horizon: `both` (the sum of the two
-    /// others, the default), `jct` (each job's speedup weighted by its rank by remaining time, which favours
-    /// jobs close to completion) or `loss` (SLAQ's normalized loss reduction). A job's
+    /// What the quality policy maximizes over the horizon: `auto` (the default: `loss` for
+    /// exploratory jobs, a sweep's trials and jobs with stop criteria but no target loss or
+    /// declared work; `both` for any other), `both` (the sum of the two below), `jct` (each
+    /// job's speedup weighted by its rank by remaining time, which favours jobs close to
+    /// completion) or `loss` (SLAQ's normalized loss reduction). A job's
     /// remaining work is known when it has a `target_loss` its fitted curve reaches; else it
     /// is guessed as the work it has done so far.
     #[arg(long, env = "CONVERGE_OBJECTIVE", value_enum, default_value_t = Objective::default())]

@@ -450,6 +450,16 @@ impl JobSpec {
         self.stop.and_then(|s| s.target_loss).or(self.target_loss)
     }
 
+    /// Whether the job is exploratory: a trial of a sweep or a job with stop criteria, that
+    /// declares neither a target loss nor its work (`work_samples`). The default objective
+    /// values such a job by its predicted loss reduction (SLAQ's) and any other by its
+    /// completion time (docs/scheduling.md, "Objectives").
+    pub fn is_exploratory(&self) -> bool {
+        (self.sweep.is_some() || self.stop.is_some())
+            && self.target_loss().is_none()
+            && self.work_samples.is_none()
+    }
+
     /// The name of the job's queue: `queue`, else [`crate::DEFAULT_QUEUE`].
     pub fn queue_name(&self) -> &str {
         self.queue
@@ -720,6 +730,29 @@ impl JobSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_job_is_exploratory_with_a_sweep_or_stop_criteria_and_no_target_or_declared_work() {
+        let spec = |extra: &str| {
+            JobSpec::from_toml(&format!("id = \"j\"\ncommand = [\"train\"]\n{extra}")).unwrap()
+        };
+        assert!(!spec("").is_exploratory(), "a plain job");
+        assert!(spec("sweep = \"s\"").is_exploratory(), "a sweep's trial");
+        let plateau = "[stop.plateau]\nmin_improvement = 0.01\nwindow_epochs = 2.0";
+        assert!(spec(plateau).is_exploratory(), "stop criteria, no target");
+        assert!(
+            !spec("sweep = \"s\"\ntarget_loss = 0.1").is_exploratory(),
+            "a target loss"
+        );
+        assert!(
+            !spec("sweep = \"s\"\nwork_samples = 1000").is_exploratory(),
+            "declared work"
+        );
+        assert!(
+            !spec("[stop]\ntarget_loss = 0.1").is_exploratory(),
+            "a target in [stop]"
+        );
+    }
 
     fn check(toml_text: &str, expect: &str) {
         match JobSpec::from_toml(toml_text) {

@@ -200,6 +200,8 @@ impl DecisionInputs {
                 } else {
                     BTreeMap::new()
                 },
+
+                exploratory: false,
             })
             .collect();
         let priority = priority_order(&views);
@@ -424,6 +426,7 @@ fn random_job(index: usize, rng: &mut ChaCha8Rng) -> PolicyJob {
         goodput: None,
         current_hosts: Vec::new(),
         eligible_hosts: None,
+        exploratory: false,
     }
 }
 

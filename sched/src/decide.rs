@@ -154,6 +154,9 @@ pub struct JobView {
     /// The job's measured speed on each GPU type it ran on, samples per second per GPU
     /// ([`crate::gpu_types`]); empty when it has not run or the cluster has one type.
     pub gpu_type_speeds: BTreeMap<String, f64>,
+    /// Whether the job is exploratory ([`converge_common::JobSpec::is_exploratory`]): the
+    /// default objective values it by its predicted loss reduction.
+    pub exploratory: bool,
 }
 
 /// The cluster at decision time.
@@ -643,6 +646,7 @@ fn decide_in_order(
                 restarts: job.restarts,
                 restart_cost_s: job.restart_cost_s,
                 goodput,
+                exploratory: job.exploratory,
                 current_hosts: if let Some(index) = &index {
                     per_host(index, &job.placement)
                 } else {

@@ -857,6 +857,8 @@ pub fn simulate(
                 // A workload names each job's model: the service's `model` label.
                 family: Some(t.job.app.clone()),
                 gpu_type_speeds,
+                // Each job declares its work or a target loss (`WorkKnowledge`).
+                exploratory: false,
             });
         }
         let cluster = ClusterState {

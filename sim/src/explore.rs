@@ -719,6 +719,9 @@ pub fn simulate(
                 shadow: None,
                 family: None,
                 gpu_type_speeds: BTreeMap::new(),
+                // A sweep's trial without a target loss or declared work, as the sweep
+                // world's specs (`JobSpec::is_exploratory`).
+                exploratory: true,
             });
         }
         let cluster = ClusterState {

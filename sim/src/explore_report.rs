@@ -174,9 +174,10 @@ pub struct ExploreArgs {
     /// Workload CSV from `explore-workload`.
     #[arg(long)]
     pub workload: PathBuf,
-    /// Policies: fifo, fair, tiresias, optimus, quality-loss, quality-jct, quality-both
+    /// Policies: fifo, fair, tiresias, optimus, quality (the default objective, `auto`),
+    /// quality-loss, quality-jct, quality-both
     /// (the quality policy per objective).
-    #[arg(long, value_delimiter = ',', default_value = "quality-loss,fair")]
+    #[arg(long, value_delimiter = ',', default_value = "quality,fair")]
     pub policies: Vec<String>,
     #[command(flatten)]
     pub cluster: ExploreClusterArgs,
@@ -217,7 +218,8 @@ pub struct ExploreReportArgs {
 }
 
 /// The policies of the report, in its order.
-pub const REPORT_POLICIES: [&str; 6] = [
+pub const REPORT_POLICIES: [&str; 7] = [
+    "quality",
     "quality-loss",
     "quality-both",
     "quality-jct",
@@ -230,7 +232,8 @@ fn policy(name: &str, cluster: &ExploreClusterArgs) -> anyhow::Result<Arc<dyn Po
     let objective = match name {
         "quality-loss" => Some(Objective::Loss),
         "quality-jct" => Some(Objective::Jct),
-        "quality-both" | "quality" => Some(Objective::Both),
+        "quality-both" => Some(Objective::Both),
+        "quality" => Some(Objective::default()),
         _ => None,
     };
     let base = if objective.is_some() { "quality" } else { name };
@@ -344,17 +347,17 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
         baseline.push(s);
         runs.push(per_policy);
     }
-    // Sensitivity: quality-loss against fair at other loads and stop rules; the runs of the
+    // Sensitivity: the default quality policy against fair at other loads and stop rules; the runs of the
     // tables above are reused where the settings are theirs.
     let column = |name: &str| REPORT_POLICIES.iter().position(|p| *p == name);
-    let (quality, fair) = (column("quality-loss"), column("fair"));
+    let (quality, fair) = (column("quality"), column("fair"));
     let mut sensitivity = Table::new(&[
         "sweeps in 2 h (load)",
         "stop rule",
-        "`quality-loss` avg normalized loss",
+        "`quality` avg normalized loss",
         "`fair`",
         "change",
-        "time to 90 %: `quality-loss`",
+        "time to 90 %: `quality`",
         "`fair`",
         "change",
     ]);
@@ -388,7 +391,7 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
                 pairs.push(match (main, quality, fair) {
                     (true, Some(q), Some(f)) => [runs[w][q].clone(), runs[w][f].clone()],
                     _ => [
-                        run_one("quality-loss", trials, &c, (&curves, &apps, args))?,
+                        run_one("quality", trials, &c, (&curves, &apps, args))?,
                         run_one("fair", trials, &c, (&curves, &apps, args))?,
                     ],
                 });
@@ -443,7 +446,7 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
     text.push_str(&loop_table(args.cluster.sim_loop, &loops));
     let _ = writeln!(
         text,
-        "\n## Sensitivity: load and stop rule, `quality-loss` against `fair`\n\n\
+        "\n## Sensitivity: load and stop rule, `quality` (the default) against `fair`\n\n\
          Same seeds; load is the workload's single-GPU work divided by the cluster's GPU time \
          over the arrival window (mean over seeds). Without stop criteria every trial runs \
          its whole recorded curve (SLAQ's own setting: jobs run to completion).\n"
@@ -555,7 +558,7 @@ fn ends_table(runs: &[Vec<ExploreSummary>]) -> String {
 }
 
 /// The policies the report also runs in the other loop.
-pub const LOOP_POLICIES: [&str; 3] = ["quality-loss", "quality-both", "fair"];
+pub const LOOP_POLICIES: [&str; 3] = ["quality", "quality-both", "fair"];
 
 /// `--loop`'s name of `l`.
 fn loop_name(l: SimLoop) -> &'static str {

@@ -100,6 +100,10 @@ pub struct PolicyJob {
     /// declare `hosts` (the others get `max_workers` already capped at what these hosts
     /// hold, and placement keeps to them).
     pub eligible_hosts: Option<Vec<usize>>,
+    /// Whether the job is exploratory (a sweep's trial, or stop criteria without a target
+    /// loss or declared work: `JobSpec::is_exploratory`); the default objective values it by
+    /// its predicted loss reduction ([`Objective::Auto`]).
+    pub exploratory: bool,
 }
 
 /// The policy's decision: workers per job; every job appears, 0 = not admitted or pending.
@@ -511,6 +515,7 @@ pub(crate) mod test_support {
             goodput: None,
             current_hosts: Vec::new(),
             eligible_hosts: None,
+            exploratory: false,
         }
     }
 
@@ -749,6 +754,7 @@ mod tests {
                     goodput: None,
                     current_hosts: Vec::new(),
                     eligible_hosts: None,
+                    exploratory: false,
                 },
             )
     }

@@ -164,11 +164,19 @@ pub enum Objective {
     /// least-attained-service guess.
     Jct,
     /// The sum of both values above: the loss objective's normalized loss reduction plus the
-    /// completion objective's weighted speedup (both dimensionless, per horizon). The
-    /// default: in the simulator it has the lowest mean JCT of the three
+    /// completion objective's weighted speedup (both dimensionless, per horizon). In the
+    /// simulator it has the lowest mean JCT of the three on the Pollux workloads
     /// (docs/scheduling.md).
-    #[default]
     Both,
+    /// The default: each job's objective follows what it is. An exploratory job
+    /// ([`PolicyJob::exploratory`]: a sweep's trial, or a job with stop criteria but no
+    /// target loss and no declared work) is valued by `loss`, any other by `both`; both
+    /// values are dimensionless per horizon, so they share one hand-out. Admission is by
+    /// value (as under `loss`) only when every job of the decision is exploratory, else in
+    /// arrival order (as under `both`). On a cluster of exploratory jobs only it decides as
+    /// `loss`, on one without any as `both`.
+    #[default]
+    Auto,
 }
 
 impl Objective {
@@ -178,6 +186,16 @@ impl Objective {
             Objective::Loss => "loss",
             Objective::Jct => "jct",
             Objective::Both => "both",
+            Objective::Auto => "auto",
+        }
+    }
+
+    /// The objective `job` is valued by: [`Objective::Auto`]'s choice for it, else `self`.
+    pub fn for_job(self, job: &PolicyJob) -> Objective {
+        match self {
+            Objective::Auto if job.exploratory => Objective::Loss,
+            Objective::Auto => Objective::Both,
+            other => other,
         }
     }
 }
@@ -273,10 +291,10 @@ pub fn job_terms(jobs: &[&PolicyJob], now: f64, params: &PolicyParams) -> Vec<Jo
         .zip(weights)
         .map(|(job, completion_weight)| {
             let delta = restart_cost(job, params);
-            let change_factor = match params.objective {
+            let change_factor = match params.objective.for_job(job) {
                 Objective::Loss if horizon_s > 0.0 => (horizon_s - delta).max(0.0) / horizon_s,
                 Objective::Loss => 0.0,
-                Objective::Jct | Objective::Both => {
+                Objective::Jct | Objective::Both | Objective::Auto => {
                     let rho = if params.restart_budget.is_finite() {
                         params.restart_budget.max(1e-9)
                     } else {
@@ -345,10 +363,10 @@ fn value_with(
             params.new_job_gain.max(0.0) * shape * productive_fraction
         }
     };
-    let value = match params.objective {
+    let value = match params.objective.for_job(job) {
         Objective::Jct => completion(),
         Objective::Loss => loss(),
-        Objective::Both => completion() + loss(),
+        Objective::Both | Objective::Auto => completion() + loss(),
     };
     if value.is_nan() {
         0.0
@@ -455,7 +473,10 @@ fn quality_sizes(
     // 1. Admission. Under `loss` (SLAQ), jobs compete for their minimum on value: a job
     //    with more loss to lose over the horizon per GPU goes first, so a new job displaces
     //    a running one whose curve is flat (module docs, step 1).
-    if params.objective == Objective::Loss {
+    if jobs
+        .iter()
+        .all(|j| params.objective.for_job(j) == Objective::Loss)
+    {
         let value: Vec<f64> = (0..jobs.len())
             .map(|i| admission_value(&jobs[i], params, &terms[i]))
             .collect();
@@ -633,7 +654,7 @@ fn best_step<'a>(
     }
     best.filter(|&(per_gpu, _)| per_gpu > threshold)
         .map(|(gain_per_gpu, workers_added)| Step {
-            fitted: job.curve.is_some() || params.objective != Objective::Loss,
+            fitted: job.curve.is_some() || params.objective.for_job(job) != Objective::Loss,
             gain_per_gpu,
             workers_added,
             job: index,

@@ -407,6 +407,7 @@ pub(super) fn job_view(
             .get(&status.job)
             .cloned()
             .unwrap_or_default(),
+        exploratory: spec.is_exploratory(),
     }
 }
 

@@ -111,7 +111,8 @@ pub(super) fn markdown(page: &Page) -> String {
          Cluster: {} nodes × {} GPUs, {} s scheduling interval, {} s restart delay, \
          interference {}, seed {}. Every policy is the service's own code; `optimus` is \
          Optimus+Oracle (true remaining work and throughput), as in the Pollux simulator. \
-         `quality` is the quality policy with its default objective (`{}`); `quality-loss` and \
+         `quality` is the quality policy with its default objective (`{}`: no job of these \
+         workloads is exploratory, so it decides as `both`); `quality-loss` and \
          `quality-jct` are the same policy with the objective `loss` (SLAQ's) and `jct`. All \
          three have a {} s horizon, a {} s restart cost (the cluster's restart delay) and a \
          {} s starvation guard. JCTs in seconds.\n",

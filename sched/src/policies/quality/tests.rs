@@ -333,6 +333,7 @@ fn arbitrary_job(index: usize) -> impl Strategy<Value = PolicyJob> {
                     goodput: None,
                     current_hosts: Vec::new(),
                     eligible_hosts: None,
+                    exploratory: false,
                 }
             },
         )
@@ -523,7 +524,8 @@ fn objectives() -> impl Strategy<Value = Objective> {
     prop_oneof![
         Just(Objective::Loss),
         Just(Objective::Jct),
-        Just(Objective::Both)
+        Just(Objective::Both),
+        Just(Objective::Auto)
     ]
 }
 
@@ -656,6 +658,50 @@ proptest! {
                 workers == 0 || (job.min_workers.max(1) <= workers && workers <= job.max_workers),
                 "{} got {} workers", job.id, workers
             );
+        }
+        prop_assert!(used <= u64::from(total_gpus));
+    }
+
+    /// The default objective decides as `loss` when every job is exploratory and as `both`
+    /// when none is; on a mix each job is valued by its own objective and the decision
+    /// keeps to capacity and bounds.
+    #[test]
+    fn auto_decides_as_loss_on_exploratory_jobs_and_as_both_on_the_others(
+        (total_gpus, jobs) in cluster(),
+        mix in prop::collection::vec(any::<bool>(), 20),
+        now in prop_oneof![Just(0.0), 0.0..1e4f64],
+    ) {
+        let cluster = ClusterView { now, ..view(total_gpus) };
+        let with = |objective| PolicyParams { objective, max_wait_s: 100.0, ..slaq() };
+        let auto = with(Objective::Auto);
+        prop_assert_eq!(
+            quality_allocate(&cluster, &jobs, &auto),
+            quality_allocate(&cluster, &jobs, &with(Objective::Both))
+        );
+        let trials: Vec<PolicyJob> = jobs
+            .iter()
+            .map(|j| PolicyJob { exploratory: true, ..j.clone() })
+            .collect();
+        prop_assert_eq!(
+            quality_allocate(&cluster, &trials, &auto),
+            quality_allocate(&cluster, &trials, &with(Objective::Loss))
+        );
+        let mixed: Vec<PolicyJob> = jobs
+            .iter()
+            .zip(mix)
+            .map(|(j, exploratory)| PolicyJob { exploratory, ..j.clone() })
+            .collect();
+        let decision = quality_allocate(&cluster, &mixed, &auto);
+        let mut used = 0u64;
+        for job in &mixed {
+            let workers = decision.workers[&job.id];
+            used += gpus(job, workers);
+            prop_assert!(
+                workers == 0 || (job.min_workers.max(1) <= workers && workers <= job.max_workers),
+                "{} got {} workers", job.id, workers
+            );
+            let v = value_alone(job, workers, &auto);
+            prop_assert!(v.is_finite() && v >= 0.0, "{} valued {}", job.id, v);
         }
         prop_assert!(used <= u64::from(total_gpus));
     }
