@@ -251,19 +251,33 @@ mod tests {
     use crate::explore::{generate, load_curves, simulate, summarize};
     use converge_common::EndReason;
     use converge_sched::policies::{Fair, Objective, PolicyParams, Quality};
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
 
-    fn data() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data")
+    type Curves = BTreeMap<String, RecordedCurve>;
+
+    /// The recorded sweep curves, the applications, and a generated workload of `sweeps`
+    /// sweeps over `hours` (seed `seed`; none for 0 sweeps).
+    fn fixture(
+        sweeps: usize,
+        hours: f64,
+        seed: u64,
+    ) -> (Curves, BTreeMap<String, Application>, Vec<ExploreTrial>) {
+        let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data");
+        let curves = load_curves(&data.join("curves/sweep")).unwrap();
+        let apps = load_all(&crate::apps::test_trace_dirs()).unwrap();
+        let trials = if sweeps == 0 {
+            Vec::new()
+        } else {
+            let philly =
+                crate::workload::read_philly(&data.join("pollux/traces/philly.csv")).unwrap();
+            generate(&philly, &curves, sweeps, hours, seed).unwrap()
+        };
+        (curves, apps, trials)
     }
 
     #[test]
     fn trials_go_through_the_service_and_end_by_its_stop_rule_or_their_curve() {
-        let curves = load_curves(&data().join("curves/sweep")).unwrap();
-        let philly =
-            crate::workload::read_philly(&data().join("pollux/traces/philly.csv")).unwrap();
-        let trials = generate(&philly, &curves, 6, 0.5, 7).unwrap();
-        let apps = load_all(&crate::apps::test_trace_dirs()).unwrap();
+        let (curves, apps, trials) = fixture(6, 0.5, 7);
         let cfg = ExploreConfig::default();
         let quality: Arc<dyn Policy> = Arc::new(Quality {
             params: PolicyParams {
@@ -311,11 +325,7 @@ mod tests {
 
     #[test]
     fn without_stop_criteria_every_trial_runs_its_whole_curve() {
-        let curves = load_curves(&data().join("curves/sweep")).unwrap();
-        let philly =
-            crate::workload::read_philly(&data().join("pollux/traces/philly.csv")).unwrap();
-        let trials = generate(&philly, &curves, 3, 0.2, 3).unwrap();
-        let apps = load_all(&crate::apps::test_trace_dirs()).unwrap();
+        let (curves, apps, trials) = fixture(3, 0.2, 3);
         let cfg = ExploreConfig {
             stop: None,
             ..ExploreConfig::default()
@@ -331,8 +341,7 @@ mod tests {
 
     #[test]
     fn a_trial_with_an_invalid_sweep_name_is_an_error() {
-        let curves = load_curves(&data().join("curves/sweep")).unwrap();
-        let apps = load_all(&crate::apps::test_trace_dirs()).unwrap();
+        let (curves, apps, _) = fixture(0, 0.0, 0);
         let curve = curves.keys().next().unwrap().clone();
         let trials = vec![ExploreTrial {
             name: "t-1".into(),
