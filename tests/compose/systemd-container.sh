@@ -132,7 +132,12 @@ inside 'for i in $(seq 60); do
         n=$(grep -l CONVERGE_PROGRESS /var/log/converge/mnist-mlp/gen*-rank0.log 2>/dev/null | wc -l)
         [ -s /srv/converge/checkpoints/mnist-mlp/checkpoint.json ] && [ "$n" -gt 0 ] && exit 0; sleep 0.5
     done; exit 1' || fail "no progress and checkpoint under /var/log/converge and /srv/converge within 30 s"
-workers=$(inside 'systemctl show -p TasksCurrent --value converge-agent >/dev/null; pgrep -c -u converge converge-traine || true')
+# A worker may be between generations at this instant (the allocator restarts the job for
+# a better batch once its first gradient statistics arrive): wait up to 30 s for one.
+workers=$(inside 'for i in $(seq 60); do
+        n=$(pgrep -c -u converge converge-traine || true)
+        [ "$n" -ge 1 ] && { echo "$n"; exit 0; }; sleep 0.5
+    done; echo 0')
 echo "    agent running under the hardened unit with $workers workers; logs and checkpoint written"
 [[ "$workers" -ge 1 ]] || fail "no worker process runs"
 
