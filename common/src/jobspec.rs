@@ -264,6 +264,107 @@ pub struct PlateauSpec {
     pub window_epochs: f64,
 }
 
+/// How a sweep stops its weak trials early (`[sweep] early_stop`; docs/scheduling.md "Sweep
+/// early stopping"). Each trial's spec carries its sweep's rule; the allocator applies it
+/// across the trials of the sweep and ends a stopped trial as `completed` with the reason
+/// `early stopped` and why in its message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum EarlyStopRule {
+    /// Stop a trial once the best final loss its fitted curve predicts, less the prediction
+    /// error band, is still worse than the `keep`-th best trial's predicted final loss plus
+    /// the band: it cannot reach the best trials. The default for sweeps.
+    #[default]
+    Predicted,
+    /// Asynchronous successive halving (ASHA; Li et al., MLSys'20) with reduction factor 3:
+    /// at rungs of `min_epochs × 3^r` epochs a trial goes on only if its loss there is in the
+    /// best third of the trials that reached that rung before it.
+    Asha,
+    /// No early stopping: each trial runs until its own program or `[stop]` ends it.
+    None,
+}
+
+impl EarlyStopRule {
+    /// As written in a sweep file.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EarlyStopRule::Predicted => "predicted",
+            EarlyStopRule::Asha => "asha",
+            EarlyStopRule::None => "none",
+        }
+    }
+}
+
+/// A sweep trial's early-stopping settings (its spec's `early_stop` table, set for each
+/// trial from the sweep file's `[sweep]` keys by `converge submit`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EarlyStopSpec {
+    /// The rule.
+    #[serde(default)]
+    pub rule: EarlyStopRule,
+    /// Trials the rule never stops: the `keep` best of the sweep always go on (at least 1).
+    #[serde(default = "default_keep")]
+    pub keep: u32,
+    /// Relative error band of a predicted final loss (`predicted` rule), in [0, 1): a trial
+    /// is stopped only when its prediction less this fraction is above the `keep`-th best's
+    /// plus it. Default [`DEFAULT_EARLY_STOP_BAND`].
+    #[serde(default = "default_band")]
+    pub band: f64,
+    /// Epochs a trial runs before any rule may stop it (a curve needs points to fit), and
+    /// ASHA's first rung. Above 0. Default 1.
+    #[serde(default = "default_min_epochs")]
+    pub min_epochs: f64,
+}
+
+/// Default [`EarlyStopSpec::keep`].
+pub const DEFAULT_EARLY_STOP_KEEP: u32 = 2;
+/// Default [`EarlyStopSpec::band`]: 0.10. The allocator's curve fit forecasts the training
+/// loss of this project's trainer runs a quarter of the remaining run ahead with a median
+/// error of 8.7 % (docs/prediction.md, `converge-sim predict-bench`); the band is a little
+/// wider.
+pub const DEFAULT_EARLY_STOP_BAND: f64 = 0.10;
+
+fn default_keep() -> u32 {
+    DEFAULT_EARLY_STOP_KEEP
+}
+fn default_band() -> f64 {
+    DEFAULT_EARLY_STOP_BAND
+}
+fn default_min_epochs() -> f64 {
+    1.0
+}
+
+impl Default for EarlyStopSpec {
+    fn default() -> Self {
+        Self {
+            rule: EarlyStopRule::default(),
+            keep: DEFAULT_EARLY_STOP_KEEP,
+            band: DEFAULT_EARLY_STOP_BAND,
+            min_epochs: 1.0,
+        }
+    }
+}
+
+impl EarlyStopSpec {
+    /// Checks the bounds; `Err` says which value is wrong.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.keep == 0 {
+            return Err("`keep` is 0; at least one trial must go on".into());
+        }
+        if !(self.band.is_finite() && (0.0..1.0).contains(&self.band)) {
+            return Err(format!("`band` is {}; it must be in [0, 1)", self.band));
+        }
+        if !(self.min_epochs.is_finite() && self.min_epochs > 0.0) {
+            return Err(format!(
+                "`min_epochs` is {}; it must be above 0",
+                self.min_epochs
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Most parameter-server shards a job may ask for.
 pub const MAX_PS: u32 = 256;
 
@@ -343,6 +444,11 @@ pub struct JobSpec {
     /// a job id).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sweep: Option<JobId>,
+    /// The sweep's early stopping (`early_stop = { rule = "predicted", keep = 2 }`), set on
+    /// each trial by `converge submit` from the sweep file; only with `sweep`. `None`: the
+    /// trial is never stopped for the sweep's sake.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early_stop: Option<EarlyStopSpec>,
     /// Adaptive batch settings (`[batch]`); `None`: the batch is the command's own.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batch: Option<BatchSpec>,
@@ -414,6 +520,8 @@ pub enum JobSpecError {
     BadEnvName(String),
     #[error("`[stop]`: {0}")]
     Stop(String),
+    #[error("`early_stop`: {0}")]
+    EarlyStop(String),
     #[error("`[batch]`: {0}")]
     Batch(String),
     #[error("`[selector]`: {0}")]
@@ -575,6 +683,14 @@ impl JobSpec {
                     "`target_loss` is given twice ({a} at the top, {b} in `[stop]`): keep one"
                 )));
             }
+        }
+        if let Some(e) = &self.early_stop {
+            if self.sweep.is_none() {
+                return Err(JobSpecError::EarlyStop(
+                    "only a sweep's trials stop early: the job has no `sweep`".into(),
+                ));
+            }
+            e.validate().map_err(JobSpecError::EarlyStop)?;
         }
         crate::labels::validate(&self.selector).map_err(JobSpecError::Selector)?;
         if let Some(types) = &self.gpu_types {

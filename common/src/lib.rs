@@ -17,7 +17,8 @@ pub mod sweep;
 pub use codec::{DecodeError, MAX_MESSAGE_BYTES, Message, PROTOCOL_VERSION, decode, encode};
 pub use ids::{HostId, IdError, JobId, QueueId};
 pub use jobspec::{
-    BatchSpec, JobSpec, JobSpecError, PlateauSpec, ShadowAlgorithm, ShadowSpec, StopSpec, SyncArch,
+    BatchSpec, EarlyStopRule, EarlyStopSpec, JobSpec, JobSpecError, PlateauSpec, ShadowAlgorithm,
+    ShadowSpec, StopSpec, SyncArch,
 };
 pub use messages::*;
 pub use queues::{DEFAULT_QUEUE, PriorityClass, QueueSpec, QueueStatus};

@@ -941,6 +941,9 @@ pub enum EndReason {
     Budget,
     /// The deadline (`deadline_s` after submission) passed.
     Deadline,
+    /// The sweep's early-stopping rule (`[sweep] early_stop`) stopped the trial: it could
+    /// not reach the sweep's best trials.
+    EarlyStopped,
 }
 
 impl EndReason {
@@ -952,6 +955,7 @@ impl EndReason {
             EndReason::TargetReached => "target reached",
             EndReason::Budget => "budget",
             EndReason::Deadline => "deadline",
+            EndReason::EarlyStopped => "early stopped",
         }
     }
 }

@@ -35,7 +35,9 @@
 //! ([`JobSpec::validate`]).
 
 use crate::ids::{IdError, JobId, MAX_ID_LEN};
-use crate::jobspec::{JobSpec, JobSpecError};
+use crate::jobspec::{
+    DEFAULT_EARLY_STOP_KEEP, EarlyStopRule, EarlyStopSpec, JobSpec, JobSpecError,
+};
 use serde::Deserialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -111,6 +113,12 @@ pub enum SweepError {
         "`[job]` label `{0}` is reserved: the sweep sets the `param.<name>` labels of each trial"
     )]
     LabelClash(String),
+    #[error(
+        "`[sweep] keep` is {keep} but the sweep has {trials} trials: early stopping keeps at most every trial"
+    )]
+    KeepAboveTrials { keep: u32, trials: usize },
+    #[error("`[sweep]` early stopping: {0}")]
+    EarlyStop(String),
     #[error("sweep id {id:?} is not valid: {source}")]
     BadId { id: String, source: IdError },
     #[error(
@@ -146,6 +154,18 @@ pub struct SweepFile {
     pub values: Values,
     /// The `[job]` template.
     pub job: toml::Table,
+    /// `[sweep] early_stop`, `keep`, `band`, `min_epochs` as the file gives them; expansion
+    /// fills the defaults ([`SweepFile::early_stop_spec`]).
+    pub early_stop: RawEarlyStop,
+}
+
+/// The early-stopping keys of a sweep file's `[sweep]` table, each optional.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RawEarlyStop {
+    pub rule: Option<EarlyStopRule>,
+    pub keep: Option<u32>,
+    pub band: Option<f64>,
+    pub min_epochs: Option<f64>,
 }
 
 /// The values of a sweep's parameters, as formatted strings in the order of
@@ -187,6 +207,14 @@ struct RawFile {
 #[serde(deny_unknown_fields)]
 struct RawSweep {
     id: String,
+    #[serde(default)]
+    early_stop: Option<EarlyStopRule>,
+    #[serde(default)]
+    keep: Option<u32>,
+    #[serde(default)]
+    band: Option<f64>,
+    #[serde(default)]
+    min_epochs: Option<f64>,
     #[serde(default)]
     grid: Option<BTreeMap<String, toml::Spanned<toml::Value>>>,
     #[serde(default)]
@@ -336,7 +364,38 @@ impl SweepFile {
             params,
             values,
             job: raw.job,
+            early_stop: RawEarlyStop {
+                rule: raw.sweep.early_stop,
+                keep: raw.sweep.keep,
+                band: raw.sweep.band,
+                min_epochs: raw.sweep.min_epochs,
+            },
         })
+    }
+
+    /// The early stopping every trial of a sweep of `trials` trials gets: the file's keys,
+    /// the rest at their defaults (rule `predicted`; `keep` 2, or every trial of a smaller
+    /// sweep). Refuses a `keep` above the trial count and out-of-range values.
+    pub fn early_stop_spec(&self, trials: usize) -> Result<EarlyStopSpec, SweepError> {
+        let trials_u32 = u32::try_from(trials).unwrap_or(u32::MAX);
+        let d = EarlyStopSpec::default();
+        let spec = EarlyStopSpec {
+            rule: self.early_stop.rule.unwrap_or(d.rule),
+            keep: self
+                .early_stop
+                .keep
+                .unwrap_or(DEFAULT_EARLY_STOP_KEEP.min(trials_u32.max(1))),
+            band: self.early_stop.band.unwrap_or(d.band),
+            min_epochs: self.early_stop.min_epochs.unwrap_or(d.min_epochs),
+        };
+        if spec.keep > trials_u32 {
+            return Err(SweepError::KeepAboveTrials {
+                keep: spec.keep,
+                trials,
+            });
+        }
+        spec.validate().map_err(SweepError::EarlyStop)?;
+        Ok(spec)
     }
 
     /// Number of trials the sweep expands to (saturating; a grid's product can be huge).
@@ -391,7 +450,7 @@ impl SweepFile {
                 longest,
             });
         }
-        for key in ["id", "sweep"] {
+        for key in ["id", "sweep", "early_stop"] {
             if self.job.contains_key(key) {
                 return Err(SweepError::ReservedKey(key));
             }
@@ -402,6 +461,7 @@ impl SweepFile {
             return Err(SweepError::LabelClash(k.clone()));
         }
         self.check_placeholders()?;
+        let early_stop = self.early_stop_spec(count)?;
         let mut trials = Vec::with_capacity(count);
         for (n, row) in self.combinations().into_iter().enumerate() {
             let params: Vec<(String, String)> = self.params.iter().cloned().zip(row).collect();
@@ -412,7 +472,7 @@ impl SweepFile {
                 }
             })?;
             let spec = self
-                .trial_spec(&id, &params)
+                .trial_spec(&id, &params, early_stop)
                 .map_err(|source| SweepError::Trial {
                     trial: id.clone(),
                     params: describe(&params),
@@ -452,7 +512,12 @@ impl SweepFile {
 
     /// The template with the trial's values, id, sweep and parameter labels, parsed and
     /// validated as a job spec.
-    fn trial_spec(&self, id: &JobId, params: &[(String, String)]) -> Result<JobSpec, JobSpecError> {
+    fn trial_spec(
+        &self,
+        id: &JobId,
+        params: &[(String, String)],
+        early_stop: EarlyStopSpec,
+    ) -> Result<JobSpec, JobSpecError> {
         let values: BTreeMap<&str, &str> = params
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
@@ -484,7 +549,8 @@ impl SweepFile {
         }
         job.insert("id".into(), toml::Value::String(id.to_string()));
         job.insert("sweep".into(), toml::Value::String(self.id.to_string()));
-        let spec: JobSpec = toml::Value::Table(job).try_into()?;
+        let mut spec: JobSpec = toml::Value::Table(job).try_into()?;
+        spec.early_stop = Some(early_stop);
         spec.validate()?;
         Ok(spec)
     }
@@ -638,6 +704,79 @@ dataset = "optdigits"
             e.contains(expect),
             "error {e:?} does not mention {expect:?}"
         );
+    }
+
+    fn with_sweep_keys(keys: &str, params: &str) -> String {
+        format!("[sweep]\nid = \"opt\"\n{keys}\n[sweep.grid]\n{params}\n{TEMPLATE}")
+    }
+
+    #[test]
+    fn trials_get_the_sweeps_early_stopping_with_defaults_filled() {
+        let s = expand(&grid("lr = [0.01, 0.05, 0.2]\nbatch = [16]"), 64).unwrap();
+        for t in &s.trials {
+            assert_eq!(t.spec.early_stop, Some(EarlyStopSpec::default()));
+        }
+        let s = expand(&grid("lr = [0.01]\nbatch = [16]"), 64).unwrap();
+        assert_eq!(
+            s.trials[0].spec.early_stop.unwrap().keep,
+            1,
+            "a one-trial sweep keeps its trial"
+        );
+        let s = expand(
+            &with_sweep_keys(
+                "early_stop = \"asha\"\nkeep = 3\nmin_epochs = 0.5",
+                "lr = [0.01, 0.05, 0.2]\nbatch = [16]",
+            ),
+            64,
+        )
+        .unwrap();
+        let e = s.trials[2].spec.early_stop.unwrap();
+        assert_eq!(
+            (e.rule, e.keep, e.min_epochs, e.band),
+            (
+                EarlyStopRule::Asha,
+                3,
+                0.5,
+                crate::jobspec::DEFAULT_EARLY_STOP_BAND
+            )
+        );
+        // The spec round-trips through TOML as the allocator reads it.
+        let text = toml::to_string(&s.trials[0].spec).unwrap();
+        assert_eq!(JobSpec::from_toml(&text).unwrap(), s.trials[0].spec);
+    }
+
+    #[test]
+    fn bad_early_stopping_is_refused_at_submit() {
+        let three = "lr = [0.01, 0.05, 0.2]\nbatch = [16]";
+        assert_refused(
+            &with_sweep_keys("early_stop = \"median\"", three),
+            64,
+            "unknown variant `median`",
+        );
+        assert_refused(
+            &with_sweep_keys("keep = 4", three),
+            64,
+            "`[sweep] keep` is 4 but the sweep has 3 trials",
+        );
+        assert_refused(&with_sweep_keys("keep = 0", three), 64, "`keep` is 0");
+        assert_refused(&with_sweep_keys("band = 1.5", three), 64, "`band` is 1.5");
+        assert_refused(
+            &with_sweep_keys("min_epochs = 0", three),
+            64,
+            "`min_epochs` is 0",
+        );
+        let t = TEMPLATE.replace("[job]\n", "[job]\nearly_stop = { rule = \"none\" }\n");
+        assert_refused(
+            &format!("[sweep]\nid = \"opt\"\n[sweep.grid]\n{three}\n{t}"),
+            64,
+            "`[job]` may not set `early_stop`",
+        );
+        // A job that is no trial may not carry it.
+        let job = "id = \"j\"\ncommand = [\"x\"]\nearly_stop = { rule = \"asha\" }\n";
+        let e = JobSpec::from_toml(job).unwrap_err().to_string();
+        assert!(e.contains("only a sweep's trials stop early"), "{e}");
+        let trial = format!("{job}sweep = \"s\"\n");
+        assert!(JobSpec::from_toml(&trial).is_ok());
     }
 
     #[test]

@@ -45,4 +45,5 @@ pub mod queues;
 pub mod schedule;
 pub mod shadow;
 pub mod stop;
+pub mod sweep_stop;
 pub mod throughput;

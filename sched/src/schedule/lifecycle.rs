@@ -8,10 +8,11 @@ use crate::fit_cache::FitCache;
 use crate::history::JobHistory;
 use crate::placement::master_port;
 use crate::stop::{self, StopInputs, predicted_final_loss};
+use crate::sweep_stop::{SweepTrial, TrialState, sweep_stops};
 use crate::throughput::{StepObservation, ThroughputPrior};
 use converge_common::{
-    ChangeCause, EndReason, Event, EventKind, HostId, HostTelemetry, JobEnd, JobId, JobPhase,
-    JobSpec, JobStatus, WorkerPhase,
+    ChangeCause, EarlyStopRule, EndReason, Event, EventKind, HostId, HostTelemetry, JobEnd, JobId,
+    JobPhase, JobSpec, JobStatus, WorkerPhase,
 };
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -314,4 +315,76 @@ pub(super) fn update_progress(
     let (observed, predicted) = step_times(status, fits.0, fits.1, fits.2);
     status.step_time_s = observed;
     status.predicted_step_time_s = predicted;
+}
+
+/// Ends the trials each sweep's early-stopping rule stops ([`crate::sweep_stop`]), as
+/// `completed` with the reason `early stopped`. A sweep's rule is that of its first active
+/// trial (every trial of a sweep file carries the same).
+pub(super) fn apply_sweep_early_stops(
+    specs: &BTreeMap<JobId, JobSpec>,
+    histories: &BTreeMap<JobId, JobHistory>,
+    curves: &BTreeMap<JobId, Curve>,
+    out: &mut Outcome,
+    now: f64,
+) {
+    let mut sweeps: BTreeMap<&JobId, Vec<&JobId>> = BTreeMap::new();
+    for (id, spec) in specs {
+        if let Some(sweep) = &spec.sweep {
+            sweeps.entry(sweep).or_default().push(id);
+        }
+    }
+    for ids in sweeps.values() {
+        let active = |id: &&&JobId| {
+            out.statuses
+                .get(**id)
+                .is_some_and(|s| !s.phase.is_terminal())
+        };
+        let Some(rule) = ids
+            .iter()
+            .filter(active)
+            .find_map(|id| specs[*id].early_stop)
+            .filter(|r| r.rule != EarlyStopRule::None)
+        else {
+            continue;
+        };
+        let trials: Vec<SweepTrial<'_>> = ids
+            .iter()
+            .filter_map(|id| {
+                let status = out.statuses.get(*id)?;
+                let state = match status.phase {
+                    JobPhase::Completed => TrialState::Ended {
+                        early_stopped: status
+                            .end
+                            .as_ref()
+                            .is_some_and(|e| e.reason == EndReason::EarlyStopped),
+                    },
+                    JobPhase::Failed | JobPhase::Cancelled => return None,
+                    _ => TrialState::Active,
+                };
+                Some(SweepTrial {
+                    id,
+                    state,
+                    history: histories.get(*id),
+                    curve: curves.get(*id),
+                    plateau: specs[*id].stop.and_then(|s| s.plateau),
+                })
+            })
+            .collect();
+        for stop in sweep_stops(&rule, &trials) {
+            let (Some(status), Some(spec)) =
+                (out.statuses.get_mut(&stop.job), specs.get(&stop.job))
+            else {
+                continue;
+            };
+            let history = histories.get(&stop.job);
+            status.end = Some(job_end(stop.reason, spec, history, curves.get(&stop.job)));
+            finish(
+                status,
+                JobPhase::Completed,
+                stop.message,
+                now,
+                &mut out.events,
+            );
+        }
+    }
 }

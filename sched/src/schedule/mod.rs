@@ -21,8 +21,8 @@ use allocate::allocate;
 pub use batch::batch_limits;
 use batch::update_batch;
 use lifecycle::{
-    advance, apply_stop_criteria, finish, follow_master_addr, new_status, older_generation_alive,
-    update_progress,
+    advance, apply_stop_criteria, apply_sweep_early_stops, finish, follow_master_addr, new_status,
+    older_generation_alive, update_progress,
 };
 pub use observe::known_remaining_work;
 use observe::{Fits, measured_contention, note_unmatched_selectors, observations_by_type, refits};
@@ -356,6 +356,8 @@ pub fn step(
         }
         out.statuses.insert(id.clone(), status);
     }
+    // 1b. Each sweep's early stopping, across its trials as they now stand.
+    apply_sweep_early_stops(inp.specs, inp.histories, &curves, &mut out, now);
     for (id, reason) in inp.refused_specs {
         if inp.specs.contains_key(id) {
             continue;

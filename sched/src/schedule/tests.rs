@@ -1486,3 +1486,65 @@ mod equal_inputs {
         }
     }
 }
+
+#[test]
+fn a_sweeps_early_stopping_ends_the_trial_that_cannot_reach_the_best() {
+    // Three trials of one sweep on three hosts; trial 3's loss levels off far above the
+    // others'. The default `predicted` rule (keep 2) ends it once it has run an epoch.
+    let mut w = World::default();
+    let floors = [0.10, 0.12, 0.60];
+    for (i, _) in floors.iter().enumerate() {
+        let id = format!("sw-{}", i + 1);
+        let mut spec = job(&id, 1, 1, 1.0);
+        spec.sweep = Some(JobId::new("sw").unwrap());
+        spec.early_stop = Some(converge_common::EarlyStopSpec::default());
+        w.specs.insert(JobId::new(&id).unwrap(), spec);
+        w.add_host(host(&format!("h{}", i + 1), 1, 10.0, vec![]));
+    }
+    w.step(10.0, true);
+    let mut stopped_at = None;
+    for i in 1..=40u64 {
+        let samples = i * 100;
+        let now = 10.0 + i as f64;
+        for (k, floor) in floors.iter().enumerate() {
+            let id = format!("sw-{}", k + 1);
+            if w.status(&id).phase.is_terminal() {
+                continue;
+            }
+            let host_id = w.status(&id).placement[0].host.to_string();
+            let mut r = progress(
+                &id,
+                1,
+                0,
+                &host_id,
+                i,
+                samples,
+                1.0 / (1.0 + samples as f64 / 500.0) + floor,
+                now,
+            );
+            r.line.epoch = Some(samples as f64 / 1000.0);
+            w.histories
+                .entry(JobId::new(&id).unwrap())
+                .or_default()
+                .add(&r);
+        }
+        for h in 1..=3 {
+            w.add_host(host(&format!("h{h}"), 1, now, vec![]));
+        }
+        w.step(now, false);
+        if stopped_at.is_none() && w.status("sw-3").phase.is_terminal() {
+            stopped_at = Some(samples);
+        }
+    }
+    let s = w.status("sw-3");
+    assert_eq!(s.phase, JobPhase::Completed, "{s:?}");
+    assert_eq!(s.end.as_ref().unwrap().reason, EndReason::EarlyStopped);
+    assert!(
+        s.message.as_ref().unwrap().contains("early stopped by its sweep"),
+        "{s:?}"
+    );
+    assert!(stopped_at.unwrap() >= 1000, "not before one epoch");
+    for id in ["sw-1", "sw-2"] {
+        assert!(!w.status(id).phase.is_terminal(), "{id} goes on");
+    }
+}

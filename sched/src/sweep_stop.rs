@@ -1,0 +1,359 @@
+//! Sweep early stopping: ending a sweep's weak trials before their programs or their own
+//! `[stop]` rules would, so that the sweep's GPU-hours go to the trials that can win
+//! (`[sweep] early_stop`; docs/scheduling.md "Sweep early stopping").
+//!
+//! Hyperparameter-search systems stop weak trials across a sweep by rung rules (ASHA,
+//! Li et al., MLSys'20; Optuna's successive-halving pruner). Converge already fits each
+//! trial's loss curve (SLAQ's predictor, [`crate::fit`]), so its default rule asks the curve
+//! instead: can this trial still reach the sweep's best? ASHA is here as the baseline, in
+//! the same code path. One pure function, [`sweep_stops`], called by the service's step
+//! ([`crate::schedule::step`]) once per sweep, and so by the simulator's service loop.
+//!
+//! # The value of a trial
+//!
+//! A trial is judged by its **held-out loss** (`eval_loss`) when every trial of the sweep
+//! that has reported reports one, else by its training loss (the stop message says which).
+//! Minibatch losses are noisy, so a value is the mean of the last [`TAIL_POINTS`] points that
+//! carry the metric, never a single point.
+//!
+//! # `predicted`
+//!
+//! For each active trial with a fitted curve, its **predicted final value**: its value now
+//! times the fall its training-loss curve still predicts, `L(H) / L(k)`, `k` the samples
+//! done and `H` where the trial will end: where its plateau rule would end it (the first
+//! epoch from `k` on at which the curve predicts less than the rule's improvement per
+//! epoch, [`crate::stop::predicted_improvement_per_epoch`]), else the curve's asymptote.
+//! The curve cannot say how long the program runs, so `L(H)` is the lowest loss the trial
+//! can reach: an optimistic prediction for the trial judged. A trial that has ended is
+//! valued at its final value, exactly.
+//!
+//! The prediction's error band `b` ([`EarlyStopSpec::band`], default 10 %) widens each
+//! prediction to `[(1 − b)·p, (1 + b)·p]`. A trial is stopped when the low end of its band
+//! is above the high end of at least `keep` other trials' (ended trials: their values):
+//! even if it did as well as its band allows and they as badly, `keep` trials would still
+//! beat it. The `keep` best trials are thus never stopped.
+//!
+//! # `asha`
+//!
+//! Rungs at `min_epochs · 3^r` epochs (`r = 0, 1, …`). When a trial has passed a rung, its
+//! value there (the mean of the last points up to the rung) is compared with the values
+//! there of every trial of the sweep that passed it no later; it goes on only if it is
+//! among the best `max(1, ⌊n/3⌋)` of those `n` (Optuna's successive-halving pruner;
+//! the first trial at a rung always goes on). Judged at the highest rung passed, by when
+//! each trial passed it, so a verdict does not change as later trials arrive.
+//!
+//! # Both
+//!
+//! A trial is never stopped before it has run `min_epochs` epochs with a fitted curve (its
+//! workers must report `epoch`), nor when fewer than `keep` other trials would be left not
+//! early-stopped. Failed and cancelled trials do not count.
+
+use crate::fit::Curve;
+use crate::history::{JobHistory, ProgressPoint};
+use crate::stop::predicted_improvement_per_epoch;
+use converge_common::{EarlyStopRule, EarlyStopSpec, EndReason, JobId, PlateauSpec};
+
+/// Points averaged into a trial's value (at most; fewer early on).
+pub const TAIL_POINTS: usize = 5;
+
+/// ASHA's reduction factor (η): a third of the trials at a rung go on.
+pub const ASHA_REDUCTION: f64 = 3.0;
+
+/// Most epochs ahead the `predicted` rule looks for where a plateau rule would end a trial.
+pub const MAX_HORIZON_EPOCHS: u32 = 1000;
+
+/// Where a trial stands, as the step sees it.
+#[derive(Debug, Clone, Copy)]
+pub enum TrialState {
+    /// Pending, restarting or running: the rule may stop it.
+    Active,
+    /// Completed: valued at its final value. `early_stopped`: ended by this rule before.
+    Ended { early_stopped: bool },
+}
+
+/// One trial of a sweep.
+#[derive(Debug, Clone, Copy)]
+pub struct SweepTrial<'a> {
+    pub id: &'a JobId,
+    pub state: TrialState,
+    pub history: Option<&'a JobHistory>,
+    /// The trial's fitted training-loss curve (active trials).
+    pub curve: Option<&'a Curve>,
+    /// The trial's own plateau rule (`[stop.plateau]`), which bounds where it ends.
+    pub plateau: Option<PlateauSpec>,
+}
+
+/// A trial the rule stops, and why (for the trial's status message and event).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EarlyStop {
+    pub job: JobId,
+    pub reason: EndReason,
+    pub message: String,
+}
+
+/// Which loss the sweep's trials are compared by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    /// `eval_loss`: every trial that reported reports it.
+    HeldOut,
+    /// Training loss: some trial reports no held-out loss.
+    Training,
+}
+
+impl Metric {
+    fn name(self) -> &'static str {
+        match self {
+            Metric::HeldOut => "held-out loss",
+            Metric::Training => "training loss",
+        }
+    }
+
+    fn of(self, p: &ProgressPoint) -> Option<f64> {
+        match self {
+            Metric::HeldOut => p.eval_loss,
+            Metric::Training => Some(p.loss),
+        }
+        .filter(|v| v.is_finite())
+    }
+}
+
+/// The metric a sweep is judged by: held-out loss when every trial with points reports it.
+pub fn metric(trials: &[SweepTrial<'_>]) -> Metric {
+    let reported: Vec<&JobHistory> = trials
+        .iter()
+        .filter_map(|t| t.history)
+        .filter(|h| !h.points().is_empty())
+        .collect();
+    if !reported.is_empty()
+        && reported
+            .iter()
+            .all(|h| h.points().iter().any(|p| p.eval_loss.is_some()))
+    {
+        Metric::HeldOut
+    } else {
+        Metric::Training
+    }
+}
+
+/// The mean of the metric over the last [`TAIL_POINTS`] points of `points` that carry it.
+fn tail_value(points: &[ProgressPoint], metric: Metric) -> Option<f64> {
+    let tail: Vec<f64> = points
+        .iter()
+        .rev()
+        .filter_map(|p| metric.of(p))
+        .take(TAIL_POINTS)
+        .collect();
+    (!tail.is_empty()).then(|| tail.iter().sum::<f64>() / tail.len() as f64)
+}
+
+/// A trial's value now (module docs).
+pub fn value_now(history: &JobHistory, metric: Metric) -> Option<f64> {
+    tail_value(history.points(), metric)
+}
+
+/// A trial's value where it first passed `samples`, and the time of that report; `None`
+/// before it gets there.
+pub fn value_at(history: &JobHistory, samples: f64, metric: Metric) -> Option<(f64, f64)> {
+    let points = history.points();
+    let i = points.iter().position(|p| p.samples as f64 >= samples)?;
+    Some((tail_value(&points[..=i], metric)?, points[i].time))
+}
+
+/// Samples at which a trial with `curve` at `samples` will end: where `plateau` would end
+/// it, else never (`f64::INFINITY`, the asymptote).
+pub fn end_samples(
+    curve: &Curve,
+    samples: f64,
+    epoch_samples: Option<f64>,
+    plateau: Option<PlateauSpec>,
+) -> f64 {
+    let (Some(p), Some(epoch)) = (plateau, epoch_samples) else {
+        return f64::INFINITY;
+    };
+    (0..=MAX_HORIZON_EPOCHS)
+        .map(|e| samples.max(p.window_epochs * epoch) + f64::from(e) * epoch)
+        .find(|&k| {
+            predicted_improvement_per_epoch(curve, k, epoch, p.window_epochs)
+                .is_none_or(|g| g < p.min_improvement)
+        })
+        .unwrap_or(f64::INFINITY)
+}
+
+/// The trial's predicted final value (module docs, `predicted`), `None` without a value or,
+/// for an active trial, a curve.
+pub fn predicted_final(t: &SweepTrial<'_>, metric: Metric) -> Option<f64> {
+    let h = t.history?;
+    let now = value_now(h, metric)?;
+    match t.state {
+        TrialState::Ended { .. } => Some(now),
+        TrialState::Active => {
+            let curve = t.curve?;
+            let samples = h.latest()?.samples as f64;
+            let at = curve.predict(samples);
+            let end = curve.predict(end_samples(curve, samples, h.epoch_samples(), t.plateau));
+            let fall = if at > 0.0 && end.is_finite() {
+                (end / at).clamp(0.0, 1.0)
+            } else {
+                1.0
+            };
+            Some(now * fall)
+        }
+    }
+}
+
+/// Whether the rule may judge the trial yet: active, with a curve and `min_epochs` epochs.
+fn eligible(t: &SweepTrial<'_>, spec: &EarlyStopSpec) -> bool {
+    let Some(h) = t.history else { return false };
+    matches!(t.state, TrialState::Active)
+        && t.curve.is_some()
+        && h.epoch_samples()
+            .zip(h.latest())
+            .is_some_and(|(epoch, p)| p.samples as f64 >= spec.min_epochs * epoch)
+}
+
+/// The trials of one sweep that `spec` stops now, with the reasons (module docs). Pure and
+/// deterministic: trials are judged in the order given.
+pub fn sweep_stops(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>]) -> Vec<EarlyStop> {
+    let metric = metric(trials);
+    let mut stops = match spec.rule {
+        EarlyStopRule::None => return Vec::new(),
+        EarlyStopRule::Predicted => predicted(spec, trials, metric),
+        EarlyStopRule::Asha => asha(spec, trials, metric),
+    };
+    // Never leave fewer than `keep` trials not early-stopped.
+    let mut left = trials
+        .iter()
+        .filter(|t| {
+            !matches!(
+                t.state,
+                TrialState::Ended {
+                    early_stopped: true
+                }
+            )
+        })
+        .count();
+    stops.retain(|_| {
+        let ok = left > spec.keep as usize;
+        left -= usize::from(ok);
+        ok
+    });
+    if metric == Metric::Training {
+        for s in &mut stops {
+            s.message.push_str(
+                "; ranked by training loss (some trial of the sweep reports no held-out loss)",
+            );
+        }
+    }
+    stops
+}
+
+fn predicted(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>], metric: Metric) -> Vec<EarlyStop> {
+    let b = spec.band;
+    // Per trial: its band's low and high end.
+    let bands: Vec<Option<(f64, f64)>> = trials
+        .iter()
+        .map(|t| {
+            let p = predicted_final(t, metric)?;
+            Some(match t.state {
+                TrialState::Ended { .. } => (p, p),
+                TrialState::Active => ((1.0 - b) * p, (1.0 + b) * p),
+            })
+        })
+        .collect();
+    let keep = spec.keep as usize;
+    let mut out = Vec::new();
+    for (i, t) in trials.iter().enumerate() {
+        let Some((low, _)) = bands[i].filter(|_| eligible(t, spec)) else {
+            continue;
+        };
+        let mut better: Vec<f64> = bands
+            .iter()
+            .enumerate()
+            .filter(|(j, _)| *j != i)
+            .filter_map(|(_, v)| v.map(|v| v.1))
+            .filter(|&high| high < low)
+            .collect();
+        if better.len() < keep {
+            continue;
+        }
+        better.sort_by(f64::total_cmp);
+        let message = format!(
+            "early stopped by its sweep (predicted): its {} cannot get below {low:.4} \
+             (prediction less the {:.0} % band), and {} other trials are predicted to end \
+             below that (the {}{} best at most {:.4})",
+            metric.name(),
+            b * 100.0,
+            better.len(),
+            keep,
+            ordinal(keep),
+            better[keep - 1]
+        );
+        out.push(EarlyStop {
+            job: t.id.clone(),
+            reason: EndReason::EarlyStopped,
+            message,
+        });
+    }
+    out
+}
+
+fn asha(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>], metric: Metric) -> Vec<EarlyStop> {
+    let mut out = Vec::new();
+    for t in trials.iter().filter(|t| eligible(t, spec)) {
+        let Some(h) = t.history else { continue };
+        let (Some(epoch), Some(latest)) = (h.epoch_samples(), h.latest()) else {
+            continue;
+        };
+        let done_epochs = latest.samples as f64 / epoch;
+        // The highest rung passed.
+        let mut rung = spec.min_epochs;
+        while rung * ASHA_REDUCTION <= done_epochs {
+            rung *= ASHA_REDUCTION;
+        }
+        let Some((mine, when)) = value_at(h, rung * epoch, metric) else {
+            continue;
+        };
+        // Every trial that passed the rung no later, this one included.
+        let mut there: Vec<f64> = trials
+            .iter()
+            .filter(|o| o.id != t.id)
+            .filter_map(|o| {
+                let oh = o.history?;
+                let oe = oh.epoch_samples()?;
+                value_at(oh, rung * oe, metric).filter(|(_, w)| *w <= when)
+            })
+            .map(|(v, _)| v)
+            .collect();
+        there.push(mine);
+        there.sort_by(f64::total_cmp);
+        let n = there.len();
+        let promoted = ((n as f64 / ASHA_REDUCTION).floor() as usize).max(1);
+        let cut = there[promoted - 1];
+        if mine > cut {
+            out.push(EarlyStop {
+                job: t.id.clone(),
+                reason: EndReason::EarlyStopped,
+                message: format!(
+                    "early stopped by its sweep (asha): at the rung of {rung} epochs its {} \
+                     {mine:.4} is not among the best {promoted} of the {n} trials there \
+                     (at most {cut:.4})",
+                    metric.name()
+                ),
+            });
+        }
+    }
+    out
+}
+
+fn ordinal(n: usize) -> &'static str {
+    match (n % 10, n % 100) {
+        (_, 11..=13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,266 @@
+use super::*;
+use crate::fit::{FitConfig, fit_loss_curve};
+use converge_common::{HostId, ProgressReport};
+
+/// Samples in one epoch of the synthetic trials.
+const EPOCH: f64 = 1000.0;
+
+/// A trial whose loss falls as `scale / (1 + s / 500) + floor`, reported every 100 samples
+/// up to `epochs` epochs, one report per second from `start`; held-out loss 10 % above the
+/// training loss when `eval`.
+fn history(floor: f64, epochs: f64, start: f64, eval: bool) -> JobHistory {
+    let mut h = JobHistory::default();
+    let job = JobId::new("t").unwrap();
+    let host = HostId::new("h").unwrap();
+    let n = (epochs * EPOCH / 100.0).round() as u64;
+    for i in 1..=n {
+        let s = i * 100;
+        let loss = 1.0 / (1.0 + s as f64 / 500.0) + floor;
+        let mut r = ProgressReport::new(
+            job.clone(),
+            1,
+            0,
+            host.clone(),
+            i,
+            s,
+            loss,
+            start + i as f64,
+        );
+        r.line.epoch = Some(s as f64 / EPOCH);
+        r.line.eval_loss = eval.then_some(loss * 1.1);
+        h.add(&r);
+    }
+    h
+}
+
+fn curve(h: &JobHistory) -> Curve {
+    fit_loss_curve(&h.loss_points(), &FitConfig::default()).expect("a curve fits")
+}
+
+fn ids(n: usize) -> Vec<JobId> {
+    (1..=n)
+        .map(|i| JobId::new(format!("s-{i}")).unwrap())
+        .collect()
+}
+
+fn trials<'a>(
+    ids: &'a [JobId],
+    hs: &'a [JobHistory],
+    cs: &'a [Option<Curve>],
+    states: &[TrialState],
+) -> Vec<SweepTrial<'a>> {
+    (0..ids.len())
+        .map(|i| SweepTrial {
+            id: &ids[i],
+            state: states[i],
+            history: Some(&hs[i]),
+            curve: cs[i].as_ref(),
+            plateau: None,
+        })
+        .collect()
+}
+
+fn spec(rule: EarlyStopRule, keep: u32) -> EarlyStopSpec {
+    EarlyStopSpec {
+        rule,
+        keep,
+        ..EarlyStopSpec::default()
+    }
+}
+
+const ACTIVE: TrialState = TrialState::Active;
+
+#[test]
+fn predicted_stops_a_trial_that_cannot_reach_the_keep_best_and_only_then() {
+    let ids = ids(3);
+    let hs = vec![
+        history(0.10, 2.0, 0.0, false),
+        history(0.12, 2.0, 0.0, false),
+        history(0.60, 2.0, 0.0, false),
+    ];
+    let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    let t = trials(&ids, &hs, &cs, &[ACTIVE; 3]);
+    let stops = sweep_stops(&spec(EarlyStopRule::Predicted, 2), &t);
+    assert_eq!(stops.len(), 1, "{stops:?}");
+    assert_eq!(stops[0].job, ids[2]);
+    assert_eq!(stops[0].reason, EndReason::EarlyStopped);
+    assert!(
+        stops[0].message.contains("training loss"),
+        "{}",
+        stops[0].message
+    );
+    // Keeping all three stops none; a band wider than the gap stops none either.
+    assert!(sweep_stops(&spec(EarlyStopRule::Predicted, 3), &t).is_empty());
+    let wide = EarlyStopSpec {
+        band: 0.9,
+        ..spec(EarlyStopRule::Predicted, 2)
+    };
+    assert!(sweep_stops(&wide, &t).is_empty());
+    // Trials as good as each other are never stopped.
+    let close = vec![
+        history(0.10, 2.0, 0.0, false),
+        history(0.10, 2.0, 0.0, false),
+        history(0.11, 2.0, 0.0, false),
+    ];
+    let cc: Vec<Option<Curve>> = close.iter().map(|h| Some(curve(h))).collect();
+    let t = trials(&ids, &close, &cc, &[ACTIVE; 3]);
+    assert!(sweep_stops(&spec(EarlyStopRule::Predicted, 1), &t).is_empty());
+}
+
+#[test]
+fn no_rule_stops_a_trial_before_min_epochs_or_without_a_curve() {
+    let ids = ids(3);
+    let hs = vec![
+        history(0.10, 2.0, 0.0, false),
+        history(0.12, 2.0, 0.0, false),
+        history(0.60, 0.8, 0.0, false),
+    ];
+    let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    for rule in [EarlyStopRule::Predicted, EarlyStopRule::Asha] {
+        let t = trials(&ids, &hs, &cs, &[ACTIVE; 3]);
+        let stops = sweep_stops(&spec(rule, 1), &t);
+        assert!(stops.iter().all(|s| s.job != ids[2]), "{rule:?}: {stops:?}");
+    }
+    let hs = vec![
+        history(0.10, 2.0, 0.0, false),
+        history(0.12, 2.0, 0.0, false),
+        history(0.60, 2.0, 0.0, false),
+    ];
+    let mut cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    cs[2] = None;
+    let t = trials(&ids, &hs, &cs, &[ACTIVE; 3]);
+    assert!(sweep_stops(&spec(EarlyStopRule::Predicted, 1), &t).is_empty());
+    assert!(sweep_stops(&spec(EarlyStopRule::None, 1), &t).is_empty());
+}
+
+#[test]
+fn held_out_loss_ranks_when_every_trial_reports_it() {
+    let ids = ids(3);
+    let hs = vec![
+        history(0.10, 2.0, 0.0, true),
+        history(0.12, 2.0, 0.0, true),
+        history(0.60, 2.0, 0.0, true),
+    ];
+    let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    let t = trials(&ids, &hs, &cs, &[ACTIVE; 3]);
+    assert_eq!(metric(&t), Metric::HeldOut);
+    let stops = sweep_stops(&spec(EarlyStopRule::Predicted, 2), &t);
+    assert_eq!(stops.len(), 1);
+    assert!(
+        stops[0].message.contains("held-out loss"),
+        "{}",
+        stops[0].message
+    );
+    assert!(!stops[0].message.contains("ranked by training loss"));
+    // The held-out value is the mean of the last points' eval_loss.
+    let last = value_now(&hs[0], Metric::HeldOut).unwrap();
+    let train = value_now(&hs[0], Metric::Training).unwrap();
+    assert!((last / train - 1.1).abs() < 1e-3, "{last} {train}");
+    // One trial without held-out loss: all are ranked by training loss, and it says so.
+    let mixed = vec![
+        history(0.10, 2.0, 0.0, true),
+        history(0.12, 2.0, 0.0, false),
+        history(0.60, 2.0, 0.0, true),
+    ];
+    let cm: Vec<Option<Curve>> = mixed.iter().map(|h| Some(curve(h))).collect();
+    let t = trials(&ids, &mixed, &cm, &[ACTIVE; 3]);
+    assert_eq!(metric(&t), Metric::Training);
+    let stops = sweep_stops(&spec(EarlyStopRule::Predicted, 2), &t);
+    assert!(
+        stops[0].message.contains("ranked by training loss"),
+        "{}",
+        stops[0].message
+    );
+}
+
+#[test]
+fn the_plateau_rule_bounds_the_prediction_and_ended_trials_count_at_their_value() {
+    let h = history(0.10, 2.0, 0.0, false);
+    let c = curve(&h);
+    let samples = h.latest().unwrap().samples as f64;
+    let plateau = PlateauSpec {
+        min_improvement: 0.05,
+        window_epochs: 1.0,
+    };
+    let end = end_samples(&c, samples, h.epoch_samples(), Some(plateau));
+    assert!(end.is_finite() && end >= samples, "{end}");
+    assert_eq!(end_samples(&c, samples, None, Some(plateau)), f64::INFINITY);
+    let ids = ids(1);
+    let bounded = SweepTrial {
+        id: &ids[0],
+        state: ACTIVE,
+        history: Some(&h),
+        curve: Some(&c),
+        plateau: Some(plateau),
+    };
+    let unbounded = SweepTrial {
+        plateau: None,
+        ..bounded
+    };
+    let (pb, pu) = (
+        predicted_final(&bounded, Metric::Training).unwrap(),
+        predicted_final(&unbounded, Metric::Training).unwrap(),
+    );
+    assert!(pu <= pb, "the asymptote is the lowest: {pu} {pb}");
+    let ended = SweepTrial {
+        state: TrialState::Ended {
+            early_stopped: false,
+        },
+        ..bounded
+    };
+    assert_eq!(
+        predicted_final(&ended, Metric::Training),
+        value_now(&h, Metric::Training)
+    );
+}
+
+#[test]
+fn early_stopped_trials_do_not_count_toward_keep() {
+    let ids = ids(3);
+    let hs = vec![
+        history(0.05, 3.0, 0.0, false),
+        history(0.10, 2.0, 0.0, false),
+        history(0.60, 2.0, 0.0, false),
+    ];
+    let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    let stopped = TrialState::Ended {
+        early_stopped: true,
+    };
+    // Trial 1 was stopped before (it ended with its value); keep 2 leaves trials 2 and 3.
+    let t = trials(&ids, &hs, &cs, &[stopped, ACTIVE, ACTIVE]);
+    assert!(sweep_stops(&spec(EarlyStopRule::Predicted, 2), &t).is_empty());
+    let done = TrialState::Ended {
+        early_stopped: false,
+    };
+    let t = trials(&ids, &hs, &cs, &[done, ACTIVE, ACTIVE]);
+    assert_eq!(sweep_stops(&spec(EarlyStopRule::Predicted, 2), &t).len(), 1);
+}
+
+#[test]
+fn asha_keeps_the_best_third_at_each_rung_by_arrival() {
+    // Four trials reach the first rung (1 epoch) one after another: 0.3, 0.1, 0.5, 0.2.
+    let ids = ids(4);
+    let floors = [0.3, 0.1, 0.5, 0.2];
+    let hs: Vec<JobHistory> = floors
+        .iter()
+        .enumerate()
+        .map(|(i, f)| history(*f, 1.5, i as f64 * 100.0, false))
+        .collect();
+    let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    let t = trials(&ids, &hs, &cs, &[ACTIVE; 4]);
+    let stopped: Vec<&JobId> = sweep_stops(&spec(EarlyStopRule::Asha, 1), &t)
+        .iter()
+        .map(|s| &ids[ids.iter().position(|i| *i == s.job).unwrap()])
+        .collect();
+    // First at the rung goes on; the second is better than the first (goes on); the third
+    // is not the best of 3 (stopped); the fourth is second of 4, not the best 1 (stopped).
+    assert_eq!(stopped, vec![&ids[2], &ids[3]]);
+    let s = sweep_stops(&spec(EarlyStopRule::Asha, 1), &t);
+    assert!(
+        s[0].message.contains("rung of 1 epochs"),
+        "{}",
+        s[0].message
+    );
+    // `keep` 3 of 4: only one may be stopped.
+    assert_eq!(sweep_stops(&spec(EarlyStopRule::Asha, 3), &t).len(), 1);
+}
