@@ -3,8 +3,8 @@
 # demo_args SCRIPT OPTION VAR ARGS...: parses a demo's options into the caller's globals:
 # --debug (appended to `extra`), --out DIR (`out`, default a new temporary directory, made
 # and resolved), --duration SECONDS (`duration`), --OPTION VALUE (the variable named VAR)
-# and -h/--help (prints the script's header lines 2 to 14). Set the defaults of `duration`
-# and VAR before.
+# and -h/--help (prints the script's header: its comment lines after the first). Set the
+# defaults of `duration` and VAR before.
 demo_args() {
     local script="$1" option="$2" var="$3"
     shift 3
@@ -16,7 +16,7 @@ demo_args() {
             --out) out="$2"; shift 2 ;;
             --duration) duration="$2"; shift 2 ;;
             "--$option") printf -v "$var" '%s' "$2"; shift 2 ;;
-            -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+            -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
             *) echo "$script: unknown option $1 (see --help)" >&2; exit 2 ;;
         esac
     done

@@ -339,6 +339,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if cli.json {
                 println!("{}", serde_json::to_string_pretty(&sweeps::json(&rows))?);
             } else {
+                println!("sweep {id}, {}", sweeps::basis(&rows).describe());
                 println!("{}", text::terminal_safe(&sweeps::table(&rows).to_string()));
             }
         }

@@ -1,8 +1,12 @@
 //! `converge jobs --sweep ID`: a sweep's trials ranked best first, as a table or as JSON
 //! (the same ranking).
 //!
-//! **Ranking.** A trial's score is its predicted loss (for an ended trial the loss its fitted
-//! curve predicts it would have reached, `status.end.predicted_loss`; for the others the
+//! **Ranking.** By **held-out loss** (`eval_loss`, the latest rank 0 reported) when every
+//! trial that reports a loss reports one: a sweep picks the model that generalizes, and the
+//! allocator's early stopping judges trials the same way ([`converge_common::EarlyStopRule`]).
+//! Otherwise (a trial reports no held-out loss; the table's title says which) a trial's
+//! score is its predicted training loss (for an ended trial the loss its fitted curve
+//! predicts it would have reached, `status.end.predicted_loss`; for the others the
 //! allocator's one-horizon prediction, `status.predicted_loss`), or its current loss while it
 //! has no prediction. Lower is better; ties go to the lower current loss, then to the trial
 //! id. Trials without any loss yet come last, in id order.
@@ -50,7 +54,12 @@ impl Ranked<'_> {
         self.status?.end.as_ref().map(|e| e.gpu_hours)
     }
 
-    /// What the ranking sorts by: the predicted loss, else the current loss.
+    /// Rank 0's latest held-out loss.
+    pub fn held_out(&self) -> Option<f64> {
+        finite(self.status?.eval_loss)
+    }
+
+    /// The training-loss score: the predicted loss, else the current loss.
     pub fn score(&self) -> Option<f64> {
         self.predicted_loss().or_else(|| self.loss())
     }
@@ -58,6 +67,42 @@ impl Ranked<'_> {
     /// `submitted`, the phase, or the phase with how the trial ended (`completed (converged)`).
     pub fn state(&self) -> String {
         self.status.map_or("submitted".into(), tables::phase)
+    }
+}
+
+/// What a sweep's trials are ranked by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Basis {
+    /// Every trial with a loss reports a held-out loss.
+    HeldOut,
+    /// Predicted training loss; the first trial (by id) that reports a loss but no held-out
+    /// loss, if any.
+    Training(Option<JobId>),
+}
+
+impl Basis {
+    /// For the table's title.
+    pub fn describe(&self) -> String {
+        match self {
+            Basis::HeldOut => "ranked by held-out loss".into(),
+            Basis::Training(Some(id)) => {
+                format!("ranked by predicted training loss: trial {id} reports no held-out loss")
+            }
+            Basis::Training(None) => {
+                "ranked by predicted training loss: no trial reports a loss yet".into()
+            }
+        }
+    }
+}
+
+/// What the trials of `rows` are ranked by ([module docs](self)).
+pub fn basis(rows: &[Ranked<'_>]) -> Basis {
+    let mut reporting: Vec<&Ranked<'_>> = rows.iter().filter(|r| r.loss().is_some()).collect();
+    reporting.sort_by(|a, b| a.spec.id.cmp(&b.spec.id));
+    match reporting.iter().find(|r| r.held_out().is_none()) {
+        None if !reporting.is_empty() => Basis::HeldOut,
+        None => Basis::Training(None),
+        Some(r) => Basis::Training(Some(r.spec.id.clone())),
     }
 }
 
@@ -79,8 +124,10 @@ pub fn rank<'a>(sweep: &JobId, specs: &'a [JobSpec], statuses: &'a [JobStatus]) 
         (None, Some(_)) => Ordering::Greater,
         (None, None) => Ordering::Equal,
     };
+    let held_out = basis(&rows) == Basis::HeldOut;
+    let score = |r: &Ranked<'_>| if held_out { r.held_out() } else { r.score() };
     rows.sort_by(|a, b| {
-        by(a.score(), b.score())
+        by(score(a), score(b))
             .then_with(|| by(a.loss(), b.loss()))
             .then_with(|| a.spec.id.cmp(&b.spec.id))
     });
@@ -110,7 +157,7 @@ pub fn table(rows: &[Ranked<'_>]) -> Table {
     let mut header = vec!["RANK".to_string(), "TRIAL".to_string()];
     header.extend(params.iter().cloned());
     header.extend(
-        ["STATE", "WORKERS", "GPU-h", "LOSS", "PREDICTED"]
+        ["STATE", "WORKERS", "GPU-h", "LOSS", "PREDICTED", "HELD-OUT"]
             .into_iter()
             .map(String::from),
     );
@@ -134,6 +181,7 @@ pub fn table(rows: &[Ranked<'_>]) -> Table {
         row.push(r.gpu_hours().map_or("-".into(), |h| format!("{h:.4}")));
         row.push(loss(r.loss()));
         row.push(loss(r.predicted_loss()));
+        row.push(loss(r.held_out()));
         t.add_row(row);
     }
     t
@@ -161,6 +209,7 @@ pub fn json(rows: &[Ranked<'_>]) -> serde_json::Value {
                 "gpu_hours": r.gpu_hours(),
                 "loss": r.loss(),
                 "predicted_loss": r.predicted_loss(),
+                "held_out_loss": r.held_out(),
                 "spec": r.spec,
                 "status": r.status,
             })
@@ -345,5 +394,46 @@ command = ["t", "--lr", "{lr}", "--batch-size", "{batch}"]
         assert_eq!(arr[3]["end_reason"], "deadline");
         assert_eq!(arr[5]["phase"], "submitted");
         assert_eq!(arr[5]["status"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn trials_rank_by_held_out_loss_when_every_reporting_trial_has_one() {
+        let specs = specs();
+        let mut statuses = statuses();
+        // Held-out losses reverse the training order of s-2 and s-1.
+        for (job, eval) in [
+            ("s-1", 0.30),
+            ("s-2", 0.50),
+            ("s-3", 0.40),
+            ("s-4", 0.60),
+            ("s-5", 0.90),
+        ] {
+            statuses
+                .iter_mut()
+                .find(|s| s.job.as_str() == job)
+                .unwrap()
+                .eval_loss = Some(eval);
+        }
+        let rows = rank(&JobId::new("s").unwrap(), &specs, &statuses);
+        assert_eq!(basis(&rows), Basis::HeldOut);
+        let ids: Vec<&str> = rows.iter().map(|r| r.spec.id.as_str()).collect();
+        assert_eq!(ids, ["s-1", "s-3", "s-2", "s-4", "s-5", "s-6"]);
+        assert!(table(&rows).to_string().contains("HELD-OUT"));
+        assert_eq!(json(&rows)[0]["held_out_loss"], 0.3);
+        // One reporting trial without held-out loss: the training ranking, and why.
+        statuses
+            .iter_mut()
+            .find(|s| s.job.as_str() == "s-3")
+            .unwrap()
+            .eval_loss = None;
+        let rows = rank(&JobId::new("s").unwrap(), &specs, &statuses);
+        let b = basis(&rows);
+        assert_eq!(b, Basis::Training(Some(JobId::new("s-3").unwrap())));
+        assert!(
+            b.describe().contains("trial s-3 reports no held-out loss"),
+            "{}",
+            b.describe()
+        );
+        assert_eq!(rows[0].spec.id.as_str(), "s-2");
     }
 }

@@ -32,7 +32,9 @@
 
 use crate::apps::Application;
 use anyhow::Context as _;
-use converge_common::{EndReason, HostId, JobId, ProgressReport, RankPlacement, StopSpec};
+use converge_common::{
+    EarlyStopRule, EarlyStopSpec, EndReason, HostId, JobId, ProgressReport, RankPlacement, StopSpec,
+};
 use converge_sched::decide::{BatchSize, ClusterState, JobView, decide};
 use converge_sched::fit::FitConfig;
 use converge_sched::fit_cache::{FitCache, ModelScope};
@@ -72,6 +74,9 @@ pub struct RecordedCurve {
     samples: Vec<f64>,
     loss: Vec<f64>,
     truth: Vec<f64>,
+    /// Held-out loss at each row, where the run has an `eval_loss` column with a value in
+    /// every row (else `None`).
+    eval: Option<Vec<f64>>,
     /// Samples per epoch of the run's training set.
     pub epoch_samples: f64,
     /// Lowest true loss of the run.
@@ -91,7 +96,9 @@ impl RecordedCurve {
                 .with_context(|| format!("{name}: no `{n}` column"))
         };
         let (cs, cl, ce) = (col("samples")?, col("loss")?, col("epoch")?);
+        let cv = headers.iter().position(|h| h == "eval_loss");
         let (mut samples, mut loss) = (Vec::new(), Vec::new());
+        let mut eval: Option<Vec<f64>> = cv.map(|_| Vec::new());
         let mut epoch_samples = None;
         for row in reader.records() {
             let row = row?;
@@ -110,6 +117,12 @@ impl RecordedCurve {
             }
             samples.push(s);
             loss.push(l);
+            let e = cv.and_then(num).filter(|e| e.is_finite());
+            match (&mut eval, e) {
+                (Some(v), Some(e)) => v.push(e),
+                (Some(_), None) => eval = None,
+                _ => {}
+            }
         }
         anyhow::ensure!(samples.len() >= 10, "{name}: fewer than 10 finite rows");
         let epoch_samples = epoch_samples.with_context(|| format!("{name}: no epoch figures"))?;
@@ -128,6 +141,7 @@ impl RecordedCurve {
             samples,
             loss,
             truth,
+            eval,
             epoch_samples,
             floor,
         })
@@ -159,6 +173,12 @@ impl RecordedCurve {
     /// The smoothed (true) loss at position `x`.
     pub fn true_loss(&self, x: f64) -> f64 {
         self.interpolate(&self.truth, x)
+    }
+
+    /// The held-out loss at position `x` (what a worker evaluating every report would
+    /// print), `None` when the run has none.
+    pub fn eval_loss(&self, x: f64) -> Option<f64> {
+        self.eval.as_ref().map(|v| self.interpolate(v, x))
     }
 
     /// SLAQ's normalized loss at `x` (module docs), in `[0, 1]`.
@@ -318,6 +338,9 @@ pub struct ExploreConfig {
     pub report_every_s: f64,
     /// Stop criteria of every trial; `None`: every trial runs its whole curve.
     pub stop: Option<StopSpec>,
+    /// Each sweep's early stopping (`[sweep] early_stop`; the service loop only: the
+    /// allocator's step applies it). `None`: none, as `early_stop = "none"`.
+    pub early_stop: Option<EarlyStopSpec>,
     pub placement: PlacementKind,
     /// Simulated time after which the run stops, seconds.
     pub max_time_s: f64,
@@ -332,6 +355,7 @@ impl Default for ExploreConfig {
             restart_delay_s: 10.0,
             report_every_s: 2.0,
             stop: Some(default_stop()),
+            early_stop: None,
             placement: PlacementKind::FirstFit,
             max_time_s: 7.0 * 24.0 * 3600.0,
         }
@@ -364,6 +388,8 @@ pub struct TrialOutcome {
     pub final_loss: f64,
     /// Normalized loss where it ended.
     pub final_normalized: f64,
+    /// Held-out loss where it ended (`None`: its curve has none).
+    pub final_eval: Option<f64>,
     /// GPU-hours it held (restarts included).
     pub gpu_hours: f64,
     pub time_to_80: Option<f64>,
@@ -539,6 +565,7 @@ impl Trial<'_> {
                 now + stall + elapsed,
             );
             r.line.epoch = Some(x / self.curve.epoch_samples);
+            r.line.eval_loss = self.curve.eval_loss(x);
             r.workers = Some(workers);
             r.hosts = Some(nodes);
             self.history.add(&r);
@@ -562,6 +589,7 @@ impl Trial<'_> {
             reason: self.ended.and_then(|(_, r)| r),
             final_loss: self.curve.true_loss(self.x),
             final_normalized: self.curve.normalized(self.x),
+            final_eval: self.curve.eval_loss(self.x),
             gpu_hours: self.gpu_seconds / 3600.0,
             time_to_80: self.times[0],
             time_to_90: self.times[1],
@@ -608,6 +636,10 @@ pub fn simulate(
     policy: &dyn Policy,
     cfg: &ExploreConfig,
 ) -> anyhow::Result<ExploreResult> {
+    anyhow::ensure!(
+        cfg.early_stop.is_none_or(|e| e.rule == EarlyStopRule::None),
+        "sweep early stopping is the allocator's: it runs in the service loop only (--loop service)"
+    );
     let wall = Instant::now();
     let wants = policy.inputs();
     let mut state = trials_of(curves, apps, trials)?;
@@ -772,13 +804,25 @@ pub struct ExploreSummary {
     pub mean_jct: f64,
     /// Mean normalized loss trials ended at.
     pub mean_final_normalized: f64,
-    /// Per sweep: GPU-hours of all its trials, its best trial's final true loss.
-    pub sweeps: BTreeMap<String, (f64, f64)>,
+    /// Per sweep: GPU-hours of all its trials and its best trial's losses.
+    pub sweeps: BTreeMap<String, SweepSummary>,
     /// How trials ended: reason (or `running`) → count.
     pub ends: BTreeMap<String, usize>,
     pub makespan_s: f64,
     /// Mean allocation changes per trial that moved or resized it while it ran.
     pub restarts_per_trial: f64,
+}
+
+/// One sweep of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SweepSummary {
+    /// GPU-hours all its trials held (restarts included).
+    pub gpu_hours: f64,
+    /// The lowest true (smoothed) training loss a trial ended at.
+    pub best_loss: f64,
+    /// The lowest held-out loss a trial ended at: the best trial as a user picks it by
+    /// held-out loss (`None`: the curves have none).
+    pub best_eval: Option<f64>,
 }
 
 /// Summarizes a run.
@@ -791,14 +835,19 @@ pub fn summarize(r: &ExploreResult) -> ExploreSummary {
             got.len() as f64 / n,
         )
     };
-    let mut sweeps: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    let mut sweeps: BTreeMap<String, SweepSummary> = BTreeMap::new();
     let mut ends: BTreeMap<String, usize> = BTreeMap::new();
     for t in &r.trials {
-        let e = sweeps
-            .entry(t.sweep.clone())
-            .or_insert((0.0, f64::INFINITY));
-        e.0 += t.gpu_hours;
-        e.1 = e.1.min(t.final_loss);
+        let e = sweeps.entry(t.sweep.clone()).or_insert(SweepSummary {
+            gpu_hours: 0.0,
+            best_loss: f64::INFINITY,
+            best_eval: None,
+        });
+        e.gpu_hours += t.gpu_hours;
+        e.best_loss = e.best_loss.min(t.final_loss);
+        if let Some(v) = t.final_eval {
+            e.best_eval = Some(e.best_eval.map_or(v, |b: f64| b.min(v)));
+        }
         *ends
             .entry(t.reason.map_or("running", EndReason::as_str).to_string())
             .or_default() += 1;

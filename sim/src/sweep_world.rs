@@ -45,7 +45,7 @@ pub struct SweepWorld<'a> {
 }
 
 /// The spec of trial `t`: one GPU per worker, `workers` of at most `max_workers`, its sweep,
-/// the run's stop criteria.
+/// the run's stop criteria and its sweep's early stopping.
 ///
 /// # Errors
 /// The sweep's name is not a valid id.
@@ -57,6 +57,7 @@ fn trial_spec(t: &ExploreTrial, cfg: &ExploreConfig) -> anyhow::Result<JobSpec> 
     spec.stop = cfg.stop;
     spec.sweep =
         Some(JobId::new(t.sweep.clone()).map_err(|e| anyhow::anyhow!("sweep {:?}: {e}", t.sweep))?);
+    spec.early_stop = cfg.early_stop;
     spec.submitted_at = t.time;
     Ok(spec)
 }
@@ -336,6 +337,51 @@ mod tests {
             assert_eq!(t.reason, Some(EndReason::Finished), "{}", t.name);
             let curve = &curves[&t.curve];
             assert_eq!(t.final_loss, curve.true_loss(curve.total()), "{}", t.name);
+        }
+    }
+
+    #[test]
+    fn the_sweeps_early_stopping_ends_weak_trials_and_saves_gpu_hours() {
+        let (curves, apps, trials) = fixture(4, 0.2, 5);
+        let none = ExploreConfig {
+            stop: None,
+            ..ExploreConfig::default()
+        };
+        let early = |rule| ExploreConfig {
+            early_stop: Some(converge_common::EarlyStopSpec {
+                rule,
+                ..Default::default()
+            }),
+            ..none.clone()
+        };
+        let hours = |r: &ExploreResult| r.trials.iter().map(|t| t.gpu_hours).sum::<f64>();
+        let base = simulate_service(&curves, &apps, &trials, Arc::new(Fair), &none).unwrap();
+        for rule in [
+            converge_common::EarlyStopRule::Predicted,
+            converge_common::EarlyStopRule::Asha,
+        ] {
+            let cfg = early(rule);
+            let r = simulate_service(&curves, &apps, &trials, Arc::new(Fair), &cfg).unwrap();
+            assert!(r.finished);
+            let stopped = r
+                .trials
+                .iter()
+                .filter(|t| t.reason == Some(EndReason::EarlyStopped))
+                .count();
+            assert!(stopped > 0, "{rule:?} stops some trial");
+            // keep 2: at least two trials of each sweep are never stopped.
+            let mut kept: BTreeMap<&str, usize> = BTreeMap::new();
+            for t in &r.trials {
+                *kept.entry(&t.sweep).or_default() +=
+                    usize::from(t.reason != Some(EndReason::EarlyStopped));
+            }
+            assert!(kept.values().all(|&k| k >= 2), "{rule:?}: {kept:?}");
+            assert!(hours(&r) < hours(&base), "{rule:?} saves GPU-hours");
+            // Held-out losses come from the recorded runs.
+            assert!(r.trials.iter().all(|t| t.final_eval.is_some()));
+            // The decision loop has no early stopping of its own.
+            let e = simulate(&curves, &apps, &trials, &Fair, &cfg).expect_err("refused");
+            assert!(e.to_string().contains("service loop"), "{e}");
         }
     }
 

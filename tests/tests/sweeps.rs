@@ -2,7 +2,8 @@
 //! whole or submitted whole, and `converge jobs --sweep ID` ranks its trials best first
 //! (`--json` and the table). The first test writes the trials' statuses itself, as the
 //! allocator would, so the ranking it reads back is known exactly; the second runs the
-//! trials to their end with an agent, the allocator and `converge-trainer`.
+//! trials to their end with an agent, the allocator and `converge-trainer`; the third has the
+//! allocator stop a weak trial early (`[sweep] early_stop`).
 
 use converge_common::{JobPhase, JobSpec, JobStatus, codec::encode};
 use converge_tests::*;
@@ -155,7 +156,15 @@ async fn a_sweep_is_submitted_whole_and_its_trials_are_ranked_best_first() {
     assert_eq!(rows[2]["state"], "completed (deadline)");
     assert_eq!(rows[3]["state"], "submitted");
 
-    let table = succeeded(&converge(&nats, &["jobs", "--sweep", "lr-sweep"]));
+    let out = succeeded(&converge(&nats, &["jobs", "--sweep", "lr-sweep"]));
+    // The title says what ranks the trials (these statuses carry no held-out loss).
+    let (title, table) = out.split_once('\n').unwrap();
+    assert!(
+        title.contains(
+            "ranked by predicted training loss: trial lr-sweep-1 reports no held-out loss"
+        ),
+        "{title}"
+    );
     let pos = |s: &str| table.find(s).unwrap_or_else(|| panic!("{s}: {table}"));
     assert!(pos("lr-sweep-2") < pos("lr-sweep-1") && pos("lr-sweep-1") < pos("lr-sweep-3"));
     assert!(table.contains("completed (converged)"), "{table}");
@@ -213,7 +222,12 @@ deadline_s = 300
         assert!(r["gpu_hours"].as_f64().is_some_and(|h| h > 0.0), "{r}");
         assert!(r["loss"].as_f64().is_some(), "{r}");
     }
+    // By held-out loss when both trials report one, else by predicted training loss.
+    let held_out = rows.iter().all(|r| r["held_out_loss"].is_f64());
     let score = |r: &serde_json::Value| {
+        if held_out {
+            return r["held_out_loss"].as_f64().unwrap();
+        }
         r["predicted_loss"]
             .as_f64()
             .or_else(|| r["loss"].as_f64())
@@ -222,4 +236,72 @@ deadline_s = 300
     assert!(score(&rows[0]) <= score(&rows[1]), "{rows:?}");
     let table = succeeded(&converge(&nats, &["jobs", "--sweep", "run"]));
     assert!(table.contains("completed ("), "{table}");
+}
+
+/// ASHA early stopping, live: three real trainers, the third with a learning rate too small
+/// to learn much and slowed down so it reaches the first rung (1 epoch) last. Its loss there
+/// is not the best of the three, so the allocator ends it, `completed` with the reason
+/// `early stopped`, and its agent stops its worker; the other two run to their end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sweeps_early_stopping_ends_its_weak_trial() {
+    let (nats, work, bus) = start_test().await;
+    let _agent = start_agent(agent_config(&nats, "n1", 3, work.path()));
+    let _allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
+    let sweep = format!(
+        r#"
+[sweep]
+id = "es"
+early_stop = "asha"
+keep = 1
+[[sweep.trials]]
+lr = 0.2
+delay = 2
+[[sweep.trials]]
+lr = 0.05
+delay = 2
+[[sweep.trials]]
+lr = 0.0002
+delay = 30
+[job]
+command = ["{}", "--dataset", "optdigits", "--data-dir", "{}", "--lr", "{{lr}}",
+           "--epochs", "3", "--step-delay-ms", "{{delay}}", "--log-every", "5",
+           "--eval-every", "20", "--checkpoint-every", "1"]
+[job.stop]
+deadline_s = 300
+"#,
+        bin_path("converge-trainer").display(),
+        repo_root().join("data").display(),
+    );
+    let file = work.path().join("es.toml");
+    std::fs::write(&file, sweep).unwrap();
+    succeeded(&converge(&nats, &["submit", file.to_str().unwrap()]));
+    let mut ends = Vec::new();
+    for trial in ["es-1", "es-2", "es-3"] {
+        let s = wait_for(Duration::from_secs(180), trial, || async {
+            let s = job_status(&bus, trial).await?;
+            s.phase.is_terminal().then_some(s)
+        })
+        .await;
+        assert_eq!(s.phase, JobPhase::Completed, "{trial}: {s:?}");
+        ends.push(s.end.as_ref().map(|e| e.reason));
+    }
+    use converge_common::EndReason::{EarlyStopped, Finished};
+    assert_eq!(ends[2], Some(EarlyStopped), "the weak trial: {ends:?}");
+    assert!(
+        ends[..2].contains(&Some(Finished)),
+        "keep 1: a good trial runs to its end: {ends:?}"
+    );
+    let weak = job_status(&bus, "es-3").await.unwrap();
+    let message = weak.message.unwrap_or_default();
+    assert!(
+        message.contains("asha") && message.contains("rung of 1 epochs"),
+        "{message}"
+    );
+    assert!(
+        weak.samples < 3 * 3823,
+        "stopped before its end: {}",
+        weak.samples
+    );
+    let table = succeeded(&converge(&nats, &["jobs", "--sweep", "es"]));
+    assert!(table.contains("completed (early stopped)"), "{table}");
 }

@@ -1540,7 +1540,10 @@ fn a_sweeps_early_stopping_ends_the_trial_that_cannot_reach_the_best() {
     assert_eq!(s.phase, JobPhase::Completed, "{s:?}");
     assert_eq!(s.end.as_ref().unwrap().reason, EndReason::EarlyStopped);
     assert!(
-        s.message.as_ref().unwrap().contains("early stopped by its sweep"),
+        s.message
+            .as_ref()
+            .unwrap()
+            .contains("early stopped by its sweep"),
         "{s:?}"
     );
     assert!(stopped_at.unwrap() >= 1000, "not before one epoch");
