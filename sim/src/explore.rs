@@ -341,6 +341,8 @@ pub struct ExploreConfig {
     /// Each sweep's early stopping (`[sweep] early_stop`; the service loop only: the
     /// allocator's step applies it). `None`: none, as `early_stop = "none"`.
     pub early_stop: Option<EarlyStopSpec>,
+    /// Priority class of every trial (service loop; the decision loop has one class).
+    pub priority: converge_common::PriorityClass,
     pub placement: PlacementKind,
     /// Simulated time after which the run stops, seconds.
     pub max_time_s: f64,
@@ -356,6 +358,7 @@ impl Default for ExploreConfig {
             report_every_s: 2.0,
             stop: Some(default_stop()),
             early_stop: None,
+            priority: converge_common::PriorityClass::Normal,
             placement: PlacementKind::FirstFit,
             max_time_s: 7.0 * 24.0 * 3600.0,
         }

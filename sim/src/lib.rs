@@ -14,6 +14,7 @@ pub mod makespan;
 pub mod makespan_bench;
 pub mod markdown;
 pub mod mixed_report;
+pub mod mixed_workload;
 pub mod predict;
 pub mod predict_bench;
 pub mod ps_bench;

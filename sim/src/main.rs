@@ -59,6 +59,10 @@ enum Command {
     /// several generated exploratory workloads, against fair share and against running
     /// every trial to its end.
     ExploreReport(ExploreReportArgs),
+    /// Production jobs and sweeps on one cluster: each Pollux workload alone and with a
+    /// stream of sweeps, through the allocator's own scheduling step; prints the production
+    /// jobs' mean JCT both ways and the sweeps' SLAQ measures and GPU-hours, per policy.
+    MixedWorkload(converge_sim::mixed_workload::MixedWorkloadArgs),
     /// Time one allocation decision (quality policy, then placement) on a generated cluster,
     /// single-threaded: by default 10,000 active jobs (about 70 % running) on 12,500 nodes ×
     /// 8 GPUs. Prints the minimum and median over the repeats of the policy, the placement
@@ -90,6 +94,7 @@ fn main() -> std::process::ExitCode {
         Command::ExploreWorkload(args) => run_explore_workload(&args),
         Command::Explore(args) => run_explore(&args),
         Command::ExploreReport(args) => run_explore_report(&args),
+        Command::MixedWorkload(args) => converge_sim::mixed_workload::run_mixed_workload(&args),
         Command::BenchDecision(args) => run_bench_decision(&args),
         Command::MakespanBench(args) => run_makespan_bench(&args),
         Command::PsBench(args) => run_ps_bench(&args),

@@ -58,6 +58,7 @@ fn trial_spec(t: &ExploreTrial, cfg: &ExploreConfig) -> anyhow::Result<JobSpec> 
     spec.sweep =
         Some(JobId::new(t.sweep.clone()).map_err(|e| anyhow::anyhow!("sweep {:?}: {e}", t.sweep))?);
     spec.early_stop = cfg.early_stop;
+    spec.priority = cfg.priority;
     spec.submitted_at = t.time;
     Ok(spec)
 }
@@ -88,6 +89,20 @@ impl<'a> SweepWorld<'a> {
             reports: Vec::new(),
             intervals: Vec::new(),
         })
+    }
+}
+
+impl SweepWorld<'_> {
+    /// The run's result.
+    pub(crate) fn result(self, policy: String, wall_s: f64, max_decision_s: f64) -> ExploreResult {
+        ExploreResult {
+            policy,
+            finished: self.finished(),
+            trials: self.trials.iter().map(Trial::outcome).collect(),
+            intervals: self.intervals,
+            wall_s,
+            max_decision_s,
+        }
     }
 }
 
@@ -235,14 +250,7 @@ pub fn simulate_service(
         cfg.max_time_s,
         |_, interval| max_decision_s = max_decision_s.max(interval.decision_s),
     );
-    Ok(ExploreResult {
-        policy: name,
-        trials: world.trials.iter().map(Trial::outcome).collect(),
-        finished: world.finished(),
-        intervals: world.intervals,
-        wall_s: started.elapsed().as_secs_f64(),
-        max_decision_s,
-    })
+    Ok(world.result(name, started.elapsed().as_secs_f64(), max_decision_s))
 }
 
 #[cfg(test)]

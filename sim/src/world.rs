@@ -228,8 +228,18 @@ impl<'a> TraceWorld<'a> {
             .count()
     }
 
+    /// Hosts of the cluster (`n000`, `n001`, …).
+    pub(crate) fn nodes(&self) -> usize {
+        self.cluster.layout.len()
+    }
+
     /// The run's result (`wall_s` from `started`).
-    fn result(self, policy: &str, intervals: Vec<IntervalRecord>, started: Instant) -> SimResult {
+    pub(crate) fn result(
+        self,
+        policy: &str,
+        intervals: Vec<IntervalRecord>,
+        started: Instant,
+    ) -> SimResult {
         let finished = self.finished();
         SimResult {
             policy: policy.to_string(),
