@@ -20,11 +20,11 @@ use crate::markdown::Table;
 use crate::summary::summarize as summarize_jobs;
 use crate::sweep_world::SweepWorld;
 use crate::workload::{WorkloadJob, read_philly, read_workload};
-use crate::world::{Observed, Service, TraceWorld, World, run};
+use crate::world::{Observed, TraceWorld, World, run_under};
 use anyhow::Context as _;
 use converge_common::{EarlyStopSpec, EndReason, PriorityClass};
 use converge_sched::policies::{Policy, by_name};
-use converge_sched::schedule::{Outcome, Settings};
+use converge_sched::schedule::Outcome;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
@@ -111,20 +111,12 @@ pub fn simulate_mixed(
     let sweeps = SweepWorld::new(curves, apps, trials, explore)?;
     let mut world = MixedWorld { trace, sweeps };
     let name = policy.name().to_string();
-    let settings = Settings {
-        placement: cfg.placement,
-        host_timeout_s: cfg.scheduling_interval_s * 2.0,
-        policy,
-        ..Settings::default()
-    };
-    let mut service = Service::new(settings);
-    let mut max_decision_s: f64 = 0.0;
-    run(
+    let max_decision_s = run_under(
         &mut world,
-        &mut service,
+        policy,
+        cfg.placement,
         cfg.scheduling_interval_s,
         cfg.max_time_s,
-        |_, interval| max_decision_s = max_decision_s.max(interval.decision_s),
     );
     let wall = started.elapsed().as_secs_f64();
     let MixedWorld { trace, sweeps } = world;

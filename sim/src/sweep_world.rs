@@ -16,10 +16,10 @@ use crate::explore::{
     ExploreConfig, ExploreResult, ExploreTrial, RecordedCurve, Trial, host_id, normalized_losses,
     trials_of,
 };
-use crate::world::{Observed, Service, World, heartbeat, planned_workers, run, worker_states};
+use crate::world::{Observed, World, heartbeat, planned_workers, run_under, worker_states};
 use converge_common::{HostId, JobId, JobSpec, ProgressReport, WorkerState};
 use converge_sched::policies::Policy;
-use converge_sched::schedule::{Outcome, Settings};
+use converge_sched::schedule::Outcome;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -234,21 +234,12 @@ pub fn simulate_service(
     let started = Instant::now();
     let mut world = SweepWorld::new(curves, apps, trials, cfg)?;
     let name = policy.name().to_string();
-    let settings = Settings {
-        placement: cfg.placement,
-        // Heartbeats come every interval here.
-        host_timeout_s: cfg.scheduling_interval_s * 2.0,
-        policy,
-        ..Settings::default()
-    };
-    let mut service = Service::new(settings);
-    let mut max_decision_s: f64 = 0.0;
-    run(
+    let max_decision_s = run_under(
         &mut world,
-        &mut service,
+        policy,
+        cfg.placement,
         cfg.scheduling_interval_s,
         cfg.max_time_s,
-        |_, interval| max_decision_s = max_decision_s.max(interval.decision_s),
     );
     Ok(world.result(name, started.elapsed().as_secs_f64(), max_decision_s))
 }

@@ -145,6 +145,34 @@ pub fn run<W: World>(
     }
 }
 
+/// Runs `world` to its end under `policy` with the service's default settings and
+/// `placement` (heartbeats come every interval, so a host is lost after two without one);
+/// returns the largest wall time of one decision, seconds.
+pub(crate) fn run_under<W: World>(
+    world: &mut W,
+    policy: Arc<dyn Policy>,
+    placement: converge_sched::placement::PlacementKind,
+    scheduling_interval_s: f64,
+    max_time_s: f64,
+) -> f64 {
+    let settings = Settings {
+        placement,
+        host_timeout_s: scheduling_interval_s * 2.0,
+        policy,
+        ..Settings::default()
+    };
+    let mut service = Service::new(settings);
+    let mut max_decision_s: f64 = 0.0;
+    run(
+        world,
+        &mut service,
+        scheduling_interval_s,
+        max_time_s,
+        |_, interval| max_decision_s = max_decision_s.max(interval.decision_s),
+    );
+    max_decision_s
+}
+
 /// The Pollux-trace world: the workload's jobs on [`SimConfig`]'s cluster, each job's
 /// progress, loss and step times from its application's measurements (the same physics as
 /// [`crate::engine::simulate`]: [`crate::engine`]'s advance and placement).
