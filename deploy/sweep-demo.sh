@@ -4,7 +4,7 @@
 # stopping (`--policy fair`, the sweep file with `early_stop = "none"`):
 # examples/sweeps/optdigits.toml (12 real converge-trainer trials with a plateau rule and a
 # deadline) on --agents hosts of 4 fake GPUs (default 2: 8 GPUs for 12 trials, so trials
-# compete). Prints SLAQ's measures of both runs side by side (docs/exploratory.md "Live"):
+# compete). Prints SLAQ's measures of both runs side by side (docs/local-cluster.md, "A live sweep"):
 # average normalized loss over time, time to 80/90/95 % loss reduction, GPU-hours of the
 # sweep, its best trial (by held-out loss where every trial reported one) with its held-out
 # and training loss, and how the trials ended.
@@ -98,9 +98,9 @@ def measures(run, curve):
     # The trial a user picks: the lowest held-out loss where every trial reported one.
     held_out = {i: jobs[i]["last_eval_loss"] for i in final}
     if all(v is not None for v in held_out.values()):
-        best, ranked_by = min(held_out, key=held_out.get), "held-out"
+        best, ranked_by = min(held_out, key=held_out.get), "held-out loss"
     else:
-        best, ranked_by = min(final, key=final.get), "training (some trial reported no held-out loss)"
+        best, ranked_by = min(final, key=final.get), "training loss: a trial reported no held-out loss"
     ends = {}
     for i in ids:
         e = jobs[i].get("end")
@@ -120,7 +120,7 @@ for k, level in enumerate((80, 90, 95)):
     a, b = m[0]["times"][k], m[1]["times"][k]
     print(f"| time to {level} % loss reduction, s (trials) | {fmt(a[0])} ({a[1]}) | {fmt(b[0])} ({b[1]}) | {pct(a[0], b[0])} |")
 print(f"| GPU-hours of the sweep | {m[0]['gpu_h']:.3f} | {m[1]['gpu_h']:.3f} | {pct(m[0]['gpu_h'], m[1]['gpu_h'])} |")
-print(f"| best trial (ranked by {m[0]['ranked_by']} / {m[1]['ranked_by']} loss) | {m[0]['best']} | {m[1]['best']} | |")
+print(f"| best trial | {m[0]['best']} (by {m[0]['ranked_by']}) | {m[1]['best']} (by {m[1]['ranked_by']}) | |")
 print(f"| best trial's held-out loss | {fmt(m[0]['best_eval'], 4)} | {fmt(m[1]['best_eval'], 4)} | {pct(m[0]['best_eval'], m[1]['best_eval'])} |")
 print(f"| best trial's final training loss | {m[0]['best_loss']:.4f} | {m[1]['best_loss']:.4f} | {pct(m[0]['best_loss'], m[1]['best_loss'])} |")
 print(f"| sweep makespan, s | {m[0]['makespan']:.0f} | {m[1]['makespan']:.0f} | {pct(m[0]['makespan'], m[1]['makespan'])} |")
