@@ -219,7 +219,7 @@ impl World for SweepWorld<'_> {
     }
 }
 
-/// Runs `trials` under `policy` through the service's scheduling step ([`run`] over a
+/// Runs `trials` under `policy` through the service's scheduling step ([`crate::world::run`] over a
 /// [`SweepWorld`]). Deterministic (decision times aside).
 ///
 /// # Errors
