@@ -33,7 +33,7 @@ run() {
     echo "==> $name run ($agents agents x 4 GPUs, $trials trials)"
     local args=()
     for a in "$@"; do args+=(--allocator-arg "$a"); done
-    demo_run_cluster "$name" --agents "$agents" --until-done "$trials" --jobs "$file" "${args[@]}"
+    demo_run_cluster "$name" --agents "$agents" --until-done "$trials" --jobs "$file" ${args[@]+"${args[@]}"}
 }
 run default "$sweep"
 run fair "$no_stop" --policy fair

@@ -272,8 +272,8 @@ pub struct PlateauSpec {
 #[serde(rename_all = "lowercase")]
 pub enum EarlyStopRule {
     /// Stop a trial once the best final loss its fitted curve predicts, less the prediction
-    /// error band, is still worse than the `keep`-th best trial's predicted final loss plus
-    /// the band: it cannot reach the best trials. The default for sweeps.
+    /// error band, is still worse than what `keep` other trials have already attained: it
+    /// cannot reach the best trials. The default for sweeps.
     #[default]
     Predicted,
     /// Asynchronous successive halving (ASHA; Li et al., MLSys'20) with reduction factor 3:
@@ -303,12 +303,13 @@ pub struct EarlyStopSpec {
     /// The rule.
     #[serde(default)]
     pub rule: EarlyStopRule,
-    /// Trials the rule never stops: the `keep` best of the sweep always go on (at least 1).
+    /// Trials the rule never stops (at least 1): it never leaves fewer than `keep` trials of
+    /// the sweep not early-stopped; under `predicted` these are the `keep` best.
     #[serde(default = "default_keep")]
     pub keep: u32,
     /// Relative error band of a predicted final loss (`predicted` rule), in [0, 1): a trial
-    /// is stopped only when its prediction less this fraction is above the `keep`-th best's
-    /// plus it. Default [`DEFAULT_EARLY_STOP_BAND`].
+    /// is stopped only when its prediction less this fraction is above the loss `keep`
+    /// other trials have attained. Default [`DEFAULT_EARLY_STOP_BAND`].
     #[serde(default = "default_band")]
     pub band: f64,
     /// Epochs a trial runs before any rule may stop it (a curve needs points to fit), and

@@ -12,7 +12,9 @@
 //! # The value of a trial
 //!
 //! A trial is judged by its **held-out loss** (`eval_loss`) when every trial of the sweep
-//! that has reported reports one, else by its training loss (the stop message says which).
+//! that has reported reports one (a trial still in its first `min_epochs` epochs that has
+//! not evaluated yet does not count), else by its training loss (the stop message says
+//! which).
 //! Minibatch losses are noisy, so a value is the mean of the last [`TAIL_POINTS`] points that
 //! carry the metric, never a single point.
 //!
@@ -25,7 +27,7 @@
 //! epoch, [`crate::stop::predicted_improvement_per_epoch`]), else the curve's asymptote.
 //! The curve cannot say how long the program runs, so `L(H)` is the lowest loss the trial
 //! can reach: an optimistic prediction for the trial judged. A trial that has ended is
-//! valued at its final value, exactly.
+//! valued at the value it ended with (the mean of its last reports).
 //!
 //! A trial is stopped when its prediction less the error band `b`
 //! ([`EarlyStopSpec::band`], default 10 %), `(1 − b)·p`, is above the values at least
@@ -33,8 +35,8 @@
 //! final value): even if it did as well as its band allows, `keep` trials are better
 //! already. The other trials are judged by what they have reached, not by their own
 //! predictions: fits on a trial's first epochs often predict it flattens too early, and
-//! comparing predictions with predictions left the best held-out loss more than 1 % above
-//! the run-to-end best in 36–57 % of the sweeps of `converge-sim explore --loop service
+//! comparing predictions with predictions left the sweep's best held-out loss more than 1 %
+//! above the run-to-end best in 36–57 % of the sweeps of `converge-sim explore --loop service
 //! --no-stop --early-stop predicted` (200 sweeps, seed 1, bands 10–30 %), against none
 //! with attained values (docs/exploratory.md has the rule's figures). The `keep` best
 //! trials are never stopped.
@@ -52,7 +54,10 @@
 //!
 //! A trial is never stopped before it has run `min_epochs` epochs with a fitted curve (its
 //! workers must report `epoch`), nor when fewer than `keep` other trials would be left not
-//! early-stopped. Failed and cancelled trials do not count.
+//! early-stopped (when the rules would stop more, the worst go first); so at least `keep`
+//! trials are never early-stopped, under `predicted` the `keep` best. Only a trial whose
+//! own spec carries the sweep's rule is stopped; others are compared. Failed and cancelled
+//! trials do not count.
 
 use crate::fit::Curve;
 use crate::history::{JobHistory, ProgressPoint};
@@ -87,6 +92,9 @@ pub struct SweepTrial<'a> {
     pub curve: Option<&'a Curve>,
     /// The trial's own plateau rule (`[stop.plateau]`), which bounds where it ends.
     pub plateau: Option<PlateauSpec>,
+    /// Whether the rule may stop this trial: its own spec carries the sweep's rule. A trial
+    /// without it (`early_stop` absent or another rule) is compared, never stopped.
+    pub stoppable: bool,
 }
 
 /// A trial the rule stops, and why (for the trial's status message and event).
@@ -95,6 +103,9 @@ pub struct EarlyStop {
     pub job: JobId,
     pub reason: EndReason,
     pub message: String,
+    /// What the rule judged the trial by (`predicted`: its prediction less the band;
+    /// `asha`: its value at the rung); lower is better.
+    pub value: f64,
 }
 
 /// Which loss the sweep's trials are compared by.
@@ -123,17 +134,22 @@ impl Metric {
     }
 }
 
-/// The metric a sweep is judged by: held-out loss when every trial with points reports it.
-pub fn metric(trials: &[SweepTrial<'_>]) -> Metric {
-    let reported: Vec<&JobHistory> = trials
+/// The metric a sweep is judged by: held-out loss when every trial that has points reports
+/// it. A trial still in its first `min_epochs` epochs that has not evaluated yet does not
+/// count (a trial that starts late would otherwise switch the sweep to training loss until
+/// its first evaluation); it has no held-out value to compare meanwhile.
+pub fn metric(trials: &[SweepTrial<'_>], min_epochs: f64) -> Metric {
+    let young = |h: &JobHistory| matches!(h.epoch_samples().zip(h.latest()), Some((e, p)) if (p.samples as f64) < min_epochs * e);
+    let reported: Vec<(&SweepTrial<'_>, &JobHistory)> = trials
         .iter()
-        .filter_map(|t| t.history)
-        .filter(|h| !h.points().is_empty())
+        .filter_map(|t| Some((t, t.history?)))
+        .filter(|(_, h)| !h.points().is_empty())
         .collect();
-    if !reported.is_empty()
+    let evaluated = |h: &JobHistory| h.points().iter().any(|p| p.eval_loss.is_some());
+    if reported.iter().any(|(_, h)| evaluated(h))
         && reported
             .iter()
-            .all(|h| h.points().iter().any(|p| p.eval_loss.is_some()))
+            .all(|(t, h)| evaluated(h) || (matches!(t.state, TrialState::Active) && young(h)))
     {
         Metric::HeldOut
     } else {
@@ -158,10 +174,14 @@ pub fn value_now(history: &JobHistory, metric: Metric) -> Option<f64> {
 }
 
 /// A trial's value where it first passed `samples`, and the time of that report; `None`
-/// before it gets there.
+/// before it gets there, or when the history no longer holds that point.
 pub fn value_at(history: &JobHistory, samples: f64, metric: Metric) -> Option<(f64, f64)> {
     let points = history.points();
     let i = points.iter().position(|p| p.samples as f64 >= samples)?;
+    // The oldest points were dropped (a long history): where it passed `samples` is lost.
+    if i == 0 && history.added() > points.len() {
+        return None;
+    }
     Some((tail_value(&points[..=i], metric)?, points[i].time))
 }
 
@@ -207,10 +227,12 @@ pub fn predicted_final(t: &SweepTrial<'_>, metric: Metric) -> Option<f64> {
     }
 }
 
-/// Whether the rule may judge the trial yet: active, with a curve and `min_epochs` epochs.
+/// Whether the rule may judge the trial yet: stoppable, active, with a curve and
+/// `min_epochs` epochs.
 fn eligible(t: &SweepTrial<'_>, spec: &EarlyStopSpec) -> bool {
     let Some(h) = t.history else { return false };
-    matches!(t.state, TrialState::Active)
+    t.stoppable
+        && matches!(t.state, TrialState::Active)
         && t.curve.is_some()
         && h.epoch_samples()
             .zip(h.latest())
@@ -220,13 +242,14 @@ fn eligible(t: &SweepTrial<'_>, spec: &EarlyStopSpec) -> bool {
 /// The trials of one sweep that `spec` stops now, with the reasons (module docs). Pure and
 /// deterministic: trials are judged in the order given.
 pub fn sweep_stops(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>]) -> Vec<EarlyStop> {
-    let metric = metric(trials);
+    let metric = metric(trials, spec.min_epochs);
     let mut stops = match spec.rule {
         EarlyStopRule::None => return Vec::new(),
         EarlyStopRule::Predicted => predicted(spec, trials, metric),
         EarlyStopRule::Asha => asha(spec, trials, metric),
     };
-    // Never leave fewer than `keep` trials not early-stopped.
+    // Never leave fewer than `keep` trials not early-stopped: the worst go first.
+    stops.sort_by(|a, b| b.value.total_cmp(&a.value).then_with(|| a.job.cmp(&b.job)));
     let mut left = trials
         .iter()
         .filter(|t| {
@@ -255,30 +278,27 @@ pub fn sweep_stops(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>]) -> Vec<Early
 
 fn predicted(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>], metric: Metric) -> Vec<EarlyStop> {
     let b = spec.band;
-    // Per trial: the low end of its predicted final value's band (active trials; ended
-    // ones: their final value) and the value it has attained.
-    let bands: Vec<Option<(f64, f64)>> = trials
+    // Per trial: the value it has attained (ended trials: their final one) and, for an
+    // active trial with a curve, the low end of its predicted final value's band.
+    let attained: Vec<Option<f64>> = trials
         .iter()
-        .map(|t| {
-            let attained = value_now(t.history?, metric)?;
-            Some(match t.state {
-                TrialState::Ended { .. } => (attained, attained),
-                TrialState::Active => ((1.0 - b) * predicted_final(t, metric)?, attained),
-            })
-        })
+        .map(|t| value_now(t.history?, metric))
         .collect();
     let keep = spec.keep as usize;
     let mut out = Vec::new();
     for (i, t) in trials.iter().enumerate() {
-        let Some((low, _)) = bands[i].filter(|_| eligible(t, spec)) else {
+        if !eligible(t, spec) {
+            continue;
+        }
+        let Some(low) = predicted_final(t, metric).map(|p| (1.0 - b) * p) else {
             continue;
         };
-        let mut better: Vec<f64> = bands
+        let mut better: Vec<f64> = attained
             .iter()
             .enumerate()
             .filter(|(j, _)| *j != i)
-            .filter_map(|(_, v)| v.map(|v| v.1))
-            .filter(|&high| high < low)
+            .filter_map(|(_, v)| *v)
+            .filter(|&v| v < low)
             .collect();
         if better.len() < keep {
             continue;
@@ -299,6 +319,7 @@ fn predicted(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>], metric: Metric) ->
             job: t.id.clone(),
             reason: EndReason::EarlyStopped,
             message,
+            value: low,
         });
     }
     out
@@ -346,6 +367,7 @@ fn asha(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>], metric: Metric) -> Vec<
                      (at most {cut:.4})",
                     metric.name()
                 ),
+                value: mine,
             });
         }
     }

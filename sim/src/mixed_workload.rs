@@ -59,6 +59,12 @@ impl World for MixedWorld<'_> {
             }
             into.hosts.push(t);
         }
+        // `simulate_mixed` refuses a sweep cluster larger than the trace's, so every host
+        // of the sweep world is one of the trace world's.
+        debug_assert!(
+            extra.is_empty(),
+            "hosts only the sweep world has: {extra:?}"
+        );
         into.specs.extend(jobs.specs);
         into.specs.extend(trials.specs);
         into.reports.extend(jobs.reports);

@@ -319,7 +319,8 @@ pub(super) fn update_progress(
 
 /// Ends the trials each sweep's early-stopping rule stops ([`crate::sweep_stop`]), as
 /// `completed` with the reason `early stopped`. A sweep's rule is that of its first active
-/// trial (every trial of a sweep file carries the same).
+/// trial (every trial of a sweep file carries the same); only trials that carry that rule
+/// are stopped, the others are compared.
 pub(super) fn apply_sweep_early_stops(
     specs: &BTreeMap<JobId, JobSpec>,
     histories: &BTreeMap<JobId, JobHistory>,
@@ -367,6 +368,7 @@ pub(super) fn apply_sweep_early_stops(
                     history: histories.get(*id),
                     curve: curves.get(*id),
                     plateau: specs[*id].stop.and_then(|s| s.plateau),
+                    stoppable: specs[*id].early_stop.is_some_and(|e| e == rule),
                 })
             })
             .collect();

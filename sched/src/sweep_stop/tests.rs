@@ -56,6 +56,7 @@ fn trials<'a>(
             history: Some(&hs[i]),
             curve: cs[i].as_ref(),
             plateau: None,
+            stoppable: true,
         })
         .collect()
 }
@@ -143,7 +144,7 @@ fn held_out_loss_ranks_when_every_trial_reports_it() {
     ];
     let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
     let t = trials(&ids, &hs, &cs, &[ACTIVE; 3]);
-    assert_eq!(metric(&t), Metric::HeldOut);
+    assert_eq!(metric(&t, 1.0), Metric::HeldOut);
     let stops = sweep_stops(&spec(EarlyStopRule::Predicted, 2), &t);
     assert_eq!(stops.len(), 1);
     assert!(
@@ -164,7 +165,7 @@ fn held_out_loss_ranks_when_every_trial_reports_it() {
     ];
     let cm: Vec<Option<Curve>> = mixed.iter().map(|h| Some(curve(h))).collect();
     let t = trials(&ids, &mixed, &cm, &[ACTIVE; 3]);
-    assert_eq!(metric(&t), Metric::Training);
+    assert_eq!(metric(&t, 1.0), Metric::Training);
     let stops = sweep_stops(&spec(EarlyStopRule::Predicted, 2), &t);
     assert!(
         stops[0].message.contains("ranked by training loss"),
@@ -192,6 +193,7 @@ fn the_plateau_rule_bounds_the_prediction_and_ended_trials_count_at_their_value(
         history: Some(&h),
         curve: Some(&c),
         plateau: Some(plateau),
+        stoppable: true,
     };
     let unbounded = SweepTrial {
         plateau: None,
@@ -263,4 +265,63 @@ fn asha_keeps_the_best_third_at_each_rung_by_arrival() {
     );
     // `keep` 3 of 4: only one may be stopped.
     assert_eq!(sweep_stops(&spec(EarlyStopRule::Asha, 3), &t).len(), 1);
+}
+
+#[test]
+fn a_young_trial_without_held_out_loss_does_not_switch_the_sweep_to_training_loss() {
+    let ids = ids(3);
+    let hs = vec![
+        history(0.10, 2.0, 0.0, true),
+        history(0.60, 2.0, 0.0, true),
+        // Started late: half an epoch, no evaluation yet.
+        history(0.10, 0.5, 0.0, false),
+    ];
+    let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    let t = trials(&ids, &hs, &cs, &[ACTIVE; 3]);
+    assert_eq!(metric(&t, 1.0), Metric::HeldOut);
+    // Past its first epoch without one, it does.
+    assert_eq!(metric(&t, 0.4), Metric::Training);
+}
+
+#[test]
+fn only_trials_that_carry_the_rule_are_stopped_and_the_worst_go_first() {
+    let ids = ids(4);
+    let hs = vec![
+        history(0.10, 2.0, 0.0, false),
+        history(0.50, 2.0, 0.0, false),
+        history(0.70, 2.0, 0.0, false),
+        history(0.60, 2.0, 0.0, false),
+    ];
+    let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    let mut t = trials(&ids, &hs, &cs, &[ACTIVE; 4]);
+    // Keep 1: the three weak trials are all stopped, the worst first.
+    let stops = sweep_stops(&spec(EarlyStopRule::Predicted, 1), &t);
+    let order: Vec<&JobId> = stops.iter().map(|s| &s.job).collect();
+    assert_eq!(order, vec![&ids[2], &ids[3], &ids[1]]);
+    // ASHA, all four at the first rung together: it would stop three; keep 2 lets two go,
+    // the worst two, whatever the id order.
+    let stops = sweep_stops(&spec(EarlyStopRule::Asha, 2), &t);
+    let order: Vec<&JobId> = stops.iter().map(|s| &s.job).collect();
+    assert_eq!(order, vec![&ids[2], &ids[3]]);
+    // A trial without the sweep's rule is compared but never stopped.
+    t[2].stoppable = false;
+    let stops = sweep_stops(&spec(EarlyStopRule::Asha, 2), &t);
+    let order: Vec<&JobId> = stops.iter().map(|s| &s.job).collect();
+    assert_eq!(order, vec![&ids[3], &ids[1]]);
+}
+
+#[test]
+fn an_active_trial_without_a_curve_still_counts_by_what_it_has_attained() {
+    let ids = ids(3);
+    let hs = vec![
+        history(0.10, 2.0, 0.0, false),
+        history(0.12, 2.0, 0.0, false),
+        history(0.60, 2.0, 0.0, false),
+    ];
+    let mut cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    cs[1] = None;
+    let t = trials(&ids, &hs, &cs, &[ACTIVE; 3]);
+    let stops = sweep_stops(&spec(EarlyStopRule::Predicted, 2), &t);
+    assert_eq!(stops.len(), 1, "trial 2's attained loss counts: {stops:?}");
+    assert_eq!(stops[0].job, ids[2]);
 }
