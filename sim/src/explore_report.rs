@@ -110,8 +110,8 @@ pub struct ExploreClusterArgs {
     /// Each sweep's early stopping, as `[sweep] early_stop` in a sweep file (where
     /// `predicted` is the default): `predicted`, `asha` or `none`. The allocator's step
     /// applies it, so anything but `none` needs `--loop service`.
-    #[arg(long, value_enum, default_value_t = EarlyStopArg::None)]
-    pub early_stop: EarlyStopArg,
+    #[arg(long, value_parser = serde_name::<EarlyStopRule>, default_value = "none")]
+    pub early_stop: EarlyStopRule,
     /// `[sweep] keep`: the best trials of a sweep early stopping never stops.
     #[arg(long, default_value_t = DEFAULT_EARLY_STOP_KEEP)]
     pub early_stop_keep: u32,
@@ -124,22 +124,11 @@ pub struct ExploreClusterArgs {
     pub early_stop_min_epochs: f64,
 }
 
-/// `--early-stop`: a sweep's early-stopping rule ([`EarlyStopRule`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum EarlyStopArg {
-    Predicted,
-    Asha,
-    None,
-}
-
-impl EarlyStopArg {
-    pub fn rule(self) -> EarlyStopRule {
-        match self {
-            EarlyStopArg::Predicted => EarlyStopRule::Predicted,
-            EarlyStopArg::Asha => EarlyStopRule::Asha,
-            EarlyStopArg::None => EarlyStopRule::None,
-        }
-    }
+/// Parses a flag's value as the serde name of a `converge-common` enum (`predicted`,
+/// `asha`, `low`, …): the names job specs and sweep files use, one parser for all of them.
+/// `Err` names the accepted values.
+pub fn serde_name<T: serde::de::DeserializeOwned>(s: &str) -> Result<T, String> {
+    serde_json::from_value(serde_json::Value::String(s.to_string())).map_err(|e| e.to_string())
 }
 
 impl ExploreClusterArgs {
@@ -162,7 +151,7 @@ impl ExploreClusterArgs {
         stop.validate()
             .map_err(|e| anyhow::anyhow!("plateau rule: {e}"))?;
         let early_stop = EarlyStopSpec {
-            rule: self.early_stop.rule(),
+            rule: self.early_stop,
             keep: self.early_stop_keep,
             band: self.early_stop_band,
             min_epochs: self.early_stop_min_epochs,
@@ -263,11 +252,11 @@ pub struct ExploreReportArgs {
     /// loop), each under the default `quality` policy and `fair`.
     #[arg(
         long,
-        value_enum,
+        value_parser = serde_name::<EarlyStopRule>,
         value_delimiter = ',',
         default_value = "none,predicted,asha"
     )]
-    pub early_stop_rules: Vec<EarlyStopArg>,
+    pub early_stop_rules: Vec<EarlyStopRule>,
     #[command(flatten)]
     pub cluster: ExploreClusterArgs,
     #[command(flatten)]
@@ -392,17 +381,22 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
         stop: None,
         ..cfg.clone()
     };
+    // The report's workloads, one per seed, generated once.
+    let workloads = args
+        .seeds
+        .iter()
+        .map(|&seed| generate(&philly, &curves, args.sweeps, args.hours, seed))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let mut runs: Vec<Vec<ExploreSummary>> = Vec::new();
     let mut baseline: Vec<ExploreSummary> = Vec::new();
-    for &seed in &args.seeds {
-        let trials = generate(&philly, &curves, args.sweeps, args.hours, seed)?;
+    for (&seed, trials) in args.seeds.iter().zip(&workloads) {
         let mut per_policy = Vec::new();
         for name in REPORT_POLICIES {
-            let s = run_one(name, &trials, &cfg, (&curves, &apps, args))?;
+            let s = run_one(name, trials, &cfg, (&curves, &apps, args))?;
             eprintln!("seed {seed}: {name}: {} trials", trials.len());
             per_policy.push(s);
         }
-        let mut s = run_one("fair", &trials, &to_end, (&curves, &apps, args))?;
+        let mut s = run_one("fair", trials, &to_end, (&curves, &apps, args))?;
         s.policy = "fair, every trial to its end".into();
         baseline.push(s);
         runs.push(per_policy);
@@ -492,11 +486,10 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
     for name in LOOP_POLICIES {
         let i = column(name).expect("a report policy");
         let mut pairs = Vec::new();
-        for (w, &seed) in args.seeds.iter().enumerate() {
-            let trials = generate(&philly, &curves, args.sweeps, args.hours, seed)?;
+        for (w, trials) in workloads.iter().enumerate() {
             pairs.push([
                 runs[w][i].clone(),
-                run_one(name, &trials, &cfg, (&curves, &apps, &other))?,
+                run_one(name, trials, &cfg, (&curves, &apps, &other))?,
             ]);
         }
         eprintln!("loops: {name} done");
@@ -511,11 +504,6 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
         },
         ..args.clone()
     };
-    let workloads = args
-        .seeds
-        .iter()
-        .map(|&seed| generate(&philly, &curves, args.sweeps, args.hours, seed))
-        .collect::<anyhow::Result<Vec<_>>>()?;
     let same_loop = args.cluster.sim_loop == SimLoop::Service;
     let mut early: Vec<(&str, Vec<Row>)> = Vec::new();
     for (title, stop) in [
@@ -528,15 +516,15 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
                 let i = column(name).expect("a report policy");
                 let c = ExploreConfig {
                     stop,
-                    early_stop: (rule != EarlyStopArg::None).then_some(EarlyStopSpec {
-                        rule: rule.rule(),
+                    early_stop: (rule != EarlyStopRule::None).then_some(EarlyStopSpec {
+                        rule,
                         keep: args.cluster.early_stop_keep,
                         band: args.cluster.early_stop_band,
                         min_epochs: args.cluster.early_stop_min_epochs,
                     }),
                     ..cfg.clone()
                 };
-                let none = rule == EarlyStopArg::None && same_loop;
+                let none = rule == EarlyStopRule::None && same_loop;
                 let mut per_workload = Vec::new();
                 for (w, trials) in workloads.iter().enumerate() {
                     per_workload.push(match (none, stop.is_some(), name) {
@@ -549,11 +537,8 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
                         _ => run_one(name, trials, &c, (&curves, &apps, &service))?,
                     });
                 }
-                eprintln!(
-                    "early stopping: {title}: {name}, {} done",
-                    rule.rule().as_str()
-                );
-                rows.push((format!("`{name}`, {}", rule.rule().as_str()), per_workload));
+                eprintln!("early stopping: {title}: {name}, {} done", rule.as_str());
+                rows.push((format!("`{name}`, {}", rule.as_str()), per_workload));
             }
         }
         early.push((title, rows));

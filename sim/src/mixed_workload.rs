@@ -15,14 +15,14 @@ use crate::engine::SimConfig;
 use crate::explore::{
     ExploreConfig, ExploreResult, ExploreTrial, RecordedCurve, generate, load_curves, summarize,
 };
-use crate::explore_report::EarlyStopArg;
+use crate::explore_report::serde_name;
 use crate::markdown::Table;
 use crate::summary::summarize as summarize_jobs;
 use crate::sweep_world::SweepWorld;
 use crate::workload::{WorkloadJob, read_philly, read_workload};
 use crate::world::{Observed, TraceWorld, World, run_under};
 use anyhow::Context as _;
-use converge_common::{EarlyStopSpec, EndReason, PriorityClass};
+use converge_common::{EarlyStopRule, EarlyStopSpec, EndReason, PriorityClass};
 use converge_sched::policies::{Policy, by_name};
 use converge_sched::schedule::Outcome;
 use std::collections::BTreeMap;
@@ -153,12 +153,12 @@ pub struct MixedWorkloadArgs {
     pub curves: PathBuf,
     /// The sweeps' early stopping (`[sweep] early_stop`; `predicted` is what a sweep file
     /// gets by default).
-    #[arg(long, value_enum, default_value_t = EarlyStopArg::Predicted)]
-    pub early_stop: EarlyStopArg,
+    #[arg(long, value_parser = serde_name::<EarlyStopRule>, default_value = "predicted")]
+    pub early_stop: EarlyStopRule,
     /// The trials' priority class (`low`: production jobs preempt them; `normal`, the
     /// default of a job spec, competes with production jobs on value alone).
-    #[arg(long, value_enum, default_value_t = PriorityArg::Normal)]
-    pub sweep_priority: PriorityArg,
+    #[arg(long, value_parser = serde_name::<PriorityClass>, default_value = "normal")]
+    pub sweep_priority: PriorityClass,
     /// Run the trials without their plateau rule (to the end of their runs unless early
     /// stopping ends them).
     #[arg(long)]
@@ -170,24 +170,6 @@ pub struct MixedWorkloadArgs {
     /// Also write the Markdown tables here.
     #[arg(long)]
     pub out: Option<PathBuf>,
-}
-
-/// `--sweep-priority`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum PriorityArg {
-    Low,
-    Normal,
-    High,
-}
-
-impl PriorityArg {
-    fn class(self) -> PriorityClass {
-        match self {
-            PriorityArg::Low => PriorityClass::Low,
-            PriorityArg::Normal => PriorityClass::Normal,
-            PriorityArg::High => PriorityClass::High,
-        }
-    }
 }
 
 /// One policy's figures over the workloads.
@@ -222,12 +204,12 @@ pub fn run_mixed_workload(args: &MixedWorkloadArgs) -> anyhow::Result<()> {
         scheduling_interval_s: cfg.scheduling_interval_s,
         restart_delay_s: cfg.restart_delay_s,
         stop: (!args.no_stop).then(crate::explore::default_stop),
-        early_stop: (args.early_stop != EarlyStopArg::None).then(|| EarlyStopSpec {
-            rule: args.early_stop.rule(),
+        early_stop: (args.early_stop != EarlyStopRule::None).then(|| EarlyStopSpec {
+            rule: args.early_stop,
             ..EarlyStopSpec::default()
         }),
         max_time_s: cfg.max_time_s,
-        priority: args.sweep_priority.class(),
+        priority: args.sweep_priority,
         ..ExploreConfig::default()
     };
     let params = args.quality.params(&args.cluster);
@@ -312,13 +294,13 @@ fn render(args: &MixedWorkloadArgs, rows: &[Row]) -> String {
         args.cluster.gpus_per_node,
         args.sweeps,
         args.hours,
-        args.early_stop.rule().as_str(),
+        args.early_stop.as_str(),
         if args.no_stop {
             "no plateau rule"
         } else {
             "plateau rule below 1 % per epoch over 2 epochs"
         },
-        args.sweep_priority.class().as_str(),
+        args.sweep_priority.as_str(),
         args.cluster.scheduling_interval,
     );
     let mut t = Table::new(&[
@@ -357,7 +339,6 @@ fn render(args: &MixedWorkloadArgs, rows: &[Row]) -> String {
 mod tests {
     use super::*;
     use crate::test_support::{apps, workload};
-    use converge_common::EarlyStopRule;
     use std::path::Path;
 
     #[test]
