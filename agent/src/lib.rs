@@ -468,7 +468,9 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     drop(out_tx);
     drop(sup);
     let _ = tokio::time::timeout(Duration::from_secs(5), outbox).await;
-    let _ = bus.client.flush().await;
+    if !bus.flush_within(Duration::from_secs(1)).await {
+        tracing::warn!("NATS did not take the last buffered messages within 1 s; stopping anyway");
+    }
     tracing::info!(refused_messages = rejects.total(), "agent stopped");
     Ok(())
 }

@@ -336,7 +336,9 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
         tracing::warn!("leader lease not handed back within 2 s");
     }
     tasks.abort_all();
-    let _ = bus.client.flush().await;
+    if !bus.flush_within(Duration::from_secs(1)).await {
+        tracing::warn!("NATS did not take the last buffered messages within 1 s; stopping anyway");
+    }
     tracing::info!(refused_messages = rejects.total(), "allocator stopped");
     Ok(())
 }

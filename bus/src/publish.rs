@@ -8,6 +8,17 @@ use converge_common::{Message, encode};
 use std::time::Duration;
 
 impl Bus {
+    /// Sends what the client still buffers to the server, waiting at most `wait`: a process
+    /// stopping while NATS is away must not wait for a reconnect that may never come (the
+    /// client's own `flush` waits until it is connected again). `false`: not flushed within
+    /// `wait` (what was buffered is lost; the caller logs it).
+    pub async fn flush_within(&self, wait: Duration) -> bool {
+        matches!(
+            tokio::time::timeout(wait, self.client.flush()).await,
+            Ok(Ok(()))
+        )
+    }
+
     /// Publishes on a core subject (best effort: may be lost across a disconnect).
     pub async fn publish<T: Message>(&self, subject: String, msg: &T) -> Result<(), BusError> {
         self.client

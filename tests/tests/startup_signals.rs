@@ -1,6 +1,7 @@
 //! The agent, the allocator, the dashboard and `converge watch` stop on SIGTERM while they are
 //! still trying to reach NATS at start-up (pointed at a port where nothing listens), and the
-//! dashboard and watch also while connected: `systemctl stop` and Ctrl-C must not wait for a
+//! dashboard and watch also while connected, and the agent and the allocator also after
+//! the server went away while they ran: `systemctl stop` and Ctrl-C must not wait for a
 //! server that may never come.
 
 use converge_tests::bin_path;
@@ -23,71 +24,105 @@ fn stop_while_connecting(
     stop_when_ready(binary, &url, args, "retrying in")
 }
 
-/// Starts `binary` with `args` against the NATS server at `url`, waits until its log (stderr,
-/// `RUST_LOG=info`) contains `ready`, sends SIGTERM and returns how long it took to exit, its
-/// exit status and its log. Panics when it exits before it is ready, is not ready within
-/// 20 s, or still runs 10 s after the signal.
+/// Starts `binary` with `args` against the NATS server at `url`, waits until its log
+/// (stderr, `RUST_LOG=info`) contains `ready`, sends SIGTERM and returns how long it took to
+/// exit, its exit status and its log. Panics when it exits before it is ready, is not ready
+/// within 20 s, or still runs 10 s after the signal.
 fn stop_when_ready(
     binary: &str,
     url: &str,
     args: &[&str],
     ready: &str,
 ) -> (Duration, std::process::ExitStatus, String) {
-    let work = tempfile::tempdir().unwrap();
-    let log = work.path().join("log");
-    let mut child = Command::new(bin_path(binary))
-        .args(["--nats-url", url])
-        .args(args)
-        .env("RUST_LOG", "info")
-        .env("NO_COLOR", "1")
-        .current_dir(work.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        if text.contains(ready) {
-            break;
+    let mut p = Logged::start(binary, url, args);
+    p.wait_for(ready);
+    p.stop()
+}
+
+/// A binary under test, its log (stderr) in a temporary directory that is also its working
+/// directory.
+struct Logged {
+    what: String,
+    child: std::process::Child,
+    log: std::path::PathBuf,
+    _work: tempfile::TempDir,
+}
+
+impl Logged {
+    fn start(binary: &str, url: &str, args: &[&str]) -> Self {
+        let work = tempfile::tempdir().unwrap();
+        let log = work.path().join("log");
+        let child = Command::new(bin_path(binary))
+            .args(["--nats-url", url])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env("NO_COLOR", "1")
+            .current_dir(work.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Self {
+            what: format!("{binary} {args:?}"),
+            child,
+            log,
+            _work: work,
         }
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "{binary} {args:?} exited before {ready:?}:\n{text}"
-        );
-        assert!(
-            Instant::now() < deadline,
-            "{binary} {args:?} never logged {ready:?}:\n{text}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
     }
-    let ok = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok);
-    let sent = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if sent.elapsed() > Duration::from_secs(10) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "{binary} {args:?} still running 10 s after SIGTERM:\n{}",
-                std::fs::read_to_string(&log).unwrap_or_default()
+
+    fn text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits (at most 20 s) until the log contains `line`; panics if the process exits first.
+    fn wait_for(&mut self, line: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let text = self.text();
+            if text.contains(line) {
+                return;
+            }
+            assert!(
+                self.child.try_wait().unwrap().is_none(),
+                "{} exited before {line:?}:\n{text}",
+                self.what
             );
+            assert!(
+                Instant::now() < deadline,
+                "{} never logged {line:?}:\n{text}",
+                self.what
+            );
+            std::thread::sleep(Duration::from_millis(50));
         }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    (
-        sent.elapsed(),
-        status,
-        std::fs::read_to_string(&log).unwrap_or_default(),
-    )
+    }
+
+    /// Sends SIGTERM and waits for the exit (killed and a panic after 10 s).
+    fn stop(mut self) -> (Duration, std::process::ExitStatus, String) {
+        let ok = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok);
+        let sent = Instant::now();
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            if sent.elapsed() > Duration::from_secs(10) {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "{} still running 10 s after SIGTERM:\n{}",
+                    self.what,
+                    self.text()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        (sent.elapsed(), status, self.text())
+    }
 }
 
 /// `binary` exited with status 0 within 2 s of SIGTERM, saying it stopped before NATS.
@@ -120,6 +155,45 @@ fn the_agent_stops_on_sigterm_while_nats_cannot_be_reached() {
 #[test]
 fn the_allocator_stops_on_sigterm_while_nats_cannot_be_reached() {
     assert_stops_at_once("converge-allocator", &[]);
+}
+
+/// Connected and working, then the server goes away: the agent and the allocator, now
+/// reconnecting, still stop within 5 s of SIGTERM and exit 0 (before 2026-11-28 both waited
+/// in their last flush for a reconnect that never came, until killed).
+#[test]
+fn the_agent_and_the_allocator_stop_on_sigterm_after_nats_went_away() {
+    let mut nats = converge_tests::NatsServer::start();
+    let allocator = Logged::start("converge-allocator", &nats.url, &[]);
+    let agent = Logged::start(
+        "converge-agent",
+        &nats.url,
+        &[
+            "--host-id",
+            "sig2",
+            "--fake-gpus",
+            "1",
+            "--state-dir",
+            "state",
+        ],
+    );
+    let mut running = [allocator, agent];
+    running[0].wait_for("leading: this replica writes plans and statuses");
+    running[1].wait_for("connected to NATS");
+    nats.stop();
+    for p in &mut running {
+        p.wait_for("disconnected from NATS");
+    }
+    for p in running {
+        let what = p.what.clone();
+        let (took, status, log) = p.stop();
+        println!("{what} (NATS gone) exited {took:?} after SIGTERM ({status})");
+        assert!(
+            took < Duration::from_secs(5),
+            "{what} took {took:?}:\n{log}"
+        );
+        assert!(status.success(), "{what}: {status}:\n{log}");
+        assert!(log.contains("stopped"), "{what}:\n{log}");
+    }
 }
 
 /// How `converge` (dashboard, watch) ended after SIGTERM: a clean exit, or the signal's
