@@ -4,8 +4,9 @@
 #   1. three nats-servers on 127.0.0.1, routed to each other, JetStream on each;
 #   2. the allocator with --bus-replicas 3 (buckets and the progress stream on all three);
 #   3. converge-loadgen: honest simulated agents writing heartbeats, jobs placed on them and
-#      their progress reports, while --flood-hosts compromised agents publish 60 KB reports
-#      on their own subjects as fast as JetStream acknowledges them, for --duration;
+#      their progress reports, while --flood-hosts compromised agents publish --flood-bytes
+#      reports on their own subjects, --flood-in-flight unacknowledged at all times, for
+#      --duration;
 #      it reports failed heartbeats, failed plan and status writes, the honest reports the
 #      allocator applied, and the progress stream's largest size against its bound;
 #   4. the allocator is stopped (SIGTERM) and started again: the time from its start to
@@ -13,7 +14,8 @@
 #      the flooded stream.
 #
 #   ./deploy/flood-bench.sh [--out DIR] [--duration 60s] [--flood-hosts 1] [--agents 200]
-#                           [--jobs 100] [--reports-per-s 1000] [--debug]
+#                           [--jobs 100] [--reports-per-s 1000] [--flood-bytes 60000]
+#                           [--flood-in-flight 4096] [--debug]
 #
 # Builds the release binaries (--debug: the debug ones), fetches the pinned nats-server
 # (deploy/get-nats-server.sh). Writes OUT/summary.json (the load generator's), OUT/restart.txt
@@ -22,7 +24,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
-out="" duration=60s flood_hosts=1 agents=200 jobs=100 rate=1000 profile=release
+out="" duration=60s flood_hosts=1 agents=200 jobs=100 rate=1000 flood_bytes=60000 flood_in_flight=4096 profile=release
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --out) out=${2:?--out needs a value}; shift 2 ;;
@@ -31,6 +33,8 @@ while [[ $# -gt 0 ]]; do
         --agents) agents=${2:?--agents needs a value}; shift 2 ;;
         --jobs) jobs=${2:?--jobs needs a value}; shift 2 ;;
         --reports-per-s) rate=${2:?--reports-per-s needs a value}; shift 2 ;;
+        --flood-bytes) flood_bytes=${2:?--flood-bytes needs a value}; shift 2 ;;
+        --flood-in-flight) flood_in_flight=${2:?--flood-in-flight needs a value}; shift 2 ;;
         --debug) profile=debug; shift ;;
         -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "flood-bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -125,7 +129,8 @@ status=0
 "$bin/converge-loadgen" --nats-url "$url" --bus-replicas 3 \
     --metrics-url "http://127.0.0.1:$metrics/metrics" --agents "$agents" --jobs "$jobs" \
     --reports-per-s "$rate" --duration "$duration" --scrape-every 10s \
-    --flood-hosts "$flood_hosts" --prefix flood --summary "$out/summary.json" \
+    --flood-hosts "$flood_hosts" --flood-bytes "$flood_bytes" \
+    --flood-in-flight "$flood_in_flight" --prefix flood --summary "$out/summary.json" \
     | tee "$out/loadgen.txt" || status=$?
 
 # The restart: SIGTERM, then a new allocator; time to its first decision.

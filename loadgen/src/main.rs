@@ -23,7 +23,7 @@
 //! - **Flood** (`--flood-hosts N`): N compromised agents, each publishing `--flood-bytes`
 //!   reports (garbage the allocator refuses as malformed, each on its own host's subject
 //!   with a new job id, so every one is a new subject) as fast as JetStream acknowledges
-//!   them, `--max-in-flight` at once each, while the honest load runs. Measured besides:
+//!   them, `--flood-in-flight` at once each, while the honest load runs. Measured besides:
 //!   the progress stream's bytes (its largest size seen against its bound), the honest
 //!   heartbeats that failed, and the allocator's failed plan and status writes
 //!   (`converge_allocator_write_failures_total`). `deploy/flood-bench.sh` runs it on a
@@ -101,6 +101,9 @@ struct Args {
     /// Bytes of each flood message (the stream refuses more than 64 KiB).
     #[arg(long, default_value_t = 60_000)]
     flood_bytes: usize,
+    /// Unacknowledged publishes each flooding agent keeps in flight.
+    #[arg(long, default_value_t = 4096)]
+    flood_in_flight: usize,
 }
 
 /// One scrape of the allocator's metrics.
@@ -220,6 +223,8 @@ fn quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> 
 struct Counters {
     telemetry_written: AtomicU64,
     telemetry_failed: AtomicU64,
+    /// Heartbeats not acknowledged within [`HEARTBEAT_ACK_TIMEOUT`].
+    telemetry_late: AtomicU64,
     reports_sent: AtomicU64,
     reports_acked: AtomicU64,
     reports_failed: AtomicU64,
@@ -235,6 +240,15 @@ struct Summary {
     duration_s: f64,
     telemetry_per_s: f64,
     telemetry_failed: u64,
+    /// Heartbeats not acknowledged within 2 s (a real agent counts them as not stored).
+    telemetry_late: u64,
+    /// Heartbeat write to acknowledgement, seconds (a late one counts as 2 s).
+    heartbeat_latency_p50_s: Option<f64>,
+    heartbeat_latency_p99_s: Option<f64>,
+    heartbeat_latency_max_s: Option<f64>,
+    /// The longest time any agent went between two acknowledged heartbeats (seconds):
+    /// the allocator judges a host lost after `--host-timeout` (15 s) without one.
+    heartbeat_gap_max_s: f64,
     reports_acked: u64,
     reports_per_s: f64,
     reports_failed: u64,
@@ -252,6 +266,8 @@ struct Summary {
     rss_peak_bytes: f64,
     rss_end_bytes: f64,
     hosts_live_end: f64,
+    /// The fewest live hosts any scrape during the run saw.
+    hosts_live_min: f64,
     flood_hosts: u32,
     flood_reports_acked: u64,
     flood_mib_per_s: f64,
@@ -329,37 +345,97 @@ async fn submit_jobs(bus: &Bus, args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Every simulated agent writes its heartbeat once per interval, spread over the interval
-/// in 20 slices.
-async fn run_agents(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, until: Instant) {
-    const SLICES: u32 = 20;
-    let hosts: Vec<HostId> = (0..args.agents).map(|i| host_id(&args.prefix, i)).collect();
-    let mut tick = tokio::time::interval(args.telemetry_interval / SLICES);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut slice = 0u32;
-    while Instant::now() < until {
-        tick.tick().await;
-        let mut writes = FuturesUnordered::new();
-        for host in hosts.iter().skip(slice as usize).step_by(SLICES as usize) {
-            let t = telemetry(host, args.gpus_per_agent);
-            let bus = bus.clone();
-            writes.push(async move {
-                let payload = Bytes::from(encode(&t));
+/// How long a real agent waits for its heartbeat's acknowledgement before it counts the
+/// heartbeat as not stored (agent `publish_telemetry`).
+const HEARTBEAT_ACK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// What the simulated agents measured of their own heartbeats.
+#[derive(Debug, Default)]
+struct Heartbeats {
+    /// Seconds from each put to its acknowledgement (or to the timeout).
+    latencies_s: Vec<f32>,
+    /// Per agent, the longest time between two acknowledged heartbeats (seconds).
+    longest_gap_s: Vec<f64>,
+}
+
+/// Every simulated agent is its own task, as every real agent is its own process: once per
+/// interval (first ticks spread evenly over one interval) it writes its heartbeat to KV and
+/// waits for the acknowledgement at most [`HEARTBEAT_ACK_TIMEOUT`], as `converge-agent`
+/// does, then publishes it on its telemetry subject. A slow bus therefore delays each
+/// agent's next heartbeat by its own write's latency, never by other agents' writes.
+async fn run_agents(
+    bus: Arc<Bus>,
+    args: Arc<Args>,
+    counters: Arc<Counters>,
+    until: Instant,
+) -> Heartbeats {
+    let mut agents = tokio::task::JoinSet::new();
+    for i in 0..args.agents {
+        let host = host_id(&args.prefix, i);
+        let (bus, counters, interval) = (bus.clone(), counters.clone(), args.telemetry_interval);
+        let gpus = args.gpus_per_agent;
+        let offset = interval.mul_f64(f64::from(i) / f64::from(args.agents.max(1)));
+        agents.spawn(async move {
+            let mut latencies = Vec::new();
+            let mut longest_gap = 0.0f64;
+            let mut last_stored: Option<Instant> = None;
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + offset, interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            while Instant::now() < until {
+                tick.tick().await;
+                let payload = Bytes::from(encode(&telemetry(&host, gpus)));
+                let put = Instant::now();
+                let stored = tokio::time::timeout(
+                    HEARTBEAT_ACK_TIMEOUT,
+                    bus.hosts.put(host.as_str(), payload.clone()),
+                )
+                .await;
+                latencies.push(put.elapsed().as_secs_f32());
+                match stored {
+                    Ok(Ok(_)) => {
+                        counters.telemetry_written.fetch_add(1, Ordering::Relaxed);
+                        let now = Instant::now();
+                        if let Some(last) = last_stored {
+                            longest_gap = longest_gap.max((now - last).as_secs_f64());
+                        }
+                        last_stored = Some(now);
+                    }
+                    Ok(Err(_)) => {
+                        counters.telemetry_failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(_) => {
+                        counters.telemetry_late.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
                 let _ = bus
                     .client
-                    .publish(subjects::telemetry(&t.host), payload.clone())
+                    .publish(subjects::telemetry(&host), payload)
                     .await;
-                bus.hosts.put(t.host.as_str(), payload).await
-            });
-        }
-        while let Some(r) = writes.next().await {
-            match r {
-                Ok(_) => counters.telemetry_written.fetch_add(1, Ordering::Relaxed),
-                Err(_) => counters.telemetry_failed.fetch_add(1, Ordering::Relaxed),
-            };
-        }
-        slice = (slice + 1) % SLICES;
+            }
+            if let Some(last) = last_stored {
+                longest_gap = longest_gap.max(last.elapsed().as_secs_f64());
+            }
+            (latencies, longest_gap)
+        });
     }
+    let mut out = Heartbeats::default();
+    while let Some(done) = agents.join_next().await {
+        if let Ok((latencies, gap)) = done {
+            out.latencies_s.extend(latencies);
+            out.longest_gap_s.push(gap);
+        }
+    }
+    out
+}
+
+/// The `q` quantile (0..=1) of `values` by the nearest rank; `None` when empty.
+fn nearest_rank(values: &mut [f32], q: f64) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f32::total_cmp);
+    let rank = ((q * values.len() as f64).ceil() as usize).clamp(1, values.len());
+    Some(f64::from(values[rank - 1]))
 }
 
 /// Each placed job's generation and the host of each of its ranks, by rank.
@@ -500,7 +576,7 @@ async fn run_flood(
     let mut acks = FuturesUnordered::new();
     let mut n = 0u64;
     while Instant::now() < until {
-        while acks.len() < args.max_in_flight {
+        while acks.len() < args.flood_in_flight {
             n += 1;
             let job =
                 JobId::new(format!("{}-flood-{index}-{n}", args.prefix)).expect("a valid job id");
@@ -595,6 +671,7 @@ async fn main() -> anyhow::Result<()> {
     let (mut stream_max, mut stream_bound) = stream_bytes(&bus).await?;
 
     let mut peak_rss = start_scrape.rss_bytes;
+    let mut hosts_live_min = f64::INFINITY;
     let mut last = start_scrape.clone();
     let mut last_at = Instant::now();
     let mut last_acked = 0;
@@ -614,6 +691,7 @@ async fn main() -> anyhow::Result<()> {
         match scrape_async(&args.metrics_url).await {
             Ok(s) => {
                 peak_rss = peak_rss.max(s.rss_bytes);
+                hosts_live_min = hosts_live_min.min(s.hosts_live);
                 let acked = counters.reports_acked.load(Ordering::Relaxed);
                 let secs = last_at.elapsed().as_secs_f64();
                 println!(
@@ -634,7 +712,7 @@ async fn main() -> anyhow::Result<()> {
             Err(e) => tracing::warn!("scrape failed: {e:#}"),
         }
     }
-    let _ = agents.await;
+    let mut heartbeats = agents.await.unwrap_or_default();
     let _ = progress.await;
     for f in floods {
         let _ = f.await;
@@ -666,6 +744,11 @@ async fn main() -> anyhow::Result<()> {
         duration_s: secs,
         telemetry_per_s: counters.telemetry_written.load(Ordering::Relaxed) as f64 / secs,
         telemetry_failed: counters.telemetry_failed.load(Ordering::Relaxed),
+        telemetry_late: counters.telemetry_late.load(Ordering::Relaxed),
+        heartbeat_latency_p50_s: nearest_rank(&mut heartbeats.latencies_s, 0.5),
+        heartbeat_latency_p99_s: nearest_rank(&mut heartbeats.latencies_s, 0.99),
+        heartbeat_latency_max_s: nearest_rank(&mut heartbeats.latencies_s, 1.0),
+        heartbeat_gap_max_s: heartbeats.longest_gap_s.iter().copied().fold(0.0, f64::max),
         reports_acked: acked,
         reports_per_s: acked as f64 / secs,
         reports_failed: counters.reports_failed.load(Ordering::Relaxed),
@@ -689,6 +772,7 @@ async fn main() -> anyhow::Result<()> {
         rss_peak_bytes: peak_rss,
         rss_end_bytes: end.rss_bytes,
         hosts_live_end: end.hosts_live,
+        hosts_live_min: hosts_live_min.min(end.hosts_live),
         flood_hosts: args.flood_hosts,
         flood_reports_acked: counters.flood_acked.load(Ordering::Relaxed),
         flood_mib_per_s: counters.flood_acked.load(Ordering::Relaxed) as f64
@@ -732,8 +816,18 @@ fn print_summary(s: &Summary) {
     println!("| simulated agents / jobs | {} / {} |", s.agents, s.jobs);
     println!("| sending time | {:.0} s |", s.duration_s);
     println!(
-        "| heartbeats written | {:.0}/s ({} failed) |",
-        s.telemetry_per_s, s.telemetry_failed
+        "| heartbeats written | {:.0}/s ({} failed, {} not acknowledged within 2 s) |",
+        s.telemetry_per_s, s.telemetry_failed, s.telemetry_late
+    );
+    println!(
+        "| heartbeat acknowledgement p50 / p99 / max | {} / {} / {} |",
+        fmt_s(s.heartbeat_latency_p50_s),
+        fmt_s(s.heartbeat_latency_p99_s),
+        fmt_s(s.heartbeat_latency_max_s)
+    );
+    println!(
+        "| longest time an agent went without an acknowledged heartbeat | {:.1} s |",
+        s.heartbeat_gap_max_s
     );
     println!(
         "| progress reports acknowledged | {} ({:.0}/s of {} asked; {} failed) |",
@@ -762,7 +856,10 @@ fn print_summary(s: &Summary) {
         s.rss_peak_bytes / 1048576.0,
         s.rss_end_bytes / 1048576.0
     );
-    println!("| live hosts at the end | {:.0} |", s.hosts_live_end);
+    println!(
+        "| live hosts: fewest seen during the run / at the end | {:.0} / {:.0} |",
+        s.hosts_live_min, s.hosts_live_end
+    );
     println!(
         "| plan and status writes failed | {:.0} |",
         s.plan_and_status_write_failures
@@ -782,7 +879,16 @@ fn print_summary(s: &Summary) {
 
 #[cfg(test)]
 mod tests {
-    use super::quantile;
+    use super::{nearest_rank, quantile};
+
+    #[test]
+    fn nearest_rank_quantiles() {
+        let mut v = [0.4f32, 0.1, 0.3, 0.2];
+        assert_eq!(nearest_rank(&mut v, 0.5), Some(f64::from(0.2f32)));
+        assert_eq!(nearest_rank(&mut v, 0.99), Some(f64::from(0.4f32)));
+        assert_eq!(nearest_rank(&mut v, 0.0), Some(f64::from(0.1f32)));
+        assert_eq!(nearest_rank(&mut [], 0.5), None);
+    }
 
     #[test]
     fn quantiles_interpolate_within_buckets() {
