@@ -4,6 +4,11 @@
 //! **Ranking.** By **held-out loss** (`eval_loss`, the latest rank 0 reported) when every
 //! trial that reports a loss reports one: a sweep picks the model that generalizes, and the
 //! allocator's early stopping judges trials the same way ([`converge_common::EarlyStopRule`]).
+//! As there, a trial that has not ended, has not evaluated yet and is still in its first
+//! `min_epochs` epochs (its sweep's early-stopping setting, 1 without one; the epoch from
+//! `status.epoch_samples`) does not count: a trial that starts late does not switch the
+//! ranking to training loss until its first evaluation. It is ranked after the evaluated
+//! trials meanwhile.
 //! Otherwise (a trial reports no held-out loss; the table's title says which) a trial's
 //! score is its predicted training loss (for an ended trial the loss its fitted curve
 //! predicts it would have reached, `status.end.predicted_loss`; for the others the
@@ -59,6 +64,17 @@ impl Ranked<'_> {
         finite(self.status?.eval_loss)
     }
 
+    /// Not ended, not evaluated yet and still in its first `min_epochs` epochs ([module
+    /// docs](self)); `false` while its epoch is unknown.
+    pub fn young(&self) -> bool {
+        let Some(s) = self.status else { return false };
+        let min_epochs = self.spec.early_stop.as_ref().map_or(1.0, |e| e.min_epochs);
+        !s.phase.is_terminal()
+            && self.held_out().is_none()
+            && s.epoch_samples
+                .is_some_and(|e| e > 0.0 && (s.samples as f64) < min_epochs * e)
+    }
+
     /// The training-loss score: the predicted loss, else the current loss.
     pub fn score(&self) -> Option<f64> {
         self.predicted_loss().or_else(|| self.loss())
@@ -99,8 +115,11 @@ impl Basis {
 pub fn basis(rows: &[Ranked<'_>]) -> Basis {
     let mut reporting: Vec<&Ranked<'_>> = rows.iter().filter(|r| r.loss().is_some()).collect();
     reporting.sort_by(|a, b| a.spec.id.cmp(&b.spec.id));
-    match reporting.iter().find(|r| r.held_out().is_none()) {
-        None if !reporting.is_empty() => Basis::HeldOut,
+    match reporting
+        .iter()
+        .find(|r| r.held_out().is_none() && !r.young())
+    {
+        None if reporting.iter().any(|r| r.held_out().is_some()) => Basis::HeldOut,
         None => Basis::Training(None),
         Some(r) => Basis::Training(Some(r.spec.id.clone())),
     }
@@ -435,5 +454,42 @@ command = ["t", "--lr", "{lr}", "--batch-size", "{batch}"]
             b.describe()
         );
         assert_eq!(rows[0].spec.id.as_str(), "s-2");
+
+        // s-3 is young (half way through its first epoch, no evaluation yet): it does not
+        // switch the ranking to training loss, and waits after the evaluated trials.
+        let s3 = statuses
+            .iter_mut()
+            .find(|s| s.job.as_str() == "s-3")
+            .unwrap();
+        s3.epoch_samples = Some(1000.0);
+        s3.samples = 500;
+        let rows = rank(&JobId::new("s").unwrap(), &specs, &statuses);
+        assert_eq!(basis(&rows), Basis::HeldOut);
+        let ids: Vec<&str> = rows.iter().map(|r| r.spec.id.as_str()).collect();
+        assert_eq!(ids, ["s-1", "s-2", "s-4", "s-5", "s-3", "s-6"]);
+        // Past its first epoch (the default min_epochs) without an evaluation, it does.
+        let s3 = statuses
+            .iter_mut()
+            .find(|s| s.job.as_str() == "s-3")
+            .unwrap();
+        s3.samples = 1500;
+        let rows = rank(&JobId::new("s").unwrap(), &specs, &statuses);
+        assert_eq!(
+            basis(&rows),
+            Basis::Training(Some(JobId::new("s-3").unwrap()))
+        );
+        // An ended trial is never young.
+        let s3 = statuses
+            .iter_mut()
+            .find(|s| s.job.as_str() == "s-3")
+            .unwrap();
+        s3.samples = 500;
+        s3.phase = JobPhase::Completed;
+        let rows = rank(&JobId::new("s").unwrap(), &specs, &statuses);
+        assert!(!rows.iter().any(|r| r.young()));
+        assert_eq!(
+            basis(&rows),
+            Basis::Training(Some(JobId::new("s-3").unwrap()))
+        );
     }
 }

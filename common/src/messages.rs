@@ -740,6 +740,11 @@ pub struct JobStatus {
     pub first_loss: Option<f64>,
     pub loss: Option<f64>,
     pub eval_loss: Option<f64>,
+    /// Samples per epoch, as the job's own reports imply (`samples / epoch` of a rank-0
+    /// report that carried `epoch`); absent before one did, and in statuses written before
+    /// the field existed. `samples / epoch_samples` is the epoch the job is in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch_samples: Option<f64>,
     pub curve: Option<FittedCurve>,
     /// Loss the fitted curve predicts one horizon ahead at the current allocation.
     pub predicted_loss: Option<f64>,
@@ -878,6 +883,7 @@ impl JobStatus {
             first_loss: None,
             loss: None,
             eval_loss: None,
+            epoch_samples: None,
             curve: None,
             predicted_loss: None,
             samples_per_s: None,

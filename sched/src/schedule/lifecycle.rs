@@ -306,6 +306,7 @@ pub(super) fn update_progress(
     }
     status.first_loss = h.first_loss();
     status.eval_loss = h.last_eval_loss();
+    status.epoch_samples = h.epoch_samples();
     status.samples_per_s = h.samples_per_s(status.generation);
     status.predicted_loss = curve.map(|c| {
         let rate = status.samples_per_s.unwrap_or(0.0);

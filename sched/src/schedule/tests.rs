@@ -794,10 +794,18 @@ fn reaching_the_target_loss_completes_the_job() {
     w.step(11.0, false);
     assert_eq!(w.status("t").phase, JobPhase::Running);
     assert_eq!(w.status("t").first_loss, Some(0.7));
-    w.histories.get_mut(&id).unwrap().add(&report(960, 0.39));
+    assert_eq!(
+        w.status("t").epoch_samples,
+        None,
+        "no report carried an epoch"
+    );
+    let mut last = report(960, 0.39);
+    last.line.epoch = Some(3.0);
+    w.histories.get_mut(&id).unwrap().add(&last);
     let out = w.step(12.0, false);
     let s = w.status("t");
     assert_eq!(s.phase, JobPhase::Completed);
+    assert_eq!(s.epoch_samples, Some(320.0), "960 samples in 3 epochs");
     assert!(
         s.message.as_ref().unwrap().contains("target loss 0.4"),
         "{s:?}"
