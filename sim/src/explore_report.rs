@@ -264,6 +264,26 @@ pub struct ExploreReportArgs {
     /// The Markdown report.
     #[arg(long, default_value = "docs/exploratory.md")]
     pub out: PathBuf,
+    /// Simulations run at once (default: the available cores). The report is the same for
+    /// any number: every run is deterministic and results are kept in order.
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+impl ExploreReportArgs {
+    fn threads(&self) -> usize {
+        self.threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
+            .max(1)
+    }
+}
+
+/// `run` on every item, `threads` at a time, the results in the items' order.
+fn in_order<T: Sync, R: Send>(items: &[T], threads: usize, run: impl Fn(&T) -> R + Sync) -> Vec<R> {
+    let indexed: Vec<(usize, &T)> = items.iter().enumerate().collect();
+    let mut done = crate::report::on_threads(&indexed, threads, |(i, t)| (*i, run(t)));
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, r)| r).collect()
 }
 
 /// The policies of the report, in its order.
@@ -387,19 +407,42 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
         .iter()
         .map(|&seed| generate(&philly, &curves, args.sweeps, args.hours, seed))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let threads = args.threads();
+    // Every (workload, policy) run, then each workload's fair run to the end (None).
+    let main_runs: Vec<(usize, Option<&str>)> = (0..workloads.len())
+        .flat_map(|w| {
+            REPORT_POLICIES
+                .iter()
+                .map(move |&name| (w, Some(name)))
+                .chain([(w, None)])
+        })
+        .collect();
+    let mut done = in_order(&main_runs, threads, |&(w, name)| {
+        let (trials, seed) = (&workloads[w], args.seeds[w]);
+        let s = match name {
+            Some(name) => run_one(name, trials, &cfg, (&curves, &apps, args)),
+            None => run_one("fair", trials, &to_end, (&curves, &apps, args)).map(|mut s| {
+                s.policy = "fair, every trial to its end".into();
+                s
+            }),
+        };
+        eprintln!(
+            "seed {seed}: {}: {} trials",
+            name.unwrap_or("fair to the end"),
+            trials.len()
+        );
+        s
+    })
+    .into_iter();
     let mut runs: Vec<Vec<ExploreSummary>> = Vec::new();
     let mut baseline: Vec<ExploreSummary> = Vec::new();
-    for (&seed, trials) in args.seeds.iter().zip(&workloads) {
-        let mut per_policy = Vec::new();
-        for name in REPORT_POLICIES {
-            let s = run_one(name, trials, &cfg, (&curves, &apps, args))?;
-            eprintln!("seed {seed}: {name}: {} trials", trials.len());
-            per_policy.push(s);
-        }
-        let mut s = run_one("fair", trials, &to_end, (&curves, &apps, args))?;
-        s.policy = "fair, every trial to its end".into();
-        baseline.push(s);
-        runs.push(per_policy);
+    for _ in &workloads {
+        runs.push(
+            done.by_ref()
+                .take(REPORT_POLICIES.len())
+                .collect::<anyhow::Result<_>>()?,
+        );
+        baseline.push(done.next().expect("one run to the end per workload")?);
     }
     // Sensitivity: the default quality policy against fair at other loads and stop rules; the runs of the
     // tables above are reused where the settings are theirs.
@@ -440,16 +483,25 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
                 ..cfg.clone()
             };
             let main = sweeps == args.sweeps && c.stop == cfg.stop;
-            let mut pairs: Vec<[ExploreSummary; 2]> = Vec::new();
-            for (w, trials) in workloads.iter().enumerate() {
-                pairs.push(match (main, quality, fair) {
-                    (true, Some(q), Some(f)) => [runs[w][q].clone(), runs[w][f].clone()],
-                    _ => [
-                        run_one("quality", trials, &c, (&curves, &apps, args))?,
-                        run_one("fair", trials, &c, (&curves, &apps, args))?,
-                    ],
-                });
-            }
+            let pairs: Vec<[ExploreSummary; 2]> = match (main, quality, fair) {
+                (true, Some(q), Some(f)) => (0..workloads.len())
+                    .map(|w| [runs[w][q].clone(), runs[w][f].clone()])
+                    .collect(),
+                _ => {
+                    let each: Vec<(usize, &str)> = (0..workloads.len())
+                        .flat_map(|w| [(w, "quality"), (w, "fair")])
+                        .collect();
+                    let mut done = in_order(&each, threads, |&(w, name)| {
+                        run_one(name, &workloads[w], &c, (&curves, &apps, args))
+                    })
+                    .into_iter();
+                    let mut pairs = Vec::new();
+                    while let (Some(q), Some(f)) = (done.next(), done.next()) {
+                        pairs.push([q?, f?]);
+                    }
+                    pairs
+                }
+            };
             let mean = |k: usize, f: fn(&ExploreSummary) -> f64| {
                 pairs.iter().map(|p| f(&p[k])).sum::<f64>() / pairs.len().max(1) as f64
             };
@@ -485,12 +537,12 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
     let mut loops = Vec::new();
     for name in LOOP_POLICIES {
         let i = column(name).expect("a report policy");
+        let others = in_order(&workloads, threads, |trials| {
+            run_one(name, trials, &cfg, (&curves, &apps, &other))
+        });
         let mut pairs = Vec::new();
-        for (w, trials) in workloads.iter().enumerate() {
-            pairs.push([
-                runs[w][i].clone(),
-                run_one(name, trials, &cfg, (&curves, &apps, &other))?,
-            ]);
+        for (w, s) in others.into_iter().enumerate() {
+            pairs.push([runs[w][i].clone(), s?]);
         }
         eprintln!("loops: {name} done");
         loops.push((name, pairs));
@@ -525,18 +577,20 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
                     ..cfg.clone()
                 };
                 let none = rule == EarlyStopRule::None && same_loop;
-                let mut per_workload = Vec::new();
-                for (w, trials) in workloads.iter().enumerate() {
-                    per_workload.push(match (none, stop.is_some(), name) {
+                let indices: Vec<usize> = (0..workloads.len()).collect();
+                let per_workload = in_order(&indices, threads, |&w| {
+                    Ok(match (none, stop.is_some(), name) {
                         (true, true, _) => runs[w][i].clone(),
                         (true, false, "fair") => {
                             let mut s = baseline[w].clone();
                             s.policy = name.to_string();
                             s
                         }
-                        _ => run_one(name, trials, &c, (&curves, &apps, &service))?,
-                    });
-                }
+                        _ => run_one(name, &workloads[w], &c, (&curves, &apps, &service))?,
+                    })
+                })
+                .into_iter()
+                .collect::<anyhow::Result<Vec<_>>>()?;
                 eprintln!("early stopping: {title}: {name}, {} done", rule.as_str());
                 rows.push((format!("`{name}`, {}", rule.as_str()), per_workload));
             }

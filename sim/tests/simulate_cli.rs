@@ -125,3 +125,36 @@ fn bad_input_is_refused_with_the_reason() {
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("--interference"));
 }
+
+/// `explore-report` writes the same report whatever the number of threads (its runs are
+/// deterministic and kept in order), on a small configuration of two workloads.
+#[test]
+fn explore_report_is_the_same_on_one_thread_and_on_two() {
+    let out = tempfile::tempdir().unwrap();
+    let report = |threads: &str| {
+        let path = out.path().join(format!("explore-{threads}.md"));
+        succeeds(allocator().args([
+            "explore-report",
+            "--seeds",
+            "1,2",
+            "--sweeps",
+            "4",
+            "--hours",
+            "0.5",
+            "--sensitivity-sweeps",
+            "4",
+            "--sensitivity-plateau",
+            "0.01",
+            "--early-stop-rules",
+            "none,predicted",
+            "--threads",
+            threads,
+            "--out",
+            path.to_str().unwrap(),
+        ]));
+        std::fs::read_to_string(path).unwrap()
+    };
+    let one = report("1");
+    assert!(one.contains("| `quality` |"), "{one}");
+    assert_eq!(one, report("2"));
+}
