@@ -1,14 +1,43 @@
 //! [`Rejects`]: the counter of messages a process refused, by source and kind.
 
 use converge_common::{DecodeError, Message, decode};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use std::collections::BTreeMap;
+use std::num::NonZeroU32;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Counts messages a process refused, by where they came from and why. Every refusal is
-/// logged once at `warn`; the process keeps serving.
-#[derive(Debug, Default)]
+/// Refusals logged per second at most, after a first burst of [`LOG_BURST`].
+pub const LOG_PER_S: NonZeroU32 = NonZeroU32::new(10).unwrap();
+/// Refusals logged at once before [`LOG_PER_S`] applies.
+pub const LOG_BURST: NonZeroU32 = NonZeroU32::new(100).unwrap();
+/// Distinct sources counted apart; refusals from further sources are counted under
+/// [`OTHER_SOURCES`] (a flood on a new subject per message must not grow the table).
+pub const MAX_SOURCES: usize = 1024;
+/// The source under which refusals past [`MAX_SOURCES`] sources are counted.
+pub const OTHER_SOURCES: &str = "(other sources)";
+
+/// Counts messages a process refused, by where they came from and why, and logs them at
+/// `warn`: every refusal while refusals are rare, then at most [`LOG_PER_S`] a second (after
+/// a burst of [`LOG_BURST`]); the next line logged says how many were not. Every refusal is
+/// counted either way; the process keeps serving. A flood of malformed messages therefore
+/// costs the process neither its log nor its memory.
+#[derive(Debug)]
 pub struct Rejects {
     counts: Mutex<BTreeMap<(String, &'static str), u64>>,
+    log: DefaultDirectRateLimiter,
+    /// Refusals not logged since the last line that was.
+    unlogged: AtomicU64,
+}
+
+impl Default for Rejects {
+    fn default() -> Self {
+        Self {
+            counts: Mutex::default(),
+            log: RateLimiter::direct(Quota::per_second(LOG_PER_S).allow_burst(LOG_BURST)),
+            unlogged: AtomicU64::new(0),
+        }
+    }
 }
 
 impl Rejects {
@@ -26,8 +55,28 @@ impl Rejects {
         kind: &'static str,
         reason: &dyn std::fmt::Display,
     ) {
-        tracing::warn!(source, key, kind, "refused message: {reason}");
+        if self.log.check().is_ok() {
+            match self.unlogged.swap(0, Ordering::Relaxed) {
+                0 => tracing::warn!(source, key, kind, "refused message: {reason}"),
+                n => tracing::warn!(
+                    source,
+                    key,
+                    kind,
+                    not_logged = n,
+                    "refused message: {reason} ({n} refusals before this one were counted, \
+                     not logged: more than {LOG_PER_S} a second)"
+                ),
+            }
+        } else {
+            self.unlogged.fetch_add(1, Ordering::Relaxed);
+        }
         let mut counts = self.counts.lock().expect("not poisoned");
+        let known = counts.contains_key(&(source.to_string(), kind));
+        let source = if known || counts.len() < MAX_SOURCES {
+            source
+        } else {
+            OTHER_SOURCES
+        };
         *counts.entry((source.to_string(), kind)).or_default() += 1;
     }
 
@@ -47,7 +96,8 @@ impl Rejects {
         self.counts.lock().expect("not poisoned").values().sum()
     }
 
-    /// Refusals by (source, kind).
+    /// Refusals by (source, kind); sources past the first [`MAX_SOURCES`] are counted under
+    /// [`OTHER_SOURCES`].
     pub fn snapshot(&self) -> BTreeMap<(String, &'static str), u64> {
         self.counts.lock().expect("not poisoned").clone()
     }
@@ -76,6 +126,36 @@ mod tests {
         assert_eq!(
             rejects.by_kind().into_iter().collect::<Vec<_>>(),
             [("not_placed", 2), ("wrong_subject", 1)]
+        );
+    }
+
+    /// A flood on a new subject per message: every refusal is counted, the table stays
+    /// bounded, and only the burst plus what the rate allows is logged.
+    #[test]
+    fn a_flood_of_refusals_is_counted_in_full_and_bounded_in_memory_and_log() {
+        let rejects = Rejects::default();
+        let n = 20_000u64;
+        for i in 0..n {
+            rejects.refuse(&format!("progress.flood-{i}.h0"), "", "invalid", &"x");
+        }
+        assert_eq!(rejects.total(), n);
+        let counts = rejects.snapshot();
+        assert_eq!(counts.len(), MAX_SOURCES + 1);
+        assert_eq!(
+            counts[&(OTHER_SOURCES.to_string(), "invalid")],
+            n - MAX_SOURCES as u64
+        );
+        // Far fewer than n were logged: the rest wait in `unlogged` for the next line.
+        let unlogged = rejects.unlogged.load(Ordering::Relaxed);
+        assert!(
+            unlogged >= n - u64::from(LOG_BURST.get()) - 1_000,
+            "{unlogged} of {n} not logged"
+        );
+        // A source counted apart stays apart once the table is full.
+        rejects.refuse("progress.flood-0.h0", "", "invalid", &"x");
+        assert_eq!(
+            rejects.snapshot()[&("progress.flood-0.h0".to_string(), "invalid")],
+            2
         );
     }
 }
