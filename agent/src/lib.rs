@@ -312,6 +312,10 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
         }
     };
     let rejects = Arc::new(Rejects::default());
+    tracing::info!(
+        interval = ?cfg.telemetry_interval,
+        "running: heartbeats to NATS, following this host's plan"
+    );
 
     let (exit_tx, mut exit_rx) = mpsc::channel::<ExitNotice>(1024);
     let (out_tx, out_rx) = mpsc::channel::<Outgoing>(10_000);
@@ -469,7 +473,7 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     drop(sup);
     let _ = tokio::time::timeout(Duration::from_secs(5), outbox).await;
     if !bus.flush_within(Duration::from_secs(1)).await {
-        tracing::warn!("NATS did not take the last buffered messages within 1 s; stopping anyway");
+        tracing::warn!("the last buffered messages did not reach NATS within 1 s; stopping anyway");
     }
     tracing::info!(refused_messages = rejects.total(), "agent stopped");
     Ok(())

@@ -337,7 +337,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     }
     tasks.abort_all();
     if !bus.flush_within(Duration::from_secs(1)).await {
-        tracing::warn!("NATS did not take the last buffered messages within 1 s; stopping anyway");
+        tracing::warn!("the last buffered messages did not reach NATS within 1 s; stopping anyway");
     }
     tracing::info!(refused_messages = rejects.total(), "allocator stopped");
     Ok(())

@@ -11,7 +11,7 @@ impl Bus {
     /// Sends what the client still buffers to the server, waiting at most `wait`: a process
     /// stopping while NATS is away must not wait for a reconnect that may never come (the
     /// client's own `flush` waits until it is connected again). `false`: not flushed within
-    /// `wait` (what was buffered is lost; the caller logs it).
+    /// `wait`, or the flush failed (what was buffered is lost; the caller logs it).
     pub async fn flush_within(&self, wait: Duration) -> bool {
         matches!(
             tokio::time::timeout(wait, self.client.flush()).await,

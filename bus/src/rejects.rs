@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub const LOG_PER_S: NonZeroU32 = NonZeroU32::new(10).unwrap();
 /// Refusals logged at once before [`LOG_PER_S`] applies.
 pub const LOG_BURST: NonZeroU32 = NonZeroU32::new(100).unwrap();
-/// Distinct sources counted apart; refusals from further sources are counted under
-/// [`OTHER_SOURCES`] (a flood on a new subject per message must not grow the table).
+/// Distinct (source, kind) pairs counted apart; refusals of further pairs are counted under
+/// ([`OTHER_SOURCES`], kind) (a flood on a new subject per message must not grow the table).
 pub const MAX_SOURCES: usize = 1024;
-/// The source under which refusals past [`MAX_SOURCES`] sources are counted.
+/// The source under which refusals past [`MAX_SOURCES`] (source, kind) pairs are counted.
 pub const OTHER_SOURCES: &str = "(other sources)";
 
 /// Counts messages a process refused, by where they came from and why, and logs them at
@@ -96,8 +96,8 @@ impl Rejects {
         self.counts.lock().expect("not poisoned").values().sum()
     }
 
-    /// Refusals by (source, kind); sources past the first [`MAX_SOURCES`] are counted under
-    /// [`OTHER_SOURCES`].
+    /// Refusals by (source, kind); pairs past the first [`MAX_SOURCES`] are counted under
+    /// ([`OTHER_SOURCES`], kind).
     pub fn snapshot(&self) -> BTreeMap<(String, &'static str), u64> {
         self.counts.lock().expect("not poisoned").clone()
     }

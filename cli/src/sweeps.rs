@@ -9,7 +9,8 @@
 //! `status.epoch_samples`) does not count: a trial that starts late does not switch the
 //! ranking to training loss until its first evaluation. It is ranked after the evaluated
 //! trials meanwhile.
-//! Otherwise (a trial reports no held-out loss; the table's title says which) a trial's
+//! Failed and cancelled trials do not count either. Otherwise (a trial reports no held-out
+//! loss; the table's title says which) a trial's
 //! score is its predicted training loss (for an ended trial the loss its fitted curve
 //! predicts it would have reached, `status.end.predicted_loss`; for the others the
 //! allocator's one-horizon prediction, `status.predicted_loss`), or its current loss while it
@@ -19,7 +20,7 @@
 use crate::tables;
 use comfy_table::{Table, presets::UTF8_BORDERS_ONLY};
 use converge_common::sweep::trial_params;
-use converge_common::{JobId, JobSpec, JobStatus};
+use converge_common::{JobId, JobPhase, JobSpec, JobStatus};
 use serde_json::json;
 use std::cmp::Ordering;
 use std::collections::BTreeSet;
@@ -94,6 +95,9 @@ pub enum Basis {
     /// Predicted training loss; the first trial (by id) that reports a loss but no held-out
     /// loss, if any.
     Training(Option<JobId>),
+    /// Predicted training loss: every trial that reports a loss is still in its first
+    /// epochs and none has evaluated yet.
+    NotEvaluatedYet,
 }
 
 impl Basis {
@@ -107,20 +111,32 @@ impl Basis {
             Basis::Training(None) => {
                 "ranked by predicted training loss: no trial reports a loss yet".into()
             }
+            Basis::NotEvaluatedYet => {
+                "ranked by predicted training loss: no trial has evaluated yet".into()
+            }
         }
     }
 }
 
 /// What the trials of `rows` are ranked by ([module docs](self)).
 pub fn basis(rows: &[Ranked<'_>]) -> Basis {
-    let mut reporting: Vec<&Ranked<'_>> = rows.iter().filter(|r| r.loss().is_some()).collect();
+    // Failed and cancelled trials are no candidates (nor are they for the allocator).
+    let mut reporting: Vec<&Ranked<'_>> = rows
+        .iter()
+        .filter(|r| r.loss().is_some())
+        .filter(|r| {
+            !r.status
+                .is_some_and(|s| matches!(s.phase, JobPhase::Failed | JobPhase::Cancelled))
+        })
+        .collect();
     reporting.sort_by(|a, b| a.spec.id.cmp(&b.spec.id));
     match reporting
         .iter()
         .find(|r| r.held_out().is_none() && !r.young())
     {
         None if reporting.iter().any(|r| r.held_out().is_some()) => Basis::HeldOut,
-        None => Basis::Training(None),
+        None if reporting.is_empty() => Basis::Training(None),
+        None => Basis::NotEvaluatedYet,
         Some(r) => Basis::Training(Some(r.spec.id.clone())),
     }
 }
@@ -241,7 +257,7 @@ mod tests {
     use super::*;
     use crate::tables::tests::running_status;
     use converge_common::sweep::expand;
-    use converge_common::{EndReason, JobEnd, JobPhase};
+    use converge_common::{EndReason, JobEnd};
 
     const SWEEP: &str = r#"
 [sweep]
@@ -478,6 +494,28 @@ command = ["t", "--lr", "{lr}", "--batch-size", "{batch}"]
             basis(&rows),
             Basis::Training(Some(JobId::new("s-3").unwrap()))
         );
+        // Every reporting trial young and none evaluated: training loss, and why.
+        let mut young_only = statuses.clone();
+        for s in &mut young_only {
+            s.eval_loss = None;
+            s.phase = JobPhase::Running;
+            s.epoch_samples = Some(1000.0);
+            s.samples = 10;
+        }
+        let rows = rank(&JobId::new("s").unwrap(), &specs, &young_only);
+        assert_eq!(basis(&rows), Basis::NotEvaluatedYet);
+        assert!(
+            basis(&rows)
+                .describe()
+                .contains("no trial has evaluated yet")
+        );
+        // A failed trial without held-out loss does not switch the ranking.
+        let mut failed = statuses.clone();
+        let s3 = failed.iter_mut().find(|s| s.job.as_str() == "s-3").unwrap();
+        s3.epoch_samples = None;
+        s3.phase = JobPhase::Failed;
+        let rows = rank(&JobId::new("s").unwrap(), &specs, &failed);
+        assert_eq!(basis(&rows), Basis::HeldOut);
         // An ended trial is never young.
         let s3 = statuses
             .iter_mut()

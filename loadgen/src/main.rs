@@ -242,12 +242,14 @@ struct Summary {
     telemetry_failed: u64,
     /// Heartbeats not acknowledged within 2 s (a real agent counts them as not stored).
     telemetry_late: u64,
-    /// Heartbeat write to acknowledgement, seconds (a late one counts as 2 s).
+    /// Heartbeat write to acknowledgement, seconds (a late one counts as 2 s; one refused
+    /// at once is not timed).
     heartbeat_latency_p50_s: Option<f64>,
     heartbeat_latency_p99_s: Option<f64>,
     heartbeat_latency_max_s: Option<f64>,
-    /// The longest time any agent went between two acknowledged heartbeats (seconds):
-    /// the allocator judges a host lost after `--host-timeout` (15 s) without one.
+    /// The longest time any agent went without an acknowledged heartbeat (seconds), from
+    /// its first attempt to the end of the run: the allocator judges a host lost after
+    /// `--host-timeout` (15 s) without one.
     heartbeat_gap_max_s: f64,
     reports_acked: u64,
     reports_per_s: f64,
@@ -266,8 +268,9 @@ struct Summary {
     rss_peak_bytes: f64,
     rss_end_bytes: f64,
     hosts_live_end: f64,
-    /// The fewest live hosts any scrape during the run saw.
-    hosts_live_min: f64,
+    /// The fewest live hosts any scrape during the run saw (not the one after the drain,
+    /// when the simulated agents have stopped); `None` without a scrape during the run.
+    hosts_live_min: Option<f64>,
     flood_hosts: u32,
     flood_reports_acked: u64,
     flood_mib_per_s: f64,
@@ -378,21 +381,23 @@ async fn run_agents(
         agents.spawn(async move {
             let mut latencies = Vec::new();
             let mut longest_gap = 0.0f64;
+            // The last acknowledged heartbeat, or the agent's first tick before one.
             let mut last_stored: Option<Instant> = None;
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + offset, interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             while Instant::now() < until {
                 tick.tick().await;
-                let payload = Bytes::from(encode(&telemetry(&host, gpus)));
                 let put = Instant::now();
+                last_stored.get_or_insert(put);
+                let payload = Bytes::from(encode(&telemetry(&host, gpus)));
                 let stored = tokio::time::timeout(
                     HEARTBEAT_ACK_TIMEOUT,
                     bus.hosts.put(host.as_str(), payload.clone()),
                 )
                 .await;
-                latencies.push(put.elapsed().as_secs_f32());
                 match stored {
                     Ok(Ok(_)) => {
+                        latencies.push(put.elapsed().as_secs_f32());
                         counters.telemetry_written.fetch_add(1, Ordering::Relaxed);
                         let now = Instant::now();
                         if let Some(last) = last_stored {
@@ -400,10 +405,12 @@ async fn run_agents(
                         }
                         last_stored = Some(now);
                     }
+                    // Refused at once (no latency to speak of): counted, not timed.
                     Ok(Err(_)) => {
                         counters.telemetry_failed.fetch_add(1, Ordering::Relaxed);
                     }
                     Err(_) => {
+                        latencies.push(HEARTBEAT_ACK_TIMEOUT.as_secs_f32());
                         counters.telemetry_late.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -412,8 +419,11 @@ async fn run_agents(
                     .publish(subjects::telemetry(&host), payload)
                     .await;
             }
+            // The silence at the end counts up to the end of the run, not to when the
+            // last write returned.
             if let Some(last) = last_stored {
-                longest_gap = longest_gap.max(last.elapsed().as_secs_f64());
+                let end = Instant::now().min(until).max(last);
+                longest_gap = longest_gap.max((end - last).as_secs_f64());
             }
             (latencies, longest_gap)
         });
@@ -772,7 +782,7 @@ async fn main() -> anyhow::Result<()> {
         rss_peak_bytes: peak_rss,
         rss_end_bytes: end.rss_bytes,
         hosts_live_end: end.hosts_live,
-        hosts_live_min: hosts_live_min.min(end.hosts_live),
+        hosts_live_min: hosts_live_min.is_finite().then_some(hosts_live_min),
         flood_hosts: args.flood_hosts,
         flood_reports_acked: counters.flood_acked.load(Ordering::Relaxed),
         flood_mib_per_s: counters.flood_acked.load(Ordering::Relaxed) as f64
@@ -826,7 +836,7 @@ fn print_summary(s: &Summary) {
         fmt_s(s.heartbeat_latency_max_s)
     );
     println!(
-        "| longest time an agent went without an acknowledged heartbeat | {:.1} s |",
+        "| longest time an agent went without an acknowledged heartbeat (in the run) | {:.1} s |",
         s.heartbeat_gap_max_s
     );
     println!(
@@ -857,8 +867,9 @@ fn print_summary(s: &Summary) {
         s.rss_end_bytes / 1048576.0
     );
     println!(
-        "| live hosts: fewest seen during the run / at the end | {:.0} / {:.0} |",
-        s.hosts_live_min, s.hosts_live_end
+        "| live hosts: fewest seen during the run / after the drain | {} / {:.0} |",
+        s.hosts_live_min.map_or("-".into(), |n| format!("{n:.0}")),
+        s.hosts_live_end
     );
     println!(
         "| plan and status writes failed | {:.0} |",
