@@ -38,7 +38,7 @@ pub use error::BusError;
 pub use follow::{KV_QUIET, KV_STALL, follow_kv};
 pub use kv::{KEYS_ATTEMPT, KEYS_ATTEMPTS};
 pub use process::{init_test_tracing, init_tracing, shutdown_signal, unix_now};
-pub use rejects::Rejects;
+pub use rejects::{LOG_BURST, LOG_PER_S, MAX_SOURCES, OTHER_SOURCES, Rejects};
 pub use secure::{Secret, redact_url, url_user};
 pub use setup::{Setup, kv_stream_config, progress_stream_config};
 pub use typed::{KvChange, KvDecoder, KvStore, follow_kv_typed};
