@@ -187,10 +187,19 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                 if changed.is_err() { break; }
                 let now_leading = leadership.borrow_and_update().is_valid();
                 if now_leading && !leading {
-                    // Another replica may have written since this one last read.
-                    reload_written(&bus, &mut view, &rejects).await;
-                    write_unissued_generations(&bus, &mut view).await;
-                    reload_queue_statuses(&bus, &queue_buckets, &mut view, &rejects).await;
+                    // Another replica may have written since this one last read. Each read
+                    // and write is bounded, but with NATS gone they add up: SIGTERM stops
+                    // them (a new leader reads again).
+                    let reload = async {
+                        reload_written(&bus, &mut view, &rejects).await;
+                        write_unissued_generations(&bus, &mut view).await;
+                        reload_queue_statuses(&bus, &queue_buckets, &mut view, &rejects).await;
+                    };
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.cancelled() => break,
+                        () = reload => {}
+                    }
                     policy_due = true;
                     // The reads above can take seconds (a NATS cluster electing leaders):
                     // apply what the followers delivered meanwhile before any step, or the
@@ -320,12 +329,23 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             publish_event(&bus, e).await;
         }
         if leadership.borrow().is_valid() {
-            write_changes(&bus, &mut view, outcome.statuses, outcome.plans, now).await;
-            if std::mem::take(&mut view.reread) {
-                reload_written(&bus, &mut view, &rejects).await;
-                policy_due = true;
+            // Bounded writes that add up with NATS gone: SIGTERM stops them (what is left
+            // half written is what a crash between the writes leaves, which the next leader
+            // reads back).
+            let writes = async {
+                write_changes(&bus, &mut view, outcome.statuses, outcome.plans, now).await;
+                let reread = std::mem::take(&mut view.reread);
+                if reread {
+                    reload_written(&bus, &mut view, &rejects).await;
+                }
+                write_queue_statuses(&bus, &queue_buckets, &mut view, outcome.queue_statuses).await;
+                reread
+            };
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                reread = writes => policy_due |= reread,
             }
-            write_queue_statuses(&bus, &queue_buckets, &mut view, outcome.queue_statuses).await;
         }
     }
     lease_stop.cancel();
