@@ -20,9 +20,10 @@
 //!    speak for rank 0, whose reports make the job's loss curve and can end it); or
 //! 3. during the start-up replay only (the reports that were already in the stream when the
 //!    allocator started), its generation is older than every generation whose placement the
-//!    allocator knows: those placements are gone from the statuses, so such reports are
-//!    taken as the history they are (see [`Refusal::certain`] for why a forged one is no
-//!    longer there).
+//!    allocator knows, or is one the statuses place on no host (a job preempted, waiting
+//!    for GPUs or finished): those placements are gone from the statuses, so such reports
+//!    are taken as the history they are (see [`Refusal::certain`] for why a forged one is
+//!    no longer there).
 //!
 //! Everything else is refused with `not_placed`: a job without a placed status, a generation
 //! newer than the job's current one (not placed yet: a forged one would make every real
@@ -138,6 +139,12 @@ impl Reporters {
             );
         }
         if let Some(hosts) = gens.get(&report.generation) {
+            if hosts.is_empty() && replay {
+                // The statuses read at start place this generation nowhere (a job
+                // preempted, waiting or finished: its placement is gone), so, as rule 3,
+                // its reports are the job's history.
+                return Ok(());
+            }
             match hosts.get(&report.host) {
                 Some(ranks) if ranks.contains(&report.rank) => return Ok(()),
                 Some(ranks) => {
@@ -329,6 +336,27 @@ mod tests {
         assert!(e.certain && e.reason.contains("never placed"), "{e:?}");
         r.forget(&"j".parse().unwrap());
         assert!(check(&r, 2, "a", true).is_err());
+    }
+
+    #[test]
+    fn a_generation_placed_nowhere_is_history_in_the_replay_only() {
+        // Read at start: the job's generation 2 waits for GPUs (preempted) or has finished,
+        // so its status places it on no host.
+        let mut r = Reporters::default();
+        r.note(&status(2, &[], &[]));
+        for host in ["a", "b"] {
+            assert_eq!(check(&r, 2, host, true), Ok(()), "{host}");
+            let e = check(&r, 2, host, false).unwrap_err();
+            assert_eq!((e.kind, e.certain), ("not_placed", true), "{e:?}");
+        }
+        assert!(check(&r, 3, "a", true).is_err(), "a newer generation");
+        // Placed again: the placed generation is checked by its hosts, the one before is
+        // history in the replay only.
+        r.note(&status(3, &["c"], &[]));
+        assert_eq!(check(&r, 3, "c", false), Ok(()));
+        assert!(check(&r, 3, "a", true).is_err());
+        assert_eq!(check(&r, 2, "a", true), Ok(()));
+        assert!(check(&r, 2, "a", false).is_err());
     }
 
     #[test]
