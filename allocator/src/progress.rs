@@ -5,8 +5,9 @@
 use crate::followers::Input;
 use async_nats::jetstream;
 use converge_bus::Rejects;
-use converge_common::{ProgressReport, subjects};
+use converge_common::{JobId, ProgressReport, subjects};
 use futures::StreamExt;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -61,12 +62,30 @@ pub(crate) async fn follow_progress(
     js: jetstream::Context,
     tx: mpsc::Sender<Input>,
     rejects: Arc<Rejects>,
+    replay: Option<ReplayFilter>,
 ) {
     let mut at = ProgressPosition::default();
+    if let Some(r) = replay {
+        at.last_at_start = r.last_seq;
+        at.replay_filter = r.jobs.iter().map(subjects::progress_of_job).collect();
+        if at.replay_filter.is_empty() {
+            // No job has a status or a plan: nothing in the stream can be accepted.
+            tracing::info!(
+                skipped = r.last_seq,
+                "progress history: no job to replay; reports up to {} skipped",
+                r.last_seq
+            );
+            at.last_seq = r.last_seq;
+        }
+    }
     let mut failures = 0u32;
     loop {
         match follow_progress_once(&client, &js, &tx, &rejects, &mut at).await {
-            Ok(()) => {
+            Ok(Ended::Replayed) => {
+                failures = 0;
+                continue; // at once: the replay is done, follow every subject from here
+            }
+            Ok(Ended::Reconnected) => {
                 failures = 0;
                 tracing::info!(after = at.last_seq, "progress stream: following again")
             }
@@ -133,8 +152,72 @@ struct ProgressPosition {
     last_seq: u64,
     /// Whether the reports that were in the stream at the first start have been read.
     caught_up: bool,
-    /// The stream's last report when the current consumer was created.
+    /// The stream's last report when the current consumer was created; with
+    /// `replay_filter`, the stream's last report before the allocator read the statuses and
+    /// plans ([`ReplayFilter::last_seq`]).
     last_at_start: u64,
+    /// Until caught up: the subjects the replay reads (one wildcard per job with a status
+    /// or a plan); empty: every subject.
+    replay_filter: Vec<String>,
+}
+
+/// What the start-up replay may skip. Every report the acceptance rule can take belongs to
+/// a job with a status or a plan ([`crate::reporters`]: a job never placed is refused), and
+/// the leader writes a job's plan before its workers can report, so the jobs of the
+/// statuses and plans read after the stream's last report `last_seq` cover every report up
+/// to it that the replay would accept. The rest (reports a flooding agent made up for job
+/// ids nobody placed) stays unread: the server skips it, so a restart takes as long as the
+/// accepted history, not the stream, needs.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ReplayFilter {
+    /// The progress stream's last sequence, read before the statuses and plans.
+    pub(crate) last_seq: u64,
+    /// The jobs with a status or a plan.
+    pub(crate) jobs: Vec<JobId>,
+}
+
+/// Most jobs whose subjects the start-up replay filters on; with more, it reads the whole
+/// stream (one filter subject per job goes into the consumer's configuration, a request
+/// to the server of about 60 bytes a job).
+pub(crate) const REPLAY_FILTER_MAX_JOBS: usize = 2_000;
+
+/// The progress stream's last sequence (`None`: it could not be read within 6 s, e.g. a
+/// cluster electing the stream's leader). Read before the statuses and plans, for
+/// [`ReplayFilter`].
+pub(crate) async fn last_sequence(js: &jetstream::Context) -> Option<u64> {
+    let read = async {
+        let mut stream = js.get_stream(subjects::PROGRESS_STREAM).await.ok()?;
+        Some(stream.info().await.ok()?.state.last_sequence)
+    };
+    tokio::time::timeout(PROGRESS_STALL * 2, read)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// The replay's filter over the jobs read after `last_seq` (`None`: the whole stream is
+/// read, when `last_seq` is unknown or there are more than [`REPLAY_FILTER_MAX_JOBS`]).
+pub(crate) fn replay_filter(last_seq: Option<u64>, jobs: BTreeSet<JobId>) -> Option<ReplayFilter> {
+    let last_seq = last_seq?;
+    if jobs.len() > REPLAY_FILTER_MAX_JOBS {
+        tracing::info!(
+            jobs = jobs.len(),
+            "progress history: more jobs than the replay filters on ({REPLAY_FILTER_MAX_JOBS}); reading the whole stream"
+        );
+        return None;
+    }
+    Some(ReplayFilter {
+        last_seq,
+        jobs: jobs.into_iter().collect(),
+    })
+}
+
+/// How [`follow_progress_once`] ended without an error.
+enum Ended {
+    /// The filtered replay reached the end of the history ([`ReplayFilter::last_seq`]).
+    Replayed,
+    /// The consumer ended, or the client reconnected.
+    Reconnected,
 }
 
 /// Sends the report stored as `seq` (unless already read) and moves `at` past it; sends
@@ -218,7 +301,8 @@ async fn follow_progress_once(
     tx: &mpsc::Sender<Input>,
     rejects: &Rejects,
     at: &mut ProgressPosition,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<Ended> {
+    let filtered = !at.caught_up && !at.replay_filter.is_empty();
     let deliver_policy = if at.last_seq == 0 {
         jetstream::consumer::DeliverPolicy::All
     } else {
@@ -228,33 +312,48 @@ async fn follow_progress_once(
     };
     // Bounded: on a cluster electing its meta leader, creating a consumer can hang for as
     // long as the election (and longer when it lands on a dead server).
+    let filter = at.replay_filter.clone();
     let setup = async {
         let mut stream = js.get_stream(subjects::PROGRESS_STREAM).await?;
         let last_at_start = stream.info().await?.state.last_sequence;
-        let consumer = stream
-            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+        let config = if filtered {
+            jetstream::consumer::pull::OrderedConfig {
+                filter_subjects: filter,
+                deliver_policy,
+                ..Default::default()
+            }
+        } else {
+            jetstream::consumer::pull::OrderedConfig {
                 filter_subject: subjects::PROGRESS_ALL.to_string(),
                 deliver_policy,
                 ..Default::default()
-            })
-            .await?;
+            }
+        };
+        let consumer = stream.create_consumer(config).await?;
+        // The reports left for it at creation (with the filter: of the filter's jobs).
+        let pending = consumer.cached_info().num_pending;
         let messages = consumer.messages().await?;
-        anyhow::Ok((stream, last_at_start, messages))
+        anyhow::Ok((stream, last_at_start, pending, messages))
     };
     // (Reports are read directly meanwhile, from the last one read: the consumer's first
     // deliveries of those are skipped.)
     let bounded = tokio::time::timeout(PROGRESS_STALL * 2, setup);
-    let (stream, last_at_start, mut messages) = read_directly_during(bounded, tx, rejects, at)
-        .await
-        .ok_or_else(|| anyhow::anyhow!("the allocator's loop has stopped"))?
-        .map_err(|_| {
-            anyhow::anyhow!(
-                "creating its consumer timed out after {:?}",
-                PROGRESS_STALL * 2
-            )
-        })??;
+    let (stream, last_at_start, pending, mut messages) =
+        read_directly_during(bounded, tx, rejects, at)
+            .await
+            .ok_or_else(|| anyhow::anyhow!("the allocator's loop has stopped"))?
+            .map_err(|_| {
+                anyhow::anyhow!(
+                    "creating its consumer timed out after {:?}",
+                    PROGRESS_STALL * 2
+                )
+            })??;
     at.stream = Some(stream.clone());
-    if !at.caught_up {
+    if filtered && pending == 0 {
+        finish_replay(tx, at).await?;
+        return Ok(Ended::Replayed);
+    }
+    if !at.caught_up && !filtered {
         at.last_at_start = last_at_start;
         if last_at_start <= at.last_seq {
             tx.send(Input::ProgressCaughtUp).await?;
@@ -274,13 +373,13 @@ async fn follow_progress_once(
         let msg = tokio::select! {
             msg = messages.next() => match msg {
                 Some(m) => m,
-                None => return Ok(()),
+                None => return Ok(Ended::Reconnected),
             },
             _ = state_tick.tick() => {
                 let connected =
                     client.connection_state() == async_nats::connection::State::Connected;
                 if connected && !was_connected {
-                    return Ok(());
+                    return Ok(Ended::Reconnected);
                 }
                 was_connected = connected;
                 if !connected || last_delivery.elapsed() < PROGRESS_QUIET {
@@ -330,9 +429,15 @@ async fn follow_progress_once(
         last_delivery = tokio::time::Instant::now();
         let info = msg.info().ok();
         let seq = info.as_ref().map_or(0, |i| i.stream_sequence);
+        let info_pending = info.as_ref().map(|i| i.pending);
         let stored_at = info.map(|i| i.published.unix_timestamp_nanos() as f64 / 1e9);
         if missed.is_some_and(|(s, _)| seq >= s) {
             missed = None;
+        }
+        if filtered && seq > at.last_at_start {
+            // Past the history: from here on every subject is read, from the history's end.
+            finish_replay(tx, at).await?;
+            return Ok(Ended::Replayed);
         }
         forward_report(
             tx,
@@ -341,5 +446,28 @@ async fn follow_progress_once(
             (msg.subject.as_str(), &msg.payload[..], seq, stored_at),
         )
         .await?;
+        if filtered && (at.caught_up || info_pending == Some(0)) {
+            finish_replay(tx, at).await?;
+            return Ok(Ended::Replayed);
+        }
     }
+}
+
+/// Ends a filtered replay: every report of the filter's jobs up to the history's end has
+/// been read, so reading goes on after it, on every subject; what the filter skipped is
+/// counted in the log.
+async fn finish_replay(tx: &mpsc::Sender<Input>, at: &mut ProgressPosition) -> anyhow::Result<()> {
+    tracing::info!(
+        jobs = at.replay_filter.len(),
+        until = at.last_at_start,
+        "progress history replayed: the reports of jobs with a status or a plan; the other \
+         subjects' reports were not read (each would be refused: no job of theirs was placed)"
+    );
+    at.replay_filter.clear();
+    at.last_seq = at.last_seq.max(at.last_at_start);
+    if !at.caught_up {
+        tx.send(Input::ProgressCaughtUp).await?;
+        at.caught_up = true;
+    }
+    Ok(())
 }

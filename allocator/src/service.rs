@@ -103,7 +103,9 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     // If this future is dropped (aborted), the lease stops being renewed with it.
     let _lease_guard = AbortOnDrop(lease_task.abort_handle());
 
-    // Rebuild the view from NATS.
+    // Rebuild the view from NATS. The progress stream's end first: every report up to it
+    // that the replay could accept is of a job in the statuses or plans read next.
+    let history_end = crate::progress::last_sequence(&bus.js).await;
     let mut view = View::default();
     for (key, (status, revision)) in bus.load_all::<JobStatus>(&bus.status, &rejects).await? {
         if let Ok(id) = JobId::new(key) {
@@ -145,11 +147,19 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     // report not deleted is refused again when read again).
     let (refused_tx, refused_rx) = mpsc::channel::<u64>(1_024);
     tasks.spawn(delete_refused(bus.js.clone(), refused_rx));
+    let placed: BTreeSet<JobId> = (view.statuses.keys().cloned())
+        .chain(
+            view.plans
+                .values()
+                .flat_map(|p| p.workers.iter().map(|w| w.job.clone())),
+        )
+        .collect();
     tasks.spawn(follow_progress(
         bus.client.clone(),
         bus.js.clone(),
         tx.clone(),
         rejects.clone(),
+        crate::progress::replay_filter(history_end, placed),
     ));
     drop(tx);
     drop(ctl_tx);

@@ -1,0 +1,153 @@
+//! The start-up replay of the progress stream under a flood (issue: one agent can fill the
+//! stream): a restarted allocator reads only the subjects of jobs with a status or a plan.
+//! Alone in its test binary: it compares the process's metric counters before and after.
+
+use bytes::Bytes;
+use converge_common::{JobPhase, subjects};
+use converge_tests::*;
+use futures::StreamExt;
+use std::process::Command;
+use std::time::Duration;
+
+/// The allocator's refused-message count from the process's metrics registry, all kinds.
+fn refused_by_allocator() -> f64 {
+    converge_bus::metrics::render()
+        .lines()
+        .filter(|l| l.starts_with("converge_allocator_refused_messages{"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// One worker, 5 ms per step.
+fn short_job(id: &str, epochs: u32) -> String {
+    TrainerJob {
+        step_delay_ms: 5,
+        ..TrainerJob::new(id, epochs)
+    }
+    .toml()
+}
+
+/// The allocator's accepted-report count from the process's metrics registry.
+fn reports_applied() -> f64 {
+    converge_bus::metrics::render()
+        .lines()
+        .filter(|l| l.starts_with("converge_allocator_progress_reports_total"))
+        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// A flood of reports for job ids nobody placed, left in the stream while no allocator
+/// ran (so no leader deleted them), is not read by a restarted allocator's replay: the
+/// replay reads only the subjects of jobs with a status or a plan, so a restart takes as
+/// long as the honest history needs. That history is replayed in full, a finished job's
+/// too (its status places it nowhere any more), and garbage on a placed job's subject is
+/// still read and refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_allocator_replays_the_placed_jobs_history_and_skips_a_flood() {
+    init_tracing();
+    converge_bus::metrics::recorder();
+    let (nats, work, bus) = start_test().await;
+    let agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
+    let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
+    let submit = |id: &str, epochs: u32| {
+        let spec = work.path().join(format!("{id}.toml"));
+        std::fs::write(&spec, short_job(id, epochs)).unwrap();
+        let submitted = Command::new(bin_path("converge"))
+            .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(submitted.status.success());
+    };
+    // A job that finishes (its status then places it nowhere), then one that runs.
+    submit("done", 2);
+    wait_for_phase(&bus, "done", JobPhase::Completed, 60).await;
+    let done_reports = reports_applied();
+    submit("honest", 100_000);
+    wait_for(
+        Duration::from_secs(60),
+        "the honest job's reports",
+        || async { (reports_applied() >= done_reports + 20.0).then_some(()) },
+    )
+    .await;
+    // Both stop: the history no longer grows, and the job's status still places it on n1.
+    allocator.stop().await;
+    agent.stop().await;
+    let status = job_status(&bus, "honest").await.unwrap();
+    assert_eq!(status.phase, JobPhase::Running, "{status:?}");
+
+    // The history, as the stream holds it: the finished job's and the running one's.
+    let stream = bus.js.get_stream(subjects::PROGRESS_STREAM).await.unwrap();
+    let mut history = 0;
+    for job in ["done", "honest"] {
+        let reports = stream
+            .info_with_subjects(subjects::progress_of_job(&job.parse().unwrap()))
+            .await
+            .unwrap()
+            .map(|s| s.map(|(_, n)| n).unwrap_or(0))
+            .fold(0usize, |a, n| async move { a + n })
+            .await;
+        assert!(reports > 0, "no report of {job} in the stream");
+        history += reports;
+    }
+
+    // The flood, while no allocator runs: garbage and well-formed reports for 2,000 job ids
+    // nobody placed, then one garbage report on the honest job's own subject, last.
+    let n1: converge_common::HostId = "n1".parse().unwrap();
+    let mut acks = Vec::new();
+    for i in 0..2_000 {
+        let job = format!("flood-{i}").parse().unwrap();
+        let payload = if i % 2 == 0 {
+            Bytes::from_static(b"{\"protocol\":1, garbage")
+        } else {
+            Bytes::from(
+                serde_json::to_vec(
+                    &serde_json::json!({"protocol": 1, "job": format!("flood-{i}"),
+                    "generation": 1, "rank": 0, "host": "n1", "step": 1, "samples": 10,
+                    "loss": 0.5, "time": 1.0}),
+                )
+                .unwrap(),
+            )
+        };
+        acks.push(
+            bus.js
+                .publish(subjects::progress(&job, &n1), payload)
+                .await
+                .unwrap(),
+        );
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+    bus.js
+        .publish(
+            subjects::progress(&"honest".parse().unwrap(), &n1),
+            Bytes::from_static(b"not a report"),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let (applied_before, refused_before) = (reports_applied(), refused_by_allocator());
+    let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
+    // The garbage on the honest job's subject comes last in the stream: once it is refused,
+    // the replay has passed everything before it.
+    wait_for(
+        Duration::from_secs(30),
+        "the replay reaching its end",
+        || async { (refused_by_allocator() > refused_before).then_some(()) },
+    )
+    .await;
+    let applied = reports_applied() - applied_before;
+    let refused = refused_by_allocator() - refused_before;
+    assert_eq!(
+        applied as usize, history,
+        "the history (the finished job's too) is replayed in full"
+    );
+    assert_eq!(
+        refused, 1.0,
+        "only the garbage on the placed job's subject is read; the 2,000 flood reports are not"
+    );
+    assert!(allocator.is_running());
+    allocator.stop().await;
+}
