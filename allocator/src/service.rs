@@ -234,7 +234,11 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                 }
             }
             _ = scheduling.tick() => policy_due = true,
-            _ = tick.tick() => lifecycle_due = true,
+            _ = tick.tick() => {
+                lifecycle_due = true;
+                // A flood's last refusals, counted but not logged, get their line.
+                rejects.log_unlogged();
+            }
             _ = tokio::time::sleep(spacing), if (policy_due || lifecycle_due) && !spacing.is_zero() => {}
         }
         if !caught_up || !(policy_due || lifecycle_due) || last_step.elapsed() < STEP_SPACING {

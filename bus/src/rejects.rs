@@ -80,6 +80,22 @@ impl Rejects {
         *counts.entry((source.to_string(), kind)).or_default() += 1;
     }
 
+    /// Logs how many refusals were counted but not logged since the last line that was, if
+    /// any, and returns that number: called on a timer (the allocator's lifecycle tick,
+    /// once a second), so the count of a flood's last second is logged once the flood ends
+    /// instead of waiting for the next refusal. One line per call at most.
+    pub fn log_unlogged(&self) -> u64 {
+        let n = self.unlogged.swap(0, Ordering::Relaxed);
+        if n > 0 {
+            tracing::warn!(
+                not_logged = n,
+                "{n} refused messages were counted, not logged (more than {LOG_PER_S} a second); \
+                 converge_*_refused_messages has them by kind"
+            );
+        }
+        n
+    }
+
     /// Decodes `bytes`, recording a refusal on error.
     pub fn decode<T: Message>(&self, source: &str, key: &str, bytes: &[u8]) -> Option<T> {
         match decode(bytes) {
@@ -151,6 +167,9 @@ mod tests {
             unlogged >= n - u64::from(LOG_BURST.get()) - 1_000,
             "{unlogged} of {n} not logged"
         );
+        // When the flood ends, the timer's call logs what is left, once.
+        assert_eq!(rejects.log_unlogged(), unlogged);
+        assert_eq!(rejects.log_unlogged(), 0);
         // A source counted apart stays apart once the table is full.
         rejects.refuse("progress.flood-0.h0", "", "invalid", &"x");
         assert_eq!(
