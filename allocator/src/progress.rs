@@ -91,6 +91,14 @@ pub(crate) async fn follow_progress(
             }
             Err(e) => {
                 failures += 1;
+                if !at.caught_up && !at.replay_filter.is_empty() && failures >= 2 {
+                    // The filtered consumer could not be created twice (or stalled): the
+                    // whole stream instead, from where the replay is.
+                    tracing::warn!(
+                        "progress history: the filtered replay failed twice; reading every subject"
+                    );
+                    at.replay_filter.clear();
+                }
                 tracing::warn!(
                     "progress stream: {e}; following again after report {} (attempt {failures})",
                     at.last_seq
@@ -489,8 +497,9 @@ async fn follow_progress_once(
 }
 
 /// Whether a report on one of `filter`'s subjects is stored after `after` and up to
-/// `until`: a direct get of the next report for each subject (any replica answers, 32 at a
-/// time, each bounded by 1 s). `true` when unsure (a read failed or timed out).
+/// `until`: the next report for each subject, read from the stream's leader (a direct get
+/// could be answered by a replica that is behind), 32 at a time, each bounded by 1 s.
+/// `true` when unsure (a read failed or timed out).
 async fn history_left(
     stream: &jetstream::stream::Stream,
     filter: &[String],
@@ -501,11 +510,15 @@ async fn history_left(
         return false;
     }
     let next = |subject: &String| {
-        let get = stream.direct_get_next_for_subject(subject.clone(), Some(after + 1));
+        let get = stream
+            .raw_message_builder()
+            .sequence(after + 1)
+            .next_by_subject(subject.clone())
+            .send();
         async move {
             match tokio::time::timeout(Duration::from_secs(1), get).await {
                 Ok(Ok(msg)) => msg.sequence <= until,
-                Ok(Err(e)) => e.kind() != jetstream::stream::DirectGetErrorKind::NotFound,
+                Ok(Err(e)) => e.kind() != jetstream::stream::RawMessageErrorKind::NoMessageFound,
                 Err(_) => true,
             }
         }

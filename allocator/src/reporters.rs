@@ -20,16 +20,16 @@
 //!    speak for rank 0, whose reports make the job's loss curve and can end it); or
 //! 3. during the start-up replay only (the reports that were already in the stream when the
 //!    allocator started), its generation is older than every generation whose placement the
-//!    allocator knows, or is one the statuses place on no host (a job preempted, waiting
-//!    for GPUs or finished): those placements are gone from the statuses, so such reports
-//!    are taken as the history they are (see [`Refusal::certain`] for why a forged one is
-//!    no longer there).
+//!    allocator knows, or (stored before that generation ended) is one the statuses place
+//!    on no host (a job that finished, or lost its host and waits): those placements are
+//!    gone from the statuses, so such reports are taken as the history they are (see
+//!    [`Refusal::certain`] for why a forged one is no longer there).
 //!
 //! Everything else is refused with `not_placed`: a job without a placed status, a generation
 //! newer than the job's current one (not placed yet: a forged one would make every real
 //! report stale), and, after the replay, a generation older than the known ones.
 
-use converge_common::{HostId, JobId, JobStatus, ProgressReport, subjects};
+use converge_common::{ChangeCause, HostId, JobId, JobStatus, ProgressReport, subjects};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// Generations remembered per job: the current one and the one before.
@@ -58,6 +58,33 @@ pub struct Refusal {
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Reporters {
     jobs: BTreeMap<JobId, BTreeMap<u64, BTreeMap<HostId, BTreeSet<u32>>>>,
+    /// Per job, the generation its last status places on no host and when that generation
+    /// ended (the job finished, or lost a host), when the status says.
+    ended: BTreeMap<JobId, (u64, f64)>,
+}
+
+/// How long after its generation ended a report may have been stored and still be taken as
+/// that generation's history in the replay, in seconds: its workers stop within the agent's
+/// stop grace (10 s), and the allocator's clock (the end) and the NATS server's (the
+/// storing) may differ by a few seconds.
+pub const ENDED_GRACE_S: f64 = 15.0;
+
+/// When `status`'s generation, placed on no host, ended: the job's end for a finished
+/// job, the allocation change that took its host for one that lost it. `None` otherwise
+/// (never placed, or no record).
+fn generation_end(status: &JobStatus) -> Option<f64> {
+    if !(status.placement.is_empty() && status.ps_placement.is_empty()) {
+        return None;
+    }
+    if status.phase.is_terminal() {
+        return status.finished_at;
+    }
+    status
+        .allocations
+        .iter()
+        .rev()
+        .find(|a| a.generation == status.generation && a.cause == ChangeCause::HostLost)
+        .map(|a| a.time)
 }
 
 impl Reporters {
@@ -67,6 +94,15 @@ impl Reporters {
     pub fn note(&mut self, status: &JobStatus) {
         if status.generation == 0 {
             return;
+        }
+        match generation_end(status) {
+            Some(end) => {
+                self.ended
+                    .insert(status.job.clone(), (status.generation, end));
+            }
+            None => {
+                self.ended.remove(&status.job);
+            }
         }
         let gens = self.jobs.entry(status.job.clone()).or_default();
         if gens.len() >= GENERATIONS
@@ -88,15 +124,31 @@ impl Reporters {
     /// Forgets a job (its status was deleted).
     pub fn forget(&mut self, job: &JobId) {
         self.jobs.remove(job);
+        self.ended.remove(job);
     }
 
     /// Whether `report`, read from `subject`, may reach the job's history; `replay`: it was
-    /// in the stream when the allocator started. See the module's documentation.
+    /// in the stream when the allocator started. See the module's documentation. The
+    /// report's storing time is not known here: see [`Reporters::check_stored`].
     pub fn check(
         &self,
         subject: &str,
         report: &ProgressReport,
         replay: bool,
+    ) -> Result<(), Refusal> {
+        self.check_stored(subject, report, replay, None)
+    }
+
+    /// [`Reporters::check`] for a report the stream stored at `stored_at` (UNIX seconds,
+    /// the NATS server's clock): in the replay, a report of a generation the statuses place
+    /// on no host is taken when it was stored before that generation ended (plus
+    /// [`ENDED_GRACE_S`]).
+    pub fn check_stored(
+        &self,
+        subject: &str,
+        report: &ProgressReport,
+        replay: bool,
+        stored_at: Option<f64>,
     ) -> Result<(), Refusal> {
         let refuse = |kind, reason: String, certain| {
             Err(Refusal {
@@ -139,10 +191,17 @@ impl Reporters {
             );
         }
         if let Some(hosts) = gens.get(&report.generation) {
-            if hosts.is_empty() && replay {
-                // The statuses read at start place this generation nowhere (a job
-                // preempted, waiting or finished: its placement is gone), so, as rule 3,
-                // its reports are the job's history.
+            let ended = self.ended.get(&report.job);
+            if hosts.is_empty()
+                && replay
+                && let (Some(&(generation, end)), Some(at)) = (ended, stored_at)
+                && generation == report.generation
+                && at <= end + ENDED_GRACE_S
+            {
+                // The statuses read at start place this generation nowhere (the job
+                // finished, or lost its host): its placement is gone, so, as rule 3, the
+                // reports stored before it ended are the job's history. A later one is
+                // refused below (and deleted): no worker of it was running any more.
                 return Ok(());
             }
             match hosts.get(&report.host) {
@@ -339,24 +398,57 @@ mod tests {
     }
 
     #[test]
-    fn a_generation_placed_nowhere_is_history_in_the_replay_only() {
-        // Read at start: the job's generation 2 waits for GPUs (preempted) or has finished,
-        // so its status places it on no host.
+    fn a_generation_placed_nowhere_is_history_in_the_replay_until_it_ended() {
+        let at = |r: &Reporters, generation: u64, host: &str, replay: bool, stored: f64| {
+            let rep = report("j", generation, host);
+            let subject = subjects::progress(&rep.job, &rep.host);
+            r.check_stored(&subject, &rep, replay, Some(stored))
+        };
+        // Read at start: the job finished at t = 100 in generation 2, so its status places
+        // it on no host.
+        let mut finished = status(2, &[], &[]);
+        finished.phase = converge_common::JobPhase::Completed;
+        finished.finished_at = Some(100.0);
         let mut r = Reporters::default();
-        r.note(&status(2, &[], &[]));
+        r.note(&finished);
         for host in ["a", "b"] {
-            assert_eq!(check(&r, 2, host, true), Ok(()), "{host}");
-            let e = check(&r, 2, host, false).unwrap_err();
-            assert_eq!((e.kind, e.certain), ("not_placed", true), "{e:?}");
+            assert_eq!(at(&r, 2, host, true, 90.0), Ok(()), "{host}");
+            assert_eq!(at(&r, 2, host, true, 100.0 + ENDED_GRACE_S), Ok(()));
+            // Stored after it ended (a forged report no leader deleted), after the replay,
+            // or with no storing time: refused, for good.
+            for e in [
+                at(&r, 2, host, true, 101.0 + ENDED_GRACE_S),
+                at(&r, 2, host, false, 90.0),
+                check(&r, 2, host, true),
+            ] {
+                let e = e.unwrap_err();
+                assert_eq!((e.kind, e.certain), ("not_placed", true), "{e:?}");
+            }
         }
-        assert!(check(&r, 3, "a", true).is_err(), "a newer generation");
-        // Placed again: the placed generation is checked by its hosts, the one before is
-        // history in the replay only.
-        r.note(&status(3, &["c"], &[]));
-        assert_eq!(check(&r, 3, "c", false), Ok(()));
-        assert!(check(&r, 3, "a", true).is_err());
-        assert_eq!(check(&r, 2, "a", true), Ok(()));
-        assert!(check(&r, 2, "a", false).is_err());
+        assert!(at(&r, 3, "a", true, 90.0).is_err(), "a newer generation");
+        assert!(at(&r, 1, "a", true, 1e9).is_ok(), "an older one (rule 3)");
+
+        // A job that lost its host at t = 50 and waits keeps generation 2, placed nowhere.
+        let mut lost = status(2, &[], &[]);
+        lost.allocations = vec![
+            serde_json::from_value(serde_json::json!({"time": 50.0, "generation": 2,
+                "from_workers": 1, "workers": 0, "hosts": 0, "cause": "host_lost",
+                "reason": "host a lost"}))
+            .unwrap(),
+        ];
+        let mut r = Reporters::default();
+        r.note(&lost);
+        assert_eq!(at(&r, 2, "a", true, 40.0), Ok(()));
+        assert!(at(&r, 2, "a", true, 500.0).is_err());
+        // Without a record of when it ended (a job preempted: a new generation placed
+        // nowhere), nothing of that generation is taken.
+        let mut r = Reporters::default();
+        r.note(&status(4, &[], &[]));
+        assert!(at(&r, 4, "a", true, 1.0).is_err());
+        // Placed again: the placed generation is checked by its hosts.
+        r.note(&status(5, &["c"], &[]));
+        assert_eq!(check(&r, 5, "c", false), Ok(()));
+        assert!(at(&r, 5, "a", true, 1.0).is_err());
     }
 
     #[test]

@@ -489,7 +489,10 @@ fn ingest(
     lifecycle_due: &mut bool,
     caught_up: bool,
 ) -> Option<u64> {
-    match view.reporters.check(&p.subject, &p.report, p.replay) {
+    match view
+        .reporters
+        .check_stored(&p.subject, &p.report, p.replay, p.stored_at)
+    {
         Ok(()) => {
             let mut policy_due = false;
             apply(

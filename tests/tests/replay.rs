@@ -40,8 +40,9 @@ fn reports_applied() -> f64 {
 /// ran (so no leader deleted them), is not read by a restarted allocator's replay: the
 /// replay reads only the subjects of jobs with a status or a plan, so a restart takes as
 /// long as the honest history needs. That history is replayed in full, a finished job's
-/// too (its status places it nowhere any more), and garbage on a placed job's subject is
-/// still read and refused.
+/// too (its status places it nowhere any more, so its reports are taken up to when it
+/// ended), while a report forged for it after it ended, and garbage on a placed job's
+/// subject, are read and refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_allocator_replays_the_placed_jobs_history_and_skips_a_flood() {
     init_tracing();
@@ -90,6 +91,29 @@ async fn a_restarted_allocator_replays_the_placed_jobs_history_and_skips_a_flood
         history += reports;
     }
 
+    // A forged report for the finished job, from n1 (a host it ran on), stored after the
+    // job ended (past the grace for its workers' last reports) while no leader ran to
+    // delete it: the replay must not take it as history.
+    let done = job_status(&bus, "done").await.unwrap();
+    let ended = done.finished_at.expect("finished_at");
+    let wait =
+        ended + converge_allocator::reporters::ENDED_GRACE_S + 1.0 - converge_bus::unix_now();
+    if wait > 0.0 {
+        tokio::time::sleep(Duration::from_secs_f64(wait)).await;
+    }
+    let forged = serde_json::json!({"protocol": 1, "job": "done", "generation": done.generation,
+        "rank": 0, "host": "n1", "step": 1_000_000, "samples": 1_000_000_000u64, "loss": 0.001,
+        "time": 1.0});
+    bus.js
+        .publish(
+            subjects::progress(&"done".parse().unwrap(), &"n1".parse().unwrap()),
+            Bytes::from(serde_json::to_vec(&forged).unwrap()),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
     // The flood, while no allocator runs: garbage and well-formed reports for 2,000 job ids
     // nobody placed, then one garbage report on the honest job's own subject, last.
     let n1: converge_common::HostId = "n1".parse().unwrap();
@@ -130,23 +154,25 @@ async fn a_restarted_allocator_replays_the_placed_jobs_history_and_skips_a_flood
 
     let (applied_before, refused_before) = (reports_applied(), refused_by_allocator());
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
-    // The garbage on the honest job's subject comes last in the stream: once it is refused,
-    // the replay has passed everything before it.
+    // Every report on the placed jobs' subjects read: the history, the forged report and
+    // the garbage on the honest job's subject.
+    let read = || (reports_applied() - applied_before) + (refused_by_allocator() - refused_before);
     wait_for(
         Duration::from_secs(30),
         "the replay reaching its end",
-        || async { (refused_by_allocator() > refused_before).then_some(()) },
+        || async { (read() >= (history + 2) as f64).then_some(()) },
     )
     .await;
     let applied = reports_applied() - applied_before;
     let refused = refused_by_allocator() - refused_before;
     assert_eq!(
         applied as usize, history,
-        "the history (the finished job's too) is replayed in full"
+        "the history (the finished job's too) is replayed in full, and the forged report is not"
     );
     assert_eq!(
-        refused, 1.0,
-        "only the garbage on the placed job's subject is read; the 2,000 flood reports are not"
+        refused, 2.0,
+        "the forged report and the garbage on the placed jobs' subjects are read and refused; \
+         the 2,000 flood reports are not read"
     );
     assert!(allocator.is_running());
     allocator.stop().await;
