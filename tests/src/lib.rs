@@ -686,3 +686,22 @@ dataset = "optdigits"
         path
     }
 }
+
+/// The sum of a metric family's series (lines starting with `prefix`, e.g.
+/// `converge_allocator_refused_messages{`) in this process's metrics registry.
+pub fn metric_sum(prefix: &str) -> f64 {
+    converge_bus::metrics::render()
+        .lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// A one-worker `converge-trainer` job of 5 ms per step, as TOML.
+pub fn fast_job(id: &str, epochs: u32) -> String {
+    TrainerJob {
+        step_delay_ms: 5,
+        ..TrainerJob::new(id, epochs)
+    }
+    .toml()
+}

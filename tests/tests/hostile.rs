@@ -11,24 +11,6 @@ use converge_tests::*;
 use std::process::Command;
 use std::time::Duration;
 
-/// The allocator's refused-message count from the process's metrics registry, all kinds.
-fn refused_by_allocator() -> f64 {
-    converge_bus::metrics::render()
-        .lines()
-        .filter(|l| l.starts_with("converge_allocator_refused_messages{"))
-        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
-        .sum()
-}
-
-/// One worker, 5 ms per step.
-fn hostile_job(id: &str, epochs: u32) -> String {
-    TrainerJob {
-        step_delay_ms: 5,
-        ..TrainerJob::new(id, epochs)
-    }
-    .toml()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_messages_are_refused_and_nothing_is_lost() {
     init_tracing();
@@ -39,7 +21,7 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
 
     // A long job runs first: its worker must survive everything below.
     let long = work.path().join("long.toml");
-    std::fs::write(&long, hostile_job("long", 100_000)).unwrap();
+    std::fs::write(&long, fast_job("long", 100_000)).unwrap();
     let submit = |path: &std::path::Path| {
         Command::new(bin_path("converge"))
             .args(["--nats-url", &nats.url, "submit", path.to_str().unwrap()])
@@ -58,7 +40,7 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
         pid_of(t, "long")
     })
     .await;
-    let refused_before = refused_by_allocator();
+    let refused_before = metric_sum("converge_allocator_refused_messages{");
 
     let json = |v: serde_json::Value| Bytes::from(serde_json::to_vec(&v).unwrap());
     let garbage = Bytes::from_static(b"{\"protocol\":1, this is not json");
@@ -177,7 +159,7 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
     // specs (json, version, quota, weight; the name that is not its key is not counted) and
     // 1 queue status.
     wait_for(Duration::from_secs(10), "refusals counted", || async {
-        let counted = refused_by_allocator() - refused_before;
+        let counted = metric_sum("converge_allocator_refused_messages{") - refused_before;
         (counted >= 15.0).then_some(())
     })
     .await;
@@ -248,7 +230,7 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
     let stray = work.path().join("stray.toml");
     std::fs::write(
         &stray,
-        format!("queue = \"q-other\"\n{}", hostile_job("stray", 3)),
+        format!("queue = \"q-other\"\n{}", fast_job("stray", 3)),
     )
     .unwrap();
     let refused = submit(&stray);
@@ -260,7 +242,7 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
         String::from_utf8_lossy(&refused.stderr)
     );
     let short = work.path().join("short.toml");
-    std::fs::write(&short, hostile_job("short", 3)).unwrap();
+    std::fs::write(&short, fast_job("short", 3)).unwrap();
     assert!(submit(&short).status.success());
     wait_for_phase(&bus, "short", JobPhase::Completed, 60).await;
     assert!(agent.is_running() && allocator.is_running());

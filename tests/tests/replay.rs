@@ -9,33 +9,6 @@ use futures::StreamExt;
 use std::process::Command;
 use std::time::Duration;
 
-/// The allocator's refused-message count from the process's metrics registry, all kinds.
-fn refused_by_allocator() -> f64 {
-    converge_bus::metrics::render()
-        .lines()
-        .filter(|l| l.starts_with("converge_allocator_refused_messages{"))
-        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
-        .sum()
-}
-
-/// One worker, 5 ms per step.
-fn short_job(id: &str, epochs: u32) -> String {
-    TrainerJob {
-        step_delay_ms: 5,
-        ..TrainerJob::new(id, epochs)
-    }
-    .toml()
-}
-
-/// The allocator's accepted-report count from the process's metrics registry.
-fn reports_applied() -> f64 {
-    converge_bus::metrics::render()
-        .lines()
-        .filter(|l| l.starts_with("converge_allocator_progress_reports_total"))
-        .filter_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
-        .sum()
-}
-
 /// A flood of reports for job ids nobody placed, left in the stream while no allocator
 /// ran (so no leader deleted them), is not read by a restarted allocator's replay: the
 /// replay reads only the subjects of jobs with a status or a plan, so a restart takes as
@@ -52,7 +25,7 @@ async fn a_restarted_allocator_replays_the_placed_jobs_history_and_skips_a_flood
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
     let submit = |id: &str, epochs: u32| {
         let spec = work.path().join(format!("{id}.toml"));
-        std::fs::write(&spec, short_job(id, epochs)).unwrap();
+        std::fs::write(&spec, fast_job(id, epochs)).unwrap();
         let submitted = Command::new(bin_path("converge"))
             .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
             .output()
@@ -62,12 +35,15 @@ async fn a_restarted_allocator_replays_the_placed_jobs_history_and_skips_a_flood
     // A job that finishes (its status then places it nowhere), then one that runs.
     submit("done", 2);
     wait_for_phase(&bus, "done", JobPhase::Completed, 60).await;
-    let done_reports = reports_applied();
+    let done_reports = metric_sum("converge_allocator_progress_reports_total");
     submit("honest", 100_000);
     wait_for(
         Duration::from_secs(60),
         "the honest job's reports",
-        || async { (reports_applied() >= done_reports + 20.0).then_some(()) },
+        || async {
+            (metric_sum("converge_allocator_progress_reports_total") >= done_reports + 20.0)
+                .then_some(())
+        },
     )
     .await;
     // Both stop: the history no longer grows, and the job's status still places it on n1.
@@ -152,19 +128,25 @@ async fn a_restarted_allocator_replays_the_placed_jobs_history_and_skips_a_flood
         .await
         .unwrap();
 
-    let (applied_before, refused_before) = (reports_applied(), refused_by_allocator());
+    let (applied_before, refused_before) = (
+        metric_sum("converge_allocator_progress_reports_total"),
+        metric_sum("converge_allocator_refused_messages{"),
+    );
     let allocator = start_allocator(allocator_config(&nats, Duration::ZERO));
     // Every report on the placed jobs' subjects read: the history, the forged report and
     // the garbage on the honest job's subject.
-    let read = || (reports_applied() - applied_before) + (refused_by_allocator() - refused_before);
+    let read = || {
+        (metric_sum("converge_allocator_progress_reports_total") - applied_before)
+            + (metric_sum("converge_allocator_refused_messages{") - refused_before)
+    };
     wait_for(
         Duration::from_secs(30),
         "the replay reaching its end",
         || async { (read() >= (history + 2) as f64).then_some(()) },
     )
     .await;
-    let applied = reports_applied() - applied_before;
-    let refused = refused_by_allocator() - refused_before;
+    let applied = metric_sum("converge_allocator_progress_reports_total") - applied_before;
+    let refused = metric_sum("converge_allocator_refused_messages{") - refused_before;
     assert_eq!(
         applied as usize, history,
         "the history (the finished job's too) is replayed in full, and the forged report is not"
