@@ -25,6 +25,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 out="" duration=60s flood_hosts=1 agents=200 jobs=100 rate=1000 flood_bytes=60000 flood_in_flight=4096 profile=release
+max_buffered_size=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --out) out=${2:?--out needs a value}; shift 2 ;;
@@ -35,6 +36,7 @@ while [[ $# -gt 0 ]]; do
         --reports-per-s) rate=${2:?--reports-per-s needs a value}; shift 2 ;;
         --flood-bytes) flood_bytes=${2:?--flood-bytes needs a value}; shift 2 ;;
         --flood-in-flight) flood_in_flight=${2:?--flood-in-flight needs a value}; shift 2 ;;
+        --max-buffered-size) max_buffered_size=${2:?--max-buffered-size needs a value}; shift 2 ;;
         --debug) profile=debug; shift ;;
         -h|--help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "flood-bench.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
@@ -72,7 +74,12 @@ cleanup() {
 }
 trap cleanup EXIT
 for i in 0 1 2; do
-    "$nats" -a 127.0.0.1 -p "${client[$i]}" -m "${monitor[$i]}" --server_name "s$i" \
+    conf=()
+    if [[ -n $max_buffered_size ]]; then
+        printf 'jetstream {\n  max_buffered_size: %s\n}\n' "$max_buffered_size" >"$out/s$i.conf"
+        conf=(-c "$out/s$i.conf")
+    fi
+    "$nats" "${conf[@]}" -a 127.0.0.1 -p "${client[$i]}" -m "${monitor[$i]}" --server_name "s$i" \
         -js -sd "$out/js/s$i" --cluster_name converge-flood \
         --cluster "nats://127.0.0.1:${route[$i]}" --routes "$routes" >"$out/s$i.log" 2>&1 &
     pids+=($!)

@@ -15,8 +15,7 @@ pub mod supervisor;
 use anyhow::Context as _;
 use converge_bus::{Bus, KvChange, KvDecoder, NatsArgs, Rejects, humantime_duration, unix_now};
 use converge_common::{
-    Event, EventKind, HostId, HostPlan, HostTelemetry, PROTOCOL_VERSION, ProgressReport,
-    WorkerAssignment, subjects,
+    Event, EventKind, HostId, HostPlan, HostTelemetry, PROTOCOL_VERSION, WorkerAssignment, subjects,
 };
 use futures::StreamExt;
 use std::path::PathBuf;
@@ -527,39 +526,6 @@ fn emit(out: &mpsc::Sender<Outgoing>, host: &HostId, kind: EventKind, message: S
     )));
 }
 
-/// How long the outbox retries a progress report NATS does not acknowledge.
-const PROGRESS_PATIENCE: Duration = Duration::from_secs(30);
-
-/// How long one attempt to publish a progress report waits for its acknowledgement
-/// (milliseconds on a healthy bus, replicated or not).
-const PROGRESS_ACK_WAIT: Duration = Duration::from_secs(2);
-
-/// The pause before the `attempt`th retry of a progress report: 200 ms more for each,
-/// at most 1 s (a stream's new leader, elected 4 to 9 s after its old one died, gets the
-/// waiting reports within a second of its election).
-fn progress_retry_pause(attempt: u32) -> Duration {
-    Duration::from_millis((200 * u64::from(attempt)).min(1000))
-}
-
-/// The JetStream message id of a progress report (`Nats-Msg-Id`): job, host, generation,
-/// rank, step, and a hash of the encoded report, so that a retry of one report is the same
-/// id and two different reports never are (a restarted agent re-sending one is dropped
-/// too). The hash is the standard library's SipHash with fixed keys: stable for one build.
-fn progress_msg_id(report: &ProgressReport) -> String {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::hash::DefaultHasher::new();
-    converge_common::codec::encode(report).hash(&mut hasher);
-    format!(
-        "{}.{}.g{}.r{}.s{}.{:016x}",
-        report.job,
-        report.host,
-        report.generation,
-        report.rank,
-        report.line.step,
-        hasher.finish()
-    )
-}
-
 /// Publishes progress reports (JetStream, acknowledged, retried) on this host's subject of
 /// each job (`converge.v1.progress.<job>.<host>`: the only ones a secured server lets this
 /// agent publish to) and events (core NATS).
@@ -568,47 +534,13 @@ async fn run_outbox(bus: Bus, host: HostId, mut rx: mpsc::Receiver<Outgoing>) {
         match item {
             Outgoing::Progress(report) => {
                 debug_assert_eq!(report.host, host, "reports name the agent's host");
-                let subject = subjects::progress(&report.job, &host);
-                let msg_id = progress_msg_id(&report);
-                // Retried for PROGRESS_PATIENCE: on a NATS cluster a stream whose leader
-                // died refuses writes at once ("no stream found") until a new leader is
-                // elected, 4 to 9 s later; five quick retries would give up before that.
-                // Each attempt waits PROGRESS_ACK_WAIT for its acknowledgement (a publish
-                // sent to a leader that dies meanwhile is never acknowledged) and the same
-                // message id makes a retry of a report the stream did store a duplicate the
-                // stream drops.
-                let started = tokio::time::Instant::now();
-                let mut attempt = 0u32;
-                loop {
-                    let publish = bus.publish_acked_once(
-                        subject.clone(),
-                        &report,
-                        &msg_id,
-                        PROGRESS_ACK_WAIT,
-                    );
-                    match publish.await {
-                        Ok(duplicate) => {
-                            if duplicate {
-                                tracing::info!(
-                                    msg_id,
-                                    "progress report was stored by an earlier attempt"
-                                );
-                            }
-                            break;
-                        }
-                        Err(e) if started.elapsed() < PROGRESS_PATIENCE => {
-                            attempt += 1;
-                            tracing::warn!("{e}; retry {attempt}");
-                            tokio::time::sleep(progress_retry_pause(attempt)).await;
-                        }
-                        Err(e) => {
-                            tracing::error!(
-                                "progress report lost after {attempt} retries in {:?}: {e}",
-                                started.elapsed()
-                            );
-                            break;
-                        }
-                    }
+                match bus.publish_report(&report).await {
+                    Ok(delivery) if delivery.duplicate => tracing::info!(
+                        msg_id = report.msg_id(),
+                        "progress report was stored by an earlier attempt"
+                    ),
+                    Ok(_) => {}
+                    Err(lost) => tracing::error!("{lost}"),
                 }
             }
             Outgoing::Event(event) => {
@@ -808,33 +740,5 @@ mod tests {
             "127.0.0.1"
         );
         assert_eq!(route_addr("localhost"), "127.0.0.1");
-    }
-
-    fn report(step: u64, loss: f64) -> ProgressReport {
-        let (job, host) = ("j".parse().unwrap(), "h".parse().unwrap());
-        ProgressReport::new(job, 2, 1, host, step, step * 32, loss, 10.0)
-    }
-
-    #[test]
-    fn a_report_keeps_its_message_id_and_different_reports_differ() {
-        let a = report(20, 0.5);
-        let id = progress_msg_id(&a);
-        assert_eq!(id, progress_msg_id(&a.clone()), "a retry must reuse the id");
-        assert!(id.starts_with("j.h.g2.r1.s20."), "{id}");
-        // Same job, host, generation, rank and step, other content: another id (a worker
-        // printing two lines for one step loses neither).
-        assert_ne!(id, progress_msg_id(&report(20, 0.4)));
-        let mut later = a.clone();
-        later.time = 11.0;
-        assert_ne!(id, progress_msg_id(&later));
-        assert_ne!(id, progress_msg_id(&report(21, 0.5)));
-    }
-
-    #[test]
-    fn report_retries_pause_longer_each_time_up_to_a_second() {
-        let pauses: Vec<u64> = (1..=7)
-            .map(|a| progress_retry_pause(a).as_millis() as u64)
-            .collect();
-        assert_eq!(pauses, [200, 400, 600, 800, 1000, 1000, 1000]);
     }
 }

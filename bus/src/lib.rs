@@ -23,6 +23,9 @@ mod kv;
 pub mod metrics;
 mod process;
 mod publish;
+pub use publish::{
+    Delivered, PROGRESS_ACK_WAIT, PROGRESS_PATIENCE, ReportLost, progress_retry_pause,
+};
 mod rejects;
 mod secure;
 mod setup;

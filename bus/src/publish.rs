@@ -4,8 +4,45 @@
 use crate::{Bus, BusError};
 use async_nats::jetstream;
 use bytes::Bytes;
-use converge_common::{Message, encode};
+use converge_common::{Message, ProgressReport, encode, subjects};
 use std::time::Duration;
+
+/// How long [`Bus::publish_report`] retries a progress report NATS does not acknowledge.
+/// On a NATS cluster a stream whose leader died refuses writes at once ("no stream found")
+/// until a new leader is elected, 4 to 9 s later; five quick retries would give up before
+/// that.
+pub const PROGRESS_PATIENCE: Duration = Duration::from_secs(30);
+
+/// How long one attempt to publish a progress report waits for its acknowledgement
+/// (milliseconds on a healthy bus, replicated or not; a publish sent to a leader that dies
+/// meanwhile is never acknowledged).
+pub const PROGRESS_ACK_WAIT: Duration = Duration::from_secs(2);
+
+/// The pause before the `attempt`th retry of a progress report: 200 ms more for each,
+/// at most 1 s (a stream's new leader, elected 4 to 9 s after its old one died, gets the
+/// waiting reports within a second of its election).
+pub fn progress_retry_pause(attempt: u32) -> Duration {
+    Duration::from_millis((200 * u64::from(attempt)).min(1000))
+}
+
+/// A progress report the stream acknowledged (see [`Bus::publish_report`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Delivered {
+    /// Attempts that failed before the one acknowledged.
+    pub retries: u32,
+    /// The stream already held the report: an earlier attempt was stored after all.
+    pub duplicate: bool,
+}
+
+/// A progress report given up after [`PROGRESS_PATIENCE`]: lost.
+#[derive(Debug, thiserror::Error)]
+#[error("progress report lost after {retries} retries in {elapsed:?}: {last}")]
+pub struct ReportLost {
+    pub retries: u32,
+    pub elapsed: Duration,
+    /// The last attempt's error.
+    pub last: BusError,
+}
 
 impl Bus {
     /// Sends what the client still buffers to the server, waiting at most `wait`: a process
@@ -28,6 +65,39 @@ impl Bus {
                 subject,
                 message: e.to_string(),
             })
+    }
+
+    /// Publishes a progress report the way `converge-agent` does: on its job's subject for
+    /// its host (`converge.v1.progress.<job>.<host>`), under [`ProgressReport::msg_id`], each
+    /// attempt waiting [`PROGRESS_ACK_WAIT`], retried after [`progress_retry_pause`] until
+    /// [`PROGRESS_PATIENCE`] has passed since the first. The same message id makes a retry of
+    /// a report the stream did store a duplicate the stream drops. Each retry is logged
+    /// (warn). `Err`: lost, never acknowledged (it may still have been stored late).
+    pub async fn publish_report(&self, report: &ProgressReport) -> Result<Delivered, ReportLost> {
+        let subject = subjects::progress(&report.job, &report.host);
+        let msg_id = report.msg_id();
+        let started = tokio::time::Instant::now();
+        let mut retries = 0u32;
+        loop {
+            match self
+                .publish_acked_once(subject.clone(), report, &msg_id, PROGRESS_ACK_WAIT)
+                .await
+            {
+                Ok(duplicate) => return Ok(Delivered { retries, duplicate }),
+                Err(e) if started.elapsed() < PROGRESS_PATIENCE => {
+                    retries += 1;
+                    tracing::warn!("{e}; retry {retries}");
+                    tokio::time::sleep(progress_retry_pause(retries)).await;
+                }
+                Err(last) => {
+                    return Err(ReportLost {
+                        retries,
+                        elapsed: started.elapsed(),
+                        last,
+                    });
+                }
+            }
+        }
     }
 
     /// Publishes to JetStream and waits for the server's acknowledgement (the client's
@@ -95,5 +165,18 @@ impl Bus {
         };
         self.refusable(|| format!("a publish to {subject}"), &subject, publish)
             .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::progress_retry_pause;
+
+    #[test]
+    fn report_retries_pause_longer_each_time_up_to_a_second() {
+        let pauses: Vec<u64> = (1..=7)
+            .map(|a| progress_retry_pause(a).as_millis() as u64)
+            .collect();
+        assert_eq!(pauses, [200, 400, 600, 800, 1000, 1000, 1000]);
     }
 }

@@ -473,6 +473,26 @@ impl ProgressReport {
     pub fn gradient(&self) -> GradientReading {
         self.line.gradient()
     }
+
+    /// The report's JetStream message id (`Nats-Msg-Id`): job, host, generation, rank,
+    /// step, and a hash of the encoded report, so that a retry of one report is the same id
+    /// and two different reports never are (a restarted agent re-sending one is dropped
+    /// too). The hash is the standard library's SipHash with fixed keys: stable for one
+    /// build.
+    pub fn msg_id(&self) -> String {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::hash::DefaultHasher::new();
+        crate::codec::encode(self).hash(&mut hasher);
+        format!(
+            "{}.{}.g{}.r{}.s{}.{:016x}",
+            self.job,
+            self.host,
+            self.generation,
+            self.rank,
+            self.line.step,
+            hasher.finish()
+        )
+    }
 }
 
 impl Message for ProgressReport {

@@ -7,12 +7,15 @@
 //! - **Jobs:** `--jobs` job specs are submitted first (command `sleep infinity`, never run);
 //!   the allocator places them on the simulated hosts.
 //! - **Progress:** `--reports-per-s` progress reports in all (every rank of every job in
-//!   turn, `--ranks-per-job` ranks, a falling loss with noise), published to the JetStream progress stream with
-//!   acknowledgement, at most `--max-in-flight` unacknowledged. Each report of rank `r` comes
-//!   from the host the allocator placed rank `r` on, with the job's current generation, as
-//!   the job statuses say (followed by a KV watch: the allocator refuses reports from other
-//!   hosts and of ranks placed elsewhere); a job not placed yet, and a rank the job does
-//!   not have, send none.
+//!   turn, `--ranks-per-job` ranks, a falling loss with noise), published to the JetStream
+//!   progress stream as `converge-agent`'s outbox publishes them (one message id per report,
+//!   each attempt waiting 2 s for its acknowledgement, retried for 30 s; a report not
+//!   acknowledged by then is lost), at most `--max-in-flight` unacknowledged. Each report
+//!   of rank `r` comes from the host the allocator placed rank `r` on, with the job's
+//!   current generation, as the job statuses say (followed by a KV watch: the allocator
+//!   refuses reports from other hosts and of ranks placed elsewhere); a job not placed
+//!   yet, and a rank the job does not have, send none. The agents keep writing heartbeats
+//!   until the drain below ends.
 //! - **Measured:** every `--scrape-every` the allocator's `/metrics` (`--metrics-url`):
 //!   step (decision) time, ingest lag (stream → allocator), reports applied, input queue and
 //!   resident memory. After `--duration` it stops sending and waits until the allocator has
@@ -34,7 +37,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -219,6 +222,25 @@ fn quantile(before: &[(f64, f64)], after: &[(f64, f64)], q: f64) -> Option<f64> 
     Some(prev.0)
 }
 
+impl Counters {
+    /// Counts an honest report's outcome: acknowledged (after retries or not), or lost
+    /// after the agent's patience.
+    fn delivered(&self, outcome: Result<converge_bus::Delivered, converge_bus::ReportLost>) {
+        match outcome {
+            Ok(d) => {
+                self.reports_acked.fetch_add(1, Ordering::Relaxed);
+                if d.retries > 0 {
+                    self.reports_retried.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Err(lost) => {
+                tracing::warn!("{lost}");
+                self.reports_failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Counters {
     telemetry_written: AtomicU64,
@@ -227,6 +249,9 @@ struct Counters {
     telemetry_late: AtomicU64,
     reports_sent: AtomicU64,
     reports_acked: AtomicU64,
+    /// Reports acknowledged only after one or more retries.
+    reports_retried: AtomicU64,
+    /// Reports lost: not acknowledged within the agent's 30 s of retries.
     reports_failed: AtomicU64,
     flood_acked: AtomicU64,
     flood_failed: AtomicU64,
@@ -248,11 +273,14 @@ struct Summary {
     heartbeat_latency_p99_s: Option<f64>,
     heartbeat_latency_max_s: Option<f64>,
     /// The longest time any agent went without an acknowledged heartbeat (seconds), from
-    /// its first attempt to the end of the run: the allocator judges a host lost after
-    /// `--host-timeout` (15 s) without one.
+    /// its first attempt to the end of the drain (agents write until then): the allocator
+    /// judges a host lost after `--host-timeout` (15 s) without one.
     heartbeat_gap_max_s: f64,
     reports_acked: u64,
     reports_per_s: f64,
+    /// Acknowledged only after retrying (as the agent does, same message id, for 30 s).
+    reports_retried: u64,
+    /// Not acknowledged within 30 s of retries: lost, as the agent would lose them.
     reports_failed: u64,
     reports_applied: f64,
     reports_lost: f64,
@@ -366,16 +394,20 @@ struct Heartbeats {
 /// waits for the acknowledgement at most [`HEARTBEAT_ACK_TIMEOUT`], as `converge-agent`
 /// does, then publishes it on its telemetry subject. A slow bus therefore delays each
 /// agent's next heartbeat by its own write's latency, never by other agents' writes.
+/// They keep writing until `stop` is set, after the drain: a real agent does not stop
+/// while the allocator still reads its reports, and a silent one is judged lost after
+/// `--host-timeout`, its reports then refused.
 async fn run_agents(
     bus: Arc<Bus>,
     args: Arc<Args>,
     counters: Arc<Counters>,
-    until: Instant,
+    stop: Arc<AtomicBool>,
 ) -> Heartbeats {
     let mut agents = tokio::task::JoinSet::new();
     for i in 0..args.agents {
         let host = host_id(&args.prefix, i);
         let (bus, counters, interval) = (bus.clone(), counters.clone(), args.telemetry_interval);
+        let stop = stop.clone();
         let gpus = args.gpus_per_agent;
         let offset = interval.mul_f64(f64::from(i) / f64::from(args.agents.max(1)));
         agents.spawn(async move {
@@ -385,7 +417,7 @@ async fn run_agents(
             let mut last_stored: Option<Instant> = None;
             let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + offset, interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            while Instant::now() < until {
+            while !stop.load(Ordering::Relaxed) {
                 tick.tick().await;
                 let put = Instant::now();
                 last_stored.get_or_insert(put);
@@ -422,7 +454,7 @@ async fn run_agents(
             // The silence at the end counts up to the end of the run, not to when the
             // last write returned.
             if let Some(last) = last_stored {
-                let end = Instant::now().min(until).max(last);
+                let end = Instant::now().max(last);
                 longest_gap = longest_gap.max((end - last).as_secs_f64());
             }
             (latencies, longest_gap)
@@ -479,7 +511,8 @@ async fn follow_placements(bus: Arc<Bus>, placed: Arc<Placements>, until: Instan
     }
 }
 
-/// Progress reports at the target rate, in 10 ms batches, acknowledged by JetStream, each
+/// Progress reports at the target rate, in 10 ms batches, acknowledged by JetStream (retried
+/// as the agent retries), each
 /// from the host its rank is placed on (ranks the job does not have send nothing).
 async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, until: Instant) {
     let jobs: Vec<JobId> = (0..args.jobs).map(|j| job_id(&args.prefix, j)).collect();
@@ -544,31 +577,20 @@ async fn run_progress(bus: Arc<Bus>, args: Arc<Args>, counters: Arc<Counters>, u
                         workers: Some(args.ranks_per_job.max(1)),
                         hosts: Some(1),
                     };
-                    let subject = subjects::progress(&report.job, &report.host);
-                    let publish = bus.js.publish(subject, Bytes::from(encode(&report)));
                     counters.reports_sent.fetch_add(1, Ordering::Relaxed);
-                    acks.push(async move { publish.await?.await.map(|_| ()).map_err(anyhow::Error::from) });
+                    // As the agent's outbox sends it: one message id, retried for 30 s.
+                    let bus = bus.clone();
+                    acks.push(async move { bus.publish_report(&report).await });
                 }
                 // Reports not sent because too many are in flight are dropped from the
                 // schedule (the achieved rate is reported).
                 owed = owed.min(per_tick);
             }
-            Some(r) = acks.next(), if !acks.is_empty() => {
-                match r {
-                    Ok(()) => counters.reports_acked.fetch_add(1, Ordering::Relaxed),
-                    Err(e) => {
-                        tracing::warn!("progress publish failed: {e}");
-                        counters.reports_failed.fetch_add(1, Ordering::Relaxed)
-                    }
-                };
-            }
+            Some(r) = acks.next(), if !acks.is_empty() => counters.delivered(r),
         }
     }
     while let Some(r) = acks.next().await {
-        match r {
-            Ok(()) => counters.reports_acked.fetch_add(1, Ordering::Relaxed),
-            Err(_) => counters.reports_failed.fetch_add(1, Ordering::Relaxed),
-        };
+        counters.delivered(r);
     }
 }
 
@@ -628,7 +650,8 @@ async fn scrape_async(url: &str) -> anyhow::Result<Scrape> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    converge_bus::init_tracing("info");
+    // A retry of an honest report is counted, not logged: a flood would print thousands.
+    converge_bus::init_tracing("info,converge_bus::publish=error");
     let args = Arc::new(Args::parse());
     // Opens what the allocator made as it is (its replicas kept); creates with
     // `--bus-replicas` only what is missing.
@@ -655,11 +678,12 @@ async fn main() -> anyhow::Result<()> {
         duration = ?args.duration,
         "load started"
     );
+    let agents_stop = Arc::new(AtomicBool::new(false));
     let agents = tokio::spawn(run_agents(
         bus.clone(),
         args.clone(),
         counters.clone(),
-        until,
+        agents_stop.clone(),
     ));
     let progress = tokio::spawn(run_progress(
         bus.clone(),
@@ -667,17 +691,26 @@ async fn main() -> anyhow::Result<()> {
         counters.clone(),
         until,
     ));
-    let floods: Vec<_> = (0..args.flood_hosts)
-        .map(|i| {
-            tokio::spawn(run_flood(
-                bus.clone(),
-                args.clone(),
-                counters.clone(),
-                i,
-                until,
-            ))
-        })
-        .collect();
+    // Each compromised agent on its own connection, as a real agent has: a flood shares
+    // no socket with the honest agents' heartbeats, so what it delays is what the servers
+    // share, not this process's one connection.
+    let mut floods = Vec::new();
+    for i in 0..args.flood_hosts {
+        let flooder = Bus::connect(
+            &args.nats,
+            &format!("converge-loadgen-flood-{i}"),
+            converge_bus::Setup::OpenOrCreate,
+        )
+        .await
+        .context("a flooding agent's connection")?;
+        floods.push(tokio::spawn(run_flood(
+            Arc::new(flooder),
+            args.clone(),
+            counters.clone(),
+            i,
+            until,
+        )));
+    }
     let (mut stream_max, mut stream_bound) = stream_bytes(&bus).await?;
 
     let mut peak_rss = start_scrape.rss_bytes;
@@ -722,7 +755,6 @@ async fn main() -> anyhow::Result<()> {
             Err(e) => tracing::warn!("scrape failed: {e:#}"),
         }
     }
-    let mut heartbeats = agents.await.unwrap_or_default();
     let _ = progress.await;
     for f in floods {
         let _ = f.await;
@@ -744,6 +776,9 @@ async fn main() -> anyhow::Result<()> {
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
+    agents_stop.store(true, Ordering::Relaxed);
+    let mut heartbeats = agents.await.unwrap_or_default();
+    let heartbeat_secs = started.elapsed().as_secs_f64();
     let applied = end.reports_applied - start_scrape.reports_applied;
     let secs = sent_for.as_secs_f64();
     let mean = |sum: f64, count: f64| (count > 0.0).then(|| sum / count);
@@ -752,7 +787,7 @@ async fn main() -> anyhow::Result<()> {
         jobs: args.jobs,
         target_reports_per_s: args.reports_per_s,
         duration_s: secs,
-        telemetry_per_s: counters.telemetry_written.load(Ordering::Relaxed) as f64 / secs,
+        telemetry_per_s: counters.telemetry_written.load(Ordering::Relaxed) as f64 / heartbeat_secs,
         telemetry_failed: counters.telemetry_failed.load(Ordering::Relaxed),
         telemetry_late: counters.telemetry_late.load(Ordering::Relaxed),
         heartbeat_latency_p50_s: nearest_rank(&mut heartbeats.latencies_s, 0.5),
@@ -761,6 +796,7 @@ async fn main() -> anyhow::Result<()> {
         heartbeat_gap_max_s: heartbeats.longest_gap_s.iter().copied().fold(0.0, f64::max),
         reports_acked: acked,
         reports_per_s: acked as f64 / secs,
+        reports_retried: counters.reports_retried.load(Ordering::Relaxed),
         reports_failed: counters.reports_failed.load(Ordering::Relaxed),
         reports_applied: applied,
         reports_lost: (acked as f64 - applied).max(0.0),
@@ -801,7 +837,7 @@ async fn main() -> anyhow::Result<()> {
     }
     if summary.reports_lost > 0.0 || summary.reports_failed > 0 {
         anyhow::bail!(
-            "{} acknowledged reports not applied, {} publishes failed",
+            "{} acknowledged reports not applied, {} lost after 30 s of retries",
             summary.reports_lost,
             summary.reports_failed
         );
@@ -826,7 +862,7 @@ fn print_summary(s: &Summary) {
     println!("| simulated agents / jobs | {} / {} |", s.agents, s.jobs);
     println!("| sending time | {:.0} s |", s.duration_s);
     println!(
-        "| heartbeats written | {:.0}/s ({} failed, {} not acknowledged within 2 s) |",
+        "| heartbeats written (run and drain) | {:.0}/s ({} failed, {} not acknowledged within 2 s) |",
         s.telemetry_per_s, s.telemetry_failed, s.telemetry_late
     );
     println!(
@@ -836,12 +872,16 @@ fn print_summary(s: &Summary) {
         fmt_s(s.heartbeat_latency_max_s)
     );
     println!(
-        "| longest time an agent went without an acknowledged heartbeat (in the run) | {:.1} s |",
+        "| longest time an agent went without an acknowledged heartbeat (run and drain) | {:.1} s |",
         s.heartbeat_gap_max_s
     );
     println!(
-        "| progress reports acknowledged | {} ({:.0}/s of {} asked; {} failed) |",
-        s.reports_acked, s.reports_per_s, s.target_reports_per_s, s.reports_failed
+        "| progress reports acknowledged | {} ({:.0}/s of {} asked; {} after retries, {} lost after 30 s of retries) |",
+        s.reports_acked,
+        s.reports_per_s,
+        s.target_reports_per_s,
+        s.reports_retried,
+        s.reports_failed
     );
     println!(
         "| applied by the allocator / lost | {:.0} / {:.0} (drained in {:.1} s) |",

@@ -550,3 +550,22 @@ fn plans_with_inconsistent_batches_are_refused_and_older_plans_have_none() {
     let old: HostPlan = decode(&serde_json::to_vec(&v).unwrap()).unwrap();
     assert_eq!(old.workers[0].batch, None);
 }
+
+#[test]
+fn a_report_keeps_its_message_id_and_different_reports_differ() {
+    let report = |step: u64, loss: f64| {
+        let (job, host) = ("j".parse().unwrap(), "h".parse().unwrap());
+        ProgressReport::new(job, 2, 1, host, step, step * 32, loss, 10.0)
+    };
+    let a = report(20, 0.5);
+    let id = a.msg_id();
+    assert_eq!(id, a.clone().msg_id(), "a retry must reuse the id");
+    assert!(id.starts_with("j.h.g2.r1.s20."), "{id}");
+    // Same job, host, generation, rank and step, other content: another id (a worker
+    // printing two lines for one step loses neither).
+    assert_ne!(id, report(20, 0.4).msg_id());
+    let mut later = a.clone();
+    later.time = 11.0;
+    assert_ne!(id, later.msg_id());
+    assert_ne!(id, report(21, 0.5).msg_id());
+}
