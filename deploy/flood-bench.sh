@@ -15,7 +15,11 @@
 #
 #   ./deploy/flood-bench.sh [--out DIR] [--duration 60s] [--flood-hosts 1] [--agents 200]
 #                           [--jobs 100] [--reports-per-s 1000] [--flood-bytes 60000]
-#                           [--flood-in-flight 4096] [--debug]
+#                           [--flood-in-flight 4096] [--max-buffered-size SIZE] [--debug]
+#
+# Each flooding agent has its own NATS connection, as a real one has; the honest agents
+# share another and publish their reports as converge-agent does (--retry-like-agent). --max-buffered-size sets the servers' `jetstream { max_buffered_size }`
+# (a stream's inbound queue, 128 MiB by default; e.g. 16MB) to try what it changes.
 #
 # Builds the release binaries (--debug: the debug ones), fetches the pinned nats-server
 # (deploy/get-nats-server.sh). Writes OUT/summary.json (the load generator's), OUT/restart.txt
@@ -137,8 +141,8 @@ status=0
     --metrics-url "http://127.0.0.1:$metrics/metrics" --agents "$agents" --jobs "$jobs" \
     --reports-per-s "$rate" --duration "$duration" --scrape-every 10s \
     --flood-hosts "$flood_hosts" --flood-bytes "$flood_bytes" \
-    --flood-in-flight "$flood_in_flight" --prefix flood --summary "$out/summary.json" \
-    | tee "$out/loadgen.txt" || status=$?
+    --flood-in-flight "$flood_in_flight" --retry-like-agent --prefix flood \
+    --summary "$out/summary.json" | tee "$out/loadgen.txt" || status=$?
 
 # The restart: SIGTERM, then a new allocator; time to its first decision.
 kill -TERM "$alloc"

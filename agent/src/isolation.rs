@@ -34,11 +34,13 @@ use std::time::Duration;
 /// (`--worker-env`): names, or prefixes ending in `*`. The system's (`PATH`, `HOME`,
 /// locale, time zone, temporary directory), the GPU stack's (CUDA, NCCL, NVIDIA, cuDNN,
 /// cuBLAS, `LD_LIBRARY_PATH`), the numerical libraries' threads, PyTorch's, Hugging Face's
-/// caches, Python's path and virtual environment, Rust's logging, and `CONVERGE_DATA_DIR`.
+/// caches and offline switches (by name: `HF_*` would pass `HF_TOKEN`, a credential),
+/// Python's path and virtual environment, Rust's logging, and `CONVERGE_DATA_DIR`.
 pub const DEFAULT_WORKER_ENV: &str = "PATH,HOME,USER,LOGNAME,SHELL,LANG,LANGUAGE,LC_*,TZ,\
 TMPDIR,TERM,LD_LIBRARY_PATH,CUDA_*,NCCL_*,NVIDIA_*,CUDNN_*,CUBLAS_*,OMP_*,MKL_*,OPENBLAS_*,\
-GLOO_*,TORCH_*,PYTORCH_*,HF_*,TRANSFORMERS_*,PYTHONPATH,PYTHONUNBUFFERED,PYTHONHASHSEED,\
-VIRTUAL_ENV,RUST_LOG,RUST_BACKTRACE,NO_COLOR,CONVERGE_DATA_DIR";
+GLOO_*,TORCH_*,PYTORCH_*,HF_HOME,HF_HUB_CACHE,HF_DATASETS_CACHE,HF_HUB_OFFLINE,\
+HF_DATASETS_OFFLINE,TRANSFORMERS_CACHE,TRANSFORMERS_OFFLINE,PYTHONPATH,PYTHONUNBUFFERED,\
+PYTHONHASHSEED,VIRTUAL_ENV,RUST_LOG,RUST_BACKTRACE,NO_COLOR,CONVERGE_DATA_DIR";
 
 /// Whether a variable of the agent's environment is withheld from its workers whatever
 /// the allow-list says: the NATS connection settings (`CONVERGE_NATS_*`: a URL that may
@@ -373,11 +375,14 @@ mod tests {
             "CUDA_HOME",
             "NCCL_SOCKET_IFNAME",
             "CONVERGE_DATA_DIR",
+            "HF_HOME",
         ] {
             assert!(list.allows(OsStr::new(name)), "{name}");
         }
         for name in [
             "AWS_SECRET_ACCESS_KEY",
+            "HF_TOKEN",
+            "HUGGING_FACE_HUB_TOKEN",
             "PATHX",
             "CONVERGE_NATS_URL",
             "CONVERGE_AGENT_LABELS",

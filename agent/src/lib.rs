@@ -7,6 +7,7 @@ pub mod host;
 pub mod isolation;
 pub mod labels;
 pub mod metrics;
+pub mod outbox;
 pub mod reconcile;
 pub mod shim;
 pub mod strays;
@@ -15,7 +16,8 @@ pub mod supervisor;
 use anyhow::Context as _;
 use converge_bus::{Bus, KvChange, KvDecoder, NatsArgs, Rejects, humantime_duration, unix_now};
 use converge_common::{
-    Event, EventKind, HostId, HostPlan, HostTelemetry, PROTOCOL_VERSION, WorkerAssignment, subjects,
+    Event, EventKind, HostId, HostPlan, HostTelemetry, PROTOCOL_VERSION, ProgressReport,
+    WorkerAssignment, subjects,
 };
 use futures::StreamExt;
 use std::path::PathBuf;
@@ -528,39 +530,96 @@ fn emit(out: &mpsc::Sender<Outgoing>, host: &HostId, kind: EventKind, message: S
 
 /// Publishes progress reports (JetStream, acknowledged, retried) on this host's subject of
 /// each job (`converge.v1.progress.<job>.<host>`: the only ones a secured server lets this
-/// agent publish to) and events (core NATS).
+/// agent publish to) and events (core NATS). Reports wait in one bounded queue per job
+/// ([`outbox::JobQueues`]), served in turn, one report at a time; the channel from the
+/// workers is read while a report is being sent, so a job that reports faster than NATS
+/// acknowledges drops its own oldest reports (counted in its worker's skipped reports)
+/// and no other job's. When the channel closes (shutdown), what waits is still sent.
 async fn run_outbox(bus: Bus, host: HostId, mut rx: mpsc::Receiver<Outgoing>) {
-    while let Some(item) = rx.recv().await {
-        match item {
-            Outgoing::Progress(report) => {
+    type Sent = (
+        ProgressReport,
+        Result<converge_bus::Delivered, converge_bus::ReportLost>,
+    );
+    enum Next {
+        Item(Option<Outgoing>),
+        Sent(Sent),
+    }
+    let mut queues = outbox::JobQueues::new(outbox::OUTBOX_PER_JOB);
+    let mut sending: Option<std::pin::Pin<Box<dyn std::future::Future<Output = Sent> + Send>>> =
+        None;
+    let mut open = true;
+    loop {
+        if sending.is_none() {
+            match queues.pop() {
+                Some((report, _)) => {
+                    let bus = bus.clone();
+                    sending = Some(Box::pin(async move {
+                        let result = bus.publish_report(&report).await;
+                        (report, result)
+                    }));
+                }
+                None if !open => break,
+                None => {}
+            }
+        }
+        let sent = async {
+            match sending.as_mut() {
+                Some(f) => f.await,
+                None => std::future::pending().await,
+            }
+        };
+        let next = tokio::select! {
+            item = rx.recv(), if open => Next::Item(item),
+            done = sent => Next::Sent(done),
+        };
+        match next {
+            Next::Item(None) => open = false,
+            Next::Item(Some(Outgoing::Progress(report, dropped))) => {
                 debug_assert_eq!(report.host, host, "reports name the agent's host");
-                match bus.publish_report(&report).await {
+                let job = report.job.clone();
+                if let Some((_, of_worker)) = queues.push(&job, (report, dropped)) {
+                    // Counted by its worker: its skipped reports in the heartbeat.
+                    of_worker.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    tracing::warn!(
+                        %job,
+                        waiting = queues.len(),
+                        "the job's outbox queue is full ({} reports): its oldest report dropped",
+                        outbox::OUTBOX_PER_JOB
+                    );
+                }
+            }
+            Next::Item(Some(Outgoing::Event(event))) => publish_event(&bus, &event).await,
+            Next::Sent((report, result)) => {
+                sending = None;
+                match result {
                     Ok(delivery) if delivery.duplicate => tracing::info!(
                         msg_id = report.msg_id(),
                         "progress report was stored by an earlier attempt"
                     ),
                     Ok(_) => {}
-                    Err(lost) => tracing::error!("{lost}"),
-                }
-            }
-            Outgoing::Event(event) => {
-                let subject = match &event.kind {
-                    EventKind::WorkerStarted { job, .. }
-                    | EventKind::WorkerExited { job, .. }
-                    | EventKind::WorkerFailed { job, .. } => subjects::job_events(job),
-                    _ => {
-                        let host = event.source.trim_start_matches("agent/");
-                        match HostId::new(host) {
-                            Ok(h) => subjects::host_events(&h),
-                            Err(_) => continue,
-                        }
-                    }
-                };
-                if let Err(e) = bus.publish(subject, &event).await {
-                    tracing::debug!("event not published: {e}");
+                    Err(lost) => tracing::error!(job = %report.job, "{lost}"),
                 }
             }
         }
+    }
+}
+
+/// Publishes a worker or host event (core NATS, best effort).
+async fn publish_event(bus: &Bus, event: &Event) {
+    let subject = match &event.kind {
+        EventKind::WorkerStarted { job, .. }
+        | EventKind::WorkerExited { job, .. }
+        | EventKind::WorkerFailed { job, .. } => subjects::job_events(job),
+        _ => {
+            let host = event.source.trim_start_matches("agent/");
+            match HostId::new(host) {
+                Ok(h) => subjects::host_events(&h),
+                Err(_) => return,
+            }
+        }
+    };
+    if let Err(e) = bus.publish(subject, event).await {
+        tracing::debug!("event not published: {e}");
     }
 }
 

@@ -44,8 +44,9 @@ struct LineCounters {
     malformed: AtomicU64,
     /// Lines whose gradient statistics were bad (the rest reported).
     ignored_gradient: AtomicU64,
-    /// Reports dropped because the outbox was full.
-    dropped: AtomicU64,
+    /// Reports dropped because the outbox was full: its channel, or the job's queue there
+    /// (the outbox task counts those through this handle).
+    dropped: Arc<AtomicU64>,
     /// Worker events dropped because the outbox was full (best effort; logged).
     dropped_events: AtomicU64,
     /// Reports replaced by a newer one of the same worker while over its rate limit.
@@ -97,7 +98,9 @@ pub struct SupervisorConfig {
 /// Something for the outbox task to publish.
 #[derive(Debug)]
 pub enum Outgoing {
-    Progress(ProgressReport),
+    /// A report, and its worker's counter of dropped reports (the outbox counts a drop of
+    /// it there).
+    Progress(ProgressReport, Arc<AtomicU64>),
     Event(Event),
 }
 
@@ -819,7 +822,10 @@ fn spawn_worker(
         // The newest report over the rate limit, and when the limit lets it out.
         let mut waiting: Option<(ProgressReport, tokio::time::Instant)> = None;
         let send = |report: ProgressReport| {
-            if outbox.try_send(Outgoing::Progress(report)).is_err() {
+            if outbox
+                .try_send(Outgoing::Progress(report, counters.dropped.clone()))
+                .is_err()
+            {
                 counters.dropped.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(job = %report_base.job, "outbox full; progress report dropped");
             }

@@ -19,11 +19,16 @@
 //!    generation placed on that host (else `wrong_rank`: a host of a multi-host job cannot
 //!    speak for rank 0, whose reports make the job's loss curve and can end it); or
 //! 3. during the start-up replay only (the reports that were already in the stream when the
-//!    allocator started), its generation is older than every generation whose placement the
-//!    allocator knows, or (stored before that generation ended) is one the statuses place
-//!    on no host (a job that finished, or lost its host and waits): those placements are
-//!    gone from the statuses, so such reports are taken as the history they are (see
-//!    [`Refusal::certain`] for why a forged one is no longer there).
+//!    allocator started), it was stored before its generation ended (plus
+//!    [`ENDED_GRACE_S`]) and that generation is older than every generation whose placement
+//!    the allocator knows (its end: the next allocation change the job's status records),
+//!    or is one the statuses place on no host (a job that finished, or lost its host and
+//!    waits; its end: `finished_at`, or the change that took the host): those placements
+//!    are gone from the statuses, so such reports are taken as the history they are. A
+//!    forged report refused while the allocator ran is no longer there (see
+//!    [`Refusal::certain`]), or, when it was kept (an older generation's), it was stored
+//!    after its generation ended and is refused now. An older generation's report with no
+//!    recorded end (statuses of older allocators) is taken.
 //!
 //! Everything else is refused with `not_placed`: a job without a placed status, a generation
 //! newer than the job's current one (not placed yet: a forged one would make every real
@@ -47,7 +52,8 @@ pub struct Refusal {
     /// placement of a known generation, a generation not placed yet, a job never placed. Not
     /// certain: a generation older than the known ones after the replay (after a restart
     /// the allocator knows only the current generation's hosts, so the previous
-    /// generation's last reports may be real). Deleting the certain ones is what makes rule
+    /// generation's last reports may be real; the next replay takes it only if it was
+    /// stored before that generation ended). Deleting the certain ones is what makes rule
     /// 3 safe: a report the leader refused is not in the stream to be replayed later.
     pub certain: bool,
 }
@@ -61,6 +67,11 @@ pub struct Reporters {
     /// Per job, the generation its last status places on no host and when that generation
     /// ended (the job finished, or lost a host), when the status says.
     ended: BTreeMap<JobId, (u64, f64)>,
+    /// Per job, its last status's allocation changes as (generation, time, cause): when
+    /// each recorded generation began, or lost its host. Rule 3 takes a report of a
+    /// generation older than the known ones only when it was stored before that
+    /// generation ended by these records.
+    changes: BTreeMap<JobId, Vec<(u64, f64, ChangeCause)>>,
 }
 
 /// How long after its generation ended a report may have been stored and still be taken as
@@ -87,6 +98,21 @@ fn generation_end(status: &JobStatus) -> Option<f64> {
         .map(|a| a.time)
 }
 
+/// When generation `generation` ended by `changes` (a job's allocation changes): the first
+/// change to a later generation, or the change that took its host. A record list that
+/// dropped its oldest entries still bounds the end from above: the earliest change kept
+/// is after it. `None`: no change recorded after it (statuses of older allocators carry
+/// none).
+fn ended_by(changes: &[(u64, f64, ChangeCause)], generation: u64) -> Option<f64> {
+    changes
+        .iter()
+        .filter(|(g, _, cause)| {
+            *g > generation || (*g == generation && *cause == ChangeCause::HostLost)
+        })
+        .map(|&(_, time, _)| time)
+        .min_by(f64::total_cmp)
+}
+
 impl Reporters {
     /// Learns the hosts and ranks of `status`'s generation (added to what earlier statuses of
     /// the same generation placed: a generation that lost a host keeps it). Generation 0 (never
@@ -104,6 +130,14 @@ impl Reporters {
                 self.ended.remove(&status.job);
             }
         }
+        self.changes.insert(
+            status.job.clone(),
+            status
+                .allocations
+                .iter()
+                .map(|a| (a.generation, a.time, a.cause))
+                .collect(),
+        );
         let gens = self.jobs.entry(status.job.clone()).or_default();
         if gens.len() >= GENERATIONS
             && gens
@@ -125,6 +159,7 @@ impl Reporters {
     pub fn forget(&mut self, job: &JobId) {
         self.jobs.remove(job);
         self.ended.remove(job);
+        self.changes.remove(job);
     }
 
     /// Whether `report`, read from `subject`, may reach the job's history; `replay`: it was
@@ -238,7 +273,24 @@ impl Reporters {
             );
         }
         if replay && report.generation < oldest {
-            return Ok(());
+            let end = self
+                .changes
+                .get(&report.job)
+                .and_then(|c| ended_by(c, report.generation));
+            return match (end, stored_at) {
+                (Some(end), Some(at)) if at > end + ENDED_GRACE_S => refuse(
+                    "not_placed",
+                    format!(
+                        "{}: stored {:.0} s after generation {} ended",
+                        what(),
+                        at - end,
+                        report.generation
+                    ),
+                    true,
+                ),
+                // Stored before it ended, or no record of its end: history.
+                _ => Ok(()),
+            };
         }
         refuse(
             "not_placed",
@@ -449,6 +501,62 @@ mod tests {
         r.note(&status(5, &["c"], &[]));
         assert_eq!(check(&r, 5, "c", false), Ok(()));
         assert!(at(&r, 5, "a", true, 1.0).is_err());
+    }
+
+    #[test]
+    fn an_older_generations_report_is_history_in_the_replay_only_if_stored_before_it_ended() {
+        let change = |generation: u64, time: f64, cause: &str| {
+            serde_json::from_value(serde_json::json!({"time": time, "generation": generation,
+                "from_workers": 1, "workers": 1, "hosts": 1, "cause": cause,
+                "reason": "r"}))
+            .unwrap()
+        };
+        let at = |r: &Reporters, generation: u64, replay: bool, stored: f64| {
+            let rep = report("j", generation, "x");
+            let subject = subjects::progress(&rep.job, &rep.host);
+            r.check_stored(&subject, &rep, replay, Some(stored))
+        };
+        // Generations 1 (t = 10), 2 (t = 100), 3 (t = 200) and 4 (t = 300); the
+        // allocator knows 3 and 4, so generations 1 and 2 fall under rule 3.
+        let mut s = status(4, &["a"], &[]);
+        s.allocations = vec![
+            change(1, 10.0, "started"),
+            change(2, 100.0, "grown"),
+            change(3, 200.0, "moved"),
+            change(4, 300.0, "shrunk"),
+        ];
+        let mut r = Reporters::default();
+        r.note(&status(3, &["a"], &[]));
+        r.note(&s);
+        // Generation 2 ended at t = 200: a report stored before that (and the grace) is
+        // its history, one stored later is a forgery no leader deleted while the allocator
+        // ran (the host check no longer applies: its placement is gone): refused, deleted.
+        assert_eq!(at(&r, 2, true, 150.0), Ok(()));
+        assert_eq!(at(&r, 2, true, 200.0 + ENDED_GRACE_S), Ok(()));
+        let e = at(&r, 2, true, 201.0 + ENDED_GRACE_S).unwrap_err();
+        assert_eq!((e.kind, e.certain), ("not_placed", true), "{e:?}");
+        assert_eq!(at(&r, 1, true, 100.0), Ok(()));
+        assert!(
+            at(&r, 1, true, 150.0).is_err(),
+            "generation 1 ended at t = 100"
+        );
+        // After the replay: refused but kept, the next replay judges it by its time.
+        let e = at(&r, 2, false, 150.0).unwrap_err();
+        assert!(!e.certain, "{e:?}");
+        // Records that dropped generation 2's successor still bound its end: the earliest
+        // kept change (t = 300) came after it.
+        s.allocations = vec![change(4, 300.0, "shrunk")];
+        r.note(&s);
+        assert_eq!(at(&r, 2, true, 300.0), Ok(()));
+        assert!(at(&r, 2, true, 400.0).is_err());
+        // A generation that lost its host ended then, even before a next one.
+        s.allocations = vec![change(2, 120.0, "host_lost"), change(4, 300.0, "shrunk")];
+        r.note(&s);
+        assert!(at(&r, 2, true, 200.0).is_err());
+        // No record at all (a status of an older allocator): taken, as before.
+        s.allocations.clear();
+        r.note(&s);
+        assert_eq!(at(&r, 2, true, 1e9), Ok(()));
     }
 
     #[test]

@@ -71,6 +71,25 @@ impl NatsServer {
         let _ = self.child.wait();
     }
 
+    /// Freezes the server (SIGSTOP): connections stay open and nothing is answered, as a
+    /// server that stalls; [`NatsServer::resume`] lets it go on.
+    pub fn pause(&self) {
+        self.signal("-STOP");
+    }
+
+    /// Lets a paused server go on (SIGCONT).
+    pub fn resume(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill {signal} nats-server");
+    }
+
     /// Starts a stopped server again on the same port with the same JetStream directory.
     pub fn start_again(&mut self) {
         let (child, _) = spawn_server(self.dir.path(), Some(self.port), self.config.as_deref());

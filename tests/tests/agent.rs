@@ -360,6 +360,73 @@ exec sleep 60"#;
 /// intermediate reports only: each of the same host's other worker's 20 reports arrives,
 /// the flooding worker sends at most its burst plus its rate, its last report (the final
 /// step) arrives, and the agent counts what it skipped.
+/// One job's 40 workers on a host report at their rate limit while the bus stalls for
+/// 7 s: the job fills its own queue in the agent's outbox (the oldest dropped, counted) and
+/// another job's reports all arrive, in order, once the bus is back. With one queue for
+/// every job (before), the flood filled it and the other job's reports were dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_flooding_a_stalled_bus_loses_only_its_own_reports() {
+    let (nats, _work, bus, mut progress, agent) = start_with_agent("n4").await;
+    let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
+    // Each flooding worker prints a line every 10 ms for 30 s, twice its rate limit.
+    let flood = r#"python3 -u -c 'import time
+for i in range(1, 3001):
+    print("CONVERGE_PROGRESS {\"step\":%d,\"samples\":%d,\"loss\":0.5}" % (i, 8 * i))
+    time.sleep(0.01)'; exec sleep 120"#;
+    let steady = r#"for i in $(seq 1 30); do echo "CONVERGE_PROGRESS {\"step\":$i,\"samples\":$((8 * i)),\"loss\":0.9}"; sleep 0.5; done; exec sleep 120"#;
+    const FLOOD_RANKS: u32 = 40;
+    let mut workers = vec![worker("steady", 1, 0, 1, 0, sh(steady))];
+    workers.extend((0..FLOOD_RANKS).map(|r| worker("flood", 1, r, FLOOD_RANKS, 1 + r, sh(flood))));
+    bus.put(&bus.plans, "n4", &plan("n4", workers))
+        .await
+        .unwrap();
+
+    // Once both jobs report, the bus stalls for 7 s: 40 workers at 50 reports/s each
+    // (after their burst of 100) offer the outbox about 18,000 reports meanwhile.
+    let (mut flood_seen, mut steady_steps) = (0u64, Vec::new());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while flood_seen == 0 || steady_steps.is_empty() {
+        let Ok(Some(msg)) = tokio::time::timeout_at(deadline, progress.next()).await else {
+            panic!("no report of both jobs in 30 s");
+        };
+        let r: ProgressReport = decode(&msg.payload).unwrap();
+        match r.job.as_str() {
+            "flood" => flood_seen += 1,
+            _ => steady_steps.push(r.line.step),
+        }
+    }
+    nats.pause();
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    nats.resume();
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    while steady_steps.len() < 30 {
+        let Ok(Some(msg)) = tokio::time::timeout_at(deadline, progress.next()).await else {
+            panic!("after the stall: steady's steps {steady_steps:?} ({flood_seen} flood reports)");
+        };
+        let r: ProgressReport = decode(&msg.payload).unwrap();
+        match r.job.as_str() {
+            "flood" => flood_seen += 1,
+            _ => steady_steps.push(r.line.step),
+        }
+    }
+    assert_eq!(
+        steady_steps,
+        (1..=30).collect::<Vec<u64>>(),
+        "every steady report, in order"
+    );
+    // The flood's drops are counted as its workers' skipped reports.
+    let t = wait_for_telemetry(&bus, "n4", 20, "the flood's dropped reports counted", |t| {
+        t.skipped_progress_reports > 0
+    })
+    .await;
+    eprintln!(
+        "steady: 30 of 30; flood: {flood_seen} reports seen, {} skipped",
+        t.skipped_progress_reports
+    );
+    agent.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_worker_loses_only_its_own_intermediate_reports() {
     let (_nats, _work, bus, mut progress, agent) = start_with_agent("n3").await;
