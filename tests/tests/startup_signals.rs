@@ -1,5 +1,6 @@
-//! The agent, the allocator, the dashboard and `converge watch` stop on SIGTERM while they are
-//! still trying to reach NATS at start-up (pointed at a port where nothing listens), and the
+//! The agent, the allocator, the dashboard and `converge watch` stop on SIGTERM and on
+//! Ctrl-C (SIGINT) while they are still trying to reach NATS at start-up (pointed at a port
+//! where nothing listens), and on SIGTERM the
 //! dashboard and watch also while connected, and the agent and the allocator also after
 //! the server went away while they ran: `systemctl stop` and Ctrl-C must not wait for a
 //! server that may never come.
@@ -109,8 +110,14 @@ impl Logged {
 
     /// Sends SIGTERM and waits for the exit (killed and a panic after 10 s).
     fn stop(&mut self) -> (Duration, std::process::ExitStatus, String) {
+        self.stop_with("-TERM")
+    }
+
+    /// Sends `signal` (`-TERM`, `-INT`) and waits for the exit (killed and a panic after
+    /// 10 s).
+    fn stop_with(&mut self, signal: &str) -> (Duration, std::process::ExitStatus, String) {
         let ok = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
+            .args([signal, &self.child.id().to_string()])
             .status()
             .unwrap()
             .success();
@@ -124,7 +131,7 @@ impl Logged {
                 let _ = self.child.kill();
                 let _ = self.child.wait();
                 panic!(
-                    "{} still running 10 s after SIGTERM:\n{}",
+                    "{} still running 10 s after kill {signal}:\n{}",
                     self.what,
                     self.text()
                 );
@@ -237,6 +244,50 @@ fn the_dashboard_and_watch_stop_on_sigterm_while_nats_cannot_be_reached() {
             "{args:?} took {took:?}:\n{log}"
         );
         assert!(gone_on_sigterm(status), "{args:?}: {status}:\n{log}");
+    }
+}
+
+/// Ctrl-C (SIGINT) as SIGTERM: each binary, while it waits for NATS, stops within 2 s;
+/// the agent and the allocator exit 0 and say they stopped before NATS could be reached.
+#[test]
+fn every_binary_stops_on_ctrl_c_while_nats_cannot_be_reached() {
+    use std::os::unix::process::ExitStatusExt as _;
+    let agent = [
+        "--host-id",
+        "sig2",
+        "--fake-gpus",
+        "1",
+        "--state-dir",
+        "state",
+    ];
+    for (binary, args) in [
+        ("converge-agent", &agent[..]),
+        ("converge-allocator", &[][..]),
+        ("converge", &["dashboard", "--listen", "127.0.0.1:0"][..]),
+        ("converge", &["watch"][..]),
+    ] {
+        let url = format!("nats://127.0.0.1:{}", closed_port());
+        let mut p = Logged::start(binary, &url, args);
+        p.wait_for("retrying in");
+        let (took, status, log) = p.stop_with("-INT");
+        println!("{binary} {args:?} exited {took:?} after SIGINT ({status})");
+        assert!(
+            took < Duration::from_secs(2),
+            "{binary} {args:?} took {took:?}:\n{log}"
+        );
+        if binary == "converge" {
+            // A clean exit, or SIGINT's default action (130 / killed by 2).
+            assert!(
+                status.success() || status.code() == Some(130) || status.signal() == Some(2),
+                "{args:?}: {status}:\n{log}"
+            );
+        } else {
+            assert!(status.success(), "{binary}: {status}:\n{log}");
+            assert!(
+                log.contains("stopped before NATS could be reached"),
+                "{binary}: {log}"
+            );
+        }
     }
 }
 
