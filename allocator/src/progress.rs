@@ -9,6 +9,7 @@ use converge_common::{JobId, ProgressReport, subjects};
 use futures::StreamExt;
 use std::collections::BTreeSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -29,9 +30,27 @@ pub(crate) struct Progress {
 /// faster than deletions), the report stays in the stream until its bounds evict it, and
 /// that is counted (`converge_allocator_refused_kept_total`).
 pub(crate) fn queue_deletion(refused_tx: &mpsc::Sender<u64>, seq: u64) {
+    static KEPT: AtomicU64 = AtomicU64::new(0);
     if refused_tx.try_send(seq).is_err() {
         metrics::counter!("converge_allocator_refused_kept_total").increment(1);
+        let n = KEPT.fetch_add(1, Ordering::Relaxed) + 1;
+        if is_power_of_ten(n) {
+            tracing::warn!(
+                kept_total = n,
+                "refused progress report left in the stream: the deletion queue is full \
+                 (a flood faster than deletions; the stream's bounds evict it)"
+            );
+        }
     }
+}
+
+/// 1, 10, 100, …: the counts at which a counted event that may come by the thousand is
+/// logged again.
+fn is_power_of_ten(mut n: u64) -> bool {
+    while n >= 10 && n.is_multiple_of(10) {
+        n /= 10;
+    }
+    n == 1
 }
 
 /// Deletes the progress reports the leader refused for good ([`crate::reporters::Refusal`]'s
@@ -45,7 +64,11 @@ pub(crate) async fn delete_refused(js: jetstream::Context, mut rx: mpsc::Receive
         let Some(s) = &stream else { continue };
         match s.delete_message(seq).await {
             Ok(_) => tracing::debug!(seq, "refused progress report deleted from the stream"),
-            Err(e) => tracing::debug!(seq, "refused progress report not deleted: {e}"),
+            Err(e) => {
+                // Counted: such a report stays in the stream until its bounds evict it.
+                metrics::counter!("converge_allocator_refused_delete_failures_total").increment(1);
+                tracing::debug!(seq, "refused progress report not deleted: {e}");
+            }
         }
     }
 }
@@ -551,6 +574,12 @@ async fn finish_replay(tx: &mpsc::Sender<Input>, at: &mut ProgressPosition) -> a
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn kept_refusals_are_logged_at_powers_of_ten() {
+        let logged: Vec<u64> = (1..=1000).filter(|&n| super::is_power_of_ten(n)).collect();
+        assert_eq!(logged, [1, 10, 100, 1000]);
+    }
+
     use super::*;
 
     fn jobs(n: usize) -> BTreeSet<JobId> {

@@ -46,6 +46,10 @@ pub(crate) fn describe_metrics() {
         "Refused progress messages left in the stream because the deletion queue was full (a flood faster than deletions); the stream's bounds evict them"
     );
     describe_counter!(
+        "converge_allocator_refused_delete_failures_total",
+        "Refused progress messages the leader tried and failed to delete from the stream (NATS errors); the stream's bounds evict them"
+    );
+    describe_counter!(
         "converge_allocator_write_failures_total",
         "Plan and status writes that failed (NATS errors and timeouts, not compare-and-set conflicts), by bucket; the next step writes them again"
     );
