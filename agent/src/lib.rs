@@ -320,7 +320,6 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
 
     let (exit_tx, mut exit_rx) = mpsc::channel::<ExitNotice>(1024);
     let (out_tx, out_rx) = mpsc::channel::<Outgoing>(10_000);
-    let outbox = tokio::spawn(run_outbox(bus.clone(), host.clone(), out_rx));
 
     let (plan_tx, mut plan_rx) = watch::channel::<Option<Vec<WorkerAssignment>>>(None);
     let plan_task = tokio::spawn(watch_plan(
@@ -349,6 +348,12 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
         exit_tx,
         out_tx.clone(),
     );
+    let outbox = tokio::spawn(run_outbox(
+        bus.clone(),
+        host.clone(),
+        out_rx,
+        sup.outbox_drops(),
+    ));
 
     let mut telemetry_tick = tokio::time::interval(cfg.telemetry_interval);
     telemetry_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -533,9 +538,17 @@ fn emit(out: &mpsc::Sender<Outgoing>, host: &HostId, kind: EventKind, message: S
 /// agent publish to) and events (core NATS). Reports wait in one bounded queue per job
 /// ([`outbox::JobQueues`]), served in turn, one report at a time; the channel from the
 /// workers is read while a report is being sent, so a job that reports faster than NATS
-/// acknowledges drops its own oldest reports (counted in its worker's skipped reports)
-/// and no other job's. When the channel closes (shutdown), what waits is still sent.
-async fn run_outbox(bus: Bus, host: HostId, mut rx: mpsc::Receiver<Outgoing>) {
+/// acknowledges drops its own oldest reports and no other job's. Drops and reports given
+/// up after their retries are added to `dropped` (the host's skipped reports). When the
+/// channel closes (shutdown), what waits is still sent, for as long as the agent waits
+/// for its outbox (5 s).
+async fn run_outbox(
+    bus: Bus,
+    host: HostId,
+    mut rx: mpsc::Receiver<Outgoing>,
+    dropped: Arc<std::sync::atomic::AtomicU64>,
+) {
+    use std::sync::atomic::Ordering;
     type Sent = (
         ProgressReport,
         Result<converge_bus::Delivered, converge_bus::ReportLost>,
@@ -551,7 +564,7 @@ async fn run_outbox(bus: Bus, host: HostId, mut rx: mpsc::Receiver<Outgoing>) {
     loop {
         if sending.is_none() {
             match queues.pop() {
-                Some((report, _)) => {
+                Some(report) => {
                     let bus = bus.clone();
                     sending = Some(Box::pin(async move {
                         let result = bus.publish_report(&report).await;
@@ -574,21 +587,32 @@ async fn run_outbox(bus: Bus, host: HostId, mut rx: mpsc::Receiver<Outgoing>) {
         };
         match next {
             Next::Item(None) => open = false,
-            Next::Item(Some(Outgoing::Progress(report, dropped))) => {
+            Next::Item(Some(Outgoing::Progress(report))) => {
                 debug_assert_eq!(report.host, host, "reports name the agent's host");
                 let job = report.job.clone();
-                if let Some((_, of_worker)) = queues.push(&job, (report, dropped)) {
-                    // Counted by its worker: its skipped reports in the heartbeat.
-                    of_worker.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    tracing::warn!(
-                        %job,
-                        waiting = queues.len(),
-                        "the job's outbox queue is full ({} reports): its oldest report dropped",
-                        outbox::OUTBOX_PER_JOB
-                    );
+                if queues.push(&job, report).is_some() {
+                    let n = dropped.fetch_add(1, Ordering::Relaxed) + 1;
+                    if n.is_power_of_two() {
+                        tracing::warn!(
+                            %job,
+                            skipped_total = n,
+                            "the job's outbox queue is full ({} reports): its oldest report dropped",
+                            outbox::OUTBOX_PER_JOB
+                        );
+                    }
                 }
             }
-            Next::Item(Some(Outgoing::Event(event))) => publish_event(&bus, &event).await,
+            Next::Item(Some(Outgoing::Event(event))) => {
+                // Best effort, and never long: a stalled client must not stop the outbox
+                // from reading the workers' reports into their jobs' queues.
+                let publish = publish_event(&bus, &event);
+                if tokio::time::timeout(Duration::from_millis(200), publish)
+                    .await
+                    .is_err()
+                {
+                    tracing::debug!("event not published within 200 ms");
+                }
+            }
             Next::Sent((report, result)) => {
                 sending = None;
                 match result {
@@ -597,7 +621,10 @@ async fn run_outbox(bus: Bus, host: HostId, mut rx: mpsc::Receiver<Outgoing>) {
                         "progress report was stored by an earlier attempt"
                     ),
                     Ok(_) => {}
-                    Err(lost) => tracing::error!(job = %report.job, "{lost}"),
+                    Err(lost) => {
+                        dropped.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(job = %report.job, "{lost}");
+                    }
                 }
             }
         }

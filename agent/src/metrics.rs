@@ -253,7 +253,7 @@ pub fn families(t: &HostTelemetry, nics: &[NicTotals], c: &Counters) -> Snapshot
         ),
         one(
             "converge_agent_skipped_progress_reports_total",
-            "Progress reports not sent: replaced by a newer one of a worker over its rate limit, or dropped with the outbox full",
+            "Progress reports not sent: replaced by a newer one of a worker over its rate limit, dropped with the outbox (or the job's queue there) full, or given up after 30 s of retries",
             t.skipped_progress_reports as f64,
             true,
         ),

@@ -15,8 +15,7 @@ use std::collections::{BTreeMap, VecDeque};
 /// 5 s of eight (about 1 MB).
 pub const OUTBOX_PER_JOB: usize = 2_000;
 
-/// Queues of items (progress reports, with what the caller needs to count a drop) per job,
-/// served round-robin.
+/// Queues of items (progress reports) per job, served round-robin.
 #[derive(Debug)]
 pub struct JobQueues<T> {
     queues: BTreeMap<JobId, VecDeque<T>>,

@@ -44,8 +44,9 @@ struct LineCounters {
     malformed: AtomicU64,
     /// Lines whose gradient statistics were bad (the rest reported).
     ignored_gradient: AtomicU64,
-    /// Reports dropped because the outbox was full: its channel, or the job's queue there
-    /// (the outbox task counts those through this handle).
+    /// Reports dropped because the outbox was full (its channel, or the job's queue
+    /// there) or given up after their retries (the outbox task counts those through
+    /// [`Supervisor::outbox_drops`]).
     dropped: Arc<AtomicU64>,
     /// Worker events dropped because the outbox was full (best effort; logged).
     dropped_events: AtomicU64,
@@ -98,9 +99,7 @@ pub struct SupervisorConfig {
 /// Something for the outbox task to publish.
 #[derive(Debug)]
 pub enum Outgoing {
-    /// A report, and its worker's counter of dropped reports (the outbox counts a drop of
-    /// it there).
-    Progress(ProgressReport, Arc<AtomicU64>),
+    Progress(ProgressReport),
     Event(Event),
 }
 
@@ -169,8 +168,15 @@ impl Supervisor {
         self.counters.malformed.load(Ordering::Relaxed)
     }
 
+    /// The counter the outbox task adds its own drops to (a job's queue full, a report
+    /// given up after its retries): part of [`Supervisor::skipped_reports`].
+    pub fn outbox_drops(&self) -> Arc<AtomicU64> {
+        self.counters.dropped.clone()
+    }
+
     /// Progress reports not sent so far: replaced by a newer one of the same worker over
-    /// its rate limit ([`REPORTS_PER_S`]), or dropped because the outbox was full.
+    /// its rate limit ([`REPORTS_PER_S`]), dropped because the outbox (its channel, or the
+    /// job's queue there) was full, or given up after 30 s of retries.
     pub fn skipped_reports(&self) -> u64 {
         self.counters.coalesced.load(Ordering::Relaxed)
             + self.counters.dropped.load(Ordering::Relaxed)
@@ -822,10 +828,7 @@ fn spawn_worker(
         // The newest report over the rate limit, and when the limit lets it out.
         let mut waiting: Option<(ProgressReport, tokio::time::Instant)> = None;
         let send = |report: ProgressReport| {
-            if outbox
-                .try_send(Outgoing::Progress(report, counters.dropped.clone()))
-                .is_err()
-            {
+            if outbox.try_send(Outgoing::Progress(report)).is_err() {
                 counters.dropped.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(job = %report_base.job, "outbox full; progress report dropped");
             }

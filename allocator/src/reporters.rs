@@ -20,7 +20,7 @@
 //!    speak for rank 0, whose reports make the job's loss curve and can end it); or
 //! 3. during the start-up replay only (the reports that were already in the stream when the
 //!    allocator started), it was stored before its generation ended (plus
-//!    [`ENDED_GRACE_S`]) and that generation is older than every generation whose placement
+//!    [`SUPERSEDED_GRACE_S`], or [`ENDED_GRACE_S`] for one placed nowhere) and that generation is older than every generation whose placement
 //!    the allocator knows (its end: the next allocation change the job's status records),
 //!    or is one the statuses place on no host (a job that finished, or lost its host and
 //!    waits; its end: `finished_at`, or the change that took the host): those placements
@@ -80,6 +80,15 @@ pub struct Reporters {
 /// storing) may differ by a few seconds.
 pub const ENDED_GRACE_S: f64 = 15.0;
 
+/// The same for a generation older than the known ones, which ended when the next one was
+/// decided (its status's allocation change), in seconds: its workers stop only once their
+/// agent read the new plan, within the stop grace (10 s), and each report's publish is
+/// retried for 30 s ([`converge_bus::PROGRESS_PATIENCE`]); a generation's last reports may
+/// therefore be stored up to about 45 s after the decision. Reports stored later still
+/// (queued longer in a slow agent's outbox) are refused by the replay and deleted: stale
+/// points of a generation long replaced.
+pub const SUPERSEDED_GRACE_S: f64 = 60.0;
+
 /// When `status`'s generation, placed on no host, ended: the job's end for a finished
 /// job, the allocation change that took its host for one that lost it. `None` otherwise
 /// (never placed, or no record).
@@ -121,6 +130,15 @@ impl Reporters {
         if status.generation == 0 {
             return;
         }
+        let gens = self.jobs.entry(status.job.clone()).or_default();
+        if gens.len() >= GENERATIONS
+            && gens
+                .first_key_value()
+                .is_some_and(|(&oldest, _)| status.generation < oldest)
+        {
+            // A status older than what is known (read late) changes nothing.
+            return;
+        }
         match generation_end(status) {
             Some(end) => {
                 self.ended
@@ -139,13 +157,6 @@ impl Reporters {
                 .collect(),
         );
         let gens = self.jobs.entry(status.job.clone()).or_default();
-        if gens.len() >= GENERATIONS
-            && gens
-                .first_key_value()
-                .is_some_and(|(&oldest, _)| status.generation < oldest)
-        {
-            return;
-        }
         let hosts = gens.entry(status.generation).or_default();
         for p in status.placement.iter().chain(&status.ps_placement) {
             hosts.entry(p.host.clone()).or_default().insert(p.rank);
@@ -278,7 +289,7 @@ impl Reporters {
                 .get(&report.job)
                 .and_then(|c| ended_by(c, report.generation));
             return match (end, stored_at) {
-                (Some(end), Some(at)) if at > end + ENDED_GRACE_S => refuse(
+                (Some(end), Some(at)) if at > end + SUPERSEDED_GRACE_S => refuse(
                     "not_placed",
                     format!(
                         "{}: stored {:.0} s after generation {} ended",
@@ -532,12 +543,12 @@ mod tests {
         // its history, one stored later is a forgery no leader deleted while the allocator
         // ran (the host check no longer applies: its placement is gone): refused, deleted.
         assert_eq!(at(&r, 2, true, 150.0), Ok(()));
-        assert_eq!(at(&r, 2, true, 200.0 + ENDED_GRACE_S), Ok(()));
-        let e = at(&r, 2, true, 201.0 + ENDED_GRACE_S).unwrap_err();
+        assert_eq!(at(&r, 2, true, 200.0 + SUPERSEDED_GRACE_S), Ok(()));
+        let e = at(&r, 2, true, 201.0 + SUPERSEDED_GRACE_S).unwrap_err();
         assert_eq!((e.kind, e.certain), ("not_placed", true), "{e:?}");
         assert_eq!(at(&r, 1, true, 100.0), Ok(()));
         assert!(
-            at(&r, 1, true, 150.0).is_err(),
+            at(&r, 1, true, 170.0).is_err(),
             "generation 1 ended at t = 100"
         );
         // After the replay: refused but kept, the next replay judges it by its time.
@@ -549,10 +560,15 @@ mod tests {
         r.note(&s);
         assert_eq!(at(&r, 2, true, 300.0), Ok(()));
         assert!(at(&r, 2, true, 400.0).is_err());
+        // A status older than the known generations (read late) changes no record.
+        let mut late = status(1, &["a"], &[]);
+        late.allocations.clear();
+        r.note(&late);
+        assert!(at(&r, 2, true, 400.0).is_err(), "still bounded by t = 300");
         // A generation that lost its host ended then, even before a next one.
         s.allocations = vec![change(2, 120.0, "host_lost"), change(4, 300.0, "shrunk")];
         r.note(&s);
-        assert!(at(&r, 2, true, 200.0).is_err());
+        assert!(at(&r, 2, true, 190.0).is_err());
         // No record at all (a status of an older allocator): taken, as before.
         s.allocations.clear();
         r.note(&s);

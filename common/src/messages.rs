@@ -120,7 +120,8 @@ pub struct HostTelemetry {
     pub ignored_gradient_stats: u64,
     /// Progress reports of this host's workers not sent since the agent started: replaced by
     /// a newer report of the same worker while it printed faster than the agent's per-worker
-    /// rate limit, or dropped with the outbox full (absent in older agents' telemetry).
+    /// rate limit, dropped with the outbox (or the job's queue there) full, or given up
+    /// after 30 s of retries (absent in older agents' telemetry).
     #[serde(default)]
     pub skipped_progress_reports: u64,
     /// The host's labels (`gpu.model`, `gpu.memory`, `gpu.count` and the agent's custom

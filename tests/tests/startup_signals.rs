@@ -9,6 +9,16 @@ use converge_tests::bin_path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The agent's arguments in these tests: one fake GPU, its state in its work directory.
+const AGENT_ARGS: [&str; 6] = [
+    "--host-id",
+    "sig1",
+    "--fake-gpus",
+    "1",
+    "--state-dir",
+    "state",
+];
+
 /// A loopback port nothing listens on (bound once to pick it, then released).
 fn closed_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -156,17 +166,7 @@ fn assert_stops_at_once(binary: &str, args: &[&str]) {
 
 #[test]
 fn the_agent_stops_on_sigterm_while_nats_cannot_be_reached() {
-    assert_stops_at_once(
-        "converge-agent",
-        &[
-            "--host-id",
-            "sig1",
-            "--fake-gpus",
-            "1",
-            "--state-dir",
-            "state",
-        ],
-    );
+    assert_stops_at_once("converge-agent", &AGENT_ARGS);
 }
 
 #[test]
@@ -181,18 +181,7 @@ fn the_allocator_stops_on_sigterm_while_nats_cannot_be_reached() {
 fn the_agent_and_the_allocator_stop_on_sigterm_after_nats_went_away() {
     let mut nats = converge_tests::NatsServer::start();
     let allocator = Logged::start("converge-allocator", &nats.url, &[]);
-    let agent = Logged::start(
-        "converge-agent",
-        &nats.url,
-        &[
-            "--host-id",
-            "sig2",
-            "--fake-gpus",
-            "1",
-            "--state-dir",
-            "state",
-        ],
-    );
+    let agent = Logged::start("converge-agent", &nats.url, &AGENT_ARGS);
     // The bounds each waits on its way out with NATS gone: the allocator 2 s to hand its
     // lease back and 1 s for its last flush; the agent one 2 s heartbeat attempt, 5 s for
     // its outbox and 1 s for its last flush.
@@ -252,16 +241,8 @@ fn the_dashboard_and_watch_stop_on_sigterm_while_nats_cannot_be_reached() {
 #[test]
 fn every_binary_stops_on_ctrl_c_while_nats_cannot_be_reached() {
     use std::os::unix::process::ExitStatusExt as _;
-    let agent = [
-        "--host-id",
-        "sig2",
-        "--fake-gpus",
-        "1",
-        "--state-dir",
-        "state",
-    ];
     for (binary, args) in [
-        ("converge-agent", &agent[..]),
+        ("converge-agent", &AGENT_ARGS[..]),
         ("converge-allocator", &[][..]),
         ("converge", &["dashboard", "--listen", "127.0.0.1:0"][..]),
         ("converge", &["watch"][..]),
