@@ -23,9 +23,7 @@ mod kv;
 pub mod metrics;
 mod process;
 mod publish;
-pub use publish::{
-    Delivered, PROGRESS_ACK_WAIT, PROGRESS_PATIENCE, ReportLost, progress_retry_pause,
-};
+pub use publish::{Delivered, PROGRESS_PATIENCE, ReportLost};
 mod rejects;
 mod secure;
 mod setup;

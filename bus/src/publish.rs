@@ -16,12 +16,12 @@ pub const PROGRESS_PATIENCE: Duration = Duration::from_secs(30);
 /// How long one attempt to publish a progress report waits for its acknowledgement
 /// (milliseconds on a healthy bus, replicated or not; a publish sent to a leader that dies
 /// meanwhile is never acknowledged).
-pub const PROGRESS_ACK_WAIT: Duration = Duration::from_secs(2);
+const PROGRESS_ACK_WAIT: Duration = Duration::from_secs(2);
 
 /// The pause before the `attempt`th retry of a progress report: 200 ms more for each,
 /// at most 1 s (a stream's new leader, elected 4 to 9 s after its old one died, gets the
 /// waiting reports within a second of its election).
-pub fn progress_retry_pause(attempt: u32) -> Duration {
+fn progress_retry_pause(attempt: u32) -> Duration {
     Duration::from_millis((200 * u64::from(attempt)).min(1000))
 }
 
@@ -69,7 +69,7 @@ impl Bus {
 
     /// Publishes a progress report the way `converge-agent` does: on its job's subject for
     /// its host (`converge.v1.progress.<job>.<host>`), under [`ProgressReport::msg_id`], each
-    /// attempt waiting [`PROGRESS_ACK_WAIT`], retried after [`progress_retry_pause`] until
+    /// attempt waiting 2 s, retried after a pause (200 ms more each time, at most 1 s) until
     /// [`PROGRESS_PATIENCE`] has passed since the first. The same message id makes a retry of
     /// a report the stream did store a duplicate the stream drops. Each retry is logged
     /// (warn). `Err`: lost, never acknowledged (it may still have been stored late).

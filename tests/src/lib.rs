@@ -553,12 +553,21 @@ pub async fn next_report(
     sub: &mut async_nats::Subscriber,
     secs: u64,
 ) -> converge_common::ProgressReport {
-    use futures::StreamExt;
-    let msg = tokio::time::timeout(Duration::from_secs(secs), sub.next())
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    report_before(sub, deadline)
         .await
-        .unwrap_or_else(|_| panic!("a progress report within {secs} s"))
-        .expect("subscription open");
-    converge_common::codec::decode(&msg.payload).unwrap()
+        .unwrap_or_else(|| panic!("a progress report within {secs} s"))
+}
+
+/// The next progress report on `sub` before `deadline`; `None`: none came (or the
+/// subscription ended).
+pub async fn report_before(
+    sub: &mut async_nats::Subscriber,
+    deadline: tokio::time::Instant,
+) -> Option<converge_common::ProgressReport> {
+    use futures::StreamExt;
+    let msg = tokio::time::timeout_at(deadline, sub.next()).await.ok()??;
+    Some(converge_common::codec::decode(&msg.payload).unwrap())
 }
 
 /// Reads `sub` until a report of a generation after `generation` arrives (each within

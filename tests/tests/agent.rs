@@ -356,17 +356,6 @@ exec sleep 60"#;
     agent.stop().await;
 }
 
-/// The next progress report `progress` delivers before `deadline`; `None`: none came.
-async fn report_before(
-    progress: &mut async_nats::Subscriber,
-    deadline: tokio::time::Instant,
-) -> Option<ProgressReport> {
-    let msg = tokio::time::timeout_at(deadline, progress.next())
-        .await
-        .ok()??;
-    Some(decode(&msg.payload).unwrap())
-}
-
 /// One job's 40 workers on a host report (below their rate limit, 40 a second each) while
 /// the bus stalls for 10 s: the job fills its own queue in the agent's outbox (the oldest
 /// dropped, counted) and another job's reports all arrive, in order, once the bus is back.
