@@ -1,6 +1,7 @@
 //! Hostile input on every subject and bucket, against a real nats-server with an agent and
 //! the allocator running: malformed JSON, wrong protocol versions, invalid content, ids
-//! that are not valid ids, queues with invalid quotas or weights, reports on another job's
+//! that are not valid ids, specs that `converge submit` refuses (NUL bytes, restart limits,
+//! control characters in labels), queues with invalid quotas or weights, reports on another job's
 //! subject and oversized payloads. Each is refused or counted; no process stops; a real job
 //! submitted afterwards trains and completes; the agent's running workers are untouched.
 //! (Credentials and permissions: `security.rs`.)
@@ -67,6 +68,32 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
         )
         .await
         .unwrap();
+    // What `converge submit` refuses, written past it: a NUL byte in the command, a restart
+    // limit without bound, a label that would reach terminals as an escape sequence.
+    // Each as JSON (the bucket) and as the TOML a user would submit.
+    let refused_specs = [
+        (
+            "nul-command",
+            serde_json::json!({"protocol": 1, "id": "nul-command", "command": ["python3", "-c\u{0}rm"]}),
+            "command = [\"python3\", \"-c\\u0000rm\"]\n",
+            "NUL byte",
+        ),
+        (
+            "endless-restarts",
+            serde_json::json!({"protocol": 1, "id": "endless-restarts", "command": ["x"], "max_restarts": 4_294_967_295_u64}),
+            "command = [\"x\"]\nmax_restarts = 4294967295\n",
+            "max_restarts",
+        ),
+        (
+            "escape-label",
+            serde_json::json!({"protocol": 1, "id": "escape-label", "command": ["x"], "labels": {"model": "\u{1b}[2J"}}),
+            "command = [\"x\"]\n[labels]\nmodel = \"\\u001b[2J\"\n",
+            "control character",
+        ),
+    ];
+    for (key, spec, _, _) in &refused_specs {
+        bus.jobs.put(*key, json(spec.clone())).await.unwrap();
+    }
     bus.jobs.put("a.b", garbage.clone()).await.unwrap();
     assert!(
         bus.jobs.put("huge", big.clone()).await.is_err(),
@@ -153,14 +180,15 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
         .await
         .unwrap();
 
-    // The allocator counted what reached it: 3 specs (json, version, content; the foreign
+    // The allocator counted what reached it: 6 specs (json, version, content, NUL, restarts,
+    // label; the foreign
     // id and the invalid key are refused by id checks, not counted), 3 heartbeats, 3 reports
     // (2 undecodable, one on another job's subject), 1 status (its status watch), 4 queue
     // specs (json, version, quota, weight; the name that is not its key is not counted) and
     // 1 queue status.
     wait_for(Duration::from_secs(10), "refusals counted", || async {
         let counted = metric_sum("converge_allocator_refused_messages{") - refused_before;
-        (counted >= 15.0).then_some(())
+        (counted >= 18.0).then_some(())
     })
     .await;
     // The leader deletes undecodable progress messages from the stream, as it deletes
@@ -184,6 +212,38 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
             && s.message.as_deref().unwrap_or("").contains("refused")),
         "{bad:?}"
     );
+    // Each spec `converge submit` would refuse fails with the reason when written past it,
+    // and `converge submit` refuses it with the same reason before anything is written.
+    for (key, _, toml, reason) in &refused_specs {
+        let status = wait_for(Duration::from_secs(10), "refused spec's status", || async {
+            job_status(&bus, key).await
+        })
+        .await;
+        let message = status.message.as_deref().unwrap_or("");
+        assert!(
+            status.phase == JobPhase::Failed
+                && message.contains("refused")
+                && message.contains(reason),
+            "{key}: {status:?}"
+        );
+        let path = work.path().join(format!("{key}.toml"));
+        std::fs::write(&path, format!("id = \"{key}-submitted\"\n{toml}")).unwrap();
+        let out = submit(&path);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(reason),
+            "{key}: converge submit: {}\n{stderr}",
+            out.status
+        );
+        assert!(
+            bus.jobs
+                .get(format!("{key}-submitted"))
+                .await
+                .unwrap()
+                .is_none(),
+            "{key}: a refused spec reached the bucket"
+        );
+    }
 
     // Nothing stopped, nothing lost: the long job's worker is the same process, the CLI
     // lists the jobs, and a new job trains to completion.

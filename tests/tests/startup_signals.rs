@@ -1,8 +1,8 @@
 //! The agent, the allocator, the dashboard and `converge watch` stop on SIGTERM and on
 //! Ctrl-C (SIGINT) while they are still trying to reach NATS at start-up (pointed at a port
 //! where nothing listens), and on SIGTERM the
-//! dashboard and watch also while connected, and the agent and the allocator also after
-//! the server went away while they ran: `systemctl stop` and Ctrl-C must not wait for a
+//! dashboard and watch also while connected, and all four also after the server went away
+//! while they ran (dashboard and watch on Ctrl-C too): `systemctl stop` and Ctrl-C must not wait for a
 //! server that may never come.
 
 use converge_tests::bin_path;
@@ -268,6 +268,59 @@ fn every_binary_stops_on_ctrl_c_while_nats_cannot_be_reached() {
                 log.contains("stopped before NATS could be reached"),
                 "{binary}: {log}"
             );
+        }
+    }
+}
+
+/// Connected, then the server goes away: the dashboard and watch, now reconnecting, still
+/// stop within 2 s of SIGTERM (and of Ctrl-C), and the dashboard exits 0.
+#[test]
+fn the_dashboard_and_watch_stop_on_sigterm_and_ctrl_c_while_reconnecting() {
+    for signal in ["-TERM", "-INT"] {
+        let mut nats = converge_tests::NatsServer::start();
+        let mut running = [
+            (
+                Logged::start(
+                    "converge",
+                    &nats.url,
+                    &["dashboard", "--listen", "127.0.0.1:0"],
+                ),
+                "serving the dashboard",
+            ),
+            (
+                Logged::start("converge", &nats.url, &["watch"]),
+                "watching converge.v1.events",
+            ),
+        ];
+        for (p, ready) in &mut running {
+            p.wait_for(ready);
+        }
+        nats.stop();
+        for (p, _) in &mut running {
+            p.wait_for("disconnected from NATS");
+        }
+        for (p, ready) in &mut running {
+            let (took, status, log) = p.stop_with(signal);
+            println!("converge ({ready}, NATS gone) exited {took:?} after {signal} ({status})");
+            assert!(
+                took < Duration::from_secs(2),
+                "{ready}: took {took:?} after {signal}:\n{log}"
+            );
+            if ready.starts_with("serving") {
+                assert!(
+                    status.success(),
+                    "the dashboard stops cleanly: {status}:\n{log}"
+                );
+            } else {
+                use std::os::unix::process::ExitStatusExt as _;
+                let by_signal = if signal == "-TERM" { 15 } else { 2 };
+                assert!(
+                    status.success()
+                        || status.code() == Some(128 + by_signal)
+                        || status.signal() == Some(by_signal),
+                    "watch after {signal}: {status}:\n{log}"
+                );
+            }
         }
     }
 }
