@@ -113,7 +113,8 @@ fn kv_config(replicas: usize) -> kv::Config {
         bucket: subjects::BUCKET_LEADER.to_string(),
         description: "allocator leader lease".to_string(),
         history: 1,
-        max_value_size: 4096,
+        max_value_size: subjects::bucket_bounds(subjects::BUCKET_LEADER).max_value_bytes,
+        max_bytes: subjects::bucket_bounds(subjects::BUCKET_LEADER).max_bytes,
         num_replicas: replicas,
         ..Default::default()
     }
@@ -131,8 +132,15 @@ pub async fn spawn(
     shutdown: CancellationToken,
 ) -> anyhow::Result<(watch::Receiver<Leadership>, tokio::task::JoinHandle<()>)> {
     let store = match js.get_key_value(subjects::BUCKET_LEADER).await {
-        Ok(store) if store.stream.cached_info().config.num_replicas == cfg.replicas => store,
-        // Missing, or with other replicas: created, or changed in place.
+        Ok(store)
+            if store.stream.cached_info().config.num_replicas == cfg.replicas
+                && store.stream.cached_info().config.max_bytes
+                    == subjects::bucket_bounds(subjects::BUCKET_LEADER).max_bytes =>
+        {
+            store
+        }
+        // Missing, with other replicas or without its bound (older releases): created, or
+        // changed in place.
         _ => js
             .create_or_update_key_value(kv_config(cfg.replicas))
             .await

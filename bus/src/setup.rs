@@ -21,7 +21,8 @@ pub enum Setup {
 }
 
 /// The stream behind KV `bucket`: what async-nats' `kv::Config` would make of the bucket's
-/// settings (history, age, value size, direct gets, `deny_delete`, discard new), except that
+/// settings (history, age, value size and bytes from [`subjects::bucket_bounds`], direct
+/// gets, `deny_delete`, discard new), except that
 /// **rollups are refused** (`allow_rollup_hdrs: false`). A KV bucket created by a client
 /// allows a message with the header `Nats-Rollup: all` on any key the publisher may write to
 /// purge every other key of the bucket: an agent could drop every host's heartbeat, the CLI
@@ -48,13 +49,15 @@ pub fn kv_stream_config(bucket: &str) -> stream::Config {
         ),
         _ => ("job statuses", 5, Duration::ZERO),
     };
+    let bounds = subjects::bucket_bounds(bucket);
     stream::Config {
         name: format!("KV_{bucket}"),
         description: Some(description.to_string()),
         subjects: vec![format!("$KV.{bucket}.>")],
         max_messages_per_subject: history,
         max_age,
-        max_message_size: converge_common::MAX_MESSAGE_BYTES as i32,
+        max_message_size: bounds.max_value_bytes,
+        max_bytes: bounds.max_bytes,
         allow_rollup: false,
         deny_delete: true,
         deny_purge: false,
@@ -198,7 +201,10 @@ pub(crate) async fn ensure_stream(
                 "{message}, still after {SETUP_PATIENCE:?}; with {replicas} replica(s) \
                  (--bus-replicas, CONVERGE_BUS_REPLICAS) it needs a NATS cluster of at least \
                  {replicas} JetStream server(s) up and routed to each other: start the \
-                 missing servers or lower --bus-replicas"
+                 missing servers or lower --bus-replicas; or the NATS account or server \
+                 lacks storage: Converge's streams reserve {} MiB per replica (raise \
+                 deploy/nats/gen-config.sh --max-store or the server's max_file_store)",
+                subjects::reserved_bytes() / (1024 * 1024)
             ),
         }),
     }
@@ -333,6 +339,7 @@ mod tests {
                 "{bucket}"
             );
             assert_eq!(c.subjects, [format!("$KV.{bucket}.>")]);
+            assert!(c.max_bytes > 0 && c.max_message_size > 0, "{bucket}");
         }
         let c = progress_stream_config();
         assert!(!c.allow_rollup && c.allow_direct);

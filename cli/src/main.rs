@@ -227,6 +227,13 @@ async fn create_job(bus: &Bus, spec: &JobSpec) -> anyhow::Result<()> {
                 spec.id
             )
         }
+        Err(e) if e.to_string().contains("maximum bytes exceeded") => bail!(
+            "cannot store job {}: KV bucket {} is full ({} MiB; the specs of finished jobs \
+             are kept, see docs/deploy.md, \"Storage\"): nothing was written",
+            spec.id,
+            subjects::BUCKET_JOBS,
+            subjects::bucket_bounds(subjects::BUCKET_JOBS).max_bytes / (1024 * 1024)
+        ),
         Err(e) => Err(e).context("cannot store the job spec"),
     }
 }

@@ -695,7 +695,7 @@ async fn a_compromised_agent_cannot_forge_progress_or_purge_heartbeats() {
 /// and KV buckets that allow rollups (async-nats' defaults), where a rollup header purges
 /// the hosts bucket. `Bus::open` (the allocator's `CreateOrUpdate`) updates both in place:
 /// the stream takes the per-host subjects and keeps its reports, the buckets keep their
-/// keys and refuse rollups.
+/// keys, refuse rollups and take their byte and value bounds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_existing_stream_and_buckets_are_updated_in_place() {
     use async_nats::jetstream::{kv, stream};
@@ -771,6 +771,33 @@ async fn an_existing_stream_and_buckets_are_updated_in_place() {
     assert_eq!(progress.info().await.unwrap().state.messages, 1);
     let mut kv_stream = bus.js.get_stream("KV_converge-hosts").await.unwrap();
     assert!(!kv_stream.info().await.unwrap().config.allow_rollup);
+    // Every bucket, the old one included, is bounded in bytes and value size (before
+    // 2026-11-28 none was: 1 MiB values, no byte bound), and a heartbeat over its bound is
+    // refused while the host's last one stays.
+    for bucket in subjects::ALL_BUCKETS
+        .into_iter()
+        .chain(subjects::QUEUE_BUCKETS)
+    {
+        let bounds = subjects::bucket_bounds(bucket);
+        let mut stream = bus.js.get_stream(format!("KV_{bucket}")).await.unwrap();
+        let config = stream.info().await.unwrap().config.clone();
+        assert_eq!(
+            (config.max_bytes, config.max_message_size),
+            (bounds.max_bytes, bounds.max_value_bytes),
+            "{bucket}"
+        );
+        assert_eq!(config.discard, stream::DiscardPolicy::New, "{bucket}");
+    }
+    let heartbeat_bound = subjects::bucket_bounds(subjects::BUCKET_HOSTS).max_value_bytes;
+    let big = vec![b' '; heartbeat_bound as usize + 1];
+    assert!(
+        bus.hosts.put("b", big.into()).await.is_err(),
+        "a heartbeat over {heartbeat_bound} bytes was stored"
+    );
+    assert_eq!(
+        bus.hosts.get("b").await.unwrap().as_deref(),
+        Some(&b"2"[..])
+    );
     let e = rollup_all("a").await.expect_err("rollups refused");
     assert!(e.to_string().contains("rollup"), "{e}");
     assert_eq!(
