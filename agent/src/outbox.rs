@@ -2,17 +2,17 @@
 //! that a job whose workers report faster than NATS acknowledges (or one that reports while
 //! the bus is slow or away) fills only its own queue and loses only its own reports.
 //!
-//! Each worker's reports are already rate-limited ([`crate::supervisor::REPORTS_PER_S`]);
-//! this bounds what a job can hold in the outbox whatever its number of ranks on the host,
-//! and keeps one job's backlog from delaying another's reports by more than one report each
+//! Each worker's reports are already rate-limited ([`crate::supervisor::REPORTS_PER_S`]),
+//! and each job's on the host ([`crate::supervisor::JOB_REPORTS_PER_S`]); this bounds what
+//! a job can hold in the outbox while the bus is slow or away, and keeps one job's backlog from delaying another's reports by more than one report each
 //! turn. The reports themselves are sent one at a time, each retried for
 //! [`converge_bus::PROGRESS_PATIENCE`] ([`converge_bus::Bus::publish_report`]).
 
 use converge_common::JobId;
 use std::collections::{BTreeMap, VecDeque};
 
-/// Reports one job may have waiting in the outbox: 40 s of one worker at its rate limit,
-/// 5 s of eight (about 1 MB).
+/// Reports one job may have waiting in the outbox: 20 s of one job at its rate limit on
+/// this host ([`crate::supervisor::JOB_REPORTS_PER_S`]), about 1 MB.
 pub const OUTBOX_PER_JOB: usize = 2_000;
 
 /// Queues of items (progress reports) per job, served round-robin.

@@ -15,7 +15,7 @@ use crate::isolation::{EnvAllowList, UidRange, WorkerCgroup};
 use crate::reconcile::{Action, WorkerKey, WorkerView, decide, restart_delay};
 use converge_bus::unix_now;
 use converge_common::{
-    Event, EventKind, GradientReading, HostId, PROTOCOL_VERSION, ProgressReport, ShadowSpec,
+    Event, EventKind, GradientReading, HostId, JobId, PROTOCOL_VERSION, ProgressReport, ShadowSpec,
     SyncArch, WorkerAssignment, WorkerPhase, WorkerProgressLine, WorkerState,
     jobspec::{GPU_SPEED_ENV as GPU_SPEED_VAR, SHADOW_ENV},
 };
@@ -62,6 +62,16 @@ struct LineCounters {
 pub const REPORTS_PER_S: u32 = 50;
 /// Reports one worker may send at once above [`REPORTS_PER_S`] (a burst after a pause).
 pub const REPORT_BURST: u32 = 100;
+/// Most progress reports one job's workers on this host send per second together, on
+/// average, whatever their number: a report must pass its worker's limit and then its
+/// job's, and waits (replaced by newer ones, as above) for whichever is exhausted. Eight
+/// workers of converge-trainer at its default stay below it.
+pub const JOB_REPORTS_PER_S: u32 = 100;
+/// Reports one job's workers on this host may send at once above [`JOB_REPORTS_PER_S`].
+pub const JOB_REPORT_BURST: u32 = 200;
+
+/// The rate limit one job's workers on this host share ([`JOB_REPORTS_PER_S`]).
+type JobLimiter = governor::DefaultDirectRateLimiter;
 
 /// Longest stdout line kept, in bytes; longer lines are counted as malformed and skipped.
 pub const MAX_LINE_BYTES: usize = 64 * 1024;
@@ -140,6 +150,9 @@ pub struct Supervisor {
     exit_tx: mpsc::Sender<ExitNotice>,
     outbox: mpsc::Sender<Outgoing>,
     counters: Arc<LineCounters>,
+    /// Each job's shared rate limit, held by its workers' line readers: a job's entry
+    /// goes when the last of them ends.
+    job_limiters: BTreeMap<JobId, std::sync::Weak<JobLimiter>>,
     incarnations: u64,
     boot_id: String,
 }
@@ -158,9 +171,29 @@ impl Supervisor {
             exit_tx,
             outbox,
             counters: Arc::default(),
+            job_limiters: BTreeMap::new(),
             incarnations: 0,
             boot_id: crate::strays::boot_id(),
         }
+    }
+
+    /// The rate limit `job`'s workers on this host share: the one its running workers
+    /// hold, or a new one.
+    fn job_limiter(&mut self, job: &JobId) -> Arc<JobLimiter> {
+        self.job_limiters.retain(|_, l| l.strong_count() > 0);
+        if let Some(l) = self
+            .job_limiters
+            .get(job)
+            .and_then(std::sync::Weak::upgrade)
+        {
+            return l;
+        }
+        let l = Arc::new(RateLimiter::direct(
+            Quota::per_second(NonZeroU32::new(JOB_REPORTS_PER_S).expect("positive"))
+                .allow_burst(NonZeroU32::new(JOB_REPORT_BURST).expect("positive")),
+        ));
+        self.job_limiters.insert(job.clone(), Arc::downgrade(&l));
+        l
     }
 
     /// Malformed `CONVERGE_PROGRESS` lines seen so far.
@@ -336,6 +369,7 @@ impl Supervisor {
             },
             None => None,
         };
+        let job_limiter = self.job_limiter(&key.job);
         let Some(entry) = self.workers.get_mut(&key) else {
             return;
         };
@@ -345,8 +379,11 @@ impl Supervisor {
             &assignment,
             uid,
             cgroup.as_ref(),
-            self.outbox.clone(),
-            self.counters.clone(),
+            Reporting {
+                outbox: self.outbox.clone(),
+                counters: self.counters.clone(),
+                job_limiter,
+            },
         ) {
             Ok((mut child, lifeline)) => {
                 let pid = child.id().unwrap_or(0);
@@ -720,6 +757,14 @@ async fn end_cgroup(key: &WorkerKey, cg: &WorkerCgroup) {
 /// How long the agent waits for a killed worker cgroup to empty.
 const CGROUP_KILL_WAIT: Duration = Duration::from_secs(10);
 
+/// Where a worker's progress reports go: the outbox, the host's counters, and its job's
+/// shared rate limit ([`JOB_REPORTS_PER_S`]).
+struct Reporting {
+    outbox: mpsc::Sender<Outgoing>,
+    counters: Arc<LineCounters>,
+    job_limiter: Arc<JobLimiter>,
+}
+
 /// Starts one worker process in its own process group (through the shim, which leads the
 /// group, when configured), with the worker-contract environment, stderr appended to its
 /// log file and stdout read line by line. Returns the child (the shim, or the worker) and
@@ -729,9 +774,13 @@ fn spawn_worker(
     a: &WorkerAssignment,
     uid: Option<u32>,
     cgroup: Option<&WorkerCgroup>,
-    outbox: mpsc::Sender<Outgoing>,
-    counters: Arc<LineCounters>,
+    reporting: Reporting,
 ) -> std::io::Result<(tokio::process::Child, Option<std::io::PipeWriter>)> {
+    let Reporting {
+        outbox,
+        counters,
+        job_limiter,
+    } = reporting;
     let log_file = log_path(cfg, a);
     crate::isolation::prepare_private_dir(
         log_file.parent().expect("log path has a parent"),
@@ -825,6 +874,13 @@ fn spawn_worker(
         let free_at = |not_until: governor::NotUntil<_>| {
             tokio::time::Instant::now() + not_until.wait_time_from(clock.now())
         };
+        // The worker's limit, then the job's (a report the job's limit holds back has
+        // used one of the worker's: the job's workers share the job's rate, each at most
+        // its own).
+        let admit = || {
+            limiter.check().map_err(free_at)?;
+            job_limiter.check().map_err(free_at)
+        };
         // The newest report over the rate limit, and when the limit lets it out.
         let mut waiting: Option<(ProgressReport, tokio::time::Instant)> = None;
         let send = |report: ProgressReport| {
@@ -838,15 +894,15 @@ fn spawn_worker(
             let next = tokio::select! {
                 line = lines.next() => line,
                 () = tokio::time::sleep_until(due.unwrap_or_else(tokio::time::Instant::now)), if due.is_some() => {
-                    match limiter.check() {
+                    match admit() {
                         Ok(()) => {
                             if let Some((report, _)) = waiting.take() {
                                 send(report);
                             }
                         }
-                        Err(not_until) => {
+                        Err(free) => {
                             if let Some((_, at)) = waiting.as_mut() {
-                                *at = free_at(not_until);
+                                *at = free;
                             }
                         }
                     }
@@ -882,12 +938,12 @@ fn spawn_worker(
                         *old = report;
                         let n = counters.coalesced.fetch_add(1, Ordering::Relaxed) + 1;
                         if n.is_power_of_two() {
-                            tracing::warn!(job = %report_base.job, rank = report_base.rank, coalesced_total = n, "worker reports progress faster than {REPORTS_PER_S} lines/s: the newest report replaces the one waiting");
+                            tracing::warn!(job = %report_base.job, rank = report_base.rank, coalesced_total = n, "worker reports progress faster than {REPORTS_PER_S} lines/s (or its job's workers on this host faster than {JOB_REPORTS_PER_S} together): the newest report replaces the one waiting");
                         }
                     } else {
-                        match limiter.check() {
+                        match admit() {
                             Ok(()) => send(report),
-                            Err(not_until) => waiting = Some((report, free_at(not_until))),
+                            Err(free) => waiting = Some((report, free)),
                         }
                     }
                 }

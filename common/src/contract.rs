@@ -448,11 +448,13 @@ mod tests {
 
     /// Backtick-quoted words in docs/protocol.md's "Worker contract" section that look like
     /// variable names but are not the contract's.
-    const DOCUMENTED_OTHERS: [&str; 4] = [
+    const DOCUMENTED_OTHERS: [&str; 6] = [
         "CONVERGE_UPDATE_CONTRACT", // regenerates the JSON file
         "CONVERGE_PROGRESS",        // the progress lines' prefix
-        "REPORTS_PER_S",            // the agent's rate limit on progress reports
+        "REPORTS_PER_S",            // the agent's rate limits on progress reports
         "REPORT_BURST",
+        "JOB_REPORTS_PER_S",
+        "JOB_REPORT_BURST",
     ];
 
     #[test]

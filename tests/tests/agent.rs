@@ -356,34 +356,38 @@ exec sleep 60"#;
     agent.stop().await;
 }
 
-/// One job's 40 workers on a host report (below their rate limit, 40 a second each) while
-/// the bus stalls for 10 s: the job fills its own queue in the agent's outbox (the oldest
-/// dropped, counted) and another job's reports all arrive, in order, once the bus is back.
-/// With one queue for every job (before), the flood filled it and the other job's reports
-/// were dropped.
+/// One job's workers on a host report (below their rate limits: 40 a second each, 80 the
+/// job) while the bus stalls for 35 s: the job fills its own queue in the agent's outbox
+/// (the oldest dropped, counted) and another job's reports all arrive, in order, once the
+/// bus is back. With one queue for every job (before), a flood filled it and the other
+/// job's reports were dropped; this test then ran 40 workers of one job, which the job's
+/// shared rate limit now holds to 100 reports a second, too few to fill the outbox's
+/// channel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_flooding_a_stalled_bus_loses_only_its_own_reports() {
     let (nats, work, bus) = start_test().await;
     let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
     let mut cfg = agent_config(&nats, "n4", 2, work.path());
-    // Not fenced during the 10 s stall (the allocator is not running here).
-    cfg.fence_after = Duration::from_secs(30);
+    // Not fenced during the 35 s stall (the allocator is not running here).
+    cfg.fence_after = Duration::from_secs(60);
     let agent = start_agent(cfg);
     let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
-    // Each flooding worker prints a line every 25 ms for 60 s: under its rate limit, so
-    // none is coalesced and every report it skips is one the outbox dropped. (perl-base
+    // Each flooding worker prints a line every 25 ms for 80 s: under its rate limit and,
+    // with two, under the job's, so none is coalesced and every report the job skips is
+    // one the outbox dropped. (perl-base
     // is on every Debian system; its `select` sleeps.)
-    let flood = r#"perl -e '$| = 1; for my $i (1 .. 2400) { printf "CONVERGE_PROGRESS {\"step\":%d,\"samples\":%d,\"loss\":0.5}\n", $i, 8 * $i; select(undef, undef, undef, 0.025) }'; exec sleep 120"#;
+    let flood = r#"perl -e '$| = 1; for my $i (1 .. 3200) { printf "CONVERGE_PROGRESS {\"step\":%d,\"samples\":%d,\"loss\":0.5}\n", $i, 8 * $i; select(undef, undef, undef, 0.025) }'; exec sleep 120"#;
     let steady = r#"for i in $(seq 1 30); do echo "CONVERGE_PROGRESS {\"step\":$i,\"samples\":$((8 * i)),\"loss\":0.9}"; sleep 0.5; done; exec sleep 120"#;
-    const FLOOD_RANKS: u32 = 40;
+    const FLOOD_RANKS: u32 = 2;
     let mut workers = vec![worker("steady", 1, 0, 1, 0, sh(steady))];
     workers.extend((0..FLOOD_RANKS).map(|r| worker("flood", 1, r, FLOOD_RANKS, 1 + r, sh(flood))));
     bus.put(&bus.plans, "n4", &plan("n4", workers))
         .await
         .unwrap();
 
-    // Once both jobs report, the bus stalls for 10 s: the 40 workers offer the outbox about
-    // 16,000 reports meanwhile, more than its channel (10,000) and the job's queue (2,000).
+    // Once both jobs report, the bus stalls for 35 s: the two workers offer the outbox about
+    // 2,700 reports meanwhile (perl prints a little under 40 a second), more than the
+    // job's queue (2,000).
     let (mut flood_seen, mut steady_steps) = (0u64, Vec::<u64>::new());
     // A report retried after the stall may reach this (core) subscription twice; the
     // stream stores it once (its message id).
@@ -402,7 +406,7 @@ async fn a_job_flooding_a_stalled_bus_loses_only_its_own_reports() {
         note(r, &mut flood_seen, &mut steady_steps);
     }
     nats.pause();
-    tokio::time::sleep(Duration::from_secs(10)).await;
+    tokio::time::sleep(Duration::from_secs(35)).await;
     nats.resume();
 
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
@@ -417,14 +421,75 @@ async fn a_job_flooding_a_stalled_bus_loses_only_its_own_reports() {
         (1..=30).collect::<Vec<u64>>(),
         "every steady report, in order"
     );
-    // The flood's drops are counted (its workers stay under their rate limit, so nothing
-    // else is skipped).
+    // The flood's drops are counted (its workers stay under their rate limits, so nothing
+    // else is skipped): about 700.
     let t = wait_for_telemetry(&bus, "n4", 20, "the flood's dropped reports counted", |t| {
-        t.skipped_progress_reports >= 1_000
+        t.skipped_progress_reports >= 200
     })
     .await;
     eprintln!(
         "steady: 30 of 30; flood: {flood_seen} reports seen, {} skipped",
+        t.skipped_progress_reports
+    );
+    agent.stop().await;
+}
+
+/// Four workers of one job on one host, each printing progress lines as fast as it can
+/// (5,001 in a burst): the job's reports together stay within the job's shared limit
+/// (its burst plus its rate, and each worker's last report over it), not four times a
+/// worker's; every worker's last report (its final step) arrives, in order; the agent
+/// counts what it skipped. Before the job's limit each worker had only its own, and the
+/// job sent up to four times as many.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_jobs_workers_on_one_host_share_the_jobs_report_rate() {
+    use converge_agent::supervisor::{JOB_REPORT_BURST, JOB_REPORTS_PER_S};
+    let (nats, work, bus) = start_test().await;
+    let mut progress = bus.client.subscribe(subjects::PROGRESS_ALL).await.unwrap();
+    let agent = start_agent(agent_config(&nats, "n5", 4, work.path()));
+    let sh = |script: &str| vec!["sh".to_string(), "-c".to_string(), script.to_string()];
+    let flood = r#"awk 'BEGIN { for (i = 1; i <= 5001; i++) printf "CONVERGE_PROGRESS {\"step\":%d,\"samples\":%d,\"loss\":0.5}\n", i, 8 * i }'; exec sleep 60"#;
+    let started = std::time::Instant::now();
+    bus.put(
+        &bus.plans,
+        "n5",
+        &plan(
+            "n5",
+            (0..4)
+                .map(|r| worker("wide", 1, r, 4, r, sh(flood)))
+                .collect(),
+        ),
+    )
+    .await
+    .unwrap();
+    let mut steps: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while steps.len() < 4 || steps.values().any(|s| s.last() != Some(&5001)) {
+        let Ok(Some(msg)) = tokio::time::timeout_at(deadline, progress.next()).await else {
+            panic!(
+                "after 60 s: last steps {:?}",
+                steps.values().map(|s| s.last()).collect::<Vec<_>>()
+            );
+        };
+        let r: ProgressReport = decode(&msg.payload).unwrap();
+        steps.entry(r.rank).or_default().push(r.line.step);
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let sent: usize = steps.values().map(Vec::len).sum();
+    let most = f64::from(JOB_REPORT_BURST) + f64::from(JOB_REPORTS_PER_S) * elapsed + 4.0;
+    assert!(
+        (sent as f64) <= most,
+        "{sent} reports of the job's 4 workers in {elapsed:.1} s, at most {most:.0}"
+    );
+    for (rank, s) in &steps {
+        assert!(s.windows(2).all(|w| w[0] < w[1]), "rank {rank}: in order");
+    }
+    let skipped = 4 * 5001 - sent as u64;
+    let t = wait_for_telemetry(&bus, "n5", 10, "the skipped reports counted", |t| {
+        t.skipped_progress_reports == skipped
+    })
+    .await;
+    eprintln!(
+        "4 workers: {sent} of 20004 reports sent in {elapsed:.1} s (at most {most:.0}), {} skipped",
         t.skipped_progress_reports
     );
     agent.stop().await;
