@@ -1,5 +1,5 @@
-//! The KV followers: each follows one bucket (job specs, heartbeats, job statuses, queues,
-//! queue statuses) with [`converge_bus::follow_kv_typed`] and sends its typed changes to
+//! The KV followers: each follows one bucket (job specs, heartbeats, job statuses, plans,
+//! queues, queue statuses) with [`converge_bus::follow_kv_typed`] and sends its typed changes to
 //! the main loop as an [`Input`]. The decoders here hold the allocator's rules of each
 //! bucket: a value must name the key it is stored under, and a heartbeat's time is the
 //! server's.
@@ -8,7 +8,7 @@ use crate::progress::Progress;
 use async_nats::jetstream::kv;
 use converge_bus::{Bus, KvChange, KvDecoder, QueueBuckets, Rejects, follow_kv_typed};
 use converge_common::{
-    HostId, HostTelemetry, JobId, JobSpec, JobStatus, QueueId, QueueSpec, QueueStatus,
+    HostId, HostPlan, HostTelemetry, JobId, JobSpec, JobStatus, QueueId, QueueSpec, QueueStatus,
 };
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -32,12 +32,16 @@ pub(crate) enum Input {
     Queue(KvChange<QueueId, QueueSpec>),
     /// A queue status as stored (by this replica or another): the usage to continue from.
     QueueStatus(Box<KvChange<QueueId, QueueStatus>>),
+    /// A host plan as stored (by this replica or another): while leading, one this replica
+    /// did not write is another writer's, to write over ([`crate::service`]).
+    Plan(Box<KvChange<HostId, HostPlan>>),
 }
 
-/// Follows the five buckets, current values first, then updates, each into `tx`. Statuses
+/// Follows the six buckets, current values first, then updates, each into `tx`. Statuses
 /// are followed whoever wrote them (the leader's own writes come back too and change
 /// nothing): followers learn new generations' placements from them (the leader also from
-/// its own steps), that is who may report progress.
+/// its own steps), that is who may report progress. Statuses and plans that the leader did
+/// not write itself tell it that another writer was there (a replaced leader's late write).
 pub(crate) fn follow_buckets(
     tasks: &mut JoinSet<()>,
     bus: &Bus,
@@ -62,6 +66,12 @@ pub(crate) fn follow_buckets(
         KvDecoder::named(rejects.clone(), |s: &JobStatus| &s.job),
         tx.clone(),
         |c| Input::Status(Box::new(c)),
+    ));
+    tasks.spawn(follow_kv_typed(
+        bus.plans.clone(),
+        KvDecoder::named(rejects.clone(), |p: &HostPlan| &p.host),
+        tx.clone(),
+        |c| Input::Plan(Box::new(c)),
     ));
     tasks.spawn(follow_kv_typed(
         queues.queues.clone(),

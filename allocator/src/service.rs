@@ -53,8 +53,12 @@ pub(crate) struct View {
     /// outdated view (a replaced leader's late write) fails instead of overwriting.
     pub(crate) plan_revisions: BTreeMap<HostId, u64>,
     pub(crate) status_revisions: BTreeMap<JobId, u64>,
-    /// A compare-and-set write failed: re-read plans and statuses before the next step.
+    /// A compare-and-set write failed, or another writer's plan or status was seen while
+    /// leading: re-read plans and statuses before the next step.
     pub(crate) reread: bool,
+    /// Whether this replica leads (holds a valid lease and has read what it writes): only
+    /// then are plans and statuses it did not write another writer's.
+    pub(crate) leading: bool,
     /// The hosts of each job's current and previous generation: who may report progress.
     pub(crate) reporters: Reporters,
     /// The queues (KV `converge-queues`).
@@ -223,6 +227,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                     }
                 }
                 leading = now_leading;
+                view.leading = leading;
             }
             input = rx.recv() => {
                 let Some(input) = input else { break };
@@ -248,6 +253,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             // Followers keep their view current and wait; a leader whose lease ran out
             // stops writing until it renews.
             leading = false;
+            view.leading = false;
             converge_bus::metrics::remove_snapshot(&job_series.0);
             continue;
         }
@@ -437,8 +443,32 @@ fn apply(
             *policy_due = true;
         }
         Input::Status(change) => match *change {
-            KvChange::Put(_, status) => view.reporters.note(&status),
-            KvChange::Deleted(job) => view.reporters.forget(&job),
+            KvChange::Put(job, status) => {
+                if view.leading
+                    && view
+                        .statuses
+                        .get(&job)
+                        .is_none_or(|mine| !crate::writes::same_status(mine, &status))
+                {
+                    another_writer(view, "status", job.as_str(), policy_due);
+                }
+                view.reporters.note(&status);
+            }
+            KvChange::Deleted(job) => {
+                if view.leading && view.statuses.contains_key(&job) {
+                    another_writer(view, "status", job.as_str(), policy_due);
+                }
+                view.reporters.forget(&job);
+            }
+            _ => {}
+        },
+        Input::Plan(change) => match *change {
+            KvChange::Put(host, plan) if view.leading && view.plans.get(&host) != Some(&plan) => {
+                another_writer(view, "plans", host.as_str(), policy_due);
+            }
+            KvChange::Deleted(host) if view.leading && view.plans.contains_key(&host) => {
+                another_writer(view, "plans", host.as_str(), policy_due);
+            }
             _ => {}
         },
         Input::Progress(p) => {
@@ -477,6 +507,26 @@ fn apply(
         Input::Spec(_) | Input::Host(_) | Input::Queue(_) => {}
         Input::ProgressCaughtUp | Input::Undecodable(_) => {}
     }
+}
+
+/// The leader saw a plan or status (`bucket`, `key`) that it did not write: a replaced
+/// leader's late write, which passes compare-and-set on a key this leader has not written
+/// since it took over (its revision is still the one both read), or another client's.
+/// Before, such a write stuck while this leader's view said the key held its own value, so
+/// it never wrote it again. Now it re-reads plans and statuses before its next write and
+/// runs a step, which writes its own value over what differs (compare-and-set on the
+/// revision just read). Counted in `converge_allocator_foreign_writes_total`. Rarely, the
+/// echo of this leader's own write arrives after its next write of the same key, and
+/// costs one needless re-read.
+fn another_writer(view: &mut View, bucket: &'static str, key: &str, policy_due: &mut bool) {
+    metrics::counter!("converge_allocator_foreign_writes_total", "bucket" => bucket).increment(1);
+    tracing::warn!(
+        bucket,
+        key,
+        "a write this leader did not make (a replaced leader's late write?): re-reading, then writing over it"
+    );
+    view.reread = true;
+    *policy_due = true;
 }
 
 /// A progress report from the stream: applied to its job's history if its host may report
@@ -586,6 +636,65 @@ mod tests {
         assert!(!policy && !lifecycle);
         assert!(view.hosts.is_empty() && view.queues.is_empty() && view.specs.is_empty());
         assert_eq!(view.refused.len(), 1);
+    }
+
+    #[test]
+    fn a_plan_or_status_the_leader_did_not_write_makes_it_reread() {
+        use converge_common::{HostPlan, PROTOCOL_VERSION};
+        let host: HostId = "n1".parse().unwrap();
+        let job: JobId = "j".parse().unwrap();
+        let mine = HostPlan {
+            protocol: PROTOCOL_VERSION,
+            host: host.clone(),
+            workers: Vec::new(),
+        };
+        let mut view = View::default();
+        view.plans.insert(host.clone(), mine.clone());
+        let written = status("j", JobPhase::Running, None);
+        view.statuses.insert(job.clone(), written.clone());
+        let mut foreign_status = written.clone();
+        foreign_status.message = Some("another writer".into());
+        // Any other value: the workers of another writer's plan, here its protocol field.
+        let foreign_plan = HostPlan {
+            protocol: PROTOCOL_VERSION + 1,
+            ..mine.clone()
+        };
+        let mut later = written.clone();
+        later.updated_at += 5.0;
+        let plan_put = |p: &HostPlan| Input::Plan(Box::new(KvChange::Put(host.clone(), p.clone())));
+        let status_put =
+            |j: &JobId, s: &JobStatus| Input::Status(Box::new(KvChange::Put(j.clone(), s.clone())));
+        let new_job: JobId = "new".parse().unwrap();
+        let new_status = status("new", JobPhase::Running, None);
+        // (the input, whether it is another writer's while leading)
+        let cases: Vec<(Box<dyn Fn() -> Input>, bool)> = vec![
+            (Box::new(|| plan_put(&mine)), false),
+            (Box::new(|| plan_put(&foreign_plan)), true),
+            (Box::new(|| status_put(&job, &later)), false),
+            (Box::new(|| status_put(&job, &foreign_status)), true),
+            (Box::new(|| status_put(&new_job, &new_status)), true),
+            (
+                Box::new(|| Input::Status(Box::new(KvChange::Deleted(job.clone())))),
+                true,
+            ),
+            (
+                Box::new(|| Input::Plan(Box::new(KvChange::Deleted(host.clone())))),
+                true,
+            ),
+        ];
+        for (input, foreign) in &cases {
+            for leading in [false, true] {
+                view.leading = leading;
+                view.reread = false;
+                let (mut policy, mut lifecycle) = (false, false);
+                apply(&mut view, input(), &mut policy, &mut lifecycle, true);
+                assert_eq!(view.reread, leading && *foreign, "leading {leading}");
+                assert_eq!(policy, leading && *foreign, "leading {leading}");
+            }
+        }
+        // The view itself is left to the re-read.
+        assert_eq!(view.plans[&host], mine);
+        assert_eq!(view.statuses[&job], written);
     }
 
     #[test]

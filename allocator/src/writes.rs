@@ -101,7 +101,7 @@ pub(crate) async fn write_unissued_generations(bus: &Bus, view: &mut View) {
 }
 
 /// A status without its write time, to tell real changes from re-computations.
-fn same_status(a: &JobStatus, b: &JobStatus) -> bool {
+pub(crate) fn same_status(a: &JobStatus, b: &JobStatus) -> bool {
     let mut b = b.clone();
     b.updated_at = a.updated_at;
     *a == b

@@ -67,3 +67,79 @@ async fn a_replaced_leaders_late_write_does_not_stick() {
         .await
         .expect("a write on the current revision");
 }
+
+/// A replaced leader's late write to a key the leader has not written since it took over
+/// passes compare-and-set (the revision is still the one both read): here a stale plan
+/// that stops a running job's worker, written on the plan's current revision as such a
+/// leader would. The leader sees on its watch of the plans that it did not write it,
+/// re-reads, and writes its own plan over it: the job's worker of the same generation
+/// runs again, the job stays running in that generation, and the write is counted. Before
+/// (2026-11-28), the leader's view still said the host held its plan, so it never wrote
+/// it again: the stale plan stuck, and the worker stayed stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_write_to_a_key_the_leader_has_not_written_since_is_written_over() {
+    use converge_common::{HostTelemetry, JobPhase};
+    use std::time::Duration;
+    init_tracing();
+    converge_bus::metrics::recorder();
+    let (nats, work, bus) = start_test().await;
+    let agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
+    let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
+    let spec = work.path().join("long.toml");
+    std::fs::write(&spec, fast_job("long", 100_000)).unwrap();
+    let submitted = std::process::Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(submitted.status.success());
+    let running = |t: &HostTelemetry| {
+        t.workers
+            .iter()
+            .find(|w| w.job.as_str() == "long" && w.pid.is_some())
+            .map(|w| (w.generation, w.pid))
+    };
+    let (generation, pid) = wait_for(Duration::from_secs(30), "long's worker", || async {
+        let (t, _) = bus.get::<HostTelemetry>(&bus.hosts, "n1").await.ok()??;
+        running(&t)
+    })
+    .await;
+    let counted_before = metric_sum("converge_allocator_foreign_writes_total{");
+
+    let (placed, revision) = bus
+        .get::<HostPlan>(&bus.plans, "n1")
+        .await
+        .unwrap()
+        .expect("n1's plan");
+    assert_eq!(placed.workers.len(), 1, "{placed:?}");
+    bus.put_expecting(&bus.plans, "n1", &plan(), Some(revision))
+        .await
+        .expect("the stale write passes compare-and-set");
+
+    // The leader writes its plan again: the same generation's worker runs (a new process),
+    // and the stored plan is the leader's.
+    let restarted = wait_for(
+        Duration::from_secs(20),
+        "the worker running again",
+        || async {
+            let (t, _) = bus.get::<HostTelemetry>(&bus.hosts, "n1").await.ok()??;
+            running(&t).filter(|(_, p)| *p != pid)
+        },
+    )
+    .await;
+    assert_eq!(restarted.0, generation, "the same generation");
+    let (stored, _) = bus
+        .get::<HostPlan>(&bus.plans, "n1")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        stored, placed,
+        "the leader's plan, as before the stale write"
+    );
+    let status = job_status(&bus, "long").await.expect("long's status");
+    assert_eq!(status.phase, JobPhase::Running, "{status:?}");
+    assert_eq!(status.generation, generation, "{status:?}");
+    assert!(metric_sum("converge_allocator_foreign_writes_total{") >= counted_before + 1.0);
+    allocator.stop().await;
+    agent.stop().await;
+}

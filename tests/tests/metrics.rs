@@ -1,8 +1,8 @@
 //! Prometheus endpoints scraped over HTTP: a real agent (fake GPUs) must export the DCGM and
 //! node_exporter names with their labels and sane values (the GPUs a worker holds labelled
 //! with its `job_id` and `rank`, idle ones without), the allocator its per-job series (gone
-//! once the job has finished, and a counted write conflict when another writer changed a
-//! status it was about to write), and the endpoint must stay read-only and bounded.
+//! once the job has finished, and a counted write conflict or foreign write when another
+//! writer changed a status), and the endpoint must stay read-only and bounded.
 
 use converge_common::{JobPhase, JobSpec};
 use converge_tests::*;
@@ -389,8 +389,9 @@ async fn agent_and_allocator_metrics_over_http() {
     assert!(predicted.is_finite() && predicted >= 0.0, "{predicted}");
 
     // Another writer (a new leader, as far as this one can tell) changes the job's status:
-    // the allocator's next write, based on the revision it read, is refused and counted, it
-    // re-reads, and the job goes on to complete.
+    // the allocator notices, counted either as a write conflict (its next write, based on
+    // the revision it read, is refused) or as a foreign write (its watch of the statuses
+    // showed it first), re-reads, and the job goes on to complete.
     let (mut foreign, _) = bus
         .get::<converge_common::JobStatus>(&bus.status, "metrics-job")
         .await
@@ -398,13 +399,19 @@ async fn agent_and_allocator_metrics_over_http() {
         .expect("a status");
     foreign.message = Some("written by another allocator".into());
     bus.put(&bus.status, "metrics-job", &foreign).await.unwrap();
-    wait_for_scrape(alloc_addr, 20, "a counted write conflict", |s| {
-        s.iter().any(|s| {
-            s.name == "converge_allocator_write_conflicts_total"
-                && s.labels.get("bucket").map(String::as_str) == Some("status")
-                && s.value >= 1.0
-        })
-    })
+    wait_for_scrape(
+        alloc_addr,
+        20,
+        "a counted write conflict or foreign write",
+        |s| {
+            s.iter().any(|s| {
+                (s.name == "converge_allocator_write_conflicts_total"
+                    || s.name == "converge_allocator_foreign_writes_total")
+                    && s.labels.get("bucket").map(String::as_str) == Some("status")
+                    && s.value >= 1.0
+            })
+        },
+    )
     .await;
 
     wait_for_phase(&bus, "metrics-job", JobPhase::Completed, 40).await;
