@@ -477,7 +477,9 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     plan_task.abort();
     drop(out_tx);
     drop(sup);
-    let _ = tokio::time::timeout(Duration::from_secs(5), outbox).await;
+    // The outbox gives up by itself after OUTBOX_DRAIN, saying what it left; this bound is
+    // the backstop.
+    let _ = tokio::time::timeout(OUTBOX_DRAIN + Duration::from_secs(1), outbox).await;
     if !bus.flush_within(Duration::from_secs(1)).await {
         tracing::warn!("the last buffered messages did not reach NATS within 1 s; stopping anyway");
     }
@@ -533,6 +535,9 @@ fn emit(out: &mpsc::Sender<Outgoing>, host: &HostId, kind: EventKind, message: S
     )));
 }
 
+/// How long the outbox keeps sending what waits after the agent was told to stop.
+const OUTBOX_DRAIN: Duration = Duration::from_secs(5);
+
 /// Publishes progress reports (JetStream, acknowledged, retried) on this host's subject of
 /// each job (`converge.v1.progress.<job>.<host>`: the only ones a secured server lets this
 /// agent publish to) and events (core NATS). Reports wait in one bounded queue per job
@@ -540,8 +545,8 @@ fn emit(out: &mpsc::Sender<Outgoing>, host: &HostId, kind: EventKind, message: S
 /// workers is read while a report is being sent, so a job that reports faster than NATS
 /// acknowledges drops its own oldest reports and no other job's. Drops and reports given
 /// up after their retries are added to `dropped` (the host's skipped reports). When the
-/// channel closes (shutdown), what waits is still sent, for as long as the agent waits
-/// for its outbox (5 s).
+/// channel closes (shutdown), what waits is still sent for at most [`OUTBOX_DRAIN`]; what
+/// is left then (NATS away or slow) is counted in `dropped` and logged.
 async fn run_outbox(
     bus: Bus,
     host: HostId,
@@ -558,6 +563,8 @@ async fn run_outbox(
         Sent(Sent),
     }
     let mut queues = outbox::JobQueues::new(outbox::OUTBOX_PER_JOB);
+    // Set when the channel closes: the end of the shutdown's drain.
+    let mut drain_until: Option<tokio::time::Instant> = None;
     let mut sending: Option<std::pin::Pin<Box<dyn std::future::Future<Output = Sent> + Send>>> =
         None;
     let mut open = true;
@@ -581,12 +588,30 @@ async fn run_outbox(
                 None => std::future::pending().await,
             }
         };
+        let drained = async {
+            match drain_until {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         let next = tokio::select! {
             item = rx.recv(), if open => Next::Item(item),
             done = sent => Next::Sent(done),
+            () = drained => {
+                let left = queues.len() + usize::from(sending.is_some());
+                dropped.fetch_add(left as u64, Ordering::Relaxed);
+                tracing::warn!(
+                    left,
+                    "progress reports not sent at shutdown: NATS did not take them within {OUTBOX_DRAIN:?}"
+                );
+                break;
+            }
         };
         match next {
-            Next::Item(None) => open = false,
+            Next::Item(None) => {
+                open = false;
+                drain_until = Some(tokio::time::Instant::now() + OUTBOX_DRAIN);
+            }
             Next::Item(Some(Outgoing::Progress(report))) => {
                 debug_assert_eq!(report.host, host, "reports name the agent's host");
                 let job = report.job.clone();

@@ -567,3 +567,90 @@ async fn a_flooding_worker_loses_only_its_own_intermediate_reports() {
     );
     agent.stop().await;
 }
+
+/// The agent binary, stopped (SIGTERM) while the bus is stalled and its worker's reports
+/// wait in the outbox: it keeps trying to send them for 5 s, then counts and logs what it
+/// leaves, and exits 0. Before (2026-11-28) the agent stopped waiting for its outbox after
+/// 5 s and said nothing of what was left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_agent_logs_the_reports_it_could_not_send() {
+    let (nats, work, bus) = start_test().await;
+    let log = work.path().join("agent.log");
+    let mut agent = std::process::Command::new(bin_path("converge-agent"))
+        .args([
+            "--nats-url",
+            &nats.url,
+            "--host-id",
+            "n6",
+            "--fake-gpus",
+            "1",
+        ])
+        .args(["--fence-after", "60s"])
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .current_dir(work.path())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let text = || std::fs::read_to_string(&log).unwrap_or_default();
+    let talk = r#"i=0; while true; do i=$((i + 1)); echo "CONVERGE_PROGRESS {\"step\":$i,\"samples\":$((8 * i)),\"loss\":0.5}"; sleep 0.05; done"#;
+    let sh = vec!["sh".to_string(), "-c".to_string(), talk.to_string()];
+    wait_for(
+        Duration::from_secs(20),
+        "the agent's first heartbeat",
+        || async { bus.get::<HostTelemetry>(&bus.hosts, "n6").await.ok()? },
+    )
+    .await;
+    bus.put(
+        &bus.plans,
+        "n6",
+        &plan("n6", vec![worker("talk", 1, 0, 1, 0, sh)]),
+    )
+    .await
+    .unwrap();
+    let mut progress = bus
+        .client
+        .subscribe(subjects::progress_of_job(&JobId::new("talk").unwrap()))
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    report_before(&mut progress, deadline)
+        .await
+        .expect("a report of the worker");
+    // Reports queue while the server is stopped, then the agent is told to stop.
+    nats.pause();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let sent = std::time::Instant::now();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &agent.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = loop {
+        if let Some(status) = agent.try_wait().unwrap() {
+            break status;
+        }
+        if sent.elapsed() > Duration::from_secs(15) {
+            let _ = agent.kill();
+            nats.resume();
+            panic!("the agent still runs 15 s after SIGTERM:\n{}", text());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    nats.resume();
+    let took = sent.elapsed();
+    let text = text();
+    println!("the agent exited {took:?} after SIGTERM ({status})");
+    assert!(status.success(), "{status}:\n{text}");
+    let left = text
+        .lines()
+        .find(|l| l.contains("progress reports not sent at shutdown"))
+        .unwrap_or_else(|| panic!("no line for the reports left:\n{text}"));
+    println!("{left}");
+    assert!(!left.contains("left=0"), "{left}");
+    assert!(text.contains("agent stopped"), "{text}");
+}
