@@ -348,11 +348,13 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
         exit_tx,
         out_tx.clone(),
     );
+    let outbox_stop = CancellationToken::new();
     let outbox = tokio::spawn(run_outbox(
         bus.clone(),
         host.clone(),
         out_rx,
         sup.outbox_drops(),
+        outbox_stop.clone(),
     ));
 
     let mut telemetry_tick = tokio::time::interval(cfg.telemetry_interval);
@@ -477,8 +479,10 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     plan_task.abort();
     drop(out_tx);
     drop(sup);
-    // The outbox gives up by itself after OUTBOX_DRAIN, saying what it left; this bound is
-    // the backstop.
+    // The workers are stopped: their last reports are in the outbox (or on their way, from
+    // readers whose stdout is still open). It gives up by itself after OUTBOX_DRAIN,
+    // saying what it left; this bound is the backstop.
+    outbox_stop.cancel();
     let _ = tokio::time::timeout(OUTBOX_DRAIN + Duration::from_secs(1), outbox).await;
     if !bus.flush_within(Duration::from_secs(1)).await {
         tracing::warn!("the last buffered messages did not reach NATS within 1 s; stopping anyway");
@@ -544,14 +548,16 @@ const OUTBOX_DRAIN: Duration = Duration::from_secs(5);
 /// ([`outbox::JobQueues`]), served in turn, one report at a time; the channel from the
 /// workers is read while a report is being sent, so a job that reports faster than NATS
 /// acknowledges drops its own oldest reports and no other job's. Drops and reports given
-/// up after their retries are added to `dropped` (the host's skipped reports). When the
-/// channel closes (shutdown), what waits is still sent for at most [`OUTBOX_DRAIN`]; what
-/// is left then (NATS away or slow) is counted in `dropped` and logged.
+/// up after their retries are added to `dropped` (the host's skipped reports). Once `stop`
+/// is cancelled (shutdown, the workers stopped), what waits is still sent for at most
+/// [`OUTBOX_DRAIN`]; what is left then (NATS away or slow) is counted in `dropped` and
+/// logged. It ends earlier when the channel is closed and everything is sent.
 async fn run_outbox(
     bus: Bus,
     host: HostId,
     mut rx: mpsc::Receiver<Outgoing>,
     dropped: Arc<std::sync::atomic::AtomicU64>,
+    stop: CancellationToken,
 ) {
     use std::sync::atomic::Ordering;
     type Sent = (
@@ -563,7 +569,7 @@ async fn run_outbox(
         Sent(Sent),
     }
     let mut queues = outbox::JobQueues::new(outbox::OUTBOX_PER_JOB);
-    // Set when the channel closes: the end of the shutdown's drain.
+    // Set when `stop` is cancelled: the end of the shutdown's drain.
     let mut drain_until: Option<tokio::time::Instant> = None;
     let mut sending: Option<std::pin::Pin<Box<dyn std::future::Future<Output = Sent> + Send>>> =
         None;
@@ -595,23 +601,26 @@ async fn run_outbox(
             }
         };
         let next = tokio::select! {
+            () = stop.cancelled(), if drain_until.is_none() => {
+                drain_until = Some(tokio::time::Instant::now() + OUTBOX_DRAIN);
+                continue;
+            }
             item = rx.recv(), if open => Next::Item(item),
             done = sent => Next::Sent(done),
             () = drained => {
                 let left = queues.len() + usize::from(sending.is_some());
-                dropped.fetch_add(left as u64, Ordering::Relaxed);
-                tracing::warn!(
-                    left,
-                    "progress reports not sent at shutdown: NATS did not take them within {OUTBOX_DRAIN:?}"
-                );
+                if left > 0 {
+                    dropped.fetch_add(left as u64, Ordering::Relaxed);
+                    tracing::warn!(
+                        left,
+                        "progress reports not sent at shutdown: NATS did not take them within {OUTBOX_DRAIN:?}"
+                    );
+                }
                 break;
             }
         };
         match next {
-            Next::Item(None) => {
-                open = false;
-                drain_until = Some(tokio::time::Instant::now() + OUTBOX_DRAIN);
-            }
+            Next::Item(None) => open = false,
             Next::Item(Some(Outgoing::Progress(report))) => {
                 debug_assert_eq!(report.host, host, "reports name the agent's host");
                 let job = report.job.clone();

@@ -6,7 +6,7 @@
 
 use crate::progress::Progress;
 use async_nats::jetstream::kv;
-use converge_bus::{Bus, KvChange, KvDecoder, QueueBuckets, Rejects, follow_kv_typed};
+use converge_bus::{Bus, KvChange, KvDecoder, QueueBuckets, Rejects, follow_kv, follow_kv_typed};
 use converge_common::{
     HostId, HostPlan, HostTelemetry, JobId, JobSpec, JobStatus, QueueId, QueueSpec, QueueStatus,
 };
@@ -22,8 +22,9 @@ pub(crate) enum Input {
     Spec(KvChange<JobId, JobSpec>),
     /// A heartbeat, its `time` the server's ([`hosts`]).
     Host(KvChange<HostId, HostTelemetry>),
-    /// A job status as stored (by this replica or another): where each generation runs.
-    Status(Box<KvChange<JobId, JobStatus>>),
+    /// A job status as stored (by this replica or another): where each generation runs;
+    /// with the entry's KV revision (0 for the end of the values at start).
+    Status(Box<KvChange<JobId, JobStatus>>, u64),
     Progress(Box<Progress>),
     /// A message of the progress stream that is no report (refused and counted by the
     /// follower as it read it): its sequence, for the leader to delete.
@@ -32,9 +33,10 @@ pub(crate) enum Input {
     Queue(KvChange<QueueId, QueueSpec>),
     /// A queue status as stored (by this replica or another): the usage to continue from.
     QueueStatus(Box<KvChange<QueueId, QueueStatus>>),
-    /// A host plan as stored (by this replica or another): while leading, one this replica
-    /// did not write is another writer's, to write over ([`crate::service`]).
-    Plan(Box<KvChange<HostId, HostPlan>>),
+    /// A host plan as stored (by this replica or another), with the entry's KV revision:
+    /// while leading, an entry newer than the revision this replica last read or wrote of
+    /// its key is another writer's, to write over ([`crate::service`]).
+    Plan(Box<KvChange<HostId, HostPlan>>, u64),
 }
 
 /// Follows the six buckets, current values first, then updates, each into `tx`. Statuses
@@ -61,17 +63,26 @@ pub(crate) fn follow_buckets(
         tx.clone(),
         Input::Host,
     ));
-    tasks.spawn(follow_kv_typed(
+    // Statuses and plans with their revisions (the leader tells its own writes from
+    // another writer's by them).
+    let statuses = KvDecoder::named(rejects.clone(), |s: &JobStatus| &s.job);
+    tasks.spawn(follow_kv(
         bus.status.clone(),
-        KvDecoder::named(rejects.clone(), |s: &JobStatus| &s.job),
         tx.clone(),
-        |c| Input::Status(Box::new(c)),
+        move |entry| {
+            Some(Input::Status(
+                Box::new(statuses.decode(&entry)),
+                entry.revision,
+            ))
+        },
+        || Some(Input::Status(Box::new(KvChange::CaughtUp), 0)),
     ));
-    tasks.spawn(follow_kv_typed(
+    let plans = KvDecoder::named(rejects.clone(), |p: &HostPlan| &p.host);
+    tasks.spawn(follow_kv(
         bus.plans.clone(),
-        KvDecoder::named(rejects.clone(), |p: &HostPlan| &p.host),
         tx.clone(),
-        |c| Input::Plan(Box::new(c)),
+        move |entry| Some(Input::Plan(Box::new(plans.decode(&entry)), entry.revision)),
+        || Some(Input::Plan(Box::new(KvChange::CaughtUp), 0)),
     ));
     tasks.spawn(follow_kv_typed(
         queues.queues.clone(),

@@ -53,11 +53,12 @@ pub(crate) struct View {
     /// outdated view (a replaced leader's late write) fails instead of overwriting.
     pub(crate) plan_revisions: BTreeMap<HostId, u64>,
     pub(crate) status_revisions: BTreeMap<JobId, u64>,
-    /// A compare-and-set write failed, or another writer's plan or status was seen while
-    /// leading: re-read plans and statuses before the next step.
+    /// A compare-and-set write failed (re-read after the step's writes), or another
+    /// writer's plan or status was seen while leading (re-read before the next step).
     pub(crate) reread: bool,
-    /// Whether this replica leads (holds a valid lease and has read what it writes): only
-    /// then are plans and statuses it did not write another writer's.
+    /// Whether this replica leads (holds a valid lease and has read what it writes, as of
+    /// the input being applied): only then are plans and statuses it did not write another
+    /// writer's.
     pub(crate) leading: bool,
     /// The hosts of each job's current and previous generation: who may report progress.
     pub(crate) reporters: Reporters,
@@ -195,6 +196,7 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             _ = shutdown.cancelled() => break,
             input = ctl_rx.recv(), if !ctl_rx.is_closed() || !ctl_rx.is_empty() => {
                 let Some(input) = input else { continue };
+                view.leading = leading && leadership.borrow().is_valid();
                 apply(&mut view, input, &mut policy_due, &mut lifecycle_due, caught_up);
             }
             changed = leadership.changed() => {
@@ -231,6 +233,9 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             }
             input = rx.recv() => {
                 let Some(input) = input else { break };
+                // A lease that ran out since the last step: another replica may lead and
+                // write now.
+                view.leading = leading && leadership.borrow().is_valid();
                 let due = (&mut policy_due, &mut lifecycle_due);
                 if let Some(seq) = take(&mut view, input, &rejects, due, &mut caught_up)
                     && leadership.borrow().is_valid()
@@ -256,6 +261,16 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             view.leading = false;
             converge_bus::metrics::remove_snapshot(&job_series.0);
             continue;
+        }
+        if std::mem::take(&mut view.reread) {
+            // Another writer's plan or status was seen: read what is stored before
+            // deciding, so that this step writes over what differs (bounded reads; SIGTERM
+            // stops them).
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => break,
+                () = reload_written(&bus, &mut view, &rejects) => {}
+            }
         }
         let now = unix_now();
         let live: BTreeSet<(HostId, usize, Option<String>)> = view
@@ -442,35 +457,25 @@ fn apply(
             view.hosts.remove(&h);
             *policy_due = true;
         }
-        Input::Status(change) => match *change {
-            KvChange::Put(job, status) => {
-                if view.leading
-                    && view
-                        .statuses
-                        .get(&job)
-                        .is_none_or(|mine| !crate::writes::same_status(mine, &status))
-                {
-                    another_writer(view, "status", job.as_str(), policy_due);
-                }
-                view.reporters.note(&status);
+        Input::Status(change, revision) => {
+            if let Some(job) = change_key(&change)
+                && newer_than_mine(view.leading, revision, view.status_revisions.get(job))
+            {
+                another_writer(view, "status", job.as_str(), revision, policy_due);
             }
-            KvChange::Deleted(job) => {
-                if view.leading && view.statuses.contains_key(&job) {
-                    another_writer(view, "status", job.as_str(), policy_due);
-                }
-                view.reporters.forget(&job);
+            match *change {
+                KvChange::Put(_, status) => view.reporters.note(&status),
+                KvChange::Deleted(job) => view.reporters.forget(&job),
+                _ => {}
             }
-            _ => {}
-        },
-        Input::Plan(change) => match *change {
-            KvChange::Put(host, plan) if view.leading && view.plans.get(&host) != Some(&plan) => {
-                another_writer(view, "plans", host.as_str(), policy_due);
+        }
+        Input::Plan(change, revision) => {
+            if let Some(host) = change_key(&change)
+                && newer_than_mine(view.leading, revision, view.plan_revisions.get(host))
+            {
+                another_writer(view, "plans", host.as_str(), revision, policy_due);
             }
-            KvChange::Deleted(host) if view.leading && view.plans.contains_key(&host) => {
-                another_writer(view, "plans", host.as_str(), policy_due);
-            }
-            _ => {}
-        },
+        }
         Input::Progress(p) => {
             metrics::counter!("converge_allocator_progress_reports_total").increment(1);
             if caught_up && let Some(at) = p.stored_at {
@@ -509,20 +514,42 @@ fn apply(
     }
 }
 
-/// The leader saw a plan or status (`bucket`, `key`) that it did not write: a replaced
-/// leader's late write, which passes compare-and-set on a key this leader has not written
-/// since it took over (its revision is still the one both read), or another client's.
-/// Before, such a write stuck while this leader's view said the key held its own value, so
-/// it never wrote it again. Now it re-reads plans and statuses before its next write and
-/// runs a step, which writes its own value over what differs (compare-and-set on the
-/// revision just read). Counted in `converge_allocator_foreign_writes_total`. Rarely, the
-/// echo of this leader's own write arrives after its next write of the same key, and
-/// costs one needless re-read.
-fn another_writer(view: &mut View, bucket: &'static str, key: &str, policy_due: &mut bool) {
+/// The key of a KV change that names one (not a bad key, not the end of the values).
+fn change_key<K, V>(change: &KvChange<K, V>) -> Option<&K> {
+    match change {
+        KvChange::Put(key, _) | KvChange::Deleted(key) | KvChange::Refused { key, .. } => Some(key),
+        KvChange::BadKey { .. } | KvChange::CaughtUp => None,
+    }
+}
+
+/// Whether an entry of `revision` is another writer's: this replica leads and the entry
+/// is newer than the revision it last read or wrote of the key (`mine`; none for a key it
+/// has neither read nor written). Its own writes come back at the revision it recorded,
+/// their late echoes and what it read at takeover at older ones.
+fn newer_than_mine(leading: bool, revision: u64, mine: Option<&u64>) -> bool {
+    leading && revision > mine.copied().unwrap_or(0)
+}
+
+/// The leader saw an entry of a plan or status (`bucket`, `key`) newer than its own last
+/// read or write of the key: a replaced leader's late write, which passes compare-and-set
+/// on a key this leader has not written since it took over (its revision is still the one
+/// both read), or another client's put, delete or undecodable value. Before, such a write
+/// stuck while this leader's view said the key held its own value, so it never wrote it
+/// again. Now it re-reads plans and statuses before its next step, which writes its own
+/// value over what differs (compare-and-set on the revision just read). Counted in
+/// `converge_allocator_foreign_writes_total`.
+fn another_writer(
+    view: &mut View,
+    bucket: &'static str,
+    key: &str,
+    revision: u64,
+    policy_due: &mut bool,
+) {
     metrics::counter!("converge_allocator_foreign_writes_total", "bucket" => bucket).increment(1);
     tracing::warn!(
         bucket,
         key,
+        revision,
         "a write this leader did not make (a replaced leader's late write?): re-reading, then writing over it"
     );
     view.reread = true;
@@ -627,7 +654,7 @@ mod tests {
             Input::Host(host_refused),
             Input::Host(bad_key()),
             Input::Spec(bad_key()),
-            Input::Status(Box::new(bad_key())),
+            Input::Status(Box::new(bad_key()), 7),
             Input::Queue(bad_key()),
             Input::QueueStatus(Box::new(KvChange::CaughtUp)),
         ] {
@@ -639,7 +666,7 @@ mod tests {
     }
 
     #[test]
-    fn a_plan_or_status_the_leader_did_not_write_makes_it_reread() {
+    fn an_entry_newer_than_the_leaders_own_makes_it_reread() {
         use converge_common::{HostPlan, PROTOCOL_VERSION};
         let host: HostId = "n1".parse().unwrap();
         let job: JobId = "j".parse().unwrap();
@@ -648,48 +675,83 @@ mod tests {
             host: host.clone(),
             workers: Vec::new(),
         };
+        let written = status("j", JobPhase::Running, None);
         let mut view = View::default();
         view.plans.insert(host.clone(), mine.clone());
-        let written = status("j", JobPhase::Running, None);
+        view.plan_revisions.insert(host.clone(), 10);
         view.statuses.insert(job.clone(), written.clone());
-        let mut foreign_status = written.clone();
-        foreign_status.message = Some("another writer".into());
-        // Any other value: the workers of another writer's plan, here its protocol field.
-        let foreign_plan = HostPlan {
-            protocol: PROTOCOL_VERSION + 1,
-            ..mine.clone()
+        view.status_revisions.insert(job.clone(), 12);
+        let plan = |c: KvChange<HostId, HostPlan>, rev| Input::Plan(Box::new(c), rev);
+        let status = |c: KvChange<JobId, JobStatus>, rev| Input::Status(Box::new(c), rev);
+        let refused = || KvChange::Refused {
+            key: job.clone(),
+            reason: "not json".into(),
         };
-        let mut later = written.clone();
-        later.updated_at += 5.0;
-        let plan_put = |p: &HostPlan| Input::Plan(Box::new(KvChange::Put(host.clone(), p.clone())));
-        let status_put =
-            |j: &JobId, s: &JobStatus| Input::Status(Box::new(KvChange::Put(j.clone(), s.clone())));
-        let new_job: JobId = "new".parse().unwrap();
-        let new_status = status("new", JobPhase::Running, None);
         // (the input, whether it is another writer's while leading)
         let cases: Vec<(Box<dyn Fn() -> Input>, bool)> = vec![
-            (Box::new(|| plan_put(&mine)), false),
-            (Box::new(|| plan_put(&foreign_plan)), true),
-            (Box::new(|| status_put(&job, &later)), false),
-            (Box::new(|| status_put(&job, &foreign_status)), true),
-            (Box::new(|| status_put(&new_job, &new_status)), true),
+            // Its own writes, at the revisions it recorded, and their late echoes.
             (
-                Box::new(|| Input::Status(Box::new(KvChange::Deleted(job.clone())))),
-                true,
+                Box::new(|| plan(KvChange::Put(host.clone(), mine.clone()), 10)),
+                false,
             ),
             (
-                Box::new(|| Input::Plan(Box::new(KvChange::Deleted(host.clone())))),
+                Box::new(|| plan(KvChange::Put(host.clone(), mine.clone()), 9)),
+                false,
+            ),
+            (
+                Box::new(|| status(KvChange::Put(job.clone(), written.clone()), 12)),
+                false,
+            ),
+            (
+                Box::new(|| status(KvChange::Deleted(job.clone()), 3)),
+                false,
+            ),
+            // Entries past them: a put (even of the same value), a delete, a value that
+            // does not decode, a key it never wrote.
+            (
+                Box::new(|| plan(KvChange::Put(host.clone(), mine.clone()), 11)),
                 true,
             ),
+            (Box::new(|| plan(KvChange::Deleted(host.clone()), 11)), true),
+            (
+                Box::new(|| status(KvChange::Put(job.clone(), written.clone()), 13)),
+                true,
+            ),
+            (Box::new(|| status(refused(), 13)), true),
+            (
+                Box::new(|| {
+                    let other = "other".parse().unwrap();
+                    status(KvChange::Put(other, written.clone()), 1)
+                }),
+                true,
+            ),
+            // Nothing to tell by: a bad key, the end of the values.
+            (
+                Box::new(|| {
+                    status(
+                        KvChange::BadKey {
+                            key: "a.b".into(),
+                            reason: "bad".into(),
+                        },
+                        99,
+                    )
+                }),
+                false,
+            ),
+            (Box::new(|| plan(KvChange::CaughtUp, 0)), false),
         ];
-        for (input, foreign) in &cases {
+        for (i, (input, foreign)) in cases.iter().enumerate() {
             for leading in [false, true] {
                 view.leading = leading;
                 view.reread = false;
                 let (mut policy, mut lifecycle) = (false, false);
                 apply(&mut view, input(), &mut policy, &mut lifecycle, true);
-                assert_eq!(view.reread, leading && *foreign, "leading {leading}");
-                assert_eq!(policy, leading && *foreign, "leading {leading}");
+                assert_eq!(
+                    view.reread,
+                    leading && *foreign,
+                    "case {i}, leading {leading}"
+                );
+                assert_eq!(policy, leading && *foreign, "case {i}, leading {leading}");
             }
         }
         // The view itself is left to the re-read.

@@ -47,7 +47,8 @@ pub fn kv_stream_config(bucket: &str) -> stream::Config {
             5,
             Duration::ZERO,
         ),
-        _ => ("job statuses", 5, Duration::ZERO),
+        // One revision: nothing reads a status's history, and a job costs one status.
+        _ => ("job statuses", 1, Duration::ZERO),
     };
     let bounds = subjects::bucket_bounds(bucket);
     stream::Config {
@@ -141,6 +142,23 @@ fn create_failure(e: &jetstream::context::CreateStreamError) -> Option<String> {
     }
 }
 
+/// A stream creation's error, with what to do when the account or the server has too
+/// little JetStream storage for the streams' reservations (error 10047).
+fn with_storage_hint(e: &jetstream::context::CreateStreamError) -> String {
+    use jetstream::context::CreateStreamErrorKind as K;
+    match e.kind() {
+        K::JetStream(js) if js.error_code() == jetstream::ErrorCode::STORAGE_RESOURCES_EXCEEDED => {
+            format!(
+                "{e}: Converge's streams reserve {} MiB per replica (docs/deploy.md, \
+                 \"Storage\"): raise deploy/nats/gen-config.sh --max-store or the server's \
+                 max_file_store",
+                subjects::reserved_bytes() / (1024 * 1024)
+            )
+        }
+        _ => e.to_string(),
+    }
+}
+
 /// [`ensure_stream`] for KV bucket `bucket` ([`kv_stream_config`]) with `replicas`
 /// replicas; returns the bucket's name in messages, `KV bucket <bucket>`.
 pub(crate) async fn ensure_bucket(
@@ -225,7 +243,7 @@ async fn ensure_stream_once(
     };
     let create_err = |e: jetstream::context::CreateStreamError| match create_failure(&e) {
         Some(m) => SetupFailure::NotReady(m),
-        None => fatal(e.to_string()),
+        None => fatal(with_storage_hint(&e)),
     };
     let wanted = config.num_replicas;
     let found = denials
@@ -283,7 +301,7 @@ async fn ensure_stream_once(
                     {
                         Err(SetupFailure::NotReady(e.to_string()))
                     }
-                    _ => Err(fatal(e.to_string())),
+                    _ => Err(fatal(with_storage_hint(&e))),
                 },
             }
         }

@@ -89,11 +89,11 @@ pub const ALL_BUCKETS: [&str; 4] = [BUCKET_JOBS, BUCKET_JOB_STATUS, BUCKET_PLANS
 /// and the CLI only (`converge_bus::Bus::open_queues`); agents have no permission on them.
 pub const QUEUE_BUCKETS: [&str; 2] = [BUCKET_QUEUES, BUCKET_QUEUE_STATUS];
 
-/// Storage bounds of a KV bucket's stream, per replica. A bucket at `max_bytes` refuses a
-/// put that would add bytes (discard new): a new key, or a new revision of a key that has
-/// fewer revisions than the bucket's history; a new revision of a key already at the
-/// history (a heartbeat, a plan or a status updated in place) replaces its oldest and is
-/// still stored. A value over `max_value_bytes` is refused by the server.
+/// Storage bounds of a KV bucket's stream, per replica. A bucket at `max_bytes` refuses
+/// puts (discard new): new keys, and, depending on the NATS version and the replicas, new
+/// revisions of existing keys too; the bounds are set far above what a cluster stores, so
+/// that they stop a flood rather than normal use. A value over `max_value_bytes` is refused
+/// by the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BucketBounds {
     /// Most bytes the bucket's stream holds, per replica (a NATS account reserves this
@@ -107,12 +107,11 @@ const MIB: i64 = 1024 * 1024;
 
 /// The bounds of `bucket` (one of [`ALL_BUCKETS`], [`QUEUE_BUCKETS`] or [`BUCKET_LEADER`]).
 /// Measured on a one-host cluster (2026-11-28, `/jsz`): a heartbeat of a host with 8 GPUs
-/// is about 3.3 KiB, a plan 1 KiB, a job status 1 KiB (a bucket keeps 5 revisions a job),
-/// a job spec 350 bytes. So the status bucket holds about 200,000 jobs' statuses and the
-/// spec bucket more specs than that; the hosts and plans buckets hold tens of thousands of
-/// hosts. Job specs and statuses are kept after a job ends (no retention yet): a cluster
-/// that reaches these bounds refuses new jobs, while its running jobs, heartbeats and plans
-/// carry on. The heartbeat, which agents write, has a value bound below the codec's
+/// is about 3.3 KiB, a plan 1 KiB, a job status 1 KiB (the status bucket keeps one revision
+/// a job), a job spec 350 bytes. So the status bucket holds about a million jobs' statuses
+/// and the spec bucket about as many specs; the hosts and plans buckets hold tens of
+/// thousands of hosts. Job specs and statuses are kept after a job ends (no retention
+/// yet): a cluster that reaches these bounds refuses new jobs. The heartbeat, which agents write, has a value bound below the codec's
 /// [`crate::MAX_MESSAGE_BYTES`]: 128 KiB, about 40 times a real one, so that one
 /// compromised agent cannot store a 1 MiB heartbeat; so do queues (64 KiB) and the lease
 /// (4 KiB), whose values have a fixed size.
@@ -121,7 +120,7 @@ pub fn bucket_bounds(bucket: &str) -> BucketBounds {
     let (max_bytes, max_value_bytes) = match bucket {
         BUCKET_HOSTS => (128 * MIB, 128 * 1024),
         BUCKET_PLANS => (256 * MIB, codec),
-        BUCKET_JOBS => (256 * MIB, codec),
+        BUCKET_JOBS => (512 * MIB, codec),
         BUCKET_JOB_STATUS => (1024 * MIB, codec),
         // A queue and its status are a few hundred bytes, whatever the queue holds.
         BUCKET_QUEUES | BUCKET_QUEUE_STATUS => (16 * MIB, 64 * 1024),
@@ -135,7 +134,7 @@ pub fn bucket_bounds(bucket: &str) -> BucketBounds {
 }
 
 /// Bytes the protocol's streams reserve per replica in all: every bucket's `max_bytes` and
-/// the progress stream's [`PROGRESS_MAX_BYTES`] (about 3.7 GiB). A NATS account needs this
+/// the progress stream's [`PROGRESS_MAX_BYTES`] (about 3.9 GiB). A NATS account needs this
 /// times `--bus-replicas` of JetStream file storage (gen-config.sh's `--max-store`, 16 GB
 /// by default, holds it three times).
 pub fn reserved_bytes() -> i64 {

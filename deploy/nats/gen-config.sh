@@ -30,8 +30,8 @@
 #                        the `nats` CLI; keep its password off the cluster's hosts)
 #   --max-store SIZE     JetStream file storage the account may use in all (default 16G, sizes
 #                        in decimal units as NATS reads them: 16G = 16 x 10^9 bytes;
-#                        Converge's streams reserve about 3.7 GiB per replica: the progress
-#                        stream 2 GiB, the buckets 1.7 GiB; docs/deploy.md, "Storage").
+#                        Converge's streams reserve about 3.9 GiB per replica: the progress
+#                        stream 2 GiB, the buckets 1.9 GiB; docs/deploy.md, "Storage").
 #                        The server's own JetStream store is sized to the same figures
 #                        (max_file_store, max_memory_store), so the configuration starts
 #                        on any disk; keep SIZE below what the store directory's disk holds

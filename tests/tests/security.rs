@@ -1406,6 +1406,25 @@ async fn queues_are_written_by_the_cli_and_queue_statuses_by_the_allocator_only(
     );
 }
 
+/// An account whose storage cannot hold the streams' reservations: the allocator's start
+/// fails with the server's error, the figure Converge needs and what to raise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_little_account_storage_is_refused_with_what_to_raise() {
+    init_tracing();
+    let s = SecuredNats::start_with(&["n1"], &["--max-store", "1G"]);
+    let started = std::time::Instant::now();
+    let e = match s.bus_as("allocator", Setup::CreateOrUpdate).await {
+        Ok(_) => panic!("the streams were created within 1 GB"),
+        Err(e) => e.to_string(),
+    };
+    println!("refused after {:?}: {e}", started.elapsed());
+    let figure = format!(
+        "{} MiB per replica",
+        subjects::reserved_bytes() / (1024 * 1024)
+    );
+    assert!(e.contains(&figure) && e.contains("--max-store"), "{e}");
+}
+
 /// The account's JetStream limits from `gen-config.sh` hold: the server reports them, and
 /// consumers past `--max-consumers` are refused (a client opening consumers without end
 /// is stopped there instead of exhausting the server); the streams Converge creates fit
