@@ -112,19 +112,18 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     // that the replay could accept is of a job in the statuses or plans read next.
     let history_end = crate::progress::last_sequence(&bus.js).await;
     let mut view = View::default();
-    for (key, (status, revision)) in bus.load_all::<JobStatus>(&bus.status, &rejects).await? {
-        if let Ok(id) = JobId::new(key) {
-            view.reporters.note(&status);
-            view.status_revisions.insert(id.clone(), revision);
-            view.statuses.insert(id, status);
-        }
+    let statuses = bus
+        .load_all_entries::<JobStatus>(&bus.status, &rejects)
+        .await?;
+    (view.status_revisions, view.statuses) =
+        crate::writes::by_key(statuses, |k| JobId::new(k).ok());
+    for status in view.statuses.values() {
+        view.reporters.note(status);
     }
-    for (key, (plan, revision)) in bus.load_all::<HostPlan>(&bus.plans, &rejects).await? {
-        if let Ok(id) = HostId::new(key) {
-            view.plan_revisions.insert(id.clone(), revision);
-            view.plans.insert(id, plan);
-        }
-    }
+    let plans = bus
+        .load_all_entries::<HostPlan>(&bus.plans, &rejects)
+        .await?;
+    (view.plan_revisions, view.plans) = crate::writes::by_key(plans, |k| HostId::new(k).ok());
     let queue_buckets = bus.open_queues(converge_bus::Setup::CreateOrUpdate).await?;
     for (key, (spec, _)) in bus
         .load_all::<QueueSpec>(&queue_buckets.queues, &rejects)

@@ -10,26 +10,29 @@ use converge_common::{
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-/// The entries read back from KV whose key parses (`parse`), as their revisions and their
-/// values by key.
-fn by_key<K: Ord + Clone, V>(
-    all: BTreeMap<String, (V, u64)>,
+/// The entries read back from KV whose key parses (`parse`): the revision of each key's
+/// latest entry (also of a delete marker or a value that does not decode, so that the next
+/// compare-and-set write replaces it) and the decoded values, by key.
+pub(crate) fn by_key<K: Ord + Clone, V>(
+    loaded: converge_bus::Loaded<V>,
     parse: impl Fn(String) -> Option<K>,
 ) -> (BTreeMap<K, u64>, BTreeMap<K, V>) {
-    let (mut revisions, mut values) = (BTreeMap::new(), BTreeMap::new());
-    for (key, (value, revision)) in all {
-        if let Some(key) = parse(key) {
-            revisions.insert(key.clone(), revision);
-            values.insert(key, value);
-        }
-    }
+    let revisions = (loaded.revisions.into_iter())
+        .filter_map(|(key, revision)| Some((parse(key)?, revision)))
+        .collect();
+    let values = (loaded.values.into_iter())
+        .filter_map(|(key, (value, _))| Some((parse(key)?, value)))
+        .collect();
     (revisions, values)
 }
 
 /// Re-reads the statuses and plans in KV (when this replica becomes the leader: the previous
 /// leader wrote them).
 pub(crate) async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects) {
-    match bus.load_all::<JobStatus>(&bus.status, rejects).await {
+    match bus
+        .load_all_entries::<JobStatus>(&bus.status, rejects)
+        .await
+    {
         Ok(all) => {
             (view.status_revisions, view.statuses) = by_key(all, |k| JobId::new(k).ok());
             for s in view.statuses.values() {
@@ -38,7 +41,7 @@ pub(crate) async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects
         }
         Err(e) => tracing::warn!("cannot re-read job statuses: {e}"),
     }
-    match bus.load_all::<HostPlan>(&bus.plans, rejects).await {
+    match bus.load_all_entries::<HostPlan>(&bus.plans, rejects).await {
         Ok(all) => {
             (view.plan_revisions, view.plans) = by_key(all, |k| HostId::new(k).ok());
         }

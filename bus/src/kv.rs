@@ -96,6 +96,28 @@ impl Bus {
         store: &kv::Store,
         key: &str,
     ) -> Result<Option<(T, u64)>, BusError> {
+        let Some(entry) = self.latest_entry(store, key).await? else {
+            return Ok(None);
+        };
+        if entry.operation != kv::Operation::Put {
+            return Ok(None);
+        }
+        let msg = decode(&entry.value).map_err(|source| BusError::Decode {
+            bucket: store.name.clone(),
+            key: key.to_string(),
+            source,
+        })?;
+        Ok(Some((msg, entry.revision)))
+    }
+
+    /// The latest entry of `key` as stored, whatever it holds: a value (decodable or not),
+    /// a delete or a purge marker; `None` when the key has none. Errors as [`Bus::get`]'s,
+    /// but for decoding.
+    pub async fn latest_entry(
+        &self,
+        store: &kv::Store,
+        key: &str,
+    ) -> Result<Option<kv::Entry>, BusError> {
         let subject = format!(
             "{JS_API}.DIRECT.GET.{}.{}{key}",
             store.stream_name, store.prefix
@@ -107,23 +129,12 @@ impl Bus {
                 message: e.to_string(),
             })
         };
-        let entry = self
-            .refusable(
-                || format!("a read of KV {}/{key}", store.name),
-                &subject,
-                read,
-            )
-            .await?;
-        let Some(entry) = entry else { return Ok(None) };
-        if entry.operation != kv::Operation::Put {
-            return Ok(None);
-        }
-        let msg = decode(&entry.value).map_err(|source| BusError::Decode {
-            bucket: store.name.clone(),
-            key: key.to_string(),
-            source,
-        })?;
-        Ok(Some((msg, entry.revision)))
+        self.refusable(
+            || format!("a read of KV {}/{key}", store.name),
+            &subject,
+            read,
+        )
+        .await
     }
 
     /// Follows one key of `store`: with `with_history` its current value first (if any),
@@ -231,6 +242,17 @@ impl Bus {
         store: &kv::Store,
         rejects: &Rejects,
     ) -> Result<BTreeMap<String, (T, u64)>, BusError> {
+        Ok(self.load_all_entries(store, rejects).await?.values)
+    }
+
+    /// [`Bus::load_all`], with the revision of every key's latest entry, whatever it holds
+    /// (a value, one that does not decode, a delete marker): what a compare-and-set write
+    /// of the key must expect to replace it.
+    pub async fn load_all_entries<T: Message>(
+        &self,
+        store: &kv::Store,
+        rejects: &Rejects,
+    ) -> Result<Loaded<T>, BusError> {
         use futures::TryStreamExt;
         let kv_err = |e: &dyn std::fmt::Display| BusError::Kv {
             bucket: store.name.clone(),
@@ -273,21 +295,35 @@ impl Bus {
             )
             .await
             .map_err(|e| kv_err(&e))?;
-        let mut out = BTreeMap::new();
+        let mut out = Loaded {
+            values: BTreeMap::new(),
+            revisions: BTreeMap::new(),
+        };
         for key in keys {
-            match self.get::<T>(store, &key).await {
-                Ok(Some(v)) => {
-                    out.insert(key, v);
+            let Some(entry) = self.latest_entry(store, &key).await? else {
+                continue;
+            };
+            out.revisions.insert(key.clone(), entry.revision);
+            if entry.operation != kv::Operation::Put {
+                continue;
+            }
+            match decode::<T>(&entry.value) {
+                Ok(v) => {
+                    out.values.insert(key, (v, entry.revision));
                 }
-                Ok(None) => {}
-                Err(BusError::Decode { source, .. }) => {
-                    rejects.record(&format!("kv:{}", store.name), &key, &source)
-                }
-                Err(e) => return Err(e),
+                Err(source) => rejects.record(&format!("kv:{}", store.name), &key, &source),
             }
         }
         Ok(out)
     }
+}
+
+/// What [`Bus::load_all_entries`] read: the decoded values with their revisions, and the
+/// revision of every key's latest entry (also of the keys without a decodable value).
+#[derive(Debug)]
+pub struct Loaded<T> {
+    pub values: BTreeMap<String, (T, u64)>,
+    pub revisions: BTreeMap<String, u64>,
 }
 
 /// How long one attempt to list a bucket's keys may take ([`Bus::load_all`]).

@@ -37,7 +37,7 @@ pub use denials::{Denial, DenialKind, Denials};
 pub use direct::read_after;
 pub use error::BusError;
 pub use follow::{KV_QUIET, KV_STALL, follow_kv};
-pub use kv::{KEYS_ATTEMPT, KEYS_ATTEMPTS};
+pub use kv::{KEYS_ATTEMPT, KEYS_ATTEMPTS, Loaded};
 pub use process::{init_test_tracing, init_tracing, shutdown_signal, unix_now};
 pub use rejects::{LOG_BURST, LOG_PER_S, MAX_SOURCES, OTHER_SOURCES, Rejects};
 pub use secure::{Secret, redact_url, url_user};

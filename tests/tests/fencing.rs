@@ -146,3 +146,52 @@ async fn a_late_write_to_a_key_the_leader_has_not_written_since_is_written_over(
     allocator.stop().await;
     agent.stop().await;
 }
+
+/// A value that does not decode, written under a running job's status key while the leader
+/// runs (another writer's, or a corrupted one): the leader sees the newer entry, re-reads
+/// (recording the key's revision although its value is unusable) and writes a status over
+/// it; the job runs on, and no write conflict repeats. Before (2026-11-28) the re-read left
+/// the key without a revision, every write of its status was a refused create, and the
+/// leader re-read and retried at every step without end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_status_is_written_over_once() {
+    use converge_common::JobPhase;
+    use std::time::Duration;
+    init_tracing();
+    converge_bus::metrics::recorder();
+    let (nats, work, bus) = start_test().await;
+    let agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
+    let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
+    let spec = work.path().join("steady.toml");
+    std::fs::write(&spec, fast_job("steady", 100_000)).unwrap();
+    let submitted = std::process::Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(submitted.status.success());
+    let running = wait_for_status(&bus, "steady", 30, "running", |s| {
+        s.phase == JobPhase::Running
+    })
+    .await;
+
+    bus.status
+        .put("steady", "{\"protocol\":1, not json".into())
+        .await
+        .unwrap();
+    let again = wait_for_status(&bus, "steady", 20, "a status written over it", |s| {
+        s.phase == JobPhase::Running
+    })
+    .await;
+    assert_eq!(again.generation, running.generation, "{again:?}");
+    // No loop: the status keeps being written in place, without conflicts.
+    let conflicts = metric_sum("converge_allocator_write_conflicts_total{");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        metric_sum("converge_allocator_write_conflicts_total{"),
+        conflicts,
+        "write conflicts repeat"
+    );
+    assert!(job_status(&bus, "steady").await.is_some());
+    allocator.stop().await;
+    agent.stop().await;
+}
