@@ -309,3 +309,79 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
     allocator.stop().await;
     agent.stop().await;
 }
+
+/// Text an agent controls (its heartbeat's address, version, GPU and NIC names; the
+/// message of an event it publishes) reaches `converge hosts`, `converge jobs` and
+/// `converge watch` with its control characters escaped: a hostile agent cannot clear the
+/// operator's screen, retitle the window or hide lines. (The escaping itself:
+/// `cli/src/text.rs`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_supplied_text_reaches_terminals_escaped() {
+    use converge_common::{Event, EventKind, JobId};
+    init_tracing();
+    let (nats, work, bus) = start_test().await;
+    let agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
+    let (mut t, _) = wait_for(Duration::from_secs(20), "n1's heartbeat", || async {
+        bus.get::<HostTelemetry>(&bus.hosts, "n1").await.ok()?
+    })
+    .await;
+    let hostile = "\u{1b}[2J\u{1b}]0;owned\u{7}\r";
+    t.host = "n9".parse().unwrap();
+    t.addr = format!("10.0.0.9{hostile}");
+    t.agent_version = format!("0.1{hostile}");
+    t.gpus[0].name = format!("A100{hostile}");
+    if let Some(nic) = t.nics.first_mut() {
+        nic.name = format!("eth0{hostile}");
+    }
+    bus.put(&bus.hosts, "n9", &t).await.unwrap();
+
+    let mut watch = std::process::Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "watch"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let event = Event::new(
+        converge_bus::unix_now(),
+        "agent/n9",
+        EventKind::JobFinished {
+            job: JobId::new("x").unwrap(),
+            phase: converge_common::JobPhase::Completed,
+        },
+        format!("job x finished{hostile}"),
+    );
+    bus.client
+        .publish(
+            "converge.v1.events.job.x".to_string(),
+            converge_common::encode(&event).into(),
+        )
+        .await
+        .unwrap();
+    bus.client.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let _ = watch.kill();
+    let watched = watch.wait_with_output().unwrap().stdout;
+
+    let hosts = Command::new(bin_path("converge"))
+        .args(["--nats-url", &nats.url, "hosts"])
+        .output()
+        .unwrap();
+    assert!(
+        hosts.status.success(),
+        "{}",
+        String::from_utf8_lossy(&hosts.stderr)
+    );
+    for (what, out) in [("hosts", &hosts.stdout), ("watch", &watched)] {
+        let text = String::from_utf8_lossy(out);
+        assert!(
+            !out.iter().any(|&b| b == 0x1b || b == 0x07 || b == b'\r'),
+            "converge {what} printed a control character:\n{text:?}"
+        );
+        assert!(
+            text.contains("\\u{1b}[2J"),
+            "converge {what}, escaped:\n{text}"
+        );
+    }
+    agent.stop().await;
+}
