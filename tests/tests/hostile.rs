@@ -311,8 +311,9 @@ async fn hostile_messages_are_refused_and_nothing_is_lost() {
 }
 
 /// Text an agent controls (its heartbeat's address, version, GPU and NIC names; the
-/// message of an event it publishes) reaches `converge hosts` and `converge watch` with its control characters escaped: a hostile agent cannot clear the
-/// operator's screen, move the cursor or retitle the window. (The escaping itself:
+/// message of an event it publishes) reaches `converge hosts` and `converge watch` with
+/// its control characters escaped: a hostile agent cannot clear the operator's screen,
+/// move the cursor or retitle the window. (The escaping itself:
 /// `cli/src/text.rs`; newlines are kept, so a message can still span lines.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn agent_supplied_text_reaches_terminals_escaped() {
