@@ -42,6 +42,11 @@
 #   --max-consumers N    consumers the account may hold at once (default 200 + 4 per host:
 #                        each agent's plan watch, a re-created one for 30 s after a
 #                        reconnect, the allocator's, dashboards' and `converge watch`es')
+#   --max-connections N  client connections the account may hold at once (default 100 + 2
+#                        per host: one per agent, allocator replica, dashboard, `converge`
+#                        command, with room for reconnects that overlap the old connection)
+#   --max-subscriptions N  subscriptions the account may hold at once (default 2000 + 20
+#                        per host; an agent holds a few, the allocator a few dozen)
 #   --tls-cert FILE      server certificate (PEM): clients must then use TLS
 #   --tls-key FILE       its private key (PEM)
 #   --tls-ca FILE        CA that signed client certificates (with --tls-verify)
@@ -73,7 +78,7 @@ die() {
 hosts="" out="" store_dir=/data listen=0.0.0.0:4222 http="" server_name=converge-nats
 admin=0 tls_cert="" tls_key="" tls_ca="" tls_verify=0
 cluster_name="" routes="" cluster_listen=0.0.0.0:6222
-max_store=16G max_mem=256M max_streams=32 max_consumers=""
+max_store=16G max_mem=256M max_streams=32 max_consumers="" max_connections="" max_subscriptions=""
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --hosts) hosts=${2:?--hosts needs a value}; shift 2 ;;
@@ -94,6 +99,8 @@ while [[ $# -gt 0 ]]; do
         --max-mem) max_mem=${2:?--max-mem needs a value}; shift 2 ;;
         --max-streams) max_streams=${2:?--max-streams needs a value}; shift 2 ;;
         --max-consumers) max_consumers=${2:?--max-consumers needs a value}; shift 2 ;;
+        --max-connections) max_connections=${2:?--max-connections needs a value}; shift 2 ;;
+        --max-subscriptions) max_subscriptions=${2:?--max-subscriptions needs a value}; shift 2 ;;
         -h|--help) usage ;;
         *) echo "gen-config.sh: unknown option $1" >&2; usage ;;
     esac
@@ -124,7 +131,7 @@ fi
 for v in "$max_store" "$max_mem"; do
     [[ "$v" =~ ^[1-9][0-9]*[KMGT]?$ ]] || die "invalid size '$v' (a number of bytes, or with K, M, G or T: 16G)"
 done
-for v in "$max_streams" ${max_consumers:+"$max_consumers"}; do
+for v in "$max_streams" ${max_consumers:+"$max_consumers"} ${max_connections:+"$max_connections"} ${max_subscriptions:+"$max_subscriptions"}; do
     [[ "$v" =~ ^[1-9][0-9]*$ ]] || die "invalid count '$v' (a whole number above 0)"
 done
 # Quoted into the configuration below: no quotes or backslashes.
@@ -336,6 +343,12 @@ trap 'rm -f "$tmp"' EXIT
     echo "      max_mem: $max_mem"
     echo "      max_streams: $max_streams"
     echo "      max_consumers: ${max_consumers:-$((200 + 4 * ${#host_list[@]}))}"
+    echo "    }"
+    echo "    # Connections and subscriptions: a client that opens them without end is refused"
+    echo "    # at these (NATS has no per-user limits in a configuration file's accounts)."
+    echo "    limits {"
+    echo "      max_connections: ${max_connections:-$((100 + 2 * ${#host_list[@]}))}"
+    echo "      max_subscriptions: ${max_subscriptions:-$((2000 + 20 * ${#host_list[@]}))}"
     echo "    }"
     echo "    users: ["
     user_entry allocator "${pw[allocator]}" "$allocator_pub" "$allocator_sub"

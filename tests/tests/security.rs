@@ -1426,16 +1426,27 @@ async fn too_little_account_storage_is_refused_with_what_to_raise() {
 }
 
 /// The account's JetStream limits from `gen-config.sh` hold: the server reports them, and
-/// consumers past `--max-consumers` are refused (a client opening consumers without end
-/// is stopped there instead of exhausting the server); the streams Converge creates fit
-/// within `--max-store` (the allocator opened them all under the limits).
+/// consumers past `--max-consumers` and connections past `--max-connections` are refused
+/// (a client opening either without end is stopped there instead of exhausting the
+/// server); the streams Converge creates fit within `--max-store` (the allocator opened
+/// them all under the limits).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_account_has_bounded_storage_and_consumers() {
     use async_nats::jetstream::consumer::pull;
     init_tracing();
     // An account limit far above any test machine's disk: the generated configuration
     // must still start (the server's own store is sized to the limit, not to the disk).
-    let s = SecuredNats::start_with(&["n1"], &["--max-consumers", "6", "--max-store", "1000T"]);
+    let s = SecuredNats::start_with(
+        &["n1"],
+        &[
+            "--max-consumers",
+            "6",
+            "--max-store",
+            "1000T",
+            "--max-connections",
+            "8",
+        ],
+    );
     let alloc = s
         .bus_as("allocator", Setup::CreateOrUpdate)
         .await
@@ -1471,4 +1482,42 @@ async fn the_account_has_bounded_storage_and_consumers() {
     let (at, e) = refused.expect("consumers past the limit are refused");
     assert!(at <= 6, "refused only at consumer {at}");
     assert!(e.to_lowercase().contains("maximum consumers"), "{e}");
+
+    // Connections past --max-connections are refused by the server (the allocator's bus
+    // holds one already): a client opening connections without end stops there.
+    let password = std::fs::read_to_string(s.password_file("viewer")).unwrap();
+    let mut held = Vec::new();
+    let mut refused = None;
+    for i in 0..12 {
+        let opened = tokio::time::timeout(
+            std::time::Duration::from_secs(3),
+            async_nats::ConnectOptions::with_user_and_password(
+                "viewer".into(),
+                password.trim().into(),
+            )
+            .connect(s.nats.url.as_str()),
+        )
+        .await;
+        match opened {
+            Ok(Ok(c)) => {
+                // A connection the server refused after accepting it dies at its first
+                // round trip.
+                match tokio::time::timeout(std::time::Duration::from_secs(2), c.flush()).await {
+                    Ok(Ok(())) => held.push(c),
+                    other => {
+                        refused = Some((i, format!("{other:?}")));
+                        break;
+                    }
+                }
+            }
+            other => {
+                refused = Some((i, format!("{other:?}")));
+                break;
+            }
+        }
+    }
+    let (at, e) = refused.expect("connections past the limit are refused");
+    assert!(at <= 8, "refused only at connection {at}");
+    println!("connection {at} refused: {e}");
+    drop(held);
 }
