@@ -335,13 +335,28 @@ async fn agent_supplied_text_reaches_terminals_escaped() {
     }
     bus.put(&bus.hosts, "n9", &t).await.unwrap();
 
+    // `converge watch`, its output and log in files; the event is published once its log
+    // says it subscribed.
+    let (out_path, log_path) = (work.path().join("watch.out"), work.path().join("watch.log"));
     let mut watch = std::process::Command::new(bin_path("converge"))
         .args(["--nats-url", &nats.url, "watch"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&log_path).unwrap())
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    let read = |p: &std::path::Path| std::fs::read(p).unwrap_or_default();
+    wait_for(
+        Duration::from_secs(20),
+        "converge watch subscribed",
+        || async {
+            String::from_utf8_lossy(&read(&log_path))
+                .contains("watching converge.v1.events")
+                .then_some(())
+        },
+    )
+    .await;
     let event = Event::new(
         converge_bus::unix_now(),
         "agent/n9",
@@ -359,9 +374,19 @@ async fn agent_supplied_text_reaches_terminals_escaped() {
         .await
         .unwrap();
     bus.client.flush().await.unwrap();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    wait_for(
+        Duration::from_secs(20),
+        "converge watch printed the event",
+        || async {
+            String::from_utf8_lossy(&read(&out_path))
+                .contains("job x finished")
+                .then_some(())
+        },
+    )
+    .await;
     let _ = watch.kill();
-    let watched = watch.wait_with_output().unwrap().stdout;
+    let _ = watch.wait();
+    let watched = read(&out_path);
 
     let hosts = Command::new(bin_path("converge"))
         .args(["--nats-url", &nats.url, "hosts"])
