@@ -112,18 +112,8 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     // that the replay could accept is of a job in the statuses or plans read next.
     let history_end = crate::progress::last_sequence(&bus.js).await;
     let mut view = View::default();
-    let statuses = bus
-        .load_all_entries::<JobStatus>(&bus.status, &rejects)
-        .await?;
-    (view.status_revisions, view.statuses) =
-        crate::writes::by_key(statuses, |k| JobId::new(k).ok());
-    for status in view.statuses.values() {
-        view.reporters.note(status);
-    }
-    let plans = bus
-        .load_all_entries::<HostPlan>(&bus.plans, &rejects)
-        .await?;
-    (view.plan_revisions, view.plans) = crate::writes::by_key(plans, |k| HostId::new(k).ok());
+    crate::writes::read_statuses(&bus, &mut view, &rejects).await?;
+    crate::writes::read_plans(&bus, &mut view, &rejects).await?;
     let queue_buckets = bus.open_queues(converge_bus::Setup::CreateOrUpdate).await?;
     for (key, (spec, _)) in bus
         .load_all::<QueueSpec>(&queue_buckets.queues, &rejects)

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 /// The entries read back from KV whose key parses (`parse`): the revision of each key's
 /// latest entry (also of a delete marker or a value that does not decode, so that the next
 /// compare-and-set write replaces it) and the decoded values, by key.
-pub(crate) fn by_key<K: Ord + Clone, V>(
+fn by_key<K: Ord + Clone, V>(
     loaded: converge_bus::Loaded<V>,
     parse: impl Fn(String) -> Option<K>,
 ) -> (BTreeMap<K, u64>, BTreeMap<K, V>) {
@@ -26,26 +26,44 @@ pub(crate) fn by_key<K: Ord + Clone, V>(
     (revisions, values)
 }
 
-/// Re-reads the statuses and plans in KV (when this replica becomes the leader: the previous
-/// leader wrote them).
-pub(crate) async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects) {
-    match bus
+/// Reads the job statuses in KV into `view`: values, the revision of every key, and who
+/// may report for each job.
+pub(crate) async fn read_statuses(
+    bus: &Bus,
+    view: &mut View,
+    rejects: &Rejects,
+) -> Result<(), converge_bus::BusError> {
+    let all = bus
         .load_all_entries::<JobStatus>(&bus.status, rejects)
-        .await
-    {
-        Ok(all) => {
-            (view.status_revisions, view.statuses) = by_key(all, |k| JobId::new(k).ok());
-            for s in view.statuses.values() {
-                view.reporters.note(s);
-            }
-        }
-        Err(e) => tracing::warn!("cannot re-read job statuses: {e}"),
+        .await?;
+    (view.status_revisions, view.statuses) = by_key(all, |k| JobId::new(k).ok());
+    for s in view.statuses.values() {
+        view.reporters.note(s);
     }
-    match bus.load_all_entries::<HostPlan>(&bus.plans, rejects).await {
-        Ok(all) => {
-            (view.plan_revisions, view.plans) = by_key(all, |k| HostId::new(k).ok());
-        }
-        Err(e) => tracing::warn!("cannot re-read plans: {e}"),
+    Ok(())
+}
+
+/// Reads the plans in KV into `view`: values and the revision of every key.
+pub(crate) async fn read_plans(
+    bus: &Bus,
+    view: &mut View,
+    rejects: &Rejects,
+) -> Result<(), converge_bus::BusError> {
+    let all = bus
+        .load_all_entries::<HostPlan>(&bus.plans, rejects)
+        .await?;
+    (view.plan_revisions, view.plans) = by_key(all, |k| HostId::new(k).ok());
+    Ok(())
+}
+
+/// Re-reads the statuses and plans in KV (when this replica becomes the leader: the previous
+/// leader wrote them; or another writer's was seen); a failed read keeps what was known.
+pub(crate) async fn reload_written(bus: &Bus, view: &mut View, rejects: &Rejects) {
+    if let Err(e) = read_statuses(bus, view, rejects).await {
+        tracing::warn!("cannot re-read job statuses: {e}");
+    }
+    if let Err(e) = read_plans(bus, view, rejects).await {
+        tracing::warn!("cannot re-read plans: {e}");
     }
 }
 

@@ -68,6 +68,31 @@ async fn a_replaced_leaders_late_write_does_not_stick() {
         .expect("a write on the current revision");
 }
 
+/// A server, a one-GPU agent `n1`, the allocator (metrics recorded in this process) and
+/// `job`, a long converge-trainer job, submitted with `converge submit`.
+async fn one_host_with_a_long_job(
+    job: &str,
+) -> (
+    NatsServer,
+    tempfile::TempDir,
+    converge_bus::Bus,
+    Running,
+    Running,
+) {
+    init_tracing();
+    converge_bus::metrics::recorder();
+    let (nats, work, bus) = start_test().await;
+    let agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
+    let allocator = start_allocator(allocator_config(&nats, std::time::Duration::from_secs(30)));
+    std::fs::write(
+        work.path().join(format!("{job}.toml")),
+        fast_job(job, 100_000),
+    )
+    .unwrap();
+    nats.submit(&work.path().join(format!("{job}.toml")));
+    (nats, work, bus, agent, allocator)
+}
+
 /// A replaced leader's late write to a key the leader has not written since it took over
 /// passes compare-and-set (the revision is still the one both read): here a stale plan
 /// that stops a running job's worker, written on the plan's current revision as such a
@@ -80,18 +105,7 @@ async fn a_replaced_leaders_late_write_does_not_stick() {
 async fn a_late_write_to_a_key_the_leader_has_not_written_since_is_written_over() {
     use converge_common::{HostTelemetry, JobPhase};
     use std::time::Duration;
-    init_tracing();
-    converge_bus::metrics::recorder();
-    let (nats, work, bus) = start_test().await;
-    let agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
-    let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
-    let spec = work.path().join("long.toml");
-    std::fs::write(&spec, fast_job("long", 100_000)).unwrap();
-    let submitted = std::process::Command::new(bin_path("converge"))
-        .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(submitted.status.success());
+    let (_nats, _work, bus, agent, allocator) = one_host_with_a_long_job("long").await;
     let running = |t: &HostTelemetry| {
         t.workers
             .iter()
@@ -157,18 +171,7 @@ async fn a_late_write_to_a_key_the_leader_has_not_written_since_is_written_over(
 async fn an_undecodable_status_is_written_over_once() {
     use converge_common::JobPhase;
     use std::time::Duration;
-    init_tracing();
-    converge_bus::metrics::recorder();
-    let (nats, work, bus) = start_test().await;
-    let agent = start_agent(agent_config(&nats, "n1", 1, work.path()));
-    let allocator = start_allocator(allocator_config(&nats, Duration::from_secs(30)));
-    let spec = work.path().join("steady.toml");
-    std::fs::write(&spec, fast_job("steady", 100_000)).unwrap();
-    let submitted = std::process::Command::new(bin_path("converge"))
-        .args(["--nats-url", &nats.url, "submit", spec.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(submitted.status.success());
+    let (_nats, _work, bus, agent, allocator) = one_host_with_a_long_job("steady").await;
     let running = wait_for_status(&bus, "steady", 30, "running", |s| {
         s.phase == JobPhase::Running
     })

@@ -347,14 +347,17 @@ async fn agent_supplied_text_reaches_terminals_escaped() {
         .spawn()
         .unwrap();
     let read = |p: &std::path::Path| std::fs::read(p).unwrap_or_default();
-    wait_for(
-        Duration::from_secs(20),
+    let wait_for_text = |path: &std::path::Path, text: &'static str, what: &'static str| {
+        let path = path.to_path_buf();
+        wait_for(Duration::from_secs(20), what, move || {
+            let found = String::from_utf8_lossy(&read(&path)).contains(text);
+            async move { found.then_some(()) }
+        })
+    };
+    wait_for_text(
+        &log_path,
+        "watching converge.v1.events",
         "converge watch subscribed",
-        || async {
-            String::from_utf8_lossy(&read(&log_path))
-                .contains("watching converge.v1.events")
-                .then_some(())
-        },
     )
     .await;
     let event = Event::new(
@@ -374,14 +377,10 @@ async fn agent_supplied_text_reaches_terminals_escaped() {
         .await
         .unwrap();
     bus.client.flush().await.unwrap();
-    wait_for(
-        Duration::from_secs(20),
+    wait_for_text(
+        &out_path,
+        "job x finished",
         "converge watch printed the event",
-        || async {
-            String::from_utf8_lossy(&read(&out_path))
-                .contains("job x finished")
-                .then_some(())
-        },
     )
     .await;
     let _ = watch.kill();
