@@ -282,13 +282,14 @@ pub fn by_name(name: &str, quality: PolicyParams) -> Result<Box<dyn Policy>, Unk
 
 /// Assigns each sized job (`(index, workers)`) one GPU type of `pools` so that the sum of
 /// `value(index, workers, pool)` is large (`None`: the job cannot use that pool), per pool
-/// at most its GPUs (`gpus_of(index, workers)` each). Returns each sized job's pool, `None`
-/// when none had room.
+/// at most its GPUs (`gpus_of(index, workers, pool)` each: a job may need fewer GPUs of a
+/// faster type). Returns each sized job's pool, `None` when none had room.
 ///
 /// 1. **Greedy**: jobs by regret (their best value minus their second best; a job with one
 ///    usable pool first), each to its best pool with room, else to its next best.
-/// 2. **Exchanges**: for every pair of pools and every job size, the jobs of that size on
-///    either pool are re-split between the two, the same number on each, by the difference
+/// 2. **Exchanges**: for every pair of pools and every pair of sizes (GPUs on the first,
+///    GPUs on the second), the jobs of those sizes on either pool are re-split between the
+///    two, the same number on each, by the difference
 ///    of their values there (largest difference on the first pool). Capacity is unchanged
 ///    and, for two pools, this is the best split of those jobs; repeated over all pairs
 ///    until nothing changes (at most four rounds).
@@ -298,7 +299,7 @@ pub fn by_name(name: &str, quality: PolicyParams) -> Result<Box<dyn Policy>, Unk
 pub fn assign_gpu_types(
     pools: &[GpuTypePool],
     sized: &[(usize, u32)],
-    gpus_of: impl Fn(usize, u32) -> u32,
+    gpus_of: impl Fn(usize, u32, usize) -> u32,
     value: impl Fn(usize, u32, usize) -> Option<f64>,
 ) -> Vec<Option<usize>> {
     let n = sized.len();
@@ -311,7 +312,12 @@ pub fn assign_gpu_types(
                 .collect()
         })
         .collect();
-    let size: Vec<u32> = sized.iter().map(|&(i, w)| gpus_of(i, w)).collect();
+    // size[k][t]: job k's GPUs on pool t.
+    let size: Vec<Vec<u32>> = sized
+        .iter()
+        .map(|&(i, w)| (0..pools.len()).map(|t| gpus_of(i, w, t)).collect())
+        .collect();
+    let largest = |k: usize| size[k].iter().copied().max().unwrap_or(0);
     let regret = |k: usize| {
         let mut vs: Vec<f64> = values[k].iter().flatten().copied().collect();
         vs.sort_by(|a, b| b.total_cmp(a));
@@ -326,7 +332,7 @@ pub fn assign_gpu_types(
     order.sort_by(|&a, &b| {
         regrets[b]
             .total_cmp(&regrets[a])
-            .then(size[b].cmp(&size[a]))
+            .then(largest(b).cmp(&largest(a)))
             .then(a.cmp(&b))
     });
     let mut left: Vec<u32> = pools.iter().map(|p| p.gpus).collect();
@@ -338,8 +344,8 @@ pub fn assign_gpu_types(
             .filter_map(|(t, v)| Some((t, (*v)?)))
             .collect();
         opts.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        if let Some(&(t, _)) = opts.iter().find(|&&(t, _)| left[t] >= size[k]) {
-            left[t] -= size[k];
+        if let Some(&(t, _)) = opts.iter().find(|&&(t, _)| left[t] >= size[k][t]) {
+            left[t] -= size[k][t];
             out[k] = Some(t);
         }
     }
@@ -348,14 +354,14 @@ pub fn assign_gpu_types(
         let mut changed = false;
         for t in 0..pools.len() {
             for u in t + 1..pools.len() {
-                let mut by_size: std::collections::BTreeMap<u32, Vec<usize>> =
+                let mut by_size: std::collections::BTreeMap<(u32, u32), Vec<usize>> =
                     std::collections::BTreeMap::new();
                 for k in 0..n {
                     if (out[k] == Some(t) || out[k] == Some(u))
                         && values[k][t].is_some()
                         && values[k][u].is_some()
                     {
-                        by_size.entry(size[k]).or_default().push(k);
+                        by_size.entry((size[k][t], size[k][u])).or_default().push(k);
                     }
                 }
                 for jobs in by_size.values_mut() {
@@ -582,7 +588,7 @@ mod tests {
         let out = assign_gpu_types(
             &pools,
             &[(0, 1), (1, 1)],
-            |_, w| w,
+            |_, w, _| w,
             |i, _, t| Some(speed[i][t].ln()),
         );
         assert_eq!(out, [Some(1), Some(0)]);
@@ -590,7 +596,7 @@ mod tests {
         let out = assign_gpu_types(
             &pools,
             &[(1, 1), (0, 1)],
-            |_, w| w,
+            |_, w, _| w,
             |i, _, t| Some(speed[i][t].ln()),
         );
         assert_eq!(out, [Some(0), Some(1)]);
@@ -607,7 +613,7 @@ mod tests {
             let pools = pools(&[caps.0, caps.1]);
             let sized: Vec<(usize, u32)> = (0..values.len()).map(|i| (i, 1)).collect();
             let value = |i: usize, t: usize| if t == 0 { values[i].0 } else { values[i].1 };
-            let out = assign_gpu_types(&pools, &sized, |_, w| w, |i, _, t| Some(value(i, t)));
+            let out = assign_gpu_types(&pools, &sized, |_, w, _| w, |i, _, t| Some(value(i, t)));
             let on = |t: usize| out.iter().filter(|p| **p == Some(t)).count();
             prop_assert!(on(0) <= caps.0 as usize && on(1) <= caps.1 as usize);
             let ours: f64 = out.iter().enumerate().filter_map(|(k, t)| Some(value(k, (*t)?))).sum();
@@ -631,6 +637,25 @@ mod tests {
         }
     }
 
+    /// A job may need fewer GPUs of one pool than of another: capacity counts its GPUs on
+    /// the pool it gets. Two 4-GPU jobs fit a pool of 2 GPUs (one GPU each there) and one
+    /// of 4; exchanges only re-split jobs with the same sizes on both pools.
+    #[test]
+    fn gpu_type_assignment_counts_each_pools_own_size() {
+        let pools = pools(&[4, 2]);
+        let sized = [(0, 4), (1, 4), (2, 4)];
+        let gpus = |_: usize, w: u32, t: usize| if t == 1 { w / 4 } else { w };
+        let out = assign_gpu_types(&pools, &sized, gpus, |_, _, t| Some([0.0, 1.0][t]));
+        let mut used = [0u32; 2];
+        for (k, t) in out.iter().enumerate() {
+            if let Some(t) = *t {
+                used[t] += gpus(k, sized[k].1, t);
+            }
+        }
+        assert_eq!(used, [4, 2], "{out:?}");
+        assert_eq!(out.iter().filter(|t| **t == Some(1)).count(), 2, "{out:?}");
+    }
+
     /// A job with no usable pool, or no pool with room, gets none; the others still fit.
     #[test]
     fn gpu_type_assignment_never_oversubscribes_a_pool() {
@@ -639,7 +664,7 @@ mod tests {
         let out = assign_gpu_types(
             &pools,
             &sized,
-            |_, w| w,
+            |_, w, _| w,
             |i, _, t| (i != 3).then_some(if t == 1 { 1.0 } else { 0.0 }),
         );
         let mut used = [0u32; 2];

@@ -714,10 +714,11 @@ impl Policy for Quality {
             let choice = super::assign_gpu_types(
                 pools,
                 &sized,
-                |i, w| w * jobs[i].gpus_per_worker,
-                |i, w, t| {
+                |i, w, t| workers_on_type(&jobs[i], &types[i], w, t) * jobs[i].gpus_per_worker,
+                |i, sized_workers, t| {
                     let job = &jobs[i];
                     let jt = &types[i];
+                    let w = workers_on_type(job, jt, sized_workers, t);
                     let keep = if jt.current == Some(t) && job.current_workers == w {
                         1.0
                     } else if job.current_workers > 0 {
@@ -727,7 +728,7 @@ impl Policy for Quality {
                     };
                     let eligible = jt.eligible_gpus.get(t).copied().unwrap_or(0);
                     (eligible >= w * job.gpus_per_worker).then(|| {
-                        f64::from(w * job.gpus_per_worker)
+                        f64::from(sized_workers * job.gpus_per_worker)
                             * (type_factor(jt, t) * keep).max(1e-3).ln()
                     })
                 },
@@ -772,6 +773,21 @@ impl Policy for Quality {
                 .filter_map(|&i| Some((jobs[i].id.clone(), typed[i]?)))
                 .collect(),
         })
+    }
+}
+
+/// Workers a job sized at `workers` (at the speed of its throughput table) asks of pool `t`
+/// in the type assignment: on a faster type, as many as give the same throughput if it
+/// scaled linearly, `⌈workers / s_t⌉` ([`type_factor`]), at least its minimum; on a type no
+/// faster, `workers`. A job sized for slow GPUs then fits a small pool of fast ones (12 RTX
+/// GPUs' worth of BERT is 3 A100s), and the sizing per type (step 3) then sizes it there.
+fn workers_on_type(job: &PolicyJob, jt: &super::JobTypes, workers: u32, t: usize) -> u32 {
+    let speed = type_factor(jt, t);
+    if speed > 1.0 {
+        let min = minimum_workers(job).unwrap_or(1).min(workers);
+        ((f64::from(workers) / speed).ceil() as u32).clamp(min, workers)
+    } else {
+        workers
     }
 }
 

@@ -520,6 +520,66 @@ fn a_job_waiting_past_max_wait_is_admitted_before_running_ones() {
     assert_eq!(workers_of(&decision, "waiting"), 0);
 }
 
+/// A job sized for slow GPUs that only the slow type could hold at that size goes to a
+/// small pool of GPUs four times as fast, where a quarter as many give it the same
+/// throughput: the assignment counts a job's GPUs on a faster type at equal throughput
+/// (`workers_on_type`). Counting its slow-type size everywhere left it on the slow type.
+#[test]
+fn a_job_sized_for_slow_gpus_fits_a_small_pool_of_fast_ones() {
+    let pools: Vec<crate::policies::GpuTypePool> = [("slow", 16), ("fast", 4)]
+        .iter()
+        .map(|&(name, g)| crate::policies::GpuTypePool {
+            name: Some(name.to_owned()),
+            gpus: g,
+            nodes: 1,
+            gpus_per_node: g,
+        })
+        .collect();
+    let mut j = job("bert", 16);
+    j.throughput = Some((1..=16).map(|w| 100.0 * f64::from(w)).collect());
+    j.remaining_work = Some(1e9);
+    let types = [crate::policies::JobTypes {
+        factors: vec![Some(1.0), Some(4.0)],
+        current: None,
+        eligible_gpus: vec![16, 4],
+    }];
+    // Old enough that its restart budget lets it grow.
+    let cluster = ClusterView {
+        total_gpus: 20,
+        gpus_per_node: 16,
+        now: 1e5,
+    };
+    let jobs = [j];
+    // Steps 1–4 size it as on one pool: more GPUs than the fast type has.
+    let (_, first) = quality_sizes(&cluster, &jobs, &PolicyParams::default());
+    assert!(first[0] > 4, "sized {}", first[0]);
+    let d = Quality::default()
+        .allocate_on_types(&cluster, &pools, &jobs, &types)
+        .unwrap();
+    let id = &jobs[0].id;
+    assert_eq!(d.types.get(id), Some(&1), "{d:?}");
+    assert_eq!(d.workers[id], 4, "{d:?}");
+    assert_eq!(workers_on_type(&jobs[0], &types[0], 16, 1), 4);
+    assert_eq!(workers_on_type(&jobs[0], &types[0], 16, 0), 16);
+}
+
+/// Equal-throughput sizes never go below the job's minimum nor above its size.
+#[test]
+fn workers_on_a_faster_type_stay_between_the_minimum_and_the_size() {
+    let mut j = job("j", 8);
+    j.min_workers = 3;
+    let jt = crate::policies::JobTypes {
+        factors: vec![Some(1.0), Some(100.0), Some(0.5), None],
+        current: None,
+        eligible_gpus: vec![8, 8, 8, 8],
+    };
+    assert_eq!(workers_on_type(&j, &jt, 8, 1), 3);
+    assert_eq!(workers_on_type(&j, &jt, 2, 1), 2);
+    assert_eq!(workers_on_type(&j, &jt, 8, 2), 8);
+    // An unknown type counts as the slowest known: no fewer workers.
+    assert_eq!(workers_on_type(&j, &jt, 8, 3), 8);
+}
+
 fn objectives() -> impl Strategy<Value = Objective> {
     prop_oneof![
         Just(Objective::Loss),
