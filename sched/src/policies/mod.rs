@@ -349,7 +349,7 @@ pub fn assign_gpu_types(
             out[k] = Some(t);
         }
     }
-    // Exchanges between pairs of pools, per job size.
+    // Exchanges between pairs of pools, per pair of sizes (on the one, on the other).
     for _round in 0..4 {
         let mut changed = false;
         for t in 0..pools.len() {
@@ -654,6 +654,50 @@ mod tests {
         }
         assert_eq!(used, [4, 2], "{out:?}");
         assert_eq!(out.iter().filter(|t| **t == Some(1)).count(), 2, "{out:?}");
+    }
+
+    /// Exchanges re-split only jobs with the same sizes on both pools: job 1 gains more on
+    /// pool 1 but needs 2 GPUs there, and pool 1 has 1; swapping it with job 0 (1 GPU
+    /// there) would oversubscribe it.
+    #[test]
+    fn gpu_type_exchanges_keep_each_pools_own_sizes() {
+        let pools = pools(&[8, 1]);
+        let sized = [(0, 4), (1, 4)];
+        let gpus = |i: usize, w: u32, t: usize| if t == 1 { [1, 2][i] } else { w };
+        let out = assign_gpu_types(&pools, &sized, gpus, |i, _, t| {
+            Some([[0.0, 1.0], [0.0, 10.0]][i][t])
+        });
+        assert_eq!(out, [Some(1), Some(0)]);
+    }
+
+    proptest! {
+        /// With random sizes per pool and random values, no pool holds more than its GPUs.
+        #[test]
+        fn gpu_type_assignment_with_sizes_per_pool_never_oversubscribes(
+            jobs in proptest::collection::vec(
+                (proptest::collection::vec(1u32..6, 3), proptest::collection::vec(-2.0f64..3.0, 3)),
+                1..12,
+            ),
+            caps in proptest::collection::vec(0u32..12, 3),
+        ) {
+            let pools = pools(&caps);
+            let sized: Vec<(usize, u32)> = (0..jobs.len()).map(|i| (i, 1)).collect();
+            let out = assign_gpu_types(
+                &pools,
+                &sized,
+                |i, _, t| jobs[i].0[t],
+                |i, _, t| Some(jobs[i].1[t]),
+            );
+            let mut used = [0u32; 3];
+            for (k, t) in out.iter().enumerate() {
+                if let Some(t) = *t {
+                    used[t] += jobs[k].0[t];
+                }
+            }
+            for t in 0..3 {
+                prop_assert!(used[t] <= caps[t], "pool {t}: {} of {} ({out:?})", used[t], caps[t]);
+            }
+        }
     }
 
     /// A job with no usable pool, or no pool with room, gets none; the others still fit.

@@ -72,10 +72,15 @@
 //!    ([`super::assign_gpu_types`]): its value on type `t` is `g · ln(s_t · k_t)`, `g` its
 //!    GPUs, `s_t` its speed there relative to the type its throughput model describes
 //!    (measured or projected, [`crate::gpu_types`]; an unknown type counts as its slowest
-//!    known) and `k_t` 1 for staying where it runs at the same size, else its restart share
-//!    `f` (step 2). Maximizing the sum over GPUs of the log speed-up puts a type's GPUs on
+//!    known) and `k_t` 1 for staying where it runs with as many workers as it asks there,
+//!    else its restart share `f` (step 2). Maximizing the sum over GPUs of the log speed-up puts a type's GPUs on
 //!    the jobs that gain most per GPU there relative to elsewhere (BERT on A100s, CIFAR-10
-//!    on T4s), not on whichever job comes first. Then steps 1–4 run again once per type,
+//!    on T4s), not on whichever job comes first. A job asks a faster type for fewer GPUs:
+//!    as many as give its size's throughput there if it scaled linearly, `⌈w / r⌉` with
+//!    `r > 1` the speed ratio of that type to the one its size `w` is in, at least its
+//!    minimum (`workers_on_type`), so that a job sized for slow GPUs can fit a small pool of
+//!    fast ones; its value stays counted over the GPUs `g` it was sized for.
+//!    Then steps 1–4 run again once per type,
 //!    on that type's GPUs, over the jobs it got, with their throughput scaled to it (a move
 //!    counts as a restart), and the jobs still without a type compete for what is left
 //!    (types with the most GPUs left first). A job moved to a faster type is sized at that
@@ -83,7 +88,8 @@
 //!    type then run once more, from the new sizes. On the Sia traces (64 GPUs of three
 //!    types) the mean JCT went from 2,904 / 3,285 / 4,160 s (sizes of steps 1–4 kept) to
 //!    2,882 / 3,183 / 4,071 s with one sizing per type and 2,813 / 3,117 / 4,012 s with two
-//!    (Philly / Helios / newTrace; a third gained nothing; docs/heterogeneous.md). Each
+//!    (Philly / Helios / newTrace; a third gained nothing), and to 2,761 / 3,050 / 3,800 s
+//!    with the fewer GPUs of faster types (docs/heterogeneous.md). Each
 //!    round costs about as much as steps 1–4 again (docs/scheduling.md).
 //!
 //! # Deviations from SLAQ
@@ -705,20 +711,24 @@ impl Policy for Quality {
         let refs: Vec<&PolicyJob> = jobs.iter().collect();
         let terms = job_terms(&refs, cluster.now, &self.params);
         let arrival = super::arrival_order(jobs);
-        // 2. One type per sized job, by comparative advantage.
-        let assign = |sizes: &[u32]| -> Vec<Option<usize>> {
+        // 2. One type per sized job, by comparative advantage. `sizes[i]` is in workers of
+        //    type `from[i]` (`None`: at the speed of the job's throughput table). Returns
+        //    each job's type and the workers it asks of it.
+        let assign = |sizes: &[u32], from: &[Option<usize>]| -> (Vec<Option<usize>>, Vec<u32>) {
             let sized: Vec<(usize, u32)> = arrival
                 .iter()
                 .filter_map(|&i| (sizes[i] > 0).then_some((i, sizes[i])))
                 .collect();
+            let on =
+                |i: usize, w: u32, t: usize| workers_on_type(&jobs[i], &types[i], w, from[i], t);
             let choice = super::assign_gpu_types(
                 pools,
                 &sized,
-                |i, w, t| workers_on_type(&jobs[i], &types[i], w, t) * jobs[i].gpus_per_worker,
+                |i, w, t| on(i, w, t) * jobs[i].gpus_per_worker,
                 |i, sized_workers, t| {
                     let job = &jobs[i];
                     let jt = &types[i];
-                    let w = workers_on_type(job, jt, sized_workers, t);
+                    let w = on(i, sized_workers, t);
                     let keep = if jt.current == Some(t) && job.current_workers == w {
                         1.0
                     } else if job.current_workers > 0 {
@@ -734,32 +744,38 @@ impl Policy for Quality {
                 },
             );
             let mut assigned = vec![None; jobs.len()];
-            for ((i, _), t) in sized.iter().zip(choice) {
+            let mut asked = vec![0; jobs.len()];
+            for ((i, w), t) in sized.iter().zip(choice) {
                 assigned[*i] = t;
+                if let Some(t) = t {
+                    asked[*i] = on(*i, *w, t);
+                }
             }
-            assigned
+            (assigned, asked)
         };
         // 3. Sizes again within each type, at that type's speed.
-        let (second, _) = size_within_types(
+        let (assigned, asked) = assign(&first, &vec![None; jobs.len()]);
+        let (second, typed) = size_within_types(
             cluster,
             pools,
             jobs,
             types,
-            &assign(&first),
-            &first,
+            &assigned,
+            &asked,
             &considered,
             &self.params,
         );
-        // 4. Steps 2 and 3 once more, from step 3's sizes: a job sized at its new type's
-        //    speed may suit another type better. (A third round gained nothing more on the
-        //    Sia traces.)
+        // 4. Steps 2 and 3 once more, from step 3's sizes (in workers of each job's new
+        //    type): a job sized at its new type's speed may suit another type better. (A
+        //    third round gained nothing more on the Sia traces.)
+        let (assigned, asked) = assign(&second, &typed);
         let (workers, typed) = size_within_types(
             cluster,
             pools,
             jobs,
             types,
-            &assign(&second),
-            &second,
+            &assigned,
+            &asked,
             &considered,
             &self.params,
         );
@@ -776,16 +792,29 @@ impl Policy for Quality {
     }
 }
 
-/// Workers a job sized at `workers` (at the speed of its throughput table) asks of pool `t`
-/// in the type assignment: on a faster type, as many as give the same throughput if it
-/// scaled linearly, `⌈workers / s_t⌉` ([`type_factor`]), at least its minimum; on a type no
-/// faster, `workers`. A job sized for slow GPUs then fits a small pool of fast ones (12 RTX
-/// GPUs' worth of BERT is 3 A100s), and the sizing per type (step 3) then sizes it there.
-fn workers_on_type(job: &PolicyJob, jt: &super::JobTypes, workers: u32, t: usize) -> u32 {
-    let speed = type_factor(jt, t);
-    if speed > 1.0 {
+/// Workers a job sized at `workers` of type `from` (`None`: at the speed of its throughput
+/// table) asks of pool `t` in the type assignment: on a type faster than `from` by a
+/// measured or projected ratio `r = s_t / s_from` ([`type_factor`]), as many as give the same
+/// throughput if it scaled linearly, `⌈workers / r⌉`, at least its minimum; else `workers`
+/// (never more: a slower type is not asked for extra GPUs, and a type without a figure for
+/// the job is not assumed faster). A job sized for slow GPUs then fits a small pool of fast
+/// ones (12 RTX GPUs' worth of BERT is 3 A100s), and the sizing per type (step 3) then sizes
+/// it there.
+fn workers_on_type(
+    job: &PolicyJob,
+    jt: &super::JobTypes,
+    workers: u32,
+    from: Option<usize>,
+    t: usize,
+) -> u32 {
+    let Some(speed) = jt.factors.get(t).copied().flatten() else {
+        return workers;
+    };
+    let base = from.map_or(1.0, |f| type_factor(jt, f));
+    let ratio = speed / base;
+    if ratio.is_finite() && ratio > 1.0 {
         let min = minimum_workers(job).unwrap_or(1).min(workers);
-        ((f64::from(workers) / speed).ceil() as u32).clamp(min, workers)
+        ((f64::from(workers) / ratio).ceil() as u32).clamp(min, workers)
     } else {
         workers
     }
@@ -812,8 +841,9 @@ fn type_factor(jt: &super::JobTypes, t: usize) -> f64 {
 /// type's GPUs, over the jobs given the type (`assigned`) with their throughput scaled to
 /// it ([`type_factor`]). A job moving from another type counts as pending there (the move
 /// restarts it). The jobs that step 2 left without a type (not sized, or no type had room)
-/// compete in every pool they may use, pools with the most GPUs left after step 1's sizes
-/// first, and take the first that admits them.
+/// compete in every pool they may use, pools with the most GPUs left after the workers
+/// step 2 asked of them (`asked`, indexed like `jobs`) first, and take the first that admits
+/// them.
 ///
 /// Why: step 1 sizes a job at its current type's speed. A job moved to a type three times
 /// as fast needs fewer GPUs for the same completion time, and a type's GPUs go further
@@ -826,7 +856,7 @@ fn size_within_types(
     jobs: &[PolicyJob],
     types: &[super::JobTypes],
     assigned: &[Option<usize>],
-    sizes: &[u32],
+    asked: &[u32],
     considered: &[usize],
     params: &PolicyParams,
 ) -> (Vec<u32>, Vec<Option<usize>>) {
@@ -835,7 +865,7 @@ fn size_within_types(
     let mut used = vec![0u64; pools.len()];
     for (i, t) in assigned.iter().enumerate() {
         if let Some(t) = *t {
-            used[t] += u64::from(sizes[i]) * u64::from(jobs[i].gpus_per_worker);
+            used[t] += u64::from(asked[i]) * u64::from(jobs[i].gpus_per_worker);
         }
     }
     let mut pool_order: Vec<usize> = (0..pools.len()).collect();

@@ -559,25 +559,33 @@ fn a_job_sized_for_slow_gpus_fits_a_small_pool_of_fast_ones() {
     let id = &jobs[0].id;
     assert_eq!(d.types.get(id), Some(&1), "{d:?}");
     assert_eq!(d.workers[id], 4, "{d:?}");
-    assert_eq!(workers_on_type(&jobs[0], &types[0], 16, 1), 4);
-    assert_eq!(workers_on_type(&jobs[0], &types[0], 16, 0), 16);
+    assert_eq!(workers_on_type(&jobs[0], &types[0], 16, None, 1), 4);
+    assert_eq!(workers_on_type(&jobs[0], &types[0], 16, None, 0), 16);
+    // Sized in workers of the fast type already: no second division.
+    assert_eq!(workers_on_type(&jobs[0], &types[0], 4, Some(1), 1), 4);
 }
 
-/// Equal-throughput sizes never go below the job's minimum nor above its size.
+/// Equal-throughput sizes never go below the job's minimum nor above its size, count from
+/// the type the size is in, and assume nothing of a type without a figure.
 #[test]
 fn workers_on_a_faster_type_stay_between_the_minimum_and_the_size() {
     let mut j = job("j", 8);
     j.min_workers = 3;
     let jt = crate::policies::JobTypes {
-        factors: vec![Some(1.0), Some(100.0), Some(0.5), None],
+        factors: vec![Some(2.0), Some(100.0), Some(0.5), None],
         current: None,
         eligible_gpus: vec![8, 8, 8, 8],
     };
-    assert_eq!(workers_on_type(&j, &jt, 8, 1), 3);
-    assert_eq!(workers_on_type(&j, &jt, 2, 1), 2);
-    assert_eq!(workers_on_type(&j, &jt, 8, 2), 8);
-    // An unknown type counts as the slowest known: no fewer workers.
-    assert_eq!(workers_on_type(&j, &jt, 8, 3), 8);
+    assert_eq!(workers_on_type(&j, &jt, 8, None, 0), 4);
+    assert_eq!(workers_on_type(&j, &jt, 8, None, 1), 3);
+    assert_eq!(workers_on_type(&j, &jt, 2, None, 1), 2);
+    assert_eq!(workers_on_type(&j, &jt, 8, None, 2), 8);
+    // 8 workers of type 0 are 16 at the table's speed: type 1 is 50 times type 0.
+    assert_eq!(workers_on_type(&j, &jt, 8, Some(0), 1), 3);
+    assert_eq!(workers_on_type(&j, &jt, 8, Some(1), 0), 8);
+    assert_eq!(workers_on_type(&j, &jt, 8, Some(0), 0), 8);
+    // A type without a figure is not assumed faster, although every known one is.
+    assert_eq!(workers_on_type(&j, &jt, 8, None, 3), 8);
 }
 
 fn objectives() -> impl Strategy<Value = Objective> {
