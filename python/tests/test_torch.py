@@ -129,8 +129,8 @@ class Ddp(unittest.TestCase):
                 [sys.executable, str(HERE / "_ddp_check.py"), str(per_worker), str(accum)],
                 env=env, cwd=str(HERE), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         outs = [p.communicate(timeout=120) for p in procs]
-        for p, (out, err) in zip(procs, outs):
-            self.assertEqual(p.returncode, 0, err)
+        for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+            self.assertEqual(p.returncode, 0, "rank %d: %s" % (rank, err))
         return json.loads(outs[0][0].strip().splitlines()[-1])
 
     def check(self, r, passes):
