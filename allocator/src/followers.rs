@@ -160,13 +160,7 @@ mod tests {
     }
 
     fn heartbeat(host: &str, time: f64) -> HostTelemetry {
-        serde_json::from_value(serde_json::json!({
-            "protocol": 1, "host": host, "addr": "127.0.0.1", "time": time,
-            "agent_version": "t", "gpu_source": "fake", "gpus": [], "nics": [],
-            "cpu_pct": 0.0, "memory_used_bytes": 0, "memory_total_bytes": 0,
-            "workers": [], "malformed_progress_lines": 0
-        }))
-        .unwrap()
+        HostTelemetry::new(host.parse().unwrap(), "127.0.0.1", time)
     }
 
     #[test]

@@ -73,18 +73,13 @@ mod tests {
     use super::*;
 
     fn host(id: &str, labels: &[(&str, &str)]) -> HostTelemetry {
-        let mut t: HostTelemetry = serde_json::from_value(serde_json::json!({
-            "protocol": 1, "host": id, "addr": "127.0.0.1", "time": 0.0,
-            "agent_version": "t", "gpu_source": "fake", "gpus": [], "nics": [],
-            "cpu_pct": 0.0, "memory_used_bytes": 0, "memory_total_bytes": 0,
-            "workers": [], "malformed_progress_lines": 0
-        }))
-        .unwrap();
-        t.labels = labels
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        t
+        HostTelemetry {
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..HostTelemetry::new(id.parse().unwrap(), "127.0.0.1", 0.0)
+        }
     }
 
     fn spec(selector: &str) -> JobSpec {

@@ -42,6 +42,28 @@ pub struct GpuSample {
     pub sm_clock_mhz: Option<u32>,
 }
 
+impl GpuSample {
+    /// GPU `index` at rest: `memory_total_bytes` of memory, none used, 0 % utilization, no
+    /// power or clock reading. For simulated hosts, load generators and tests.
+    pub fn idle(
+        index: u32,
+        uuid: impl Into<String>,
+        name: impl Into<String>,
+        memory_total_bytes: u64,
+    ) -> Self {
+        Self {
+            index,
+            uuid: uuid.into(),
+            name: name.into(),
+            memory_total_bytes,
+            memory_used_bytes: 0,
+            utilization_pct: 0.0,
+            power_mw: None,
+            sm_clock_mhz: None,
+        }
+    }
+}
+
 /// One network interface.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct NicSample {
@@ -130,6 +152,34 @@ pub struct HostTelemetry {
     /// [`crate::labels::MAX_LABELS`], refuses the message.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
+}
+
+impl HostTelemetry {
+    /// A heartbeat of `host`, reachable at `addr`, stamped `time` (UNIX seconds, the agent's
+    /// clock), with nothing on it: this protocol version, no GPUs, NICs, workers or labels,
+    /// zero usage and counters, `gpu_source` `"fake"` and an empty agent version. For
+    /// simulated hosts, load generators and tests; set what matters with struct update syntax
+    /// (`HostTelemetry { gpus, ..HostTelemetry::new(host, addr, time) }`).
+    pub fn new(host: HostId, addr: impl Into<String>, time: f64) -> Self {
+        Self {
+            protocol: PROTOCOL_VERSION,
+            host,
+            addr: addr.into(),
+            time,
+            agent_version: String::new(),
+            gpu_source: "fake".into(),
+            gpus: Vec::new(),
+            nics: Vec::new(),
+            cpu_pct: 0.0,
+            memory_used_bytes: 0,
+            memory_total_bytes: 0,
+            workers: Vec::new(),
+            malformed_progress_lines: 0,
+            ignored_gradient_stats: 0,
+            skipped_progress_reports: 0,
+            labels: BTreeMap::new(),
+        }
+    }
 }
 
 impl Message for HostTelemetry {

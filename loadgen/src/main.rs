@@ -329,23 +329,9 @@ fn job_id(prefix: &str, i: u32) -> JobId {
 
 fn telemetry(host: &HostId, gpus: u32) -> HostTelemetry {
     HostTelemetry {
-        protocol: PROTOCOL_VERSION,
-        host: host.clone(),
-        addr: "10.255.255.1".into(),
-        time: unix_now(),
         agent_version: format!("loadgen-{}", env!("CARGO_PKG_VERSION")),
-        gpu_source: "fake".into(),
         gpus: (0..gpus)
-            .map(|index| GpuSample {
-                index,
-                uuid: format!("GPU-{host}-{index}"),
-                name: "loadgen".into(),
-                memory_total_bytes: 80 << 30,
-                memory_used_bytes: 0,
-                utilization_pct: 0.0,
-                power_mw: None,
-                sm_clock_mhz: None,
-            })
+            .map(|index| GpuSample::idle(index, format!("GPU-{host}-{index}"), "loadgen", 80 << 30))
             .collect(),
         nics: vec![NicSample {
             name: "eth0".into(),
@@ -356,11 +342,7 @@ fn telemetry(host: &HostId, gpus: u32) -> HostTelemetry {
         cpu_pct: 1.0,
         memory_used_bytes: 1 << 30,
         memory_total_bytes: 512 << 30,
-        workers: Vec::new(),
-        malformed_progress_lines: 0,
-        ignored_gradient_stats: 0,
-        skipped_progress_reports: 0,
-        labels: Default::default(),
+        ..HostTelemetry::new(host.clone(), "10.255.255.1", unix_now())
     }
 }
 

@@ -407,7 +407,6 @@ fn random_job(index: usize, rng: &mut ChaCha8Rng) -> PolicyJob {
         (None, samples, 0.0, rate)
     };
     PolicyJob {
-        id: JobId::new(format!("job-{index:06}")).expect("valid job id"),
         gpus_per_worker,
         min_workers,
         max_workers,
@@ -418,15 +417,7 @@ fn random_job(index: usize, rng: &mut ChaCha8Rng) -> PolicyJob {
         loss_scale,
         samples_per_s_per_worker,
         requested_workers: max_workers,
-        attained_gpu_seconds: 0.0,
-        throughput: None,
-        remaining_work: None,
-        restarts: 0,
-        restart_cost_s: None,
-        goodput: None,
-        current_hosts: Vec::new(),
-        eligible_hosts: None,
-        exploratory: false,
+        ..PolicyJob::new(JobId::new(format!("job-{index:06}")).expect("valid job id"))
     }
 }
 

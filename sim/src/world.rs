@@ -30,8 +30,8 @@ use crate::engine::{
 };
 use crate::workload::WorkloadJob;
 use converge_common::{
-    GpuSample, HostId, HostPlan, HostTelemetry, JobId, JobSpec, PROTOCOL_VERSION, ProgressReport,
-    RankPlacement, WorkerPhase, WorkerState,
+    GpuSample, HostId, HostPlan, HostTelemetry, JobId, JobSpec, ProgressReport, RankPlacement,
+    WorkerPhase, WorkerState,
 };
 use converge_sched::contention::ContentionSamples;
 use converge_sched::policies::Policy;
@@ -498,34 +498,23 @@ pub(crate) fn heartbeat(
     if let Some(t) = gpu_type {
         labels.insert(converge_common::labels::GPU_TYPE.to_string(), t.to_string());
     }
+    let gpus = (0..gpus)
+        .map(|index| {
+            GpuSample::idle(
+                index,
+                format!("GPU-{host}-{index}"),
+                gpu_type.unwrap_or("sim"),
+                1,
+            )
+        })
+        .collect();
     HostTelemetry {
-        protocol: PROTOCOL_VERSION,
-        addr: format!("10.0.{}.{}", n / 250, n % 250 + 1),
-        time: now,
         agent_version: "sim".into(),
         gpu_source: "sim".into(),
-        gpus: (0..gpus)
-            .map(|index| GpuSample {
-                index,
-                uuid: format!("GPU-{host}-{index}"),
-                name: gpu_type.unwrap_or("sim").to_string(),
-                memory_total_bytes: 1,
-                memory_used_bytes: 0,
-                utilization_pct: 0.0,
-                power_mw: None,
-                sm_clock_mhz: None,
-            })
-            .collect(),
-        nics: Vec::new(),
-        cpu_pct: 0.0,
-        memory_used_bytes: 0,
-        memory_total_bytes: 0,
+        gpus,
         workers,
-        malformed_progress_lines: 0,
-        ignored_gradient_stats: 0,
-        skipped_progress_reports: 0,
         labels,
-        host,
+        ..HostTelemetry::new(host, format!("10.0.{}.{}", n / 250, n % 250 + 1), now)
     }
 }
 

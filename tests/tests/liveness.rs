@@ -4,26 +4,22 @@
 //! real allocator; the two hosts' heartbeats are written to KV `converge-hosts` as their
 //! agents would (with the skewed `time`), so no clock needs changing.
 
-use converge_common::{HostTelemetry, JobPhase, codec::encode};
+use converge_common::{GpuSample, HostTelemetry, JobPhase, codec::encode};
 use converge_tests::*;
 use std::time::Duration;
 
 /// A heartbeat of `host` with two idle fake GPUs, stamped `time` (UNIX seconds).
 fn heartbeat(host: &str, time: f64) -> HostTelemetry {
-    let gpu = |i: u32| {
-        serde_json::json!({
-            "index": i, "uuid": format!("GPU-{host}-{i}"), "name": "Converge fake GPU",
-            "memory_total_bytes": 1u64 << 34, "memory_used_bytes": 0, "utilization_pct": 0.0
-        })
-    };
-    serde_json::from_value(serde_json::json!({
-        "protocol": converge_common::PROTOCOL_VERSION, "host": host, "addr": "127.0.0.1",
-        "time": time, "agent_version": "test", "gpu_source": "fake", "gpus": [gpu(0), gpu(1)],
-        "nics": [], "cpu_pct": 0.0, "memory_used_bytes": 0, "memory_total_bytes": 0,
-        "workers": [], "malformed_progress_lines": 0,
-        "labels": {"gpu.count": "2", "gpu.type": "fake"}
-    }))
-    .expect("a valid heartbeat")
+    let gpu = |i: u32| GpuSample::idle(i, format!("GPU-{host}-{i}"), "Converge fake GPU", 1 << 34);
+    HostTelemetry {
+        agent_version: "test".into(),
+        gpus: vec![gpu(0), gpu(1)],
+        labels: [("gpu.count", "2"), ("gpu.type", "fake")]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+        ..HostTelemetry::new(host.parse().expect("a valid host id"), "127.0.0.1", time)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -490,12 +490,7 @@ mod tests {
 
     fn telemetry(host: &str, time: f64, busy: &[u32]) -> HostTelemetry {
         HostTelemetry {
-            protocol: 1,
-            host: HostId::new(host).unwrap(),
-            addr: "10.0.0.1".into(),
-            time,
             agent_version: "t".into(),
-            gpu_source: "fake".into(),
             gpus: (0..4)
                 .map(|index| GpuSample {
                     index,
@@ -522,10 +517,7 @@ mod tests {
                 last_exit_code: None,
                 gpus: busy.to_vec(),
             }],
-            malformed_progress_lines: 0,
-            ignored_gradient_stats: 0,
-            skipped_progress_reports: 0,
-            labels: Default::default(),
+            ..HostTelemetry::new(HostId::new(host).unwrap(), "10.0.0.1", time)
         }
     }
 

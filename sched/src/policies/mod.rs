@@ -106,6 +106,37 @@ pub struct PolicyJob {
     pub exploratory: bool,
 }
 
+impl PolicyJob {
+    /// A pending job `id` that nothing is known of yet: one 1-GPU worker, asked for and at
+    /// most one, submitted at 0 s, no curve, measurement, model or history; not exploratory.
+    /// Set the fields that matter with struct update syntax
+    /// (`PolicyJob { max_workers: 4, ..PolicyJob::new(id) }`).
+    pub fn new(id: JobId) -> Self {
+        Self {
+            id,
+            gpus_per_worker: 1,
+            min_workers: 1,
+            max_workers: 1,
+            current_workers: 0,
+            submitted_at: 0.0,
+            curve: None,
+            samples: 0.0,
+            loss_scale: 0.0,
+            samples_per_s_per_worker: None,
+            requested_workers: 1,
+            attained_gpu_seconds: 0.0,
+            throughput: None,
+            remaining_work: None,
+            restarts: 0,
+            restart_cost_s: None,
+            goodput: None,
+            current_hosts: Vec::new(),
+            eligible_hosts: None,
+            exploratory: false,
+        }
+    }
+}
+
 /// The policy's decision: workers per job; every job appears, 0 = not admitted or pending.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct Decision {
@@ -502,26 +533,10 @@ pub(crate) mod test_support {
     /// A pending 1-GPU-per-worker job of 1 to `max_workers` workers asking for `requested`.
     pub fn job(name: &str, submitted_at: f64, requested: u32, max_workers: u32) -> PolicyJob {
         PolicyJob {
-            id: JobId::new(name).unwrap(),
-            gpus_per_worker: 1,
-            min_workers: 1,
             max_workers,
-            current_workers: 0,
             submitted_at,
-            curve: None,
-            samples: 0.0,
-            loss_scale: 0.0,
-            samples_per_s_per_worker: None,
             requested_workers: requested,
-            attained_gpu_seconds: 0.0,
-            throughput: None,
-            remaining_work: None,
-            restarts: 0,
-            restart_cost_s: None,
-            goodput: None,
-            current_hosts: Vec::new(),
-            eligible_hosts: None,
-            exploratory: false,
+            ..PolicyJob::new(JobId::new(name).unwrap())
         }
     }
 
@@ -799,7 +814,6 @@ mod tests {
                     throughput,
                     remaining_work,
                 )| PolicyJob {
-                    id: JobId::new(format!("job-{index}")).unwrap(),
                     gpus_per_worker,
                     min_workers: min,
                     // Now and then a maximum below the minimum (a job that can never run).
@@ -810,20 +824,11 @@ mod tests {
                     },
                     current_workers: current,
                     submitted_at: f64::from(submitted),
-                    curve: None,
-                    samples: 0.0,
-                    loss_scale: 0.0,
-                    samples_per_s_per_worker: None,
                     requested_workers: requested,
                     attained_gpu_seconds,
                     throughput,
                     remaining_work,
-                    restarts: 0,
-                    restart_cost_s: None,
-                    goodput: None,
-                    current_hosts: Vec::new(),
-                    eligible_hosts: None,
-                    exploratory: false,
+                    ..PolicyJob::new(JobId::new(format!("job-{index}")).unwrap())
                 },
             )
     }

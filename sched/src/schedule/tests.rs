@@ -4,8 +4,8 @@ use super::*;
 use crate::contention::JobCost;
 use crate::ps_plan::{PsHost, PsJob};
 use converge_common::{
-    ChangeCause, EndReason, GpuSample, MAX_ALLOCATION_CHANGES, PROTOCOL_VERSION, RankPlacement,
-    SyncArch, WorkerAssignment, WorkerPhase, WorkerState,
+    ChangeCause, EndReason, GpuSample, MAX_ALLOCATION_CHANGES, RankPlacement, SyncArch,
+    WorkerAssignment, WorkerPhase, WorkerState,
 };
 use std::collections::BTreeSet;
 
@@ -20,33 +20,16 @@ fn job(id: &str, min: u32, max: u32, submitted_at: f64) -> JobSpec {
 
 fn host(id: &str, gpus: u32, time: f64, workers: Vec<WorkerState>) -> HostTelemetry {
     HostTelemetry {
-        protocol: PROTOCOL_VERSION,
-        host: HostId::new(id).unwrap(),
-        addr: format!("10.0.0.{}", id.len()),
-        time,
         agent_version: "test".into(),
-        gpu_source: "fake".into(),
         gpus: (0..gpus)
-            .map(|index| GpuSample {
-                index,
-                uuid: format!("GPU-{id}-{index}"),
-                name: "fake".into(),
-                memory_total_bytes: 1,
-                memory_used_bytes: 0,
-                utilization_pct: 0.0,
-                power_mw: None,
-                sm_clock_mhz: None,
-            })
+            .map(|index| GpuSample::idle(index, format!("GPU-{id}-{index}"), "fake", 1))
             .collect(),
-        nics: vec![],
-        cpu_pct: 0.0,
-        memory_used_bytes: 0,
-        memory_total_bytes: 0,
         workers,
-        malformed_progress_lines: 0,
-        ignored_gradient_stats: 0,
-        skipped_progress_reports: 0,
-        labels: BTreeMap::new(),
+        ..HostTelemetry::new(
+            HostId::new(id).unwrap(),
+            format!("10.0.0.{}", id.len()),
+            time,
+        )
     }
 }
 

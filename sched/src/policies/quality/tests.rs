@@ -309,7 +309,6 @@ fn arbitrary_job(index: usize) -> impl Strategy<Value = PolicyJob> {
                 (throughput, remaining_work),
             )| {
                 PolicyJob {
-                    id: JobId::new(format!("job-{index}")).unwrap(),
                     gpus_per_worker,
                     min_workers: min,
                     // Now and then a maximum below the minimum (an invalid job).
@@ -325,15 +324,9 @@ fn arbitrary_job(index: usize) -> impl Strategy<Value = PolicyJob> {
                     loss_scale,
                     samples_per_s_per_worker: rate,
                     requested_workers: min + extra,
-                    attained_gpu_seconds: 0.0,
                     throughput,
                     remaining_work,
-                    restarts: 0,
-                    restart_cost_s: None,
-                    goodput: None,
-                    current_hosts: Vec::new(),
-                    eligible_hosts: None,
-                    exploratory: false,
+                    ..PolicyJob::new(JobId::new(format!("job-{index}")).unwrap())
                 }
             },
         )
