@@ -134,6 +134,24 @@ pub enum SimLoop {
     Service,
 }
 
+impl SimLoop {
+    /// The other loop (for comparing the two on the same workloads).
+    pub fn other(self) -> Self {
+        match self {
+            SimLoop::Decision => SimLoop::Service,
+            SimLoop::Service => SimLoop::Decision,
+        }
+    }
+
+    /// Its `--loop` name: `decision` or `service`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimLoop::Decision => "decision",
+            SimLoop::Service => "service",
+        }
+    }
+}
+
 /// Whether job `name` runs as a shadow variant under `seed` and `fraction`: the 64-bit
 /// FNV-1a hash of the seed's little-endian bytes and the name, over 2⁶⁴, below `fraction`.
 pub fn is_shadow(name: &str, seed: u64, fraction: f64) -> bool {

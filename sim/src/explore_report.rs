@@ -526,10 +526,7 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
     // The other loop on the same workloads, for the policies SLAQ's comparison is about.
     let other = ExploreReportArgs {
         cluster: ExploreClusterArgs {
-            sim_loop: match args.cluster.sim_loop {
-                SimLoop::Decision => SimLoop::Service,
-                SimLoop::Service => SimLoop::Decision,
-            },
+            sim_loop: args.cluster.sim_loop.other(),
             ..args.cluster.clone()
         },
         ..args.clone()
@@ -806,22 +803,10 @@ fn early_measures(rows: &[(String, Vec<ExploreSummary>)]) -> String {
     t.render()
 }
 
-/// `--loop`'s name of `l`.
-fn loop_name(l: SimLoop) -> &'static str {
-    match l {
-        SimLoop::Decision => "decision",
-        SimLoop::Service => "service",
-    }
-}
-
 /// Each of [`LOOP_POLICIES`] in the report's loop (`this`) and the other, on the same
 /// workloads: `(policy, [this, other] per workload)`.
 fn loop_table(this: SimLoop, loops: &[(&str, Vec<[ExploreSummary; 2]>)]) -> String {
-    let that = match this {
-        SimLoop::Decision => SimLoop::Service,
-        SimLoop::Service => SimLoop::Decision,
-    };
-    let (a, b) = (loop_name(this), loop_name(that));
+    let (a, b) = (this.name(), this.other().name());
     let mut out = format!(
         "\n## The {a} loop against the {b} loop\n\n\
          The same workloads in both loops of the simulator (`--loop`). In the decision loop \
@@ -884,7 +869,7 @@ fn render(
          decisions every {} s, {} s per restart, plateau rule: below {} % per epoch over {} epochs). \
          Do not edit by hand.\n",
         seeds.join(","),
-        loop_name(args.cluster.sim_loop),
+        args.cluster.sim_loop.name(),
         args.sweeps,
         args.hours,
         args.cluster.nodes,
