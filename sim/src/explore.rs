@@ -809,6 +809,9 @@ pub struct ExploreSummary {
     pub mean_final_normalized: f64,
     /// Per sweep: GPU-hours of all its trials and its best trial's losses.
     pub sweeps: BTreeMap<String, SweepSummary>,
+    /// Per trial: the GPU-hours it held (restarts included) and whether its sweep's
+    /// early-stopping rule ended it.
+    pub trials: BTreeMap<String, TrialHours>,
     /// How trials ended: reason (or `running`) → count.
     pub ends: BTreeMap<String, usize>,
     pub makespan_s: f64,
@@ -828,6 +831,15 @@ pub struct SweepSummary {
     pub best_eval: Option<f64>,
 }
 
+/// One trial's share of its sweep's GPU-hours.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TrialHours {
+    /// GPU-hours it held (restarts included).
+    pub gpu_hours: f64,
+    /// Ended by its sweep's early-stopping rule.
+    pub early_stopped: bool,
+}
+
 /// Summarizes a run.
 pub fn summarize(r: &ExploreResult) -> ExploreSummary {
     let n = r.trials.len().max(1) as f64;
@@ -840,7 +852,15 @@ pub fn summarize(r: &ExploreResult) -> ExploreSummary {
     };
     let mut sweeps: BTreeMap<String, SweepSummary> = BTreeMap::new();
     let mut ends: BTreeMap<String, usize> = BTreeMap::new();
+    let mut trials = BTreeMap::new();
     for t in &r.trials {
+        trials.insert(
+            t.name.clone(),
+            TrialHours {
+                gpu_hours: t.gpu_hours,
+                early_stopped: t.reason == Some(EndReason::EarlyStopped),
+            },
+        );
         let e = sweeps.entry(t.sweep.clone()).or_insert(SweepSummary {
             gpu_hours: 0.0,
             best_loss: f64::INFINITY,
@@ -873,6 +893,7 @@ pub fn summarize(r: &ExploreResult) -> ExploreSummary {
         mean_jct: jcts.iter().sum::<f64>() / jcts.len().max(1) as f64,
         mean_final_normalized: r.trials.iter().map(|t| t.final_normalized).sum::<f64>() / n,
         sweeps,
+        trials,
         ends,
         makespan_s: r
             .trials

@@ -629,8 +629,10 @@ fn run_one(
 }
 
 /// Per row (a label and one summary per workload), over all sweeps of all workloads:
-/// GPU-hours against the fair run-to-end baseline, and how far the best trial's held-out
-/// loss (training loss where the curves have none) is from the run-to-end best.
+/// GPU-hours against the fair run-to-end baseline, split between the trials the sweep's
+/// rule stopped early and the others (each against the same trials' runs to the end), and
+/// how far the best trial's held-out loss (training loss where the curves have none) is
+/// from the run-to-end best.
 fn sweep_table(rows: &[(String, Vec<ExploreSummary>)], baseline: &[ExploreSummary]) -> String {
     let mut t = Table::new(&[
         "policy",
@@ -640,6 +642,8 @@ fn sweep_table(rows: &[(String, Vec<ExploreSummary>)], baseline: &[ExploreSummar
         "sweeps within 1 % (held-out)",
         "worst gap (held-out)",
         "sweeps within 1 % (training loss)",
+        "early-stopped trials: GPU-hours vs their runs to the end",
+        "other trials: GPU-hours vs their runs to the end",
     ]);
     let base_hours: f64 = baseline
         .iter()
@@ -656,8 +660,16 @@ fn sweep_table(rows: &[(String, Vec<ExploreSummary>)], baseline: &[ExploreSummar
     };
     for (label, per_workload) in rows {
         let mut hours = 0.0;
+        // [early stopped, others]: (GPU-hours here, the same trials' to the end).
+        let mut split = [(0.0, 0.0); 2];
         let (mut held_out, mut training) = (Vec::new(), Vec::new());
         for (w, b) in per_workload.iter().zip(baseline) {
+            for (name, got) in &w.trials {
+                let to_end = b.trials.get(name).map_or(0.0, |t| t.gpu_hours);
+                let s = &mut split[usize::from(!got.early_stopped)];
+                s.0 += got.gpu_hours;
+                s.1 += to_end;
+            }
             for (sweep, got) in &w.sweeps {
                 hours += got.gpu_hours;
                 let base = b.sweeps[sweep];
@@ -680,6 +692,8 @@ fn sweep_table(rows: &[(String, Vec<ExploreSummary>)], baseline: &[ExploreSummar
             format!("{:.0} %", share(&held_out)),
             format!("{:+.1} %", worst * 100.0),
             format!("{:.0} %", share(&training)),
+            ratio(split[0]),
+            ratio(split[1]),
         ]);
     }
     t.row(vec![
@@ -690,8 +704,19 @@ fn sweep_table(rows: &[(String, Vec<ExploreSummary>)], baseline: &[ExploreSummar
         "100 %".into(),
         "0 %".into(),
         "100 %".into(),
+        "—".into(),
+        "1.00×".into(),
     ]);
     t.render()
+}
+
+/// `got / to_end` as `0.21×`, `—` without trials (`to_end` 0).
+fn ratio((got, to_end): (f64, f64)) -> String {
+    if to_end > 0.0 {
+        format!("{:.2}×", got / to_end)
+    } else {
+        "—".into()
+    }
 }
 
 /// `runs[workload][policy]` as rows of [`sweep_table`], one per policy.
@@ -920,14 +945,96 @@ fn render(
          Per sweep, the GPU-hours all its trials held (restarts included) and the held-out \
          loss of its best trial (the lowest held-out loss any trial ended at: the trial a user \
          picks), against running every trial to the end of its run under `fair` (no stop \
-         criteria); the last column judges by the true (smoothed) training loss instead. \
-         Held-out loss can rise late in a run (overfitting), so a trial ended early can beat \
-         its own run to the end (a negative gap). Target: at most half the GPU-hours with the \
-         best trial within 1 % in 95 % of sweeps. No early stopping here: see \"Sweep early \
-         stopping\" below.\n"
+         criteria); the column after the gaps judges by the true (smoothed) training loss \
+         instead. Held-out loss can rise late in a run (overfitting), so a trial ended early \
+         can beat its own run to the end (a negative gap). The last two columns split the \
+         GPU-hours between the trials the sweep's rule stopped early and the others, each \
+         against the same trials run to the end: the first says how early the rule stops, \
+         the second what the trials left cost (they get the GPUs the stopped ones free, and \
+         their restarts). Target: at most half the GPU-hours with the best trial within 1 % \
+         in 95 % of sweeps. No early stopping here: see \"Sweep early stopping\" below.\n"
     );
     s.push_str(&sweep_table(&by_policy(runs), baseline));
     let _ = writeln!(s, "\n## How trials ended (all workloads)\n");
     s.push_str(&ends_table(runs));
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::explore::{SweepSummary, TrialHours};
+
+    /// A run of one sweep whose trials held `hours`, the named ones early-stopped.
+    fn run(hours: &[(&str, f64, bool)]) -> ExploreSummary {
+        let total: f64 = hours.iter().map(|h| h.1).sum();
+        ExploreSummary {
+            policy: "p".into(),
+            avg_normalized_loss: 0.0,
+            time_to: [(None, 0.0); 3],
+            mean_jct: 0.0,
+            mean_final_normalized: 0.0,
+            sweeps: BTreeMap::from([(
+                "s".to_string(),
+                SweepSummary {
+                    gpu_hours: total,
+                    best_loss: 1.0,
+                    best_eval: Some(1.0),
+                },
+            )]),
+            trials: hours
+                .iter()
+                .map(|&(name, gpu_hours, early_stopped)| {
+                    (
+                        name.to_string(),
+                        TrialHours {
+                            gpu_hours,
+                            early_stopped,
+                        },
+                    )
+                })
+                .collect(),
+            ends: BTreeMap::new(),
+            makespan_s: 0.0,
+            restarts_per_trial: 0.0,
+        }
+    }
+
+    /// The split columns compare each group of trials with the same trials run to the end:
+    /// two stopped trials that held 1 of their 4 GPU-hours, and two others that held 3
+    /// where they held 2 to the end.
+    #[test]
+    fn the_sweep_table_splits_gpu_hours_between_stopped_and_other_trials() {
+        let to_end = run(&[
+            ("a", 2.0, false),
+            ("b", 2.0, false),
+            ("c", 1.0, false),
+            ("d", 1.0, false),
+        ]);
+        let got = run(&[
+            ("a", 0.5, true),
+            ("b", 0.5, true),
+            ("c", 1.5, false),
+            ("d", 1.5, false),
+        ]);
+        let table = sweep_table(&[("`x`".into(), vec![got])], std::slice::from_ref(&to_end));
+        let row = table
+            .lines()
+            .find(|l| l.starts_with("| `x`"))
+            .expect("a row");
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        // policy, hours, vs, gap, within, worst, within (training), stopped, others
+        assert_eq!(cells[2], "4.000");
+        assert_eq!(cells[3], "0.67×");
+        assert_eq!(cells[8], "0.25×");
+        assert_eq!(cells[9], "1.50×");
+        // Without early stopping the first group is empty.
+        let table = sweep_table(&[("`y`".into(), vec![to_end.clone()])], &[to_end]);
+        let row = table
+            .lines()
+            .find(|l| l.starts_with("| `y`"))
+            .expect("a row");
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        assert_eq!((cells[8], cells[9]), ("—", "1.00×"));
+    }
 }
