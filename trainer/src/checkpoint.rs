@@ -15,7 +15,7 @@
 //! the same format: a job resumes in either mode.
 
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail, ensure};
@@ -145,6 +145,19 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Writes the checkpoint's JSON and a newline to `out` through a 64 KiB buffer.
+    /// serde_json writes every token on its own: unbuffered, that is one `write` system
+    /// call per number and punctuation mark, and the 2 MB checkpoint of `mnist-mlp` took
+    /// 11.6 s to write on fuse-overlayfs (a container's root file system), where a small
+    /// write costs about 50 µs; the job's rank 0 then held up every stop and resize.
+    fn write_json<W: Write>(&self, out: W) -> Result<()> {
+        let mut out = BufWriter::with_capacity(1 << 16, out);
+        serde_json::to_writer(&mut out, self)?;
+        out.write_all(b"\n")?;
+        out.flush()?;
+        Ok(())
+    }
+
     /// Writes `dir/checkpoint.json` atomically, creating `dir` if needed.
     pub fn write_atomic(&self, dir: &Path) -> Result<()> {
         fs::create_dir_all(dir)
@@ -157,8 +170,7 @@ impl Checkpoint {
             let mut tmp = tempfile::Builder::new()
                 .prefix(&format!(".{FILE_NAME}.tmp."))
                 .tempfile_in(dir)?;
-            serde_json::to_writer(tmp.as_file_mut(), self)?;
-            tmp.as_file_mut().write_all(b"\n")?;
+            self.write_json(tmp.as_file_mut())?;
             tmp.as_file().sync_all()?;
             tmp.persist(&target).map_err(|e| e.error)?;
             // Make the rename itself durable.
@@ -230,6 +242,41 @@ mod tests {
                 progress: 612.5,
             }),
         }
+    }
+
+    /// Counts the `write` calls that reach the file.
+    struct Counted(Vec<u8>, usize);
+
+    impl Write for Counted {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.1 += 1;
+            self.0.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    /// A checkpoint reaches its file in 64 KiB pieces, not one `write` per token: the
+    /// MNIST MLP's (50,890 parameters and as much momentum, 2 MB of JSON) took 11.6 s to
+    /// write unbuffered on a container's fuse-overlayfs. Same bytes either way.
+    #[test]
+    fn a_checkpoint_is_written_in_few_large_writes() {
+        let model = Model::new(ModelKind::Mlp, 784, 64, 10);
+        let ckpt = sample(&model);
+        let mut file = Counted(Vec::new(), 0);
+        ckpt.write_json(&mut file).unwrap();
+        let bytes = file.0.len();
+        assert!(bytes > 1_000_000, "{bytes} bytes");
+        assert!(
+            file.1 <= bytes / (1 << 16) + 2,
+            "{} writes for {bytes} bytes",
+            file.1
+        );
+        let mut expected = serde_json::to_vec(&ckpt).unwrap();
+        expected.push(b'\n');
+        assert_eq!(file.0, expected);
     }
 
     #[test]
