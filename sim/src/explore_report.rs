@@ -664,11 +664,14 @@ fn sweep_table(rows: &[(String, Vec<ExploreSummary>)], baseline: &[ExploreSummar
         let mut split = [(0.0, 0.0); 2];
         let (mut held_out, mut training) = (Vec::new(), Vec::new());
         for (w, b) in per_workload.iter().zip(baseline) {
+            // The same workload: every trial is in the baseline (one missing would count
+            // on neither side).
             for (name, got) in &w.trials {
-                let to_end = b.trials.get(name).map_or(0.0, |t| t.gpu_hours);
-                let s = &mut split[usize::from(!got.early_stopped)];
-                s.0 += got.gpu_hours;
-                s.1 += to_end;
+                if let Some(to_end) = b.trials.get(name) {
+                    let s = &mut split[usize::from(!got.early_stopped)];
+                    s.0 += got.gpu_hours;
+                    s.1 += to_end.gpu_hours;
+                }
             }
             for (sweep, got) in &w.sweeps {
                 hours += got.gpu_hours;
@@ -948,11 +951,14 @@ fn render(
          criteria); the column after the gaps judges by the true (smoothed) training loss \
          instead. Held-out loss can rise late in a run (overfitting), so a trial ended early \
          can beat its own run to the end (a negative gap). The last two columns split the \
-         GPU-hours between the trials the sweep's rule stopped early and the others, each \
-         against the same trials run to the end: the first says how early the rule stops, \
-         the second what the trials left cost (they get the GPUs the stopped ones free, and \
-         their restarts). Target: at most half the GPU-hours with the best trial within 1 % \
-         in 95 % of sweeps. No early stopping here: see \"Sweep early stopping\" below.\n"
+         GPU-hours between the trials the sweep's rule stopped early and all the others \
+         (those its program or its own plateau rule ended), each against the same trials \
+         run to the end: the first says how early the rule stops; without stop criteria the \
+         second says what the trials left cost (they get the GPUs the stopped ones free, and \
+         restart to take them), with a plateau rule it also holds what that rule saves. \
+         Target: at most half the GPU-hours with the best trial within 1 % in 95 % of \
+         sweeps. No early stopping here (the second column is the total): see \"Sweep early \
+         stopping\" below.\n"
     );
     s.push_str(&sweep_table(&by_policy(runs), baseline));
     let _ = writeln!(s, "\n## How trials ended (all workloads)\n");
