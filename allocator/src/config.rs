@@ -43,7 +43,7 @@ pub struct AllocatorConfig {
     pub policy: String,
     /// What the quality policy maximizes over the horizon: `auto` (the default: `loss` for
     /// exploratory jobs, a sweep's trials and jobs with stop criteria but no target loss or
-    /// declared work; `both` for any other), `both` (the sum of the two below), `jct` (each
+    /// declared work; `jct` for any other), `both` (the sum of the two below), `jct` (each
     /// job's speedup weighted by its rank by remaining time, which favours jobs close to
     /// completion) or `loss` (SLAQ's normalized loss reduction). A job's
     /// remaining work is known when it has a `target_loss` its fitted curve reaches; else it

@@ -261,9 +261,10 @@ impl ClusterArgs {
 /// Settings of the `quality` policy in the simulator (the other policies have none).
 #[derive(Debug, Clone, clap::Args)]
 pub struct QualityArgs {
-    /// What the quality policy maximizes over the horizon: `both` (the sum of the other two),
-    /// `jct` (speedups weighted by rank of remaining time, after heSRPT: completion-time-aware) or `loss`
-    /// (SLAQ's normalized loss reduction).
+    /// What the quality policy maximizes over the horizon: `auto` (the default: `loss` for
+    /// exploratory jobs, `jct` for any other), `both` (the sum of the other two), `jct`
+    /// (speedups weighted by rank of remaining time, after heSRPT: completion-time-aware) or
+    /// `loss` (SLAQ's normalized loss reduction).
     #[arg(long, value_enum, default_value_t = Objective::default())]
     pub objective: Objective,
     /// How far ahead the quality policy values an allocation, seconds.

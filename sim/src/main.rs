@@ -36,7 +36,7 @@ enum Command {
     ///
     /// Runs every policy over the eight 1.0× and eight 0.5× Pollux workloads (fifo, fair,
     /// tiresias, optimus, and the quality policy once per objective: quality with the
-    /// default, quality-loss, quality-jct) next to the published Pollux, Tiresias and Optimus
+    /// default, quality-loss, quality-both) next to the published Pollux, Tiresias and Optimus
     /// numbers, with SLAQ's metrics against fair and the targets; the loss-prediction
     /// benchmark's headline tables (predict-bench writes the detailed docs/prediction.md);
     /// and the scale benchmark (one decision for 10,000 jobs, as bench-decision), run on one

@@ -5,7 +5,7 @@
 //!    workloads: `fifo`, `fair`, `tiresias`, `optimus`, `pollux`, `sia` and the quality
 //!    policy three times,
 //!    once per [`Objective`] (`quality` with the default objective, `quality-loss`,
-//!    `quality-jct`; [`REPORT_POLICIES`]). Tables next to the published Pollux, Tiresias and
+//!    `quality-both`; [`REPORT_POLICIES`]). Tables next to the published Pollux, Tiresias and
 //!    Optimus+Oracle numbers (mean JCT, our baselines' fidelity), restarts per job, SLAQ's
 //!    metrics for each quality variant against `fair` with SLAQ's published figures and the
 //!    issue's targets, each variant's mean JCT against Tiresias's and Pollux's published
@@ -67,7 +67,7 @@ pub const REPORT_POLICIES: [&str; 9] = [
     "sia",
     "quality",
     "quality-loss",
-    "quality-jct",
+    "quality-both",
 ];
 
 /// `converge-sim report`.
@@ -80,7 +80,7 @@ pub struct ReportArgs {
     #[arg(long, default_value = "docs/benchmarks.md")]
     pub out: PathBuf,
     /// Policies to run (default: fifo fair tiresias optimus pollux sia quality quality-loss
-    /// quality-jct). `quality` has the default objective; `quality-<objective>` (loss, jct,
+    /// quality-both). `quality` has the default objective; `quality-<objective>` (loss, jct,
     /// both) is the quality policy with that objective.
     #[arg(long, num_args = 1..)]
     pub policies: Vec<String>,

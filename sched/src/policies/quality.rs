@@ -45,7 +45,9 @@
 //!      `(m·θ_k)^(1/c)` makes maximizing `Σ weight·speedup` reproduce it (1 for an equal
 //!      share). Shorter jobs get more, but every job gets some: unlike a rate `X/R`, a long
 //!      job is not starved by many short ones. `p = speedup_exponent` (default 0.8);
-//!    - `both` (the default): the sum of the two.
+//!    - `both`: the sum of the two;
+//!    - `auto` (the default): `loss` for an exploratory job ([`PolicyJob::exploratory`]),
+//!      `jct` for any other.
 //!
 //!    `V(0) = 0`. The restart share puts a bump at `w == current_workers`: that bump is the
 //!    hysteresis — an allocation changes only when the predicted gain beats the restart.
@@ -109,10 +111,10 @@
 //!   favours running jobs, so arrivals do not preempt running work.
 //! - SLAQ's objective alone does not care when jobs finish: a long job's normalized gain
 //!   over a short horizon is tiny, so arrivals shrink it and departures regrow it, and mean
-//!   JCT suffers (docs/benchmarks.md). The `both` objective adds the completion term, and
-//!   with it the restart budget in place of the horizon's restart share: over a 60 s
-//!   horizon a 30 s restart halves any change, so a job alone in the tail of a workload
-//!   never grows into the idle cluster.
+//!   JCT suffers (docs/benchmarks.md). The default values every job that is not
+//!   exploratory by the completion term (`jct`) instead, with the restart budget in place
+//!   of the horizon's restart share: over a 60 s horizon a 30 s restart halves any change,
+//!   so a job alone in the tail of a workload never grows into the idle cluster.
 //! - Throughput comes from a per-job model fitted on observed step times (design brief
 //!   §5.2), not linear scaling.
 
@@ -170,17 +172,19 @@ pub enum Objective {
     /// least-attained-service guess.
     Jct,
     /// The sum of both values above: the loss objective's normalized loss reduction plus the
-    /// completion objective's weighted speedup (both dimensionless, per horizon). In the
-    /// simulator it has the lowest mean JCT of the three on the Pollux workloads
-    /// (docs/scheduling.md).
+    /// completion objective's weighted speedup (both dimensionless, per horizon). The
+    /// default's objective for jobs that are not exploratory until `jct` measured a lower
+    /// mean JCT on every Pollux set and two of the three Sia traces (docs/scheduling.md,
+    /// "The default objective for production jobs").
     Both,
     /// The default: each job's objective follows what it is. An exploratory job
     /// ([`PolicyJob::exploratory`]: a sweep's trial, or a job with stop criteria but no
-    /// target loss and no declared work) is valued by `loss`, any other by `both`; both
-    /// values are dimensionless per horizon, so they share one hand-out. Admission is by
-    /// value (as under `loss`) only when every job of the decision is exploratory, else in
-    /// arrival order (as under `both`). On a cluster of exploratory jobs only it decides as
-    /// `loss`, on one without any as `both`.
+    /// target loss and no declared work) is valued by `loss` (its predicted loss
+    /// reduction), any other by `jct` (its completion time); both values are dimensionless
+    /// per horizon, so they share one hand-out. Admission is by value (as under `loss`) only
+    /// when every job of the decision is exploratory, else in arrival order (as under
+    /// `jct`). On a cluster of exploratory jobs only it decides as `loss`, on one without
+    /// any as `jct`.
     #[default]
     Auto,
 }
@@ -200,7 +204,7 @@ impl Objective {
     pub fn for_job(self, job: &PolicyJob) -> Objective {
         match self {
             Objective::Auto if job.exploratory => Objective::Loss,
-            Objective::Auto => Objective::Both,
+            Objective::Auto => Objective::Jct,
             other => other,
         }
     }

@@ -112,8 +112,10 @@ pub(super) fn markdown(page: &Page) -> String {
          interference {}, seed {}. Every policy is the service's own code; `optimus` is \
          Optimus+Oracle (true remaining work and throughput), as in the Pollux simulator. \
          `quality` is the quality policy with its default objective (`{}`: no job of these \
-         workloads is exploratory, so it decides as `both`); `quality-loss` and \
-         `quality-jct` are the same policy with the objective `loss` (SLAQ's) and `jct`. All \
+         workloads is exploratory, so it decides as `jct`); `quality-loss` and \
+         `quality-both` are the same policy with the objective `loss` (SLAQ's) and `both` \
+         (the sum of `loss` and `jct`, the default's objective for these jobs until \
+         2026-11-29). All \
          three have a {} s horizon, a {} s restart cost (the cluster's restart delay) and a \
          {} s starvation guard. JCTs in seconds.\n",
         cluster.nodes,

@@ -127,7 +127,7 @@ what they maximize over the horizon, summed over jobs:
   restarting).
 - `both`: the sum of the two (both dimensionless, per horizon).
 - `auto` (the default, `quality`): `loss` for exploratory jobs (a sweep's trials, jobs with
-  stop criteria but no target), `both` for any other; as `both` on these workloads.
+  stop criteria but no target), `jct` for any other; as `jct` on these workloads.
 
 SLAQ measured its changes on its own Spark MLlib jobs against a fair scheduler; here the jobs
 are the Pollux traces' deep-learning jobs and `fair` is our work-conserving equal share, so

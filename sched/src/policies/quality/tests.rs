@@ -723,11 +723,11 @@ proptest! {
         prop_assert!(used <= u64::from(total_gpus));
     }
 
-    /// The default objective decides as `loss` when every job is exploratory and as `both`
+    /// The default objective decides as `loss` when every job is exploratory and as `jct`
     /// when none is; on a mix each job is valued by its own objective and the decision
     /// keeps to capacity and bounds.
     #[test]
-    fn auto_decides_as_loss_on_exploratory_jobs_and_as_both_on_the_others(
+    fn auto_decides_as_loss_on_exploratory_jobs_and_as_jct_on_the_others(
         (total_gpus, jobs) in cluster(),
         mix in prop::collection::vec(any::<bool>(), 20),
         now in prop_oneof![Just(0.0), 0.0..1e4f64],
@@ -737,7 +737,7 @@ proptest! {
         let auto = with(Objective::Auto);
         prop_assert_eq!(
             quality_allocate(&cluster, &jobs, &auto),
-            quality_allocate(&cluster, &jobs, &with(Objective::Both))
+            quality_allocate(&cluster, &jobs, &with(Objective::Jct))
         );
         let trials: Vec<PolicyJob> = jobs
             .iter()
