@@ -174,8 +174,8 @@ pub enum Objective {
     /// The sum of both values above: the loss objective's normalized loss reduction plus the
     /// completion objective's weighted speedup (both dimensionless, per horizon). The
     /// default's objective for jobs that are not exploratory until `jct` measured a lower
-    /// mean JCT on every Pollux set and two of the three Sia traces (docs/scheduling.md,
-    /// "The default objective for production jobs").
+    /// mean JCT on 8 of 11 simulated sets (docs/scheduling.md, "The default objective for
+    /// production jobs").
     Both,
     /// The default: each job's objective follows what it is. An exploratory job
     /// ([`PolicyJob::exploratory`]: a sweep's trial, or a job with stop criteria but no

@@ -216,7 +216,8 @@ fn under_loss_an_arrival_displaces_a_running_job_whose_curve_is_flat() {
     arrival.current_workers = 1;
     let again = quality_allocate(&view(1), &[flat.clone(), arrival.clone()], &slaq());
     assert_eq!(workers_of(&again, "new"), 1);
-    // Under `both`, running jobs keep their place.
+    // Under the default (`jct` for jobs that are not exploratory), running jobs keep their
+    // place.
     let both = PolicyParams::default();
     flat.current_workers = 1;
     arrival.current_workers = 0;
