@@ -229,15 +229,28 @@ async fn connect(
     Bus::connect(&args(cluster.url(), replicas), name, setup).await
 }
 
-/// Checks that the jobs bucket still holds `want` under `kept`.
+/// Checks that the jobs bucket still holds `want` under `kept`. A read that errs or finds
+/// nothing is retried for 10 s: right after a stream's replicas change or a server returns,
+/// a direct get can meet no responder yet (CI saw `503 no responders` once after the
+/// replicas were raised and reported current) or a replica still catching up.
 async fn assert_kept(bus: &Bus, want: &str) {
-    let kept = bus
-        .jobs
-        .get("kept")
-        .await
-        .expect("get")
-        .expect("value kept");
-    assert_eq!(&kept[..], want.as_bytes());
+    let mut tries = 0;
+    loop {
+        match bus.jobs.get("kept").await {
+            Ok(Some(kept)) => {
+                assert_eq!(&kept[..], want.as_bytes());
+                return;
+            }
+            outcome => {
+                tries += 1;
+                assert!(
+                    tries < 40,
+                    "get kept: {outcome:?} (after {tries} tries in 10 s)"
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
+    }
 }
 
 /// The three-server cluster, once no other test runs one, and the guard that keeps it
