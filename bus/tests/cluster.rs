@@ -9,6 +9,7 @@
 
 mod support;
 use async_nats::jetstream::stream;
+use backon::{ConstantBuilder, Retryable};
 use converge_bus::{Bus, NatsArgs, Setup};
 use converge_common::subjects;
 use std::net::TcpListener;
@@ -230,27 +231,35 @@ async fn connect(
 }
 
 /// Checks that the jobs bucket still holds `want` under `kept`. A read that errs or finds
-/// nothing is retried for 10 s: right after a stream's replicas change or a server returns,
-/// a direct get can meet no responder yet (CI saw `503 no responders` once after the
-/// replicas were raised and reported current) or a replica still catching up.
+/// nothing is retried for 10 s ([`retrying`]): right after a stream's replicas change or a
+/// server returns, a direct get can meet no responder yet (CI saw `503 no responders` once
+/// after the replicas were raised and reported current) or a replica still catching up.
 async fn assert_kept(bus: &Bus, want: &str) {
-    let mut tries = 0;
-    loop {
+    let kept = retrying("get kept", || async {
         match bus.jobs.get("kept").await {
-            Ok(Some(kept)) => {
-                assert_eq!(&kept[..], want.as_bytes());
-                return;
-            }
-            outcome => {
-                tries += 1;
-                assert!(
-                    tries < 40,
-                    "get kept: {outcome:?} (after {tries} tries in 10 s)"
-                );
-                tokio::time::sleep(Duration::from_millis(250)).await;
-            }
+            Ok(Some(kept)) => Ok(kept),
+            other => Err(format!("{other:?}")),
         }
-    }
+    })
+    .await;
+    assert_eq!(&kept[..], want.as_bytes());
+}
+
+/// Runs `op` until it succeeds, every 250 ms for 10 s at most (40 tries), then fails the
+/// test with `what` and the last error.
+async fn retrying<T, E, F, Fut>(what: &str, op: F) -> T
+where
+    E: std::fmt::Display,
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    op.retry(
+        ConstantBuilder::default()
+            .with_delay(Duration::from_millis(250))
+            .with_max_times(39),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{what}: {e} (after 40 tries in 10 s)"))
 }
 
 /// The three-server cluster, once no other test runs one, and the guard that keeps it
@@ -280,12 +289,10 @@ fn all_streams() -> Vec<String> {
 /// responder, which async-nats reports as "no stream found" (seen twice in CI, once even
 /// after `wait_replicated`). The agents and the allocator retry their writes the same way.
 async fn put_retrying(store: &async_nats::jetstream::kv::Store, key: &str, value: &str) {
-    let mut tries = 0;
-    while let Err(e) = store.put(key, value.to_owned().into()).await {
-        tries += 1;
-        assert!(tries < 40, "put {key}: {e} (after {tries} tries in 10 s)");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+    retrying(&format!("put {key}"), || {
+        store.put(key, value.to_owned().into())
+    })
+    .await;
 }
 
 /// A bus on `cluster` that creates everything with 3 replicas, once every stream has them.

@@ -373,10 +373,11 @@ fn value_with(
             params.new_job_gain.max(0.0) * shape * productive_fraction
         }
     };
+    // `for_job` never returns `Auto`; its arm follows `for_job`'s choice for such jobs.
     let value = match params.objective.for_job(job) {
-        Objective::Jct => completion(),
+        Objective::Jct | Objective::Auto => completion(),
         Objective::Loss => loss(),
-        Objective::Both | Objective::Auto => completion() + loss(),
+        Objective::Both => completion() + loss(),
     };
     if value.is_nan() {
         0.0

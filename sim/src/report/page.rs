@@ -14,7 +14,7 @@ use super::slaq::slaq_section;
 use super::{Run, objective_of};
 use crate::cli::{ClusterArgs, QualityArgs};
 use crate::summary::Summary;
-use converge_sched::policies::Objective;
+use converge_sched::policies::{Objective, PolicyJob};
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
@@ -112,7 +112,7 @@ pub(super) fn markdown(page: &Page) -> String {
          interference {}, seed {}. Every policy is the service's own code; `optimus` is \
          Optimus+Oracle (true remaining work and throughput), as in the Pollux simulator. \
          `quality` is the quality policy with its default objective (`{}`: no job of these \
-         workloads is exploratory, so it decides as `jct`); `quality-loss` and \
+         workloads is exploratory, so it decides as `{}`); `quality-loss` and \
          `quality-both` are the same policy with the objective `loss` (SLAQ's) and `both` \
          (the sum of `loss` and `jct`, the default's objective for these jobs until \
          2026-11-29). All \
@@ -125,6 +125,9 @@ pub(super) fn markdown(page: &Page) -> String {
         cluster.interference,
         cluster.seed,
         Objective::default().as_str(),
+        Objective::default()
+            .for_job(&PolicyJob::new("any".parse().expect("a valid job id")))
+            .as_str(),
         quality.horizon_s,
         quality.restart_cost_s,
         quality.max_wait_s,

@@ -218,10 +218,10 @@ fn under_loss_an_arrival_displaces_a_running_job_whose_curve_is_flat() {
     assert_eq!(workers_of(&again, "new"), 1);
     // Under the default (`jct` for jobs that are not exploratory), running jobs keep their
     // place.
-    let both = PolicyParams::default();
+    let default = PolicyParams::default();
     flat.current_workers = 1;
     arrival.current_workers = 0;
-    let decision = quality_allocate(&view(1), &[flat, arrival], &both);
+    let decision = quality_allocate(&view(1), &[flat, arrival], &default);
     assert_eq!(workers_of(&decision, "flat"), 1);
 }
 
