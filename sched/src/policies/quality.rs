@@ -59,7 +59,10 @@
 //!    one (fewer reports than the fit needs) gets GPUs beyond its minimum only when no fitted
 //!    job can use them. Under `jct` and `both` every job competes on its value.
 //!    Steps gaining at most `min_gain` per GPU are never taken; hand-out ends when no step
-//!    is left or nothing fits. Heap entries
+//!    is left or nothing fits. A running exploratory job (a sweep's trial) is offered only
+//!    steps to `w + k` with `X(w+k)/(w+k) ≥ trial_growth_efficiency · X(w)/w`: it grows
+//!    where that does not raise its GPU-hours ([`PolicyParams::trial_growth_efficiency`]).
+//!    Heap entries
 //!    are re-evaluated lazily: an entry whose step no longer fits the free GPUs is recomputed
 //!    when popped (while it fits, it is still the job's best step, since fewer free GPUs only
 //!    remove larger steps). Ties go to the earlier-submitted job, then the smaller id.
@@ -155,6 +158,15 @@ pub struct PolicyParams {
     /// Speedup exponent `p` (`speedup(k) ≈ k^p`) behind the completion weights of the
     /// `jct` and `both` objectives (heSRPT, module docs); in `(0, 1)`.
     pub speedup_exponent: f64,
+    /// How far a running exploratory job ([`PolicyJob::exploratory`]: a sweep's trial) may
+    /// grow: to more workers only while its per-GPU throughput stays at least this share of
+    /// what it is at its current workers. A sweep is judged by the GPU-hours it takes to
+    /// find its best trial, and a trial that grows at a speedup below linear spends more of
+    /// them on the same curve (and restarts to do so). 1 (the default): growth that does not
+    /// raise the trial's GPU-hours; 0: trials grow as any job. Pending trials start at their
+    /// minimum as before; other jobs are not affected. Measured in docs/scheduling.md
+    /// ("Sweep early stopping").
+    pub trial_growth_efficiency: f64,
 }
 
 /// What the quality policy maximizes over the horizon, summed over jobs.
@@ -222,6 +234,7 @@ impl Default for PolicyParams {
             max_wait_s: 1800.0,
             restart_budget: 0.1,
             speedup_exponent: 0.8,
+            trial_growth_efficiency: 1.0,
         }
     }
 }
@@ -656,7 +669,21 @@ fn best_step<'a>(
     } else {
         1
     };
+    // A running trial grows only while its per-GPU throughput holds
+    // (`PolicyParams::trial_growth_efficiency`).
+    let floor =
+        (job.exploratory && current > 0 && params.trial_growth_efficiency > 0.0).then(|| {
+            // Less a rounding margin: linear throughput stays linear.
+            params.trial_growth_efficiency * throughput(job, current, params) / f64::from(current)
+                * (1.0 - 1e-9)
+        });
     for added in first..=most {
+        if let Some(floor) = floor {
+            let to = current + added;
+            if throughput(job, to, params) / f64::from(to) < floor {
+                continue;
+            }
+        }
         let gain = job_value(job, current + added, params, terms) - base;
         let per_gpu = gain / gpus(job, added) as f64;
         if best.is_none_or(|(b, _)| per_gpu > b) {

@@ -299,6 +299,7 @@ fn arbitrary_job(index: usize) -> impl Strategy<Value = PolicyJob> {
             )),
             prop::option::of(prop_oneof![Just(f64::NAN), Just(-1.0), 0.0..1e7f64]),
         ),
+        any::<bool>(),
     )
         .prop_map(
             move |(
@@ -308,6 +309,7 @@ fn arbitrary_job(index: usize) -> impl Strategy<Value = PolicyJob> {
                 (samples, loss_scale),
                 rate,
                 (throughput, remaining_work),
+                exploratory,
             )| {
                 PolicyJob {
                     gpus_per_worker,
@@ -327,6 +329,7 @@ fn arbitrary_job(index: usize) -> impl Strategy<Value = PolicyJob> {
                     requested_workers: min + extra,
                     throughput,
                     remaining_work,
+                    exploratory,
                     ..PolicyJob::new(JobId::new(format!("job-{index}")).unwrap())
                 }
             },
@@ -736,6 +739,10 @@ proptest! {
         let cluster = ClusterView { now, ..view(total_gpus) };
         let with = |objective| PolicyParams { objective, max_wait_s: 100.0, ..slaq() };
         let auto = with(Objective::Auto);
+        let jobs: Vec<PolicyJob> = jobs
+            .iter()
+            .map(|j| PolicyJob { exploratory: false, ..j.clone() })
+            .collect();
         prop_assert_eq!(
             quality_allocate(&cluster, &jobs, &auto),
             quality_allocate(&cluster, &jobs, &with(Objective::Jct))
@@ -849,4 +856,51 @@ proptest! {
         prop_assert!(workers_of(&decision, "flat") <= flat_min, "{:?}", decision);
         prop_assert_eq!(workers_of(&decision, "steep"), steep_max);
     }
+}
+
+/// A running sweep trial on 1 of 8 free GPUs grows only as far as its per-GPU throughput
+/// holds (`trial_growth_efficiency`, default 1); a production job with the same table, or
+/// the trial with the rule off, takes the GPUs a speedup below linear still gains from.
+#[test]
+fn a_running_trial_grows_only_while_its_per_gpu_throughput_holds() {
+    // Free restarts: any gain is worth a change, so only the rule limits growth.
+    let params = PolicyParams {
+        restart_cost_s: 0.0,
+        ..PolicyParams::default()
+    };
+    // Linear to 2 workers, then below linear: 100, 200, 240, 260 … samples/s.
+    let table = [100.0, 200.0, 240.0, 260.0, 270.0, 275.0, 278.0, 280.0];
+    let trial = |exploratory: bool| {
+        let mut j = running(with_curve(job("t", 8), steep_curve()), 1);
+        j.throughput = Some(table.to_vec());
+        j.exploratory = exploratory;
+        j
+    };
+    let decide = |job: PolicyJob, params: &PolicyParams| {
+        workers_of(&quality_allocate(&view(8), &[job], params), "t")
+    };
+    assert_eq!(
+        decide(trial(true), &params),
+        2,
+        "linear growth is GPU-hours neutral"
+    );
+    let grown = decide(trial(false), &params);
+    assert!(grown > 2, "a production job grows below linear: {grown}");
+    let off = PolicyParams {
+        trial_growth_efficiency: 0.0,
+        ..params
+    };
+    let grown = decide(trial(true), &off);
+    assert!(
+        grown > 2,
+        "with the rule off a trial grows below linear: {grown}"
+    );
+    // A trial already above the line keeps its workers (the rule limits growth only).
+    let mut big = trial(true);
+    big.current_workers = 4;
+    assert!(decide(big, &params) >= 4);
+    // Without a table the model is linear: the trial grows as far as it gains.
+    let mut linear = trial(true);
+    linear.throughput = None;
+    assert!(decide(linear, &params) > 2);
 }
