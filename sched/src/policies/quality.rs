@@ -59,10 +59,10 @@
 //!    one (fewer reports than the fit needs) gets GPUs beyond its minimum only when no fitted
 //!    job can use them. Under `jct` and `both` every job competes on its value.
 //!    Steps gaining at most `min_gain` per GPU are never taken; hand-out ends when no step
-//!    is left or nothing fits. A running exploratory job (a sweep's trial) is offered only
-//!    steps to `w + k` with `X(w+k)/(w+k) ≥ trial_growth_efficiency · X(w)/w`: it grows
-//!    where that does not raise its GPU-hours ([`PolicyParams::trial_growth_efficiency`]).
-//!    Heap entries
+//!    is left or nothing fits. An exploratory job (a sweep's trial) is offered counts `n`
+//!    above its reference `r` (the workers it runs with, else its minimum) only where
+//!    `X(n)/n ≥ trial_growth_efficiency · X(r)/r`: it grows where that does not raise its
+//!    GPU-hours ([`PolicyParams::trial_growth_efficiency`]). Heap entries
 //!    are re-evaluated lazily: an entry whose step no longer fits the free GPUs is recomputed
 //!    when popped (while it fits, it is still the job's best step, since fewer free GPUs only
 //!    remove larger steps). Ties go to the earlier-submitted job, then the smaller id.
@@ -158,14 +158,16 @@ pub struct PolicyParams {
     /// Speedup exponent `p` (`speedup(k) ≈ k^p`) behind the completion weights of the
     /// `jct` and `both` objectives (heSRPT, module docs); in `(0, 1)`.
     pub speedup_exponent: f64,
-    /// How far a running exploratory job ([`PolicyJob::exploratory`]: a sweep's trial) may
-    /// grow: to more workers only while its per-GPU throughput stays at least this share of
-    /// what it is at its current workers. A sweep is judged by the GPU-hours it takes to
-    /// find its best trial, and a trial that grows at a speedup below linear spends more of
-    /// them on the same curve (and restarts to do so). 1 (the default): growth that does not
-    /// raise the trial's GPU-hours; 0: trials grow as any job. Pending trials start at their
-    /// minimum as before; other jobs are not affected. Measured in docs/scheduling.md
-    /// ("Sweep early stopping").
+    /// How far an exploratory job ([`PolicyJob::exploratory`]: a sweep's trial, or a job
+    /// with stop criteria but no target loss or declared work) may grow beyond its reference
+    /// workers (those it runs with; a pending job: its minimum): only to counts whose
+    /// per-GPU throughput is at least this share of the reference's. A sweep is judged by
+    /// the GPU-hours it takes to find its best trial, and a trial that grows at a speedup
+    /// below linear spends more of them on the same curve (and restarts to do so). 1 (the
+    /// default, and the most: larger values count as 1): growth that does not raise the
+    /// trial's GPU-hours; 0 (or not a number): trials grow as any job. It limits growth
+    /// only: counts up to the reference are offered as before. Other jobs are not
+    /// affected. Measured in docs/scheduling.md ("Sweep early stopping").
     pub trial_growth_efficiency: f64,
 }
 
@@ -669,18 +671,12 @@ fn best_step<'a>(
     } else {
         1
     };
-    // A running trial grows only while its per-GPU throughput holds
-    // (`PolicyParams::trial_growth_efficiency`).
-    let floor =
-        (job.exploratory && current > 0 && params.trial_growth_efficiency > 0.0).then(|| {
-            // Less a rounding margin: linear throughput stays linear.
-            params.trial_growth_efficiency * throughput(job, current, params) / f64::from(current)
-                * (1.0 - 1e-9)
-        });
+    let limit = trial_growth_limit(job, params);
     for added in first..=most {
-        if let Some(floor) = floor {
-            let to = current + added;
-            if throughput(job, to, params) / f64::from(to) < floor {
+        let to = current + added;
+        if let Some((reference, floor)) = limit {
+            let holds = floor > 0.0 && throughput(job, to, params) / f64::from(to) >= floor;
+            if to > reference && !holds {
                 continue;
             }
         }
@@ -699,6 +695,27 @@ fn best_step<'a>(
             submitted_at: job.submitted_at,
             id: &job.id,
         })
+}
+
+/// How far an exploratory job may grow ([`PolicyParams::trial_growth_efficiency`]): its
+/// reference workers (the ones it runs with, else its minimum) and the per-GPU throughput a
+/// count above them must keep; `None` when the rule does not apply (not exploratory, the
+/// rule off, or a job that cannot run). A reference throughput of 0 gives a floor of 0:
+/// nothing is known to hold, so no growth.
+fn trial_growth_limit(job: &PolicyJob, params: &PolicyParams) -> Option<(u32, f64)> {
+    let efficiency = params.trial_growth_efficiency;
+    if !job.exploratory || efficiency.is_nan() || efficiency <= 0.0 {
+        return None;
+    }
+    let reference = if job.current_workers > 0 {
+        job.current_workers
+    } else {
+        minimum_workers(job)?.max(1)
+    };
+    // Less a rounding margin: linear throughput stays linear.
+    let floor = efficiency.min(1.0) * throughput(job, reference, params) / f64::from(reference)
+        * (1.0 - 1e-9);
+    Some((reference, floor))
 }
 
 /// SLAQ's quality policy with the given settings.

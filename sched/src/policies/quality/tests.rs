@@ -858,15 +858,17 @@ proptest! {
     }
 }
 
-/// A running sweep trial on 1 of 8 free GPUs grows only as far as its per-GPU throughput
-/// holds (`trial_growth_efficiency`, default 1); a production job with the same table, or
-/// the trial with the rule off, takes the GPUs a speedup below linear still gains from.
+/// A sweep trial on 8 free GPUs grows only as far as its per-GPU throughput holds
+/// (`trial_growth_efficiency`, default 1), from the workers it runs with or, pending, from
+/// its minimum; a job that is not exploratory with the same table and objective, or the
+/// trial with the rule off, takes the GPUs a speedup below linear still gains from.
 #[test]
-fn a_running_trial_grows_only_while_its_per_gpu_throughput_holds() {
-    // Free restarts: any gain is worth a change, so only the rule limits growth.
+fn a_trial_grows_only_while_its_per_gpu_throughput_holds() {
+    // SLAQ's objective for every job, and free restarts: any gain is worth a change, so
+    // only the rule limits growth.
     let params = PolicyParams {
         restart_cost_s: 0.0,
-        ..PolicyParams::default()
+        ..slaq()
     };
     // Linear to 2 workers, then below linear: 100, 200, 240, 260 … samples/s.
     let table = [100.0, 200.0, 240.0, 260.0, 270.0, 275.0, 278.0, 280.0];
@@ -885,7 +887,10 @@ fn a_running_trial_grows_only_while_its_per_gpu_throughput_holds() {
         "linear growth is GPU-hours neutral"
     );
     let grown = decide(trial(false), &params);
-    assert!(grown > 2, "a production job grows below linear: {grown}");
+    assert!(
+        grown > 2,
+        "a job that is not a trial grows below linear: {grown}"
+    );
     let off = PolicyParams {
         trial_growth_efficiency: 0.0,
         ..params
@@ -895,10 +900,16 @@ fn a_running_trial_grows_only_while_its_per_gpu_throughput_holds() {
         grown > 2,
         "with the rule off a trial grows below linear: {grown}"
     );
-    // A trial already above the line keeps its workers (the rule limits growth only).
-    let mut big = trial(true);
-    big.current_workers = 4;
-    assert!(decide(big, &params) >= 4);
+    // Pending, it starts at its minimum and grows from there alike.
+    assert_eq!(decide(running(trial(true), 0), &params), 2);
+    // Already at 4 (say its table was refitted since): it keeps its 4 and grows no further.
+    assert_eq!(decide(running(trial(true), 4), &params), 4);
+    // Half the per-GPU throughput of 1 worker is 50 samples/s: up to 5 workers (54).
+    let half = PolicyParams {
+        trial_growth_efficiency: 0.5,
+        ..params
+    };
+    assert_eq!(decide(trial(true), &half), 5);
     // Without a table the model is linear: the trial grows as far as it gains.
     let mut linear = trial(true);
     linear.throughput = None;
