@@ -59,10 +59,12 @@
 //!    one (fewer reports than the fit needs) gets GPUs beyond its minimum only when no fitted
 //!    job can use them. Under `jct` and `both` every job competes on its value.
 //!    Steps gaining at most `min_gain` per GPU are never taken; hand-out ends when no step
-//!    is left or nothing fits. An exploratory job (a sweep's trial) is offered counts `n`
-//!    above its reference `r` (the workers it runs with, else its minimum) only where
-//!    `X(n)/n ≥ trial_growth_efficiency · X(r)/r`: it grows where that does not raise its
-//!    GPU-hours ([`PolicyParams::trial_growth_efficiency`]). Heap entries
+//!    is left or nothing fits. An exploratory job (a sweep's trial, or a job with stop
+//!    criteria but no target loss or declared work) is offered counts `n` above its
+//!    reference `r` (the workers it runs with, at least its minimum) only where `X(r) > 0`
+//!    and `X(n)/n ≥ min(trial_growth_efficiency, 1) · X(r)/r`, each count judged on its
+//!    own: it grows where that does not raise its GPU-hours
+//!    ([`PolicyParams::trial_growth_efficiency`]). Heap entries
 //!    are re-evaluated lazily: an entry whose step no longer fits the free GPUs is recomputed
 //!    when popped (while it fits, it is still the job's best step, since fewer free GPUs only
 //!    remove larger steps). Ties go to the earlier-submitted job, then the smaller id.
@@ -165,7 +167,8 @@ pub struct PolicyParams {
     /// the GPU-hours it takes to find its best trial, and a trial that grows at a speedup
     /// below linear spends more of them on the same curve (and restarts to do so). 1 (the
     /// default, and the most: larger values count as 1): growth that does not raise the
-    /// trial's GPU-hours; 0 (or not a number): trials grow as any job. It limits growth
+    /// trial's GPU-hours; 0 or below (or not a number): trials grow as any job. A reference
+    /// throughput of 0 allows no growth. It limits growth
     /// only: counts up to the reference are offered as before. Other jobs are not
     /// affected. Measured in docs/scheduling.md ("Sweep early stopping").
     pub trial_growth_efficiency: f64,
@@ -675,8 +678,7 @@ fn best_step<'a>(
     for added in first..=most {
         let to = current + added;
         if let Some((reference, floor)) = limit {
-            let holds = floor > 0.0 && throughput(job, to, params) / f64::from(to) >= floor;
-            if to > reference && !holds {
+            if to > reference && throughput(job, to, params) / f64::from(to) < floor {
                 continue;
             }
         }
@@ -698,23 +700,24 @@ fn best_step<'a>(
 }
 
 /// How far an exploratory job may grow ([`PolicyParams::trial_growth_efficiency`]): its
-/// reference workers (the ones it runs with, else its minimum) and the per-GPU throughput a
-/// count above them must keep; `None` when the rule does not apply (not exploratory, the
-/// rule off, or a job that cannot run). A reference throughput of 0 gives a floor of 0:
-/// nothing is known to hold, so no growth.
+/// reference workers (the ones it runs with, else, pending or below its minimum, its
+/// minimum) and the per-GPU throughput a count above them must keep (infinite when the
+/// reference's throughput is 0: nothing is known to hold, so no growth). `None` when the
+/// rule does not apply: not exploratory, the rule off (`≤ 0` or NaN), or a job without a
+/// valid minimum.
 fn trial_growth_limit(job: &PolicyJob, params: &PolicyParams) -> Option<(u32, f64)> {
     let efficiency = params.trial_growth_efficiency;
     if !job.exploratory || efficiency.is_nan() || efficiency <= 0.0 {
         return None;
     }
-    let reference = if job.current_workers > 0 {
-        job.current_workers
-    } else {
-        minimum_workers(job)?.max(1)
-    };
+    let min = minimum_workers(job)?.max(1);
+    let reference = job.current_workers.max(min);
+    let rate = throughput(job, reference, params);
+    if rate <= 0.0 {
+        return Some((reference, f64::INFINITY));
+    }
     // Less a rounding margin: linear throughput stays linear.
-    let floor = efficiency.min(1.0) * throughput(job, reference, params) / f64::from(reference)
-        * (1.0 - 1e-9);
+    let floor = efficiency.min(1.0) * rate / f64::from(reference) * (1.0 - 1e-9);
     Some((reference, floor))
 }
 

@@ -886,19 +886,19 @@ fn a_trial_grows_only_while_its_per_gpu_throughput_holds() {
         2,
         "linear growth is GPU-hours neutral"
     );
-    let grown = decide(trial(false), &params);
-    assert!(
-        grown > 2,
-        "a job that is not a trial grows below linear: {grown}"
+    assert_eq!(
+        decide(trial(false), &params),
+        8,
+        "a job that is not a trial grows"
     );
     let off = PolicyParams {
         trial_growth_efficiency: 0.0,
         ..params
     };
-    let grown = decide(trial(true), &off);
-    assert!(
-        grown > 2,
-        "with the rule off a trial grows below linear: {grown}"
+    assert_eq!(
+        decide(trial(true), &off),
+        8,
+        "with the rule off a trial grows"
     );
     // Pending, it starts at its minimum and grows from there alike.
     assert_eq!(decide(running(trial(true), 0), &params), 2);
