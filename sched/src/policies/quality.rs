@@ -677,10 +677,11 @@ fn best_step<'a>(
     let limit = trial_growth_limit(job, params);
     for added in first..=most {
         let to = current + added;
-        if let Some((reference, floor)) = limit {
-            if to > reference && throughput(job, to, params) / f64::from(to) < floor {
-                continue;
-            }
+        let below_floor = |(reference, floor): (u32, f64)| {
+            to > reference && throughput(job, to, params) / f64::from(to) < floor
+        };
+        if limit.is_some_and(below_floor) {
+            continue;
         }
         let gain = job_value(job, current + added, params, terms) - base;
         let per_gpu = gain / gpus(job, added) as f64;
