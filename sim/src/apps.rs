@@ -341,6 +341,21 @@ struct Validation {
     grad_var: Vec<f64>,
 }
 
+/// One measured validation run of an application ([`Application::validation_runs`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidationRun {
+    /// Total batch size of the run, samples.
+    pub batch_size: u32,
+    /// Samples trained on at each row. Rows are at equal statistical progress (one epoch
+    /// apart at the application's smallest batch size), so a larger batch's rows lie more
+    /// than an epoch of samples apart.
+    pub samples: Vec<f64>,
+    /// Samples in one epoch of the training set.
+    pub epoch_samples: f64,
+    /// Loss-like validation value at each row (lower is better).
+    pub loss: Vec<f64>,
+}
+
 #[derive(Deserialize)]
 struct ValidationRow {
     progress: f64,
@@ -988,12 +1003,48 @@ impl Application {
             let t = epoch - k as f64;
             at(k) * (1.0 - t) + at(k + 1) * t
         };
+        self.as_loss(metric)
+    }
+
+    /// A validation metric as a loss-like value (see [`Application::loss_like`]), ≥ 0.
+    fn as_loss(&self, metric: f64) -> f64 {
         let loss = if self.metric_increases {
             1.0 - metric / self.metric_scale
         } else {
             metric
         };
         loss.max(0.0)
+    }
+
+    /// Each measured validation run (`validation-<B>.csv`), by batch size, as a loss curve
+    /// against the samples it trained on: row `r` at `iteration[r] · B` samples (the run's
+    /// own optimizer steps times its total batch size), loss-like value as
+    /// [`Application::loss_like`]; the training set's size is taken from the smallest batch
+    /// size's run (its last row's samples over its rows: one row per epoch at that batch
+    /// size).
+    pub fn validation_runs(&self) -> Vec<ValidationRun> {
+        let Some(first) = self.validations.first() else {
+            return Vec::new();
+        };
+        let rows = first.iteration.len().max(1) as f64;
+        let epoch_samples =
+            first.iteration.last().copied().unwrap_or(0.0) * f64::from(first.batch_size) / rows;
+        self.validations
+            .iter()
+            .map(|v| {
+                let samples: Vec<f64> = v
+                    .iteration
+                    .iter()
+                    .map(|i| i * f64::from(v.batch_size))
+                    .collect();
+                ValidationRun {
+                    batch_size: v.batch_size,
+                    samples,
+                    epoch_samples,
+                    loss: v.metric.iter().map(|&m| self.as_loss(m)).collect(),
+                }
+            })
+            .collect()
     }
 
     /// Per-GPU micro-batch and gradient-accumulation steps for a fixed total batch size on

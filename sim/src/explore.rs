@@ -10,6 +10,13 @@
 //!   run's own samples; the loss its workers "report" is the recorded minibatch loss at
 //!   that position (real noise, linearly interpolated between rows), and its true loss,
 //!   used only by the metrics, is the recorded loss smoothed by a centred moving average.
+//!   With `--pollux-curves` ([`pollux_curves`]), also the measured validation runs of five
+//!   Pollux applications (cifar10, deepspeech2, imagenet, ncf, yolov3; one run per total
+//!   batch size, from `--traces`, which this repository does not copy): a sweep over batch
+//!   sizes, each run's held-out metric as a loss (`1 − accuracy`, `1 − hit rate`, word error
+//!   rate, YOLOv3's validation score, which falls) against the samples it trained on, a
+//!   trial starting at the run's first row. These values carry no minibatch noise:
+//!   reported, true and held-out loss are the measured value.
 //! - **Sizes and durations**: a Philly trace job (`data/pollux/traces/philly.csv`) per sweep:
 //!   its GPUs are the trials' requested workers (elastic from 1 to [`ELASTIC_FACTOR`] times
 //!   that, at most 16), its GPU time scaled from hours to minutes ([`TIME_SCALE`]) is the
@@ -30,7 +37,7 @@
 //! loss first fell to 0.2/0.1/0.05. Per sweep: the GPU-hours all its trials held, and the
 //! true loss its best trial ended at.
 
-use crate::apps::Application;
+use crate::apps::{Application, ValidationRun};
 use anyhow::Context as _;
 use converge_common::{
     EarlyStopRule, EarlyStopSpec, EndReason, HostId, JobId, ProgressReport, RankPlacement, StopSpec,
@@ -79,6 +86,11 @@ pub struct RecordedCurve {
     eval: Option<Vec<f64>>,
     /// Samples per epoch of the run's training set.
     pub epoch_samples: f64,
+    /// Where a trial starts on the curve, samples: 0 for a recorded trainer run, the first
+    /// row for a validation run (nothing was measured before its first evaluation, which
+    /// for a large batch comes several epochs in; a trial starting at 0 would report that
+    /// first value flat until then).
+    pub start: f64,
     /// Lowest true loss of the run.
     pub floor: f64,
 }
@@ -124,7 +136,10 @@ impl RecordedCurve {
                 _ => {}
             }
         }
-        anyhow::ensure!(samples.len() >= 10, "{name}: fewer than 10 finite rows");
+        anyhow::ensure!(
+            samples.len() >= MIN_CURVE_ROWS,
+            "{name}: fewer than {MIN_CURVE_ROWS} finite rows"
+        );
         let epoch_samples = epoch_samples.with_context(|| format!("{name}: no epoch figures"))?;
         let truth: Vec<f64> = (0..loss.len())
             .map(|i| {
@@ -143,6 +158,7 @@ impl RecordedCurve {
             truth,
             eval,
             epoch_samples,
+            start: 0.0,
             floor,
         })
     }
@@ -189,6 +205,94 @@ impl RecordedCurve {
         }
         ((self.true_loss(x) - self.floor) / span).clamp(0.0, 1.0)
     }
+}
+
+/// Prefix of the curves made from the Pollux applications' validation runs
+/// ([`pollux_curves`]): `pollux-<application>-b<batch size>`, one sweep per application.
+pub const POLLUX_CURVE_PREFIX: &str = "pollux-";
+
+/// Fewest rows a recorded curve has ([`RecordedCurve::parse`]).
+pub const MIN_CURVE_ROWS: usize = 10;
+
+impl RecordedCurve {
+    /// A curve from one measured validation run of a Pollux application (not a minibatch
+    /// loss: the held-out value at each row). Its reported loss, true loss and held-out loss
+    /// are all that value: it has no minibatch noise to smooth. A trial on it starts at its
+    /// first row ([`RecordedCurve::start`]).
+    ///
+    /// # Errors
+    /// Fewer than [`MIN_CURVE_ROWS`] rows, samples that do not increase, or a value that is
+    /// not finite.
+    pub fn from_validation(app: &str, run: &ValidationRun) -> anyhow::Result<Self> {
+        let name = format!("{POLLUX_CURVE_PREFIX}{app}-b{}", run.batch_size);
+        anyhow::ensure!(
+            run.samples.len() >= MIN_CURVE_ROWS,
+            "{name}: fewer than {MIN_CURVE_ROWS} rows ({})",
+            run.samples.len()
+        );
+        anyhow::ensure!(
+            run.samples.windows(2).all(|w| w[1] > w[0]) && run.samples[0] > 0.0,
+            "{name}: samples must be positive and increase"
+        );
+        anyhow::ensure!(
+            run.loss.iter().all(|l| l.is_finite()),
+            "{name}: a value is not finite"
+        );
+        anyhow::ensure!(
+            run.epoch_samples.is_finite() && run.epoch_samples > 0.0,
+            "{name}: no epoch size"
+        );
+        Ok(Self {
+            pair: format!("{POLLUX_CURVE_PREFIX}{app}"),
+            name,
+            samples: run.samples.clone(),
+            loss: run.loss.clone(),
+            truth: run.loss.clone(),
+            eval: Some(run.loss.clone()),
+            epoch_samples: run.epoch_samples,
+            start: run.samples[0],
+            floor: run.loss.iter().copied().fold(f64::INFINITY, f64::min),
+        })
+    }
+}
+
+/// The Pollux applications' validation runs as sweeps: one per application with at least
+/// [`MIN_CURVE_ROWS`] epochs per run (bert's runs have 2 and are left out), one trial per
+/// measured batch size, by curve name ([`RecordedCurve::from_validation`]).
+///
+/// # Errors
+/// A run of an application with enough rows that is not a valid curve.
+pub fn pollux_curves(
+    apps: &BTreeMap<String, Application>,
+) -> anyhow::Result<BTreeMap<String, RecordedCurve>> {
+    let mut out = BTreeMap::new();
+    for (name, app) in apps {
+        let runs = app.validation_runs();
+        if runs.iter().any(|r| r.samples.len() < MIN_CURVE_ROWS) {
+            continue;
+        }
+        for run in &runs {
+            let c = RecordedCurve::from_validation(name, run)?;
+            out.insert(c.name.clone(), c);
+        }
+    }
+    Ok(out)
+}
+
+/// The curves of `dir` ([`load_curves`]) and, with `pollux`, those applications' validation
+/// runs ([`pollux_curves`]), by name: the curve set of `--curves` and `--pollux-curves`.
+///
+/// # Errors
+/// As [`load_curves`] and [`pollux_curves`].
+pub fn curve_set(
+    dir: &Path,
+    pollux: Option<&BTreeMap<String, Application>>,
+) -> anyhow::Result<BTreeMap<String, RecordedCurve>> {
+    let mut curves = load_curves(dir)?;
+    if let Some(apps) = pollux {
+        curves.extend(pollux_curves(apps)?);
+    }
+    Ok(curves)
 }
 
 /// Reads every `*.csv` of `dir` but `index.csv` as a [`RecordedCurve`], by file stem.
@@ -454,9 +558,14 @@ pub(crate) fn trials_of<'a>(
 ) -> anyhow::Result<Vec<Trial<'a>>> {
     let mut state = Vec::with_capacity(specs.len());
     for spec in specs {
-        let curve = curves
-            .get(&spec.curve)
-            .with_context(|| format!("trial {}: unknown curve {:?}", spec.name, spec.curve))?;
+        let curve = curves.get(&spec.curve).with_context(|| {
+            let hint = if spec.curve.starts_with(POLLUX_CURVE_PREFIX) {
+                " (a Pollux validation run: pass --pollux-curves)"
+            } else {
+                ""
+            };
+            format!("trial {}: unknown curve {:?}{hint}", spec.name, spec.curve)
+        })?;
         let app = apps.get(&spec.application).with_context(|| {
             format!(
                 "trial {}: unknown application {:?}",
@@ -470,7 +579,7 @@ pub(crate) fn trials_of<'a>(
             curve,
             app,
             id,
-            x: 0.0,
+            x: curve.start,
             placement: Vec::new(),
             stall_s: 0.0,
             restarts: 0,
@@ -485,7 +594,7 @@ pub(crate) fn trials_of<'a>(
         };
         let (_, one) = t.rate(&[1]);
         anyhow::ensure!(one > 0.0, "trial {}: no throughput on one GPU", spec.name);
-        t.unit = curve.total() / spec.work_s / one;
+        t.unit = (curve.total() - curve.start) / spec.work_s / one;
         state.push(t);
     }
     Ok(state)
@@ -983,5 +1092,93 @@ mod tests {
             let again = simulate(&curves, &apps, &trials, policy, &cfg).unwrap();
             assert_eq!(r.trials, again.trials);
         }
+    }
+
+    #[test]
+    fn the_pollux_validation_runs_make_sweeps_of_their_batch_sizes() {
+        let apps = load_all(&crate::apps::test_trace_dirs()).unwrap();
+        let curves = pollux_curves(&apps).unwrap();
+        let pairs: std::collections::BTreeSet<&str> =
+            curves.values().map(|c| c.pair.as_str()).collect();
+        // bert's runs have 2 epochs: too short for a curve.
+        assert_eq!(
+            pairs.into_iter().collect::<Vec<_>>(),
+            [
+                "pollux-cifar10",
+                "pollux-deepspeech2",
+                "pollux-imagenet",
+                "pollux-ncf",
+                "pollux-yolov3"
+            ]
+        );
+        assert_eq!(curves.len(), 6 + 6 + 7 + 8 + 7);
+        let c = &curves["pollux-cifar10-b128"];
+        assert!(
+            (c.epoch_samples - 50_000.0).abs() < 1.0,
+            "{}",
+            c.epoch_samples
+        );
+        assert_eq!(c.total(), 39_062.0 * 128.0);
+        // No minibatch noise: reported, true and held-out values are the measured ones.
+        let x = 10.0 * 50_000.0;
+        assert_eq!(c.observed(x), c.true_loss(x));
+        assert_eq!(c.eval_loss(x), Some(c.true_loss(x)));
+        assert!((c.floor - (1.0 - 0.9463)).abs() < 1e-12, "{}", c.floor);
+        assert!(c.normalized(c.total()) < 0.05);
+        // A large batch's run: epochs of the same 50,000 samples; its trials start at its
+        // first row (106 steps of 4,096: more than 8 epochs in).
+        let large = &curves["pollux-cifar10-b4096"];
+        assert_eq!(large.epoch_samples, c.epoch_samples);
+        assert_eq!(large.start, 106.0 * 4096.0);
+        assert_eq!(c.start, 390.0 * 128.0);
+        let short = ValidationRun {
+            batch_size: 8,
+            samples: vec![1.0, 2.0],
+            epoch_samples: 1.0,
+            loss: vec![2.0, 1.0],
+        };
+        let err = RecordedCurve::from_validation("x", &short).unwrap_err();
+        assert!(err.to_string().contains("fewer than 10 rows"), "{err}");
+    }
+
+    #[test]
+    fn a_workload_with_pollux_sweeps_runs_and_names_the_flag_without_it() {
+        let apps = load_all(&crate::apps::test_trace_dirs()).unwrap();
+        let mut curves = load_curves(&data().join("curves/sweep")).unwrap();
+        let trainer_only = curves.clone();
+        curves.extend(pollux_curves(&apps).unwrap());
+        let philly =
+            crate::workload::read_philly(&data().join("pollux/traces/philly.csv")).unwrap();
+        let trials = generate(&philly, &curves, 12, 0.5, 3).unwrap();
+        assert!(
+            trials
+                .iter()
+                .any(|t| t.curve.starts_with(POLLUX_CURVE_PREFIX))
+        );
+        let r = simulate(&curves, &apps, &trials, &Fair, &ExploreConfig::default()).unwrap();
+        assert!(r.finished);
+        // The same workload without the Pollux curves is refused with the flag to pass.
+        let err = simulate(
+            &trainer_only,
+            &apps,
+            &trials,
+            &Fair,
+            &ExploreConfig::default(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("--pollux-curves"), "{err}");
+        // A Pollux trial starts at its curve's first row, a trainer trial at 0.
+        for t in trials_of(&curves, &apps, &trials).unwrap() {
+            if t.spec.curve.starts_with(POLLUX_CURVE_PREFIX) {
+                assert!(t.x > 0.0 && t.x == t.curve.samples[0], "{}", t.spec.name);
+            } else {
+                assert_eq!(t.x, 0.0);
+            }
+        }
+        // An unknown curve that is not a Pollux run gets no such hint.
+        let mut unknown = trials[..1].to_vec();
+        unknown[0].curve = "no-such-curve-lrx1-b16".into();
+        let err = simulate(&curves, &apps, &unknown, &Fair, &ExploreConfig::default()).unwrap_err();
+        assert!(!err.to_string().contains("--pollux-curves"), "{err}");
     }
 }

@@ -3,11 +3,11 @@
 //! [`crate::explore`]) and SLAQ's measures of them, per policy; the report writes
 //! `docs/exploratory.md`.
 
-use crate::apps::load_all;
+use crate::apps::{Application, load_all};
 use crate::engine::SimLoop;
 use crate::explore::{
-    ExploreConfig, ExploreResult, ExploreSummary, ExploreTrial, RecordedCurve, default_stop,
-    generate, load_curves, read_trials, simulate, summarize, write_trials,
+    ExploreConfig, ExploreResult, ExploreSummary, ExploreTrial, RecordedCurve, curve_set,
+    default_stop, generate, read_trials, simulate, summarize, write_trials,
 };
 use crate::markdown::Table;
 use crate::workload::read_philly;
@@ -35,9 +35,39 @@ pub struct ExploreData {
     /// (data/README.md).
     #[arg(long, default_values = crate::apps::DEFAULT_TRACE_DIRS)]
     pub traces: Vec<PathBuf>,
+    /// Also make sweeps of the Pollux applications' measured validation runs (from
+    /// `--traces`; not copied into this repository): one sweep per application (cifar10,
+    /// deepspeech2, imagenet, ncf, yolov3; bert's runs have 2 epochs and are left out), one
+    /// trial per measured batch size, valued by the held-out metric as a loss (`1 −
+    /// accuracy`, word error rate, …). A workload generated with it needs it again in
+    /// `explore`.
+    #[arg(long)]
+    pub pollux_curves: bool,
 }
 
 impl ExploreData {
+    /// The curves of `--curves`, and with `--pollux-curves` the validation runs of `apps`
+    /// (loaded from `--traces` when `None`), by name ([`crate::explore::curve_set`]).
+    ///
+    /// # Errors
+    /// A curve that cannot be read, or (with `--pollux-curves` and no `apps`) an application
+    /// that cannot be loaded from `--traces`.
+    pub fn curves(
+        &self,
+        apps: Option<&BTreeMap<String, Application>>,
+    ) -> anyhow::Result<BTreeMap<String, RecordedCurve>> {
+        let loaded;
+        let apps = match apps {
+            Some(apps) => Some(apps),
+            None if self.pollux_curves => {
+                loaded = load_all(&self.traces)?;
+                Some(&loaded)
+            }
+            None => None,
+        };
+        curve_set(&self.curves, apps.filter(|_| self.pollux_curves))
+    }
+
     /// `philly.csv` from the first of `--traces` that has it.
     ///
     /// # Errors
@@ -261,9 +291,10 @@ pub struct ExploreReportArgs {
     pub cluster: ExploreClusterArgs,
     #[command(flatten)]
     pub data: ExploreData,
-    /// The Markdown report.
-    #[arg(long, default_value = "docs/exploratory.md")]
-    pub out: PathBuf,
+    /// The Markdown report (default: docs/exploratory.md, with `--pollux-curves`
+    /// docs/exploratory-pollux.md).
+    #[arg(long)]
+    pub out: Option<PathBuf>,
     /// Simulations run at once (default: the available cores). The report is the same for
     /// any number: every run is deterministic and results are kept in order.
     #[arg(long)]
@@ -275,6 +306,17 @@ impl ExploreReportArgs {
         self.threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(2, |n| n.get()))
             .max(1)
+    }
+
+    /// `--out`, else the report of the curve set chosen.
+    fn out_path(&self) -> PathBuf {
+        self.out.clone().unwrap_or_else(|| {
+            PathBuf::from(if self.data.pollux_curves {
+                "docs/exploratory-pollux.md"
+            } else {
+                "docs/exploratory.md"
+            })
+        })
     }
 }
 
@@ -312,7 +354,7 @@ fn policy(name: &str, cluster: &ExploreClusterArgs) -> anyhow::Result<Arc<dyn Po
 }
 
 pub fn run_explore_workload(args: &ExploreWorkloadArgs) -> anyhow::Result<()> {
-    let curves = load_curves(&args.data.curves)?;
+    let curves = args.data.curves(None)?;
     let philly = read_philly(&args.data.philly()?)?;
     let trials = generate(&philly, &curves, args.sweeps, args.hours, args.seed)?;
     write_trials(&args.out, &trials)?;
@@ -326,8 +368,8 @@ pub fn run_explore_workload(args: &ExploreWorkloadArgs) -> anyhow::Result<()> {
 }
 
 pub fn run_explore(args: &ExploreArgs) -> anyhow::Result<()> {
-    let curves = load_curves(&args.data.curves)?;
     let apps = load_all(&args.data.traces)?;
+    let curves = args.data.curves(Some(&apps))?;
     let trials = read_trials(&args.workload)?;
     let cfg = args.cluster.config()?;
     let mut results = Vec::new();
@@ -393,8 +435,8 @@ fn policy_table(runs: &[Vec<ExploreSummary>]) -> String {
 }
 
 pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
-    let curves = load_curves(&args.data.curves)?;
     let apps = load_all(&args.data.traces)?;
+    let curves = args.data.curves(Some(&apps))?;
     let philly = read_philly(&args.data.philly()?)?;
     let cfg = args.cluster.config()?;
     let to_end = ExploreConfig {
@@ -594,7 +636,11 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
         }
         early.push((title, rows));
     }
-    let mut text = render(args, &runs, &baseline, curves.len());
+    let pollux = curves
+        .keys()
+        .filter(|k| k.starts_with(crate::explore::POLLUX_CURVE_PREFIX))
+        .count();
+    let mut text = render(args, &runs, &baseline, (curves.len() - pollux, pollux));
     text.push_str(&early_stop_section(args, &early, &baseline));
     text.push_str(&loop_table(args.cluster.sim_loop, &loops));
     let _ = writeln!(
@@ -605,9 +651,9 @@ pub fn run_explore_report(args: &ExploreReportArgs) -> anyhow::Result<()> {
          its whole recorded curve (SLAQ's own setting: jobs run to completion).\n"
     );
     text.push_str(&sensitivity.render());
-    std::fs::write(&args.out, text)
-        .with_context(|| format!("cannot write {}", args.out.display()))?;
-    println!("wrote {}", args.out.display());
+    let out = args.out_path();
+    std::fs::write(&out, text).with_context(|| format!("cannot write {}", out.display()))?;
+    println!("wrote {}", out.display());
     Ok(())
 }
 
@@ -886,18 +932,28 @@ fn render(
     args: &ExploreReportArgs,
     runs: &[Vec<ExploreSummary>],
     baseline: &[ExploreSummary],
-    curves: usize,
+    (curves, pollux): (usize, usize),
 ) -> String {
     let mut s = String::new();
     let seeds: Vec<String> = args.seeds.iter().map(u64::to_string).collect();
     let _ = writeln!(
         s,
-        "# Exploratory jobs: SLAQ's measures on sweeps of short trials\n\n\
-         Generated by `converge-sim explore-report --seeds {} --loop {}` (`--sweeps {} --hours {}`, {} nodes × {} GPUs, \
+        "# Exploratory jobs: SLAQ's measures on sweeps of short trials{}\n\n\
+         Generated by `converge-sim explore-report --seeds {} --loop {}{}` (`--sweeps {} --hours {}`, {} nodes × {} GPUs, \
          decisions every {} s, {} s per restart, plateau rule: below {} % per epoch over {} epochs). \
          Do not edit by hand.\n",
+        if args.data.pollux_curves {
+            ", with the Pollux applications' batch-size sweeps"
+        } else {
+            ""
+        },
         seeds.join(","),
         args.cluster.sim_loop.name(),
+        if args.data.pollux_curves {
+            " --pollux-curves"
+        } else {
+            ""
+        },
         args.sweeps,
         args.hours,
         args.cluster.nodes,
@@ -911,13 +967,23 @@ fn render(
         s,
         "Each workload: {} sweeps arriving as a Poisson process, each one model × dataset pair \
          with one trial per recorded run of `data/curves/sweep` ({curves} real `converge-trainer` \
-         runs: 3 learning rates × 2 batch sizes per pair), sized by a Philly trace job (GPUs \
+         runs: 3 learning rates × 2 batch sizes per pair){}, sized by a Philly trace job (GPUs \
          requested; GPU time scaled from hours to minutes), with the measured step times of a \
          Pollux application. Every trial carries the same `[stop]` plateau rule, decided by \
          `converge-sched`'s `stop` module on its fitted curve, as the service does; a trial \
          also ends when it reaches the end of its recorded run. See `sim/src/explore.rs` for \
          the model and docs/scheduling.md \"Stop criteria\" for the rule. {}\n",
         args.sweeps,
+        if pollux > 0 {
+            format!(
+                " or of a Pollux application's measured validation runs (`--pollux-curves`: \
+                 {pollux} runs, one per batch size, of cifar10, deepspeech2, imagenet, ncf and \
+                 yolov3, valued by the held-out metric as a loss; pairs are drawn uniformly, \
+                 Pollux applications among them)"
+            )
+        } else {
+            String::new()
+        },
         match args.cluster.sim_loop {
             SimLoop::Service =>
                 "Every run goes through the service loop: the allocator's own \

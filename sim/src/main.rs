@@ -48,8 +48,9 @@ enum Command {
     /// high-priority job's start and the jobs it preempted) and OUT/queue-shares.svg.
     Queues(QueuesArgs),
     /// Sample an exploratory workload: sweeps of short trials (one per recorded run of a
-    /// model × dataset pair in data/curves/sweep) arriving as a Poisson process, sized by
-    /// Philly trace jobs scaled from hours to minutes.
+    /// model × dataset pair in data/curves/sweep, or with --pollux-curves also of a Pollux
+    /// application's validation runs) arriving as a Poisson process, sized by Philly trace
+    /// jobs scaled from hours to minutes.
     ExploreWorkload(ExploreWorkloadArgs),
     /// Simulate an exploratory workload under one or more policies; every trial ends by its
     /// stop criteria (plateau rule) or at the end of its recorded curve. Prints SLAQ's
@@ -57,7 +58,8 @@ enum Command {
     Explore(ExploreArgs),
     /// Write docs/exploratory.md: SLAQ's measures and sweep GPU-hours per policy over
     /// several generated exploratory workloads, against fair share and against running
-    /// every trial to its end.
+    /// every trial to its end (--pollux-curves --out docs/exploratory-pollux.md: the same
+    /// over the wider set of sweeps).
     ExploreReport(ExploreReportArgs),
     /// Production jobs and sweeps on one cluster: each Pollux workload alone and with a
     /// stream of sweeps, through the allocator's own scheduling step; prints the production

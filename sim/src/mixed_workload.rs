@@ -13,7 +13,7 @@ use crate::apps::Application;
 use crate::cli::{ClusterArgs, QualityArgs};
 use crate::engine::SimConfig;
 use crate::explore::{
-    ExploreConfig, ExploreResult, ExploreTrial, RecordedCurve, generate, load_curves, summarize,
+    ExploreConfig, ExploreResult, ExploreTrial, RecordedCurve, generate, summarize,
 };
 use crate::explore_report::serde_name;
 use crate::markdown::Table;
@@ -151,6 +151,10 @@ pub struct MixedWorkloadArgs {
     /// Recorded loss curves of the trials.
     #[arg(long, default_value = "data/curves/sweep")]
     pub curves: PathBuf,
+    /// Also draw sweeps from the Pollux applications' measured validation runs (as
+    /// `explore-workload --pollux-curves`).
+    #[arg(long)]
+    pub pollux_curves: bool,
     /// The sweeps' early stopping (`[sweep] early_stop`; `predicted` is what a sweep file
     /// gets by default).
     #[arg(long, value_parser = serde_name::<EarlyStopRule>, default_value = "predicted")]
@@ -194,7 +198,7 @@ pub fn run_mixed_workload(args: &MixedWorkloadArgs) -> anyhow::Result<()> {
         "mixed-workload runs one GPU type (--nodes, --gpus-per-node)"
     );
     let apps = args.cluster.applications()?;
-    let curves = load_curves(&args.curves)?;
+    let curves = crate::explore::curve_set(&args.curves, args.pollux_curves.then_some(&apps))?;
     let philly_path = crate::apps::find_in(&args.cluster.traces, "philly.csv")
         .context("no philly.csv in --traces")?;
     let philly = read_philly(&philly_path)?;
@@ -287,13 +291,18 @@ fn render(args: &MixedWorkloadArgs, rows: &[Row]) -> String {
     let _ = writeln!(
         s,
         "Production jobs of {} workload(s) on {} nodes × {} GPUs, alone and with {} sweeps \
-         arriving over {} h (early stopping `{}`, {}, priority `{}`), service loop, decisions \
+         arriving over {} h{} (early stopping `{}`, {}, priority `{}`), service loop, decisions \
          every {} s.\n",
         args.workload.len(),
         args.cluster.nodes,
         args.cluster.gpus_per_node,
         args.sweeps,
         args.hours,
+        if args.pollux_curves {
+            ", drawn from the trainer's and the Pollux applications' curves"
+        } else {
+            ""
+        },
         args.early_stop.as_str(),
         if args.no_stop {
             "no plateau rule"
@@ -344,7 +353,7 @@ mod tests {
     #[test]
     fn production_jobs_and_sweeps_share_the_cluster_and_all_end() {
         let data = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data");
-        let curves = load_curves(&data.join("curves/sweep")).unwrap();
+        let curves = crate::explore::load_curves(&data.join("curves/sweep")).unwrap();
         let philly = read_philly(&data.join("pollux/traces/philly.csv")).unwrap();
         let trials = generate(&philly, &curves, 3, 0.3, 2).unwrap();
         let jobs = workload(12);

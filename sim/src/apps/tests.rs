@@ -268,6 +268,40 @@ fn statistics_come_from_the_bracketing_validation_files() {
 }
 
 #[test]
+fn validation_runs_are_loss_curves_in_samples_and_epochs() {
+    let c = &apps()["cifar10"];
+    let runs = c.validation_runs();
+    let batches: Vec<u32> = runs.iter().map(|r| r.batch_size).collect();
+    assert_eq!(batches, [128, 256, 512, 1024, 2048, 4096]);
+    // cifar10's runs: 100 rows each; the smallest batch's run sets the epoch (50,000
+    // samples: 39,062 steps of 128 over 100 rows).
+    let small = &runs[0];
+    assert_eq!(small.samples.len(), 100);
+    assert_eq!(small.samples[0], 390.0 * 128.0);
+    assert!((small.samples[99] / small.epoch_samples - 100.0).abs() < 1e-9);
+    assert!((small.loss[0] - (1.0 - 0.4455)).abs() < 1e-12);
+    // A larger batch's run: its own steps times its batch, in epochs of the same size.
+    let large = &runs[5];
+    assert_eq!(large.samples[0], 106.0 * 4096.0);
+    assert_eq!(large.epoch_samples, small.epoch_samples);
+    assert!((large.samples[0] / large.epoch_samples - 106.0 * 4096.0 / 50_000.0).abs() < 1e-3);
+    assert!((large.loss[99] - (1.0 - 0.9412)).abs() < 1e-12);
+    // deepspeech2's word error rate is already a loss; bert's score is in percent.
+    assert!((apps()["deepspeech2"].validation_runs()[0].loss[0] - 99.47931732716228).abs() < 1e-12);
+    assert!(
+        (apps()["bert"].validation_runs()[0].loss[1] - (1.0 - 0.8861300061544314)).abs() < 1e-12
+    );
+    for app in apps().values() {
+        for r in app.validation_runs() {
+            assert!(r.samples.windows(2).all(|w| w[1] > w[0]), "{}", app.name);
+            assert_eq!(r.samples.len(), r.loss.len());
+            assert!(r.epoch_samples > 0.0);
+            assert!(r.loss.iter().all(|l| l.is_finite() && *l >= 0.0));
+        }
+    }
+}
+
+#[test]
 fn batch_config_follows_pollux() {
     let a = apps();
     let c = &a["cifar10"];
