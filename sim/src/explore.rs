@@ -15,12 +15,16 @@
 //!   batch size, from `--traces`, which this repository does not copy): a sweep over batch
 //!   sizes, each run's held-out metric as a loss (`1 − accuracy`, `1 − hit rate`, word error
 //!   rate, YOLOv3's validation score, which falls) against the samples it trained on, a
-//!   trial starting at the run's first row. These values carry no minibatch noise:
-//!   reported, true and held-out loss are the measured value.
+//!   trial starting at the run's first row with that row's samples done (the scheduler's
+//!   epoch guards count from 0, so a large batch's trial, whose first row comes several
+//!   epochs in, can be judged from its first reports, and ASHA values it at its early
+//!   rungs by that first row). These values carry no minibatch noise: reported, true and
+//!   held-out loss are the measured value.
 //! - **Sizes and durations**: a Philly trace job (`data/pollux/traces/philly.csv`) per sweep:
 //!   its GPUs are the trials' requested workers (elastic from 1 to [`ELASTIC_FACTOR`] times
 //!   that, at most 16), its GPU time scaled from hours to minutes ([`TIME_SCALE`]) is the
-//!   single-GPU time of running one trial's whole curve. Sweeps arrive as a Poisson process.
+//!   single-GPU time of running one trial's whole curve (from its first row). Sweeps
+//!   arrive as a Poisson process.
 //! - **Throughput**: measured step times of a Pollux application (`placements.csv`,
 //!   `scalability.csv`) chosen by the trace job's GPU time as the Pollux workloads chose
 //!   them, at the application's smallest measured per-GPU batch: the speedup of a
@@ -29,7 +33,8 @@
 //!
 //! # Metrics (SLAQ, Zhang et al. SoCC'17, §6)
 //!
-//! A trial's normalized loss is `(L(x) − L_min) / (L(0) − L_min)` clamped to `[0, 1]`, `L`
+//! A trial's normalized loss is `(L(x) − L_min) / (L(s) − L_min)` clamped to `[0, 1]`, `s`
+//! where the trial started (0, or a validation run's first row), `L`
 //! its true loss at curve position `x`, `L_min` the lowest true loss of the whole recorded
 //! run (what running it to its end would reach at best). The cluster-wide average
 //! normalized loss is the mean over submitted trials that have not ended, per scheduling

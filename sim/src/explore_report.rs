@@ -1,7 +1,7 @@
 //! `converge-sim explore-workload`, `converge-sim explore` and `converge-sim explore-report`:
 //! exploratory workloads (sweeps of short trials that end by their stop criteria, see
 //! [`crate::explore`]) and SLAQ's measures of them, per policy; the report writes
-//! `docs/exploratory.md`.
+//! `docs/exploratory.md` (with `--pollux-curves`, `docs/exploratory-pollux.md`).
 
 use crate::apps::{Application, load_all};
 use crate::engine::SimLoop;

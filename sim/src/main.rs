@@ -58,8 +58,8 @@ enum Command {
     Explore(ExploreArgs),
     /// Write docs/exploratory.md: SLAQ's measures and sweep GPU-hours per policy over
     /// several generated exploratory workloads, against fair share and against running
-    /// every trial to its end (--pollux-curves --out docs/exploratory-pollux.md: the same
-    /// over the wider set of sweeps).
+    /// every trial to its end (--pollux-curves: the same over the wider set of sweeps,
+    /// written to docs/exploratory-pollux.md).
     ExploreReport(ExploreReportArgs),
     /// Production jobs and sweeps on one cluster: each Pollux workload alone and with a
     /// stream of sweeps, through the allocator's own scheduling step; prints the production
