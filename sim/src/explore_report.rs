@@ -56,16 +56,11 @@ impl ExploreData {
         &self,
         apps: Option<&BTreeMap<String, Application>>,
     ) -> anyhow::Result<BTreeMap<String, RecordedCurve>> {
-        let loaded;
-        let apps = match apps {
-            Some(apps) => Some(apps),
-            None if self.pollux_curves => {
-                loaded = load_all(&self.traces)?;
-                Some(&loaded)
-            }
-            None => None,
-        };
-        curve_set(&self.curves, apps.filter(|_| self.pollux_curves))
+        match apps {
+            _ if !self.pollux_curves => curve_set(&self.curves, None),
+            Some(apps) => curve_set(&self.curves, Some(apps)),
+            None => curve_set(&self.curves, Some(&load_all(&self.traces)?)),
+        }
     }
 
     /// `philly.csv` from the first of `--traces` that has it.
