@@ -69,6 +69,13 @@ pub(crate) struct View {
     pub(crate) queue_statuses: BTreeMap<QueueId, QueueStatus>,
     /// Shadow jobs' latest sync figures, from the progress reports (for their statuses).
     pub(crate) shadow: crate::shadow::ShadowFigures,
+    /// Whether the specs and the heartbeats stored at start have all been delivered (their
+    /// followers' [`KvChange::CaughtUp`]). No step runs before: a step that ran with the
+    /// progress history rebuilt but no heartbeat read yet would take every host for lost
+    /// and restart every job (seen after an allocator restart), one without the specs
+    /// would know no job.
+    pub(crate) specs_read: bool,
+    pub(crate) hosts_read: bool,
 }
 
 /// Runs the allocator until `shutdown` is cancelled.
@@ -240,7 +247,12 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             }
             _ = tokio::time::sleep(spacing), if (policy_due || lifecycle_due) && !spacing.is_zero() => {}
         }
-        if !caught_up || !(policy_due || lifecycle_due) || last_step.elapsed() < STEP_SPACING {
+        if !caught_up
+            || !view.specs_read
+            || !view.hosts_read
+            || !(policy_due || lifecycle_due)
+            || last_step.elapsed() < STEP_SPACING
+        {
             continue;
         }
         if !leadership.borrow().is_valid() {
@@ -445,6 +457,16 @@ fn apply(
         Input::Host(KvChange::Deleted(h)) => {
             view.hosts.remove(&h);
             *policy_due = true;
+        }
+        Input::Spec(KvChange::CaughtUp) => {
+            if !std::mem::replace(&mut view.specs_read, true) {
+                tracing::info!(jobs = view.specs.len(), "job specs read");
+            }
+        }
+        Input::Host(KvChange::CaughtUp) => {
+            if !std::mem::replace(&mut view.hosts_read, true) {
+                tracing::info!(hosts = view.hosts.len(), "heartbeats read");
+            }
         }
         Input::Status(change, revision) => {
             if let Some(job) = change_key(&change)
