@@ -248,10 +248,12 @@ fi
 # Container tier (tests/compose/run-all.sh): images built (no registry) from the debug binaries
 # just built, then the compose cluster with secured NATS and its fault tests (happy path,
 # agent restart, NATS restart, a NATS cluster losing a server, allocator kill -9, two
-# allocators, an agent cut off the network, Prometheus) and the systemd unit.
+# allocators, an agent cut off the network, Prometheus) and the systemd unit, two tests at
+# a time (CONVERGE_COMPOSE_PARALLEL, default 2; 1 runs them one after the other).
 if wants containers; then
     CONVERGE_REQUIRE_DOCKER="${required[containers]:+1}" \
-        CONVERGE_IMAGE_PROFILE="${CONVERGE_IMAGE_PROFILE:-dev}" "$root/tests/compose/run-all.sh" |
+        CONVERGE_IMAGE_PROFILE="${CONVERGE_IMAGE_PROFILE:-dev}" \
+        CONVERGE_COMPOSE_PARALLEL="${CONVERGE_COMPOSE_PARALLEL:-2}" "$root/tests/compose/run-all.sh" |
         tee -i "$logs/containers-tier.log"
     if reason=$(grep -m1 '^run-all.sh: SKIP: ' "$logs/containers-tier.log"); then
         skipped[containers]="${reason#run-all.sh: SKIP: }"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every container-deployment test, one after the other, with one image build:
+# Every container-deployment test, one after the other (or N at a time), with one image build:
 #
 #   1. deploy/build-images.sh (once; skips what is up to date)
 #   2. with --skip-build each: happy-path.sh, agent-restart.sh, nats-restart.sh,
@@ -12,8 +12,11 @@
 #      passed, 2 skipped (TEST: reason; ...)"; with failures "run-all.sh: FAIL: TEST, ...
 #      failed; 7 passed" and exit status 1
 #
-#   tests/compose/run-all.sh [--skip-build] [--no-systemd-container] [--logs DIR] [TEST...]
+#   tests/compose/run-all.sh [--skip-build] [--no-systemd-container] [--logs DIR]
+#                            [--parallel N] [TEST...]
 #
+# --parallel N (or CONVERGE_COMPOSE_PARALLEL=N): N tests at a time (default 1), each its own
+# compose project; ./run-tests.sh runs 2 (the tests mostly wait on jobs whose steps sleep).
 # TEST: names without .sh (e.g. partition kill-allocator) to run only those. Each test's
 # output goes to DIR/<test>.log (default: a temporary directory, printed; kept).
 #
@@ -26,18 +29,20 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 root=$(cd "$here/../.." && pwd)
 
-skip_build=0 systemd_container=1 logs="" only=()
+skip_build=0 systemd_container=1 logs="" only=() parallel="${CONVERGE_COMPOSE_PARALLEL:-1}"
 while [[ $# -gt 0 ]]; do
     case "$1" in
         --skip-build) skip_build=1; shift ;;
         --no-systemd-container) systemd_container=0; shift ;;
         --logs) logs="${2:?--logs needs a directory}"; shift 2 ;;
+        --parallel) parallel="${2:?--parallel needs a number}"; shift 2 ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "run-all.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
         *) only+=("${1%.sh}"); shift ;;
     esac
 done
 
+[[ "$parallel" =~ ^[1-9][0-9]*$ ]] || { echo "run-all.sh: --parallel takes a number of tests, 1 or more" >&2; exit 2; }
 require_docker="${CONVERGE_REQUIRE_DOCKER:-0}"
 no_docker() {
     if [[ "$require_docker" == 1 ]]; then
@@ -78,16 +83,22 @@ fi
 
 declare -A result=() took=() recovery=() detail=() skip_reason=()
 failed=0
-for t in "${tests[@]}"; do
-    echo "==> $t (log: $logs/$t.log)"
-    args=()
+# run_one TEST: runs it (its output in $logs/TEST.log), then writes "STATUS SECONDS" to
+# $logs/TEST.status.
+run_one() {
+    local t="$1" args=() start rc
     case "$t" in systemd-*) ;; *) args=(--skip-build) ;; esac
     start=$(date +%s)
     set +e
     CV_SUMMARY_FILE="$summary" "$here/$t.sh" "${args[@]}" >"$logs/$t.log" 2>&1
     rc=$?
     set -e
-    took[$t]=$(( $(date +%s) - start ))
+    echo "$rc $(( $(date +%s) - start ))" >"$logs/$t.status"
+}
+# judge TEST: its result, time, recovery and figures, from its status, log and summary line.
+judge() {
+    local t="$1" rc line skip_line reason
+    read -r rc took[$t] <"$logs/$t.status"
     line=$(awk -F'\t' -v n="$t" '$1 == n' "$summary" | tail -n 1)
     case "$t" in happy-path) line=$(awk -F'\t' '$1 == "hp"' "$summary" | tail -n 1) ;; agent-restart) line=$(awk -F'\t' '$1 == "ar"' "$summary" | tail -n 1) ;; esac
     recovery[$t]=$(cut -f3 <<<"$line"); detail[$t]=$(cut -f4- <<<"$line")
@@ -109,9 +120,28 @@ for t in "${tests[@]}"; do
     else
         result[$t]=PASS
     fi
-    echo "    ${result[$t]} in ${took[$t]} s: ${detail[$t]}"
+    echo "    $t: ${result[$t]} in ${took[$t]} s: ${detail[$t]}"
     [[ ${result[$t]} != FAIL ]] || { echo "    --- last lines of $logs/$t.log ---"; grep -E 'FAIL|SKIP|==>' "$logs/$t.log" | tail -n 8 | sed 's/^/    /'; }
+}
+# Up to $parallel tests at a time, each its own compose project (own containers, network,
+# volumes and published ports), in the order listed; results in the order they finish.
+pending=("${tests[@]}") running=()
+while [[ ${#pending[@]} -gt 0 || ${#running[@]} -gt 0 ]]; do
+    while [[ ${#pending[@]} -gt 0 && ${#running[@]} -lt $parallel ]]; do
+        t=${pending[0]}; pending=("${pending[@]:1}")
+        rm -f "$logs/$t.status"
+        echo "==> $t (log: $logs/$t.log)"
+        run_one "$t" &
+        running+=("$t")
+    done
+    sleep 1
+    still=()
+    for t in "${running[@]}"; do
+        if [[ -f "$logs/$t.status" ]]; then judge "$t"; else still+=("$t"); fi
+    done
+    running=("${still[@]}")
 done
+wait
 
 echo
 printf '%-18s %-6s %6s  %-10s %s\n' test result time recovery details

@@ -15,6 +15,10 @@
 #   4. SIGKILL to the agent alone: its workers' shims see their lifelines close and stop
 #      them (systemd sends the leftovers SIGTERM too), systemd restarts the agent after
 #      RestartSec (Restart=on-failure), and the agent starts its workers again
+#   5. deploy/systemd/isolate-jobs.conf as a drop-in: the agent runs as root with a bounded
+#      capability set, the job's workers restart from their checkpoint under one user id of
+#      61000-61999, own their checkpoint directory (0700), have no CONVERGE_NATS_* in their
+#      environment and cannot read the agent's env file or state
 #
 #   tests/compose/systemd-container.sh [--keep]
 #
@@ -25,7 +29,7 @@
 set -euo pipefail
 
 if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
-    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 keep=0
@@ -180,6 +184,37 @@ inside 'grep -q "the agent is gone" /var/log/converge/mnist-mlp/gen*-rank*.log' 
 inside 'for i in $(seq 50); do [ "$(pgrep -c -u converge converge-traine)" -ge 1 ] && exit 0; sleep 0.2; done; exit 1' \
     || fail "the restarted agent did not start its workers again"
 echo "    leftover workers stopped, agent restarted (pid $old_pid -> $(inside 'systemctl show -p MainPID --value converge-agent')), workers running again"
+
+log "5. deploy/systemd/isolate-jobs.conf: the job's workers under a user id of their own"
+inside 'mkdir -p /etc/systemd/system/converge-agent.service.d'
+docker cp "$root/deploy/systemd/isolate-jobs.conf" "$name:/etc/systemd/system/converge-agent.service.d/isolate-jobs.conf"
+inside 'systemctl daemon-reload && systemctl restart converge-agent'
+# The workers stop with the old agent and start again under one id of 61000-61999 (60 s).
+uid=$(inside 'for i in $(seq 120); do
+        u=$(ps -C converge-traine -o uid= | sort -un | xargs)
+        [ -n "$u" ] && [ "$u" -ge 61000 ] 2>/dev/null && [ "$u" -le 61999 ] && { echo "$u"; exit 0; }
+        sleep 0.5
+    done; echo "${u:-none}"; exit 1') || fail "the workers did not run under one id of 61000-61999 within 60 s (ids: $uid)"
+[[ "$(inside 'ps -o uid= -p "$(systemctl show -p MainPID --value converge-agent)" | xargs')" == 0 ]] \
+    || fail "the agent does not run as root under isolate-jobs.conf"
+owner=$(inside 'stat -c "%u %a" /srv/converge/checkpoints/mnist-mlp')
+[[ "$owner" == "$uid 700" ]] || fail "the job's checkpoint directory is '$owner' (owner, mode), not '$uid 700'"
+# The agent's NATS settings are in its environment and not in its workers'.
+inside 'tr "\0" "\n" </proc/$(systemctl show -p MainPID --value converge-agent)/environ | grep -q "^CONVERGE_NATS_URL="' \
+    || fail "the agent's environment has no CONVERGE_NATS_URL (the next check would prove nothing)"
+leaked=$(inside 'for p in $(pgrep converge-traine); do tr "\0" "\n" </proc/$p/environ; done | grep -c "^CONVERGE_NATS_" || true')
+[[ "$leaked" == 0 ]] || fail "$leaked CONVERGE_NATS_* variable(s) in the workers' environment"
+# What the worker's id may not read: the agent's env file and its state directory.
+as_worker() { inside "setpriv --reuid=$uid --regid=$uid --clear-groups $1 >/dev/null 2>&1"; }
+as_worker 'cat /usr/local/share/converge/data/README.md' \
+    || fail "uid $uid cannot read the data set's README (the checks below would prove nothing)"
+! as_worker 'cat /etc/converge/agent.env' || fail "uid $uid (a job's workers) can read /etc/converge/agent.env"
+! as_worker 'ls /var/lib/converge/state' || fail "uid $uid (a job's workers) can list the agent's state directory"
+inside 'for i in $(seq 60); do
+        f=$(ls -t /var/log/converge/mnist-mlp/gen*-rank0.log | head -n1)
+        grep -q "resumed from checkpoint" "$f" && exit 0; sleep 0.5
+    done; exit 1' || fail "rank 0 did not resume from its checkpoint under its new id within 30 s"
+echo "    agent as root (capabilities bounded), workers as uid $uid, checkpoint directory theirs (0700), no CONVERGE_NATS_* in their environment, agent env file and state unreadable to them, resumed from the checkpoint"
 
 inside 'converge cancel mnist-mlp >/dev/null 2>&1 || true; systemctl stop converge-agent'
 echo
