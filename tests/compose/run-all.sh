@@ -93,12 +93,15 @@ run_one() {
     CV_SUMMARY_FILE="$summary" "$here/$t.sh" "${args[@]}" >"$logs/$t.log" 2>&1
     rc=$?
     set -e
-    echo "$rc $(( $(date +%s) - start ))" >"$logs/$t.status"
+    # Written whole, then renamed: the loop below never reads a half-written status.
+    echo "$rc $(( $(date +%s) - start ))" >"$logs/$t.status.tmp"
+    mv "$logs/$t.status.tmp" "$logs/$t.status"
 }
 # judge TEST: its result, time, recovery and figures, from its status, log and summary line.
 judge() {
     local t="$1" rc line skip_line reason
     read -r rc took[$t] <"$logs/$t.status"
+    [[ "$rc" =~ ^[0-9]+$ ]] || rc=1
     line=$(awk -F'\t' -v n="$t" '$1 == n' "$summary" | tail -n 1)
     case "$t" in happy-path) line=$(awk -F'\t' '$1 == "hp"' "$summary" | tail -n 1) ;; agent-restart) line=$(awk -F'\t' '$1 == "ar"' "$summary" | tail -n 1) ;; esac
     recovery[$t]=$(cut -f3 <<<"$line"); detail[$t]=$(cut -f4- <<<"$line")
