@@ -34,6 +34,9 @@ pub use crate::writes::QUEUE_STATUS_REFRESH_S;
 pub const STEP_SPACING: Duration = Duration::from_millis(200);
 /// How often the lifecycle (completions, restarts, host timeouts) is checked without updates.
 pub const LIFECYCLE_TICK: Duration = Duration::from_secs(1);
+/// How long the start may read what NATS stores (progress history, specs, heartbeats)
+/// before a warning says what it still waits for.
+const START_WARNING: Duration = Duration::from_secs(30);
 
 /// The allocator's view, rebuilt from NATS.
 #[derive(Debug, Default)]
@@ -184,6 +187,8 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
     let mut last_gpu_types: BTreeMap<String, usize> = BTreeMap::new();
     let mut last_step = Instant::now() - STEP_SPACING;
     let mut leading = false;
+    let started = Instant::now();
+    let mut start_warned = false;
 
     loop {
         let spacing = STEP_SPACING.saturating_sub(last_step.elapsed());
@@ -215,7 +220,14 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
                     policy_due = true;
                     // The reads above can take seconds (a NATS cluster electing leaders):
                     // apply what the followers delivered meanwhile before any step, or the
-                    // step would judge hosts by telemetry older than the host timeout.
+                    // step would judge hosts by telemetry older than the host timeout:
+                    // heartbeats, specs, statuses and plans first (their own channel),
+                    // then progress reports.
+                    view.leading = now_leading;
+                    for _ in 0..ctl_rx.len() {
+                        let Ok(input) = ctl_rx.try_recv() else { break };
+                        apply(&mut view, input, &mut policy_due, &mut lifecycle_due, caught_up);
+                    }
                     for _ in 0..rx.len() {
                         let Ok(input) = rx.try_recv() else { break };
                         let due = (&mut policy_due, &mut lifecycle_due);
@@ -247,12 +259,20 @@ pub async fn run(cfg: AllocatorConfig, shutdown: CancellationToken) -> anyhow::R
             }
             _ = tokio::time::sleep(spacing), if (policy_due || lifecycle_due) && !spacing.is_zero() => {}
         }
-        if !caught_up
-            || !view.specs_read
-            || !view.hosts_read
-            || !(policy_due || lifecycle_due)
-            || last_step.elapsed() < STEP_SPACING
-        {
+        if !(caught_up && view.specs_read && view.hosts_read) {
+            if !start_warned && started.elapsed() >= START_WARNING {
+                start_warned = true;
+                tracing::warn!(
+                    progress_replayed = caught_up,
+                    specs_read = view.specs_read,
+                    heartbeats_read = view.hosts_read,
+                    "no step yet: still reading what NATS stores (a step before would take \
+                     unread hosts for lost); is the JetStream meta leader up?"
+                );
+            }
+            continue;
+        }
+        if !(policy_due || lifecycle_due) || last_step.elapsed() < STEP_SPACING {
             continue;
         }
         if !leadership.borrow().is_valid() {

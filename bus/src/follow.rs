@@ -9,8 +9,9 @@ use std::time::Duration;
 
 /// Follows a KV bucket until `tx` closes: every key's current value first, then each
 /// change, each entry turned into a message by `read` (`None`: nothing to send). Once the
-/// values the bucket held when the follower started have been read (at once for an empty
-/// bucket), `caught_up()` is sent, if it gives a message. Entries reach `read` in increasing
+/// values the bucket held when the follower started have been read (at once for a bucket
+/// empty when opened, within about [`KV_QUIET`] for one emptied since), `caught_up()` is
+/// sent, if it gives a message. Entries reach `read` in increasing
 /// revision per key (an entry no newer than the last one read for its key is skipped), but
 /// `read` may see a key's entry again after a re-watch.
 ///
@@ -134,6 +135,19 @@ pub async fn follow_kv<T>(
                 if watch.is_none() && creating.is_none() && tokio::time::Instant::now() >= retry_at {
                     creating = Some(create(&store));
                 }
+                // A watch of a bucket that holds nothing delivers nothing, so no entry says
+                // the values at start are all in. The emptiness seen when the bucket was
+                // opened (above) may be out of date: values there then may have expired
+                // or been purged since. So a watch quiet since its creation asks the server
+                // (fresh stream information, bounded) whether the bucket is empty now.
+                if !done
+                    && watch.is_some()
+                    && last_delivery.elapsed() >= KV_QUIET
+                    && bucket_is_empty(&store).await
+                    && !signal(&tx, &mut done).await
+                {
+                    return;
+                }
                 // Only once caught up (a watch's first values are the current ones), and
                 // with a watch only once it has been quiet.
                 if !done || (watch.is_some() && last_delivery.elapsed() < KV_QUIET) {
@@ -176,6 +190,16 @@ pub async fn follow_kv<T>(
             return;
         }
     }
+}
+
+/// Whether the bucket's stream holds no message now, as its server says (not the stream
+/// information cached when the bucket was opened); false when the server does not answer
+/// within [`KV_WATCH_CREATE`].
+async fn bucket_is_empty(store: &kv::Store) -> bool {
+    matches!(
+        tokio::time::timeout(KV_WATCH_CREATE, store.stream.get_info()).await,
+        Ok(Ok(info)) if info.state.messages == 0
+    )
 }
 
 /// The entries of `store` after revision `after` ([`read_after`] on the bucket's subjects,

@@ -199,3 +199,48 @@ async fn a_bucket_followed_as_typed_changes() {
         .expect("the follower ends")
         .unwrap();
 }
+
+/// A bucket that held values when it was opened but is empty when followed (its values
+/// expired or were purged in between): the follower still says it has caught up, within
+/// a few seconds, instead of waiting for the next write. The allocator takes no step
+/// before its specs and heartbeats have caught up, so without this it would wait, with
+/// no agent writing, for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_emptied_after_it_was_opened_is_caught_up() {
+    let Some(bin) = nats_server_bin() else {
+        return;
+    };
+    let server = Server::start(&bin);
+    let bus = server.bus().await;
+    let queues = bus.open_queues(Setup::CreateOrUpdate).await.unwrap();
+    queues
+        .queues
+        .put("a", encode(&queue("a", 1)).into())
+        .await
+        .unwrap();
+    // Opened with one value in its stream information...
+    let store = bus.js.get_key_value("converge-queues").await.unwrap();
+    assert_eq!(store.status().await.unwrap().values(), 1);
+    // ...then emptied.
+    let stream = bus.js.get_stream("KV_converge-queues").await.unwrap();
+    stream.purge().await.unwrap();
+    assert_eq!(stream.get_info().await.unwrap().state.messages, 0);
+
+    let rejects = Arc::new(Rejects::default());
+    let decoder = KvDecoder::named(rejects.clone(), |q: &QueueSpec| &q.name);
+    let (tx, mut rx) = mpsc::channel(64);
+    let follower = tokio::spawn(follow_kv_typed(store, decoder, tx, |c| c));
+    let first: KvChange<QueueId, QueueSpec> = next(&mut rx).await;
+    assert_eq!(first, KvChange::CaughtUp);
+    // Then changes as ever.
+    queues
+        .queues
+        .put("b", encode(&queue("b", 2)).into())
+        .await
+        .unwrap();
+    let change: KvChange<QueueId, QueueSpec> = next(&mut rx).await;
+    assert_eq!(change, KvChange::Put("b".parse().unwrap(), queue("b", 2)));
+    assert_eq!(rejects.total(), 0);
+    drop(rx);
+    follower.abort();
+}

@@ -107,11 +107,11 @@ judge() {
     recovery[$t]=$(cut -f3 <<<"$line"); detail[$t]=$(cut -f4- <<<"$line")
     [[ -n "${recovery[$t]}" ]] || recovery[$t]=-
     if [[ -z "${detail[$t]}" ]]; then
-        detail[$t]=$(grep -E '^(PASS|FAIL|FAILED|SKIP|systemd checks)' "$logs/$t.log" | tail -n 1 | cut -c1-150)
+        detail[$t]=$({ grep -E '^(PASS|FAIL|FAILED|SKIP|systemd checks)' "$logs/$t.log" || true; } | tail -n 1 | cut -c1-150)
     fi
     if [[ $rc -ne 0 ]]; then
         result[$t]=FAIL; failed=1
-    elif skip_line=$(grep -m1 '^SKIP' "$logs/$t.log"); then
+    elif skip_line=$(grep -m1 '^SKIP' "$logs/$t.log" 2>/dev/null); then
         reason=$(sed -E 's/^SKIP[:[:space:]]*//' <<<"$skip_line")
         skip_reason[$t]=${reason:-no reason given}
         if [[ "$require_docker" == 1 ]]; then
@@ -124,10 +124,23 @@ judge() {
         result[$t]=PASS
     fi
     echo "    $t: ${result[$t]} in ${took[$t]} s: ${detail[$t]}"
-    [[ ${result[$t]} != FAIL ]] || { echo "    --- last lines of $logs/$t.log ---"; grep -E 'FAIL|SKIP|==>' "$logs/$t.log" | tail -n 8 | sed 's/^/    /'; }
+    [[ ${result[$t]} != FAIL ]] || { echo "    --- last lines of $logs/$t.log ---"; { grep -E 'FAIL|SKIP|==>' "$logs/$t.log" || true; } | tail -n 8 | sed 's/^/    /'; }
 }
 # Up to $parallel tests at a time, each its own compose project (own containers, network,
 # volumes and published ports), in the order listed; results in the order they finish.
+# Each runs in a process group of its own (job control): Ctrl-C or SIGTERM here sends
+# SIGTERM to every running test, whose trap tears its cluster down, and waits for them.
+set -m
+declare -A pid_of=()
+stop_tests() {
+    local p
+    trap - INT TERM
+    echo "run-all.sh: interrupted: stopping the running tests (each tears its cluster down)" >&2
+    for p in "${pid_of[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done
+    wait || true
+    exit 130
+}
+trap stop_tests INT TERM
 pending=("${tests[@]}") running=()
 while [[ ${#pending[@]} -gt 0 || ${#running[@]} -gt 0 ]]; do
     while [[ ${#pending[@]} -gt 0 && ${#running[@]} -lt $parallel ]]; do
@@ -135,12 +148,23 @@ while [[ ${#pending[@]} -gt 0 || ${#running[@]} -gt 0 ]]; do
         rm -f "$logs/$t.status"
         echo "==> $t (log: $logs/$t.log)"
         run_one "$t" &
+        pid_of[$t]=$!
         running+=("$t")
     done
     sleep 1
     still=()
     for t in "${running[@]}"; do
-        if [[ -f "$logs/$t.status" ]]; then judge "$t"; else still+=("$t"); fi
+        # A runner gone without a status (killed, or its shell failed) is a failure.
+        if [[ ! -f "$logs/$t.status" ]] && ! kill -0 "${pid_of[$t]}" 2>/dev/null && [[ ! -f "$logs/$t.status" ]]; then
+            echo "1 0" >"$logs/$t.status"
+            echo "run-all.sh: the runner of $t ended without writing its status" >>"$logs/$t.log"
+        fi
+        if [[ -f "$logs/$t.status" ]]; then
+            judge "$t"
+            unset "pid_of[$t]"
+        else
+            still+=("$t")
+        fi
     done
     running=("${still[@]}")
 done

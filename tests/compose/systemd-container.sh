@@ -186,35 +186,56 @@ inside 'for i in $(seq 50); do [ "$(pgrep -c -u converge converge-traine)" -ge 1
 echo "    leftover workers stopped, agent restarted (pid $old_pid -> $(inside 'systemctl show -p MainPID --value converge-agent')), workers running again"
 
 log "5. deploy/systemd/isolate-jobs.conf: the job's workers under a user id of their own"
-inside 'mkdir -p /etc/systemd/system/converge-agent.service.d'
-docker cp "$root/deploy/systemd/isolate-jobs.conf" "$name:/etc/systemd/system/converge-agent.service.d/isolate-jobs.conf"
-inside 'systemctl daemon-reload && systemctl restart converge-agent'
+# "resumed from checkpoint" lines so far: the restart below must add one.
+resumes=$(inside 'cat /var/log/converge/mnist-mlp/gen*-rank0.log | grep -c "resumed from checkpoint" || true')
+inside 'mkdir -p /etc/systemd/system/converge-agent.service.d' || fail "mkdir of the drop-in directory failed"
+docker cp "$root/deploy/systemd/isolate-jobs.conf" "$name:/etc/systemd/system/converge-agent.service.d/isolate-jobs.conf" \
+    || fail "docker cp of isolate-jobs.conf failed"
+inside 'systemctl daemon-reload && systemctl restart converge-agent' || fail "systemctl restart converge-agent failed under isolate-jobs.conf"
 # The workers stop with the old agent and start again under one id of 61000-61999 (60 s).
 uid=$(inside 'for i in $(seq 120); do
         u=$(ps -C converge-traine -o uid= | sort -un | xargs)
         [ -n "$u" ] && [ "$u" -ge 61000 ] 2>/dev/null && [ "$u" -le 61999 ] && { echo "$u"; exit 0; }
         sleep 0.5
     done; echo "${u:-none}"; exit 1') || fail "the workers did not run under one id of 61000-61999 within 60 s (ids: $uid)"
-[[ "$(inside 'ps -o uid= -p "$(systemctl show -p MainPID --value converge-agent)" | xargs')" == 0 ]] \
+agent_pid=$(inside 'systemctl show -p MainPID --value converge-agent') || fail "no MainPID of converge-agent"
+[[ "$(inside "ps -o uid= -p $agent_pid | xargs" || true)" == 0 ]] \
     || fail "the agent does not run as root under isolate-jobs.conf"
-owner=$(inside 'stat -c "%u %a" /srv/converge/checkpoints/mnist-mlp')
+# The bounding set of the drop-in: CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETGID, SETUID,
+# SYS_PTRACE (capability bits 0 1 3 5 6 7 19), within what this container has (Docker's
+# defaults have no SYS_PTRACE).
+capbnd=$(inside "sed -n 's/^CapBnd:[[:space:]]*//p' /proc/$agent_pid/status" || true)
+container_capbnd=$(inside "sed -n 's/^CapBnd:[[:space:]]*//p' /proc/1/status" || true)
+[[ "$container_capbnd" =~ ^[0-9a-f]{16}$ ]] || fail "no capability bounding set of the container's init: '$container_capbnd'"
+want_capbnd=$(printf '%016x' $(( 0x800eb & 0x$container_capbnd )))
+[[ "$capbnd" == "$want_capbnd" ]] || fail "the agent's capability bounding set is '$capbnd', not $want_capbnd (isolate-jobs.conf's within the container's $container_capbnd)"
+owner=$(inside 'stat -c "%u %a" /srv/converge/checkpoints/mnist-mlp' || true)
 [[ "$owner" == "$uid 700" ]] || fail "the job's checkpoint directory is '$owner' (owner, mode), not '$uid 700'"
-# The agent's NATS settings are in its environment and not in its workers'.
-inside 'tr "\0" "\n" </proc/$(systemctl show -p MainPID --value converge-agent)/environ | grep -q "^CONVERGE_NATS_URL="' \
+# The agent's NATS settings are in its environment and not in its workers'. A worker's
+# environment is read as the worker's own id (root in this container has no
+# CAP_SYS_PTRACE to read another user's); every worker's must read and be a worker's.
+inside "tr '\0' '\n' </proc/$agent_pid/environ | grep -q '^CONVERGE_NATS_URL='" \
     || fail "the agent's environment has no CONVERGE_NATS_URL (the next check would prove nothing)"
-leaked=$(inside 'for p in $(pgrep converge-traine); do tr "\0" "\n" </proc/$p/environ; done | grep -c "^CONVERGE_NATS_" || true')
-[[ "$leaked" == 0 ]] || fail "$leaked CONVERGE_NATS_* variable(s) in the workers' environment"
+read_envs=0
+for p in $(inside 'pgrep converge-traine | xargs' || true); do
+    env_of=$(docker exec -u "$uid:$uid" "$name" cat "/proc/$p/environ" | tr '\0' '\n') || continue  # gone meanwhile
+    grep -q '^CONVERGE_JOB_ID=mnist-mlp$' <<<"$env_of" || fail "worker $p's environment (read as uid $uid) has no CONVERGE_JOB_ID=mnist-mlp"
+    leaked=$(grep -c '^CONVERGE_NATS_' <<<"$env_of" || true)
+    [[ "$leaked" == 0 ]] || fail "worker $p has $leaked CONVERGE_NATS_* variable(s) in its environment"
+    read_envs=$((read_envs + 1))
+done
+[[ $read_envs -ge 1 ]] || fail "no worker's environment could be read as uid $uid"
 # What the worker's id may not read: the agent's env file and its state directory.
 as_worker() { inside "setpriv --reuid=$uid --regid=$uid --clear-groups $1 >/dev/null 2>&1"; }
 as_worker 'cat /usr/local/share/converge/data/README.md' \
     || fail "uid $uid cannot read the data set's README (the checks below would prove nothing)"
 ! as_worker 'cat /etc/converge/agent.env' || fail "uid $uid (a job's workers) can read /etc/converge/agent.env"
 ! as_worker 'ls /var/lib/converge/state' || fail "uid $uid (a job's workers) can list the agent's state directory"
-inside 'for i in $(seq 60); do
-        f=$(ls -t /var/log/converge/mnist-mlp/gen*-rank0.log | head -n1)
-        grep -q "resumed from checkpoint" "$f" && exit 0; sleep 0.5
-    done; exit 1' || fail "rank 0 did not resume from its checkpoint under its new id within 30 s"
-echo "    agent as root (capabilities bounded), workers as uid $uid, checkpoint directory theirs (0700), no CONVERGE_NATS_* in their environment, agent env file and state unreadable to them, resumed from the checkpoint"
+inside "for i in \$(seq 60); do
+        n=\$(cat /var/log/converge/mnist-mlp/gen*-rank0.log | grep -c 'resumed from checkpoint')
+        [ \"\$n\" -gt $resumes ] && exit 0; sleep 0.5
+    done; exit 1" || fail "rank 0 did not resume from its checkpoint under its new id within 30 s"
+echo "    agent as root (bounding set $capbnd), workers as uid $uid, checkpoint directory theirs (0700), no CONVERGE_NATS_* in $read_envs worker environment(s), agent env file and state unreadable to them, rank 0 resumed from the checkpoint"
 
 inside 'converge cancel mnist-mlp >/dev/null 2>&1 || true; systemctl stop converge-agent'
 echo
