@@ -10,8 +10,9 @@ use std::time::Duration;
 /// Follows a KV bucket until `tx` closes: every key's current value first, then each
 /// change, each entry turned into a message by `read` (`None`: nothing to send). Once the
 /// values the bucket held when the follower started have been read (at once for a bucket
-/// empty when opened, within about [`KV_QUIET`] for one emptied since), `caught_up()` is
-/// sent, if it gives a message. Entries reach `read` in increasing
+/// the server says is empty then; within [`KV_QUIET`] to [`KV_STALL`] after the watch's
+/// creation for one emptied while the watch was made), `caught_up()` is sent, if it gives
+/// a message. Entries reach `read` in increasing
 /// revision per key (an entry no newer than the last one read for its key is skipped), but
 /// `read` may see a key's entry again after a re-watch.
 ///
@@ -51,9 +52,9 @@ pub async fn follow_kv<T>(
             None => true,
         }
     };
-    // (The bucket's stream info as opened: no request.)
-    if matches!(store.status().await, Ok(ref s) if s.values() == 0) && !signal(&tx, &mut done).await
-    {
+    // Empty now, as the server says (the stream info cached when the bucket was opened may
+    // be out of date either way): caught up at once.
+    if bucket_is_empty(&store).await && !signal(&tx, &mut done).await {
         return;
     }
     // The latest revision delivered per key, and over the bucket.
@@ -81,6 +82,8 @@ pub async fn follow_kv<T>(
     let mut last_delivery = tokio::time::Instant::now();
     // A revision read directly that the watch had not delivered, and when.
     let mut missed: Option<(u64, tokio::time::Instant)> = None;
+    // When the follower last asked whether the bucket is empty (before catching up).
+    let mut last_empty_check: Option<tokio::time::Instant> = None;
     let mut tick = tokio::time::interval(KV_QUIET / 2);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -140,13 +143,27 @@ pub async fn follow_kv<T>(
                 // opened (above) may be out of date: values there then may have expired
                 // or been purged since. So a watch quiet since its creation asks the server
                 // (fresh stream information, bounded) whether the bucket is empty now.
+                // At most once per KV_STALL (a request to the stream's leader); a watch
+                // quiet for KV_STALL on a bucket that does hold values is stalled and is
+                // created again.
                 if !done
                     && watch.is_some()
                     && last_delivery.elapsed() >= KV_QUIET
-                    && bucket_is_empty(&store).await
-                    && !signal(&tx, &mut done).await
+                    && last_empty_check.is_none_or(|at| at.elapsed() >= KV_STALL)
                 {
-                    return;
+                    last_empty_check = Some(tokio::time::Instant::now());
+                    if bucket_is_empty(&store).await {
+                        if !signal(&tx, &mut done).await {
+                            return;
+                        }
+                    } else if last_delivery.elapsed() >= KV_STALL {
+                        tracing::warn!(
+                            bucket = %store.name,
+                            "watch stalled before delivering the bucket's values: watching again"
+                        );
+                        watch = None;
+                        creating = Some(create(&store));
+                    }
                 }
                 // Only once caught up (a watch's first values are the current ones), and
                 // with a watch only once it has been quiet.

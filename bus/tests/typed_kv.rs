@@ -101,8 +101,8 @@ async fn a_bucket_followed_as_typed_changes() {
         .await
         .unwrap();
 
-    // Opened again: the follower takes an empty bucket's emptiness from the store's info
-    // as opened.
+    // Opened again (the follower asks the server whether the bucket is empty; the store's
+    // information as opened may be out of date, see the next test).
     let store = bus.js.get_key_value("converge-queues").await.unwrap();
     let rejects = Arc::new(Rejects::default());
     let decoder = KvDecoder::named(rejects.clone(), |q: &QueueSpec| &q.name);

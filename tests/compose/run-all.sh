@@ -128,16 +128,20 @@ judge() {
 }
 # Up to $parallel tests at a time, each its own compose project (own containers, network,
 # volumes and published ports), in the order listed; results in the order they finish.
-# Each runs in a process group of its own (job control): Ctrl-C or SIGTERM here sends
-# SIGTERM to every running test, whose trap tears its cluster down, and waits for them.
-set -m
+# Each runs in a process group of its own (job control on for the fork only, so that
+# this script's foreground commands keep the terminal and Ctrl-C reaches this script;
+# stdin from /dev/null, which a background job no longer gets by itself): Ctrl-C or
+# SIGTERM here sends SIGTERM to every running test, whose trap tears its cluster down, and
+# waits (2 min at most) until their process groups are gone.
 declare -A pid_of=()
 stop_tests() {
-    local p
+    local p deadline=$(( $(date +%s) + 120 ))
     trap - INT TERM
     echo "run-all.sh: interrupted: stopping the running tests (each tears its cluster down)" >&2
     for p in "${pid_of[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done
-    wait || true
+    for p in "${pid_of[@]}"; do
+        while kill -0 -- "-$p" 2>/dev/null && (( $(date +%s) < deadline )); do sleep 0.5; done
+    done
     exit 130
 }
 trap stop_tests INT TERM
@@ -147,8 +151,10 @@ while [[ ${#pending[@]} -gt 0 || ${#running[@]} -gt 0 ]]; do
         t=${pending[0]}; pending=("${pending[@]:1}")
         rm -f "$logs/$t.status"
         echo "==> $t (log: $logs/$t.log)"
-        run_one "$t" &
+        set -m
+        run_one "$t" </dev/null &
         pid_of[$t]=$!
+        set +m
         running+=("$t")
     done
     sleep 1

@@ -25,11 +25,12 @@
 # Needs docker, the image converge/base:bookworm (deploy/build-images.sh base), the release
 # binaries in $CARGO_TARGET_DIR/release (default target/release), deb.debian.org once (to
 # add systemd to the test image) and a Docker that allows --cap-add SYS_ADMIN (systemd
-# needs it for the unit's mount namespaces). Skips (exit 0) where that is refused.
+# needs it for the unit's mount namespaces) and SYS_PTRACE (root on a host has it; step 5
+# bounds the agent to it). Skips (exit 0) where that is refused.
 set -euo pipefail
 
 if [[ "${1:-}" == -h || "${1:-}" == --help ]]; then
-    sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 keep=0
@@ -83,13 +84,13 @@ cleanup() {
 trap cleanup EXIT
 
 log "starting systemd in container $name"
-if ! docker run -d --name "$name" --cap-add SYS_ADMIN \
+if ! docker run -d --name "$name" --cap-add SYS_ADMIN --cap-add SYS_PTRACE \
         --security-opt seccomp=unconfined --security-opt apparmor=unconfined \
         --tmpfs /run --tmpfs /run/lock -v /sys/fs/cgroup:/sys/fs/cgroup:ro \
         "$image" >/dev/null 2>"/tmp/$name.err"; then
     cat "/tmp/$name.err" >&2
     why=$(grep -m1 . "/tmp/$name.err" | cut -c1-160 || true); rm -f "/tmp/$name.err"
-    echo "SKIP: this Docker refuses a systemd container (--cap-add SYS_ADMIN, seccomp and apparmor unconfined): ${why:-docker run failed}"
+    echo "SKIP: this Docker refuses a systemd container (--cap-add SYS_ADMIN SYS_PTRACE, seccomp and apparmor unconfined): ${why:-docker run failed}"
     exit 0
 fi
 rm -f "/tmp/$name.err"
@@ -171,6 +172,7 @@ echo "    $(inside 'grep -h "resumed from checkpoint" /var/log/converge/mnist-ml
 
 log "4. SIGKILL to the agent alone: its workers stop, systemd restarts it"
 old_pid=$(inside 'systemctl show -p MainPID --value converge-agent')
+resumes_before_kill=$(inside 'cat /var/log/converge/mnist-mlp/gen*-rank0.log | grep -c "resumed from checkpoint" || true')
 old_workers=$(inside 'pgrep -d " " -u converge converge-traine || true')
 inside 'systemctl kill -s SIGKILL --kill-whom=main converge-agent'
 # 60 s: systemd restarts the agent (RestartSec=5s) once the unit's other processes, the
@@ -183,10 +185,15 @@ inside 'grep -q "the agent is gone" /var/log/converge/mnist-mlp/gen*-rank*.log' 
     || fail "no worker shim saw its agent die"
 inside 'for i in $(seq 50); do [ "$(pgrep -c -u converge converge-traine)" -ge 1 ] && exit 0; sleep 0.2; done; exit 1' \
     || fail "the restarted agent did not start its workers again"
+inside "for i in \$(seq 60); do
+        n=\$(cat /var/log/converge/mnist-mlp/gen*-rank0.log | grep -c 'resumed from checkpoint')
+        [ \"\$n\" -gt $resumes_before_kill ] && exit 0; sleep 0.5
+    done; exit 1" || fail "rank 0 did not resume from its checkpoint under the restarted agent within 30 s"
 echo "    leftover workers stopped, agent restarted (pid $old_pid -> $(inside 'systemctl show -p MainPID --value converge-agent')), workers running again"
 
 log "5. deploy/systemd/isolate-jobs.conf: the job's workers under a user id of their own"
-# "resumed from checkpoint" lines so far: the restart below must add one.
+# "resumed from checkpoint" lines so far (step 4's included): the restart below must add
+# one.
 resumes=$(inside 'cat /var/log/converge/mnist-mlp/gen*-rank0.log | grep -c "resumed from checkpoint" || true')
 inside 'mkdir -p /etc/systemd/system/converge-agent.service.d' || fail "mkdir of the drop-in directory failed"
 docker cp "$root/deploy/systemd/isolate-jobs.conf" "$name:/etc/systemd/system/converge-agent.service.d/isolate-jobs.conf" \
@@ -202,23 +209,25 @@ agent_pid=$(inside 'systemctl show -p MainPID --value converge-agent') || fail "
 [[ "$(inside "ps -o uid= -p $agent_pid | xargs" || true)" == 0 ]] \
     || fail "the agent does not run as root under isolate-jobs.conf"
 # The bounding set of the drop-in: CHOWN, DAC_OVERRIDE, FOWNER, KILL, SETGID, SETUID,
-# SYS_PTRACE (capability bits 0 1 3 5 6 7 19), within what this container has (Docker's
-# defaults have no SYS_PTRACE).
+# SYS_PTRACE (capability bits 0 1 3 5 6 7 19), within what this container has (it runs
+# with SYS_PTRACE added, as root on a host has it).
 capbnd=$(inside "sed -n 's/^CapBnd:[[:space:]]*//p' /proc/$agent_pid/status" || true)
 container_capbnd=$(inside "sed -n 's/^CapBnd:[[:space:]]*//p' /proc/1/status" || true)
 [[ "$container_capbnd" =~ ^[0-9a-f]{16}$ ]] || fail "no capability bounding set of the container's init: '$container_capbnd'"
+(( 0x$container_capbnd & 0x80000 )) || fail "the container has no SYS_PTRACE to bound the agent with (docker run --cap-add SYS_PTRACE)"
 want_capbnd=$(printf '%016x' $(( 0x800eb & 0x$container_capbnd )))
 [[ "$capbnd" == "$want_capbnd" ]] || fail "the agent's capability bounding set is '$capbnd', not $want_capbnd (isolate-jobs.conf's within the container's $container_capbnd)"
 owner=$(inside 'stat -c "%u %a" /srv/converge/checkpoints/mnist-mlp' || true)
 [[ "$owner" == "$uid 700" ]] || fail "the job's checkpoint directory is '$owner' (owner, mode), not '$uid 700'"
 # The agent's NATS settings are in its environment and not in its workers'. A worker's
-# environment is read as the worker's own id (root in this container has no
-# CAP_SYS_PTRACE to read another user's); every worker's must read and be a worker's.
+# environment is read as the worker's own id (what the worker itself can read); every
+# worker's must read and be a worker's.
 inside "tr '\0' '\n' </proc/$agent_pid/environ | grep -q '^CONVERGE_NATS_URL='" \
     || fail "the agent's environment has no CONVERGE_NATS_URL (the next check would prove nothing)"
 read_envs=0
 for p in $(inside 'pgrep converge-traine | xargs' || true); do
     env_of=$(docker exec -u "$uid:$uid" "$name" cat "/proc/$p/environ" | tr '\0' '\n') || continue  # gone meanwhile
+    [[ -n "$env_of" ]] || continue  # exiting (a zombie's environment reads empty)
     grep -q '^CONVERGE_JOB_ID=mnist-mlp$' <<<"$env_of" || fail "worker $p's environment (read as uid $uid) has no CONVERGE_JOB_ID=mnist-mlp"
     leaked=$(grep -c '^CONVERGE_NATS_' <<<"$env_of" || true)
     [[ "$leaked" == 0 ]] || fail "worker $p has $leaked CONVERGE_NATS_* variable(s) in its environment"
