@@ -74,6 +74,21 @@ fn queue(name: &str, quota_gpus: u32) -> QueueSpec {
     }
 }
 
+/// Follows a queues bucket as typed changes: its refusal counts, the changes, the task.
+fn follow_queues(
+    store: async_nats::jetstream::kv::Store,
+) -> (
+    Arc<Rejects>,
+    mpsc::Receiver<KvChange<QueueId, QueueSpec>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let rejects = Arc::new(Rejects::default());
+    let decoder = KvDecoder::named(rejects.clone(), |q: &QueueSpec| &q.name);
+    let (tx, rx) = mpsc::channel(64);
+    let follower = tokio::spawn(follow_kv_typed(store, decoder, tx, |c| c));
+    (rejects, rx, follower)
+}
+
 async fn next<T>(rx: &mut mpsc::Receiver<T>) -> T {
     tokio::time::timeout(Duration::from_secs(10), rx.recv())
         .await
@@ -104,10 +119,7 @@ async fn a_bucket_followed_as_typed_changes() {
     // Opened again (the follower asks the server whether the bucket is empty; the store's
     // information as opened may be out of date, see the next test).
     let store = bus.js.get_key_value("converge-queues").await.unwrap();
-    let rejects = Arc::new(Rejects::default());
-    let decoder = KvDecoder::named(rejects.clone(), |q: &QueueSpec| &q.name);
-    let (tx, mut rx) = mpsc::channel(64);
-    let follower = tokio::spawn(follow_kv_typed(store.clone(), decoder, tx, |c| c));
+    let (rejects, mut rx, follower) = follow_queues(store.clone());
     let id = |s: &str| s.parse::<QueueId>().unwrap();
 
     let mut changes = Vec::new();
@@ -226,10 +238,7 @@ async fn a_bucket_emptied_after_it_was_opened_is_caught_up() {
     stream.purge().await.unwrap();
     assert_eq!(stream.get_info().await.unwrap().state.messages, 0);
 
-    let rejects = Arc::new(Rejects::default());
-    let decoder = KvDecoder::named(rejects.clone(), |q: &QueueSpec| &q.name);
-    let (tx, mut rx) = mpsc::channel(64);
-    let follower = tokio::spawn(follow_kv_typed(store, decoder, tx, |c| c));
+    let (rejects, mut rx, follower) = follow_queues(store);
     let first: KvChange<QueueId, QueueSpec> = next(&mut rx).await;
     assert_eq!(first, KvChange::CaughtUp);
     // Then changes as ever.
