@@ -253,6 +253,13 @@ impl JobHistory {
     pub fn first_loss(&self) -> Option<f64> {
         self.first_loss
     }
+    /// The mean of the latest `n` reported losses (fewer when fewer are kept; `None` with no
+    /// report or `n == 0`). Losses of every generation count: a restart resumes from a
+    /// checkpoint, so its losses continue the curve.
+    pub fn recent_loss(&self, n: usize) -> Option<f64> {
+        let tail: Vec<f64> = self.points.iter().rev().take(n).map(|p| p.loss).collect();
+        (!tail.is_empty()).then(|| tail.iter().sum::<f64>() / tail.len() as f64)
+    }
     pub fn last_eval_loss(&self) -> Option<f64> {
         self.last_eval_loss
     }

@@ -794,7 +794,7 @@ pub fn simulate(
                     submitted_at: t.spec.time,
                     samples: t.x,
                     epoch_samples: t.history.epoch_samples(),
-                    latest_loss: t.history.latest().map(|p| p.loss),
+                    recent_loss: t.history.recent_loss(converge_sched::stop::RECENT_LOSSES),
                     curve: curve.as_ref(),
                     gpu_seconds: t.history.attained_gpu_seconds(1),
                 },

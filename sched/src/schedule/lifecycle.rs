@@ -270,7 +270,7 @@ pub(super) fn apply_stop_criteria(
                 .map_or(0, |p| p.samples),
         ) as f64,
         epoch_samples: history.and_then(JobHistory::epoch_samples),
-        latest_loss: history.and_then(JobHistory::latest).map(|p| p.loss),
+        recent_loss: history.and_then(|h| h.recent_loss(stop::RECENT_LOSSES)),
         curve,
         gpu_seconds: history.map_or(0.0, |h| h.attained_gpu_seconds(spec.gpus_per_worker)),
     };

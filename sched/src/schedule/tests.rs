@@ -782,18 +782,29 @@ fn reaching_the_target_loss_completes_the_job() {
         None,
         "no report carried an epoch"
     );
-    let mut last = report(960, 0.39);
-    last.line.epoch = Some(3.0);
-    w.histories.get_mut(&id).unwrap().add(&last);
-    let out = w.step(12.0, false);
+    let mut first_below = report(960, 0.39);
+    first_below.line.epoch = Some(3.0);
+    w.histories.get_mut(&id).unwrap().add(&first_below);
+    w.step(12.0, false);
+    // One report below the target is not enough: the mean of the latest reports
+    // (0.7, 0.5, 0.39: 0.53) is still above it.
+    assert_eq!(w.status("t").phase, JobPhase::Running);
+    for (k, loss) in [(4u64, 0.38), (5, 0.37), (6, 0.36), (7, 0.35)] {
+        let mut r = report(320 * k, loss);
+        r.line.epoch = Some(k as f64);
+        w.histories.get_mut(&id).unwrap().add(&r);
+    }
+    let out = w.step(13.0, false);
     let s = w.status("t");
-    assert_eq!(s.phase, JobPhase::Completed);
-    assert_eq!(s.epoch_samples, Some(320.0), "960 samples in 3 epochs");
+    assert_eq!(s.phase, JobPhase::Completed, "{s:?}");
+    assert_eq!(s.epoch_samples, Some(320.0), "320 samples an epoch");
     assert!(
         s.message.as_ref().unwrap().contains("target loss 0.4"),
         "{s:?}"
     );
-    assert_eq!((s.samples, s.loss), (960, Some(0.39)));
+    // The latest five reports average 0.37.
+    assert!(s.message.as_ref().unwrap().contains("0.3700"), "{s:?}");
+    assert_eq!((s.samples, s.loss), (2240, Some(0.35)));
     assert!(out.plans.values().all(|p| p.workers.is_empty()));
 }
 
