@@ -336,6 +336,23 @@ pub struct SimResult {
     pub decisions: Vec<RecordedDecision>,
     /// Every whole-job preemption by the queues, in time order.
     pub preemptions: Vec<Preemption>,
+    /// With `--work target-loss` in the decision loop, one per job view: how the work left
+    /// that the policy was told compares with the truth ([`WorkEstimate`]). Empty otherwise.
+    pub work_estimates: Vec<WorkEstimate>,
+}
+
+/// One job view's remaining-work estimate against the truth, with target losses only: the
+/// fitted curve's samples to the target (`known_remaining_work`, as the service) against
+/// the samples to the job's completion epoch. The truth is counted in statistical progress
+/// and converted to samples at the job's ratio of samples to progress so far (1.0–1.3 on
+/// the Pollux workloads: larger batches progress less per sample).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct WorkEstimate {
+    /// Share of the job's work done, 0–1.
+    pub done: f64,
+    /// Estimate divided by the truth; `None` when the policy was told nothing (no fitted
+    /// curve, or one that does not reach the target).
+    pub ratio: Option<f64>,
 }
 
 /// A job the queues preempted whole ([`converge_sched::decide::QueuedAllocation::preempted`]).
@@ -716,6 +733,7 @@ pub fn simulate(
     // them through KV `converge-queue-status`.
     let mut queue_statuses: BTreeMap<QueueId, QueueStatus> = BTreeMap::new();
     let mut preemptions = Vec::new();
+    let mut work_estimates = Vec::new();
 
     loop {
         advance(
@@ -833,6 +851,22 @@ pub fn simulate(
             } else {
                 None
             };
+            if cfg.work == WorkKnowledge::TargetLoss && (wants.estimates || wants.oracle) {
+                let total = declared_samples_total(&t.job, app);
+                let left = declared_samples_left(&t.job, app);
+                let done = total - left;
+                let per_progress = if done > 0.0 && t.samples > 0.0 {
+                    t.samples / done
+                } else {
+                    1.0
+                };
+                if total > 0.0 && left > 0.0 {
+                    work_estimates.push(WorkEstimate {
+                        done: (done / total).clamp(0.0, 1.0),
+                        ratio: remaining_work.map(|r| r / (left * per_progress)),
+                    });
+                }
+            }
             let curve = curve.filter(|_| wants.curves);
             views.push(JobView {
                 id: t.id.clone(),
@@ -971,6 +1005,7 @@ pub fn simulate(
         policy_violations,
         decisions,
         preemptions,
+        work_estimates,
     })
 }
 

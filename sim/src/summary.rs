@@ -87,6 +87,68 @@ pub struct Summary {
     /// included; Sia's Figure 6 shows the shares); empty on a cluster without types.
     #[serde(default)]
     pub gpu_hours_by_type: BTreeMap<String, BTreeMap<String, f64>>,
+    /// With target losses only (decision loop): the remaining-work estimates the policy was
+    /// told against the truth, by share of the job's work done, in fifths
+    /// ([`crate::engine::WorkEstimate`]); empty otherwise.
+    #[serde(default)]
+    pub work_estimates: Vec<EstimateBand>,
+}
+
+/// The remaining-work estimates of the job views whose job had done `from`–`to` of its work.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EstimateBand {
+    pub from: f64,
+    pub to: f64,
+    /// Job views in the band, over all workloads.
+    pub views: usize,
+    /// Share of them without an estimate (the policy then guesses from the work done).
+    pub without: f64,
+    /// Estimate ÷ truth of those with one: 10th, 50th and 90th percentiles (nearest rank);
+    /// `None` when none had one.
+    pub ratio_p10: Option<f64>,
+    pub ratio_p50: Option<f64>,
+    pub ratio_p90: Option<f64>,
+}
+
+/// [`Summary::work_estimates`] of `estimates`: five bands of work done.
+pub fn estimate_bands(estimates: &[crate::engine::WorkEstimate]) -> Vec<EstimateBand> {
+    if estimates.is_empty() {
+        return Vec::new();
+    }
+    (0..5)
+        .map(|k| {
+            let (from, to) = (k as f64 / 5.0, (k + 1) as f64 / 5.0);
+            let band: Vec<_> = estimates
+                .iter()
+                .filter(|e| e.done >= from && (e.done < to || (k == 4 && e.done <= to)))
+                .collect();
+            let mut ratios: Vec<f64> = band
+                .iter()
+                .filter_map(|e| e.ratio)
+                .filter(|r| r.is_finite())
+                .collect();
+            ratios.sort_by(f64::total_cmp);
+            let at = |q: f64| {
+                (!ratios.is_empty()).then(|| {
+                    let i = ((q * ratios.len() as f64).ceil() as usize).clamp(1, ratios.len());
+                    ratios[i - 1]
+                })
+            };
+            EstimateBand {
+                from,
+                to,
+                views: band.len(),
+                without: if band.is_empty() {
+                    0.0
+                } else {
+                    band.iter().filter(|e| e.ratio.is_none()).count() as f64 / band.len() as f64
+                },
+                ratio_p10: at(0.1),
+                ratio_p50: at(0.5),
+                ratio_p90: at(0.9),
+            }
+        })
+        .collect()
 }
 
 fn mean(xs: impl IntoIterator<Item = f64>) -> f64 {
@@ -122,6 +184,7 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
         simulation_s: BTreeMap::new(),
         gpu_hours_per_job: 0.0,
         gpu_hours_by_type: BTreeMap::new(),
+        work_estimates: Vec::new(),
     };
     let mut gpu_hours = Vec::new();
 
@@ -213,12 +276,47 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
     s.mean_time_to_90 = mean(t90);
     s.mean_time_to_95 = mean(t95);
     s.decision_ms = quantiles(&decisions);
+    let estimates: Vec<_> = runs
+        .iter()
+        .flat_map(|(_, r)| r.work_estimates.iter().copied())
+        .collect();
+    s.work_estimates = estimate_bands(&estimates);
     s
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::WorkEstimate;
+
+    #[test]
+    fn estimate_bands_split_by_work_done_and_count_the_views_without_one() {
+        assert!(estimate_bands(&[]).is_empty());
+        let e = |done: f64, ratio: Option<f64>| WorkEstimate { done, ratio };
+        let bands = estimate_bands(&[
+            e(0.0, None),
+            e(0.1, Some(0.5)),
+            e(0.19, Some(2.0)),
+            e(0.1, Some(1.0)),
+            e(0.5, None),
+            e(1.0, Some(0.0)),
+        ]);
+        assert_eq!(bands.len(), 5);
+        let first = &bands[0];
+        assert_eq!((first.from, first.to, first.views), (0.0, 0.2, 4));
+        assert_eq!(first.without, 0.25);
+        assert_eq!(
+            (first.ratio_p10, first.ratio_p50, first.ratio_p90),
+            (Some(0.5), Some(1.0), Some(2.0))
+        );
+        assert_eq!((bands[1].views, bands[1].ratio_p50), (0, None));
+        assert_eq!(
+            (bands[2].views, bands[2].without, bands[2].ratio_p50),
+            (1, 1.0, None)
+        );
+        // Done = 1 counts in the last band.
+        assert_eq!((bands[4].views, bands[4].ratio_p50), (1, Some(0.0)));
+    }
 
     #[test]
     fn nearest_rank_quantiles() {

@@ -283,6 +283,7 @@ impl<'a> TraceWorld<'a> {
             policy_violations: 0,
             decisions: Vec::new(),
             preemptions: Vec::new(),
+            work_estimates: Vec::new(),
         }
     }
 }

@@ -307,6 +307,22 @@ fn without_declared_work_the_policy_sees_only_the_curves_estimate() {
         .flat_map(|d| d.jobs.iter().filter_map(|v| v.remaining_work))
         .collect();
     assert!(!estimates.is_empty(), "no curve reached its target");
+    // Each view of the target-loss run is scored against the truth; the declared run's
+    // views are not.
+    assert!(declared.work_estimates.is_empty());
+    let views: usize = target.decisions.iter().map(|d| d.jobs.len()).sum();
+    let scored = &target.work_estimates;
+    assert!(
+        !scored.is_empty() && scored.len() <= views,
+        "{} of {views}",
+        scored.len()
+    );
+    assert_eq!(
+        scored.iter().filter(|e| e.ratio.is_some()).count(),
+        estimates.len(),
+        "one score per estimate told"
+    );
+    assert!(scored.iter().all(|e| (0.0..=1.0).contains(&e.done)));
     let ends =
         |r: &SimResult| -> Vec<Option<f64>> { r.jobs.iter().map(|j| j.completed_at).collect() };
     assert_ne!(
