@@ -233,9 +233,10 @@ impl ShadowSpec {
 #[serde(deny_unknown_fields)]
 pub struct StopSpec {
     /// Training loss (in the job's own units) at which the job has reached its target: the
-    /// fitted curve's loss at the job's progress, or the latest reported loss before a curve
-    /// is fitted. Must be below the job's first reported loss (a later check: the allocator
-    /// fails a job whose first loss is already at or below its target).
+    /// mean of rank 0's latest five reported losses and, once a curve is fitted, the curve's
+    /// loss at the job's progress, both at or below it. Must be below the job's first
+    /// reported loss (a later check: the allocator fails a job whose first loss is already
+    /// at or below its target).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target_loss: Option<f64>,
     /// Plateau rule: the job has converged when its fitted curve predicts a relative loss

@@ -627,6 +627,28 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn recent_loss_is_the_mean_of_the_latest_reports_kept() {
+        let mut h = JobHistory::default();
+        assert_eq!(h.recent_loss(5), None);
+        h.add(&report(1, 0, 100, 0.9, 1.0));
+        h.add(&report(1, 0, 200, 0.7, 2.0));
+        assert_eq!(h.recent_loss(0), None);
+        // Fewer reports than asked: the mean of those there are.
+        assert!((h.recent_loss(5).unwrap() - 0.8).abs() < 1e-12);
+        for (samples, loss) in [(300, 0.6), (400, 0.5), (500, 0.4), (600, 0.3)] {
+            h.add(&report(1, 0, samples, loss, samples as f64 / 100.0));
+        }
+        // The latest five: 0.7, 0.6, 0.5, 0.4, 0.3.
+        assert!((h.recent_loss(5).unwrap() - 0.5).abs() < 1e-12);
+        assert!((h.recent_loss(1).unwrap() - 0.3).abs() < 1e-12);
+        // A resume from an earlier checkpoint drops the points past it: the mean is of the
+        // losses on the path the job resumes from (0.9, 0.7 and the new 0.75).
+        h.add(&report(2, 0, 250, 0.75, 10.0));
+        assert_eq!(h.resets(), 1);
+        assert!((h.recent_loss(5).unwrap() - (0.9 + 0.7 + 0.75) / 3.0).abs() < 1e-12);
+    }
+
+    #[test]
     fn step_observations_take_world_size_and_hosts_from_the_reports() {
         let mut h = JobHistory::default();
         // Generation 1: two ranks on one host, 10 samples per step (step = samples / 10).

@@ -2,7 +2,8 @@
 //!
 //! SLAQ's setting is approximate, exploratory training: people watch loss curves and kill a
 //! job once its loss flattens. Here the allocator does it from what it already has, the
-//! job's fitted loss curve ([`crate::fit`]) and its attained service, and the agents carry
+//! job's reported losses, its fitted loss curve ([`crate::fit`]) and its attained service,
+//! and the agents carry
 //! it out as for any resize (SIGTERM, checkpoint, exit). One pure function,
 //! [`stop_verdict`], called by the service's step ([`crate::schedule::step`]) and by the
 //! simulator with the same inputs.
@@ -17,7 +18,10 @@
 //!    it often predicts the target a little before the losses reach it (in the simulator's
 //!    service loop, eight Pollux 1.0× workloads with target losses only, jobs the curve
 //!    alone ended stood on average 1.8 % of their loss range above the target;
-//!    docs/scheduling.md, "Target losses").
+//!    docs/scheduling.md, "Target loss only" under "The service loop"). The window is a
+//!    count of reports, not of samples: a job that reports rarely averages over more
+//!    training. Before a curve is fitted (fewer reports than a fit needs) the mean alone
+//!    decides, so one outlying report weighs a fifth or more.
 //! 2. **Converged** (plateau rule): the job has run at least `window_epochs` epochs and its
 //!    fitted curve predicts a relative improvement per epoch below `min_improvement` over the
 //!    next `window_epochs` epochs: `(L(k) − L(k + W·E)) / (W · L(k)) < min_improvement`, `k`

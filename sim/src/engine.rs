@@ -343,9 +343,12 @@ pub struct SimResult {
 
 /// One job view's remaining-work estimate against the truth, with target losses only: the
 /// fitted curve's samples to the target (`known_remaining_work`, as the service) against
-/// the samples to the job's completion epoch. The truth is counted in statistical progress
-/// and converted to samples at the job's ratio of samples to progress so far (1.0–1.3 on
-/// the Pollux workloads: larger batches progress less per sample).
+/// the job's remaining work, the samples to its completion (what its JCT counts). The target
+/// is the completion epoch's loss, which the measured run reaches at the latest one epoch
+/// before completion, so an exact estimate of the samples to the target scores below 1
+/// (0 in the job's last epoch). The truth is counted in statistical progress and converted
+/// to samples at the job's ratio of samples to progress so far (backward-looking: larger
+/// batches later progress less per sample).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WorkEstimate {
     /// Share of the job's work done, 0–1.
