@@ -451,17 +451,17 @@ pub fn run_simulate(args: &SimulateArgs) -> anyhow::Result<()> {
             "remaining-work estimates told to the policy (fitted curve to the target) against the \
              samples to the completion epoch, by work done:"
         );
-        let show = |r: Option<f64>| r.map_or_else(|| "-".to_string(), |r| format!("{r:.2}"));
         for b in &summary.work_estimates {
+            let ratio = b.ratio.map_or_else(
+                || "none told".to_string(),
+                |[p10, p50, p90]| format!("p10 {p10:.2} p50 {p50:.2} p90 {p90:.2}"),
+            );
             eprintln!(
-                "  {:>3.0}-{:>3.0} %: {} views, {:.0} % without an estimate, estimate/truth p10 {} p50 {} p90 {}",
-                b.from * 100.0,
-                b.to * 100.0,
+                "  {:>3.0}-{:>3.0} %: {} views, {:.0} % without an estimate, estimate/truth {ratio}",
+                b.done.0 * 100.0,
+                b.done.1 * 100.0,
                 b.views,
                 b.without * 100.0,
-                show(b.ratio_p10),
-                show(b.ratio_p50),
-                show(b.ratio_p90)
             );
         }
     }

@@ -94,20 +94,16 @@ pub struct Summary {
     pub work_estimates: Vec<EstimateBand>,
 }
 
-/// The remaining-work estimates of the job views whose job had done `from`–`to` of its work.
+/// The remaining-work estimates of the job views whose job had done `done.0`–`done.1` of
+/// its work: how many views (over all workloads), the share of them without an estimate
+/// (the policy then guesses from the work done), and estimate ÷ truth of those with one
+/// at the 10th, 50th and 90th percentiles (nearest rank; `None` when none had one).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EstimateBand {
-    pub from: f64,
-    pub to: f64,
-    /// Job views in the band, over all workloads.
+    pub done: (f64, f64),
     pub views: usize,
-    /// Share of them without an estimate (the policy then guesses from the work done).
     pub without: f64,
-    /// Estimate ÷ truth of those with one: 10th, 50th and 90th percentiles (nearest rank);
-    /// `None` when none had one.
-    pub ratio_p10: Option<f64>,
-    pub ratio_p50: Option<f64>,
-    pub ratio_p90: Option<f64>,
+    pub ratio: Option<[f64; 3]>,
 }
 
 /// [`Summary::work_estimates`] of `estimates`: five bands of work done.
@@ -129,23 +125,18 @@ pub fn estimate_bands(estimates: &[crate::engine::WorkEstimate]) -> Vec<Estimate
                 .collect();
             ratios.sort_by(f64::total_cmp);
             let at = |q: f64| {
-                (!ratios.is_empty()).then(|| {
-                    let i = ((q * ratios.len() as f64).ceil() as usize).clamp(1, ratios.len());
-                    ratios[i - 1]
-                })
+                let i = ((q * ratios.len() as f64).ceil() as usize).clamp(1, ratios.len());
+                ratios[i - 1]
             };
             EstimateBand {
-                from,
-                to,
+                done: (from, to),
                 views: band.len(),
                 without: if band.is_empty() {
                     0.0
                 } else {
                     band.iter().filter(|e| e.ratio.is_none()).count() as f64 / band.len() as f64
                 },
-                ratio_p10: at(0.1),
-                ratio_p50: at(0.5),
-                ratio_p90: at(0.9),
+                ratio: (!ratios.is_empty()).then(|| [at(0.1), at(0.5), at(0.9)]),
             }
         })
         .collect()
@@ -303,19 +294,18 @@ mod tests {
         ]);
         assert_eq!(bands.len(), 5);
         let first = &bands[0];
-        assert_eq!((first.from, first.to, first.views), (0.0, 0.2, 4));
-        assert_eq!(first.without, 0.25);
         assert_eq!(
-            (first.ratio_p10, first.ratio_p50, first.ratio_p90),
-            (Some(0.5), Some(1.0), Some(2.0))
+            (first.done, first.views, first.without),
+            ((0.0, 0.2), 4, 0.25)
         );
-        assert_eq!((bands[1].views, bands[1].ratio_p50), (0, None));
+        assert_eq!(first.ratio, Some([0.5, 1.0, 2.0]));
+        assert_eq!((bands[1].views, bands[1].ratio), (0, None));
         assert_eq!(
-            (bands[2].views, bands[2].without, bands[2].ratio_p50),
+            (bands[2].views, bands[2].without, bands[2].ratio),
             (1, 1.0, None)
         );
         // Done = 1 counts in the last band.
-        assert_eq!((bands[4].views, bands[4].ratio_p50), (1, Some(0.0)));
+        assert_eq!((bands[4].views, bands[4].ratio), (1, Some([0.0; 3])));
     }
 
     #[test]
