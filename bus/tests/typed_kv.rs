@@ -7,7 +7,9 @@
 //! when there is none, unless `CONVERGE_REQUIRE_NATS=1`.
 
 mod support;
-use converge_bus::{Bus, KvChange, KvDecoder, KvStore, Rejects, Setup, follow_kv_typed};
+use converge_bus::{
+    Bus, KvChange, KvDecoder, KvStore, QueueBuckets, Rejects, Setup, follow_kv_typed,
+};
 use converge_common::{QueueId, QueueSpec, encode};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -96,14 +98,20 @@ async fn next<T>(rx: &mut mpsc::Receiver<T>) -> T {
         .expect("the follower is running")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_bucket_followed_as_typed_changes() {
-    let Some(bin) = nats_server_bin() else {
-        return;
-    };
-    let server = Server::start(&bin);
+/// A server (kept alive by the first element), its bus and the queue buckets; `None`
+/// (the test is skipped) without a nats-server binary.
+async fn started() -> Option<(Server, Bus, QueueBuckets)> {
+    let server = Server::start(&nats_server_bin()?);
     let bus = server.bus().await;
     let queues = bus.open_queues(Setup::CreateOrUpdate).await.unwrap();
+    Some((server, bus, queues))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_followed_as_typed_changes() {
+    let Some((_server, bus, queues)) = started().await else {
+        return;
+    };
     let store = queues.queues.clone();
     // At start: two queues, a malformed value, a queue stored under another's name, and a
     // key that is no queue name.
@@ -219,12 +227,9 @@ async fn a_bucket_followed_as_typed_changes() {
 /// no agent writing, for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bucket_emptied_after_it_was_opened_is_caught_up() {
-    let Some(bin) = nats_server_bin() else {
+    let Some((_server, bus, queues)) = started().await else {
         return;
     };
-    let server = Server::start(&bin);
-    let bus = server.bus().await;
-    let queues = bus.open_queues(Setup::CreateOrUpdate).await.unwrap();
     queues
         .queues
         .put("a", encode(&queue("a", 1)).into())
