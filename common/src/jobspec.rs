@@ -308,9 +308,10 @@ pub struct EarlyStopSpec {
     /// the sweep not early-stopped; under `predicted` these are the `keep` best.
     #[serde(default = "default_keep")]
     pub keep: u32,
-    /// Relative error band of a predicted final loss (`predicted` rule), in [0, 1): a trial
-    /// is stopped only when its prediction less this fraction is above the loss `keep`
-    /// other trials have attained. Default [`DEFAULT_EARLY_STOP_BAND`].
+    /// Relative error band of a predicted final loss per doubling of the samples ahead
+    /// (`predicted` rule), in [0, 1): a trial is stopped only when its prediction less
+    /// this fraction times `clamp(log₂(end / done), 1, 4)` is above the loss `keep` other
+    /// trials have attained. Default [`DEFAULT_EARLY_STOP_BAND`].
     #[serde(default = "default_band")]
     pub band: f64,
     /// Epochs a trial runs before any rule may stop it (a curve needs points to fit), and
@@ -319,13 +320,15 @@ pub struct EarlyStopSpec {
     pub min_epochs: f64,
 }
 
-/// Default [`EarlyStopSpec::keep`].
-pub const DEFAULT_EARLY_STOP_KEEP: u32 = 2;
-/// Default [`EarlyStopSpec::band`]: 0.10. The allocator's curve fit forecasts the training
-/// loss of this project's trainer runs a quarter of the remaining run ahead with a median
-/// error of 8.7 % (docs/prediction.md, `converge-sim predict-bench`); the band is a little
-/// wider.
-pub const DEFAULT_EARLY_STOP_BAND: f64 = 0.10;
+/// Default [`EarlyStopSpec::keep`]: 1, as ASHA's top rung. With six trials a sweep, two
+/// kept trials run to their end hold a third of its GPU-hours before any other trial
+/// runs at all (docs/exploratory.md, "Sweep early stopping").
+pub const DEFAULT_EARLY_STOP_KEEP: u32 = 1;
+/// Default [`EarlyStopSpec::band`]: 0.02 per doubling of the samples ahead. The
+/// allocator's curve fit forecasts the held-out loss of this project's trainer runs a
+/// quarter of the remaining run ahead with a median error of 2.2 % (docs/prediction.md,
+/// `converge-sim predict-bench`).
+pub const DEFAULT_EARLY_STOP_BAND: f64 = 0.02;
 
 fn default_keep() -> u32 {
     DEFAULT_EARLY_STOP_KEEP
@@ -446,7 +449,7 @@ pub struct JobSpec {
     /// a job id).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sweep: Option<JobId>,
-    /// The sweep's early stopping (`early_stop = { rule = "predicted", keep = 2 }`), set on
+    /// The sweep's early stopping (`early_stop = { rule = "predicted", keep = 1 }`), set on
     /// each trial by `converge submit` from the sweep file; only with `sweep`. `None`: the
     /// trial is never stopped for the sweep's sake.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -560,14 +563,15 @@ impl JobSpec {
         self.stop.and_then(|s| s.target_loss).or(self.target_loss)
     }
 
-    /// Whether the job is exploratory: a trial of a sweep or a job with stop criteria, that
-    /// declares neither a target loss nor its work (`work_samples`). The default objective
-    /// values such a job by its predicted loss reduction (SLAQ's) and any other by its
-    /// completion time (docs/scheduling.md, "Objectives").
+    /// Whether the job is exploratory: without a target loss, a trial of a sweep (its
+    /// declared work, `work_samples`, only says where it ends: a sweep is run to find its
+    /// best trial, not to finish every trial), or a job with stop criteria that does not
+    /// declare its work. The default objective values such a job by its predicted loss
+    /// reduction (SLAQ's) and any other by its completion time (docs/scheduling.md,
+    /// "Objectives").
     pub fn is_exploratory(&self) -> bool {
-        (self.sweep.is_some() || self.stop.is_some())
-            && self.target_loss().is_none()
-            && self.work_samples.is_none()
+        self.target_loss().is_none()
+            && (self.sweep.is_some() || (self.stop.is_some() && self.work_samples.is_none()))
     }
 
     /// The name of the job's queue: `queue`, else [`crate::DEFAULT_QUEUE`].
@@ -850,7 +854,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_job_is_exploratory_with_a_sweep_or_stop_criteria_and_no_target_or_declared_work() {
+    fn a_job_is_exploratory_as_a_sweep_trial_or_with_stop_criteria_and_no_target_or_declared_work()
+    {
         let spec = |extra: &str| {
             JobSpec::from_toml(&format!("id = \"j\"\ncommand = [\"train\"]\n{extra}")).unwrap()
         };
@@ -863,8 +868,12 @@ mod tests {
             "a target loss"
         );
         assert!(
-            !spec("sweep = \"s\"\nwork_samples = 1000").is_exploratory(),
-            "declared work"
+            spec("sweep = \"s\"\nwork_samples = 1000").is_exploratory(),
+            "a sweep's trial that declares its work"
+        );
+        assert!(
+            !spec(&format!("work_samples = 1000\n{plateau}")).is_exploratory(),
+            "stop criteria and declared work"
         );
         assert!(
             !spec("[stop]\ntarget_loss = 0.1").is_exploratory(),

@@ -9,6 +9,7 @@
 //!   was cut back (a resume from an earlier checkpoint); otherwise the last fit stands. So
 //!   what a job's curve is depends only on the reports added and the steps at which it was
 //!   asked for, and a replay of the same inputs gives the same curves.
+//! - **Held-out curves** (sweep trials that report `eval_loss`) follow the same rule.
 //! - **Throughput models** are refitted only when the observations they are fitted on
 //!   change; each job has at most one per [`ModelScope`].
 //!
@@ -65,6 +66,7 @@ fn cached_fit<K: Ord>(
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct FitCache {
     curves: BTreeMap<JobId, CurveFit>,
+    eval_curves: BTreeMap<JobId, CurveFit>,
     models: BTreeMap<(JobId, ModelScope), (Vec<StepObservation>, ThroughputModel)>,
     /// Throughput models per (job, GPU type), fitted on the job's observations on that type.
     type_models: BTreeMap<(JobId, String), (Vec<StepObservation>, ThroughputModel)>,
@@ -127,6 +129,39 @@ impl FitCache {
         curve
     }
 
+    /// The job's held-out loss curve ([`crate::sweep_stop`] judges sweep trials by it):
+    /// refitted on [`JobHistory::eval_points`] with `cfg` when the same rule as
+    /// [`FitCache::curve`] says a refit is due (points added, or the history cut back),
+    /// otherwise the last fit. `None` with fewer held-out points than `cfg.min_points`.
+    /// Counted with the curve fits ([`FitCache::fits`]).
+    pub fn eval_curve(
+        &mut self,
+        job: &JobId,
+        history: &JobHistory,
+        cfg: &FitConfig,
+    ) -> Option<Curve> {
+        if let Some(fit) = self.eval_curves.get(job)
+            && fit.resets == history.resets()
+            && !refit_due(
+                history.points().len(),
+                history.added().saturating_sub(fit.added),
+            )
+        {
+            return fit.curve.clone();
+        }
+        let curve = fit_loss_curve(&history.eval_points(), cfg);
+        self.curve_fits += 1;
+        self.eval_curves.insert(
+            job.clone(),
+            CurveFit {
+                resets: history.resets(),
+                added: history.added(),
+                curve: curve.clone(),
+            },
+        );
+        curve
+    }
+
     /// The job's throughput model on `observations` (its [`ModelScope`] tells which), fitted
     /// with `prior` only when they differ from those of the cached model. `prior` must be the
     /// same at every call.
@@ -168,6 +203,7 @@ impl FitCache {
     /// stays as large as the active jobs.
     pub fn retain(&mut self, mut keep: impl FnMut(&JobId) -> bool) {
         self.curves.retain(|job, _| keep(job));
+        self.eval_curves.retain(|job, _| keep(job));
         self.models.retain(|(job, _), _| keep(job));
         self.type_models.retain(|(job, _), _| keep(job));
     }
@@ -225,6 +261,60 @@ mod tests {
         cache.curve(&id, &h, &cfg, true);
         assert_eq!(cache.fits().0, 3);
         // Forgotten jobs are fitted anew.
+        cache.retain(|_| false);
+        assert_eq!(
+            cache,
+            FitCache {
+                curve_fits: 3,
+                ..FitCache::new()
+            }
+        );
+    }
+
+    #[test]
+    fn held_out_curves_fit_the_eval_losses_by_the_same_refit_rule() {
+        let cfg = FitConfig::default();
+        let id = JobId::new("j").unwrap();
+        let held_out = |k: u64| 1.5 / (1.0 + k as f64 / 200.0) + 0.4;
+        let mut h = JobHistory::default();
+        let mut cache = FitCache::new();
+        let add = |h: &mut JobHistory, i: u64, generation: u64| {
+            let mut r = report(generation, i * 10, 9.0, i as f64);
+            // Every other report carries a held-out loss; the rest are skipped by the fit.
+            r.line.eval_loss = i.is_multiple_of(2).then_some(held_out(i * 10));
+            h.add(&r);
+        };
+        for i in 1..=8 {
+            add(&mut h, i, 1);
+        }
+        assert_eq!(h.eval_points().len(), 4);
+        assert_eq!(
+            cache.eval_curve(&id, &h, &cfg),
+            None,
+            "4 points are too few"
+        );
+        for i in 9..=30 {
+            add(&mut h, i, 1);
+        }
+        assert_eq!(h.eval_points().len(), 15);
+        let fitted = cache.eval_curve(&id, &h, &cfg).expect("a held-out curve");
+        assert_eq!(cache.fits().0, 2);
+        let at = fitted.predict(600.0);
+        assert!(
+            (at - held_out(600)).abs() < 0.01,
+            "{at} against {}",
+            held_out(600)
+        );
+        // The training losses (all 9) are not what it fits.
+        assert!(fitted.predict(300.0) < 2.0);
+        // A few more points: the last fit stands.
+        add(&mut h, 31, 1);
+        assert_eq!(cache.eval_curve(&id, &h, &cfg), Some(fitted.clone()));
+        assert_eq!(cache.fits().0, 2);
+        // A resume from an earlier checkpoint: refitted at once.
+        add(&mut h, 20, 2);
+        cache.eval_curve(&id, &h, &cfg);
+        assert_eq!(cache.fits().0, 3);
         cache.retain(|_| false);
         assert_eq!(
             cache,

@@ -307,6 +307,21 @@ impl JobHistory {
             .collect()
     }
 
+    /// The held-out curve: (samples, eval_loss) of every kept point that carries a finite
+    /// held-out loss.
+    pub fn eval_points(&self) -> Vec<LossPoint> {
+        self.points
+            .iter()
+            .filter_map(|p| {
+                let v = p.eval_loss.filter(|v| v.is_finite())?;
+                Some(LossPoint {
+                    samples: p.samples as f64,
+                    loss: v,
+                })
+            })
+            .collect()
+    }
+
     /// Observed loss range (max − min) of the kept points: the per-job scale that turns a
     /// predicted loss drop into a normalized gain (SLAQ normalizes per job so jobs with
     /// different loss scales compare). 0 with fewer than two points.

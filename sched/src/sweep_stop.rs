@@ -20,24 +20,38 @@
 //!
 //! # `predicted`
 //!
-//! For each active trial with a fitted curve, its **predicted final value**: its value now
-//! times the fall its training-loss curve still predicts, `L(H) / L(k)`, `k` the samples
-//! done and `H` where the trial will end: where its plateau rule would end it (the first
-//! epoch from `k` on at which the curve predicts less than the rule's improvement per
-//! epoch, [`crate::stop::predicted_improvement_per_epoch`]), else the curve's asymptote.
-//! The curve cannot say how long the program runs, so `L(H)` is the lowest loss the trial
-//! can reach: an optimistic prediction for the trial judged. A trial that has ended is
-//! valued at the value it ended with (the mean of its last reports).
+//! For each active trial with a fitted curve, its **predicted final value** at `H`, where the
+//! trial will end: the samples it declares (`work_samples`, as a trainer's `--epochs`
+//! implies), or where its plateau rule would end it (the first epoch from `k`, the samples
+//! done, at which the curve predicts less than the rule's improvement per epoch,
+//! [`crate::stop::predicted_improvement_per_epoch`]), whichever comes first; without either,
+//! the curve's asymptote.
+//! - Judged by **held-out loss**: the trial's own fitted held-out curve at `H`
+//!   ([`SweepTrial::eval_curve`], fitted on its `eval_loss` reports like the training
+//!   curve), never above its value now. Held-out curves are smooth: the fit forecasts them
+//!   with a median error of 1.4–2.2 % a tenth to a quarter of the remaining run ahead,
+//!   against 7.9–8.7 % for the noisy training loss (docs/prediction.md, `converge-sim
+//!   predict-bench`).
+//! - Judged by **training loss**, or before a held-out curve is fitted: its value now
+//!   times the fall its training-loss curve still predicts, `L(H) / L(k)`.
 //!
-//! A trial is stopped when its prediction less the error band `b`
-//! ([`EarlyStopSpec::band`], default 10 %), `(1 − b)·p`, is above the values at least
-//! `keep` other trials have **already attained** (their value now; ended trials: their
-//! final value): even if it did as well as its band allows, `keep` trials are better
+//! A trial that has ended is valued at the value it ended with (the mean of its last
+//! reports).
+//!
+//! A forecast's error grows with how far ahead it reaches, so the error band is the band
+//! `b` ([`EarlyStopSpec::band`], default 2 %) per doubling of the samples ahead:
+//! `b_H = b · clamp(log₂(H / k), 1, 4)`. A trial one epoch into a ten-epoch run is judged
+//! with a band of `3.3·b`; one halfway or further, `b`; one without a known end (no
+//! declared work, no plateau rule), `4·b`.
+//!
+//! A trial is stopped when its prediction less the band, `(1 − b_H)·p`, is above the values
+//! at least `keep` other trials have **already attained** (their value now; ended trials:
+//! their final value): even if it did as well as its band allows, `keep` trials are better
 //! already. The other trials are judged by what they have reached, not by their own
-//! predictions: fits on a trial's first epochs often predict it flattens too early, and a
-//! first version that compared predictions with predictions ended the eventual best trial
-//! of many simulated sweeps (an experiment no command in the repository reruns; the rule's
-//! figures are in docs/exploratory.md). The `keep` best trials are never stopped.
+//! predictions: fits on a trial's first epochs often predict it flattens too early, and
+//! comparing predictions with predictions ended the eventual best trial of many simulated
+//! sweeps (docs/exploratory.md, "Sweep early stopping"). The `keep` best trials are never
+//! stopped.
 //!
 //! # `asha`
 //!
@@ -71,6 +85,10 @@ pub const ASHA_REDUCTION: f64 = 3.0;
 /// Most epochs ahead the `predicted` rule looks for where a plateau rule would end a trial.
 pub const MAX_HORIZON_EPOCHS: u32 = 1000;
 
+/// Most doublings of the samples ahead that widen the `predicted` rule's band: a trial
+/// without a known end, or one very early in a long run, is judged with `4·b`.
+pub const MAX_BAND_DOUBLINGS: f64 = 4.0;
+
 /// Where a trial stands, as the step sees it.
 #[derive(Debug, Clone, Copy)]
 pub enum TrialState {
@@ -88,6 +106,11 @@ pub struct SweepTrial<'a> {
     pub history: Option<&'a JobHistory>,
     /// The trial's fitted training-loss curve (active trials).
     pub curve: Option<&'a Curve>,
+    /// The trial's fitted held-out loss curve (active trials that report `eval_loss`;
+    /// [`crate::fit_cache::FitCache::eval_curve`]).
+    pub eval_curve: Option<&'a Curve>,
+    /// The samples the trial declares it processes in all (`work_samples`), where it ends.
+    pub work_samples: Option<f64>,
     /// The trial's own plateau rule (`[stop.plateau]`), which bounds where it ends.
     pub plateau: Option<PlateauSpec>,
     /// Whether the rule may stop this trial: its own spec carries the sweep's rule. A trial
@@ -203,24 +226,50 @@ pub fn end_samples(
         .unwrap_or(f64::INFINITY)
 }
 
-/// The trial's predicted final value (module docs, `predicted`), `None` without a value or,
-/// for an active trial, a curve.
-pub fn predicted_final(t: &SweepTrial<'_>, metric: Metric) -> Option<f64> {
+/// Samples at which the active trial `t`, `samples` done, ends: its declared work or where
+/// its plateau rule would end it, whichever comes first ([`end_samples`]); `f64::INFINITY`
+/// without either. Never before `samples`.
+pub fn horizon(t: &SweepTrial<'_>, curve: &Curve, samples: f64, epoch: Option<f64>) -> f64 {
+    let by_plateau = end_samples(curve, samples, epoch, t.plateau);
+    t.work_samples
+        .map_or(by_plateau, |w| by_plateau.min(w))
+        .max(samples)
+}
+
+/// The error band a prediction from `samples` to `end` is judged with: `band` per doubling
+/// of the samples ahead, at least one and at most [`MAX_BAND_DOUBLINGS`] (module docs).
+pub fn band_at(band: f64, samples: f64, end: f64) -> f64 {
+    let doublings = if samples > 0.0 {
+        (end / samples).log2()
+    } else {
+        f64::INFINITY
+    };
+    band * doublings.clamp(1.0, MAX_BAND_DOUBLINGS)
+}
+
+/// The trial's predicted final value and the samples it is predicted at (module docs,
+/// `predicted`); `None` without a value or, for an active trial, a curve. An ended trial is
+/// predicted at its samples done.
+pub fn predicted_final(t: &SweepTrial<'_>, metric: Metric) -> Option<(f64, f64)> {
     let h = t.history?;
     let now = value_now(h, metric)?;
+    let samples = h.latest()?.samples as f64;
     match t.state {
-        TrialState::Ended { .. } => Some(now),
+        TrialState::Ended { .. } => Some((now, samples)),
         TrialState::Active => {
             let curve = t.curve?;
-            let samples = h.latest()?.samples as f64;
+            let end = horizon(t, curve, samples, h.epoch_samples());
+            if let (Metric::HeldOut, Some(eval)) = (metric, t.eval_curve) {
+                return Some((eval.predict(end).min(now), end));
+            }
             let at = curve.predict(samples);
-            let end = curve.predict(end_samples(curve, samples, h.epoch_samples(), t.plateau));
-            let fall = if at > 0.0 && end.is_finite() {
-                (end / at).clamp(0.0, 1.0)
+            let to = curve.predict(end);
+            let fall = if at > 0.0 && to.is_finite() {
+                (to / at).clamp(0.0, 1.0)
             } else {
                 1.0
             };
-            Some(now * fall)
+            Some((now * fall, end))
         }
     }
 }
@@ -288,9 +337,15 @@ fn predicted(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>], metric: Metric) ->
         if !eligible(t, spec) {
             continue;
         }
-        let Some(low) = predicted_final(t, metric).map(|p| (1.0 - b) * p) else {
+        let Some((p, end)) = predicted_final(t, metric) else {
             continue;
         };
+        let samples = t
+            .history
+            .and_then(JobHistory::latest)
+            .map_or(0.0, |l| l.samples as f64);
+        let band = band_at(b, samples, end);
+        let low = (1.0 - band) * p;
         let mut better: Vec<f64> = attained
             .iter()
             .enumerate()
@@ -304,11 +359,14 @@ fn predicted(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>], metric: Metric) ->
         better.sort_by(f64::total_cmp);
         let message = format!(
             "early stopped by its sweep (predicted): its {} cannot get below {low:.4} \
-             (prediction less the {:.0} % band), and {} other trials are already below that \
+             (prediction less the {:.1} % band), and {} already below that \
              (the {}{} best at {:.4})",
             metric.name(),
-            b * 100.0,
-            better.len(),
+            band * 100.0,
+            match better.len() {
+                1 => "1 other trial is".to_string(),
+                n => format!("{n} other trials are"),
+            },
             keep,
             ordinal(keep),
             better[keep - 1]

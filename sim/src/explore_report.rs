@@ -140,7 +140,8 @@ pub struct ExploreClusterArgs {
     /// `[sweep] keep`: the best trials of a sweep early stopping never stops.
     #[arg(long, default_value_t = DEFAULT_EARLY_STOP_KEEP)]
     pub early_stop_keep: u32,
-    /// `[sweep] band`: the relative error band of a predicted final loss (`predicted`).
+    /// `[sweep] band`: the relative error band of a predicted final loss per doubling of the
+    /// samples ahead (`predicted`).
     #[arg(long, default_value_t = DEFAULT_EARLY_STOP_BAND)]
     pub early_stop_band: f64,
     /// `[sweep] min_epochs`: epochs a trial runs before early stopping may end it (ASHA's
@@ -823,9 +824,10 @@ fn early_stop_section(
          The same workloads in the service loop, each sweep with an early-stopping rule \
          (`[sweep] early_stop`, applied by the allocator's step across the sweep's trials: \
          `sched/src/sweep_stop.rs`, docs/scheduling.md \"Sweep early stopping\"): `predicted` \
-         (the default for sweeps; keep {}, band {} %), `asha` (reduction factor 3, rungs at \
-         1, 3, 9 … epochs) and `none`. Trials are ranked by held-out loss (every recorded \
-         run reports it). Columns as in \"Sweeps\" above; the second table of each setting \
+         (the default for sweeps; keep {}, band {} % per doubling of the samples ahead, each \
+         trial's held-out loss predicted by its own fitted held-out curve), `asha` (reduction \
+         factor 3, rungs at 1, 3, 9 … epochs) and `none`, each with the same `keep`. Trials \
+         are ranked by held-out loss (every recorded run reports it). Columns as in \"Sweeps\" above; the second table of each setting \
          gives SLAQ's measures of the same runs (means over workloads; \"early stopped\": the \
          trials the rule ended, of all trials).\n",
         args.cluster.early_stop_keep,
@@ -966,7 +968,9 @@ fn render(
          requested; GPU time scaled from hours to minutes), with the measured step times of a \
          Pollux application. Every trial carries the same `[stop]` plateau rule, decided by \
          `converge-sched`'s `stop` module on its fitted curve, as the service does; a trial \
-         also ends when it reaches the end of its recorded run. See `sim/src/explore.rs` for \
+         also ends when it reaches the end of its recorded run, and declares that run's samples \
+         as its work (`work_samples`: where the sweep's early stopping expects it to end). See \
+         `sim/src/explore.rs` for \
          the model and docs/scheduling.md \"Stop criteria\" for the rule. {}\n",
         args.sweeps,
         if pollux > 0 {

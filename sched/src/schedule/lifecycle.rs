@@ -3,7 +3,7 @@
 
 use super::observe::step_times;
 use super::{Outcome, event};
-use crate::fit::Curve;
+use crate::fit::{Curve, FitConfig};
 use crate::fit_cache::FitCache;
 use crate::history::JobHistory;
 use crate::placement::master_port;
@@ -321,11 +321,14 @@ pub(super) fn update_progress(
 /// Ends the trials each sweep's early-stopping rule stops ([`crate::sweep_stop`]), as
 /// `completed` with the reason `early stopped`. A sweep's rule is that of its first active
 /// trial (every trial of a sweep file carries the same); only trials that carry that rule
-/// are stopped, the others are compared.
+/// are stopped, the others are compared. The held-out curves of the active trials of
+/// sweeps with a rule are fitted here, through `cache` with the step's `fit` settings.
 pub(super) fn apply_sweep_early_stops(
     specs: &BTreeMap<JobId, JobSpec>,
     histories: &BTreeMap<JobId, JobHistory>,
     curves: &BTreeMap<JobId, Curve>,
+    cache: &mut FitCache,
+    fit: &FitConfig,
     out: &mut Outcome,
     now: f64,
 ) {
@@ -349,6 +352,11 @@ pub(super) fn apply_sweep_early_stops(
         else {
             continue;
         };
+        let eval_curves: BTreeMap<&JobId, Curve> = ids
+            .iter()
+            .filter(active)
+            .filter_map(|id| Some((*id, cache.eval_curve(id, histories.get(*id)?, fit)?)))
+            .collect();
         let trials: Vec<SweepTrial<'_>> = ids
             .iter()
             .filter_map(|id| {
@@ -368,6 +376,8 @@ pub(super) fn apply_sweep_early_stops(
                     state,
                     history: histories.get(*id),
                     curve: curves.get(*id),
+                    eval_curve: eval_curves.get(*id),
+                    work_samples: specs[*id].work_samples.map(|w| w as f64),
                     plateau: specs[*id].stop.and_then(|s| s.plateau),
                     stoppable: specs[*id].early_stop.is_some_and(|e| e == rule),
                 })

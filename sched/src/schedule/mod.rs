@@ -357,7 +357,15 @@ pub fn step(
         out.statuses.insert(id.clone(), status);
     }
     // 1b. Each sweep's early stopping, across its trials as they now stand.
-    apply_sweep_early_stops(inp.specs, inp.histories, &curves, &mut out, now);
+    apply_sweep_early_stops(
+        inp.specs,
+        inp.histories,
+        &curves,
+        cache,
+        &settings.fit,
+        &mut out,
+        now,
+    );
     for (id, reason) in inp.refused_specs {
         if inp.specs.contains_key(id) {
             continue;

@@ -55,6 +55,8 @@ fn trials<'a>(
             state: states[i],
             history: Some(&hs[i]),
             curve: cs[i].as_ref(),
+            eval_curve: None,
+            work_samples: None,
             plateau: None,
             stoppable: true,
         })
@@ -192,6 +194,8 @@ fn the_plateau_rule_bounds_the_prediction_and_ended_trials_count_at_their_value(
         state: ACTIVE,
         history: Some(&h),
         curve: Some(&c),
+        eval_curve: None,
+        work_samples: None,
         plateau: Some(plateau),
         stoppable: true,
     };
@@ -200,8 +204,8 @@ fn the_plateau_rule_bounds_the_prediction_and_ended_trials_count_at_their_value(
         ..bounded
     };
     let (pb, pu) = (
-        predicted_final(&bounded, Metric::Training).unwrap(),
-        predicted_final(&unbounded, Metric::Training).unwrap(),
+        predicted_final(&bounded, Metric::Training).unwrap().0,
+        predicted_final(&unbounded, Metric::Training).unwrap().0,
     );
     assert!(pu <= pb, "the asymptote is the lowest: {pu} {pb}");
     let ended = SweepTrial {
@@ -211,7 +215,7 @@ fn the_plateau_rule_bounds_the_prediction_and_ended_trials_count_at_their_value(
         ..bounded
     };
     assert_eq!(
-        predicted_final(&ended, Metric::Training),
+        predicted_final(&ended, Metric::Training).map(|p| p.0),
         value_now(&h, Metric::Training)
     );
 }
@@ -324,4 +328,118 @@ fn an_active_trial_without_a_curve_still_counts_by_what_it_has_attained() {
     let stops = sweep_stops(&spec(EarlyStopRule::Predicted, 2), &t);
     assert_eq!(stops.len(), 1, "trial 2's attained loss counts: {stops:?}");
     assert_eq!(stops[0].job, ids[2]);
+}
+
+/// A held-out curve that predicts `value` at every sample count.
+fn flat(value: f64) -> Curve {
+    Curve {
+        family: crate::fit::CurveFamily::Exp,
+        params: vec![0.0, value, 0.0],
+        rmse: 0.0,
+        points: 10,
+    }
+}
+
+#[test]
+fn the_band_widens_per_doubling_of_the_samples_ahead_between_one_and_four() {
+    assert_eq!(band_at(0.02, 1000.0, 1500.0), 0.02, "under one doubling");
+    assert!(
+        (band_at(0.02, 1000.0, 8000.0) - 0.06).abs() < 1e-12,
+        "three"
+    );
+    assert_eq!(band_at(0.02, 1000.0, 1e9), 0.08, "at most four");
+    assert_eq!(band_at(0.02, 1000.0, f64::INFINITY), 0.08, "no known end");
+    assert_eq!(band_at(0.02, 0.0, 10.0), 0.08, "nothing done yet");
+}
+
+#[test]
+fn declared_work_ends_the_horizon_and_a_held_out_curve_predicts_the_held_out_loss() {
+    let h = history(0.10, 2.0, 0.0, true);
+    let c = curve(&h);
+    let e = fit_loss_curve(&h.eval_points(), &FitConfig::default()).expect("a curve fits");
+    let samples = h.latest().unwrap().samples as f64;
+    let ids = ids(1);
+    let t = SweepTrial {
+        id: &ids[0],
+        state: ACTIVE,
+        history: Some(&h),
+        curve: Some(&c),
+        eval_curve: Some(&e),
+        work_samples: Some(4.0 * EPOCH),
+        plateau: None,
+        stoppable: true,
+    };
+    assert_eq!(horizon(&t, &c, samples, h.epoch_samples()), 4.0 * EPOCH);
+    let no_work = SweepTrial {
+        work_samples: None,
+        ..t
+    };
+    assert_eq!(
+        horizon(&no_work, &c, samples, h.epoch_samples()),
+        f64::INFINITY
+    );
+    let behind = SweepTrial {
+        work_samples: Some(0.5 * EPOCH),
+        ..t
+    };
+    assert_eq!(horizon(&behind, &c, samples, h.epoch_samples()), samples);
+    // The held-out curve at the declared end: 1.1 × (1 / (1 + 4000 / 500) + 0.10).
+    let (p, end) = predicted_final(&t, Metric::HeldOut).unwrap();
+    let want = 1.1 * (1.0 / 9.0 + 0.10);
+    assert_eq!(end, 4.0 * EPOCH);
+    assert!((p - want).abs() / want < 0.02, "{p} against {want}");
+    // Without one (or judged by training loss), the training curve's fall scales the value.
+    let now = value_now(&h, Metric::HeldOut).unwrap();
+    let fall = c.predict(4.0 * EPOCH) / c.predict(samples);
+    let train_only = SweepTrial {
+        eval_curve: None,
+        ..t
+    };
+    let (q, _) = predicted_final(&train_only, Metric::HeldOut).unwrap();
+    assert!((q - now * fall).abs() < 1e-12, "{q} {}", now * fall);
+    // A held-out curve that predicts a rise is held at the value now.
+    let rising = flat(2.0 * now);
+    let held = SweepTrial {
+        eval_curve: Some(&rising),
+        ..t
+    };
+    assert_eq!(predicted_final(&held, Metric::HeldOut).unwrap().0, now);
+}
+
+#[test]
+fn a_trial_far_from_its_end_gets_the_wider_band() {
+    // Trial 1 ended at held-out value `a`; trial 2's held-out curve predicts 3 % above it.
+    // One doubling or less ahead (band 2 %) it cannot get below `a`: stopped. Ten times its
+    // samples ahead (band 2 % × log2(10) = 6.6 %) it might: it goes on.
+    let ids = ids(2);
+    let hs = vec![
+        history(0.10, 10.0, 0.0, true),
+        history(0.10, 2.0, 0.0, true),
+    ];
+    let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    let a = value_now(&hs[0], Metric::HeldOut).unwrap();
+    let e = flat(1.03 * a);
+    let done = TrialState::Ended {
+        early_stopped: false,
+    };
+    let with_work = |w: f64| {
+        let mut t = trials(&ids, &hs, &cs, &[done, ACTIVE]);
+        t[1].eval_curve = Some(&e);
+        t[1].work_samples = Some(w);
+        sweep_stops(&spec(EarlyStopRule::Predicted, 1), &t)
+    };
+    let near = with_work(2.5 * EPOCH);
+    assert_eq!(near.len(), 1, "{near:?}");
+    assert_eq!(near[0].job, ids[1]);
+    assert!(
+        near[0].message.contains("held-out loss"),
+        "{}",
+        near[0].message
+    );
+    assert!(
+        near[0].message.contains("2.0 % band"),
+        "{}",
+        near[0].message
+    );
+    assert!(with_work(20.0 * EPOCH).is_empty());
 }
