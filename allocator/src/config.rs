@@ -42,8 +42,8 @@ pub struct AllocatorConfig {
     #[arg(long, env = "CONVERGE_POLICY", default_value = "quality", value_parser = parse_policy)]
     pub policy: String,
     /// What the quality policy maximizes over the horizon: `auto` (the default: `loss` for
-    /// exploratory jobs, a sweep's trials and jobs with stop criteria but no target loss or
-    /// declared work; `jct` for any other), `both` (the sum of the two below), `jct` (each
+    /// exploratory jobs, a sweep's trials without a target loss and jobs with stop criteria
+    /// but no target loss or declared work; `jct` for any other), `both` (the sum of the two below), `jct` (each
     /// job's speedup weighted by its rank by remaining time, which favours jobs close to
     /// completion) or `loss` (SLAQ's normalized loss reduction). A job's
     /// remaining work is known when it has a `target_loss` its fitted curve reaches; else it

@@ -309,7 +309,7 @@ pub struct EarlyStopSpec {
     #[serde(default = "default_keep")]
     pub keep: u32,
     /// Relative error band of a predicted final loss per doubling of the samples ahead
-    /// (`predicted` rule), in [0, 1): a trial is stopped only when its prediction less
+    /// (`predicted` rule), in [0, 0.25) (until 2026-11-29 a flat band in [0, 1)): a trial is stopped only when its prediction less
     /// this fraction times `clamp(log₂(end / done), 1, 4)` is above the loss `keep` other
     /// trials have attained. Default [`DEFAULT_EARLY_STOP_BAND`].
     #[serde(default = "default_band")]
@@ -321,8 +321,8 @@ pub struct EarlyStopSpec {
 }
 
 /// Default [`EarlyStopSpec::keep`]: 1, as ASHA's top rung. With six trials a sweep, two
-/// kept trials run to their end hold a third of its GPU-hours before any other trial
-/// runs at all (docs/exploratory.md, "Sweep early stopping").
+/// kept trials that run to their end alone hold a third of its run-to-the-end GPU-hours
+/// (docs/scheduling.md, "Sweep early stopping", has what each default gives).
 pub const DEFAULT_EARLY_STOP_KEEP: u32 = 1;
 /// Default [`EarlyStopSpec::band`]: 0.02 per doubling of the samples ahead. The
 /// allocator's curve fit forecasts the held-out loss of this project's trainer runs a
@@ -357,8 +357,12 @@ impl EarlyStopSpec {
         if self.keep == 0 {
             return Err("`keep` is 0; at least one trial must go on".into());
         }
-        if !(self.band.is_finite() && (0.0..1.0).contains(&self.band)) {
-            return Err(format!("`band` is {}; it must be in [0, 1)", self.band));
+        if !(self.band.is_finite() && (0.0..0.25).contains(&self.band)) {
+            return Err(format!(
+                "`band` is {}; it must be in [0, 0.25): it is per doubling of the samples \
+                 ahead, up to 4 doublings, and a band of 1 or more would stop no trial",
+                self.band
+            ));
         }
         if !(self.min_epochs.is_finite() && self.min_epochs > 0.0) {
             return Err(format!(
@@ -435,8 +439,10 @@ pub struct JobSpec {
     /// estimate to `target_loss`, else none. For a `[batch]` job whose workers report
     /// gradient statistics, the samples done count at the reference batch's efficiency
     /// (samples at a larger batch do less each; Pollux's scale-invariant progress), since
-    /// its rate is a goodput. It does not stop the job (the program ends itself; `[stop]`
-    /// ends it early). Refused: 0.
+    /// its rate is a goodput. For a sweep's trial it is also where the trial ends, in raw
+    /// samples, for its sweep's early stopping (`predicted`), and the trial stays
+    /// exploratory ([`JobSpec::is_exploratory`]). It does not stop the job (the program
+    /// ends itself; `[stop]` ends it early). Refused: 0.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work_samples: Option<u64>,
     /// Non-zero exits of a worker tolerated (with capped backoff) before the job fails.

@@ -374,8 +374,8 @@ impl SweepFile {
     }
 
     /// The early stopping every trial of a sweep of `trials` trials gets: the file's keys,
-    /// the rest at their defaults (rule `predicted`; `keep` 2, or every trial of a smaller
-    /// sweep). Refuses a `keep` above the trial count and out-of-range values.
+    /// the rest at their defaults (rule `predicted`; `keep` the default, 1, or every trial
+    /// of a smaller sweep). Refuses a `keep` above the trial count and out-of-range values.
     pub fn early_stop_spec(&self, trials: usize) -> Result<EarlyStopSpec, SweepError> {
         let trials_u32 = u32::try_from(trials).unwrap_or(u32::MAX);
         let d = EarlyStopSpec::default();
@@ -760,6 +760,7 @@ dataset = "optdigits"
         );
         assert_refused(&with_sweep_keys("keep = 0", three), 64, "`keep` is 0");
         assert_refused(&with_sweep_keys("band = 1.5", three), 64, "`band` is 1.5");
+        assert_refused(&with_sweep_keys("band = 0.3", three), 64, "`band` is 0.3");
         assert_refused(
             &with_sweep_keys("min_epochs = 0", three),
             64,

@@ -129,25 +129,37 @@ impl FitCache {
         curve
     }
 
+    /// Whether the job's held-out curve is due for a refit: never fitted, the history cut
+    /// back since, or points added by the rule of [`FitCache::refit_pending`].
+    pub fn eval_refit_pending(&self, job: &JobId, history: &JobHistory) -> bool {
+        self.eval_curves.get(job).is_none_or(|fit| {
+            fit.resets != history.resets()
+                || refit_due(
+                    history.points().len(),
+                    history.added().saturating_sub(fit.added),
+                )
+        })
+    }
+
     /// The job's held-out loss curve ([`crate::sweep_stop`] judges sweep trials by it):
-    /// refitted on [`JobHistory::eval_points`] with `cfg` when the same rule as
-    /// [`FitCache::curve`] says a refit is due (points added, or the history cut back),
-    /// otherwise the last fit. `None` with fewer held-out points than `cfg.min_points`.
-    /// Counted with the curve fits ([`FitCache::fits`]).
+    /// refitted on [`JobHistory::eval_points`] with `cfg` when `refit` is true and a refit
+    /// is due ([`FitCache::eval_refit_pending`]), otherwise the last fit as it stands
+    /// (`None` if there was none, or the history was cut back since). `None` with fewer
+    /// held-out points than `cfg.min_points`. Counted with the curve fits
+    /// ([`FitCache::fits`]).
     pub fn eval_curve(
         &mut self,
         job: &JobId,
         history: &JobHistory,
         cfg: &FitConfig,
+        refit: bool,
     ) -> Option<Curve> {
-        if let Some(fit) = self.eval_curves.get(job)
-            && fit.resets == history.resets()
-            && !refit_due(
-                history.points().len(),
-                history.added().saturating_sub(fit.added),
-            )
-        {
-            return fit.curve.clone();
+        if !refit || !self.eval_refit_pending(job, history) {
+            return self
+                .eval_curves
+                .get(job)
+                .filter(|fit| fit.resets == history.resets())
+                .and_then(|fit| fit.curve.clone());
         }
         let curve = fit_loss_curve(&history.eval_points(), cfg);
         self.curve_fits += 1;
@@ -289,7 +301,7 @@ mod tests {
         }
         assert_eq!(h.eval_points().len(), 4);
         assert_eq!(
-            cache.eval_curve(&id, &h, &cfg),
+            cache.eval_curve(&id, &h, &cfg, true),
             None,
             "4 points are too few"
         );
@@ -297,7 +309,9 @@ mod tests {
             add(&mut h, i, 1);
         }
         assert_eq!(h.eval_points().len(), 15);
-        let fitted = cache.eval_curve(&id, &h, &cfg).expect("a held-out curve");
+        let fitted = cache
+            .eval_curve(&id, &h, &cfg, true)
+            .expect("a held-out curve");
         assert_eq!(cache.fits().0, 2);
         let at = fitted.predict(600.0);
         assert!(
@@ -309,11 +323,19 @@ mod tests {
         assert!(fitted.predict(300.0) < 2.0);
         // A few more points: the last fit stands.
         add(&mut h, 31, 1);
-        assert_eq!(cache.eval_curve(&id, &h, &cfg), Some(fitted.clone()));
+        assert_eq!(cache.eval_curve(&id, &h, &cfg, true), Some(fitted.clone()));
         assert_eq!(cache.fits().0, 2);
-        // A resume from an earlier checkpoint: refitted at once.
+        // Enough new points but no refit allowed this step: the last fit stands.
+        for i in 32..=45 {
+            add(&mut h, i, 1);
+        }
+        assert!(cache.eval_refit_pending(&id, &h));
+        assert_eq!(cache.eval_curve(&id, &h, &cfg, false), Some(fitted.clone()));
+        assert_eq!(cache.fits().0, 2);
+        // A resume from an earlier checkpoint: the last fit no longer stands; refitted.
         add(&mut h, 20, 2);
-        cache.eval_curve(&id, &h, &cfg);
+        assert_eq!(cache.eval_curve(&id, &h, &cfg, false), None);
+        cache.eval_curve(&id, &h, &cfg, true);
         assert_eq!(cache.fits().0, 3);
         cache.retain(|_| false);
         assert_eq!(

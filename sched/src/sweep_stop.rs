@@ -50,8 +50,8 @@
 //! already. The other trials are judged by what they have reached, not by their own
 //! predictions: fits on a trial's first epochs often predict it flattens too early, and
 //! comparing predictions with predictions ended the eventual best trial of many simulated
-//! sweeps (docs/exploratory.md, "Sweep early stopping"). The `keep` best trials are never
-//! stopped.
+//! sweeps (experiments not committed; docs/scheduling.md, "Sweep early stopping"). The
+//! `keep` best trials are never stopped.
 //!
 //! # `asha`
 //!

@@ -868,8 +868,10 @@ pub fn simulate(
                 shadow: None,
                 family: None,
                 gpu_type_speeds: BTreeMap::new(),
-                // A sweep's trial without a target loss or declared work, as the sweep
-                // world's specs (`JobSpec::is_exploratory`).
+                // A sweep's trial without a target loss (`JobSpec::is_exploratory`). The
+                // decision loop declares no work (`remaining_work: None` above); the sweep
+                // world's specs declare their recorded run's samples, which only the
+                // completion-time objectives (`quality-both`, `quality-jct`) read.
                 exploratory: true,
             });
         }

@@ -826,7 +826,7 @@ fn early_stop_section(
          `sched/src/sweep_stop.rs`, docs/scheduling.md \"Sweep early stopping\"): `predicted` \
          (the default for sweeps; keep {}, band {} % per doubling of the samples ahead, each \
          trial's held-out loss predicted by its own fitted held-out curve), `asha` (reduction \
-         factor 3, rungs at 1, 3, 9 … epochs) and `none`, each with the same `keep`. Trials \
+         factor 3, rungs at 1, 3, 9 … epochs; the same `keep`) and `none`. Trials \
          are ranked by held-out loss (every recorded run reports it). Columns as in \"Sweeps\" above; the second table of each setting \
          gives SLAQ's measures of the same runs (means over workloads; \"early stopped\": the \
          trials the rule ended, of all trials).\n",

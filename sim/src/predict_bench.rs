@@ -852,7 +852,8 @@ pub fn render(
     out.push_str(
         "\n## converge-trainer curves: held-out loss\n\n\
          The same runs' held-out loss (evaluated every 10 steps on at most 2,000 held-out \
-         rows): smooth curves, but not what the allocator fits today.\n\n",
+         rows): smooth curves; the allocator fits them for a sweep's early stopping \
+         (`predicted`), its training losses for everything else.\n\n",
     );
     let mut with_all = held_out.to_vec();
     with_all.push(GroupResult::pooled("all (pooled)", held_out));

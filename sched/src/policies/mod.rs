@@ -100,8 +100,8 @@ pub struct PolicyJob {
     /// declare `hosts` (the others get `max_workers` already capped at what these hosts
     /// hold, and placement keeps to them).
     pub eligible_hosts: Option<Vec<usize>>,
-    /// Whether the job is exploratory (a sweep's trial, or stop criteria without a target
-    /// loss or declared work: `JobSpec::is_exploratory`); the default objective values it by
+    /// Whether the job is exploratory (a sweep's trial without a target loss, or stop
+    /// criteria without a target loss or declared work: `JobSpec::is_exploratory`); the default objective values it by
     /// its predicted loss reduction ([`Objective::Auto`]).
     pub exploratory: bool,
 }

@@ -59,8 +59,8 @@
 //!    one (fewer reports than the fit needs) gets GPUs beyond its minimum only when no fitted
 //!    job can use them. Under `jct` and `both` every job competes on its value.
 //!    Steps gaining at most `min_gain` per GPU are never taken; hand-out ends when no step
-//!    is left or nothing fits. An exploratory job (a sweep's trial, or a job with stop
-//!    criteria but no target loss or declared work) is offered counts `n` above its
+//!    is left or nothing fits. An exploratory job (a sweep's trial without a target loss, or a
+//!    job with stop criteria but no target loss or declared work) is offered counts `n` above its
 //!    reference `r` (the workers it runs with, at least its minimum) only where `X(r) > 0`
 //!    and `X(n)/n ≥ min(trial_growth_efficiency, 1) · X(r)/r`, each count judged on its
 //!    own: it grows where that does not raise its GPU-hours
@@ -160,8 +160,8 @@ pub struct PolicyParams {
     /// Speedup exponent `p` (`speedup(k) ≈ k^p`) behind the completion weights of the
     /// `jct` and `both` objectives (heSRPT, module docs); in `(0, 1)`.
     pub speedup_exponent: f64,
-    /// How far an exploratory job ([`PolicyJob::exploratory`]: a sweep's trial, or a job
-    /// with stop criteria but no target loss or declared work) may grow beyond its reference
+    /// How far an exploratory job ([`PolicyJob::exploratory`]: a sweep's trial without a
+    /// target loss, or a job with stop criteria but no target loss or declared work) may grow beyond its reference
     /// workers (those it runs with; a pending job: its minimum): only to counts whose
     /// per-GPU throughput is at least this share of the reference's. A sweep is judged by
     /// the GPU-hours it takes to find its best trial, and a trial that grows at a speedup
@@ -195,8 +195,8 @@ pub enum Objective {
     /// production jobs").
     Both,
     /// The default: each job's objective follows what it is. An exploratory job
-    /// ([`PolicyJob::exploratory`]: a sweep's trial, or a job with stop criteria but no
-    /// target loss and no declared work) is valued by `loss` (its predicted loss
+    /// ([`PolicyJob::exploratory`]: a sweep's trial without a target loss, or a job with
+    /// stop criteria but no target loss and no declared work) is valued by `loss` (its predicted loss
     /// reduction), any other by `jct` (its completion time); both values are dimensionless
     /// per horizon, so they share one hand-out. Admission is by value (as under `loss`) only
     /// when every job of the decision is exploratory, else in arrival order (as under

@@ -321,17 +321,22 @@ pub(super) fn update_progress(
 /// Ends the trials each sweep's early-stopping rule stops ([`crate::sweep_stop`]), as
 /// `completed` with the reason `early stopped`. A sweep's rule is that of its first active
 /// trial (every trial of a sweep file carries the same); only trials that carry that rule
-/// are stopped, the others are compared. The held-out curves of the active trials of
-/// sweeps with a rule are fitted here, through `cache` with the step's `fit` settings.
+/// are stopped, the others are compared. The held-out curves the `predicted` rule judges
+/// by are fitted here, for the active trials of its sweeps, through `cache` with the step's
+/// `fit` settings: at most `fit_budget` refits a step (sweeps and trials in id order; the
+/// others keep their last fit until a later step).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn apply_sweep_early_stops(
     specs: &BTreeMap<JobId, JobSpec>,
     histories: &BTreeMap<JobId, JobHistory>,
     curves: &BTreeMap<JobId, Curve>,
     cache: &mut FitCache,
     fit: &FitConfig,
+    fit_budget: usize,
     out: &mut Outcome,
     now: f64,
 ) {
+    let mut refits = 0usize;
     let mut sweeps: BTreeMap<&JobId, Vec<&JobId>> = BTreeMap::new();
     for (id, spec) in specs {
         if let Some(sweep) = &spec.sweep {
@@ -352,11 +357,19 @@ pub(super) fn apply_sweep_early_stops(
         else {
             continue;
         };
-        let eval_curves: BTreeMap<&JobId, Curve> = ids
-            .iter()
-            .filter(active)
-            .filter_map(|id| Some((*id, cache.eval_curve(id, histories.get(*id)?, fit)?)))
-            .collect();
+        let mut eval_curves: BTreeMap<&JobId, Curve> = BTreeMap::new();
+        if rule.rule == EarlyStopRule::Predicted {
+            for id in ids.iter().filter(active) {
+                let Some(h) = histories.get(*id) else {
+                    continue;
+                };
+                let refit = refits < fit_budget && cache.eval_refit_pending(id, h);
+                refits += usize::from(refit);
+                if let Some(c) = cache.eval_curve(id, h, fit, refit) {
+                    eval_curves.insert(*id, c);
+                }
+            }
+        }
         let trials: Vec<SweepTrial<'_>> = ids
             .iter()
             .filter_map(|id| {

@@ -64,7 +64,8 @@ pub struct Settings {
     /// Most loss curves refitted in one step ([`DEFAULT_FIT_BUDGET`]); jobs whose refit is
     /// due beyond it keep their last curve until a later step, those with the most new
     /// points (then never fitted, then by id) first. Bounds a step's time when many jobs
-    /// report at once.
+    /// report at once. The held-out curves of sweep trials (the `predicted` early stopping)
+    /// have a budget of the same size of their own.
     pub fit_budget: usize,
     /// Half-life of each queue's decayed usage, seconds, in the fair share of lent GPUs
     /// ([`crate::queues`]; default [`DEFAULT_USAGE_HALF_LIFE_S`], one hour). Not positive:
@@ -363,6 +364,7 @@ pub fn step(
         &curves,
         cache,
         &settings.fit,
+        settings.fit_budget,
         &mut out,
         now,
     );

@@ -1489,10 +1489,11 @@ mod equal_inputs {
     }
 }
 
-#[test]
-fn a_sweeps_early_stopping_ends_the_trial_that_cannot_reach_the_best() {
-    // Three trials of one sweep on three hosts; trial 3's loss levels off far above the
-    // others'. The default `predicted` rule (keep 2) ends it once it has run an epoch.
+/// Three trials of one sweep on three hosts, the default early stopping, 40 reports each
+/// of a loss that levels off at `floors`; held-out losses 10 % above the training loss when
+/// `eval`, and `work` samples declared. Returns the world and the samples at which trial 3
+/// was stopped.
+fn sweep_of_three(eval: bool, work: Option<u64>) -> (World, Option<u64>) {
     let mut w = World::default();
     let floors = [0.10, 0.12, 0.60];
     for (i, _) in floors.iter().enumerate() {
@@ -1500,6 +1501,7 @@ fn a_sweeps_early_stopping_ends_the_trial_that_cannot_reach_the_best() {
         let mut spec = job(&id, 1, 1, 1.0);
         spec.sweep = Some(JobId::new("sw").unwrap());
         spec.early_stop = Some(converge_common::EarlyStopSpec::default());
+        spec.work_samples = work;
         w.specs.insert(JobId::new(&id).unwrap(), spec);
         w.add_host(host(&format!("h{}", i + 1), 1, 10.0, vec![]));
     }
@@ -1525,6 +1527,7 @@ fn a_sweeps_early_stopping_ends_the_trial_that_cannot_reach_the_best() {
                 now,
             );
             r.line.epoch = Some(samples as f64 / 1000.0);
+            r.line.eval_loss = eval.then_some(1.1 * r.line.loss);
             w.histories
                 .entry(JobId::new(&id).unwrap())
                 .or_default()
@@ -1538,6 +1541,14 @@ fn a_sweeps_early_stopping_ends_the_trial_that_cannot_reach_the_best() {
             stopped_at = Some(samples);
         }
     }
+    (w, stopped_at)
+}
+
+#[test]
+fn a_sweeps_early_stopping_ends_the_trial_that_cannot_reach_the_best() {
+    // Trial 3's loss levels off far above the others'. The default `predicted` rule
+    // (keep 1) ends it once it has run an epoch.
+    let (w, stopped_at) = sweep_of_three(false, None);
     let s = w.status("sw-3");
     assert_eq!(s.phase, JobPhase::Completed, "{s:?}");
     assert_eq!(s.end.as_ref().unwrap().reason, EndReason::EarlyStopped);
@@ -1552,4 +1563,32 @@ fn a_sweeps_early_stopping_ends_the_trial_that_cannot_reach_the_best() {
     for id in ["sw-1", "sw-2"] {
         assert!(!w.status(id).phase.is_terminal(), "{id} goes on");
     }
+}
+
+#[test]
+fn with_held_out_losses_and_declared_work_the_trial_is_judged_by_its_held_out_curve() {
+    let (w, stopped_at) = sweep_of_three(true, Some(6000));
+    let s = w.status("sw-3");
+    assert_eq!(
+        s.end.as_ref().unwrap().reason,
+        EndReason::EarlyStopped,
+        "{s:?}"
+    );
+    let message = s.message.as_ref().unwrap();
+    assert!(
+        message.contains("its held-out loss cannot get below"),
+        "{message}"
+    );
+    assert!(stopped_at.unwrap() >= 1000, "not before one epoch");
+    assert!(!w.status("sw-1").phase.is_terminal(), "the best goes on");
+    // The step fitted the held-out curve of the trial still running: at its declared end
+    // it predicts 1.1 × (1 / (1 + 6000 / 500) + 0.10).
+    let id = JobId::new("sw-1").unwrap();
+    let mut cache = w.cache.clone();
+    let curve = cache
+        .eval_curve(&id, &w.histories[&id], &w.settings.fit, false)
+        .expect("a held-out curve");
+    let want = 1.1 * (1.0 / 13.0 + 0.10);
+    let got = curve.predict(6000.0);
+    assert!((got - want).abs() / want < 0.05, "{got} against {want}");
 }

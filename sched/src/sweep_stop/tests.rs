@@ -95,7 +95,7 @@ fn predicted_stops_a_trial_that_cannot_reach_the_keep_best_and_only_then() {
     // Keeping all three stops none; a band wider than the gap stops none either.
     assert!(sweep_stops(&spec(EarlyStopRule::Predicted, 3), &t).is_empty());
     let wide = EarlyStopSpec {
-        band: 0.9,
+        band: 0.24,
         ..spec(EarlyStopRule::Predicted, 2)
     };
     assert!(sweep_stops(&wide, &t).is_empty());
