@@ -20,7 +20,7 @@ use std::collections::BTreeMap;
 
 use converge_common::JobId;
 
-use crate::fit::{Curve, FitConfig, fit_loss_curve, refit_due};
+use crate::fit::{Curve, FitConfig, LossPoint, fit_loss_curve, refit_due};
 use crate::history::JobHistory;
 use crate::throughput::{StepObservation, ThroughputModel, ThroughputPrior};
 
@@ -60,6 +60,36 @@ fn cached_fit<K: Ord>(
     *fits += 1;
     models.insert(key, (observations.to_vec(), model.clone()));
     model
+}
+
+/// The curve cached in `fits` for the job of `history` (`None` when none, or the history was
+/// cut back since) unless `refit`; then a new fit on `points` (counted in `count`) that
+/// replaces it.
+fn cached_curve(
+    fits: &mut BTreeMap<JobId, CurveFit>,
+    count: &mut u64,
+    (job, history): (&JobId, &JobHistory),
+    refit: bool,
+    points: impl FnOnce() -> Vec<LossPoint>,
+    cfg: &FitConfig,
+) -> Option<Curve> {
+    if !refit {
+        return fits
+            .get(job)
+            .filter(|fit| fit.resets == history.resets())
+            .and_then(|fit| fit.curve.clone());
+    }
+    let curve = fit_loss_curve(&points(), cfg);
+    *count += 1;
+    fits.insert(
+        job.clone(),
+        CurveFit {
+            resets: history.resets(),
+            added: history.added(),
+            curve: curve.clone(),
+        },
+    );
+    curve
 }
 
 /// The caller-owned cache of fits (see the module docs).
@@ -104,29 +134,14 @@ impl FitCache {
         refit: bool,
     ) -> Option<Curve> {
         let pending = self.refit_pending(job, history).is_some();
-        let last = self
-            .curves
-            .get(job)
-            .filter(|fit| fit.resets == history.resets());
-        if let Some(fit) = last
-            && (!refit || !pending)
-        {
-            return fit.curve.clone();
-        }
-        if !refit {
-            return None;
-        }
-        let curve = fit_loss_curve(&history.loss_points(), cfg);
-        self.curve_fits += 1;
-        self.curves.insert(
-            job.clone(),
-            CurveFit {
-                resets: history.resets(),
-                added: history.added(),
-                curve: curve.clone(),
-            },
-        );
-        curve
+        cached_curve(
+            &mut self.curves,
+            &mut self.curve_fits,
+            (job, history),
+            pending && refit,
+            || history.loss_points(),
+            cfg,
+        )
     }
 
     /// Whether the job's held-out curve is due for a refit: never fitted, the history cut
@@ -154,24 +169,15 @@ impl FitCache {
         cfg: &FitConfig,
         refit: bool,
     ) -> Option<Curve> {
-        if !refit || !self.eval_refit_pending(job, history) {
-            return self
-                .eval_curves
-                .get(job)
-                .filter(|fit| fit.resets == history.resets())
-                .and_then(|fit| fit.curve.clone());
-        }
-        let curve = fit_loss_curve(&history.eval_points(), cfg);
-        self.curve_fits += 1;
-        self.eval_curves.insert(
-            job.clone(),
-            CurveFit {
-                resets: history.resets(),
-                added: history.added(),
-                curve: curve.clone(),
-            },
-        );
-        curve
+        let pending = self.eval_refit_pending(job, history);
+        cached_curve(
+            &mut self.eval_curves,
+            &mut self.curve_fits,
+            (job, history),
+            pending && refit,
+            || history.eval_points(),
+            cfg,
+        )
     }
 
     /// The job's throughput model on `observations` (its [`ModelScope`] tells which), fitted
@@ -236,6 +242,18 @@ mod tests {
         crate::history::tests::report(generation, 0, samples, loss, time)
     }
 
+    /// After `retain` keeps no job, `cache` holds nothing but its count of `curve_fits`.
+    fn assert_forgets_every_fit(mut cache: FitCache, curve_fits: u64) {
+        cache.retain(|_| false);
+        assert_eq!(
+            cache,
+            FitCache {
+                curve_fits,
+                ..FitCache::new()
+            }
+        );
+    }
+
     #[test]
     fn curves_are_refitted_every_few_points_and_after_a_cut() {
         let cfg = FitConfig::default();
@@ -273,14 +291,7 @@ mod tests {
         cache.curve(&id, &h, &cfg, true);
         assert_eq!(cache.fits().0, 3);
         // Forgotten jobs are fitted anew.
-        cache.retain(|_| false);
-        assert_eq!(
-            cache,
-            FitCache {
-                curve_fits: 3,
-                ..FitCache::new()
-            }
-        );
+        assert_forgets_every_fit(cache, 3);
     }
 
     #[test]
@@ -337,14 +348,7 @@ mod tests {
         assert_eq!(cache.eval_curve(&id, &h, &cfg, false), None);
         cache.eval_curve(&id, &h, &cfg, true);
         assert_eq!(cache.fits().0, 3);
-        cache.retain(|_| false);
-        assert_eq!(
-            cache,
-            FitCache {
-                curve_fits: 3,
-                ..FitCache::new()
-            }
-        );
+        assert_forgets_every_fit(cache, 3);
     }
 
     #[test]
