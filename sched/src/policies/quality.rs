@@ -64,7 +64,9 @@
 //!    reference `r` (the workers it runs with, at least its minimum) only where `X(r) > 0`
 //!    and `X(n)/n ≥ min(trial_growth_efficiency, 1) · X(r)/r`, each count judged on its
 //!    own: it grows where that does not raise its GPU-hours
-//!    ([`PolicyParams::trial_growth_efficiency`]). Heap entries
+//!    ([`PolicyParams::trial_growth_efficiency`]). Before its first step time is measured
+//!    (no throughput table, [`PolicyJob::throughput`]) `X` is only the linear prior, so
+//!    such a job gets at most its requested size: nothing is known to hold beyond it. Heap entries
 //!    are re-evaluated lazily: an entry whose step no longer fits the free GPUs is recomputed
 //!    when popped (while it fits, it is still the job's best step, since fewer free GPUs only
 //!    remove larger steps). Ties go to the earlier-submitted job, then the smaller id.
@@ -130,7 +132,9 @@ use serde::{Deserialize, Serialize};
 
 use converge_common::JobId;
 
-use super::{ClusterView, Decision, Policy, PolicyInputs, PolicyJob, gpus, minimum_workers};
+use super::{
+    ClusterView, Decision, Policy, PolicyInputs, PolicyJob, gpus, minimum_workers, requested_size,
+};
 use crate::fit::normalized_gain;
 
 /// Settings of the quality policy.
@@ -702,10 +706,14 @@ fn best_step<'a>(
 
 /// How far an exploratory job may grow ([`PolicyParams::trial_growth_efficiency`]): its
 /// reference workers (the ones it runs with, else, pending or below its minimum, its
-/// minimum) and the per-GPU throughput a count above them must keep (infinite when the
-/// reference's throughput is 0: nothing is known to hold, so no growth). `None` when the
-/// rule does not apply: not exploratory, the rule off (`≤ 0` or NaN), or a job without a
-/// valid minimum.
+/// minimum) and the per-GPU throughput a count above them must keep (infinite: no growth).
+/// Nothing is known to hold, so no growth, when the reference's throughput is 0 or when no
+/// step time has been measured yet (no throughput table: [`throughput`] is only the linear
+/// prior); the unmeasured job's reference is then at least its requested size, so that it
+/// still starts as asked. Measured in the simulator, a trial that grew on the prior onto
+/// two hosts ran at 1.16× its one-GPU rate on four GPUs (docs/scheduling.md, "Sweep early
+/// stopping"). `None` when the rule does not apply: not exploratory, the rule off (`≤ 0`
+/// or NaN), or a job without a valid minimum.
 fn trial_growth_limit(job: &PolicyJob, params: &PolicyParams) -> Option<(u32, f64)> {
     let efficiency = params.trial_growth_efficiency;
     if !job.exploratory || efficiency.is_nan() || efficiency <= 0.0 {
@@ -713,6 +721,10 @@ fn trial_growth_limit(job: &PolicyJob, params: &PolicyParams) -> Option<(u32, f6
     }
     let min = minimum_workers(job)?.max(1);
     let reference = job.current_workers.max(min);
+    if job.throughput.as_deref().is_none_or(<[f64]>::is_empty) {
+        let requested = requested_size(job).unwrap_or(min);
+        return Some((reference.max(requested), f64::INFINITY));
+    }
     let rate = throughput(job, reference, params);
     if rate <= 0.0 {
         return Some((reference, f64::INFINITY));

@@ -860,8 +860,9 @@ proptest! {
 
 /// A sweep trial on 8 free GPUs grows only as far as its per-GPU throughput holds
 /// (`trial_growth_efficiency`, default 1), from the workers it runs with or, pending, from
-/// its minimum; a job that is not exploratory with the same table and objective, or the
-/// trial with the rule off, takes the GPUs a speedup below linear still gains from.
+/// its minimum, and not beyond its requested size before a step time is measured; a job
+/// that is not exploratory with the same table and objective, or the trial with the rule
+/// off, takes the GPUs a speedup below linear (or the linear prior) still gains from.
 #[test]
 fn a_trial_grows_only_while_its_per_gpu_throughput_holds() {
     // SLAQ's objective for every job, and free restarts: any gain is worth a change, so
@@ -910,8 +911,19 @@ fn a_trial_grows_only_while_its_per_gpu_throughput_holds() {
         ..params
     };
     assert_eq!(decide(trial(true), &half), 5);
-    // Without a table the model is linear: the trial grows as far as it gains.
-    let mut linear = trial(true);
-    linear.throughput = None;
-    assert!(decide(linear, &params) > 2);
+    // Without a table (no step time measured) only the linear prior speaks for growth:
+    // the trial keeps its workers, a pending one starts at its requested size, and a job
+    // that is not a trial grows on the prior.
+    let unmeasured = |exploratory: bool, current: u32, requested: u32| {
+        let mut j = running(trial(exploratory), current);
+        j.throughput = None;
+        j.requested_workers = requested;
+        j
+    };
+    assert_eq!(decide(unmeasured(true, 1, 1), &params), 1);
+    assert_eq!(decide(unmeasured(true, 0, 1), &params), 1);
+    assert_eq!(decide(unmeasured(true, 0, 3), &params), 3);
+    assert_eq!(decide(unmeasured(true, 2, 3), &params), 3);
+    assert_eq!(decide(unmeasured(false, 1, 1), &params), 8);
+    assert_eq!(decide(unmeasured(true, 1, 1), &off), 8);
 }
