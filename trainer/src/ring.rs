@@ -604,49 +604,34 @@ fn join_rendezvous(
     let target = format!("{}:{}", cfg.master_addr, cfg.master_port);
     eprintln!("rank {}/{w}: joining the rendezvous at {target}", cfg.rank);
     let mut last_err = String::new();
-    let stream = loop {
-        check_cancel(cancel)?;
-        if Instant::now() >= deadline {
-            bail!(
-                "rendezvous timed out after {} s: cannot reach the master at {target} ({last_err})",
-                cfg.rendezvous_timeout.as_secs_f64()
-            );
-        }
-        let addrs = match (cfg.master_addr.as_str(), cfg.master_port).to_socket_addrs() {
-            Ok(a) => a.collect::<Vec<_>>(),
+    let hello = Hello {
+        rank: cfg.rank,
+        world_size: w,
+        generation: cfg.generation,
+        ring_port,
+        num_ps,
+    };
+    // Until the deadline, a failed exchange is tried again on a new connection: whatever
+    // held the master port before rank 0 bound it (a previous generation's master, another
+    // program) may have accepted and then reset this rank's first connection.
+    let line = loop {
+        let stream = connect_master(cfg, &target, deadline, cancel, &mut last_err)?;
+        match send_line(&stream, &hello).and_then(|()| read_line(&stream, deadline, cancel)) {
+            Ok(line) => break line,
+            Err(e) if e.is::<Interrupted>() => return Err(e),
+            Err(e) if Instant::now() < deadline => {
+                eprintln!(
+                    "rank {}/{w}: rendezvous exchange with {target} failed ({e:#}); retrying",
+                    cfg.rank
+                );
+                last_err = format!("{e:#}");
+                thread::sleep(Duration::from_millis(200));
+            }
             Err(e) => {
-                last_err = format!("cannot resolve {}: {e}", cfg.master_addr);
-                thread::sleep(Duration::from_millis(500));
-                continue;
+                return Err(e).with_context(|| format!("no answer from the master at {target}"));
             }
-        };
-        let mut connected = None;
-        for a in addrs {
-            match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
-                Ok(s) => {
-                    connected = Some(s);
-                    break;
-                }
-                Err(e) => last_err = format!("{a}: {e}"),
-            }
-        }
-        match connected {
-            Some(s) => break s,
-            None => thread::sleep(Duration::from_millis(200)),
         }
     };
-    send_line(
-        &stream,
-        &Hello {
-            rank: cfg.rank,
-            world_size: w,
-            generation: cfg.generation,
-            ring_port,
-            num_ps,
-        },
-    )?;
-    let line = read_line(&stream, deadline, cancel)
-        .with_context(|| format!("no answer from the master at {target}"))?;
     let reply: Reply = serde_json::from_str(&line).context("malformed reply from the master")?;
     if !reply.ok {
         bail!(
@@ -662,6 +647,41 @@ fn join_rendezvous(
         reply.addresses.len()
     );
     Ok(reply.addresses)
+}
+
+/// Connects to the master at `target`, retrying until `deadline`; `last_err` keeps the
+/// last failure for the timeout's message.
+fn connect_master(
+    cfg: &RingConfig,
+    target: &str,
+    deadline: Instant,
+    cancel: &AtomicBool,
+    last_err: &mut String,
+) -> Result<TcpStream> {
+    loop {
+        check_cancel(cancel)?;
+        if Instant::now() >= deadline {
+            bail!(
+                "rendezvous timed out after {} s: cannot reach the master at {target} ({last_err})",
+                cfg.rendezvous_timeout.as_secs_f64()
+            );
+        }
+        let addrs = match (cfg.master_addr.as_str(), cfg.master_port).to_socket_addrs() {
+            Ok(a) => a.collect::<Vec<_>>(),
+            Err(e) => {
+                *last_err = format!("cannot resolve {}: {e}", cfg.master_addr);
+                thread::sleep(Duration::from_millis(500));
+                continue;
+            }
+        };
+        for a in addrs {
+            match TcpStream::connect_timeout(&a, Duration::from_secs(2)) {
+                Ok(s) => return Ok(s),
+                Err(e) => *last_err = format!("{a}: {e}"),
+            }
+        }
+        thread::sleep(Duration::from_millis(200));
+    }
 }
 
 /// Accepts the connection from the previous rank, dropping anything else.
@@ -841,6 +861,31 @@ mod tests {
         peer.join().unwrap();
         let mut data = vec![1.0; 10];
         assert!(ring.all_reduce_sum(&mut data).is_err());
+    }
+
+    /// Whatever held the master port first (another program, a previous generation's
+    /// master) accepted rank 1's connection and dropped it: rank 1 connects again and
+    /// joins the real master once it binds the port.
+    #[test]
+    fn a_connection_dropped_before_the_reply_is_tried_again() {
+        let master = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = master.local_addr().unwrap().port();
+        let rank0 = thread::spawn(move || {
+            let (first, _) = master.accept().unwrap();
+            drop(first);
+            let cancel = Arc::new(AtomicBool::new(false));
+            let mut ring =
+                Ring::connect_with_listener(&config(0, 2, port, 3), Some(master), cancel).unwrap();
+            let mut data = vec![1.0, 2.0];
+            ring.all_reduce_sum(&mut data).unwrap();
+            data
+        });
+        let cancel = Arc::new(AtomicBool::new(false));
+        let mut ring = Ring::connect(&config(1, 2, port, 3), cancel).unwrap();
+        let mut data = vec![10.0, 20.0];
+        ring.all_reduce_sum(&mut data).unwrap();
+        assert_eq!(data, vec![11.0, 22.0]);
+        assert_eq!(rank0.join().unwrap(), vec![11.0, 22.0]);
     }
 
     #[test]
