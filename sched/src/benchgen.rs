@@ -175,6 +175,7 @@ impl DecisionInputs {
                 min_workers: job.min_workers,
                 max_workers: job.max_workers,
                 requested_workers: job.requested_workers,
+                workers_declared: job.workers_declared,
                 submitted_at: job.submitted_at,
                 placement: placement.clone(),
                 curve: job.curve.clone(),
@@ -417,6 +418,7 @@ fn random_job(index: usize, rng: &mut ChaCha8Rng) -> PolicyJob {
         loss_scale,
         samples_per_s_per_worker,
         requested_workers: max_workers,
+        workers_declared: false,
         ..PolicyJob::new(JobId::new(format!("job-{index:06}")).expect("valid job id"))
     }
 }

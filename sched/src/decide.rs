@@ -97,6 +97,8 @@ pub struct JobView {
     /// The size the user asked for: fixed-size policies (fifo, tiresias, sjf-bco) run the job
     /// at it.
     pub requested_workers: u32,
+    /// Whether the spec sets `workers` itself ([`PolicyJob::workers_declared`]).
+    pub workers_declared: bool,
     /// Arrival time, seconds (same clock as [`ClusterState::now`]).
     pub submitted_at: f64,
     /// Its ranks now; empty when pending. The length is the current world size.
@@ -640,6 +642,7 @@ fn decide_in_order(
                 loss_scale: job.loss_scale,
                 samples_per_s_per_worker: job.samples_per_s_per_worker,
                 requested_workers: job.requested_workers,
+                workers_declared: job.workers_declared,
                 attained_gpu_seconds: job.attained_gpu_seconds,
                 throughput,
                 remaining_work,

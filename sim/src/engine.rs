@@ -877,6 +877,7 @@ pub fn simulate(
                 min_workers: 1,
                 max_workers: t.max_workers,
                 requested_workers: t.job.requested_replicas.clamp(1, t.max_workers),
+                workers_declared: true,
                 submitted_at: t.job.submitted_at,
                 placement: t.placement.clone(),
                 curve,

@@ -844,6 +844,7 @@ pub fn simulate(
                 min_workers: 1,
                 max_workers: t.spec.max_workers,
                 requested_workers: t.spec.workers.clamp(1, t.spec.max_workers),
+                workers_declared: true,
                 submitted_at: t.spec.time,
                 placement: t.placement.clone(),
                 curve,

@@ -1019,8 +1019,9 @@ fn render(
          GPU-hours between the trials the sweep's rule stopped early and all the others \
          (those its program or its own plateau rule ended), each against the same trials \
          run to the end: the first says how early the rule stops; without stop criteria the \
-         second says what the trials left cost (they get the GPUs the stopped ones free, and \
-         restart to take them), with a plateau rule it also holds what that rule saves. \
+         second says what the trials left cost (under a policy that grows them they may \
+         take the GPUs the stopped ones free, and restart to do so), with a plateau rule it \
+         also holds what that rule saves. \
          Target: at most half the GPU-hours with the best trial within 1 % in 95 % of \
          sweeps. No early stopping here (the second column is the total): see \"Sweep early \
          stopping\" below.\n"

@@ -611,9 +611,10 @@ fn join_rendezvous(
         ring_port,
         num_ps,
     };
-    // Until the deadline, a failed exchange is tried again on a new connection: whatever
-    // held the master port before rank 0 bound it (a previous generation's master, another
-    // program) may have accepted and then reset this rank's first connection.
+    // Until the deadline, an exchange whose connection is closed or reset before the reply
+    // is tried again on a new connection: whatever held the master port before rank 0
+    // bound it may have accepted this rank's first connection and dropped it. A reply,
+    // even a refusal or one that is not JSON, is final.
     let line = loop {
         let stream = connect_master(cfg, &target, deadline, cancel, &mut last_err)?;
         match send_line(&stream, &hello).and_then(|()| read_line(&stream, deadline, cancel)) {
@@ -863,9 +864,9 @@ mod tests {
         assert!(ring.all_reduce_sum(&mut data).is_err());
     }
 
-    /// Whatever held the master port first (another program, a previous generation's
-    /// master) accepted rank 1's connection and dropped it: rank 1 connects again and
-    /// joins the real master once it binds the port.
+    /// Whatever held the master port first accepted rank 1's connection and dropped it
+    /// before any reply: rank 1 connects again and joins the real master once it binds
+    /// the port.
     #[test]
     fn a_connection_dropped_before_the_reply_is_tried_again() {
         let master = TcpListener::bind("127.0.0.1:0").unwrap();

@@ -102,6 +102,7 @@ fn gang(id: &str, queue: &str, priority: PriorityClass, workers: u32, at: f64) -
         min_workers: workers,
         max_workers: workers,
         requested_workers: workers,
+        workers_declared: true,
         submitted_at: at,
         placement: Vec::new(),
         hosts: None,

@@ -75,6 +75,10 @@ pub struct PolicyJob {
     pub samples_per_s_per_worker: Option<f64>,
     /// Workers the user asked for (FIFO and Tiresias run a job at exactly this size).
     pub requested_workers: u32,
+    /// Whether the job's spec sets `workers` itself (else `requested_workers` is its
+    /// default, `max_workers`): an exploratory job with no step time measured grows to it
+    /// ([`quality`]'s trial growth rule), never to the default.
+    pub workers_declared: bool,
     /// Service received so far, in GPU-seconds (Tiresias's attained service).
     pub attained_gpu_seconds: f64,
     /// Throughput with `w` workers at index `w − 1`, in progress units per second, when a
@@ -124,6 +128,7 @@ impl PolicyJob {
             loss_scale: 0.0,
             samples_per_s_per_worker: None,
             requested_workers: 1,
+            workers_declared: false,
             attained_gpu_seconds: 0.0,
             throughput: None,
             remaining_work: None,

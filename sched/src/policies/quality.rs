@@ -66,7 +66,8 @@
 //!    own: it grows where that does not raise its GPU-hours
 //!    ([`PolicyParams::trial_growth_efficiency`]). Before its first step time is measured
 //!    (no throughput table, [`PolicyJob::throughput`]) `X` is only the linear prior, so
-//!    such a job gets at most its requested size: nothing is known to hold beyond it. Heap entries
+//!    such a job keeps its reference, or the `workers` its spec sets if more: nothing is
+//!    known to hold beyond them. Heap entries
 //!    are re-evaluated lazily: an entry whose step no longer fits the free GPUs is recomputed
 //!    when popped (while it fits, it is still the job's best step, since fewer free GPUs only
 //!    remove larger steps). Ties go to the earlier-submitted job, then the smaller id.
@@ -709,8 +710,8 @@ fn best_step<'a>(
 /// minimum) and the per-GPU throughput a count above them must keep (infinite: no growth).
 /// Nothing is known to hold, so no growth, when the reference's throughput is 0 or when no
 /// step time has been measured yet (no throughput table: [`throughput`] is only the linear
-/// prior); the unmeasured job's reference is then at least its requested size, so that it
-/// still starts as asked. Measured in the simulator, a trial that grew on the prior onto
+/// prior); the unmeasured job's reference is then at least the size its spec asks for
+/// (`workers`, when set: [`PolicyJob::workers_declared`]), so that it still starts as asked. Measured in the simulator, a trial that grew on the prior onto
 /// two hosts ran at 1.16× its one-GPU rate on four GPUs (docs/scheduling.md, "Sweep early
 /// stopping"). `None` when the rule does not apply: not exploratory, the rule off (`≤ 0`
 /// or NaN), or a job without a valid minimum.
@@ -722,7 +723,11 @@ fn trial_growth_limit(job: &PolicyJob, params: &PolicyParams) -> Option<(u32, f6
     let min = minimum_workers(job)?.max(1);
     let reference = job.current_workers.max(min);
     if job.throughput.as_deref().is_none_or(<[f64]>::is_empty) {
-        let requested = requested_size(job).unwrap_or(min);
+        let requested = if job.workers_declared {
+            requested_size(job).unwrap_or(min)
+        } else {
+            min
+        };
         return Some((reference.max(requested), f64::INFINITY));
     }
     let rate = throughput(job, reference, params);

@@ -352,6 +352,7 @@ pub(super) fn job_view(
         min_workers: spec.min_workers,
         max_workers: spec.max_workers(),
         requested_workers: spec.requested_workers(),
+        workers_declared: spec.workers.is_some(),
         submitted_at: status.submitted_at,
         placement: status.placement.clone(),
         curve,

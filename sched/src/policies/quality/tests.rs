@@ -912,18 +912,27 @@ fn a_trial_grows_only_while_its_per_gpu_throughput_holds() {
     };
     assert_eq!(decide(trial(true), &half), 5);
     // Without a table (no step time measured) only the linear prior speaks for growth:
-    // the trial keeps its workers, a pending one starts at its requested size, and a job
-    // that is not a trial grows on the prior.
-    let unmeasured = |exploratory: bool, current: u32, requested: u32| {
+    // the trial keeps its workers, a pending one starts at the `workers` its spec sets
+    // (or, unset, at its minimum: the default request, `max_workers`, is no measurement),
+    // and a job that is not a trial grows on the prior.
+    let unmeasured = |exploratory: bool, current: u32, requested: Option<u32>| {
         let mut j = running(trial(exploratory), current);
         j.throughput = None;
-        j.requested_workers = requested;
+        j.requested_workers = requested.unwrap_or(j.max_workers);
+        j.workers_declared = requested.is_some();
         j
     };
-    assert_eq!(decide(unmeasured(true, 1, 1), &params), 1);
-    assert_eq!(decide(unmeasured(true, 0, 1), &params), 1);
-    assert_eq!(decide(unmeasured(true, 0, 3), &params), 3);
-    assert_eq!(decide(unmeasured(true, 2, 3), &params), 3);
-    assert_eq!(decide(unmeasured(false, 1, 1), &params), 8);
-    assert_eq!(decide(unmeasured(true, 1, 1), &off), 8);
+    assert_eq!(decide(unmeasured(true, 1, Some(1)), &params), 1);
+    assert_eq!(decide(unmeasured(true, 0, Some(1)), &params), 1);
+    assert_eq!(decide(unmeasured(true, 0, Some(3)), &params), 3);
+    assert_eq!(decide(unmeasured(true, 2, Some(3)), &params), 3);
+    assert_eq!(decide(unmeasured(true, 0, Some(8)), &params), 8);
+    assert_eq!(decide(unmeasured(true, 0, None), &params), 1);
+    assert_eq!(decide(unmeasured(true, 2, None), &params), 2);
+    assert_eq!(decide(unmeasured(false, 1, Some(1)), &params), 8);
+    assert_eq!(decide(unmeasured(true, 1, Some(1)), &off), 8);
+    // An empty table is no measurement either.
+    let mut empty = unmeasured(true, 1, None);
+    empty.throughput = Some(Vec::new());
+    assert_eq!(decide(empty, &params), 1);
 }
