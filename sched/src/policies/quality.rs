@@ -133,9 +133,7 @@ use serde::{Deserialize, Serialize};
 
 use converge_common::JobId;
 
-use super::{
-    ClusterView, Decision, Policy, PolicyInputs, PolicyJob, gpus, minimum_workers, requested_size,
-};
+use super::{ClusterView, Decision, Policy, PolicyInputs, PolicyJob, gpus, minimum_workers};
 use crate::fit::normalized_gain;
 
 /// Settings of the quality policy.
@@ -711,9 +709,9 @@ fn best_step<'a>(
 /// Nothing is known to hold, so no growth, when the reference's throughput is 0 or when no
 /// step time has been measured yet (no throughput table: [`throughput`] is only the linear
 /// prior); the unmeasured job's reference is then at least the size its spec asks for
-/// (`workers`, when set: [`PolicyJob::workers_declared`]), so that it still starts as asked. Measured in the simulator, a trial that grew on the prior onto
-/// two hosts ran at 1.16× its one-GPU rate on four GPUs (docs/scheduling.md, "Sweep early
-/// stopping"). `None` when the rule does not apply: not exploratory, the rule off (`≤ 0`
+/// (`workers`, when set: [`PolicyJob::workers_declared`]), so that it still starts as
+/// asked. Measured in the simulator, a trial that grew on the prior onto two hosts ran at
+/// 1.16× its one-GPU rate on four GPUs (docs/scheduling.md, "Sweep early stopping"). `None` when the rule does not apply: not exploratory, the rule off (`≤ 0`
 /// or NaN), or a job without a valid minimum.
 fn trial_growth_limit(job: &PolicyJob, params: &PolicyParams) -> Option<(u32, f64)> {
     let efficiency = params.trial_growth_efficiency;
@@ -723,12 +721,12 @@ fn trial_growth_limit(job: &PolicyJob, params: &PolicyParams) -> Option<(u32, f6
     let min = minimum_workers(job)?.max(1);
     let reference = job.current_workers.max(min);
     if job.throughput.as_deref().is_none_or(<[f64]>::is_empty) {
-        let requested = if job.workers_declared {
-            requested_size(job).unwrap_or(min)
+        let asked = if job.workers_declared {
+            job.requested_workers.clamp(min, job.max_workers)
         } else {
             min
         };
-        return Some((reference.max(requested), f64::INFINITY));
+        return Some((reference.max(asked), f64::INFINITY));
     }
     let rate = throughput(job, reference, params);
     if rate <= 0.0 {
