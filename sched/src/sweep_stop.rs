@@ -21,11 +21,16 @@
 //! # `predicted`
 //!
 //! For each active trial with a fitted curve, its **predicted final value** at `H`, where the
-//! trial will end: the samples it declares (`work_samples`, as a trainer's `--epochs`
-//! implies), or where its plateau rule would end it (the first epoch from `k`, the samples
-//! done, at which the curve predicts less than the rule's improvement per epoch,
-//! [`crate::stop::predicted_improvement_per_epoch`]), whichever comes first; without either,
-//! the curve's asymptote.
+//! trial will end at the latest: the samples it declares (`work_samples`, as a trainer's
+//! `--epochs` implies); without them, where its plateau rule would end it (the first epoch
+//! from `k`, the samples done, at which the curve predicts less than the rule's improvement
+//! per epoch, [`crate::stop::predicted_improvement_per_epoch`]); without either, the
+//! curve's asymptote. A trial that declares its work is predicted there even when it
+//! carries a plateau rule: that rule's end comes from the same early fit, which often
+//! predicts a flattening that does not come. In a live sweep (docs/local-cluster.md, "A
+//! live sweep", run 5) trials one epoch into 40 were predicted at the end their plateau
+//! rule was forecast to give them, a few epochs ahead, with a narrow band, and all but one
+//! were stopped, the eventual best among them.
 //! - Judged by **held-out loss**: the trial's own fitted held-out curve at `H`
 //!   ([`SweepTrial::eval_curve`], fitted on its `eval_loss` reports like the training
 //!   curve), never above its value now. Held-out curves are smooth: the fit forecasts them
@@ -42,7 +47,10 @@
 //! `b` ([`EarlyStopSpec::band`], default 2 %) per doubling of the samples ahead:
 //! `b_H = b · clamp(log₂(H / k), 1, 4)`. A trial one epoch into a ten-epoch run is judged
 //! with a band of `3.3·b`; one halfway or further, `b`; one without a known end (no
-//! declared work, no plateau rule), `4·b`.
+//! declared work, no plateau rule), `4·b`. A forecast to a known end further ahead than
+//! that, beyond 16× the samples done, is not trusted at all: such a trial is not judged
+//! until it has done a sixteenth of its run ([`within_reach`]; the held-out fit's error was
+//! measured a tenth to a quarter of the run ahead).
 //!
 //! A trial is stopped when its prediction less the band, `(1 − b_H)·p`, is above the values
 //! at least `keep` other trials have **already attained** (their value now; ended trials:
@@ -226,14 +234,23 @@ pub fn end_samples(
         .unwrap_or(f64::INFINITY)
 }
 
-/// Samples at which the active trial `t`, `samples` done, ends: its declared work or where
-/// its plateau rule would end it, whichever comes first ([`end_samples`]); `f64::INFINITY`
-/// without either. Never before `samples`.
+/// Samples at which the active trial `t`, `samples` done, is predicted: its declared work;
+/// without it, where its plateau rule would end it ([`end_samples`]); `f64::INFINITY`
+/// without either. Never before `samples`. The plateau's end is not used when work is
+/// declared: it comes from the same early fit that often predicts a flattening that does
+/// not come, and ended a live sweep's best trial (module docs).
 pub fn horizon(t: &SweepTrial<'_>, curve: &Curve, samples: f64, epoch: Option<f64>) -> f64 {
-    let by_plateau = end_samples(curve, samples, epoch, t.plateau);
     t.work_samples
-        .map_or(by_plateau, |w| by_plateau.min(w))
+        .unwrap_or_else(|| end_samples(curve, samples, epoch, t.plateau))
         .max(samples)
+}
+
+/// Whether the `predicted` rule may judge a trial with `samples` done that it predicts at
+/// `end`: the forecast reaches no further than the band covers, [`MAX_BAND_DOUBLINGS`]
+/// doublings (16× the samples done), or the end is unknown (`end` infinite: judged at the
+/// curve's asymptote with the widest band). Module docs.
+pub fn within_reach(samples: f64, end: f64) -> bool {
+    samples > 0.0 && (end.is_infinite() || end <= samples * MAX_BAND_DOUBLINGS.exp2())
 }
 
 /// The error band a prediction from `samples` to `end` is judged with: `band` per doubling
@@ -344,6 +361,9 @@ fn predicted(spec: &EarlyStopSpec, trials: &[SweepTrial<'_>], metric: Metric) ->
             .history
             .and_then(JobHistory::latest)
             .map_or(0.0, |l| l.samples as f64);
+        if !within_reach(samples, end) {
+            continue;
+        }
         let band = band_at(b, samples, end);
         let low = (1.0 - band) * p;
         let mut better: Vec<f64> = attained

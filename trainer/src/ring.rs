@@ -9,6 +9,13 @@
 //! entry in that list is the local address of the master's connection with that peer,
 //! which is by construction an address the peer can reach.
 //!
+//! A joining rank whose connection closes before the reply connects again until the
+//! rendezvous deadline. A rank that joins while its earlier registration's connection is
+//! still open is refused ("joined twice"); one whose earlier connection has closed (its
+//! process restarted, or the connection broke after the master registered it) takes its
+//! place. Before sending the list, the master drops every registered rank whose connection
+//! has closed and waits for it again.
+//!
 //! Ring: each rank connects to rank `(r + 1) % W` and accepts from `(r - 1) % W`. An
 //! all-reduce is a reduce-scatter followed by an all-gather over `W` chunks. Each chunk's
 //! sum is computed by exactly one rank and then copied, so every rank ends with
@@ -532,7 +539,10 @@ fn serve_rendezvous(
                 "rank {} is not a valid peer rank for world size {w}",
                 hello.rank
             ))
-        } else if peers[hello.rank].is_some() {
+        } else if peers[hello.rank]
+            .as_ref()
+            .is_some_and(|(earlier, _)| !connection_closed(earlier))
+        {
             Some(format!("rank {} joined twice", hello.rank))
         } else {
             None
@@ -565,8 +575,30 @@ fn serve_rendezvous(
             "rank 0/{w}: rank {} joined from {peer} ({role})",
             hello.rank
         );
-        peers[hello.rank] = Some((stream, ring_addr));
-        joined += 1;
+        // A rank whose earlier connection has closed (its process restarted, or the
+        // connection broke after it was registered, so it joins again) replaces that
+        // registration; it was counted once already.
+        if peers[hello.rank].replace((stream, ring_addr)).is_some() {
+            eprintln!(
+                "rank 0/{w}: rank {} joined again; its earlier connection had closed",
+                hello.rank
+            );
+        } else {
+            joined += 1;
+        }
+        if joined == w - 1 {
+            // Before the list goes out, a rank whose connection has closed since it joined
+            // (its process died) is waited for again rather than sent a list it cannot read.
+            for (k, slot) in peers.iter_mut().enumerate() {
+                if slot.as_ref().is_some_and(|(s, _)| connection_closed(s)) {
+                    eprintln!(
+                        "rank 0/{w}: rank {k} left before the rendezvous completed; waiting for it again"
+                    );
+                    *slot = None;
+                    joined -= 1;
+                }
+            }
+        }
     }
     // Every peer has joined, so only rank 0's own slot is empty.
     let joined: Vec<(TcpStream, SocketAddr)> = peers.into_iter().flatten().collect();
@@ -590,6 +622,21 @@ fn serve_rendezvous(
     }
     let own = addresses;
     Ok(own)
+}
+
+/// Whether the peer has closed `stream` or it has failed: a peek that returns end of file
+/// or an error other than "nothing to read yet". Data waiting to be read means open. Leaves
+/// the stream blocking.
+fn connection_closed(stream: &TcpStream) -> bool {
+    if stream.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let closed = match stream.peek(&mut [0u8; 1]) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => !matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted),
+    };
+    stream.set_nonblocking(false).is_err() || closed
 }
 
 /// Ranks other than 0: joins the master and receives the address list.
@@ -887,6 +934,60 @@ mod tests {
         ring.all_reduce_sum(&mut data).unwrap();
         assert_eq!(data, vec![11.0, 22.0]);
         assert_eq!(rank0.join().unwrap(), vec![11.0, 22.0]);
+    }
+
+    /// Rank 1 joins and its process dies before the address list is sent; restarted, it
+    /// joins again, and the master takes the new connection in place of the closed one
+    /// instead of refusing it as a rank that joined twice.
+    #[test]
+    fn a_rank_that_joins_again_after_its_connection_closed_replaces_it() {
+        let master = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = master.local_addr().unwrap().port();
+        let rank0 = thread::spawn(move || {
+            let cancel = Arc::new(AtomicBool::new(false));
+            let mut ring =
+                Ring::connect_with_listener(&config(0, 3, port, 2), Some(master), cancel).unwrap();
+            let mut data = vec![1.0];
+            ring.all_reduce_sum(&mut data).unwrap();
+            data
+        });
+        // The first rank 1: registers, then closes its connection without a reply.
+        let first = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let ring_port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let hello = Hello {
+            rank: 1,
+            world_size: 3,
+            generation: 2,
+            ring_port,
+            num_ps: 0,
+        };
+        send_line(&first, &hello).unwrap();
+        // A short wait lets rank 0 register this rank before its connection closes (the
+        // case under test); had it not yet read the hello, it would register and then drop
+        // the closed connection before the list goes out, with the same outcome.
+        thread::sleep(Duration::from_millis(300));
+        drop(first);
+        thread::sleep(Duration::from_millis(100));
+        let peers: Vec<_> = [1, 2]
+            .into_iter()
+            .map(|r| {
+                thread::spawn(move || {
+                    let cancel = Arc::new(AtomicBool::new(false));
+                    let mut ring = Ring::connect(&config(r, 3, port, 2), cancel).unwrap();
+                    let mut data = vec![10.0 * r as f64];
+                    ring.all_reduce_sum(&mut data).unwrap();
+                    data
+                })
+            })
+            .collect();
+        for p in peers {
+            assert_eq!(p.join().unwrap(), vec![31.0]);
+        }
+        assert_eq!(rank0.join().unwrap(), vec![31.0]);
     }
 
     #[test]

@@ -177,7 +177,8 @@ fn held_out_loss_ranks_when_every_trial_reports_it() {
 }
 
 #[test]
-fn the_plateau_rule_bounds_the_prediction_and_ended_trials_count_at_their_value() {
+fn the_plateau_rule_bounds_the_prediction_without_declared_work_and_ended_trials_count_at_their_value()
+ {
     let h = history(0.10, 2.0, 0.0, false);
     let c = curve(&h);
     let samples = h.latest().unwrap().samples as f64;
@@ -208,6 +209,15 @@ fn the_plateau_rule_bounds_the_prediction_and_ended_trials_count_at_their_value(
         predicted_final(&unbounded, Metric::Training).unwrap().0,
     );
     assert!(pu <= pb, "the asymptote is the lowest: {pu} {pb}");
+    // Declared work is where a trial is predicted, whatever its plateau rule forecasts.
+    let declared = SweepTrial {
+        work_samples: Some(3.0 * end),
+        ..bounded
+    };
+    assert_eq!(
+        predicted_final(&declared, Metric::Training).unwrap().1,
+        3.0 * end
+    );
     let ended = SweepTrial {
         state: TrialState::Ended {
             early_stopped: false,
@@ -442,4 +452,43 @@ fn a_trial_far_from_its_end_gets_the_wider_band() {
         near[0].message
     );
     assert!(with_work(20.0 * EPOCH).is_empty());
+}
+
+#[test]
+fn a_forecast_beyond_sixteen_times_the_samples_done_is_not_judged() {
+    // Trial 2, 2 epochs in, is predicted to end 50 % above what trial 1 attained: clearly
+    // worse, wherever its run ends, as long as the forecast is trusted.
+    let ids = ids(2);
+    let hs = vec![
+        history(0.10, 10.0, 0.0, true),
+        history(0.10, 2.0, 0.0, true),
+    ];
+    let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
+    let a = value_now(&hs[0], Metric::HeldOut).unwrap();
+    let e = flat(1.5 * a);
+    let done = TrialState::Ended {
+        early_stopped: false,
+    };
+    let stopped = |w: Option<f64>| {
+        let mut t = trials(&ids, &hs, &cs, &[done, ACTIVE]);
+        t[1].eval_curve = Some(&e);
+        t[1].work_samples = w;
+        sweep_stops(&spec(EarlyStopRule::Predicted, 1), &t)
+            .into_iter()
+            .map(|s| s.job)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        stopped(Some(32.0 * EPOCH)),
+        vec![ids[1].clone()],
+        "16x ahead: judged"
+    );
+    assert!(stopped(Some(40.0 * EPOCH)).is_empty(), "20x ahead: not yet");
+    assert_eq!(
+        stopped(None),
+        vec![ids[1].clone()],
+        "no known end: the asymptote"
+    );
+    assert!(within_reach(1.0, 16.0) && !within_reach(1.0, 16.5));
+    assert!(within_reach(1.0, f64::INFINITY) && !within_reach(0.0, 1.0));
 }
