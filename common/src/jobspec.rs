@@ -311,7 +311,8 @@ pub struct EarlyStopSpec {
     /// Relative error band of a predicted final loss per doubling of the samples ahead
     /// (`predicted` rule), in [0, 0.25) (until 2026-11-29 a flat band in [0, 1)): a trial is stopped only when its prediction less
     /// this fraction times `clamp(log₂(end / done), 1, 4)` is above the loss `keep` other
-    /// trials have attained. Default [`DEFAULT_EARLY_STOP_BAND`].
+    /// trials have attained; a trial whose known end is more than 16 times (4 doublings) the
+    /// samples it has done is not judged yet. Default [`DEFAULT_EARLY_STOP_BAND`].
     #[serde(default = "default_band")]
     pub band: f64,
     /// Epochs a trial runs before any rule may stop it (a curve needs points to fit), and

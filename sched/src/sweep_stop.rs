@@ -50,7 +50,10 @@
 //! declared work, no plateau rule), `4·b`. A forecast to a known end further ahead than
 //! that, beyond 16× the samples done, is not trusted at all: such a trial is not judged
 //! until it has done a sixteenth of its run ([`within_reach`]; the held-out fit's error was
-//! measured a tenth to a quarter of the run ahead).
+//! measured a tenth to a quarter of the run ahead). A trial without a known end is judged
+//! at its curve's asymptote, with the widest band, from `min_epochs` on: for a falling
+//! curve the asymptote is the lowest value it predicts, the most lenient forecast of all,
+//! and waiting for a sixteenth of an unknown run would never end.
 //!
 //! A trial is stopped when its prediction less the band, `(1 − b_H)·p`, is above the values
 //! at least `keep` other trials have **already attained** (their value now; ended trials:
@@ -119,7 +122,8 @@ pub struct SweepTrial<'a> {
     pub eval_curve: Option<&'a Curve>,
     /// The samples the trial declares it processes in all (`work_samples`), where it ends.
     pub work_samples: Option<f64>,
-    /// The trial's own plateau rule (`[stop.plateau]`), which bounds where it ends.
+    /// The trial's own plateau rule (`[stop.plateau]`): where it is predicted to end the
+    /// trial is the rule's horizon when the trial declares no work.
     pub plateau: Option<PlateauSpec>,
     /// Whether the rule may stop this trial: its own spec carries the sweep's rule. A trial
     /// without it (`early_stop` absent or another rule) is compared, never stopped.

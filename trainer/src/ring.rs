@@ -14,7 +14,8 @@
 //! still open is refused ("joined twice"); one whose earlier connection has closed (its
 //! process restarted, or the connection broke after the master registered it) takes its
 //! place. Before sending the list, the master drops every registered rank whose connection
-//! has closed and waits for it again.
+//! has closed and waits for it again; a rank that dies after that check, while the list is
+//! being sent, still fails the rendezvous (its generation restarts).
 //!
 //! Ring: each rank connects to rank `(r + 1) % W` and accepts from `(r - 1) % W`. An
 //! all-reduce is a reduce-scatter followed by an all-gather over `W` chunks. Each chunk's
@@ -988,6 +989,67 @@ mod tests {
             assert_eq!(p.join().unwrap(), vec![31.0]);
         }
         assert_eq!(rank0.join().unwrap(), vec![31.0]);
+    }
+
+    #[test]
+    fn a_closed_connection_is_told_from_an_open_one() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        assert!(!connection_closed(&server), "open, nothing sent");
+        client.write_all(b"more").unwrap();
+        thread::sleep(Duration::from_millis(50));
+        assert!(!connection_closed(&server), "open, bytes waiting");
+        // The check leaves the stream blocking: this read waits for and gets the bytes.
+        let mut buf = [0u8; 4];
+        (&server).read_exact(&mut buf).unwrap();
+        assert_eq!(&buf, b"more");
+        drop(client);
+        thread::sleep(Duration::from_millis(50));
+        assert!(connection_closed(&server), "closed by the peer");
+    }
+
+    /// A second hello for a rank whose first connection is still open is refused, and the
+    /// first one completes the rendezvous.
+    #[test]
+    fn a_rank_that_joins_twice_on_open_connections_is_refused() {
+        let master = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = master.local_addr().unwrap().port();
+        let rank0 = thread::spawn(move || {
+            let cancel = AtomicBool::new(false);
+            rendezvous(&config(0, 3, port, 5), 0, Some(master), 1, &cancel)
+        });
+        let hello = |rank| Hello {
+            rank,
+            world_size: 3,
+            generation: 5,
+            ring_port: 2,
+            num_ps: 0,
+        };
+        let first = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        send_line(&first, &hello(1)).unwrap();
+        thread::sleep(Duration::from_millis(300));
+        let second = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        send_line(&second, &hello(1)).unwrap();
+        let cancel = AtomicBool::new(false);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let refusal: Reply =
+            serde_json::from_str(&read_line(&second, deadline, &cancel).unwrap()).unwrap();
+        assert!(!refusal.ok);
+        assert!(
+            refusal
+                .error
+                .as_deref()
+                .unwrap_or("")
+                .contains("joined twice"),
+            "{refusal:?}"
+        );
+        let third = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        send_line(&third, &hello(2)).unwrap();
+        let reply: Reply =
+            serde_json::from_str(&read_line(&first, deadline, &cancel).unwrap()).unwrap();
+        assert!(reply.ok && reply.addresses.len() == 3, "{reply:?}");
+        assert_eq!(rank0.join().unwrap().unwrap().len(), 3);
     }
 
     #[test]
