@@ -790,6 +790,17 @@ mod tests {
         }
     }
 
+    /// A ring-mode hello, as a joining rank sends it.
+    fn hello(rank: usize, world_size: usize, generation: u64, ring_port: u16) -> Hello {
+        Hello {
+            rank,
+            world_size,
+            generation,
+            ring_port,
+            num_ps: 0,
+        }
+    }
+
     /// Runs `world` ranks in threads; each contributes `input(rank)` and all results are
     /// returned in rank order.
     fn run_ring(world: usize, input: impl Fn(usize) -> Vec<f64> + Sync) -> Vec<Vec<f64>> {
@@ -959,14 +970,7 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let hello = Hello {
-            rank: 1,
-            world_size: 3,
-            generation: 2,
-            ring_port,
-            num_ps: 0,
-        };
-        send_line(&first, &hello).unwrap();
+        send_line(&first, &hello(1, 3, 2, ring_port)).unwrap();
         // A short wait lets rank 0 register this rank before its connection closes (the
         // case under test); had it not yet read the hello, it would register and then drop
         // the closed connection before the list goes out, with the same outcome.
@@ -1019,18 +1023,11 @@ mod tests {
             let cancel = AtomicBool::new(false);
             rendezvous(&config(0, 3, port, 5), 0, Some(master), 1, &cancel)
         });
-        let hello = |rank| Hello {
-            rank,
-            world_size: 3,
-            generation: 5,
-            ring_port: 2,
-            num_ps: 0,
-        };
         let first = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        send_line(&first, &hello(1)).unwrap();
+        send_line(&first, &hello(1, 3, 5, 2)).unwrap();
         thread::sleep(Duration::from_millis(300));
         let second = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        send_line(&second, &hello(1)).unwrap();
+        send_line(&second, &hello(1, 3, 5, 2)).unwrap();
         let cancel = AtomicBool::new(false);
         let deadline = Instant::now() + Duration::from_secs(10);
         let refusal: Reply =
@@ -1045,7 +1042,7 @@ mod tests {
             "{refusal:?}"
         );
         let third = TcpStream::connect(("127.0.0.1", port)).unwrap();
-        send_line(&third, &hello(2)).unwrap();
+        send_line(&third, &hello(2, 3, 5, 2)).unwrap();
         let reply: Reply =
             serde_json::from_str(&read_line(&first, deadline, &cancel).unwrap()).unwrap();
         assert!(reply.ok && reply.addresses.len() == 3, "{reply:?}");

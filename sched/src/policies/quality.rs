@@ -133,7 +133,9 @@ use serde::{Deserialize, Serialize};
 
 use converge_common::JobId;
 
-use super::{ClusterView, Decision, Policy, PolicyInputs, PolicyJob, gpus, minimum_workers};
+use super::{
+    ClusterView, Decision, Policy, PolicyInputs, PolicyJob, gpus, minimum_workers, requested_size,
+};
 use crate::fit::normalized_gain;
 
 /// Settings of the quality policy.
@@ -711,8 +713,9 @@ fn best_step<'a>(
 /// prior); the unmeasured job's reference is then at least the size its spec asks for
 /// (`workers`, when set: [`PolicyJob::workers_declared`]), so that it still starts as
 /// asked. Measured in the simulator, a trial that grew on the prior onto two hosts ran at
-/// 1.16× its one-GPU rate on four GPUs (docs/scheduling.md, "Sweep early stopping"). `None` when the rule does not apply: not exploratory, the rule off (`≤ 0`
-/// or NaN), or a job without a valid minimum.
+/// 1.16× its one-GPU rate on four GPUs (docs/scheduling.md, "Sweep early stopping").
+/// `None` when the rule does not apply: not exploratory, the rule off (`≤ 0` or NaN), or a
+/// job without a valid minimum.
 fn trial_growth_limit(job: &PolicyJob, params: &PolicyParams) -> Option<(u32, f64)> {
     let efficiency = params.trial_growth_efficiency;
     if !job.exploratory || efficiency.is_nan() || efficiency <= 0.0 {
@@ -722,7 +725,7 @@ fn trial_growth_limit(job: &PolicyJob, params: &PolicyParams) -> Option<(u32, f6
     let reference = job.current_workers.max(min);
     if job.throughput.as_deref().is_none_or(<[f64]>::is_empty) {
         let asked = if job.workers_declared {
-            job.requested_workers.clamp(min, job.max_workers)
+            requested_size(job).unwrap_or(min)
         } else {
             min
         };

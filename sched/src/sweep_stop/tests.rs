@@ -416,29 +416,33 @@ fn declared_work_ends_the_horizon_and_a_held_out_curve_predicts_the_held_out_los
     assert_eq!(predicted_final(&held, Metric::HeldOut).unwrap().0, now);
 }
 
-#[test]
-fn a_trial_far_from_its_end_gets_the_wider_band() {
-    // Trial 1 ended at held-out value `a`; trial 2's held-out curve predicts 3 % above it.
-    // One doubling or less ahead (band 2 %) it cannot get below `a`: stopped. Ten times its
-    // samples ahead (band 2 % × log2(10) = 6.6 %) it might: it goes on.
+/// Trial 1 ended at its held-out value `a` after 10 epochs; trial 2, 2 epochs in, has a
+/// held-out curve that predicts `factor · a` and declares `work` samples. What
+/// `predicted` (keep 1) stops.
+fn judge_second_trial(factor: f64, work: Option<f64>) -> (Vec<JobId>, Vec<EarlyStop>) {
     let ids = ids(2);
     let hs = vec![
         history(0.10, 10.0, 0.0, true),
         history(0.10, 2.0, 0.0, true),
     ];
     let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
-    let a = value_now(&hs[0], Metric::HeldOut).unwrap();
-    let e = flat(1.03 * a);
+    let e = flat(factor * value_now(&hs[0], Metric::HeldOut).unwrap());
     let done = TrialState::Ended {
         early_stopped: false,
     };
-    let with_work = |w: f64| {
-        let mut t = trials(&ids, &hs, &cs, &[done, ACTIVE]);
-        t[1].eval_curve = Some(&e);
-        t[1].work_samples = Some(w);
-        sweep_stops(&spec(EarlyStopRule::Predicted, 1), &t)
-    };
-    let near = with_work(2.5 * EPOCH);
+    let mut t = trials(&ids, &hs, &cs, &[done, ACTIVE]);
+    t[1].eval_curve = Some(&e);
+    t[1].work_samples = work;
+    let stops = sweep_stops(&spec(EarlyStopRule::Predicted, 1), &t);
+    (ids, stops)
+}
+
+#[test]
+fn a_trial_far_from_its_end_gets_the_wider_band() {
+    // Trial 2's held-out curve predicts 3 % above trial 1's value. One doubling or less
+    // ahead (band 2 %) it cannot get below it: stopped. Ten times its samples ahead (band
+    // 2 % × log2(10) = 6.6 %) it might: it goes on.
+    let (ids, near) = judge_second_trial(1.03, Some(2.5 * EPOCH));
     assert_eq!(near.len(), 1, "{near:?}");
     assert_eq!(near[0].job, ids[1]);
     assert!(
@@ -451,44 +455,27 @@ fn a_trial_far_from_its_end_gets_the_wider_band() {
         "{}",
         near[0].message
     );
-    assert!(with_work(20.0 * EPOCH).is_empty());
+    assert!(judge_second_trial(1.03, Some(20.0 * EPOCH)).1.is_empty());
 }
 
 #[test]
 fn a_forecast_beyond_sixteen_times_the_samples_done_is_not_judged() {
-    // Trial 2, 2 epochs in, is predicted to end 50 % above what trial 1 attained: clearly
-    // worse, wherever its run ends, as long as the forecast is trusted.
-    let ids = ids(2);
-    let hs = vec![
-        history(0.10, 10.0, 0.0, true),
-        history(0.10, 2.0, 0.0, true),
-    ];
-    let cs: Vec<Option<Curve>> = hs.iter().map(|h| Some(curve(h))).collect();
-    let a = value_now(&hs[0], Metric::HeldOut).unwrap();
-    let e = flat(1.5 * a);
-    let done = TrialState::Ended {
-        early_stopped: false,
-    };
+    // Trial 2 is predicted to end 50 % above what trial 1 attained: clearly worse,
+    // wherever its run ends, as long as the forecast is trusted.
     let stopped = |w: Option<f64>| {
-        let mut t = trials(&ids, &hs, &cs, &[done, ACTIVE]);
-        t[1].eval_curve = Some(&e);
-        t[1].work_samples = w;
-        sweep_stops(&spec(EarlyStopRule::Predicted, 1), &t)
-            .into_iter()
-            .map(|s| s.job)
-            .collect::<Vec<_>>()
+        let (ids, stops) = judge_second_trial(1.5, w);
+        (
+            ids[1].clone(),
+            stops.into_iter().map(|s| s.job).collect::<Vec<_>>(),
+        )
     };
-    assert_eq!(
-        stopped(Some(32.0 * EPOCH)),
-        vec![ids[1].clone()],
-        "16x ahead: judged"
+    let (second, judged) = stopped(Some(32.0 * EPOCH));
+    assert_eq!(judged, vec![second.clone()], "16x ahead: judged");
+    assert!(
+        stopped(Some(40.0 * EPOCH)).1.is_empty(),
+        "20x ahead: not yet"
     );
-    assert!(stopped(Some(40.0 * EPOCH)).is_empty(), "20x ahead: not yet");
-    assert_eq!(
-        stopped(None),
-        vec![ids[1].clone()],
-        "no known end: the asymptote"
-    );
+    assert_eq!(stopped(None).1, vec![second], "no known end: the asymptote");
     assert!(within_reach(1.0, 16.0) && !within_reach(1.0, 16.5));
     assert!(within_reach(1.0, f64::INFINITY) && !within_reach(0.0, 1.0));
 }
