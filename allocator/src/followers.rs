@@ -19,7 +19,7 @@ use tokio::task::JoinSet;
 /// other than a spec's, the end of the values at start) changes nothing.
 pub(crate) enum Input {
     /// A job spec; `Refused` (undecodable, or its id not its key) makes the job refused.
-    Spec(KvChange<JobId, JobSpec>),
+    Spec(Box<KvChange<JobId, JobSpec>>),
     /// A heartbeat, its `time` the server's ([`hosts`]).
     Host(KvChange<HostId, HostTelemetry>),
     /// A job status as stored (by this replica or another): where each generation runs;
@@ -55,7 +55,7 @@ pub(crate) fn follow_buckets(
         bus.jobs.clone(),
         jobs(rejects),
         tx.clone(),
-        Input::Spec,
+        |change| Input::Spec(Box::new(change)),
     ));
     tasks.spawn(follow_kv_typed(
         bus.hosts.clone(),

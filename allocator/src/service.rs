@@ -453,23 +453,32 @@ fn apply(
     caught_up: bool,
 ) {
     match input {
-        Input::Spec(KvChange::Put(id, spec)) => {
-            if view.specs.get(&id) != Some(&spec) {
+        Input::Spec(change) => match *change {
+            KvChange::Put(id, spec) => {
+                if view.specs.get(&id) != Some(&spec) {
+                    *policy_due = true;
+                }
+                view.refused.remove(&id);
+                view.specs.insert(id, spec);
+            }
+            KvChange::Refused { key: id, reason } => {
+                view.specs.remove(&id);
+                view.refused.insert(id, reason);
+                *lifecycle_due = true;
+            }
+            KvChange::Deleted(id) => {
+                view.specs.remove(&id);
+                view.refused.remove(&id);
                 *policy_due = true;
             }
-            view.refused.remove(&id);
-            view.specs.insert(id, spec);
-        }
-        Input::Spec(KvChange::Refused { key: id, reason }) => {
-            view.specs.remove(&id);
-            view.refused.insert(id, reason);
-            *lifecycle_due = true;
-        }
-        Input::Spec(KvChange::Deleted(id)) => {
-            view.specs.remove(&id);
-            view.refused.remove(&id);
-            *policy_due = true;
-        }
+            KvChange::CaughtUp => {
+                if !std::mem::replace(&mut view.specs_read, true) {
+                    tracing::info!(jobs = view.specs.len(), "job specs read");
+                }
+            }
+            // A bad key (counted or logged by the decoder).
+            KvChange::BadKey { .. } => {}
+        },
         Input::Host(KvChange::Put(_, t)) => {
             view.hosts.insert(t.host.clone(), t);
             *lifecycle_due = true;
@@ -477,11 +486,6 @@ fn apply(
         Input::Host(KvChange::Deleted(h)) => {
             view.hosts.remove(&h);
             *policy_due = true;
-        }
-        Input::Spec(KvChange::CaughtUp) => {
-            if !std::mem::replace(&mut view.specs_read, true) {
-                tracing::info!(jobs = view.specs.len(), "job specs read");
-            }
         }
         Input::Host(KvChange::CaughtUp) => {
             if !std::mem::replace(&mut view.hosts_read, true) {
@@ -540,7 +544,7 @@ fn apply(
         },
         // Bad keys and refused values (counted or logged by the decoder, and the key's last
         // valid value kept), the end of a bucket's values at start.
-        Input::Spec(_) | Input::Host(_) | Input::Queue(_) => {}
+        Input::Host(_) | Input::Queue(_) => {}
         Input::ProgressCaughtUp | Input::Undecodable(_) => {}
     }
 }
@@ -663,7 +667,7 @@ mod tests {
         };
         apply(
             &mut view,
-            Input::Spec(refused),
+            Input::Spec(Box::new(refused)),
             &mut policy,
             &mut lifecycle,
             true,
@@ -684,7 +688,7 @@ mod tests {
         for input in [
             Input::Host(host_refused),
             Input::Host(bad_key()),
-            Input::Spec(bad_key()),
+            Input::Spec(Box::new(bad_key())),
             Input::Status(Box::new(bad_key()), 7),
             Input::Queue(bad_key()),
             Input::QueueStatus(Box::new(KvChange::CaughtUp)),

@@ -30,7 +30,7 @@ pub const MAX_BATCH: u32 = 1 << 24;
 /// choose its batch size with its allocation (Pollux's goodput, docs/scheduling.md
 /// "Adaptive batch sizes in the live cluster"). All sizes are in samples. A job without the
 /// table keeps the batch its command sets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct BatchSpec {
     /// `B₀`: the total batch per optimizer step the job's learning rate was tuned for; the
@@ -47,12 +47,28 @@ pub struct BatchSpec {
     /// `max_total`). Larger totals use gradient accumulation.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_per_worker: Option<u32>,
+    /// Largest per-worker micro-batch on particular GPU types, where it differs from
+    /// `max_per_worker` (`max_per_worker_by_gpu_type = { a100 = 48 }`: an A100 with 40 GB
+    /// holds a micro-batch four times what a 16 GB T4 holds). Keys are GPU types as hosts
+    /// report them (`gpu.type`); a type not listed uses `max_per_worker`. A job placed on a
+    /// type listed here gets batch plans with that type's micro-batch, so it needs fewer
+    /// gradient-accumulation steps there.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub max_per_worker_by_gpu_type: BTreeMap<String, u32>,
 }
 
 impl BatchSpec {
     /// The effective largest per-worker micro-batch.
     pub fn max_per_worker(&self) -> u32 {
         self.max_per_worker.unwrap_or(self.max_total)
+    }
+
+    /// The largest per-worker micro-batch on `gpu_type` (`None`: hosts without a type):
+    /// `max_per_worker_by_gpu_type`'s entry, else [`BatchSpec::max_per_worker`].
+    pub fn max_per_worker_on(&self, gpu_type: Option<&str>) -> u32 {
+        gpu_type
+            .and_then(|t| self.max_per_worker_by_gpu_type.get(t).copied())
+            .unwrap_or_else(|| self.max_per_worker())
     }
 }
 
@@ -845,6 +861,25 @@ impl JobSpec {
                 b.min_per_worker
             ));
         }
+        for (gpu_type, &v) in &b.max_per_worker_by_gpu_type {
+            let key = format!("`max_per_worker_by_gpu_type.{gpu_type}`");
+            if gpu_type.is_empty() {
+                return bad("`max_per_worker_by_gpu_type`: a GPU type may not be empty".into());
+            }
+            crate::labels::validate_value(crate::labels::GPU_TYPE, gpu_type)
+                .or_else(|e| bad(format!("{key}: {e}")))?;
+            if !(1..=MAX_BATCH).contains(&v) {
+                return bad(format!(
+                    "{key} is {v}; it must be between 1 and {MAX_BATCH} samples"
+                ));
+            }
+            if b.min_per_worker > v {
+                return bad(format!(
+                    "`min_per_worker` ({}) is above {key} ({v})",
+                    b.min_per_worker
+                ));
+            }
+        }
         let smallest = u64::from(self.min_workers) * u64::from(b.min_per_worker);
         if smallest > u64::from(b.max_total) {
             return bad(format!(
@@ -1122,6 +1157,44 @@ mod tests {
             &format!("{base}[env]\nCONVERGE_BATCH_SIZE = \"3\"\n"),
             "may not set CONVERGE_BATCH_SIZE",
         );
+    }
+
+    /// A micro-batch per GPU type: parsed, used on the types it names (`max_per_worker`
+    /// elsewhere), and refused when it is 0, below `min_per_worker` or keyed by a type name
+    /// hosts cannot carry.
+    #[test]
+    fn micro_batches_per_gpu_type_parse_apply_and_are_checked() {
+        let base = "id = \"b\"\ncommand = [\"t\"]\n[batch]\nreference = 64\nmax_total = 1024\nmin_per_worker = 4\nmax_per_worker = 12\n";
+        let s = JobSpec::from_toml(&format!(
+            "{base}max_per_worker_by_gpu_type = {{ a100 = 48 }}\n"
+        ))
+        .unwrap();
+        let b = s.batch.unwrap();
+        assert_eq!(b.max_per_worker_on(Some("a100")), 48);
+        assert_eq!(b.max_per_worker_on(Some("t4")), 12);
+        assert_eq!(b.max_per_worker_on(None), 12);
+        assert!(
+            JobSpec::from_toml(base)
+                .unwrap()
+                .batch
+                .unwrap()
+                .max_per_worker_by_gpu_type
+                .is_empty()
+        );
+        for (entry, expect) in [
+            ("a100 = 0", "`max_per_worker_by_gpu_type.a100` is 0"),
+            (
+                "a100 = 2",
+                "`min_per_worker` (4) is above `max_per_worker_by_gpu_type.a100` (2)",
+            ),
+            ("\"a 100\" = 48", "`max_per_worker_by_gpu_type.a 100`"),
+            ("a100 = -1", "invalid value"),
+        ] {
+            check(
+                &format!("{base}max_per_worker_by_gpu_type = {{ {entry} }}\n"),
+                expect,
+            );
+        }
     }
 
     #[test]

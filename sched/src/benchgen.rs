@@ -246,6 +246,7 @@ impl DecisionInputs {
                 let noise = 10f64.powf(rng.gen_range(2.0..4.0));
                 view.adaptive = Some(AdaptiveBatch {
                     limits,
+                    max_per_worker_by_type: BTreeMap::new(),
                     gradient: GradientStats::new(f64::from(reference), noise),
                 });
             }

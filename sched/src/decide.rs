@@ -80,6 +80,11 @@ pub struct Oracle {
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdaptiveBatch {
     pub limits: BatchLimits,
+    /// Largest per-worker micro-batch on particular GPU types where it differs from
+    /// `limits.max_per_worker` (a spec's `max_per_worker_by_gpu_type`: more memory holds a
+    /// larger micro-batch). The plan of a job placed on such a type uses it; a placement on
+    /// several types, the smallest of theirs. Empty: `limits` on every type.
+    pub max_per_worker_by_type: BTreeMap<String, u32>,
     /// Its latest gradient statistics; `None` before any were reported (the job then runs
     /// [`BatchLimits::initial_plan`]).
     pub gradient: Option<GradientStats>,
@@ -251,6 +256,119 @@ fn estimated_table(
             }
         })
         .collect()
+}
+
+/// A job's batch limits on the hosts `nodes` ([`AdaptiveBatch::max_per_worker_by_type`]):
+/// the micro-batch of their GPU type where the job names one for it (the smallest over the
+/// types of a placement that spans several, a type not named counting as
+/// `limits.max_per_worker`), else `limits`. Limits that would not hold (a micro-batch below
+/// the smallest per-worker batch, which a validated spec rules out) fall back to `limits`.
+fn limits_on_hosts(
+    adaptive: &AdaptiveBatch,
+    nodes: &[&HostId],
+    host_at: &BTreeMap<&HostId, usize>,
+    hosts: &[HostFree],
+) -> BatchLimits {
+    let limits = adaptive.limits;
+    if adaptive.max_per_worker_by_type.is_empty() {
+        return limits;
+    }
+    let micro = nodes
+        .iter()
+        .map(|h| {
+            host_at
+                .get(h)
+                .and_then(|&i| hosts[i].gpu_type.as_deref())
+                .and_then(|t| adaptive.max_per_worker_by_type.get(t).copied())
+                .unwrap_or(limits.max_per_worker)
+        })
+        .min()
+        .unwrap_or(limits.max_per_worker);
+    with_micro_batch(limits, micro)
+}
+
+/// `limits` with the largest per-worker micro-batch `micro`; `limits` where those would not
+/// hold (a micro-batch below the smallest per-worker batch, which a validated spec rules
+/// out).
+fn with_micro_batch(limits: BatchLimits, micro: u32) -> BatchLimits {
+    if micro == limits.max_per_worker {
+        return limits;
+    }
+    BatchLimits::new(
+        limits.reference,
+        limits.max_total,
+        limits.min_per_worker,
+        micro,
+    )
+    .unwrap_or(limits)
+}
+
+/// A job's throughput table on each GPU type ([`JobTypes::tables`]): its goodput (or, with
+/// a fixed batch, its model) with the compute time divided by the type's factor and the
+/// synchronization kept ([`ThroughputModel::on_faster_gpu`]), at the type's GPUs per host
+/// and, for an adaptive job, in the micro-batches the type holds
+/// ([`AdaptiveBatch::max_per_worker_by_type`]). `None` for a type without a factor; empty
+/// for a job without a model, a shadow job or one with an oracle (their tables are not a
+/// model's).
+fn type_tables(
+    job: &JobView,
+    view: &PolicyJob,
+    types: &JobTypes,
+    pools: &[GpuTypePool],
+    placement: PlacementKind,
+    contention: f64,
+) -> Vec<Option<Vec<f64>>> {
+    if job.shadow.is_some() || job.oracle.is_some() || view.throughput.is_none() {
+        return Vec::new();
+    }
+    pools
+        .iter()
+        .zip(&types.factors)
+        .map(|(pool, factor)| {
+            let f = (*factor)?;
+            match (&view.goodput, &job.model) {
+                (Some(g), _) => {
+                    let limits = job
+                        .adaptive
+                        .as_ref()
+                        .map_or(g.limits, |a| type_limits(a, pool.name.as_deref()));
+                    let g = GoodputFn {
+                        model: g.model.on_faster_gpu(f),
+                        gradient: g.gradient,
+                        limits,
+                    };
+                    Some(estimated_table(
+                        job,
+                        |w, n| g.best(w, n).map_or(0.0, |(_, v)| v),
+                        pool.gpus_per_node,
+                        placement,
+                        contention,
+                    ))
+                }
+                (None, Some(m)) => {
+                    let m = m.on_faster_gpu(f);
+                    Some(estimated_table(
+                        job,
+                        |w, n| m.samples_per_s(w, n, job.batch.per_worker(w)),
+                        pool.gpus_per_node,
+                        placement,
+                        contention,
+                    ))
+                }
+                (None, None) => None,
+            }
+        })
+        .collect()
+}
+
+/// An adaptive job's batch limits on GPUs of type `gpu_type`
+/// ([`AdaptiveBatch::max_per_worker_by_type`]; `None` or a type not listed: `limits`).
+/// Limits that would not hold fall back to `limits`.
+fn type_limits(adaptive: &AdaptiveBatch, gpu_type: Option<&str>) -> BatchLimits {
+    match gpu_type.and_then(|t| adaptive.max_per_worker_by_type.get(t)) {
+        Some(&micro) => with_micro_batch(adaptive.limits, micro),
+        None => adaptive.limits,
+    }
 }
 
 /// Ranks for a policy's per-host decision: a job whose workers per host are unchanged keeps
@@ -538,6 +656,7 @@ impl<'h> TypePools<'h> {
                 .collect(),
             current,
             eligible_gpus: eligible,
+            tables: Vec::new(),
         }
     }
 }
@@ -693,7 +812,12 @@ fn decide_in_order(
         let job_types: Vec<JobTypes> = order
             .iter()
             .zip(&type_speeds)
-            .map(|(job, speeds)| pools.job_types(job, speeds, cluster.hosts))
+            .zip(&views)
+            .map(|((job, speeds), view)| {
+                let mut types = pools.job_types(job, speeds, cluster.hosts);
+                types.tables = type_tables(job, view, &types, &pools.pools, placement, contention);
+                types
+            })
             .collect();
         policy
             .allocate_on_types(&view, &pools.pools, &views, &job_types)
@@ -780,6 +904,7 @@ fn decide_in_order(
             (decided.workers, placements)
         };
     let mut batches = BTreeMap::new();
+    let host_at = host_index(cluster.hosts);
     if wants.goodput {
         for (job, view) in order.iter().zip(&views) {
             let (Some(adaptive), Some(ranks)) = (&job.adaptive, placements.get(&job.id)) else {
@@ -797,9 +922,16 @@ fn decide_in_order(
                     nodes.push(&r.host);
                 }
             }
+            let limits = limits_on_hosts(adaptive, &nodes, &host_at, cluster.hosts);
             let plan = match &view.goodput {
+                Some(g) if limits != g.limits => GoodputFn {
+                    limits,
+                    ..g.clone()
+                }
+                .best(workers, nodes.len() as u32)
+                .map(|(p, _)| p),
                 Some(g) => g.best(workers, nodes.len() as u32).map(|(p, _)| p),
-                None => adaptive.limits.initial_plan(workers),
+                None => limits.initial_plan(workers),
             };
             if let Some(plan) = plan {
                 batches.insert(job.id.clone(), plan);

@@ -487,6 +487,24 @@ impl ThroughputModel {
         }
     }
 
+    /// The same job on a GPU `speed` times as fast at computing (a [`crate::gpu_types`]
+    /// ratio): the compute coefficients `θ_c` and `θ_0` divided by `speed`, the
+    /// synchronization ones (`θ_intra`, `θ_inter`, `θ_α`: placement and network, not the
+    /// GPU) kept. A `speed` that is not finite and positive returns the model unchanged.
+    pub fn on_faster_gpu(&self, speed: f64) -> Self {
+        if !(speed.is_finite() && speed > 0.0) {
+            return self.clone();
+        }
+        let mut theta = self.theta;
+        theta[0] /= speed;
+        theta[1] /= speed;
+        Self {
+            theta,
+            observations: self.observations,
+            max_workers: self.max_workers,
+        }
+    }
+
     /// NNLS fit of θ on the observations plus prior pseudo-observations (a ridge toward the
     /// prior anchored at the observed step time of the fewest-worker configuration, applied
     /// only along the directions the data cannot identify; see the module docs). Skips
@@ -810,6 +828,29 @@ mod tests {
 
     fn rel(a: f64, b: f64) -> f64 {
         (a - b).abs() / b.abs().max(1e-300)
+    }
+
+    /// A twice-as-fast GPU halves the compute part of a step and keeps the
+    /// synchronization part: one worker runs twice as fast, eight on two hosts less than
+    /// twice; a speed that is not finite and positive changes nothing.
+    #[test]
+    fn a_faster_gpu_divides_the_compute_and_keeps_the_synchronization() {
+        let m = ThroughputModel::from_coefficients([0.002, 0.05, 0.01, 0.1, 0.01], 5);
+        let fast = m.on_faster_gpu(2.0);
+        assert!(rel(fast.compute_time_s(32.0), m.compute_time_s(32.0) / 2.0) < 1e-12);
+        assert!(
+            rel(
+                fast.samples_per_s(1, 1, 32.0),
+                2.0 * m.samples_per_s(1, 1, 32.0)
+            ) < 1e-12
+        );
+        let sync = |m: &ThroughputModel| m.step_time_s(8, 2, 32.0) - m.compute_time_s(32.0);
+        assert!(rel(sync(&fast), sync(&m)) < 1e-12);
+        let gain = fast.samples_per_s(8, 2, 32.0) / m.samples_per_s(8, 2, 32.0);
+        assert!(gain > 1.0 && gain < 2.0, "{gain}");
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert_eq!(m.on_faster_gpu(bad), m);
+        }
     }
 
     fn synthetic(theta: [f64; K], configs: &[(u32, u32, f64)]) -> Vec<StepObservation> {

@@ -198,6 +198,12 @@ pub struct Application {
     /// Factor on every step and sync time (1: as measured; the Sia artifact's calibration,
     /// [`SIA_SLOWDOWNS`], otherwise).
     pub step_scale: f64,
+    /// Whether a GPU type's own largest measured micro-batch applies on it
+    /// ([`Application::max_local_bsz_on`]: the A100 `dgx-ext` traces hold micro-batches up
+    /// to four times the T4's, as the Sia artifact's simulator uses them); `false`: every
+    /// type runs at most `max_local_bsz`, the base measurements' (`--base-micro-batch`).
+    /// `false` for an application as loaded; the command line's applications set it.
+    pub micro_batch_per_type: bool,
 }
 
 /// The step times of one application on one GPU type: placement rows and an interpolation.
@@ -858,7 +864,42 @@ impl Application {
             steps,
             by_type: BTreeMap::new(),
             step_scale: 1.0,
+            micro_batch_per_type: false,
         })
+    }
+
+    /// The largest per-GPU micro-batch on GPUs of the types `gpu_types` (a placement's
+    /// distinct types; empty: the base measurements'): with
+    /// [`Application::micro_batch_per_type`], the smallest of the types' largest measured
+    /// micro-batches (a type without measurements counting as `max_local_bsz`), else
+    /// `max_local_bsz`.
+    pub fn max_local_bsz_on(&self, gpu_types: &[String]) -> u32 {
+        if !self.micro_batch_per_type {
+            return self.max_local_bsz;
+        }
+        gpu_types
+            .iter()
+            .map(|t| {
+                self.by_type
+                    .get(t)
+                    .map_or(self.max_local_bsz, |s| s.local_bsz.1)
+            })
+            .min()
+            .unwrap_or(self.max_local_bsz)
+    }
+
+    /// Each loaded GPU type's largest micro-batch where it differs from `max_local_bsz`
+    /// (a job spec's `max_per_worker_by_gpu_type`); empty without
+    /// [`Application::micro_batch_per_type`].
+    pub fn max_local_bsz_by_type(&self) -> BTreeMap<String, u32> {
+        if !self.micro_batch_per_type {
+            return BTreeMap::new();
+        }
+        self.by_type
+            .iter()
+            .filter(|(_, s)| s.local_bsz.1 != self.max_local_bsz && s.local_bsz.1 > 0)
+            .map(|(t, s)| (t.clone(), s.local_bsz.1))
+            .collect()
     }
 
     /// Whether step times of `gpu_type` are loaded.
@@ -1050,14 +1091,25 @@ impl Application {
     /// Per-GPU micro-batch and gradient-accumulation steps for a fixed total batch size on
     /// `replicas` GPUs (Pollux's `Job.update_local_bsz` with a target batch size).
     pub fn batch_config(&self, batch_size: u32, replicas: u32) -> (u32, u32) {
+        self.batch_config_on(&[], batch_size, replicas)
+    }
+
+    /// [`Application::batch_config`] on GPUs of the types `gpu_types`, in the micro-batches
+    /// they hold ([`Application::max_local_bsz_on`]).
+    pub fn batch_config_on(
+        &self,
+        gpu_types: &[String],
+        batch_size: u32,
+        replicas: u32,
+    ) -> (u32, u32) {
         if replicas == 0 {
             return (0, 0);
         }
         let local = (f64::from(batch_size) / f64::from(replicas) - 1e-8)
             .ceil()
             .max(1.0);
-        let mut accum =
-            ((local / f64::from(self.max_local_bsz) - 1e-8).ceil() - 1.0).max(0.0) as u32;
+        let max_local = self.max_local_bsz_on(gpu_types);
+        let mut accum = ((local / f64::from(max_local) - 1e-8).ceil() - 1.0).max(0.0) as u32;
         if replicas == 1 && batch_size > self.init_batch_size {
             accum = accum.max(1);
         }
@@ -1309,7 +1361,7 @@ impl SimJob {
         }
         let (atomic, accum) = match batch {
             Some((atomic, accum)) if atomic > 0 => (atomic, accum),
-            _ => app.batch_config(self.target_batch_size, self.replicas()),
+            _ => app.batch_config_on(&self.gpu_types, self.target_batch_size, self.replicas()),
         };
         self.atomic_bsz = atomic;
         self.accum_steps = accum;

@@ -897,6 +897,7 @@ pub fn simulate(
                 restart_cost_s: (t.job.restarts > 0).then_some(cfg.restart_delay_s),
                 adaptive: t.limits.map(|limits| AdaptiveBatch {
                     limits,
+                    max_per_worker_by_type: app.max_local_bsz_by_type(),
                     gradient: t.gradient,
                 }),
                 oracle: wants.oracle.then(|| Oracle {

@@ -227,7 +227,9 @@ pub fn render(mixed: &Mixed, sia: &Path) -> String {
          The Sia artifact's workloads (Philly: 8 workloads of 160 jobs over 8 h; Helios, the \
          artifact's `saturn`: 10 workloads; newTrace: 10 workloads of 960 jobs over 48 h) on the \
          Sia paper's heterogeneous cluster `--cluster {MIXED_CLUSTER}` (24 T4, 24 RTX 2080 Ti, \
-         16 A100), with each type's measured step times and the artifact's calibration \
+         16 A100), with each type's measured step times and largest micro-batch (the A100's \
+         up to four times the T4's, as in the artifact's simulator; docs/heterogeneous.md, \
+         \"Micro-batches per GPU type\") and the artifact's calibration \
          (`--calibration sia`). Data: Sia artifact (`siasosp23/artifacts`, commit `aaf7a0d`, \
          `sia-simulator/`), read in place from `{}`; published figures: Sia paper (SOSP'23) \
          Table 3. Times in hours; p99 and makespan are means over workloads of each workload's \

@@ -312,12 +312,14 @@ fn job_spec(t: &Tracked, app: &Application, work: WorkKnowledge) -> JobSpec {
             max_total: app.max_batch_size,
             min_per_worker: app.min_local_bsz,
             max_per_worker: Some(app.max_local_bsz),
+            max_per_worker_by_gpu_type: app.max_local_bsz_by_type(),
         },
         None => converge_common::BatchSpec {
             reference: t.job.target_batch_size,
             max_total: t.job.target_batch_size,
             min_per_worker: 1,
             max_per_worker: Some(app.max_local_bsz.max(1)),
+            max_per_worker_by_gpu_type: app.max_local_bsz_by_type(),
         },
     });
     match work {

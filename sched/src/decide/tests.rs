@@ -613,3 +613,56 @@ proptest! {
         }
     }
 }
+
+/// A job whose spec allows a larger micro-batch on a GPU type gets plans in that
+/// micro-batch when placed there, and the base one elsewhere: on the t4 host its plan keeps
+/// micro-batches of at most 8 (larger totals by accumulation), on the a100 host, where 32
+/// fit, it runs a larger micro-batch with fewer accumulation steps.
+#[test]
+fn a_micro_batch_per_gpu_type_shapes_the_plan_on_that_type() {
+    let limits = BatchLimits::new(64, 1024, 4, 8).unwrap();
+    let job = JobView {
+        min_workers: 1,
+        max_workers: 1,
+        requested_workers: 1,
+        model: Some(ThroughputModel::from_coefficients(
+            [0.002, 0.05, 0.01, 0.1, 0.01],
+            5,
+        )),
+        adaptive: Some(AdaptiveBatch {
+            limits,
+            max_per_worker_by_type: [("a100".to_string(), 32)].into(),
+            gradient: GradientStats::new(64.0, 1e5),
+        }),
+        ..gang("j", "default", PriorityClass::Normal, 1, 0.0)
+    };
+    let plan_on = |gpu_type: &str| {
+        let hosts = [HostFree::new("h".parse().unwrap(), vec![0]).with_gpu_type(gpu_type)];
+        let quality = by_name("quality", PolicyParams::default()).unwrap();
+        let d = decide(
+            &cluster_at(10.0, &hosts),
+            std::slice::from_ref(&job),
+            quality.as_ref(),
+            PlacementKind::FirstFit,
+        );
+        d.batches[&job.id]
+    };
+    let (t4, a100) = (plan_on("t4"), plan_on("a100"));
+    assert!(t4.per_worker <= 8, "{t4:?}");
+    assert!(a100.per_worker > 8 && a100.per_worker <= 32, "{a100:?}");
+    assert!(a100.accum_steps < t4.accum_steps, "{t4:?} {a100:?}");
+    // Without the entry the a100 host plans as the t4 one.
+    let mut plain = job.clone();
+    if let Some(a) = plain.adaptive.as_mut() {
+        a.max_per_worker_by_type.clear();
+    }
+    let hosts = [HostFree::new("h".parse().unwrap(), vec![0]).with_gpu_type("a100")];
+    let quality = by_name("quality", PolicyParams::default()).unwrap();
+    let d = decide(
+        &cluster_at(10.0, &hosts),
+        &[plain],
+        quality.as_ref(),
+        PlacementKind::FirstFit,
+    );
+    assert_eq!(d.batches[&job.id], t4);
+}

@@ -182,6 +182,12 @@ pub struct JobTypes {
     pub current: Option<usize>,
     /// GPUs of each type the job may use (all of them, unless its selector restricts it).
     pub eligible_gpus: Vec<u32>,
+    /// The job's throughput table on each type (samples/s with 1, 2, … workers, as
+    /// [`PolicyJob::throughput`]): its model with the compute time divided by the type's
+    /// factor and the synchronization kept ([`crate::throughput::ThroughputModel::on_faster_gpu`]),
+    /// at that type's GPUs per host. Empty, or `None` for a type, where not known: a policy
+    /// then scales the job's table by the factor.
+    pub tables: Vec<Option<Vec<f64>>>,
 }
 
 /// A decision that picks each job's GPU type (Sia's): workers per job and the type of

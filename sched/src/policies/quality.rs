@@ -960,8 +960,15 @@ fn size_within_types(
             .map(|&i| {
                 let f = type_factor(&types[i], t);
                 let mut job = jobs[i].clone();
-                if let Some(table) = job.throughput.as_mut() {
-                    table.iter_mut().for_each(|x| *x *= f);
+                // The job's own table on the type (its model at the type's compute speed and
+                // micro-batch, synchronization kept), else its table scaled by the factor.
+                match types[i].tables.get(t).cloned().flatten() {
+                    Some(own) => job.throughput = Some(own),
+                    None => {
+                        if let Some(table) = job.throughput.as_mut() {
+                            table.iter_mut().for_each(|x| *x *= f);
+                        }
+                    }
                 }
                 job.samples_per_s_per_worker = job.samples_per_s_per_worker.map(|r| r * f);
                 let eligible = types[i].eligible_gpus.get(t).copied().unwrap_or(0);

@@ -169,12 +169,24 @@ impl Sia {
                     continue;
                 }
                 let nodes = gpus.div_ceil(per_node);
-                let goodput = match (&job.goodput, &job.throughput) {
-                    (Some(g), _) => g.best(w, nodes).map_or(0.0, |(_, v)| v),
-                    (None, Some(table)) => table.get(w as usize - 1).copied().unwrap_or(0.0),
-                    (None, None) => 0.0,
+                // The job's own table on the type where the decision built one (its model
+                // with the type's compute speed and micro-batch), else its goodput scaled
+                // by the type's speed factor.
+                let own = types
+                    .tables
+                    .get(t)
+                    .and_then(Option::as_ref)
+                    .and_then(|table| table.get(w as usize - 1).copied());
+                let g = match (own, &job.goodput, &job.throughput) {
+                    (Some(g), _, _) => g,
+                    (None, Some(g), _) => {
+                        g.best(w, nodes).map_or(0.0, |(_, v)| v) * factor.unwrap_or(1.0)
+                    }
+                    (None, None, Some(table)) => {
+                        table.get(w as usize - 1).copied().unwrap_or(0.0) * factor.unwrap_or(1.0)
+                    }
+                    (None, None, None) => 0.0,
                 };
-                let g = goodput * factor.unwrap_or(1.0);
                 if g.is_finite() && g > 0.0 {
                     out.push((t, w, Some(g)));
                 }
@@ -349,6 +361,7 @@ impl Policy for Sia {
                 factors: vec![Some(1.0)],
                 current: (j.current_workers > 0).then_some(0),
                 eligible_gpus: vec![cluster.total_gpus],
+                tables: Vec::new(),
             })
             .collect();
         let decided = self
@@ -440,11 +453,13 @@ mod tests {
                 factors: vec![Some(1.0), Some(2.0)],
                 current: None,
                 eligible_gpus: vec![4, 4],
+                tables: Vec::new(),
             },
             JobTypes {
                 factors: vec![Some(1.0), Some(1.1)],
                 current: None,
                 eligible_gpus: vec![4, 4],
+                tables: Vec::new(),
             },
         ];
         let d = Sia::default()
@@ -455,6 +470,41 @@ mod tests {
         assert_eq!(d.types[&id("flat")], 0, "{d:?}");
         assert_eq!(d.workers[&id("gainer")], 4);
         assert_eq!(d.workers[&id("flat")], 4);
+    }
+
+    /// Two jobs with the same throughput tables; by the speed factors alone the second
+    /// gains more from the fast type (1.1 against 1.0), but the decision's own table of the
+    /// first on the fast type (a larger micro-batch fits there) shows it gains 2.2: Sia
+    /// reads that table instead of the factor, and gives the first job the fast type.
+    #[test]
+    fn a_jobs_own_table_on_a_type_outweighs_its_factor() {
+        let pools = [pool("slow", 1, 4), pool("fast", 1, 4)];
+        let mut gainer = job("gainer", 0, 4);
+        gainer.throughput = Some((1..=4).map(f64::from).collect());
+        let mut flat = job("flat", 0, 4);
+        flat.throughput = gainer.throughput.clone();
+        flat.submitted_at = 1.0;
+        let linear = |k: f64| Some((1..=4).map(|w| k * f64::from(w)).collect::<Vec<f64>>());
+        let types = [
+            JobTypes {
+                factors: vec![Some(1.0), Some(1.0)],
+                current: None,
+                eligible_gpus: vec![4, 4],
+                tables: vec![linear(1.0), linear(2.2)],
+            },
+            JobTypes {
+                factors: vec![Some(1.0), Some(1.1)],
+                current: None,
+                eligible_gpus: vec![4, 4],
+                tables: Vec::new(),
+            },
+        ];
+        let d = Sia::default()
+            .allocate_on_types(&view(8, 0.0), &pools, &[gainer, flat], &types)
+            .unwrap();
+        let id = |s: &str| s.parse::<JobId>().unwrap();
+        assert_eq!(d.types[&id("gainer")], 1, "{d:?}");
+        assert_eq!(d.types[&id("flat")], 0, "{d:?}");
     }
 
     /// More jobs than GPUs: every GPU is handed out and no type holds more than it has. With
@@ -478,6 +528,7 @@ mod tests {
                 factors: vec![Some(1.0), Some(1.0)],
                 current: None,
                 eligible_gpus: vec![2, 1],
+                tables: Vec::new(),
             })
             .collect();
         let d = Sia::default()
@@ -507,6 +558,7 @@ mod tests {
             factors: vec![Some(1.0)],
             current: Some(0),
             eligible_gpus: vec![4],
+            tables: Vec::new(),
         }];
         let id = "running".parse::<JobId>().unwrap();
         let d = Sia::default()
@@ -535,6 +587,7 @@ mod tests {
             factors: vec![None, None],
             current: None,
             eligible_gpus: vec![4, 8],
+            tables: Vec::new(),
         }];
         let d = Sia::default()
             .allocate_on_types(&view(12, 0.0), &pools, &[j], &types)
@@ -554,6 +607,7 @@ mod tests {
             factors: vec![None],
             current: None,
             eligible_gpus: vec![8],
+            tables: Vec::new(),
         }];
         let d = Sia::default()
             .allocate_on_types(&view(8, 0.0), &pools, &[j], &types)

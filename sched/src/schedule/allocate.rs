@@ -5,7 +5,7 @@ use crate::contention::{HostNic, host_nic_background};
 use crate::decide::{ClusterState, JobView, QueueSetup, decide_queued, priority_order};
 use crate::placement::HostFree;
 
-use super::batch::{RebatchValue, batch_limits, generation_batch, rebatch};
+use super::batch::{RebatchValue, batch_limits_on, generation_batch, rebatch};
 use super::lifecycle::{bump_generation, taken_ports};
 use super::observe::{Fits, eligible_hosts, job_view, ring_nic_traffic};
 use super::ps::{PsContext, plan_ps_jobs};
@@ -54,6 +54,17 @@ pub(super) fn allocate(
             gpu_speed: converge_common::labels::host_gpu_speed(&t.labels),
         })
         .collect();
+    let type_of: BTreeMap<&HostId, Option<&str>> = hosts
+        .iter()
+        .map(|h| (&h.host, h.gpu_type.as_deref()))
+        .collect();
+    // The GPU type of each host a placement uses (`None`: no type, or not live).
+    let types_of = |ranks: &[converge_common::RankPlacement]| -> Vec<Option<&str>> {
+        ranks
+            .iter()
+            .map(|r| type_of.get(&r.host).copied().flatten())
+            .collect()
+    };
     let queued = decide_queued(
         &ClusterState {
             now,
@@ -110,6 +121,7 @@ pub(super) fn allocate(
         let value = rebatch_value(
             s,
             spec,
+            &types_of(&s.placement),
             decided,
             views_by_id.get(&s.job).copied(),
             &fits,
@@ -136,7 +148,12 @@ pub(super) fn allocate(
         status.placement = new_placement;
         status.ps_placement = new_shards;
         // A batch changes only with a new generation (the workers read it when they start).
-        let batch = generation_batch(spec, status.world_size, decided);
+        let batch = generation_batch(
+            spec,
+            status.world_size,
+            &types_of(&status.placement),
+            decided,
+        );
         let old_total = status.batch.as_ref().and_then(|b| b.plan).map(|p| p.total);
         if let Some(plan) = batch {
             let b = status
@@ -218,13 +235,15 @@ pub(super) fn allocate(
 }
 
 /// What [`rebatch`] weighs for a running job with a decided plan: its goodput with its
-/// generation's plan and with the decided one on its current workers (its throughput model
+/// generation's plan and with the decided one on its current workers, in the micro-batches
+/// the GPU types of its hosts hold (`gpu_types`, [`batch_limits_on`]; its throughput model
 /// and gradient statistics), its remaining work as the decision saw it (else the work done,
 /// the policies' guess) and its measured restart cost (else the policy's default). `None`
 /// without a model, statistics, limits or a current plan.
 fn rebatch_value(
     status: &JobStatus,
     spec: &JobSpec,
+    gpu_types: &[Option<&str>],
     decided: Option<&crate::goodput::BatchPlan>,
     view: Option<&JobView>,
     fits: &Fits<'_>,
@@ -232,7 +251,7 @@ fn rebatch_value(
 ) -> Option<RebatchValue> {
     let decided = decided?;
     let current = status.batch.as_ref()?.plan?;
-    let limits = batch_limits(spec.batch.as_ref()?)?;
+    let limits = batch_limits_on(spec.batch.as_ref()?, gpu_types)?;
     let (model, _) = fits.models.get(&status.job)?;
     let gradient = fits.gradients.get(&status.job)?;
     let view = view?;

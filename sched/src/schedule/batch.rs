@@ -8,13 +8,19 @@ use converge_common::{AssignedBatch, BatchSpec, JobBatch, JobPhase, JobSpec, Job
 /// The batch limits of a `[batch]` table (`None` if they do not hold, which a validated
 /// spec rules out).
 pub fn batch_limits(b: &BatchSpec) -> Option<BatchLimits> {
-    BatchLimits::new(
-        b.reference,
-        b.max_total,
-        b.min_per_worker,
-        b.max_per_worker(),
-    )
-    .ok()
+    batch_limits_on(b, &[])
+}
+
+/// The batch limits of a `[batch]` table on hosts of the GPU types `gpu_types` (one entry
+/// per host of the placement, `None` for a host without a type): the smallest micro-batch
+/// any of them allows ([`BatchSpec::max_per_worker_on`]); no hosts: `max_per_worker`.
+pub fn batch_limits_on(b: &BatchSpec, gpu_types: &[Option<&str>]) -> Option<BatchLimits> {
+    let micro = gpu_types
+        .iter()
+        .map(|t| b.max_per_worker_on(*t))
+        .min()
+        .unwrap_or_else(|| b.max_per_worker());
+    BatchLimits::new(b.reference, b.max_total, b.min_per_worker, micro).ok()
 }
 
 pub(super) fn assigned(plan: BatchPlan, reference: u32) -> AssignedBatch {
@@ -26,13 +32,15 @@ pub(super) fn assigned(plan: BatchPlan, reference: u32) -> AssignedBatch {
     }
 }
 
-/// The batch of a `[batch]` job's new generation on `workers` workers: the decision's plan
-/// when it chose one (an adaptive job under a policy that reads goodput), else the smallest
-/// total the world size allows, `max(B₀, workers × min_per_worker)` (the reference batch:
-/// what a job without gradient statistics keeps).
+/// The batch of a `[batch]` job's new generation on `workers` workers on hosts of the GPU
+/// types `gpu_types` ([`batch_limits_on`]): the decision's plan when it chose one (an
+/// adaptive job under a policy that reads goodput), else the smallest total the world size
+/// allows, `max(B₀, workers × min_per_worker)` (the reference batch: what a job without
+/// gradient statistics keeps), in micro-batches those types hold.
 pub(super) fn generation_batch(
     spec: &JobSpec,
     workers: u32,
+    gpu_types: &[Option<&str>],
     decided: Option<&BatchPlan>,
 ) -> Option<AssignedBatch> {
     let b = spec.batch.as_ref()?;
@@ -41,7 +49,7 @@ pub(super) fn generation_batch(
     }
     let plan = match decided {
         Some(p) => *p,
-        None => batch_limits(b)?.initial_plan(workers)?,
+        None => batch_limits_on(b, gpu_types)?.initial_plan(workers)?,
     };
     Some(assigned(plan, b.reference))
 }

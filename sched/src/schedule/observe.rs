@@ -390,6 +390,11 @@ pub(super) fn job_view(
             .zip(fits.gradients.get(&status.job))
             .map(|(limits, g)| AdaptiveBatch {
                 limits,
+                max_per_worker_by_type: spec
+                    .batch
+                    .as_ref()
+                    .map(|b| b.max_per_worker_by_gpu_type.clone())
+                    .unwrap_or_default(),
                 gradient: Some(*g),
             }),
         hosts,

@@ -530,3 +530,62 @@ fn oracle_matches_step() {
     assert_eq!(job.progress_rate(app, 0, 4), 0.0);
     assert!(job.progress_rate(app, 32, 4) > rate);
 }
+
+/// A GPU type whose measurements go to larger micro-batches than the base ones (as the
+/// Sia artifact's A100 traces do): with `micro_batch_per_type` its jobs run them, fewer
+/// accumulation steps for the same total; without it, and on types not loaded, the base
+/// limit holds. Specs are told the type's limit where it differs.
+#[test]
+fn a_type_measured_with_larger_micro_batches_runs_them() {
+    let mut app = apps()["cifar10"].clone();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("cifar10")).unwrap();
+    for file in ["placements", "scalability"] {
+        let text = std::fs::read_to_string(traces("cifar10").join(format!("{file}.csv"))).unwrap();
+        let mut lines = text.lines();
+        let header = lines.next().unwrap();
+        let columns: Vec<&str> = header.split(',').collect();
+        let mut big = format!("{header}\n");
+        for line in lines.filter(|l| !l.trim().is_empty()) {
+            let cells: Vec<String> = line
+                .split(',')
+                .zip(&columns)
+                .map(|(cell, column)| match *column {
+                    "local_bsz" => (cell.trim().parse::<u32>().unwrap() * 4).to_string(),
+                    _ => cell.to_string(),
+                })
+                .collect();
+            big += &format!("{}\n", cells.join(","));
+        }
+        std::fs::write(
+            dir.path().join("cifar10").join(format!("{file}-big.csv")),
+            big,
+        )
+        .unwrap();
+    }
+    app.load_gpu_type(dir.path(), "big").unwrap();
+    let base = app.max_local_bsz;
+    let measured = 4 * app.steps.local_bsz.1;
+    let big = ["big".to_string()];
+    assert!(measured > base);
+    assert_eq!(app.max_local_bsz_on(&big), base);
+    assert!(app.max_local_bsz_by_type().is_empty());
+    let total = 2 * 2 * base;
+    assert_eq!(
+        app.batch_config_on(&big, total, 2),
+        app.batch_config(total, 2)
+    );
+
+    app.micro_batch_per_type = true;
+    assert_eq!(app.max_local_bsz_on(&big), measured);
+    assert_eq!(app.max_local_bsz_on(&["other".to_string()]), base);
+    assert_eq!(app.max_local_bsz_on(&[]), base);
+    assert_eq!(
+        app.max_local_bsz_by_type(),
+        [("big".to_string(), measured)].into()
+    );
+    let (_, accum_base) = app.batch_config(total, 2);
+    let (atomic, accum_big) = app.batch_config_on(&big, total, 2);
+    assert_eq!((accum_base, accum_big), (1, 0));
+    assert_eq!(atomic, 2 * base);
+}

@@ -539,6 +539,7 @@ fn a_job_sized_for_slow_gpus_fits_a_small_pool_of_fast_ones() {
         factors: vec![Some(1.0), Some(4.0)],
         current: None,
         eligible_gpus: vec![16, 4],
+        tables: Vec::new(),
     }];
     // Old enough that its restart budget lets it grow.
     let cluster = ClusterView {
@@ -572,6 +573,7 @@ fn workers_on_a_faster_type_stay_between_the_minimum_and_the_size() {
         factors: vec![Some(2.0), Some(100.0), Some(0.5), None],
         current: None,
         eligible_gpus: vec![8, 8, 8, 8],
+        tables: Vec::new(),
     };
     assert_eq!(workers_on_type(&j, &jt, 8, None, 0), 4);
     assert_eq!(workers_on_type(&j, &jt, 8, None, 1), 3);
@@ -674,6 +676,7 @@ proptest! {
                     .enumerate()
                     .map(|(k, &g)| if Some(k) == *limited { 0 } else { g })
                     .collect(),
+                tables: Vec::new(),
             });
         }
         let cluster = ClusterView {
