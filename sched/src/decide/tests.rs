@@ -666,3 +666,64 @@ fn a_micro_batch_per_gpu_type_shapes_the_plan_on_that_type() {
     );
     assert_eq!(d.batches[&job.id], t4);
 }
+
+/// A job's own tables per GPU type: none for a job that names no micro-batch per type
+/// (policies then scale its table by the speed factor); for one that does, computed on
+/// first read, on a type twice as fast at computing faster than its own table at one worker
+/// but by less than twice with workers on two hosts (synchronization kept), and faster
+/// still where the type holds a larger micro-batch.
+#[test]
+fn type_tables_exist_for_jobs_with_micro_batches_per_type_and_keep_synchronization() {
+    let model = ThroughputModel::from_coefficients([0.002, 0.05, 0.01, 0.1, 0.01], 5);
+    let limits = BatchLimits::new(64, 1024, 4, 8).unwrap();
+    let adaptive = |by_type: &[(&str, u32)]| AdaptiveBatch {
+        limits,
+        max_per_worker_by_type: by_type.iter().map(|&(t, m)| (t.to_string(), m)).collect(),
+        gradient: GradientStats::new(64.0, 1e5),
+    };
+    let job = JobView {
+        min_workers: 1,
+        max_workers: 8,
+        requested_workers: 1,
+        model: Some(model.clone()),
+        adaptive: Some(adaptive(&[])),
+        ..gang("j", "default", PriorityClass::Normal, 1, 0.0)
+    };
+    let view = PolicyJob {
+        goodput: Some(GoodputFn {
+            model,
+            gradient: GradientStats::new(64.0, 1e5),
+            limits,
+        }),
+        throughput: Some(vec![1.0; 8]),
+        ..crate::policies::test_support::job("j", 0.0, 1, 8)
+    };
+    let pool = |name: &str| GpuTypePool {
+        name: Some(name.to_string()),
+        gpus: 8,
+        nodes: 2,
+        gpus_per_node: 4,
+    };
+    let pools = [pool("t4"), pool("fast"), pool("big")];
+    let types = JobTypes {
+        factors: vec![Some(1.0), Some(2.0), Some(2.0)],
+        current: None,
+        eligible_gpus: vec![8, 8, 8],
+        tables: Vec::new(),
+    };
+    let none = type_tables(&job, &view, &types, &pools, PlacementKind::FirstFit, 0.0);
+    assert!(none.is_empty());
+    let with = JobView {
+        adaptive: Some(adaptive(&[("big", 32)])),
+        ..job
+    };
+    let tables = type_tables(&with, &view, &types, &pools, PlacementKind::FirstFit, 0.0);
+    let [Some(t4), Some(fast), Some(big)] = &tables[..] else {
+        panic!("{tables:?}");
+    };
+    let (t4, fast, big) = (t4.get(), fast.get(), big.get());
+    assert_eq!(t4.len(), 8);
+    assert!(fast[0] > 1.5 * t4[0], "{t4:?} {fast:?}");
+    assert!(fast[7] / t4[7] < fast[0] / t4[0], "{t4:?} {fast:?}");
+    assert!(big[0] > fast[0], "{fast:?} {big:?}");
+}

@@ -185,9 +185,85 @@ pub struct JobTypes {
     /// The job's throughput table on each type (samples/s with 1, 2, … workers, as
     /// [`PolicyJob::throughput`]): its model with the compute time divided by the type's
     /// factor and the synchronization kept ([`crate::throughput::ThroughputModel::on_faster_gpu`]),
-    /// at that type's GPUs per host. Empty, or `None` for a type, where not known: a policy
-    /// then scales the job's table by the factor.
-    pub tables: Vec<Option<Vec<f64>>>,
+    /// at that type's GPUs per host and in the micro-batch the type holds; computed when first
+    /// read ([`TypeTable::get`]). Empty, or `None` for a type, where not known: a policy then
+    /// scales the job's table by the factor.
+    pub tables: Vec<Option<TypeTable>>,
+}
+
+/// What a [`TypeTable`] is computed from: a goodput function (the best batch for each
+/// count), or a model at a batch rule.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TableRate {
+    Goodput(crate::goodput::GoodputFn),
+    Model(crate::throughput::ThroughputModel, crate::decide::BatchSize),
+}
+
+/// A job's throughput table on one GPU type ([`JobTypes::tables`]), computed on first use:
+/// a decision on a cluster of several types builds one per job and type, and a policy reads
+/// few of them (`quality` those of the type each job is assigned), so computing them all
+/// would cost a batch-size search per job, type and count.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TypeTable {
+    /// `None`: given as values ([`TypeTable::from_values`]).
+    rate: Option<TableRate>,
+    most: u32,
+    gpus_per_worker: u32,
+    gpus_per_node: u32,
+    contention: f64,
+    table: std::cell::OnceCell<Vec<f64>>,
+}
+
+impl TypeTable {
+    /// The table of `rate` for 1..=`most` workers of `gpus_per_worker` GPUs, packed on hosts
+    /// of `gpus_per_node` GPUs, a partial multi-node count divided by `1 + contention`.
+    pub fn new(
+        rate: TableRate,
+        most: u32,
+        gpus_per_worker: u32,
+        gpus_per_node: u32,
+        contention: f64,
+    ) -> Self {
+        Self {
+            rate: Some(rate),
+            most,
+            gpus_per_worker,
+            gpus_per_node,
+            contention,
+            table: std::cell::OnceCell::new(),
+        }
+    }
+
+    /// A table given as its values (samples/s with 1, 2, … workers).
+    pub fn from_values(values: Vec<f64>) -> Self {
+        Self {
+            rate: None,
+            most: values.len() as u32,
+            gpus_per_worker: 1,
+            gpus_per_node: 1,
+            contention: 0.0,
+            table: values.into(),
+        }
+    }
+
+    /// Samples/s with 1, 2, … workers (computed on the first call).
+    pub fn get(&self) -> &[f64] {
+        self.table.get_or_init(|| {
+            let Some(rate) = &self.rate else {
+                return Vec::new();
+            };
+            crate::decide::table_by_workers(
+                self.most,
+                self.gpus_per_worker,
+                self.gpus_per_node,
+                self.contention,
+                |w, n| match rate {
+                    TableRate::Goodput(g) => g.best(w, n).map_or(0.0, |(_, v)| v),
+                    TableRate::Model(m, batch) => m.samples_per_s(w, n, batch.per_worker(w)),
+                },
+            )
+        })
+    }
 }
 
 /// A decision that picks each job's GPU type (Sia's): workers per job and the type of

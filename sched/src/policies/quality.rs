@@ -962,8 +962,8 @@ fn size_within_types(
                 let mut job = jobs[i].clone();
                 // The job's own table on the type (its model at the type's compute speed and
                 // micro-batch, synchronization kept), else its table scaled by the factor.
-                match types[i].tables.get(t).cloned().flatten() {
-                    Some(own) => job.throughput = Some(own),
+                match types[i].tables.get(t).and_then(Option::as_ref) {
+                    Some(own) => job.throughput = Some(own.get().to_vec()),
                     None => {
                         if let Some(table) = job.throughput.as_mut() {
                             table.iter_mut().for_each(|x| *x *= f);

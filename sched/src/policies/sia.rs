@@ -176,7 +176,7 @@ impl Sia {
                     .tables
                     .get(t)
                     .and_then(Option::as_ref)
-                    .and_then(|table| table.get(w as usize - 1).copied());
+                    .and_then(|table| table.get().get(w as usize - 1).copied());
                 let g = match (own, &job.goodput, &job.throughput) {
                     (Some(g), _, _) => g,
                     (None, Some(g), _) => {
@@ -403,6 +403,7 @@ impl Policy for Sia {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::policies::TypeTable;
     use converge_common::JobId;
 
     /// A 1-GPU-per-worker job of 1 to `max` workers, running `current` of them.
@@ -484,7 +485,11 @@ mod tests {
         let mut flat = job("flat", 0, 4);
         flat.throughput = gainer.throughput.clone();
         flat.submitted_at = 1.0;
-        let linear = |k: f64| Some((1..=4).map(|w| k * f64::from(w)).collect::<Vec<f64>>());
+        let linear = |k: f64| {
+            Some(TypeTable::from_values(
+                (1..=4).map(|w| k * f64::from(w)).collect(),
+            ))
+        };
         let types = [
             JobTypes {
                 factors: vec![Some(1.0), Some(1.0)],
