@@ -939,3 +939,55 @@ fn a_trial_grows_only_while_its_per_gpu_throughput_holds() {
     empty.throughput = Some(Vec::new());
     assert_eq!(decide(empty, &params), 1);
 }
+
+/// On a type where the job has its own table (`JobTypes::tables`: a job that names
+/// micro-batches per type) the sizing per type reads it instead of the job's table times
+/// the speed ratio: the same job, given the fast pool, grows to its 4 GPUs when its table
+/// scaled by the ratio says it scales, and stays at 1 when its own table there says a
+/// second worker adds nothing.
+#[test]
+fn the_sizing_on_a_type_reads_the_jobs_own_table_there() {
+    let pools: Vec<crate::policies::GpuTypePool> = [("slow", 4), ("fast", 4)]
+        .iter()
+        .map(|&(name, g)| crate::policies::GpuTypePool {
+            name: Some(name.to_owned()),
+            gpus: g,
+            nodes: 1,
+            gpus_per_node: g,
+        })
+        .collect();
+    let mut j = job("j", 4);
+    j.throughput = Some((1..=4).map(|w| 100.0 * f64::from(w)).collect());
+    j.remaining_work = Some(1e9);
+    let cluster = ClusterView {
+        total_gpus: 8,
+        gpus_per_node: 4,
+        now: 1e5,
+    };
+    let jobs = [j];
+    let decide = |tables: Vec<Option<crate::policies::TypeTable>>| {
+        let types = [crate::policies::JobTypes {
+            factors: vec![Some(1.0), Some(2.0)],
+            current: None,
+            eligible_gpus: vec![4, 4],
+            tables,
+        }];
+        Quality::default()
+            .allocate_on_types(&cluster, &pools, &jobs, &types)
+            .unwrap()
+    };
+    let id = &jobs[0].id;
+    let scaled = decide(Vec::new());
+    assert_eq!(
+        (scaled.types.get(id), scaled.workers[id]),
+        (Some(&1), 4),
+        "{scaled:?}"
+    );
+    let flat = crate::policies::TypeTable::from_values(vec![200.0; 4]);
+    let own = decide(vec![None, Some(flat)]);
+    assert_eq!(
+        (own.types.get(id), own.workers[id]),
+        (Some(&1), 1),
+        "{own:?}"
+    );
+}
