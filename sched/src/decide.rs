@@ -37,8 +37,7 @@ use crate::goodput::{BatchLimits, BatchPlan, GoodputFn, GradientStats};
 use crate::placement::{HostFree, PlacementKind, PlacementRequest, place_with};
 pub use crate::policies::PolicyInputs;
 use crate::policies::{
-    ClusterView, Decision, GpuTypePool, HostDecision, JobTypes, Policy, PolicyJob, TableRate,
-    TypeTable,
+    ClusterView, Decision, GpuTypePool, HostDecision, JobTypes, Policy, PolicyJob, TypeTable,
 };
 use crate::queues::{self, Held, QueueDemand, Running, Share};
 use crate::throughput::{ThroughputModel, packed_nodes};
@@ -333,15 +332,16 @@ fn with_micro_batch(limits: BatchLimits, micro: u32) -> BatchLimits {
 }
 
 /// A job's throughput table on each GPU type ([`JobTypes::tables`], computed when a policy
-/// first reads it): its goodput (or, with a fixed batch, its model) with the compute time
+/// first reads it): its goodput with the compute time
 /// divided by the type's factor and the synchronization kept
 /// ([`ThroughputModel::on_faster_gpu`]), at the type's GPUs per host and in the micro-batches
 /// the type holds ([`AdaptiveBatch::max_per_worker_by_type`]). `None` for a type without a
 /// factor. Empty, so that policies scale the job's own table by the factor as before
 /// micro-batches per type, for a job that names no micro-batch per type (a table per type
 /// costs a batch-size search per job, type and count: with one for every job the decision
-/// on 100,000 GPUs of four types took about 215 ms median against 176 ms), a job without a
-/// model, a shadow job or one with an oracle (their tables are not a model's).
+/// on 100,000 GPUs of four types took about 215 ms median against 176 ms), a job without
+/// goodput (no model, or a policy that reads none), a shadow job or one with an oracle
+/// (their tables are not a model's).
 fn type_tables(
     job: &JobView,
     view: &PolicyJob,
@@ -357,9 +357,14 @@ fn type_tables(
     else {
         return Vec::new();
     };
-    if job.shadow.is_some() || job.oracle.is_some() || view.throughput.is_none() {
+    // An adaptive job's goodput (what the type-aware policies read).
+    let Some(g) = view
+        .goodput
+        .as_ref()
+        .filter(|_| job.shadow.is_none() && job.oracle.is_none() && view.throughput.is_some())
+    else {
         return Vec::new();
-    }
+    };
     let most = job.max_workers.clamp(1, MAX_TABLE_WORKERS);
     let discount = bco_discount(placement, contention);
     pools
@@ -367,14 +372,10 @@ fn type_tables(
         .zip(&types.factors)
         .map(|(pool, factor)| {
             let f = (*factor)?;
-            let rate = match (&view.goodput, &job.model) {
-                (Some(g), _) => TableRate::Goodput(GoodputFn {
-                    model: g.model.on_faster_gpu(f),
-                    gradient: g.gradient,
-                    limits: type_limits(adaptive, pool.name.as_deref()),
-                }),
-                (None, Some(m)) => TableRate::Model(m.on_faster_gpu(f), job.batch),
-                (None, None) => return None,
+            let rate = GoodputFn {
+                model: g.model.on_faster_gpu(f),
+                gradient: g.gradient,
+                limits: type_limits(adaptive, pool.name.as_deref()),
             };
             Some(TypeTable::new(
                 rate,

@@ -191,22 +191,15 @@ pub struct JobTypes {
     pub tables: Vec<Option<TypeTable>>,
 }
 
-/// What a [`TypeTable`] is computed from: a goodput function (the best batch for each
-/// count), or a model at a batch rule.
-#[derive(Debug, Clone, PartialEq)]
-pub enum TableRate {
-    Goodput(crate::goodput::GoodputFn),
-    Model(crate::throughput::ThroughputModel, crate::decide::BatchSize),
-}
-
 /// A job's throughput table on one GPU type ([`JobTypes::tables`]), computed on first use:
 /// a decision on a cluster of several types builds one per job and type, and a policy reads
 /// few of them (`quality` those of the type each job is assigned), so computing them all
 /// would cost a batch-size search per job, type and count.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TypeTable {
-    /// `None`: given as values ([`TypeTable::from_values`]).
-    rate: Option<TableRate>,
+    /// The goodput the table is computed from; `None`: given as values
+    /// ([`TypeTable::from_values`]).
+    rate: Option<crate::goodput::GoodputFn>,
     most: u32,
     gpus_per_worker: u32,
     gpus_per_node: u32,
@@ -215,10 +208,11 @@ pub struct TypeTable {
 }
 
 impl TypeTable {
-    /// The table of `rate` for 1..=`most` workers of `gpus_per_worker` GPUs, packed on hosts
-    /// of `gpus_per_node` GPUs, a partial multi-node count divided by `1 + contention`.
+    /// The table of `rate` (goodput at the best batch) for 1..=`most` workers of
+    /// `gpus_per_worker` GPUs, packed on hosts of `gpus_per_node` GPUs, a partial multi-node
+    /// count divided by `1 + contention`.
     pub fn new(
-        rate: TableRate,
+        rate: crate::goodput::GoodputFn,
         most: u32,
         gpus_per_worker: u32,
         gpus_per_node: u32,
@@ -257,10 +251,7 @@ impl TypeTable {
                 self.gpus_per_worker,
                 self.gpus_per_node,
                 self.contention,
-                |w, n| match rate {
-                    TableRate::Goodput(g) => g.best(w, n).map_or(0.0, |(_, v)| v),
-                    TableRate::Model(m, batch) => m.samples_per_s(w, n, batch.per_worker(w)),
-                },
+                |w, n| rate.best(w, n).map_or(0.0, |(_, v)| v),
             )
         })
     }

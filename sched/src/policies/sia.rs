@@ -438,34 +438,40 @@ mod tests {
         assert_eq!(gpu_counts(1, 2), [1, 2]);
     }
 
+    /// Sia's decision for two jobs with the same linear throughput table (`gainer`, then
+    /// `flat`, which arrived later) on a slow and a fast pool of 4 GPUs each, with what the
+    /// decision knows of each one's types.
+    fn gainer_and_flat(gainer: JobTypes, flat: JobTypes) -> TypeDecision {
+        let pools = [pool("slow", 1, 4), pool("fast", 1, 4)];
+        let mut g = job("gainer", 0, 4);
+        g.throughput = Some((1..=4).map(f64::from).collect());
+        let mut f = job("flat", 0, 4);
+        f.throughput = g.throughput.clone();
+        f.submitted_at = 1.0;
+        Sia::default()
+            .allocate_on_types(&view(8, 0.0), &pools, &[g, f], &[gainer, flat])
+            .unwrap()
+    }
+
+    /// Both pools eligible, no current type, the given speed factors and tables.
+    fn types_of(factors: [f64; 2], tables: Vec<Option<TypeTable>>) -> JobTypes {
+        JobTypes {
+            factors: factors.map(Some).to_vec(),
+            current: None,
+            eligible_gpus: vec![4, 4],
+            tables,
+        }
+    }
+
     /// Two jobs with linear throughput tables, one twice as fast on the second type as on the
     /// first, the other the same on both: each type is full and the job that gains from the
     /// fast type holds it.
     #[test]
     fn the_job_that_gains_most_from_a_type_gets_it() {
-        let pools = [pool("slow", 1, 4), pool("fast", 1, 4)];
-        let mut gainer = job("gainer", 0, 4);
-        gainer.throughput = Some((1..=4).map(f64::from).collect());
-        let mut flat = job("flat", 0, 4);
-        flat.throughput = gainer.throughput.clone();
-        flat.submitted_at = 1.0;
-        let types = [
-            JobTypes {
-                factors: vec![Some(1.0), Some(2.0)],
-                current: None,
-                eligible_gpus: vec![4, 4],
-                tables: Vec::new(),
-            },
-            JobTypes {
-                factors: vec![Some(1.0), Some(1.1)],
-                current: None,
-                eligible_gpus: vec![4, 4],
-                tables: Vec::new(),
-            },
-        ];
-        let d = Sia::default()
-            .allocate_on_types(&view(8, 0.0), &pools, &[gainer, flat], &types)
-            .unwrap();
+        let d = gainer_and_flat(
+            types_of([1.0, 2.0], Vec::new()),
+            types_of([1.0, 1.1], Vec::new()),
+        );
         let id = |s: &str| s.parse::<JobId>().unwrap();
         assert_eq!(d.types[&id("gainer")], 1, "{d:?}");
         assert_eq!(d.types[&id("flat")], 0, "{d:?}");
@@ -479,34 +485,15 @@ mod tests {
     /// reads that table instead of the factor, and gives the first job the fast type.
     #[test]
     fn a_jobs_own_table_on_a_type_outweighs_its_factor() {
-        let pools = [pool("slow", 1, 4), pool("fast", 1, 4)];
-        let mut gainer = job("gainer", 0, 4);
-        gainer.throughput = Some((1..=4).map(f64::from).collect());
-        let mut flat = job("flat", 0, 4);
-        flat.throughput = gainer.throughput.clone();
-        flat.submitted_at = 1.0;
         let linear = |k: f64| {
             Some(TypeTable::from_values(
                 (1..=4).map(|w| k * f64::from(w)).collect(),
             ))
         };
-        let types = [
-            JobTypes {
-                factors: vec![Some(1.0), Some(1.0)],
-                current: None,
-                eligible_gpus: vec![4, 4],
-                tables: vec![linear(1.0), linear(2.2)],
-            },
-            JobTypes {
-                factors: vec![Some(1.0), Some(1.1)],
-                current: None,
-                eligible_gpus: vec![4, 4],
-                tables: Vec::new(),
-            },
-        ];
-        let d = Sia::default()
-            .allocate_on_types(&view(8, 0.0), &pools, &[gainer, flat], &types)
-            .unwrap();
+        let d = gainer_and_flat(
+            types_of([1.0, 1.0], vec![linear(1.0), linear(2.2)]),
+            types_of([1.0, 1.1], Vec::new()),
+        );
         let id = |s: &str| s.parse::<JobId>().unwrap();
         assert_eq!(d.types[&id("gainer")], 1, "{d:?}");
         assert_eq!(d.types[&id("flat")], 0, "{d:?}");

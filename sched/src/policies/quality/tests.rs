@@ -517,13 +517,9 @@ fn a_job_waiting_past_max_wait_is_admitted_before_running_ones() {
     assert_eq!(workers_of(&decision, "waiting"), 0);
 }
 
-/// A job sized for slow GPUs that only the slow type could hold at that size goes to a
-/// small pool of GPUs four times as fast, where a quarter as many give it the same
-/// throughput: the assignment counts a job's GPUs on a faster type at equal throughput
-/// (`workers_on_type`). Counting its slow-type size everywhere left it on the slow type.
-#[test]
-fn a_job_sized_for_slow_gpus_fits_a_small_pool_of_fast_ones() {
-    let pools: Vec<crate::policies::GpuTypePool> = [("slow", 16), ("fast", 4)]
+/// Pools of one node each, `(name, GPUs)`.
+fn one_node_pools(pools: &[(&str, u32)]) -> Vec<crate::policies::GpuTypePool> {
+    pools
         .iter()
         .map(|&(name, g)| crate::policies::GpuTypePool {
             name: Some(name.to_owned()),
@@ -531,7 +527,16 @@ fn a_job_sized_for_slow_gpus_fits_a_small_pool_of_fast_ones() {
             nodes: 1,
             gpus_per_node: g,
         })
-        .collect();
+        .collect()
+}
+
+/// A job sized for slow GPUs that only the slow type could hold at that size goes to a
+/// small pool of GPUs four times as fast, where a quarter as many give it the same
+/// throughput: the assignment counts a job's GPUs on a faster type at equal throughput
+/// (`workers_on_type`). Counting its slow-type size everywhere left it on the slow type.
+#[test]
+fn a_job_sized_for_slow_gpus_fits_a_small_pool_of_fast_ones() {
+    let pools = one_node_pools(&[("slow", 16), ("fast", 4)]);
     let mut j = job("bert", 16);
     j.throughput = Some((1..=16).map(|w| 100.0 * f64::from(w)).collect());
     j.remaining_work = Some(1e9);
@@ -947,15 +952,7 @@ fn a_trial_grows_only_while_its_per_gpu_throughput_holds() {
 /// second worker adds nothing.
 #[test]
 fn the_sizing_on_a_type_reads_the_jobs_own_table_there() {
-    let pools: Vec<crate::policies::GpuTypePool> = [("slow", 4), ("fast", 4)]
-        .iter()
-        .map(|&(name, g)| crate::policies::GpuTypePool {
-            name: Some(name.to_owned()),
-            gpus: g,
-            nodes: 1,
-            gpus_per_node: g,
-        })
-        .collect();
+    let pools = one_node_pools(&[("slow", 4), ("fast", 4)]);
     let mut j = job("j", 4);
     j.throughput = Some((1..=4).map(|w| 100.0 * f64::from(w)).collect());
     j.remaining_work = Some(1e9);
