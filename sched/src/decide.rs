@@ -270,20 +270,29 @@ pub(crate) fn table_by_workers(
     contention: f64,
     rate: impl Fn(u32, u32) -> f64,
 ) -> Vec<f64> {
-    let per_node = gpus_per_node.max(1);
     (1..=most.max(1))
-        .map(|w| {
-            let nodes = packed_nodes(w, gpus_per_worker, per_node);
-            let rate = rate(w, nodes);
-            let gpus = u64::from(w) * u64::from(gpus_per_worker);
-            let partial = nodes > 1 && !gpus.is_multiple_of(u64::from(per_node));
-            if partial && contention > 0.0 {
-                rate / (1.0 + contention)
-            } else {
-                rate
-            }
-        })
+        .map(|w| table_entry(w, gpus_per_worker, gpus_per_node, contention, &rate))
         .collect()
+}
+
+/// One entry of [`table_by_workers`]: the rate with `w` workers.
+pub(crate) fn table_entry(
+    w: u32,
+    gpus_per_worker: u32,
+    gpus_per_node: u32,
+    contention: f64,
+    rate: impl Fn(u32, u32) -> f64,
+) -> f64 {
+    let per_node = gpus_per_node.max(1);
+    let nodes = packed_nodes(w, gpus_per_worker, per_node);
+    let rate = rate(w, nodes);
+    let gpus = u64::from(w) * u64::from(gpus_per_worker);
+    let partial = nodes > 1 && !gpus.is_multiple_of(u64::from(per_node));
+    if partial && contention > 0.0 {
+        rate / (1.0 + contention)
+    } else {
+        rate
+    }
 }
 
 /// A job's batch limits on the hosts `nodes` ([`AdaptiveBatch::max_per_worker_by_type`]):

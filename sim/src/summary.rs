@@ -51,6 +51,13 @@ pub struct Summary {
     /// Restarts (allocation changes after the first start) per job, per workload.
     pub restarts: BTreeMap<String, BTreeMap<String, u32>>,
     pub mean_restarts_per_job: f64,
+    /// Seconds from submission to first placement (queueing delay) per job, per workload;
+    /// jobs never placed are left out.
+    #[serde(default)]
+    pub waits: BTreeMap<String, BTreeMap<String, f64>>,
+    /// Mean of the above over all jobs placed, seconds.
+    #[serde(default)]
+    pub mean_wait_s: f64,
     /// Jobs with a restart that changed their goodput by at most 10 %
     /// ([`crate::engine::JobOutcome::low_gain_restarts`]), over all workloads.
     #[serde(default)]
@@ -161,6 +168,8 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
         makespan: BTreeMap::new(),
         restarts: BTreeMap::new(),
         mean_restarts_per_job: 0.0,
+        waits: BTreeMap::new(),
+        mean_wait_s: 0.0,
         thrashing_jobs: 0,
         low_gain_restarts: 0,
         stopped_by_service: 0,
@@ -180,6 +189,7 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
     let mut gpu_hours = Vec::new();
 
     let mut all_restarts = Vec::new();
+    let mut all_waits = Vec::new();
     let mut stopped_losses: Vec<f64> = Vec::new();
     let mut decisions = Vec::new();
     let mut t90 = Vec::new();
@@ -217,6 +227,13 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
                 .collect(),
         );
         all_restarts.extend(r.jobs.iter().map(|j| f64::from(j.restarts)));
+        let waits: BTreeMap<String, f64> = r
+            .jobs
+            .iter()
+            .filter_map(|j| Some((j.name.clone(), j.first_placed_at? - j.submitted_at)))
+            .collect();
+        all_waits.extend(waits.values().copied());
+        s.waits.insert(name.clone(), waits);
         s.thrashing_jobs += r.jobs.iter().filter(|j| j.low_gain_restarts > 0).count();
         stopped_losses.extend(r.jobs.iter().filter_map(|j| j.stopped_at_loss));
         s.low_gain_restarts += r
@@ -260,6 +277,7 @@ pub fn summarize(policy: &str, runs: &[(String, SimResult)]) -> Summary {
 
     s.mean = mean(s.avgs.values().copied());
     s.mean_restarts_per_job = mean(all_restarts);
+    s.mean_wait_s = mean(all_waits);
     s.stopped_by_service = stopped_losses.len();
     s.mean_loss_at_stop = (!stopped_losses.is_empty()).then(|| mean(stopped_losses));
     s.mean_utilization = mean(util_means);

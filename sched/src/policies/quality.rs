@@ -81,8 +81,11 @@
 //!    the jobs as on one type; each sized job then gets one type by comparative advantage
 //!    ([`super::assign_gpu_types`]): its value on type `t` is `g · ln(s_t · k_t)`, `g` its
 //!    GPUs, `s_t` its speed there relative to the type its throughput model describes
-//!    (measured or projected, [`crate::gpu_types`]; an unknown type counts as its slowest
-//!    known) and `k_t` 1 for staying where it runs with as many workers as it asks there,
+//!    (its goodput from its own table on `t` over its goodput, at its size, where it has
+//!    tables per type, [`super::JobTypes::tables`]: that counts the larger micro-batch a
+//!    type holds; else its measured or projected compute speed, [`crate::gpu_types`]; an
+//!    unknown type counts as its slowest known) and `k_t` 1 for staying where it runs with
+//!    as many workers as it asks there,
 //!    else its restart share `f` (step 2). Maximizing the sum over GPUs of the log speed-up puts a type's GPUs on
 //!    the jobs that gain most per GPU there relative to elsewhere (BERT on A100s, CIFAR-10
 //!    on T4s), not on whichever job comes first. A job asks a faster type for fewer GPUs:
@@ -99,7 +102,13 @@
 //!    types) the mean JCT went from 2,904 / 3,285 / 4,160 s (sizes of steps 1–4 kept) to
 //!    2,882 / 3,183 / 4,071 s with one sizing per type and 2,813 / 3,117 / 4,012 s with two
 //!    (Philly / Helios / newTrace; a third gained nothing), and to 2,761 / 3,050 / 3,800 s
-//!    with the fewer GPUs of faster types (docs/heterogeneous.md). Each
+//!    with the fewer GPUs of faster types (docs/heterogeneous.md; those figures are from
+//!    before each type ran its own micro-batch). With micro-batches per type, valuing a
+//!    type by the job's own table there (rather than by its compute speed alone) and
+//!    ordering the assignment by regret per GPU took the mean JCT from 2,534 / 2,945 /
+//!    3,261 s to 2,534 / 2,898 / 3,173 s; the sizes asked of a faster type stay from the
+//!    compute speed (from the own tables' goodput ratio they came to 2,604 / 2,953 /
+//!    3,296 s: a ratio at equal workers overstates what fewer workers give). Each
 //!    round costs about as much as steps 1–4 again (docs/scheduling.md).
 //!
 //! # Deviations from SLAQ
@@ -810,7 +819,9 @@ impl Policy for Quality {
                     let eligible = jt.eligible_gpus.get(t).copied().unwrap_or(0);
                     (eligible >= w * job.gpus_per_worker).then(|| {
                         f64::from(sized_workers * job.gpus_per_worker)
-                            * (type_factor(jt, t) * keep).max(1e-3).ln()
+                            * (speed_on(job, jt, sized_workers, from[i], t) * keep)
+                                .max(1e-3)
+                                .ln()
                     })
                 },
             );
@@ -881,14 +892,49 @@ fn workers_on_type(
     let Some(speed) = jt.factors.get(t).copied().flatten() else {
         return workers;
     };
-    let base = from.map_or(1.0, |f| type_factor(jt, f));
-    let ratio = speed / base;
+    let ratio = speed / from.map_or(1.0, |f| type_factor(jt, f));
     if ratio.is_finite() && ratio > 1.0 {
         let min = minimum_workers(job).unwrap_or(1).min(workers);
         ((f64::from(workers) / ratio).ceil() as u32).clamp(min, workers)
     } else {
         workers
     }
+}
+
+/// A job's goodput on pool `t` over its goodput on type `from` (`None`: its throughput
+/// table), both with `workers` workers, from its own tables per type
+/// ([`super::JobTypes::tables`]: each type's compute speed and micro-batch); `None` where
+/// either is missing.
+fn own_ratio(
+    job: &PolicyJob,
+    jt: &super::JobTypes,
+    workers: u32,
+    from: Option<usize>,
+    t: usize,
+) -> Option<f64> {
+    let table = |u: usize| jt.tables.get(u)?.as_ref()?.at(workers);
+    let base = match from {
+        Some(f) => table(f)?,
+        None => *job
+            .throughput
+            .as_ref()?
+            .get(workers.checked_sub(1)? as usize)?,
+    };
+    let r = table(t)? / base;
+    (r.is_finite() && r > 0.0).then_some(r)
+}
+
+/// A job's speed on pool `t` relative to type `from` (`None`: its throughput table) at
+/// `workers` workers: [`own_ratio`] where it has tables, else the ratio of the factors.
+fn speed_on(
+    job: &PolicyJob,
+    jt: &super::JobTypes,
+    workers: u32,
+    from: Option<usize>,
+    t: usize,
+) -> f64 {
+    own_ratio(job, jt, workers, from, t)
+        .unwrap_or_else(|| type_factor(jt, t) / from.map_or(1.0, |f| type_factor(jt, f)))
 }
 
 /// A job's speed on pool `t` relative to its throughput table: the measured or projected

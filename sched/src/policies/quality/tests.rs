@@ -988,3 +988,48 @@ fn the_sizing_on_a_type_reads_the_jobs_own_table_there() {
         "{own:?}"
     );
 }
+
+/// The type choice reads a job's own tables where it has them: job `b` computes only 1.5
+/// times as fast on the fast type, but its own table there (a larger micro-batch) gives it 4
+/// times its goodput, against `a`'s 2 times from the compute speed alone; the one fast GPU
+/// goes to `b`. Without `b`'s tables it goes to `a`.
+#[test]
+fn the_type_choice_reads_the_jobs_own_tables() {
+    let pools = one_node_pools(&[("slow", 4), ("fast", 1)]);
+    let mut jobs = [job("a", 1), job("b", 1)];
+    for j in &mut jobs {
+        j.throughput = Some(vec![100.0]);
+        j.remaining_work = Some(1e9);
+    }
+    let cluster = ClusterView {
+        total_gpus: 5,
+        gpus_per_node: 4,
+        now: 1e5,
+    };
+    let decide = |b_tables: Vec<Option<crate::policies::TypeTable>>| {
+        let types = [
+            crate::policies::JobTypes {
+                factors: vec![Some(1.0), Some(2.0)],
+                current: None,
+                eligible_gpus: vec![4, 1],
+                tables: Vec::new(),
+            },
+            crate::policies::JobTypes {
+                factors: vec![Some(1.0), Some(1.5)],
+                current: None,
+                eligible_gpus: vec![4, 1],
+                tables: b_tables,
+            },
+        ];
+        let d = Quality::default()
+            .allocate_on_types(&cluster, &pools, &jobs, &types)
+            .unwrap();
+        (
+            d.types.get(&jobs[0].id).copied(),
+            d.types.get(&jobs[1].id).copied(),
+        )
+    };
+    assert_eq!(decide(Vec::new()), (Some(1), Some(0)));
+    let table = |v: f64| Some(crate::policies::TypeTable::from_values(vec![v]));
+    assert_eq!(decide(vec![table(100.0), table(400.0)]), (Some(0), Some(1)));
+}
