@@ -1033,3 +1033,36 @@ fn the_type_choice_reads_the_jobs_own_tables() {
     let table = |v: f64| Some(crate::policies::TypeTable::from_values(vec![v]));
     assert_eq!(decide(vec![table(100.0), table(400.0)]), (Some(0), Some(1)));
 }
+
+/// A job with nothing of its scaling measured (no model, table or rate: only the linear
+/// prior) starts at its minimum however many GPUs are free, or at the size its spec asks
+/// for; once a rate is measured it grows. Exploratory jobs keep their own rule.
+#[test]
+fn a_job_with_nothing_measured_starts_at_its_minimum() {
+    let mut cold = job("cold", 8);
+    cold.remaining_work = Some(1e9);
+    let jct = PolicyParams {
+        objective: Objective::Jct,
+        ..PolicyParams::default()
+    };
+    // Long after submission: a change is not charged against a young job's age.
+    let cluster = ClusterView {
+        total_gpus: 8,
+        gpus_per_node: 8,
+        now: 1e4,
+    };
+    let workers =
+        |j: &PolicyJob| quality_allocate(&cluster, std::slice::from_ref(j), &jct).workers[&j.id];
+    assert_eq!(workers(&cold), 1);
+    let asked = PolicyJob {
+        requested_workers: 3,
+        workers_declared: true,
+        ..cold.clone()
+    };
+    assert_eq!(workers(&asked), 3);
+    let measured = PolicyJob {
+        samples_per_s_per_worker: Some(100.0),
+        ..cold.clone()
+    };
+    assert_eq!(workers(&measured), 8);
+}
