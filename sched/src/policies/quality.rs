@@ -67,7 +67,10 @@
 //!    ([`PolicyParams::trial_growth_efficiency`]). Before its first step time is measured
 //!    (no throughput table, [`PolicyJob::throughput`]) `X` is only the linear prior, so
 //!    such a job keeps its reference, or the `workers` its spec sets if more: nothing is
-//!    known to hold beyond them. Heap entries
+//!    known to hold beyond them. Any other job valued by completion time, with nothing of
+//!    its scaling measured (no goodput model, throughput table or measured rate), is
+//!    offered no count above its minimum, or the `workers` its spec sets ([`growth_cap`]).
+//!    Heap entries
 //!    are re-evaluated lazily: an entry whose step no longer fits the free GPUs is recomputed
 //!    when popped (while it fits, it is still the job's best step, since fewer free GPUs only
 //!    remove larger steps). Ties go to the earlier-submitted job, then the smaller id.
@@ -722,22 +725,27 @@ fn best_step<'a>(
 /// is measured: no goodput model, throughput table or measured rate, so that its
 /// throughput would be only the linear prior. It then starts at its minimum (its requested
 /// size when its spec sets one, [`PolicyJob::workers_declared`]) and grows once its first
-/// step times are in, as Pollux and Sia start a job they have not profiled at one GPU.
-/// `None`: no cap (something is measured; an exploratory job, which has its own rule,
+/// step times are in, as Pollux and Sia start a job they have not profiled at one GPU. A
+/// job that never reports a step time (or only a rate that is not finite and positive)
+/// stays there: nothing says more workers would help it. `None`: no cap (something is measured; an exploratory job, which has its own rule,
 /// [`trial_growth_limit`]; or a job valued by its loss reduction alone, whose value without
 /// a curve is already concave in its workers, `new_job_gain·(1 − 0.5^w)`).
 ///
 /// Why: on the linear prior a new job on an idle type took every GPU of it. On the Sia
 /// traces CIFAR-10 jobs started on 24 T4s across six hosts at a 32-sample micro-batch, at
 /// about four times their one-GPU rate, and restarted smaller a few minutes later. With the
-/// cap `quality`'s mean JCT went from 2,534 to 2,494 s on Philly (GPU-hours per job 4.99 →
-/// 4.80), the Pollux 1.0× workloads from 2,640 to 2,647 s (docs/heterogeneous.md). Capping
-/// every job at twice its largest measured world size, as Pollux does, went further than
-/// that: 2,675 s on Philly, short jobs grow too slowly.
+/// cap (the simulator's jobs all declare their workers: the trace's `num_replicas`)
+/// `quality`'s mean JCT went from 2,534 / 2,898 / 3,173 s to 2,494 / 2,941 / 3,146 s on
+/// Philly / Helios / newTrace (Helios +1.5 %; GPU-hours per job lower on all three), the
+/// Pollux 1.0× workloads from 2,640 to 2,647 s (docs/heterogeneous.md). Capping every job
+/// at twice its largest measured world size, as Pollux does, went further than that:
+/// 2,675 s on Philly, short jobs grow too slowly.
 fn growth_cap(job: &PolicyJob, params: &PolicyParams) -> Option<u32> {
     let measured = job.goodput.is_some()
         || job.throughput.as_deref().is_some_and(|t| !t.is_empty())
-        || job.samples_per_s_per_worker.is_some();
+        || job
+            .samples_per_s_per_worker
+            .is_some_and(|r| r.is_finite() && r > 0.0);
     if job.exploratory || measured || params.objective.for_job(job) == Objective::Loss {
         return None;
     }

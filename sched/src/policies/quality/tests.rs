@@ -1065,4 +1065,17 @@ fn a_job_with_nothing_measured_starts_at_its_minimum() {
         ..cold.clone()
     };
     assert_eq!(workers(&measured), 8);
+    // A rate that is not finite and positive is no measurement.
+    let zero = PolicyJob {
+        samples_per_s_per_worker: Some(0.0),
+        ..cold.clone()
+    };
+    assert_eq!(workers(&zero), 1);
+    // Jobs valued by loss reduction are not capped (their value without a curve is
+    // already concave in workers), nor exploratory ones (their own rule).
+    let loss = PolicyParams {
+        objective: Objective::Loss,
+        ..PolicyParams::default()
+    };
+    assert!(quality_allocate(&cluster, std::slice::from_ref(&cold), &loss).workers[&cold.id] > 1);
 }
