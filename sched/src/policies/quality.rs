@@ -67,10 +67,7 @@
 //!    ([`PolicyParams::trial_growth_efficiency`]). Before its first step time is measured
 //!    (no throughput table, [`PolicyJob::throughput`]) `X` is only the linear prior, so
 //!    such a job keeps its reference, or the `workers` its spec sets if more: nothing is
-//!    known to hold beyond them. Any other job valued by completion time, with nothing of
-//!    its scaling measured (no goodput model, throughput table or measured rate), is
-//!    offered no count above its minimum, or the `workers` its spec sets ([`growth_cap`]).
-//!    Heap entries
+//!    known to hold beyond them. Heap entries
 //!    are re-evaluated lazily: an entry whose step no longer fits the free GPUs is recomputed
 //!    when popped (while it fits, it is still the job's best step, since fewer free GPUs only
 //!    remove larger steps). Ties go to the earlier-submitted job, then the smaller id.
@@ -681,11 +678,7 @@ fn best_step<'a>(
 ) -> Option<Step<'a>> {
     let job = &jobs[index];
     let by_gpus = free_gpus / u64::from(job.gpus_per_worker.max(1));
-    let by_max = u64::from(
-        job.max_workers
-            .min(growth_cap(job, params).unwrap_or(u32::MAX))
-            .saturating_sub(current),
-    );
+    let by_max = u64::from(job.max_workers.saturating_sub(current));
     let most = by_gpus.min(by_max) as u32;
     let base = job_value(job, current, params, terms);
     let mut best: Option<(f64, u32)> = None;
@@ -719,43 +712,6 @@ fn best_step<'a>(
             submitted_at: job.submitted_at,
             id: &job.id,
         })
-}
-
-/// The most workers a job that is not exploratory may grow to while nothing of its scaling
-/// is measured: no goodput model, throughput table or measured rate, so that its
-/// throughput would be only the linear prior. It then starts at its minimum (its requested
-/// size when its spec sets one, [`PolicyJob::workers_declared`]) and grows once its first
-/// step times are in, as Pollux and Sia start a job they have not profiled at one GPU. A
-/// job that never reports a step time (or only a rate that is not finite and positive)
-/// stays there: nothing says more workers would help it. `None`: no cap (something is measured; an exploratory job, which has its own rule,
-/// [`trial_growth_limit`]; or a job valued by its loss reduction alone, whose value without
-/// a curve is already concave in its workers, `new_job_gain·(1 − 0.5^w)`).
-///
-/// Why: on the linear prior a new job on an idle type took every GPU of it. On the Sia
-/// traces CIFAR-10 jobs started on 24 T4s across six hosts at a 32-sample micro-batch, at
-/// about four times their one-GPU rate, and restarted smaller a few minutes later. With the
-/// cap (the simulator's jobs all declare their workers: the trace's `num_replicas`)
-/// `quality`'s mean JCT went from 2,534 / 2,898 / 3,173 s to 2,494 / 2,941 / 3,146 s on
-/// Philly / Helios / newTrace (Helios +1.5 %; GPU-hours per job lower on all three), the
-/// Pollux 1.0× workloads from 2,640 to 2,647 s (docs/heterogeneous.md). Capping every job
-/// at twice its largest measured world size, as Pollux does, went further than that:
-/// 2,675 s on Philly, short jobs grow too slowly.
-fn growth_cap(job: &PolicyJob, params: &PolicyParams) -> Option<u32> {
-    let measured = job.goodput.is_some()
-        || job.throughput.as_deref().is_some_and(|t| !t.is_empty())
-        || job
-            .samples_per_s_per_worker
-            .is_some_and(|r| r.is_finite() && r > 0.0);
-    if job.exploratory || measured || params.objective.for_job(job) == Objective::Loss {
-        return None;
-    }
-    let min = minimum_workers(job)?.max(1);
-    let start = if job.workers_declared {
-        requested_size(job).unwrap_or(min)
-    } else {
-        min
-    };
-    Some(start.max(job.current_workers))
 }
 
 /// How far an exploratory job may grow ([`PolicyParams::trial_growth_efficiency`]): its
@@ -1099,8 +1055,6 @@ mod adapter_tests {
     fn the_adapter_decides_as_quality_allocate_with_its_params() {
         let mut running = job("running", 0.0, 1, 8);
         running.current_workers = 2;
-        // Measured: a job with nothing measured would not grow (`growth_cap`).
-        running.samples_per_s_per_worker = Some(10.0);
         let jobs = [running, job("new", 1.0, 1, 8), job("later", 2.0, 1, 3)];
         for restart_cost_s in [0.0, 30.0, 90.0] {
             let params = PolicyParams {

@@ -463,24 +463,6 @@ fn a_resize_waits_for_the_old_generation_to_exit() {
     w.add_host(host("h1", 1, 10.0, vec![]));
     w.step(10.0, true);
     assert_eq!(w.status("a").world_size, 1);
-    // Generation 1 reports progress: its rate is measured (a job with nothing measured
-    // does not grow on the linear prior).
-    let h = w.histories.entry(JobId::new("a").unwrap()).or_default();
-    for i in 1..=8u64 {
-        let mut r = progress(
-            "a",
-            1,
-            0,
-            "h1",
-            i,
-            i * 32,
-            1.0 / (1.0 + i as f64),
-            10.0 + i as f64,
-        );
-        r.workers = Some(1);
-        r.hosts = Some(1);
-        h.add(&r);
-    }
     // A second host joins while generation 1 runs on h1.
     w.add_host(host(
         "h1",

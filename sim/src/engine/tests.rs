@@ -486,14 +486,14 @@ fn adaptive_jobs_get_batch_plans_within_their_limits_unless_batches_are_fixed() 
 
 #[test]
 fn with_batch_per_generation_a_placed_job_keeps_its_batch() {
-    // A lone adaptive job, placed once (it asks for the node's four GPUs, so it starts
-    // there): by default its batch grows with its gradient noise scale every interval;
-    // under the service's rule it keeps its first one, and so it ends later.
+    // A lone adaptive job, placed once: by default its batch grows with its gradient
+    // noise scale every interval; under the service's rule it keeps its first one, and
+    // so it ends later.
     let job = WorkloadJob {
         name: "cifar10-0".into(),
         time: 0.0,
         application: "cifar10".into(),
-        num_replicas: 4,
+        num_replicas: 1,
         batch_size: 128,
         queue: None,
         priority: PriorityClass::Normal,
