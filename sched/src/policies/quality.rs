@@ -79,7 +79,8 @@
 //!
 //! 5. **GPU types** (a cluster of several, [`Policy::allocate_on_types`]): steps 1–4 size
 //!    the jobs as on one type; each sized job then gets one type by comparative advantage
-//!    ([`super::assign_gpu_types`]): its value on type `t` is `g · ln(s_t · k_t)`, `g` its
+//!    ([`super::assign_gpu_types`]): its value on type `t` is `c · g · ln(s_t · k_t)`, `c`
+//!    its completion weight (step 2; 1 for a job valued by loss alone, [`type_weight`]), `g` its
 //!    GPUs, `s_t` its speed there relative to the type its throughput model describes
 //!    (its goodput from its own table on `t` over its goodput, at its size, where it has
 //!    tables per type, [`super::JobTypes::tables`]: that counts the larger micro-batch a
@@ -88,7 +89,9 @@
 //!    as many workers as it asks there,
 //!    else its restart share `f` (step 2). Maximizing the sum over GPUs of the log speed-up puts a type's GPUs on
 //!    the jobs that gain most per GPU there relative to elsewhere (BERT on A100s, CIFAR-10
-//!    on T4s), not on whichever job comes first. A job asks a faster type for fewer GPUs:
+//!    on T4s), not on whichever job comes first; the completion weight tips it towards the
+//!    jobs with least work left, whose speed-up shortens the mean JCT most (SRPT's rule,
+//!    heSRPT's weights), so a long job with little weight runs on the slower types. A job asks a faster type for fewer GPUs:
 //!    as many as give its size's throughput there if it scaled linearly, `⌈w / r⌉` with
 //!    `r > 1` the speed ratio of that type to the one its size `w` is in, at least its
 //!    minimum (`workers_on_type`), so that a job sized for slow GPUs can fit a small pool of
@@ -108,7 +111,9 @@
 //!    ordering the assignment by regret per GPU took the mean JCT from 2,534 / 2,945 /
 //!    3,261 s to 2,534 / 2,898 / 3,173 s; the sizes asked of a faster type stay from the
 //!    compute speed (from the own tables' goodput ratio they came to 2,604 / 2,953 /
-//!    3,296 s: a ratio at equal workers overstates what fewer workers give). Each
+//!    3,296 s: a ratio at equal workers overstates what fewer workers give). Weighting
+//!    each job's log speed-up by its completion weight then took them to 2,450 / 2,865 /
+//!    3,120 s (docs/heterogeneous.md). Each
 //!    round costs about as much as steps 1–4 again (docs/scheduling.md).
 //!
 //! # Deviations from SLAQ
@@ -818,7 +823,8 @@ impl Policy for Quality {
                     };
                     let eligible = jt.eligible_gpus.get(t).copied().unwrap_or(0);
                     (eligible >= w * job.gpus_per_worker).then(|| {
-                        f64::from(sized_workers * job.gpus_per_worker)
+                        type_weight(job, &terms[i], &self.params)
+                            * f64::from(sized_workers * job.gpus_per_worker)
                             * (speed_on(job, jt, sized_workers, from[i], t) * keep)
                                 .max(1e-3)
                                 .ln()
@@ -871,6 +877,21 @@ impl Policy for Quality {
                 .filter_map(|&i| Some((jobs[i].id.clone(), typed[i]?)))
                 .collect(),
         })
+    }
+}
+
+/// Weight of a job's log speed-up in the type assignment (module docs, step 5): its
+/// completion weight ([`JobTerms::completion_weight`], heSRPT's rank by remaining time)
+/// where its value counts completion time ([`Objective::Jct`], [`Objective::Both`]), so that
+/// a fast type's GPUs go first to the jobs whose speed-up shortens the mean JCT most; 1 for
+/// a job valued by loss reduction alone. Finite and non-negative.
+fn type_weight(job: &PolicyJob, terms: &JobTerms, params: &PolicyParams) -> f64 {
+    match params.objective.for_job(job) {
+        Objective::Loss => 1.0,
+        Objective::Jct | Objective::Both | Objective::Auto => {
+            let w = terms.completion_weight;
+            if w.is_finite() { w.max(0.0) } else { 1.0 }
+        }
     }
 }
 

@@ -1033,3 +1033,49 @@ fn the_type_choice_reads_the_jobs_own_tables() {
     let table = |v: f64| Some(crate::policies::TypeTable::from_values(vec![v]));
     assert_eq!(decide(vec![table(100.0), table(400.0)]), (Some(0), Some(1)));
 }
+
+/// Two jobs that gain alike on a fast type with room for one: the one with less work left
+/// (the larger completion weight) gets it, although the other arrived first. Unweighted,
+/// their regrets per GPU tie and the earlier arrival took the fast GPU.
+#[test]
+fn a_fast_type_goes_to_the_job_whose_completion_it_shortens_most() {
+    let pools = one_node_pools(&[("slow", 4), ("fast", 1)]);
+    let mut long = crate::policies::test_support::job("long", 0.0, 1, 1);
+    let mut short = crate::policies::test_support::job("short", 1.0, 1, 1);
+    long.remaining_work = Some(1e9);
+    short.remaining_work = Some(1e6);
+    for j in [&mut long, &mut short] {
+        j.throughput = Some(vec![100.0]);
+    }
+    let jobs = [long, short];
+    let cluster = ClusterView {
+        total_gpus: 5,
+        gpus_per_node: 4,
+        now: 1e5,
+    };
+    let refs: Vec<&PolicyJob> = jobs.iter().collect();
+    let terms = job_terms(&refs, cluster.now, &PolicyParams::default());
+    assert!(terms[1].completion_weight > terms[0].completion_weight);
+    let types = [0, 1].map(|_| crate::policies::JobTypes {
+        factors: vec![Some(1.0), Some(2.0)],
+        current: None,
+        eligible_gpus: vec![4, 1],
+        tables: Vec::new(),
+    });
+    let d = Quality::default()
+        .allocate_on_types(&cluster, &pools, &jobs, &types)
+        .unwrap();
+    assert_eq!(d.types.get(&jobs[1].id), Some(&1), "{d:?}");
+    assert_eq!(d.types.get(&jobs[0].id), Some(&0), "{d:?}");
+    // A job valued by loss reduction alone weighs 1, whatever its rank.
+    let mut trial = jobs[0].clone();
+    trial.exploratory = true;
+    assert_eq!(
+        type_weight(&trial, &terms[0], &PolicyParams::default()),
+        1.0
+    );
+    assert_eq!(
+        type_weight(&jobs[1], &terms[1], &PolicyParams::default()),
+        terms[1].completion_weight
+    );
+}
