@@ -80,7 +80,7 @@
 //! 5. **GPU types** (a cluster of several, [`Policy::allocate_on_types`]): steps 1–4 size
 //!    the jobs as on one type; each sized job then gets one type by comparative advantage
 //!    ([`super::assign_gpu_types`]): its value on type `t` is `c · g · ln(s_t · k_t)`, `c`
-//!    its completion weight (step 2; 1 for a job valued by loss alone, [`type_weight`]), `g` its
+//!    its completion weight (step 2; 1 for a job valued by loss alone, `type_weight`), `g` its
 //!    GPUs, `s_t` its speed there relative to the type its throughput model describes
 //!    (its goodput from its own table on `t` over its goodput, at its size, where it has
 //!    tables per type, [`super::JobTypes::tables`]: that counts the larger micro-batch a
