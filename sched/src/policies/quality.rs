@@ -87,11 +87,13 @@
 //!    type holds; else its measured or projected compute speed, [`crate::gpu_types`]; an
 //!    unknown type counts as its slowest known) and `k_t` 1 for staying where it runs with
 //!    as many workers as it asks there,
-//!    else its restart share `f` (step 2). Maximizing the sum over GPUs of the log speed-up puts a type's GPUs on
-//!    the jobs that gain most per GPU there relative to elsewhere (BERT on A100s, CIFAR-10
-//!    on T4s), not on whichever job comes first; the completion weight tips it towards the
-//!    jobs with least work left, whose speed-up shortens the mean JCT most (SRPT's rule,
-//!    heSRPT's weights), so a long job with little weight runs on the slower types. A job asks a faster type for fewer GPUs:
+//!    else its restart share `f` (step 2). Maximizing the sum over GPUs of the log
+//!    speed-up puts a type's GPUs on the jobs that gain most per GPU there relative to
+//!    elsewhere (BERT on A100s), not on whichever job comes first; the completion weight
+//!    tips it towards the jobs with least time left (SRPT's rule, heSRPT's weights), so a
+//!    long job with little weight tends to run on the slower types unless it gains much
+//!    more there. The weight scales the restart share's term too: a long job moves more
+//!    readily. A job asks a faster type for fewer GPUs:
 //!    as many as give its size's throughput there if it scaled linearly, `⌈w / r⌉` with
 //!    `r > 1` the speed ratio of that type to the one its size `w` is in, at least its
 //!    minimum (`workers_on_type`), so that a job sized for slow GPUs can fit a small pool of

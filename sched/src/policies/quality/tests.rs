@@ -1034,11 +1034,12 @@ fn the_type_choice_reads_the_jobs_own_tables() {
     assert_eq!(decide(vec![table(100.0), table(400.0)]), (Some(0), Some(1)));
 }
 
-/// Two jobs that gain alike on a fast type with room for one: the one with less work left
-/// (the larger completion weight) gets it, although the other arrived first. Unweighted,
-/// their regrets per GPU tie and the earlier arrival took the fast GPU.
+/// Two jobs that gain alike on a fast type with room for one: the one with less time left
+/// (the larger completion weight) gets it, although the other arrived first (SRPT: it
+/// finishes and frees the GPU sooner). Unweighted, their regrets per GPU tie and the
+/// earlier arrival took the fast GPU.
 #[test]
-fn a_fast_type_goes_to_the_job_whose_completion_it_shortens_most() {
+fn a_fast_type_goes_first_to_the_job_with_least_time_left() {
     let pools = one_node_pools(&[("slow", 4), ("fast", 1)]);
     let mut long = crate::policies::test_support::job("long", 0.0, 1, 1);
     let mut short = crate::policies::test_support::job("short", 1.0, 1, 1);
