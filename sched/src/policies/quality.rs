@@ -797,6 +797,11 @@ impl Policy for Quality {
         let (considered, first) = quality_sizes(cluster, jobs, &self.params);
         let refs: Vec<&PolicyJob> = jobs.iter().collect();
         let terms = job_terms(&refs, cluster.now, &self.params);
+        let weights: Vec<f64> = jobs
+            .iter()
+            .zip(&terms)
+            .map(|(job, terms)| type_weight(job, terms, &self.params))
+            .collect();
         let arrival = super::arrival_order(jobs);
         // 2. One type per sized job, by comparative advantage. `sizes[i]` is in workers of
         //    type `from[i]` (`None`: at the speed of the job's throughput table). Returns
@@ -825,7 +830,7 @@ impl Policy for Quality {
                     };
                     let eligible = jt.eligible_gpus.get(t).copied().unwrap_or(0);
                     (eligible >= w * job.gpus_per_worker).then(|| {
-                        type_weight(job, &terms[i], &self.params)
+                        weights[i]
                             * f64::from(sized_workers * job.gpus_per_worker)
                             * (speed_on(job, jt, sized_workers, from[i], t) * keep)
                                 .max(1e-3)
